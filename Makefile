@@ -1,0 +1,35 @@
+# Set-up and everyday commands. `make demo` and `make test` work on a fresh clone.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# Dev/CI pin of the CPU torch build; the library itself only needs torch>=2.4.
+CONSTRAINTS := -c constraints-dev.txt
+EXTRAS ?= dev,triton,transformers,docs
+
+.PHONY: install demo test test-fast bench docs clean
+
+$(VENV)/.installed: pyproject.toml constraints-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(CONSTRAINTS) -e ".[$(EXTRAS)]"
+	touch $@
+
+install: $(VENV)/.installed
+
+## Resolve, verify and load the bundled default entry, then INT2-quantize a tensor with it (no network).
+demo: install
+	$(VENV)/bin/rotationzoo demo
+
+## The full test suite (CPU; GPU tests skip with a reason).
+test: install
+	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -x -m "not slow"
+
+docs: install
+	$(VENV)/bin/mkdocs build --strict
+
+clean:
+	rm -rf $(VENV) site build dist .pytest_cache

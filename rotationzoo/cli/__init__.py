@@ -1,0 +1,1 @@
+"""The ``rotationzoo`` command line. Thin: every command delegates to the library."""

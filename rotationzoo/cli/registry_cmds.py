@@ -1,0 +1,151 @@
+"""Registry and file commands: ``list``, ``info``, ``verify``.
+
+Examples::
+
+    rotationzoo list
+    rotationzoo list --json
+    rotationzoo info qwen3-8b --json
+    rotationzoo verify k_rotation_qqt_r_h_pbr.pt v_rotation_sst_r_h_pbr.pt --num-layers 36 --head-dim 128
+    rotationzoo verify k.pt --model Qwen3-8B --json
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ._output import console, emit_json
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
+
+
+def cmd_list(json_out: JsonOpt = False) -> None:
+    """List every model in the registry with its default tag.
+
+    Examples:  rotationzoo list  |  rotationzoo list --json
+    """
+    from ..registry import list_models
+
+    models = list_models()
+    if json_out:
+        emit_json([m.to_json() for m in models])
+        return
+    from rich.table import Table
+
+    table = Table(title=f"rotationzoo registry ({len(models)} models)")
+    table.add_column("model")
+    table.add_column("aliases")
+    table.add_column("layers × d")
+    table.add_column("default tag")
+    table.add_column("tags", justify="right")
+    table.add_column("pinned", justify="center")
+    for m in models:
+        ids = m.architecture.expected_layer_ids()
+        shape = f"{len(ids) if ids else '?'} × {m.architecture.head_dim}"
+        pinned = sum(t.pinned for t in m.tags.values())
+        table.add_row(m.id, ", ".join(m.aliases), shape, m.default_tag, str(len(m.tags)), f"{pinned}/{len(m.tags)}")
+    console().print(table)
+
+
+def cmd_info(
+    model: Annotated[str, typer.Argument(help="Model id or alias, case-insensitive (e.g. Qwen3-8B).")],
+    tag: Annotated[Optional[str], typer.Option("--tag", "-t", help="Calibration tag (default: the model's default tag).")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Show a model's entry: architecture, tags, serving defaults, files and sources.
+
+    Examples:  rotationzoo info Qwen3-8B  |  rotationzoo info qwen3-8b --json  |
+    rotationzoo info Qwen3-8B --tag longbench-seq150000_prompt44_group128
+    """
+    from ..registry import get_model
+
+    m = get_model(model)
+    entry = m.tag(tag)
+    if json_out:
+        out = m.to_json()
+        out["tag"] = entry.to_json()
+        emit_json(out)
+        return
+    c = console()
+    arch = m.architecture
+    ids = arch.expected_layer_ids()
+    c.print(f"[bold]{m.id}[/]  (aliases: {', '.join(m.aliases) or '-'})")
+    if m.description:
+        c.print(m.description)
+    c.print(
+        f"architecture: {len(ids) if ids else '?'} attention layers"
+        + (f" (ids {', '.join(map(str, ids))})" if arch.attention_layer_ids else "")
+        + f", head_dim {arch.head_dim}, kv heads {arch.num_kv_heads or '?'}"
+    )
+    c.print(f"tags: {', '.join(('*' + t if t == m.default_tag else t) for t in m.tags)}  (* = default)")
+    c.print(f"\n[bold]tag {entry.name}[/]: {entry.description}")
+    cal = entry.calibration
+    c.print(f"calibration: dataset {cal.dataset or '-'}, tokens {cal.tokens if cal.tokens is not None else '?'}, "
+            f"prompts {cal.prompts if cal.prompts is not None else '?'}, group {cal.group_size or '?'}")
+    c.print(f"objectives: K {entry.objectives['k']}, V {entry.objectives['v']}")
+    s = entry.serving
+    c.print(f"serving: K clip {s.k_clip_ratio}, V clip {s.v_clip_ratio}, group {s.group_size}, "
+            f"{s.hp_dtype} sink {s.prefix_tokens} + recent {s.recent_tokens}, scales {s.scale_dtype}, "
+            f"Lloyd-Max {'on' if s.lloyd_max else 'off'}")
+    for r in entry.results:
+        c.print(f"result: {r.benchmark} BF16 {r.bf16} → OSCAR INT2 {r.oscar_int2} ({r.source})")
+    for side, f in entry.files.items():
+        c.print(f"{side.upper()} file: {f.path}  sha256 {f.sha256 or 'unpinned'}  size {f.size or '?'}")
+        for src in f.sources:
+            c.print(f"    from {src.describe()}{'' if src.pinned else '  (revision not pinned)'}")
+
+
+def cmd_verify(
+    paths: Annotated[list[Path], typer.Argument(help="Rotation files (.pt or .safetensors).")],
+    num_layers: Annotated[Optional[int], typer.Option(help="Expect layers 0..N-1.")] = None,
+    head_dim: Annotated[Optional[int], typer.Option(help="Expect [d, d] matrices with this d.")] = None,
+    model: Annotated[Optional[str], typer.Option(help="Take layer ids and head_dim from this registry model.")] = None,
+    atol: Annotated[float, typer.Option(help="Tolerance on max|RRᵀ−I|.")] = 1e-5,
+    json_out: JsonOpt = False,
+) -> None:
+    """Validate rotation files: format, orthogonality, finiteness, shapes, layers. Exit 1 if any fails.
+
+    Examples:  rotationzoo verify k.pt v.pt --num-layers 36 --head-dim 128  |
+    rotationzoo verify k.pt --model Qwen3-8B --json
+    """
+    from ..validation import verify_file
+
+    layer_ids = None
+    if model is not None:
+        from ..registry import get_model
+
+        arch = get_model(model).architecture
+        layer_ids = arch.expected_layer_ids()
+        head_dim = head_dim or arch.head_dim
+    reports = [
+        verify_file(p, atol=atol, layer_ids=layer_ids, num_layers=num_layers, head_dim=head_dim) for p in paths
+    ]
+    if json_out:
+        emit_json([r.to_json() for r in reports])
+    else:
+        from rich.table import Table
+
+        table = Table(title="rotation files")
+        for col in ("file", "ok", "layers", "d", "objective", "max|RRᵀ−I|", "sha256"):
+            table.add_column(col)
+        for r in reports:
+            err = f"{r.max_orthogonality_error:.1e}" if r.max_orthogonality_error is not None else "-"
+            table.add_row(
+                r.path or "-", "[green]yes[/]" if r.ok else "[red]NO[/]", str(r.num_layers or "-"),
+                str(r.head_dim or "-"), r.objective or "-", err, (r.sha256 or "-")[:12],
+            )
+        c = console()
+        c.print(table)
+        for r in reports:
+            for p in r.problems:
+                c.print(f"[red]✗[/] {p}")
+    if not all(r.ok for r in reports):
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("list")(cmd_list)
+    app.command("info")(cmd_info)
+    app.command("verify")(cmd_verify)

@@ -1,0 +1,119 @@
+"""Every exception rotationzoo raises.
+
+All of them derive from :class:`RotationZooError`. Leaves also derive from the builtin a caller
+would expect (``ValueError``, ``FileNotFoundError``, ``ConnectionError``, ...), so code written
+against the builtins keeps working. Messages say what was expected, what was found and what to do.
+"""
+
+from __future__ import annotations
+
+
+class RotationZooError(Exception):
+    """Root of every rotationzoo error."""
+
+
+# --- registry -----------------------------------------------------------------------------------
+
+
+class RegistryError(RotationZooError, ValueError):
+    """The registry file is malformed: ``registry.json: models[3].tags: default tag 'x' is not a tag``."""
+
+
+class UnknownModelError(RotationZooError, KeyError):
+    """No registry model has this id or alias: ``unknown model 'Qwen3-9B'; did you mean 'Qwen3-8B'?``."""
+
+    def __init__(self, message: str, suggestions: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.suggestions = list(suggestions or [])
+
+    def __str__(self) -> str:  # KeyError would quote the message otherwise
+        return str(self.args[0])
+
+
+class UnknownTagError(RotationZooError, KeyError):
+    """The model exists but has no such tag: ``Qwen/Qwen3-8B has no tag 'x'; tags: a, b``."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+# --- rotation files -----------------------------------------------------------------------------
+
+
+class RotationFileError(RotationZooError, ValueError):
+    """A rotation file cannot be read: ``k.pt: not a torch zip archive or safetensors file``."""
+
+
+class UnsafeRotationFileError(RotationFileError):
+    """The file would need to run code to load: ``k.pt: refused, its pickle references 'os.system'``."""
+
+
+class UnsupportedFormatError(RotationFileError):
+    """``k.pt: written by a newer format version (2); upgrade rotationzoo``."""
+
+
+class InvalidRotationError(RotationZooError, ValueError):
+    """A rotation set fails validation: ``k.pt: layer 7: max|RRᵀ−I| = 3.1e-02 > 1e-05``."""
+
+    def __init__(self, message: str, problems: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.problems = list(problems or [message])
+
+
+# --- fetching and cache -------------------------------------------------------------------------
+
+
+class FetchError(RotationZooError, ConnectionError):
+    """Every source failed: ``could not fetch Qwen/Qwen3-8B@tag k: huggingface: HTTP 500; ...``."""
+
+
+class IntegrityError(RotationZooError, ValueError):
+    """Downloaded bytes do not match the registry: ``sha256 expected ab12…, got cd34… (source huggingface)``."""
+
+
+class OfflineError(RotationZooError, ConnectionError):
+    """Offline mode and the files are not cached: ``offline: missing k.pt; run `rotationzoo fetch ...```."""
+
+
+class CacheError(RotationZooError, OSError):
+    """The cache directory cannot be used: ``cache dir /x is not writable``."""
+
+
+# --- kernels ------------------------------------------------------------------------------------
+
+
+class KernelInputError(RotationZooError, ValueError):
+    """Bad input to a quantization kernel: ``head_dim 96 is not one of 64, 128, 256``."""
+
+
+class BackendUnavailableError(RotationZooError, RuntimeError):
+    """A backend cannot run here: ``backend 'triton' needs a CUDA device or TRITON_INTERPRET=1``."""
+
+
+# --- fitting and calibration --------------------------------------------------------------------
+
+
+class DumpError(RotationZooError, ValueError):
+    """A Q/K/V dump is missing or inconsistent: ``dump/layer_3/q: no chunks``."""
+
+
+class FitError(RotationZooError, ValueError):
+    """The fitter cannot produce a rotation: ``layer 5: covariance has NaN``."""
+
+
+# --- publishing ---------------------------------------------------------------------------------
+
+
+class PublishError(RotationZooError, RuntimeError):
+    """Publishing failed or was refused: ``Qwen3-8B/tag already exists in NS/NAME; pass --force``."""
+
+
+class AuthError(PublishError, PermissionError):
+    """A token is missing or was rejected: ``huggingface: token rejected (HTTP 401); run `hf auth login```."""
+
+
+# --- CLI ----------------------------------------------------------------------------------------
+
+
+class CLIError(RotationZooError):
+    """A command-line usage error; printed as one line without a traceback."""

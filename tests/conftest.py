@@ -1,0 +1,47 @@
+"""Test-wide set-up: isolated caches, no network but loopback, Triton's CPU interpreter."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+# Must happen before any test imports huggingface_hub, modelscope or triton.
+_TMP = Path(tempfile.mkdtemp(prefix="rotationzoo-tests-"))
+os.environ["HF_HUB_DISABLE_XET"] = "1"
+os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
+os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+os.environ.setdefault("HF_HOME", str(_TMP / "hf-home"))
+os.environ.setdefault("MODELSCOPE_CACHE", str(_TMP / "modelscope"))
+os.environ["ROTATIONZOO_CACHE"] = str(_TMP / "rotationzoo-cache")
+os.environ.pop("ROTATIONZOO_REGISTRY", None)
+os.environ.pop("ROTATIONZOO_OFFLINE", None)
+os.environ.pop("HF_HUB_OFFLINE", None)
+if not os.path.exists("/dev/nvidiactl"):
+    # Triton has no CPU backend: its interpreter runs kernels on CPU tensors (bit-exact, slow).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+UPSTREAM = SHARED / "upstream-rotations"
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+@pytest.fixture
+def upstream_dir() -> Path:
+    """The authors' published rotation files (skips when ../shared is absent)."""
+    if not (UPSTREAM / "SOURCES.md").is_file():
+        pytest.skip(f"upstream rotation files not found at {UPSTREAM} (needs ../shared beside the repo)")
+    return UPSTREAM
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch) -> Path:
+    """A fresh rotationzoo cache for one test."""
+    d = tmp_path / "cache"
+    monkeypatch.setenv("ROTATIONZOO_CACHE", str(d))
+    return d
