@@ -31,6 +31,7 @@ app = typer.Typer(
 # so that light commands (``list``, ``info``) start fast.
 COMMAND_MODULES = [
     "registry_cmds",
+    "fetch_cmds",
 ]
 
 
