@@ -427,3 +427,115 @@ def get_model(model: str) -> ModelEntry:
 def get_entry(model: str, tag: str | None = None) -> TagEntry:
     """The registry entry for ``model`` and ``tag`` (the model's default tag when ``None``)."""
     return load_registry().entry(model, tag)
+
+
+# -- integrity checks (tools/check_registry.py, rotationzoo verify --registry) ---------------------
+
+
+@dataclass
+class LintReport:
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    unpinned_files: int = 0
+    unpinned_sources: int = 0
+    files: int = 0
+    tags: int = 0
+    models: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+def lint_registry(data: Mapping[str, Any], *, schema: Mapping[str, Any] | None = None) -> LintReport:
+    """Check a registry document beyond what parsing needs.
+
+    Schema (when ``jsonschema`` and ``schema`` are available), unique ids and aliases across models,
+    default tag exists, sha256 format, sizes positive, sources well-formed, revisions either 40-hex
+    commits or counted as unpinned, and paths consistent with the tag they belong to.
+    """
+    rep = LintReport()
+    if schema is not None:
+        try:
+            import jsonschema
+        except ImportError:  # pragma: no cover - dev extra
+            rep.warnings.append("jsonschema is not installed; schema not checked")
+        else:
+            validator = jsonschema.Draft202012Validator(schema)
+            for err in sorted(validator.iter_errors(data), key=lambda e: list(e.absolute_path)):
+                where = "/".join(map(str, err.absolute_path)) or "(root)"
+                rep.errors.append(f"schema: {where}: {err.message}")
+    models = data.get("models") if isinstance(data, Mapping) else None
+    if not isinstance(models, list):
+        rep.errors.append("'models' must be a list")
+        return rep
+    seen: dict[str, str] = {}
+    for i, m in enumerate(models):
+        if not isinstance(m, Mapping):
+            rep.errors.append(f"models[{i}]: not an object")
+            continue
+        mid = str(m.get("id", f"models[{i}]"))
+        rep.models += 1
+        names = [mid, *m.get("aliases", []), mid.split("/", 1)[-1]]
+        for n in dict.fromkeys(x.lower() for x in names):
+            if n in seen and seen[n] != mid:
+                rep.errors.append(f"{mid}: name '{n}' is also used by {seen[n]} (ids and aliases must be unique)")
+            else:
+                seen[n] = mid
+        tags = m.get("tags") or {}
+        if m.get("default_tag") not in tags:
+            rep.errors.append(f"{mid}: default_tag '{m.get('default_tag')}' is not one of its tags ({', '.join(tags)})")
+        for tname, t in tags.items():
+            rep.tags += 1
+            where = f"{mid}@{tname}"
+            files = t.get("files") or {}
+            for side in SIDES:
+                f = files.get(side)
+                if not isinstance(f, Mapping):
+                    rep.errors.append(f"{where}: missing files.{side}")
+                    continue
+                rep.files += 1
+                sha, size, path = f.get("sha256"), f.get("size"), str(f.get("path", ""))
+                if sha is None:
+                    rep.unpinned_files += 1
+                elif not isinstance(sha, str) or not _SHA256.match(sha):
+                    rep.errors.append(f"{where}: files.{side}.sha256 {sha!r} is not 64 lowercase hex digits")
+                if size is not None and (not isinstance(size, int) or size <= 0):
+                    rep.errors.append(f"{where}: files.{side}.size {size!r} must be a positive integer")
+                if (sha is None) != (size is None):
+                    rep.warnings.append(f"{where}: files.{side} has {'size' if sha is None else 'sha256'} but not the other")
+                if not path or path.startswith("/") or ".." in path.split("/"):
+                    rep.errors.append(f"{where}: files.{side}.path {path!r} must be a relative path")
+                srcs = f.get("sources", t.get("sources", []))
+                if not srcs:
+                    rep.errors.append(f"{where}: files.{side} has no sources")
+                hub_paths = [s for s in srcs if isinstance(s, Mapping) and s.get("type") in ("huggingface", "modelscope")
+                             and not s.get("path")]
+                if hub_paths and tname.split("/")[-1] not in path.split("/") and tname not in path:
+                    rep.errors.append(f"{where}: files.{side}.path {path!r} is not under a folder named after the tag")
+                if path and not path.split("/")[-1].startswith(f"{side}_"):
+                    rep.errors.append(f"{where}: files.{side}.path {path!r} does not name a {side.upper()} file ({side}_…)")
+                for j, s in enumerate(srcs):
+                    sw = f"{where}: files.{side}.sources[{j}]"
+                    if not isinstance(s, Mapping) or "type" not in s:
+                        rep.errors.append(f"{sw}: not a source object")
+                        continue
+                    typ = s["type"]
+                    if typ in ("huggingface", "modelscope"):
+                        repo, rev = s.get("repo"), s.get("revision")
+                        if not isinstance(repo, str) or repo.count("/") != 1 or not all(repo.split("/")):
+                            rep.errors.append(f"{sw}: repo {repo!r} must be 'namespace/name'")
+                        if not rev:
+                            rep.errors.append(f"{sw}: no revision (always pin or name one)")
+                        elif not _HEX40.match(str(rev)):
+                            rep.unpinned_sources += 1
+                    elif typ == "url":
+                        url = str(s.get("url", ""))
+                        if not url.startswith(("https://", "http://")):
+                            rep.errors.append(f"{sw}: url {url!r} must start with https://")
+                    elif typ == "bundled":
+                        if not s.get("path"):
+                            rep.errors.append(f"{sw}: bundled source needs a path")
+                    else:
+                        rep.errors.append(f"{sw}: unknown source type {typ!r}")
+    return rep

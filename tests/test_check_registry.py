@@ -1,0 +1,90 @@
+"""tools/check_registry.py: passes on the bundled registry, fails on broken ones."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOL = ROOT / "tools" / "check_registry.py"
+
+
+def run(path: Path | None = None, *extra: str) -> subprocess.CompletedProcess:
+    args = [sys.executable, str(TOOL), *([str(path)] if path else []), *extra]
+    return subprocess.run(args, capture_output=True, text=True, timeout=60)
+
+
+def broken(tmp_path: Path, mutate) -> Path:
+    data = json.loads((ROOT / "registry.json").read_text())
+    mutate(data)
+    p = tmp_path / "registry.json"
+    p.write_text(json.dumps(data, indent=2))
+    return p
+
+
+def test_bundled_registry_passes() -> None:
+    r = run(None, "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout)
+    assert out["ok"] and out["errors"] == []
+    assert out["unpinned_files"] == 12  # the six model-card entries: 6 tags × 2 files
+    r = run()
+    assert "files without sha256 (unpinned)" in r.stdout and "hub sources not pinned" in r.stdout
+
+
+def _dup_alias(d):
+    d["models"][2]["aliases"].append("Qwen3-8B")
+
+
+def _bad_sha(d):
+    d["models"][3]["tags"]["seq20000_prompt83_group128"]["files"]["k"]["sha256"] = "abc123"
+
+
+def _no_default(d):
+    d["models"][3]["default_tag"] = "seq99_prompt1_group128"
+
+
+def _bad_size(d):
+    d["models"][8]["tags"]["calibrated"]["files"]["v"]["size"] = 0
+
+
+def _bad_source(d):
+    d["models"][3]["tags"]["seq20000_prompt83_group128"]["sources"][0]["repo"] = "no-namespace"
+
+
+def _path_wrong_tag(d):
+    d["models"][3]["tags"]["seq20000_prompt83_group128"]["files"]["v"]["path"] = "Qwen3-8B/other/v_rotation_sst_r_h_pbr.pt"
+
+
+def _swapped_sides(d):
+    files = d["models"][3]["tags"]["seq20000_prompt83_group128"]["files"]
+    files["k"]["path"], files["v"]["path"] = files["v"]["path"], files["k"]["path"]
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (_dup_alias, "name 'qwen3-8b' is also used by"),
+        (_bad_sha, "is not 64 lowercase hex digits"),
+        (_no_default, "default_tag 'seq99_prompt1_group128' is not one of its tags"),
+        (_bad_size, "must be a positive integer"),
+        (_bad_source, "must be 'namespace/name'"),
+        (_path_wrong_tag, "is not under a folder named after the tag"),
+        (_swapped_sides, "does not name a K file"),
+    ],
+)
+def test_broken_registry_fails(tmp_path: Path, mutate, message: str) -> None:
+    r = run(broken(tmp_path, mutate))
+    assert r.returncode == 1
+    assert message in r.stdout, r.stdout
+
+
+def test_unreadable_registry(tmp_path: Path) -> None:
+    p = tmp_path / "x.json"
+    p.write_text("{oops")
+    r = run(p)
+    assert r.returncode == 1 and "error:" in r.stderr
