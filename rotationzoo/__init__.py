@@ -37,6 +37,10 @@ _LAZY = {
     "load": "api",
     "FetchResult": "api",
     "RotationPair": "api",
+    # serving and export
+    "launch_spec": "serving",
+    "export_safetensors": "export",
+    "export_gguf": "export",
 }
 
 __all__ = ["__version__", *sorted(_LAZY)]
@@ -57,6 +61,8 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # pragma: no cover
     from .api import FetchResult, RotationPair, fetch, load
+    from .export import export_gguf, export_safetensors
     from .format import RotationSet, read_rotation, write_rotation
     from .registry import ModelEntry, Registry, TagEntry, get_entry, get_model, list_models
+    from .serving import launch_spec
     from .validation import ValidationReport, validate

@@ -101,6 +101,17 @@ class FitError(RotationZooError, ValueError):
     """The fitter cannot produce a rotation: ``layer 5: covariance has NaN``."""
 
 
+# --- serving and export -------------------------------------------------------------------------
+
+
+class ServingError(RotationZooError, ValueError):
+    """Launch settings cannot be built: ``unknown engine 'tgi'; expected sglang, vllm or llamacpp``."""
+
+
+class ExportError(RotationFileError):
+    """An export cannot be made or read back: ``out.gguf: base GGUF has head_dim 64, rotations 128``."""
+
+
 # --- publishing ---------------------------------------------------------------------------------
 
 

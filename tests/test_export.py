@@ -1,0 +1,319 @@
+"""Exports: safetensors and GGUF round trips, GGUF layout checked with gguf's own reader."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import rotationzoo
+from rotationzoo.cli.main import main
+from rotationzoo.errors import InvalidRotationError, RotationFileError
+from rotationzoo.export import (
+    ExportError,
+    export,
+    export_gguf,
+    export_safetensors,
+    read_exported,
+    read_exported_gguf,
+    read_exported_safetensors,
+)
+from rotationzoo.format import RotationSet, write_rotation
+
+gguf = pytest.importorskip("gguf")
+
+
+def random_orthogonal(n: int, d: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    q, r = torch.linalg.qr(torch.randn(n, d, d, generator=g, dtype=torch.float64))
+    return (q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)).float()
+
+
+def make_set(ids=(0, 1, 2, 3), d: int = 16, seed: int = 0, objective: str = "qqt_r_h_pbr", eig: bool = True) -> RotationSet:
+    n = len(ids)
+    ev = torch.rand(n, d, generator=torch.Generator().manual_seed(seed + 100)).sort(-1).values if eig else None
+    return RotationSet(rotations=random_orthogonal(n, d, seed), layer_ids=tuple(ids), objective=objective, eigenvalues=ev)
+
+
+@pytest.fixture
+def pair_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "rotations"
+    write_rotation(d / "k_rotation_qqt_r_h_pbr.pt", make_set(seed=1))
+    write_rotation(d / "v_rotation_sst_r_h_pbr.pt", make_set(seed=2, objective="sst_r_h_pbr"))
+    return d
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+# -- safetensors -----------------------------------------------------------------------------------
+
+
+def test_safetensors_round_trip(pair_dir, tmp_path):
+    from safetensors import safe_open
+
+    k = rotationzoo.read_rotation(pair_dir / "k_rotation_qqt_r_h_pbr.pt")
+    v = rotationzoo.read_rotation(pair_dir / "v_rotation_sst_r_h_pbr.pt")
+    out = export_safetensors(pair_dir, tmp_path / "pair.safetensors")
+    back = read_exported_safetensors(out)
+    assert back.sides == ("k", "v")
+    assert torch.equal(back.k.rotations, k.rotations) and torch.equal(back.v.rotations, v.rotations)
+    assert torch.equal(back.k.eigenvalues, k.eigenvalues) and torch.equal(back.v.eigenvalues, v.eigenvalues)
+    assert back.k.objective == "qqt_r_h_pbr" and back.v.objective == "sst_r_h_pbr"
+    assert back.k.layer_ids == (0, 1, 2, 3)
+    # independently of our reader: names, shapes, dtypes, metadata
+    with safe_open(str(out), framework="pt") as f:
+        keys = set(f.keys())
+        meta = f.metadata()
+        assert torch.equal(f.get_tensor("k.2.rotation"), k.rotations[2])
+        assert f.get_tensor("v.3.eigenvalues").dtype == torch.float32
+    assert keys == {f"{s}.{i}.{t}" for s in "kv" for i in range(4) for t in ("rotation", "eigenvalues")}
+    assert meta["k.objective"] == "qqt_r_h_pbr" and meta["v.objective"] == "sst_r_h_pbr"
+    assert meta["k.format_version"] == "1" and meta["export_format_version"] == "1"
+    assert meta["layer_ids"] == "0,1,2,3" and meta["head_dim"] == "16"
+    assert meta["format"] == "rotationzoo.rotations"
+    assert len(meta["k.sha256"]) == 64
+
+
+def test_safetensors_from_bundled_model_has_model_and_tag(tmp_path):
+    out = export_safetensors("SmolLM2-135M-Instruct", tmp_path / "smol.safetensors")
+    back = read_exported(out)
+    pair = rotationzoo.load("SmolLM2-135M-Instruct")
+    assert back.model == "HuggingFaceTB/SmolLM2-135M-Instruct" and back.tag == "hadamard"
+    assert back.metadata["model"] == back.model and back.metadata["tag"] == "hadamard"
+    assert torch.equal(back.k.rotations, pair.k.rotations)
+    assert back.k.eigenvalues is not None or pair.k.eigenvalues is None
+    assert back.sha256 == pair.sha256
+
+
+def test_export_accepts_pair_sets_and_single_side(pair_dir, tmp_path):
+    k = rotationzoo.read_rotation(pair_dir / "k_rotation_qqt_r_h_pbr.pt")
+    v = rotationzoo.read_rotation(pair_dir / "v_rotation_sst_r_h_pbr.pt")
+    out = export_safetensors({"k": k, "v": v}, tmp_path / "a.safetensors")
+    assert read_exported(out).sides == ("k", "v")
+    out = export_safetensors(pair_dir / "v_rotation_sst_r_h_pbr.pt", tmp_path / "v.safetensors")
+    assert read_exported(out).sides == ("v",)
+    # a name that tells nothing: side from the objective, or given explicitly
+    write_rotation(tmp_path / "mystery.pt", make_set(seed=5, objective="hadamard"))
+    with pytest.raises(ExportError, match="K or the V"):
+        export_safetensors(tmp_path / "mystery.pt", tmp_path / "m.safetensors")
+    out = export_gguf(tmp_path / "mystery.pt", tmp_path / "m.gguf", side="k")
+    assert read_exported(out).sides == ("k",)
+    # the other side of a pair file
+    out = export_gguf(tmp_path / "a.safetensors", tmp_path / "only-v.gguf", side="v")
+    assert torch.equal(read_exported(out).v.rotations, v.rotations)
+
+
+# -- GGUF --------------------------------------------------------------------------------------------
+
+
+def ggml_mul_mat(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """ggml_mul_mat(a, b) on numpy views of ggml tensors (numpy shape = reversed ne).
+
+    a: [ne1_a, ne0] (rows of length ne0), b: [n, ne0] → result [n, ne1_a] with
+    result[j, i] = Σ_k a[i, k] · b[j, k] (ggml contracts ne0 of both operands).
+    """
+    return np.einsum("ik,jk->ji", a.astype(np.float64), b.astype(np.float64))
+
+
+def test_gguf_round_trip_and_layout(pair_dir, tmp_path):
+    k = rotationzoo.read_rotation(pair_dir / "k_rotation_qqt_r_h_pbr.pt")
+    v = rotationzoo.read_rotation(pair_dir / "v_rotation_sst_r_h_pbr.pt")
+    assert not torch.allclose(k.rotations[0], k.rotations[0].T)  # transposition is observable
+    out = export_gguf(pair_dir, tmp_path / "rot.gguf")
+    back = read_exported_gguf(out)
+    assert torch.equal(back.k.rotations, k.rotations) and torch.equal(back.v.rotations, v.rotations)
+    assert back.k.layer_ids == (0, 1, 2, 3) and back.k.objective == "qqt_r_h_pbr"
+
+    # independently, with gguf's own reader
+    r = gguf.GGUFReader(str(out))
+    tensors = {t.name: t for t in r.tensors}
+    assert set(tensors) == {f"blk.{i}.attn_{s}_rot.weight" for i in range(4) for s in "kv"}
+    x = torch.randn(5, 16, dtype=torch.float64)
+    for i in range(4):
+        for s, rs in (("k", k), ("v", v)):
+            t = tensors[f"blk.{i}.attn_{s}_rot.weight"]
+            assert t.tensor_type == gguf.GGMLQuantizationType.F32
+            assert [int(n) for n in t.shape] == [16, 16]
+            m = rs.rotations[i].numpy()
+            np.testing.assert_array_equal(t.data, m.T)  # stored Mᵀ
+            # ggml_mul_mat(rot, K) == K @ M
+            got = ggml_mul_mat(np.asarray(t.data), x.numpy())
+            np.testing.assert_allclose(got, x.numpy() @ m.astype(np.float64), rtol=0, atol=1e-12)
+    fields = {name: f.contents() for name, f in r.fields.items()}
+    assert fields["general.architecture"] == "rotationzoo"
+    assert fields["rotationzoo.layer_ids"] == [0, 1, 2, 3]
+    assert fields["rotationzoo.head_dim"] == 16
+    assert fields["rotationzoo.k.objective"] == "qqt_r_h_pbr" and fields["rotationzoo.v.objective"] == "sst_r_h_pbr"
+    assert fields["rotationzoo.transposed"] is True
+
+
+def test_gguf_sparse_layer_ids_name_the_blocks(tmp_path):
+    d = tmp_path / "hybrid"
+    write_rotation(d / "k_rotation.pt", make_set(ids=(3, 7, 11), d=32, seed=3))
+    write_rotation(d / "v_rotation.pt", make_set(ids=(3, 7, 11), d=32, seed=4, objective="sst_r_h_pbr"))
+    out = export_gguf(d, tmp_path / "h.gguf")
+    names = {t.name for t in gguf.GGUFReader(str(out)).tensors}
+    assert "blk.7.attn_v_rot.weight" in names and "blk.0.attn_k_rot.weight" not in names
+    assert read_exported_gguf(out).v.layer_ids == (3, 7, 11)
+
+
+def test_gguf_from_upstream_files(upstream_dir, tmp_path):
+    src = upstream_dir / "qwen3-4b-thinking-2507"
+    out = export_gguf(src, tmp_path / "q4b.gguf")
+    back = read_exported_gguf(out)
+    k = rotationzoo.read_rotation(src / "k_rotation_qqt_r_h_pbr.pt")
+    assert back.k.rotations.shape == (36, 128, 128)
+    assert torch.equal(back.k.rotations, k.rotations)
+
+
+def fake_model_gguf(path: Path, *, blocks: int = 4, head_dim: int = 16, arch: str = "qwen3") -> dict[str, np.ndarray]:
+    """A small model-like GGUF: arch keys, a string array, F32/F16 and Q8_0 tensors."""
+    from gguf.quants import quantize
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(blocks)
+    w.add_head_count(2)
+    w.add_embedding_length(2 * head_dim)
+    w.add_key_length(head_dim)
+    w.add_token_list(["<s>", "hello", "world"])
+    w.add_string("general.name", "fake")
+    rng = np.random.default_rng(0)
+    data = {
+        "token_embd.weight": rng.standard_normal((3, 2 * head_dim)).astype(np.float32),
+        "blk.0.attn_q.weight": rng.standard_normal((2 * head_dim, 2 * head_dim)).astype(np.float16),
+    }
+    for name, arr in data.items():
+        w.add_tensor(name, arr)
+    q8 = quantize(rng.standard_normal((4, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("blk.1.ffn_up.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    data["blk.1.ffn_up.weight"] = q8
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return data
+
+
+def test_gguf_merge_into_model_copies_base_through(pair_dir, tmp_path):
+    base = tmp_path / "model.gguf"
+    data = fake_model_gguf(base)
+    out = export_gguf(pair_dir, tmp_path / "model-rot-kv.gguf", base_gguf=base)
+    r = gguf.GGUFReader(str(out))
+    rb = gguf.GGUFReader(str(base))
+    tensors = {t.name: t for t in r.tensors}
+    for name, arr in data.items():
+        assert np.array_equal(np.asarray(tensors[name].data), arr), name
+        assert tensors[name].tensor_type == {t.name: t for t in rb.tensors}[name].tensor_type
+    for name, f in rb.fields.items():
+        if not name.startswith("GGUF."):
+            assert r.fields[name].contents() == f.contents(), name
+    assert r.fields["general.architecture"].contents() == "qwen3"
+    assert r.fields["rotationzoo.sides"].contents() == "k,v"
+    assert len(tensors) == len(data) + 8
+    k = rotationzoo.read_rotation(pair_dir / "k_rotation_qqt_r_h_pbr.pt")
+    assert torch.equal(read_exported_gguf(out).k.rotations, k.rotations)
+    # merging again (from the merged file) replaces the rotation tensors instead of duplicating them
+    other = tmp_path / "other"
+    write_rotation(other / "k_rotation.pt", make_set(seed=11))
+    write_rotation(other / "v_rotation.pt", make_set(seed=12, objective="sst_r_h_pbr"))
+    out2 = export_gguf(other, tmp_path / "model-rot-kv2.gguf", base_gguf=out)
+    r2 = gguf.GGUFReader(str(out2))
+    assert len(r2.tensors) == len(data) + 8
+    assert torch.equal(read_exported_gguf(out2).k.rotations, rotationzoo.read_rotation(other / "k_rotation.pt").rotations)
+
+
+def test_gguf_merge_rejects_a_mismatched_model(pair_dir, tmp_path):
+    small = tmp_path / "small.gguf"
+    fake_model_gguf(small, blocks=2)
+    with pytest.raises(ExportError, match="2 blocks"):
+        export_gguf(pair_dir, tmp_path / "x.gguf", base_gguf=small)
+    wide = tmp_path / "wide.gguf"
+    fake_model_gguf(wide, head_dim=32)
+    with pytest.raises(ExportError, match="head size is 32"):
+        export_gguf(pair_dir, tmp_path / "x.gguf", base_gguf=wide)
+    with pytest.raises(ExportError, match="not found"):
+        export_gguf(pair_dir, tmp_path / "x.gguf", base_gguf=tmp_path / "missing.gguf")
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all")
+    with pytest.raises(ExportError, match="not a GGUF"):
+        export_gguf(pair_dir, tmp_path / "x.gguf", base_gguf=tmp_path / "junk.gguf")
+    assert not (tmp_path / "x.gguf").exists()
+
+
+# -- bad inputs ------------------------------------------------------------------------------------
+
+
+def test_bad_inputs(pair_dir, tmp_path):
+    with pytest.raises(ExportError, match="no such file or folder"):
+        export_safetensors(tmp_path / "nope.pt", tmp_path / "o.safetensors")
+    with pytest.raises(ExportError, match="not a file, a folder or a registry model"):
+        export_safetensors("NoSuchModel-7B", tmp_path / "o.safetensors")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ExportError, match="no rotation pair found"):
+        export_gguf(empty, tmp_path / "o.gguf")
+    half = tmp_path / "half"
+    write_rotation(half / "k_rotation_qqt_r_h_pbr.pt", make_set(seed=1))
+    with pytest.raises(ExportError, match="no v_rotation"):
+        export_gguf(half, tmp_path / "o.gguf")
+    bad = tmp_path / "bad"
+    rs = make_set(seed=1)
+    rs.rotations[2] *= 1.5
+    write_rotation(bad / "k_rotation.pt", rs)
+    write_rotation(bad / "v_rotation.pt", make_set(seed=2, objective="sst_r_h_pbr"))
+    with pytest.raises(InvalidRotationError, match="layer 2: not orthogonal"):
+        export_gguf(bad, tmp_path / "o.gguf")
+    mismatch = tmp_path / "mismatch"
+    write_rotation(mismatch / "k_rotation.pt", make_set(seed=1))
+    write_rotation(mismatch / "v_rotation.pt", make_set(ids=(0, 1, 2), seed=2, objective="sst_r_h_pbr"))
+    with pytest.raises(InvalidRotationError, match="disagree"):
+        export_safetensors(mismatch, tmp_path / "o.safetensors")
+    (tmp_path / "fake.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ExportError, match="cannot read GGUF"):
+        read_exported_gguf(tmp_path / "fake.gguf")
+    base = tmp_path / "model.gguf"
+    fake_model_gguf(base)
+    with pytest.raises(ExportError, match="no blk"):
+        read_exported_gguf(base)
+    with pytest.raises(ExportError, match="is a folder"):
+        export_safetensors(pair_dir, tmp_path)
+    with pytest.raises(ExportError, match="unknown export format"):
+        export(pair_dir, tmp_path / "o.onnx", to="onnx")
+    with pytest.raises(RotationFileError):  # ExportError is a RotationFileError
+        export_safetensors(pair_dir, tmp_path / "o.safetensors", tag="x")
+    assert not list(tmp_path.glob("o.*"))
+
+
+# -- CLI -------------------------------------------------------------------------------------------
+
+
+def test_cli_export(pair_dir, tmp_path, capsys):
+    out = tmp_path / "cli.gguf"
+    rc, text, err = run_cli(capsys, "export", str(pair_dir), "--to", "gguf", "--out", str(out), "--json")
+    assert rc == 0, err
+    info = json.loads(text)
+    assert info["out"] == str(out) and info["sides"] == ["k", "v"] and info["layers"] == 4 and info["head_dim"] == 16
+    assert info["objectives"] == {"k": "qqt_r_h_pbr", "v": "sst_r_h_pbr"}
+    rc, text, err = run_cli(capsys, "export", "SmolLM2-135M-Instruct", "--to", "safetensors", "--out",
+                            str(tmp_path / "s.safetensors"))
+    assert rc == 0, err
+    assert "30 layers" in text and "HuggingFaceTB/SmolLM2-135M-Instruct@hadamard" in text
+    base = tmp_path / "model.gguf"
+    fake_model_gguf(base)
+    rc, text, err = run_cli(capsys, "export", str(out), "--to", "gguf", "--base-gguf", str(base),
+                            "--out", str(tmp_path / "model-rot-kv.gguf"))
+    assert rc == 0, err
+    assert read_exported_gguf(tmp_path / "model-rot-kv.gguf").sides == ("k", "v")
+    rc, _, err = run_cli(capsys, "export", str(pair_dir), "--to", "onnx", "--out", str(tmp_path / "x"))
+    assert rc == 1 and "--to must be one of safetensors, gguf" in err
+    rc, _, err = run_cli(capsys, "export", str(pair_dir), "--to", "safetensors", "--base-gguf", str(base),
+                         "--out", str(tmp_path / "x"))
+    assert rc == 1 and "--base-gguf applies to --to gguf only" in err
+    rc, _, err = run_cli(capsys, "export", str(tmp_path / "missing"), "--to", "gguf", "--out", str(tmp_path / "x"))
+    assert rc == 1 and "no such file or folder" in err

@@ -1,0 +1,327 @@
+"""serve-args / RotationPair.serve_env: launch settings for SGLang, vLLM and llama.cpp.
+
+Qwen3-8B's cache is pre-seeded with random orthogonal [36, 128, 128] files (verified-file markers
+written as the hub does), so nothing touches the network.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+
+import rotationzoo
+from rotationzoo import hub
+from rotationzoo.cli.main import main
+from rotationzoo.errors import OfflineError, RotationZooError
+from rotationzoo.format import RotationSet, write_rotation
+from rotationzoo.registry import get_entry, load_registry
+from rotationzoo.serving import ServingError, launch_spec, serve_env
+
+QWEN = "Qwen3-8B"
+
+
+def random_orthogonal(n_layers: int, d: int, seed: int) -> torch.Tensor:
+    """``[n_layers, d, d]`` fp32 random orthogonal matrices (QR of Gaussian, sign-fixed)."""
+    return _random_orthogonal(n_layers, d, seed).clone()
+
+
+@functools.lru_cache(maxsize=8)
+def _random_orthogonal(n_layers: int, d: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(n_layers, d, d, generator=g, dtype=torch.float64)
+    q, r = torch.linalg.qr(a)
+    q = q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)
+    return q.float()
+
+
+def write_pair(folder: Path, entry, *, seed: int = 0) -> dict[str, Path]:
+    """Write random K/V files under the entry's file names in ``folder``; return the paths."""
+    arch = entry.architecture
+    ids = arch.expected_layer_ids()
+    paths = {}
+    for i, side in enumerate(("k", "v")):
+        rs = RotationSet(
+            rotations=random_orthogonal(len(ids), arch.head_dim, seed + i),
+            layer_ids=ids,
+            objective=entry.objectives[side],
+            eigenvalues=torch.rand(len(ids), arch.head_dim, generator=torch.Generator().manual_seed(seed + 10 + i)).sort(-1).values,
+        )
+        paths[side] = write_rotation(folder / entry.files[side].filename, rs)
+    return paths
+
+
+def seed_cache(root: Path, entry, *, seed: int = 0) -> dict[str, Path]:
+    """Put a verified copy of ``entry``'s files into the cache at ``root`` (as hub.fetch_file does)."""
+    folder = hub.entry_dir(root, entry)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = write_pair(folder, entry, seed=seed)
+    for side, p in paths.items():
+        hub._write_marker(p, hub.sha256_file(p), "url:https://example.invalid/seeded", entry, side, None)
+    return paths
+
+
+@pytest.fixture
+def qwen_cache(cache_dir: Path) -> dict[str, Path]:
+    return seed_cache(cache_dir, get_entry(QWEN))
+
+
+@pytest.fixture
+def tuned_qwen(cache_dir: Path, tmp_path: Path, monkeypatch) -> dict[str, Path]:
+    """An overlay registry pinning Qwen/Qwen3-8B to seeded files with non-default serving values."""
+    base = get_entry(QWEN)
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    files = write_pair(staging, base, seed=7)
+    tag = "seq20000_prompt83_group128"
+    overlay = {
+        "registry_version": 1,
+        "models": [{
+            "id": "Qwen/Qwen3-8B",
+            "aliases": ["Qwen3-8B"],
+            "architecture": {"num_layers": 36, "head_dim": 128, "num_kv_heads": 8, "num_attention_heads": 32},
+            "default_tag": tag,
+            "tags": {tag: {
+                "description": "test entry",
+                "calibration": {"dataset": "GPQA-diamond"},
+                "objectives": {"k": "qqt_r_h_pbr", "v": "sst_r_h_pbr"},
+                "serving": {"k_clip_ratio": 0.97, "v_clip_ratio": 0.9, "prefix_tokens": 32, "recent_tokens": 512,
+                            "group_size": 128, "hp_dtype": "bfloat16", "scale_dtype": "bfloat16", "lloyd_max": True},
+                "files": {side: {"path": f"Qwen3-8B/{tag}/{files[side].name}", "sha256": hub.sha256_file(files[side]),
+                                 "size": files[side].stat().st_size,
+                                 "sources": [{"type": "url", "url": f"https://example.invalid/{files[side].name}"}]}
+                          for side in ("k", "v")},
+            }},
+        }],
+    }
+    reg = tmp_path / "overlay.json"
+    reg.write_text(json.dumps(overlay))
+    monkeypatch.setenv("ROTATIONZOO_REGISTRY", str(reg))
+    entry = get_entry(QWEN)
+    assert entry.serving.k_clip_ratio == 0.97  # the overlay is in effect
+    folder = hub.entry_dir(cache_dir, entry)
+    folder.mkdir(parents=True)
+    out = {}
+    for side in ("k", "v"):
+        dest = folder / files[side].name
+        dest.write_bytes(files[side].read_bytes())
+        hub._write_marker(dest, hub.sha256_file(dest), "url:https://example.invalid", entry, side, None)
+        out[side] = dest
+    return out
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+# -- SGLang --------------------------------------------------------------------------------------
+
+
+def test_sglang_shell_has_cached_paths_clip_ratios_and_windows(qwen_cache, capsys):
+    rc, out, err = run_cli(capsys, "serve-args", QWEN, "--engine", "sglang")
+    assert rc == 0, err
+    assert f"SGLANG_OSCAR_K_ROTATION_PATH={qwen_cache['k']}" in out
+    assert f"SGLANG_OSCAR_V_ROTATION_PATH={qwen_cache['v']}" in out
+    for needle in ("SGLANG_OSCAR_K_CLIP_RATIO=0.96", "SGLANG_OSCAR_V_CLIP_RATIO=0.92",
+                   "SGLANG_MIXED_KV_PREFIX_TOKENS=64", "SGLANG_MIXED_KV_RECENT_TOKENS=256",
+                   "SGLANG_ENABLE_MIXED_KV_WINDOWS=1", "SGLANG_OSCAR_ABSORB_V_ROTATION=1",
+                   "SGLANG_MIXED_KV_HP_MAX_SPLITS=8", "SGLANG_MIXED_KV_HP_DTYPE=bfloat16",
+                   "SGLANG_MIXED_KV_SCALE_DTYPE=float32", "SGLANG_LLOYD_MAX=0"):
+        assert needle in out
+    # the shell text is one command: continuation lines joined, it splits into env + argv
+    words = shlex.split(out.replace("\\\n", " "))
+    env = dict(w.split("=", 1) for w in words if "=" in w and w.split("=", 1)[0].isupper())
+    argv = [w for w in words if not ("=" in w and w.split("=", 1)[0].isupper())]
+    assert env["SGLANG_OSCAR_K_ROTATION_PATH"] == str(qwen_cache["k"])
+    assert argv[:3] == ["python", "-m", "sglang.launch_server"]
+    assert argv[argv.index("--model-path") + 1] == "Qwen/Qwen3-8B"
+    assert argv[argv.index("--kv-cache-dtype") + 1] == "int2"
+    assert argv[argv.index("--kv-cache-quant-group-size") + 1] == "128"
+    assert argv[argv.index("--prefill-attention-backend") + 1] == "fa3"
+    assert argv[argv.index("--decode-attention-backend") + 1] == "triton"
+    assert argv[argv.index("--page-size") + 1] == "8"
+
+
+def test_json_parses_and_carries_everything(qwen_cache, capsys):
+    rc, out, _ = run_cli(capsys, "serve-args", "qwen3-8b", "--engine", "sglang", "--format", "json")
+    assert rc == 0
+    data = json.loads(out)
+    assert {"engine", "model", "tag", "env", "args", "command", "files"} <= set(data)
+    assert data["engine"] == "sglang" and data["model"] == "Qwen/Qwen3-8B"
+    assert data["tag"] == "seq20000_prompt83_group128"
+    assert data["files"] == {"k": str(qwen_cache["k"]), "v": str(qwen_cache["v"])}
+    assert data["env"]["SGLANG_OSCAR_V_CLIP_RATIO"] == "0.92"
+    assert data["args"][0] == "python"
+    assert shlex.split(data["command"])[-len(data["args"]):] == data["args"]
+
+
+def test_env_format_is_key_value_lines(qwen_cache, capsys):
+    rc, out, _ = run_cli(capsys, "serve-args", QWEN, "-e", "sglang", "-f", "env")
+    assert rc == 0
+    lines = out.strip().splitlines()
+    parsed = dict(line.split("=", 1) for line in lines)
+    assert len(parsed) == len(lines) == 12
+    assert parsed["SGLANG_OSCAR_K_ROTATION_PATH"] == shlex.quote(str(qwen_cache["k"]))
+    assert parsed["SGLANG_MIXED_KV_RECENT_TOKENS"] == "256"
+
+
+def test_values_come_from_the_registry_entry(tuned_qwen, capsys):
+    rc, out, _ = run_cli(capsys, "serve-args", QWEN, "-e", "sglang", "-f", "json")
+    assert rc == 0
+    env = json.loads(out)["env"]
+    assert env["SGLANG_OSCAR_K_CLIP_RATIO"] == "0.97"
+    assert env["SGLANG_OSCAR_V_CLIP_RATIO"] == "0.9"
+    assert env["SGLANG_MIXED_KV_PREFIX_TOKENS"] == "32"
+    assert env["SGLANG_MIXED_KV_RECENT_TOKENS"] == "512"
+    assert env["SGLANG_MIXED_KV_SCALE_DTYPE"] == "bfloat16"
+    assert env["SGLANG_LLOYD_MAX"] == "1"
+    assert env["SGLANG_OSCAR_K_ROTATION_PATH"] == str(tuned_qwen["k"])
+    rc, out, _ = run_cli(capsys, "serve-args", QWEN, "-e", "vllm", "-f", "json")
+    data = json.loads(out)
+    assert data["env"]["VLLM_OSCAR_K_CLIP_RATIO"] == "0.97"
+    assert any("Lloyd-Max" in n for n in data["notes"])
+
+
+def test_model_path_override(qwen_cache):
+    spec = launch_spec(QWEN, engine="sglang", model_path="/models/qwen3-8b")
+    assert spec.args[spec.args.index("--model-path") + 1] == "/models/qwen3-8b"
+    spec = launch_spec(QWEN, engine="vllm", model_path="/models/qwen3-8b")
+    assert spec.args[:3] == ["vllm", "serve", "/models/qwen3-8b"]
+
+
+# -- vLLM ----------------------------------------------------------------------------------------
+
+
+def test_vllm(qwen_cache, capsys):
+    rc, out, err = run_cli(capsys, "serve-args", QWEN, "--engine", "vllm", "--format", "json")
+    assert rc == 0, err
+    data = json.loads(out)
+    assert data["env"] == {
+        "VLLM_OSCAR_K_ROTATION_PATH": str(qwen_cache["k"]),
+        "VLLM_OSCAR_V_ROTATION_PATH": str(qwen_cache["v"]),
+        "VLLM_OSCAR_K_CLIP_RATIO": "0.96",
+        "VLLM_OSCAR_V_CLIP_RATIO": "0.92",
+        "VLLM_OSCAR_GROUP_SIZE": "128",
+    }
+    assert data["args"] == ["vllm", "serve", "Qwen/Qwen3-8B", "--kv-cache-dtype", "oscar_int2"]
+    assert any("sink/recent" in n for n in data["notes"])
+
+
+# -- llama.cpp -----------------------------------------------------------------------------------
+
+
+def test_llamacpp_exports_the_rotation_gguf(qwen_cache, capsys, tmp_path):
+    from rotationzoo.export import read_exported_gguf
+
+    gguf_path = qwen_cache["k"].parent / "oscar-rot-kv.gguf"
+    assert not gguf_path.exists()
+    base = tmp_path / "qwen3-8b-q4_k_m.gguf"
+    rc, out, err = run_cli(capsys, "serve-args", QWEN, "-e", "llamacpp", "-f", "json", "--model-path", str(base))
+    assert rc == 0, err
+    data = json.loads(out)
+    assert data["files"]["gguf"] == str(gguf_path) and gguf_path.is_file()
+    assert data["env"] == {"LLAMA_KV_NO_HADAMARD": "1", "LLAMA_KV_CLIP_RATIO": "0.96",
+                           "LLAMA_KV_HP_SINK": "64", "LLAMA_KV_HP_RECENT": "256"}
+    merged = str(tmp_path / "qwen3-8b-q4_k_m-rot-kv.gguf")
+    assert data["args"] == ["llama-server", "-m", merged, "--cache-type-k", "q2_0", "--cache-type-v", "q2_0"]
+    assert data["prepare"] == [shlex.join(["rotationzoo", "export", str(gguf_path), "--to", "gguf",
+                                           "--base-gguf", str(base), "--out", merged])]
+    back = read_exported_gguf(gguf_path)
+    pair = rotationzoo.load(QWEN)
+    assert torch.equal(back.k.rotations, pair.k.rotations)
+    assert torch.equal(back.v.rotations, pair.v.rotations)
+    assert back.model == "Qwen/Qwen3-8B" and back.sha256 == pair.sha256
+    # reused when present and made from the same files
+    mtime = gguf_path.stat().st_mtime_ns
+    rc, out, _ = run_cli(capsys, "serve-args", QWEN, "-e", "llamacpp")
+    assert rc == 0 and gguf_path.stat().st_mtime_ns == mtime
+    assert "--cache-type-k q2_0" in out and "LLAMA_KV_HP_RECENT=256" in out
+    assert out.splitlines()[0].startswith("rotationzoo export ") and out.splitlines()[0].endswith("&& \\")
+
+
+def test_llamacpp_gguf_is_rebuilt_for_other_files(qwen_cache, cache_dir):
+    spec = launch_spec(QWEN, engine="llamacpp")
+    gguf_path = Path(spec.files["gguf"])
+    entry = get_entry(QWEN)
+    seed_cache(cache_dir, entry, seed=99)  # new bytes, new sha256 for the same entry
+    spec2 = launch_spec(QWEN, engine="llamacpp")
+    from rotationzoo.export import read_exported_gguf
+
+    got = read_exported_gguf(spec2.files["gguf"])
+    assert Path(spec2.files["gguf"]) == gguf_path
+    assert got.sha256["k"] == hub.sha256_file(Path(spec2.files["k"]))
+
+
+def test_bundled_model_gguf_goes_to_the_cache(cache_dir):
+    spec = launch_spec("SmolLM2-135M-Instruct", engine="llamacpp")
+    assert Path(spec.files["gguf"]).is_relative_to(cache_dir)
+    assert spec.notes[0].startswith("replace MODEL.gguf")
+
+
+# -- Python API ------------------------------------------------------------------------------------
+
+
+def test_rotation_pair_serve_env(qwen_cache):
+    pair = rotationzoo.load(QWEN)
+    env = pair.serve_env("sglang")
+    assert env == launch_spec(QWEN, engine="sglang").env
+    assert env["SGLANG_OSCAR_K_ROTATION_PATH"] == str(qwen_cache["k"])
+    assert pair.serve_env("vllm")["VLLM_OSCAR_GROUP_SIZE"] == "128"
+    assert pair.serve_env("llama.cpp")["LLAMA_KV_CLIP_RATIO"] == "0.96"
+    assert all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
+
+
+def test_bundled_pair_serve_env():
+    pair = rotationzoo.load("SmolLM2-135M-Instruct")
+    env = pair.serve_env("sglang")
+    assert env["SGLANG_OSCAR_K_ROTATION_PATH"] == str(pair.paths["k"])
+    spec = launch_spec(pair, engine="sglang")
+    assert spec.args[spec.args.index("--kv-cache-quant-group-size") + 1] == "64"  # this entry's group size
+
+
+def test_every_registry_entry_renders_for_every_engine():
+    paths = {"k": "/x/k.pt", "v": "/x/v.pt"}
+    for model in load_registry():
+        for entry in model.tags.values():
+            for engine in ("sglang", "vllm", "llamacpp"):
+                env = serve_env(entry.serving, engine, paths)
+                assert env and all(isinstance(v, str) and v for v in env.values())
+
+
+# -- errors ----------------------------------------------------------------------------------------
+
+
+def test_bad_inputs(qwen_cache, capsys):
+    with pytest.raises(ServingError, match="unknown engine 'tgi'"):
+        launch_spec(QWEN, engine="tgi")
+    with pytest.raises(ServingError):
+        rotationzoo.load("SmolLM2-135M-Instruct").serve_env("trt")
+    rc, _, err = run_cli(capsys, "serve-args", QWEN, "--engine", "tgi")
+    assert rc == 1 and "--engine must be one of sglang, vllm, llamacpp" in err
+    rc, _, err = run_cli(capsys, "serve-args", QWEN, "--engine", "vllm", "--format", "yaml")
+    assert rc == 1 and "--format must be one of shell, env, json" in err
+    rc, _, err = run_cli(capsys, "serve-args", "Qwen3-9B", "--engine", "vllm")
+    assert rc == 1 and "unknown model 'Qwen3-9B'" in err
+    rc, _, err = run_cli(capsys, "serve-args", QWEN, "--engine", "vllm", "--tag", "nope")
+    assert rc == 1 and "has no tag 'nope'" in err
+    with pytest.raises(ServingError, match="model's GGUF file"):
+        launch_spec(QWEN, engine="llamacpp", model_path="/models/qwen3-8b")
+
+
+def test_offline_without_cache_is_a_clear_error(cache_dir, capsys):
+    with pytest.raises(OfflineError, match="not cached"):
+        launch_spec(QWEN, engine="sglang", offline=True)
+    rc, _, err = run_cli(capsys, "serve-args", QWEN, "-e", "sglang", "--offline", "--cache-dir", str(cache_dir))
+    assert rc == 1 and "offline mode" in err and "rotationzoo fetch" in err
+
+
+def test_render_rejects_unknown_format(qwen_cache):
+    spec = launch_spec(QWEN, engine="vllm")
+    with pytest.raises(RotationZooError, match="unknown output format"):
+        spec.render("toml")
