@@ -1,0 +1,208 @@
+#!/usr/bin/env python
+"""Extract Jane Austen's novels (public domain) from Debian's ``r-cran-janeaustenr`` package.
+
+The package stores the novels as character vectors in an R lazy-load database
+(``data/Rdata.rdx`` index + ``data/Rdata.rdb`` blobs: zlib-compressed, XDR-serialised R objects).
+This reads them with a small R-serialisation decoder (no R needed).
+
+Usage::
+
+    python tools/austen_text.py --list
+    python tools/austen_text.py emma persuasion --out-dir bench-out/austen
+    python tools/austen_text.py persuasion --deb r-cran-janeaustenr_1.0.0-1_all.deb --out-dir DIR
+
+Without ``--deb`` / ``--pkg-dir`` it runs ``apt-get download r-cran-janeaustenr`` into a temporary
+folder (Debian's package archive is reachable from the project's machines) and unpacks it with
+``dpkg-deb -x``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import struct
+import subprocess
+import sys
+import tempfile
+import zlib
+from pathlib import Path
+from typing import Any
+
+
+class _RReader:
+    """Just enough of R's XDR serialisation format (versions 2 and 3) for data objects."""
+
+    def __init__(self, data: bytes) -> None:
+        if data[:2] != b"X\n":
+            raise ValueError(f"not an XDR R serialisation stream (starts with {data[:2]!r})")
+        self.b = data
+        self.i = 2
+        self.refs: list[Any] = []
+        version = self.int()
+        self.int()  # writer R version
+        self.int()  # minimal reader version
+        if version == 3:
+            n = self.int()
+            self.i += n  # native encoding name
+
+    def int(self) -> int:
+        (v,) = struct.unpack_from(">i", self.b, self.i)
+        self.i += 4
+        return v
+
+    def length(self) -> int:
+        n = self.int()
+        if n == -1:
+            hi, lo = self.int(), self.int()
+            n = (hi << 32) + lo
+        return n
+
+    def string(self) -> str | None:
+        n = self.int()
+        if n == -1:
+            return None
+        s = self.b[self.i:self.i + n].decode("utf-8", errors="replace")
+        self.i += n
+        return s
+
+    def item(self) -> Any:  # noqa: C901 - a direct transcription of the format
+        flags = self.int()
+        typ = flags & 0xFF
+        has_attr, has_tag = bool(flags & (1 << 9)), bool(flags & (1 << 10))
+        if typ == 254:  # NILVALUE_SXP
+            return None
+        if typ in (242, 241, 253, 252, 251, 250):  # empty/base/global env, unbound, missing, base ns
+            return None
+        if typ == 255:  # REFSXP
+            idx = flags >> 8 or self.int()
+            return self.refs[idx - 1]
+        if typ in (247, 249):  # NAMESPACESXP, PACKAGESXP: a string vector
+            self.int()
+            n = self.int()
+            val = [self.item() for _ in range(n)]
+            self.refs.append(val)
+            return val
+        if typ == 1:  # SYMSXP
+            name = self.item()
+            self.refs.append(name)
+            return name
+        if typ == 4:  # ENVSXP
+            env: dict = {}
+            self.refs.append(env)
+            self.int()
+            self.item()
+            env["frame"] = self.item()
+            env["hashtab"] = self.item()
+            self.item()
+            return env
+        if typ in (2, 3, 5, 6, 17):  # pairlist-like
+            attr = self.item() if has_attr else None
+            tag = self.item() if has_tag else None
+            car = self.item()
+            cdr = self.item()
+            out = [(tag, car)]
+            if isinstance(cdr, list) and cdr and isinstance(cdr[0], tuple):
+                out.extend(cdr)
+            del attr
+            return out
+        if typ == 9:  # CHARSXP
+            return self.string()
+        if typ in (10, 13):  # LGLSXP, INTSXP
+            n = self.length()
+            val = list(struct.unpack_from(f">{n}i", self.b, self.i))
+            self.i += 4 * n
+        elif typ == 14:  # REALSXP
+            n = self.length()
+            val = list(struct.unpack_from(f">{n}d", self.b, self.i))
+            self.i += 8 * n
+        elif typ == 16:  # STRSXP
+            n = self.length()
+            val = [self.item() for _ in range(n)]
+        elif typ in (19, 20):  # VECSXP, EXPRSXP
+            n = self.length()
+            val = [self.item() for _ in range(n)]
+        elif typ == 24:  # RAWSXP
+            n = self.length()
+            val = self.b[self.i:self.i + n]
+            self.i += n
+        else:
+            raise ValueError(f"unsupported R object type {typ} at byte {self.i}")
+        if has_attr:
+            attrs = self.item()
+            if isinstance(val, list) and attrs:
+                names = dict(attrs).get("names")
+                if names and len(names) == len(val):
+                    return dict(zip(names, val))
+        return val
+
+
+def _unserialize(data: bytes) -> Any:
+    return _RReader(data).item()
+
+
+def read_lazyload_db(data_dir: Path) -> dict[str, Any]:
+    """All objects of an R lazy-load database ``<data_dir>/Rdata.{rdx,rdb}``: name -> value."""
+    index = _unserialize(gzip.decompress((data_dir / "Rdata.rdx").read_bytes()))
+    blob = (data_dir / "Rdata.rdb").read_bytes()
+    out = {}
+    for name, (offset, length) in index["variables"].items():
+        raw = blob[int(offset):int(offset) + int(length)]
+        # 4-byte big-endian uncompressed length, then a zlib stream
+        out[name] = _unserialize(zlib.decompress(raw[4:]))
+    return out
+
+
+def _package_dir(deb: Path | None, pkg_dir: Path | None) -> Path:
+    if pkg_dir is not None:
+        return pkg_dir
+    work = Path(tempfile.mkdtemp(prefix="janeaustenr-"))
+    if deb is None:
+        subprocess.run(["apt-get", "download", "r-cran-janeaustenr"], cwd=work, check=True,
+                       stdout=subprocess.DEVNULL)
+        deb = next(work.glob("r-cran-janeaustenr_*.deb"))
+    subprocess.run(["dpkg-deb", "-x", str(deb), str(work / "x")], check=True)
+    return work / "x" / "usr/lib/R/site-library/janeaustenr"
+
+
+def novel_text(lines: list[str | None]) -> str:
+    """Join a novel's line vector into paragraphs (blank lines separate paragraphs)."""
+    paras, cur = [], []
+    for line in lines:
+        line = (line or "").strip()
+        if line:
+            cur.append(line)
+        elif cur:
+            paras.append(" ".join(cur))
+            cur = []
+    if cur:
+        paras.append(" ".join(cur))
+    return "\n\n".join(paras) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("novels", nargs="*", help="names such as emma, persuasion, prideprejudice")
+    ap.add_argument("--deb", type=Path, help="a downloaded r-cran-janeaustenr .deb")
+    ap.add_argument("--pkg-dir", type=Path, help="an unpacked janeaustenr R package folder")
+    ap.add_argument("--out-dir", type=Path, default=Path("bench-out/austen"))
+    ap.add_argument("--list", action="store_true", help="list the novels and their sizes")
+    args = ap.parse_args(argv)
+    objects = read_lazyload_db(_package_dir(args.deb, args.pkg_dir) / "data")
+    if args.list or not args.novels:
+        for name, lines in objects.items():
+            if isinstance(lines, list):
+                print(f"{name:16s} {len(lines):7d} lines {len(novel_text(lines)):9d} chars")
+        return 0
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    for name in args.novels:
+        if name not in objects:
+            print(f"error: no novel {name!r}; have {', '.join(objects)}", file=sys.stderr)
+            return 1
+        path = args.out_dir / f"{name}.txt"
+        path.write_text(novel_text(objects[name]), encoding="utf-8")
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
