@@ -1,0 +1,410 @@
+"""INT2 KV-cache kernels with the OSCAR / SGLang semantics: rotate, clip, quantize, pack, dequantize.
+
+Quick use::
+
+    from rotationzoo.kernels import quantize_int2, dequantize_int2
+    codes, sz = quantize_int2(k, rotation=R_k, clip_ratio=0.96)    # k: [T, H, 128] bf16
+    k_hat = dequantize_int2(codes, sz, rotation=R_k)               # back in the original basis
+
+Format (byte-compatible with the SGLang OSCAR caches): for each row of ``d`` values (one token, one
+KV head) the codes are ``d/4`` bytes, quarter-interleaved (byte ``j`` holds dims ``j, j+d/4, j+d/2,
+j+3d/4`` in bits 0-1, 2-3, 4-5, 6-7; see :func:`byte_index_and_shift`), and the scales/zeros are
+``2 * d / group_size`` values ``[s0, z0, s1, z1, ...]`` in ``scale_dtype``; dims ``g*G .. g*G+G-1``
+dequantize as ``(q - z_g) * s_g``. The full description, with the NaN/inf policy, is in
+``docs/kernels.md``.
+
+Backends: ``"torch"`` (:mod:`rotationzoo.kernels.reference`, any device) and ``"triton"``
+(:mod:`rotationzoo.kernels.triton_int2`; CUDA, or CPU tensors under ``TRITON_INTERPRET=1``).
+``"auto"`` picks triton for CUDA tensors when triton is installed, torch otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+from typing import Literal
+
+import torch
+
+from ..errors import BackendUnavailableError, KernelInputError
+from . import layout
+from . import reference as _ref
+from .layout import HEAD_DIMS, allowed_group_sizes, byte_index_and_shift, clip_index, packed_dim
+
+Backend = Literal["auto", "torch", "triton"]
+
+INPUT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
+"""Accepted dtypes of the values to quantize."""
+SCALE_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+"""Accepted dtypes of the stored scale/zero pairs (float32 is the SGLang default)."""
+OUTPUT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
+"""Accepted dtypes of dequantized output."""
+
+__all__ = [
+    "HEAD_DIMS",
+    "INPUT_DTYPES",
+    "OUTPUT_DTYPES",
+    "SCALE_DTYPES",
+    "allowed_group_sizes",
+    "byte_index_and_shift",
+    "clip_index",
+    "dequantize_int2",
+    "packed_dim",
+    "quantize_int2",
+    "quantize_int2_into",
+    "triton_available",
+]
+
+
+# --- backend selection --------------------------------------------------------------------------
+
+_TRITON_IMPORT_ERROR: list[BaseException | None] = []
+
+
+def triton_available() -> bool:
+    """True when the triton package imports (the result is cached)."""
+    if not _TRITON_IMPORT_ERROR:
+        try:
+            importlib.import_module("triton")
+        except Exception as exc:  # ImportError or a broken install
+            _TRITON_IMPORT_ERROR.append(exc)
+        else:
+            _TRITON_IMPORT_ERROR.append(None)
+    return _TRITON_IMPORT_ERROR[0] is None
+
+
+def _backend(backend: str, device: torch.device) -> str:
+    if backend not in ("auto", "torch", "triton"):
+        raise KernelInputError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    if backend == "torch":
+        return "torch"
+    if backend == "auto":
+        if device.type == "cuda" and importlib.util.find_spec("triton") is not None and triton_available():
+            return "triton"
+        return "torch"
+    if not triton_available():
+        raise BackendUnavailableError(
+            f"backend 'triton' needs the triton package, which failed to import "
+            f"({_TRITON_IMPORT_ERROR[0]!r}); install rotationzoo[triton] or use backend='torch'"
+        )
+    if device.type == "cuda":
+        return "triton"
+    from .triton_int2 import interpret_mode
+
+    if device.type == "cpu" and interpret_mode():
+        return "triton"
+    raise BackendUnavailableError(
+        f"backend 'triton' needs CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 set "
+        f"(Triton's slow CPU interpreter); got a tensor on {device}. Use backend='torch' or 'auto'."
+    )
+
+
+# --- argument checks ----------------------------------------------------------------------------
+
+
+def _check_tensor(t: object, name: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise KernelInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _names(dtypes: tuple[torch.dtype, ...]) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def _check_values(x: object, name: str = "x") -> torch.Tensor:
+    x = _check_tensor(x, name)
+    if x.dtype not in INPUT_DTYPES:
+        raise KernelInputError(f"{name} dtype {x.dtype} is not supported; expected one of {_names(INPUT_DTYPES)}")
+    if x.dim() < 1:
+        raise KernelInputError(f"{name} must have at least one dimension [..., head_dim], got a scalar")
+    try:
+        layout.check_head_dim(x.shape[-1])
+    except ValueError as exc:
+        raise KernelInputError(f"{name} last dimension: {exc}") from None
+    return x
+
+
+def _check_group(d: int, group_size: int | None) -> int:
+    try:
+        return layout.resolve_group_size(d, group_size)
+    except ValueError as exc:
+        raise KernelInputError(str(exc)) from None
+
+
+def _check_clip(clip_ratio: float, d: int) -> int:
+    if isinstance(clip_ratio, bool) or not isinstance(clip_ratio, (int, float)):
+        raise KernelInputError(f"clip_ratio must be a float in [0, 1] (<= 0 disables), got {clip_ratio!r}")
+    ratio = float(clip_ratio)
+    if not math.isfinite(ratio) or ratio > 1.0:
+        raise KernelInputError(f"clip_ratio must be a finite float <= 1 (<= 0 disables), got {clip_ratio!r}")
+    return clip_index(ratio, d)
+
+
+def _check_lloyd_max(lloyd_max: bool, d: int, group_size: int) -> bool:
+    if not isinstance(lloyd_max, bool):
+        raise KernelInputError(f"lloyd_max must be a bool, got {lloyd_max!r}")
+    if lloyd_max and group_size != d:
+        raise KernelInputError(
+            f"lloyd_max=True uses one (scale, zero) per row: group_size must be head_dim ({d}), got {group_size}"
+        )
+    return lloyd_max
+
+
+def _check_rotation(
+    rotation: object, shape: tuple[int, ...], device: torch.device, name: str = "x"
+) -> torch.Tensor | None:
+    """``None`` or a ``[d, d]`` / ``[H, d, d]`` float tensor matching values of ``shape`` on ``device``."""
+    if rotation is None:
+        return None
+    r = _check_tensor(rotation, "rotation")
+    d = shape[-1]
+    if not r.is_floating_point():
+        raise KernelInputError(f"rotation must be a floating-point tensor, got {r.dtype}")
+    if r.device != device:
+        raise KernelInputError(f"rotation is on {r.device} but {name} is on {device}")
+    if r.dim() == 2:
+        if tuple(r.shape) != (d, d):
+            raise KernelInputError(f"rotation must be [{d}, {d}] (or [heads, {d}, {d}]), got {list(r.shape)}")
+        return r
+    if r.dim() == 3:
+        if tuple(r.shape[1:]) != (d, d):
+            raise KernelInputError(f"per-head rotation must be [heads, {d}, {d}], got {list(r.shape)}")
+        if len(shape) < 2 or shape[-2] != r.shape[0]:
+            raise KernelInputError(
+                f"per-head rotation [{r.shape[0]}, {d}, {d}] needs {name} shaped [..., {r.shape[0]}, {d}], "
+                f"got {list(shape)}"
+            )
+        return r
+    raise KernelInputError(f"rotation must be [{d}, {d}] or [heads, {d}, {d}], got {list(r.shape)}")
+
+
+def _check_scale_dtype(scale_dtype: object) -> torch.dtype:
+    if scale_dtype not in SCALE_DTYPES:
+        raise KernelInputError(f"scale_dtype {scale_dtype} is not supported; expected one of {_names(SCALE_DTYPES)}")
+    return scale_dtype  # type: ignore[return-value]
+
+
+def _group_from_sz(d: int, sz_last: int, group_size: int | None, what: str) -> int:
+    if sz_last < 2 or sz_last % 2:
+        raise KernelInputError(f"{what} last dimension must be 2 * groups (interleaved scale/zero), got {sz_last}")
+    groups = sz_last // 2
+    if d % groups:
+        raise KernelInputError(f"{what} holds {groups} groups, which does not divide head_dim {d}")
+    inferred = d // groups
+    if group_size is not None and group_size != inferred:
+        raise KernelInputError(
+            f"group_size {group_size} disagrees with {what}: {groups} groups of head_dim {d} means {inferred}"
+        )
+    return _check_group(d, inferred)
+
+
+# --- public API ---------------------------------------------------------------------------------
+
+
+def quantize_int2(
+    x: torch.Tensor,
+    *,
+    rotation: torch.Tensor | None = None,
+    clip_ratio: float = 0.0,
+    group_size: int | None = None,
+    lloyd_max: bool = False,
+    scale_dtype: torch.dtype = torch.float32,
+    backend: Backend = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate (optional), clip, quantize to INT2 and pack rows of ``x``.
+
+    Args:
+        x: ``[..., d]`` with ``d`` in 64, 128, 256; bf16, fp16 or fp32. Each ``d``-vector (one
+            token of one head) is a row with its own clip threshold.
+        rotation: ``None``; ``R [d, d]`` applied as ``x @ R`` to every row; or per-head
+            ``R [H, d, d]`` applied as ``x[..., h, :] @ R[h]`` (``x`` is then ``[..., H, d]``).
+            The rotation runs in bf16: ``bf16(x) @ bf16(R)`` with fp32 accumulation, the result
+            rounded to bf16 before the clip (the SGLang prefill GEMM ``k.to(bf16) @ R_K``). Per-layer
+            matrices are the caller's business: call once per layer with that layer's ``R``.
+        clip_ratio: per-row clip; the threshold is ``sort(|row|)[int(clip_ratio * d)]`` (floor,
+            clamped to ``d - 1``); ``<= 0`` disables. SGLang/OSCAR use 0.96 (K) and 0.92 (V).
+        group_size: contiguous dims sharing one (scale, zero): ``d, d/2, d/4, ...``, at least 16;
+            ``None`` means ``d`` (one pair per row, the published configuration).
+        lloyd_max: approximate Lloyd-Max levels (``SGLANG_LLOYD_MAX=1``); needs ``group_size == d``.
+        scale_dtype: dtype of the stored scale/zero (fp32 default; bf16 or fp16). Codes are always
+            computed from the unrounded fp32 scale and zero.
+        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+
+    Returns:
+        ``(codes, scales_zeros)``: ``codes`` uint8 ``[..., d/4]`` (quarter-interleaved, 4 codes per
+        byte) and ``scales_zeros`` ``[..., 2 * d / group_size]`` in ``scale_dtype``, interleaved
+        ``[s0, z0, s1, z1, ...]``. Rows holding a NaN, or a ±inf that the clip did not remove, get
+        codes 0 and NaN scale/zero.
+
+    Example (``d = 128``): dims 5, 37, 69, 101 with codes 3, 0, 2, 1 share byte 5:
+    ``codes[..., 5] == 3 | 0 << 2 | 2 << 4 | 1 << 6 == 0x63``.
+
+    Raises:
+        KernelInputError: unsupported shape, dtype, group size, clip ratio or rotation.
+        BackendUnavailableError: ``backend="triton"`` cannot run here.
+    """
+    x = _check_values(x)
+    d = x.shape[-1]
+    gs = _check_group(d, group_size)
+    ci = _check_clip(clip_ratio, d)
+    lm = _check_lloyd_max(lloyd_max, d, gs)
+    sdt = _check_scale_dtype(scale_dtype)
+    r = _check_rotation(rotation, tuple(x.shape), x.device)
+    if _backend(backend, x.device) == "torch":
+        return _ref.quantize_int2_torch(x, rotation=r, clip_index=ci, group_size=gs, lloyd_max=lm, scale_dtype=sdt)
+
+    from .triton_int2 import quantize_triton
+
+    lead = x.shape[:-1]
+    heads = r.shape[0] if r is not None and r.dim() == 3 else 1
+    x3 = x.reshape(-1, heads, d)
+    n = x3.shape[0]
+    codes = torch.empty(n, heads, d // 4, dtype=torch.uint8, device=x.device)
+    sz = torch.empty(n, heads, 2 * (d // gs), dtype=sdt, device=x.device)
+    quantize_triton(x3, r, None, codes, sz, clip_index=ci, group_size=gs, lloyd_max=lm)
+    return codes.reshape(*lead, d // 4), sz.reshape(*lead, sz.shape[-1])
+
+
+def dequantize_int2(
+    codes: torch.Tensor,
+    scales_zeros: torch.Tensor,
+    *,
+    group_size: int | None = None,
+    rotation: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    lloyd_max: bool = False,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Unpack and dequantize: ``out[..., dim] = (q - zero_g) * scale_g`` with ``g = dim // group_size``.
+
+    Args:
+        codes: uint8 ``[..., d/4]`` as returned by :func:`quantize_int2` (``d`` in 64, 128, 256).
+        scales_zeros: ``[..., 2 * d / group_size]`` fp32/bf16/fp16, same leading shape as ``codes``.
+        group_size: ``None`` infers it from ``scales_zeros``; if given it must agree.
+        rotation: ``None``, or the ``R [d, d]`` / ``[H, d, d]`` used to quantize: the result is
+            un-rotated as ``x_hat @ Rᵀ`` in bf16 (bf16 operands, fp32 accumulation, bf16 result; the
+            SGLang output un-rotation), then cast to ``dtype``.
+        dtype: output dtype, bf16 (default), fp16 or fp32. The fp32 dequant is rounded once to it.
+        lloyd_max: accepted for symmetry with :func:`quantize_int2`; Lloyd-Max codes dequantize with
+            the same formula (it only requires ``group_size == d``).
+        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+
+    Returns:
+        ``[..., d]`` tensor of ``dtype``.
+
+    Raises:
+        KernelInputError: mismatched or unsupported shapes/dtypes.
+        BackendUnavailableError: ``backend="triton"`` cannot run here.
+    """
+    codes = _check_tensor(codes, "codes")
+    sz = _check_tensor(scales_zeros, "scales_zeros")
+    if codes.dtype != torch.uint8:
+        raise KernelInputError(f"codes must be uint8, got {codes.dtype}")
+    if codes.dim() < 1:
+        raise KernelInputError("codes must be [..., head_dim/4], got a scalar")
+    d = 4 * codes.shape[-1]
+    if d not in HEAD_DIMS:
+        raise KernelInputError(
+            f"codes last dimension {codes.shape[-1]} means head_dim {d}, which is not one of "
+            f"{', '.join(map(str, HEAD_DIMS))}"
+        )
+    if sz.dtype not in SCALE_DTYPES:
+        raise KernelInputError(
+            f"scales_zeros dtype {sz.dtype} is not supported; expected one of {_names(SCALE_DTYPES)}"
+        )
+    if sz.dim() != codes.dim() or sz.shape[:-1] != codes.shape[:-1]:
+        raise KernelInputError(
+            f"scales_zeros {list(sz.shape)} must share the leading shape of codes {list(codes.shape)}"
+        )
+    if sz.device != codes.device:
+        raise KernelInputError(f"scales_zeros is on {sz.device} but codes is on {codes.device}")
+    gs = _group_from_sz(d, sz.shape[-1], group_size, "scales_zeros")
+    _check_lloyd_max(lloyd_max, d, gs)
+    if dtype not in OUTPUT_DTYPES:
+        raise KernelInputError(f"dtype {dtype} is not supported; expected one of {_names(OUTPUT_DTYPES)}")
+    r = _check_rotation(rotation, (*codes.shape[:-1], d), codes.device, "codes")
+    if _backend(backend, codes.device) == "torch":
+        return _ref.dequantize_int2_torch(codes, sz, group_size=gs, rotation=r, dtype=dtype)
+
+    from .triton_int2 import dequantize_triton
+
+    lead = codes.shape[:-1]
+    mid = torch.bfloat16 if r is not None else dtype
+    c2 = codes.reshape(-1, d // 4)
+    s2 = sz.reshape(-1, sz.shape[-1])
+    out = torch.empty(c2.shape[0], d, dtype=mid, device=codes.device)
+    dequantize_triton(c2, s2, out, group_size=gs)
+    out = out.reshape(*lead, d)
+    if r is not None:
+        out = _ref.unrotate(out, r).to(dtype)
+    return out
+
+
+def quantize_int2_into(
+    x: torch.Tensor,
+    loc: torch.Tensor,
+    codes_buf: torch.Tensor,
+    sz_buf: torch.Tensor,
+    *,
+    rotation: torch.Tensor | None = None,
+    clip_ratio: float = 0.0,
+    group_size: int | None = None,
+    lloyd_max: bool = False,
+    backend: Backend = "auto",
+) -> None:
+    """Quantize ``x`` and write row ``t`` into slot ``loc[t]`` of a paged INT2 cache (in place).
+
+    The store layout is SGLang's: ``codes_buf [slots, H, d/4]`` uint8 and
+    ``sz_buf [slots, H, 2 * groups]`` (its dtype is the scale dtype). Rows whose slot is negative,
+    or ``>= slots`` (like SGLang's ``hp_global_offset``: slots past the INT2 tier), are skipped and
+    their slots left untouched. Duplicate slots: one of the rows wins, unspecified which.
+
+    Args:
+        x: ``[T, H, d]`` bf16/fp16/fp32 (any strides).
+        loc: ``[T]`` int32/int64 slot ids, on the same device.
+        codes_buf: ``[slots, H, d/4]`` uint8.
+        sz_buf: ``[slots, H, 2 * d / group_size]`` fp32/bf16/fp16.
+        rotation, clip_ratio, lloyd_max, backend: as in :func:`quantize_int2`.
+        group_size: ``None`` infers it from ``sz_buf``; if given it must agree.
+
+    Raises:
+        KernelInputError: shape/dtype/device mismatch among the arguments.
+        BackendUnavailableError: ``backend="triton"`` cannot run here.
+    """
+    x = _check_values(x)
+    if x.dim() != 3:
+        raise KernelInputError(f"x must be [tokens, heads, head_dim], got {list(x.shape)}")
+    t, h, d = x.shape
+    loc = _check_tensor(loc, "loc")
+    if loc.dtype not in (torch.int32, torch.int64) or loc.dim() != 1 or loc.shape[0] != t:
+        raise KernelInputError(f"loc must be int32/int64 [{t}], got {loc.dtype} {list(loc.shape)}")
+    codes_buf = _check_tensor(codes_buf, "codes_buf")
+    sz_buf = _check_tensor(sz_buf, "sz_buf")
+    if codes_buf.dtype != torch.uint8 or codes_buf.dim() != 3 or codes_buf.shape[1:] != (h, d // 4):
+        raise KernelInputError(
+            f"codes_buf must be uint8 [slots, {h}, {d // 4}], got {codes_buf.dtype} {list(codes_buf.shape)}"
+        )
+    if sz_buf.dtype not in SCALE_DTYPES:
+        raise KernelInputError(f"sz_buf dtype {sz_buf.dtype} is not supported; expected one of {_names(SCALE_DTYPES)}")
+    if sz_buf.dim() != 3 or sz_buf.shape[:2] != codes_buf.shape[:2]:
+        raise KernelInputError(
+            f"sz_buf must be [{codes_buf.shape[0]}, {h}, 2*groups], got {list(sz_buf.shape)}"
+        )
+    for name, t_ in (("loc", loc), ("codes_buf", codes_buf), ("sz_buf", sz_buf)):
+        if t_.device != x.device:
+            raise KernelInputError(f"{name} is on {t_.device} but x is on {x.device}")
+    gs = _group_from_sz(d, sz_buf.shape[-1], group_size, "sz_buf")
+    ci = _check_clip(clip_ratio, d)
+    lm = _check_lloyd_max(lloyd_max, d, gs)
+    r = _check_rotation(rotation, tuple(x.shape), x.device)
+    if t == 0:
+        return
+    if _backend(backend, x.device) == "torch":
+        _ref.quantize_int2_into_torch(x, loc, codes_buf, sz_buf, rotation=r, clip_index=ci, group_size=gs, lloyd_max=lm)
+        return
+
+    from .triton_int2 import quantize_triton
+
+    quantize_triton(x, r, loc, codes_buf, sz_buf, clip_index=ci, group_size=gs, lloyd_max=lm)

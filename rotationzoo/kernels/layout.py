@@ -1,0 +1,172 @@
+"""Byte layout, argument rules and launch heuristics of the INT2 KV format.
+
+Everything here is plain Python (no torch, no triton) so it can be imported and tested anywhere.
+
+Packing (quarter-interleaved, the SGLang OSCAR layout). A row of ``d`` codes ``q[0..d-1]`` (2 bits
+each) becomes ``Q = d // 4`` bytes; byte ``j`` holds dims ``j, j+Q, j+2Q, j+3Q``::
+
+    byte[j] = q[j] | q[j+Q] << 2 | q[j+2Q] << 4 | q[j+3Q] << 6
+
+Worked example, ``d = 128`` (``Q = 32``): dim 0 -> byte 0 bits 0-1; dim 33 -> byte 1 bits 2-3;
+dim 70 -> byte 6 bits 4-5; dim 127 -> byte 31 bits 6-7. If ``q[5] = 3``, ``q[37] = 0``,
+``q[69] = 2`` and ``q[101] = 1`` then ``byte[5] = 0b01_10_00_11 = 0x63``.
+"""
+
+from __future__ import annotations
+
+import math
+
+HEAD_DIMS: tuple[int, ...] = (64, 128, 256)
+"""Supported head dimensions."""
+
+MIN_GROUP_SIZE = 16
+"""Smallest supported quantization group (contiguous dims sharing one scale/zero pair)."""
+
+QVALUE_BOUNDS: dict[str, tuple[int, int]] = {"uint2": (0, 3)}
+"""Code range of each stored integer type (only uint2 here)."""
+
+CLIP_SELECT_MAX_ITERS = 12
+"""Clip thresholds needing at most this many max-and-mask (or min-and-mask) passes use them;
+others use a 31-step bisection on the float bit pattern. Both return the exact sorted value."""
+
+RADIX_ITERS = 31
+"""Passes of the bit-pattern bisection (bits 30..0 of a non-negative fp32)."""
+
+
+def _is_pow2(n: int) -> bool:
+    return isinstance(n, int) and n > 0 and (n & (n - 1)) == 0
+
+
+def packed_dim(d: int) -> int:
+    """Bytes per packed row: ``d // 4``."""
+    return d // 4
+
+
+def byte_index_and_shift(dim: int, d: int) -> tuple[int, int]:
+    """Where dim ``dim`` of a ``d``-wide row lives in its packed row.
+
+    Args:
+        dim: element index along head_dim, ``0 <= dim < d``.
+        d: head_dim (a multiple of 4).
+
+    Returns:
+        ``(byte, shift)``: the code is ``(packed[byte] >> shift) & 3``, with
+        ``byte = dim % (d // 4)`` and ``shift = 2 * (dim // (d // 4))``.
+
+    Example (``d = 128``): ``byte_index_and_shift(0, 128) == (0, 0)``,
+    ``byte_index_and_shift(33, 128) == (1, 2)``, ``byte_index_and_shift(70, 128) == (6, 4)``,
+    ``byte_index_and_shift(127, 128) == (31, 6)``.
+
+    Raises:
+        ValueError: ``d`` not a positive multiple of 4 or ``dim`` out of range.
+    """
+    if not isinstance(d, int) or d <= 0 or d % 4:
+        raise ValueError(f"d must be a positive multiple of 4, got {d!r}")
+    if not isinstance(dim, int) or not 0 <= dim < d:
+        raise ValueError(f"dim must be in [0, {d}), got {dim!r}")
+    quarter = d // 4
+    return dim % quarter, 2 * (dim // quarter)
+
+
+def clip_index(clip_ratio: float, d: int) -> int:
+    """Sort index of the per-row clip threshold, or ``-1`` when clipping is off.
+
+    ``-1`` if ``clip_ratio <= 0``, else ``min(max(int(clip_ratio * d), 0), d - 1)`` (``int`` floors
+    a positive product). The threshold is ``sort(|row|)[index]`` over the full row.
+    d=128: 0.96 -> 122, 0.92 -> 117, 1.0 -> 127.
+    """
+    if clip_ratio <= 0.0:
+        return -1
+    return min(max(int(clip_ratio * d), 0), d - 1)
+
+
+def clip_plan(index: int, d: int) -> tuple[str, int]:
+    """How a kernel finds ``sort(|row|)[index]`` exactly, as ``(mode, passes)``.
+
+    - ``("none", 0)`` when ``index < 0``;
+    - ``("top", d - index)``: repeated max-and-mask, when few values lie above the index
+      (d=128, ratio 0.96 -> 6 passes; 0.92 -> 11 passes);
+    - ``("bottom", index + 1)``: repeated min-and-mask, when few values lie below it;
+    - ``("radix", 31)``: bisection on the fp32 bit pattern otherwise.
+    """
+    if index < 0:
+        return "none", 0
+    above, below = d - index, index + 1
+    if min(above, below) <= CLIP_SELECT_MAX_ITERS:
+        return ("top", above) if above <= below else ("bottom", below)
+    return "radix", RADIX_ITERS
+
+
+def check_head_dim(d: int) -> None:
+    """Raise ``ValueError`` unless ``d`` is one of :data:`HEAD_DIMS`."""
+    if d not in HEAD_DIMS:
+        raise ValueError(f"head_dim {d} is not one of {', '.join(map(str, HEAD_DIMS))}")
+
+
+def allowed_group_sizes(d: int) -> tuple[int, ...]:
+    """``d, d/2, d/4, ...`` down to :data:`MIN_GROUP_SIZE`."""
+    out = []
+    g = d
+    while g >= MIN_GROUP_SIZE:
+        out.append(g)
+        g //= 2
+    return tuple(out)
+
+
+def resolve_group_size(d: int, group_size: int | None) -> int:
+    """``group_size`` (``None`` means ``d``) after checking it is in :func:`allowed_group_sizes`."""
+    if group_size is None:
+        return d
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise ValueError(f"group_size must be an int or None, got {group_size!r}")
+    allowed = allowed_group_sizes(d)
+    if group_size not in allowed:
+        raise ValueError(
+            f"group_size {group_size} is not valid for head_dim {d}; expected one of "
+            f"{', '.join(map(str, allowed))}"
+        )
+    return group_size
+
+
+# --- launch heuristics (GPU numbers are starting points, not tuned on hardware) -----------------
+
+
+def quant_block_rows(d: int, *, rotate: bool, interpret: bool = False) -> int:
+    """Rows per tile of the quantize kernel.
+
+    ``tl.dot`` needs at least 16 rows. Compiled: 64 rows at d<=128 (rotate or not), 32 at d=256,
+    so one tile moves 8-16 KB of bf16 input. Interpreted: 64 rows (fewer, larger numpy steps).
+    """
+    if interpret:
+        return 64
+    if d >= 256:
+        return 32
+    return 64
+
+
+def quant_num_warps(d: int, block_rows: int, *, rotate: bool) -> int:
+    """Warps per program: one 128-bit (8 x bf16) load per thread per step, 4..8 warps."""
+    elems = block_rows * d
+    warps = elems // (32 * 8 * 4)  # four 128-bit loads per thread
+    if rotate:
+        warps = max(warps, 4)
+    return int(min(max(warps, 4), 8))
+
+
+def dequant_block_rows(d: int, *, interpret: bool = False) -> int:
+    """Rows per tile of the dequantize kernel (64; 32 at d=256)."""
+    if interpret:
+        return 64
+    return 32 if d >= 256 else 64
+
+
+def persistent_programs(num_tiles: int, num_heads: int, num_sms: int, *, per_sm: int = 4) -> int:
+    """Programs along the tile axis of a persistent launch (the grid is ``(this, num_heads)``).
+
+    Enough programs to fill ``per_sm`` slots on every SM, never more than there are tiles, at least
+    one. A program keeps the rotation matrix loaded across all the tiles it visits.
+    """
+    if num_tiles <= 0:
+        return 1
+    want = max(1, math.ceil(num_sms * per_sm / max(num_heads, 1)))
+    return int(min(num_tiles, want))

@@ -1,0 +1,453 @@
+"""Triton INT2 KV kernels: fused rotate + clip + quantize + pack (optionally into slots), and dequant.
+
+Imported only when the triton backend is used. The kernels follow the semantics of
+:mod:`rotationzoo.kernels.reference` operation for operation; every fp32 division is the IEEE
+round-to-nearest ``tl.math.div_rn`` (Triton's ``/`` on fp32 is the approximate ``div.full.f32``),
+the square root is ``sqrt_rn``, fp32 -> bf16 rounding is done with integer arithmetic
+(round-to-nearest-even, like torch) and launches pass ``enable_fp_fusion=False`` so that no
+multiply-add is contracted into an FMA. Under ``TRITON_INTERPRET=1`` they run on CPU tensors and are
+bit-exact with the reference (tested); compiled, the same holds except for the fp32 summation order
+inside ``tl.dot`` when a rotation is fused.
+
+Kernels are built on first use for the current Triton mode (compiled or interpreted), so setting
+``TRITON_INTERPRET=1`` after ``import triton`` still takes effect.
+"""
+
+import functools
+import os
+import types
+
+import torch
+import triton
+import triton.language as tl
+
+from . import layout
+
+_CLIP_MODES = {"none": 0, "top": 1, "bottom": 2, "radix": 3}
+
+# Reductions go through tl.reduce with Triton's own combine functions (what tl.max/min/sum do
+# inside). The interpreter recognises these objects and reduces with numpy, whichever mode triton
+# was imported in; the kernels call no other @jit library function (tl.cdiv, tl.zeros, tl.max ...),
+# so they also run interpreted when TRITON_INTERPRET=1 was set after triton had been imported.
+_MAX_FN = tl.standard._elementwise_max
+_MIN_FN = tl.standard._elementwise_min
+_SUM_FN = tl.standard._sum_combine
+
+
+def _int2_quant_kernel(
+    x_ptr,
+    r_ptr,
+    loc_ptr,
+    codes_ptr,
+    sz_ptr,
+    n_rows,
+    num_tiles,
+    n_slots,
+    sx_t,
+    sx_h,
+    sx_d,
+    sr_h,
+    sr_i,
+    sr_o,
+    sc_s,
+    sc_h,
+    sc_q,
+    ss_s,
+    ss_h,
+    ss_k,
+    D: tl.constexpr,
+    Q: tl.constexpr,
+    NG: tl.constexpr,
+    G: tl.constexpr,
+    BT: tl.constexpr,
+    ROTATE: tl.constexpr,
+    DOT_BF16: tl.constexpr,
+    HAS_LOC: tl.constexpr,
+    CLIP_INDEX: tl.constexpr,
+    CLIP_MODE: tl.constexpr,
+    CLIP_ITERS: tl.constexpr,
+    LLOYD_MAX: tl.constexpr,
+    SZ_BF16: tl.constexpr,
+):
+    """Rotate (optional) + clip + quantize + pack ``BT``-row tiles of one head.
+
+    Grid ``(P, H)``: program ``(p, h)`` loads ``R[h]`` (or the shared ``R``) once, then visits tiles
+    ``p, p + P, ...`` of head ``h``. Input row ``t`` of head ``h`` is at
+    ``x_ptr + t*sx_t + h*sx_h + dim*sx_d``; it is written to slot ``loc[t]`` (``HAS_LOC``; rows whose
+    slot is negative or ``>= n_slots`` are skipped) or to slot ``t``.
+
+    Per row (fp32): rotation ``bf16(bf16(x) @ R)`` via ``tl.dot`` with fp32 accumulation; NaN row ->
+    zeroed and flagged; clip at ``sort(|row|)[CLIP_INDEX]`` found exactly by ``CLIP_MODE``
+    (1 max-and-mask, 2 min-and-mask, 3 bit-pattern bisection); rows with ±inf left -> flagged; signed
+    zeros -> +0; uniform or Lloyd-Max levels; flagged rows store codes 0 and NaN scale/zero.
+    """
+    pid = tl.program_id(0)
+    head = tl.program_id(1)
+    nprog = tl.num_programs(0)
+    dims = tl.arange(0, D)
+    qidx = tl.arange(0, Q)
+    gidx = tl.arange(0, NG)
+    shifts = tl.arange(0, 4) * 2
+    if ROTATE:
+        r_offs = head.to(tl.int64) * sr_h + dims[:, None] * sr_i + dims[None, :] * sr_o
+        rmat = tl.load(r_ptr + r_offs)
+    for tile in range(pid, num_tiles, nprog):
+        rows = tile * BT + tl.arange(0, BT)
+        in_range = rows < n_rows
+        if HAS_LOC:
+            slot = tl.load(loc_ptr + rows, mask=in_range, other=-1).to(tl.int64)
+            active = in_range & (slot >= 0) & (slot < n_slots)
+        else:
+            slot = rows.to(tl.int64)
+            active = in_range
+        x_offs = rows.to(tl.int64)[:, None] * sx_t + head * sx_h + dims[None, :] * sx_d
+        v = tl.load(x_ptr + x_offs, mask=active[:, None], other=0.0).to(tl.float32)
+
+        if ROTATE:
+            # round to bf16 (nearest even) with integer ops: identical compiled and interpreted
+            vb = v.to(tl.int32, bitcast=True)
+            vb = (vb + 0x7FFF + ((vb >> 16) & 1)) & -65536
+            v = tl.where(v != v, v, vb.to(tl.float32, bitcast=True))
+            if DOT_BF16:
+                acc = tl.dot(v.to(tl.bfloat16), rmat, out_dtype=tl.float32)
+            else:
+                acc = tl.dot(v, rmat, input_precision="ieee", out_dtype=tl.float32)
+            ab = acc.to(tl.int32, bitcast=True)
+            ab = (ab + 0x7FFF + ((ab >> 16) & 1)) & -65536
+            v = tl.where(acc != acc, acc, ab.to(tl.float32, bitcast=True))
+
+        nan_row = tl.reduce((v != v).to(tl.int32), 1, _MAX_FN) > 0
+        v = tl.where(nan_row[:, None], 0.0, v)
+
+        if CLIP_MODE != 0:
+            a = tl.abs(v)
+            if CLIP_MODE == 1:
+                # the (D - CLIP_INDEX)-th largest |x|, counting ties
+                rem = tl.full([BT], D - CLIP_INDEX, tl.int32)
+                thr = tl.full([BT], 0.0, tl.float32)
+                found = tl.full([BT], 0, tl.int32)
+                for _ in tl.static_range(CLIP_ITERS):
+                    cur = tl.reduce(a, 1, _MAX_FN)
+                    eq = a == cur[:, None]
+                    cnt = tl.reduce(eq.to(tl.int32), 1, _SUM_FN)
+                    hit = (found == 0) & (cnt >= rem)
+                    thr = tl.where(hit, cur, thr)
+                    found = tl.where(hit, 1, found)
+                    rem = rem - cnt
+                    a = tl.where(eq, -1.0, a)
+            elif CLIP_MODE == 2:
+                # the (CLIP_INDEX + 1)-th smallest |x|, counting ties
+                rem = tl.full([BT], CLIP_INDEX + 1, tl.int32)
+                thr = tl.full([BT], 0.0, tl.float32)
+                found = tl.full([BT], 0, tl.int32)
+                for _ in tl.static_range(CLIP_ITERS):
+                    cur = tl.reduce(a, 1, _MIN_FN)
+                    eq = a == cur[:, None]
+                    cnt = tl.reduce(eq.to(tl.int32), 1, _SUM_FN)
+                    hit = (found == 0) & (cnt >= rem)
+                    thr = tl.where(hit, cur, thr)
+                    found = tl.where(hit, 1, found)
+                    rem = rem - cnt
+                    a = tl.where(eq, float("inf"), a)
+            else:
+                # largest bit pattern t with #{|x| < t} <= CLIP_INDEX: exactly sort(|x|)[CLIP_INDEX]
+                u = a.to(tl.int32, bitcast=True)
+                prefix = tl.full([BT], 0, tl.int32)
+                for i in tl.static_range(CLIP_ITERS):
+                    cand = prefix | (1 << (30 - i))
+                    below = tl.reduce((u < cand[:, None]).to(tl.int32), 1, _SUM_FN)
+                    prefix = tl.where(below <= CLIP_INDEX, cand, prefix)
+                thr = prefix.to(tl.float32, bitcast=True)
+            v = tl.minimum(tl.maximum(v, -thr[:, None]), thr[:, None])
+
+        inf_row = tl.reduce((tl.abs(v) == float("inf")).to(tl.int32), 1, _MAX_FN) > 0
+        bad = nan_row | inf_row
+        v = tl.where(bad[:, None] | (v == 0.0), 0.0, v)
+
+        if LLOYD_MAX:
+            # fixed halving order of the row sums (matches reference.pairwise_sum)
+            s = v
+            if D >= 256:
+                s = tl.reduce(tl.reshape(s, (BT, 2, 128)), 1, _SUM_FN)
+            if D >= 128:
+                s = tl.reduce(tl.reshape(s, (BT, 2, 64)), 1, _SUM_FN)
+            s = tl.reduce(tl.reshape(s, (BT, 2, 32)), 1, _SUM_FN)
+            s = tl.reduce(tl.reshape(s, (BT, 2, 16)), 1, _SUM_FN)
+            s = tl.reduce(tl.reshape(s, (BT, 2, 8)), 1, _SUM_FN)
+            s = tl.reduce(tl.reshape(s, (BT, 2, 4)), 1, _SUM_FN)
+            s = tl.reduce(tl.reshape(s, (BT, 2, 2)), 1, _SUM_FN)
+            s = tl.reduce(tl.reshape(s, (BT, 2, 1)), 1, _SUM_FN)
+            mean = tl.math.div_rn(tl.reshape(s, (BT,)), D * 1.0)
+            diff = v - mean[:, None]
+            s = diff * diff
+            if D >= 256:
+                s = tl.reduce(tl.reshape(s, (BT, 2, 128)), 1, _SUM_FN)
+            if D >= 128:
+                s = tl.reduce(tl.reshape(s, (BT, 2, 64)), 1, _SUM_FN)
+            s = tl.reduce(tl.reshape(s, (BT, 2, 32)), 1, _SUM_FN)
+            s = tl.reduce(tl.reshape(s, (BT, 2, 16)), 1, _SUM_FN)
+            s = tl.reduce(tl.reshape(s, (BT, 2, 8)), 1, _SUM_FN)
+            s = tl.reduce(tl.reshape(s, (BT, 2, 4)), 1, _SUM_FN)
+            s = tl.reduce(tl.reshape(s, (BT, 2, 2)), 1, _SUM_FN)
+            s = tl.reduce(tl.reshape(s, (BT, 2, 1)), 1, _SUM_FN)
+            var = tl.math.div_rn(tl.reshape(s, (BT,)), D * 1.0)
+            std = tl.math.sqrt_rn(var + 1e-8)
+            z = tl.math.div_rn(diff, std[:, None])
+            # literals = reference.LM_THRESHOLD, LM_SCALE, LM_ZERO_OFFSET (all exact in fp32)
+            qf = (
+                (z >= -0.9810652732849121).to(tl.float32)
+                + (z >= 0.0).to(tl.float32)
+                + (z >= 0.9810652732849121).to(tl.float32)
+            )
+            lm_scale = std * 1.1673918962478638
+            lm_zero = 1.5 - tl.math.div_rn(mean, lm_scale)
+            scale = lm_scale[:, None]
+            zero = lm_zero[:, None]
+        else:
+            g = tl.reshape(v, (BT, NG, G))
+            mn = tl.reduce(g, 2, _MIN_FN)
+            mx = tl.reduce(g, 2, _MAX_FN)
+            scale = tl.math.div_rn(tl.maximum(mx - mn, 1e-8), 3.0)
+            zero = tl.math.div_rn(-mn, scale)
+            t = tl.math.div_rn(g, scale[:, :, None]) + zero[:, :, None] + 0.5
+            qf = tl.reshape(tl.minimum(tl.maximum(tl.floor(t), 0.0), 3.0), (BT, D))
+
+        q4 = tl.reshape(qf.to(tl.int32), (BT, 4, Q))
+        packed = tl.reduce(q4 << shifts[None, :, None], 1, _SUM_FN)
+        packed = tl.where(bad[:, None], 0, packed).to(tl.uint8)
+        scale = tl.where(bad[:, None], float("nan"), scale)
+        zero = tl.where(bad[:, None], float("nan"), zero)
+        if SZ_BF16:
+            sb = scale.to(tl.int32, bitcast=True)
+            sb = (sb + 0x7FFF + ((sb >> 16) & 1)) & -65536
+            scale = tl.where(scale != scale, scale, sb.to(tl.float32, bitcast=True))
+            zb = zero.to(tl.int32, bitcast=True)
+            zb = (zb + 0x7FFF + ((zb >> 16) & 1)) & -65536
+            zero = tl.where(zero != zero, zero, zb.to(tl.float32, bitcast=True))
+
+        c_offs = slot[:, None] * sc_s + head * sc_h + qidx[None, :] * sc_q
+        tl.store(codes_ptr + c_offs, packed, mask=active[:, None])
+        s_offs = slot[:, None] * ss_s + head * ss_h + (2 * gidx)[None, :] * ss_k
+        tl.store(sz_ptr + s_offs, scale, mask=active[:, None])
+        tl.store(sz_ptr + s_offs + ss_k, zero, mask=active[:, None])
+
+
+def _int2_dequant_kernel(
+    codes_ptr,
+    sz_ptr,
+    out_ptr,
+    n_rows,
+    num_tiles,
+    sc_r,
+    sc_q,
+    ss_r,
+    ss_k,
+    so_r,
+    so_d,
+    D: tl.constexpr,
+    Q: tl.constexpr,
+    NG: tl.constexpr,
+    G: tl.constexpr,
+    BT: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+):
+    """``out[r, dim] = (code(r, dim) - zero[r, dim // G]) * scale[r, dim // G]`` for ``BT``-row tiles.
+
+    Grid ``(P,)``, persistent over tiles. Codes are unpacked from the quarter-interleaved bytes
+    (byte ``j`` bits ``2a..2a+1`` is dim ``a*Q + j``); scale/zero are read as fp32 from the
+    interleaved ``[s0, z0, s1, z1, ...]`` row; the fp32 result is rounded once to the output dtype.
+    """
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    dims = tl.arange(0, D)
+    qidx = tl.arange(0, Q)
+    gidx = tl.arange(0, NG)
+    shifts = tl.arange(0, 4) * 2
+    for tile in range(pid, num_tiles, nprog):
+        rows = tile * BT + tl.arange(0, BT)
+        m = rows < n_rows
+        r64 = rows.to(tl.int64)
+        packed = tl.load(codes_ptr + r64[:, None] * sc_r + qidx[None, :] * sc_q, mask=m[:, None], other=0)
+        q = (packed.to(tl.int32)[:, None, :] >> shifts[None, :, None]) & 3
+        qf = tl.reshape(q, (BT, NG, G)).to(tl.float32)
+        s_offs = r64[:, None] * ss_r + (2 * gidx)[None, :] * ss_k
+        s = tl.load(sz_ptr + s_offs, mask=m[:, None], other=0.0).to(tl.float32)
+        z = tl.load(sz_ptr + s_offs + ss_k, mask=m[:, None], other=0.0).to(tl.float32)
+        out = tl.reshape((qf - z[:, :, None]) * s[:, :, None], (BT, D))
+        if OUT_BF16:
+            ob = out.to(tl.int32, bitcast=True)
+            ob = (ob + 0x7FFF + ((ob >> 16) & 1)) & -65536
+            out = tl.where(out != out, out, ob.to(tl.float32, bitcast=True))
+        tl.store(out_ptr + r64[:, None] * so_r + dims[None, :] * so_d, out, mask=m[:, None])
+
+
+# --- build (per Triton mode) --------------------------------------------------------------------
+
+
+def interpret_mode() -> bool:
+    """Whether ``@triton.jit`` currently yields interpreted kernels (``TRITON_INTERPRET=1``)."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        try:
+            return bool(knobs.runtime.interpret)
+        except AttributeError:  # pragma: no cover - older layouts
+            pass
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in {"1", "true", "yes", "on"}
+
+
+@functools.lru_cache(maxsize=2)
+def _kernels(interpret: bool) -> types.SimpleNamespace:
+    # Each mode decorates its own copies of the raw functions, in a private copy of the module
+    # namespace (the interpreter adds names to the globals of what it runs).
+    del interpret  # the cache key; triton.jit reads the same setting
+    namespace = dict(globals())
+
+    def jit(fn):
+        copy = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+        copy.__module__ = fn.__module__
+        copy.__qualname__ = fn.__qualname__
+        copy.__doc__ = fn.__doc__
+        return triton.jit(copy)
+
+    return types.SimpleNamespace(quant=jit(_int2_quant_kernel), dequant=jit(_int2_dequant_kernel))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def quantize_triton(
+    x: torch.Tensor,
+    rotation: torch.Tensor | None,
+    loc: torch.Tensor | None,
+    codes_out: torch.Tensor,
+    sz_out: torch.Tensor,
+    *,
+    clip_index: int,
+    group_size: int,
+    lloyd_max: bool,
+    block_rows: int | None = None,
+    num_warps: int | None = None,
+    programs: int | None = None,
+) -> None:
+    """Launch the fused quantize kernel.
+
+    Args:
+        x: ``[N, H, d]`` bf16/fp16/fp32 rows (any strides).
+        rotation: ``None``, ``[d, d]`` shared or ``[H, d, d]`` per head (any float dtype; rounded to bf16).
+        loc: ``None`` (row ``t`` goes to slot ``t``) or ``[N]`` int32/int64 slots.
+        codes_out: ``[S, H, d/4]`` uint8.
+        sz_out: ``[S, H, 2 * d / group_size]`` fp32/bf16/fp16.
+        clip_index: from :func:`layout.clip_index` (``-1``: off).
+        group_size: contiguous dims per scale/zero pair (``d`` when ``lloyd_max``).
+        lloyd_max: approximate Lloyd-Max levels.
+        block_rows, num_warps, programs: launch overrides (benchmark sweeps); default heuristics
+            from :mod:`rotationzoo.kernels.layout`.
+    """
+    n, heads, d = x.shape
+    if n == 0:
+        return
+    interpret = interpret_mode()
+    k = _kernels(interpret)
+    rotate = rotation is not None
+    if rotate:
+        # compiled: bf16 operand for tl.dot; interpreted: the same bf16 values held in fp32 (the
+        # interpreter has no bf16 matmul)
+        r = rotation.to(torch.bfloat16)
+        if interpret:
+            r = r.to(torch.float32)
+        if r.dim() == 2:
+            sr = (0, r.stride(0), r.stride(1))
+        else:
+            sr = (r.stride(0), r.stride(1), r.stride(2))
+    else:
+        r = x  # unused pointer
+        sr = (0, 0, 0)
+    bt = block_rows or layout.quant_block_rows(d, rotate=rotate, interpret=interpret)
+    warps = num_warps or layout.quant_num_warps(d, bt, rotate=rotate)
+    tiles = triton.cdiv(n, bt)
+    progs = programs or layout.persistent_programs(tiles, heads, _num_sms(x.device))
+    mode, iters = layout.clip_plan(clip_index, d)
+    k.quant[(progs, heads)](
+        x,
+        r,
+        loc if loc is not None else x,
+        codes_out,
+        sz_out,
+        n,
+        tiles,
+        codes_out.shape[0],
+        x.stride(0),
+        x.stride(1),
+        x.stride(2),
+        *sr,
+        codes_out.stride(0),
+        codes_out.stride(1),
+        codes_out.stride(2),
+        sz_out.stride(0),
+        sz_out.stride(1),
+        sz_out.stride(2),
+        D=d,
+        Q=d // 4,
+        NG=d // group_size,
+        G=group_size,
+        BT=bt,
+        ROTATE=rotate,
+        DOT_BF16=not interpret,
+        HAS_LOC=loc is not None,
+        CLIP_INDEX=clip_index,
+        CLIP_MODE=_CLIP_MODES[mode],
+        CLIP_ITERS=iters,
+        LLOYD_MAX=lloyd_max,
+        SZ_BF16=sz_out.dtype == torch.bfloat16,
+        num_warps=warps,
+        num_stages=1,
+        enable_fp_fusion=False,
+    )
+
+
+def dequantize_triton(
+    codes: torch.Tensor,
+    sz: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    group_size: int,
+    block_rows: int | None = None,
+    num_warps: int | None = None,
+    programs: int | None = None,
+) -> None:
+    """Launch the dequantize kernel on ``codes [N, d/4]``, ``sz [N, 2*groups]`` into ``out [N, d]``."""
+    n, quarter = codes.shape
+    if n == 0:
+        return
+    d = 4 * quarter
+    interpret = interpret_mode()
+    k = _kernels(interpret)
+    bt = block_rows or layout.dequant_block_rows(d, interpret=interpret)
+    warps = num_warps or 4
+    tiles = triton.cdiv(n, bt)
+    progs = programs or layout.persistent_programs(tiles, 1, _num_sms(codes.device))
+    k.dequant[(progs,)](
+        codes,
+        sz,
+        out,
+        n,
+        tiles,
+        codes.stride(0),
+        codes.stride(1),
+        sz.stride(0),
+        sz.stride(1),
+        out.stride(0),
+        out.stride(1),
+        D=d,
+        Q=quarter,
+        NG=d // group_size,
+        G=group_size,
+        BT=bt,
+        OUT_BF16=out.dtype == torch.bfloat16,
+        num_warps=warps,
+        num_stages=1,
+        enable_fp_fusion=False,
+    )
