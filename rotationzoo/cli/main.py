@@ -32,6 +32,7 @@ app = typer.Typer(
 COMMAND_MODULES = [
     "registry_cmds",
     "fetch_cmds",
+    "publish_cmds",
     "serve_cmds",
 ]
 

@@ -98,18 +98,60 @@ def cmd_info(
 
 
 def cmd_verify(
-    paths: Annotated[list[Path], typer.Argument(help="Rotation files (.pt or .safetensors).")],
+    paths: Annotated[Optional[list[Path]], typer.Argument(help="Rotation files (.pt or .safetensors).")] = None,
     num_layers: Annotated[Optional[int], typer.Option(help="Expect layers 0..N-1.")] = None,
     head_dim: Annotated[Optional[int], typer.Option(help="Expect [d, d] matrices with this d.")] = None,
-    model: Annotated[Optional[str], typer.Option(help="Take layer ids and head_dim from this registry model.")] = None,
+    model: Annotated[Optional[str], typer.Option(help="Take layer ids and head_dim from this registry model (with --registry: check only this model).")] = None,
     atol: Annotated[float, typer.Option(help="Tolerance on max|RRᵀ−I|.")] = 1e-5,
+    registry: Annotated[bool, typer.Option("--registry", help="Check every registry entry instead of files: cached (or bundled) files, or all with --download.")] = False,
+    download: Annotated[bool, typer.Option("--download", help="With --registry: download (and verify) entries that are not cached.")] = False,
+    cache_dir: Annotated[Optional[Path], typer.Option("--cache-dir", help="With --registry: cache root (default: $ROTATIONZOO_CACHE or the user cache dir).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Validate rotation files: format, orthogonality, finiteness, shapes, layers. Exit 1 if any fails.
 
+    With --registry, check every registry entry instead: files in the cache (or bundled), or every
+    file with --download; each entry is reported ok, unpinned (valid, but no sha256 in the
+    registry), missing (not cached) or failed. Exit 1 if any entry failed.
+
     Examples:  rotationzoo verify k.pt v.pt --num-layers 36 --head-dim 128  |
-    rotationzoo verify k.pt --model Qwen3-8B --json
+    rotationzoo verify k.pt --model Qwen3-8B --json  |  rotationzoo verify --registry --download --json
     """
+    from ..errors import CLIError
+
+    if registry:
+        if paths:
+            raise CLIError("give rotation files or --registry, not both")
+        from rich.markup import escape
+
+        from ..publish import verify_registry
+
+        checks = verify_registry(download=download, model=model, cache_dir=cache_dir, atol=atol)
+        counts = {s: sum(ch.status == s for ch in checks) for s in ("ok", "unpinned", "missing", "failed")}
+        if json_out:
+            emit_json({"ok": counts["failed"] == 0, "download": download, "checked": len(checks),
+                       "counts": counts, "entries": [ch.to_json() for ch in checks]})
+        else:
+            c = console()
+            style = {"ok": "green", "unpinned": "yellow", "missing": "dim", "failed": "red"}
+            for ch in checks:
+                c.print(f"[{style[ch.status]}]{ch.status:>8}[/] {escape(ch.model)}@{escape(ch.tag)}")
+                if ch.status == "unpinned":
+                    for side, f in ch.files.items():
+                        c.print(f"          {side.upper()} sha256 {f['sha256']} ({f['size']} B), not pinned in the registry")
+                elif ch.status == "failed":
+                    for p in ch.problems:
+                        c.print(f"          [red]✗[/] {escape(p)}")
+            c.print(f"{len(checks)} entries: {counts['ok']} ok, {counts['unpinned']} unpinned, "
+                    f"{counts['missing']} not cached{'' if download else ' (use --download)'}, "
+                    f"{counts['failed']} failed")
+        if counts["failed"]:
+            raise typer.Exit(1)
+        return
+    if download or cache_dir is not None:
+        raise CLIError("--download and --cache-dir go with --registry")
+    if not paths:
+        raise CLIError("give one or more rotation files to check, or --registry to check the registry entries")
     from ..validation import verify_file
 
     layer_ids = None

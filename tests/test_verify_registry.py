@@ -1,0 +1,219 @@
+"""``rotationzoo verify --registry`` (the zoo integrity check) and the CI workflows that run the checks."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+
+from hubserver import hub_env, hub_server  # noqa: F401  (fixtures)
+
+from rotationzoo import RotationSet, write_rotation
+from rotationzoo.cli.main import main
+from rotationzoo.publish import verify_registry
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKFLOWS = ROOT / ".github" / "workflows"
+REPO_ID = "zoo/RotationZoo"
+MODEL = "acme/Tiny-LM"
+L, D = 4, 16
+
+
+def _orthogonal(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(L, D, D, dtype=torch.float64, generator=g))
+    return q.float().contiguous()
+
+
+@pytest.fixture
+def zoo(hub_env, tmp_path, monkeypatch):
+    """Three tags of one model on the test hub: pinned, unpinned, and pinned to the wrong sha256."""
+    server = hub_env.server
+    blobs: dict[str, bytes] = {}
+    for side, seed in (("k", 1), ("v", 2)):
+        p = write_rotation(tmp_path / "src" / f"{side}_rotation_x.pt", RotationSet(_orthogonal(seed), range(L), "x"))
+        blobs[side] = p.read_bytes()
+    tags = ("pinned", "unpinned", "tampered")
+    commit = server.commit_files(REPO_ID, {f"Tiny-LM/{t}/{s}_rotation_x.pt": b for t in tags for s, b in blobs.items()})
+
+    def tag_entry(name: str) -> dict:
+        files = {}
+        for side, data in blobs.items():
+            sha, size = hashlib.sha256(data).hexdigest(), len(data)
+            if name == "unpinned":
+                sha, size = None, None
+            if name == "tampered" and side == "v":
+                sha = "0" * 64  # what the registry promises is not what the hub serves
+            files[side] = {"path": f"Tiny-LM/{name}/{side}_rotation_x.pt", "sha256": sha, "size": size}
+        return {"objectives": {"k": "x", "v": "x"}, "serving": {"group_size": 16},
+                "sources": [{"type": "huggingface", "repo": REPO_ID, "revision": commit}], "files": files}
+
+    reg = {"registry_version": 1, "models": [{
+        "id": MODEL, "aliases": ["Tiny-LM"], "architecture": {"num_layers": L, "head_dim": D},
+        "default_tag": "pinned", "tags": {t: tag_entry(t) for t in tags}}]}
+    path = tmp_path / "registry.json"
+    path.write_text(json.dumps(reg, indent=2) + "\n")
+    monkeypatch.setenv("ROTATIONZOO_REGISTRY", str(path))
+    cache = tmp_path / "rz-cache"
+    monkeypatch.setenv("ROTATIONZOO_CACHE", str(cache))
+    return type("Zoo", (), {"server": server, "blobs": blobs, "cache": cache, "commit": commit})
+
+
+def _by_tag(checks) -> dict:
+    return {c.tag: c for c in checks}
+
+
+def test_offline_check_of_the_bundled_registry(cache_dir, capsys) -> None:
+    checks = verify_registry()
+    status = {(c.model, c.tag): c.status for c in checks}
+    assert status[("HuggingFaceTB/SmolLM2-135M-Instruct", "hadamard")] == "ok"  # bundled: always checkable
+    assert set(status.values()) == {"ok", "missing"}  # nothing else is cached, nothing was downloaded
+    assert len(checks) == sum(len(m["tags"]) for m in json.loads((ROOT / "registry.json").read_text())["models"])
+    assert main(["verify", "--registry", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] and out["download"] is False and out["counts"]["failed"] == 0
+    assert out["counts"]["ok"] == 1 and out["checked"] == len(checks)
+    smol = next(e for e in out["entries"] if e["tag"] == "hadamard")
+    assert smol["files"]["k"]["sha256"] == smol["files"]["k"]["registry_sha256"]
+    assert main(["verify", "--registry"]) == 0
+    text = capsys.readouterr().out
+    assert "ok HuggingFaceTB/SmolLM2-135M-Instruct@hadamard" in text and "not cached (use --download)" in text
+
+
+def test_download_reports_ok_unpinned_and_failed(zoo, capsys) -> None:
+    assert main(["verify", "--registry", "--download", "--model", MODEL, "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert not out["ok"] and out["counts"] == {"ok": 1, "unpinned": 1, "missing": 0, "failed": 1}
+    entries = {e["tag"]: e for e in out["entries"]}
+    assert entries["pinned"]["status"] == "ok" and entries["pinned"]["problems"] == []
+    unpinned = entries["unpinned"]
+    assert unpinned["status"] == "unpinned" and unpinned["files"]["v"]["registry_sha256"] is None
+    assert unpinned["files"]["v"]["sha256"] == hashlib.sha256(zoo.blobs["v"]).hexdigest()
+    assert entries["tampered"]["status"] == "failed" and "sha256" in entries["tampered"]["problems"][0]
+    # human output: one line per entry, the observed sha256 of unpinned files, the failure reason
+    assert main(["verify", "--registry", "--download", "--model", MODEL]) == 1
+    text = capsys.readouterr().out
+    assert "ok acme/Tiny-LM@pinned" in text and "unpinned acme/Tiny-LM@unpinned" in text
+    assert "failed acme/Tiny-LM@tampered" in text and "not pinned in the registry" in text
+    assert "3 entries: 1 ok, 1 unpinned, 0 not cached, 1 failed" in text
+
+
+def test_without_download_only_the_cache_is_checked_and_rehashed(zoo) -> None:
+    assert {c.tag: c.status for c in verify_registry(model=MODEL)} == {
+        "pinned": "missing", "unpinned": "missing", "tampered": "missing"}
+    assert zoo.server.requests() == []
+    verify_registry(model=MODEL, download=True)
+    zoo.server.clear_log()
+    checks = _by_tag(verify_registry(model=MODEL))
+    assert checks["pinned"].status == "ok" and checks["unpinned"].status == "unpinned"
+    assert checks["tampered"].status == "missing"  # its V file was refused, so it never entered the cache
+    assert zoo.server.requests() == []
+    # a cached file changed on disk behind the cache's back (size and mtime kept): caught by re-hashing
+    k = Path(checks["pinned"].files["k"]["path"])
+    st = k.stat()
+    data = bytearray(k.read_bytes())
+    data[-30] ^= 0xFF
+    k.write_bytes(bytes(data))
+    os.utime(k, ns=(st.st_atime_ns, st.st_mtime_ns))
+    again = _by_tag(verify_registry(model=MODEL))["pinned"]
+    assert again.status == "failed" and any("the registry pins" in p for p in again.problems)
+
+
+def test_verify_usage_errors(tmp_path, capsys) -> None:
+    assert main(["verify"]) == 1
+    assert "--registry" in capsys.readouterr().err
+    p = tmp_path / "k.pt"
+    write_rotation(p, RotationSet(_orthogonal(1), range(L), "x"))
+    assert main(["verify", str(p), "--registry"]) == 1
+    assert "not both" in capsys.readouterr().err
+    assert main(["verify", str(p), "--download"]) == 1
+    assert "go with --registry" in capsys.readouterr().err
+    assert main(["verify", str(p), "--num-layers", str(L), "--head-dim", str(D), "--json"]) == 0  # files as before
+    assert json.loads(capsys.readouterr().out)[0]["ok"]
+
+
+# -- the CI workflows ----------------------------------------------------------------------------
+
+
+def _load(name: str) -> dict:
+    yaml = pytest.importorskip("yaml")
+    data = yaml.safe_load((WORKFLOWS / name).read_text())
+    assert isinstance(data, dict) and data.get("jobs"), name
+    return data
+
+
+def _triggers(data: dict) -> dict:
+    # YAML 1.1 reads the bare key `on` as the boolean True
+    return data.get("on", data.get(True))
+
+
+def _run_lines(data: dict) -> list[str]:
+    lines = []
+    for job in data["jobs"].values():
+        for step in job["steps"]:
+            for line in str(step.get("run", "")).splitlines():
+                if line.strip() and not line.strip().startswith("#"):
+                    lines.append(line.strip())
+    return lines
+
+
+def _make_targets() -> set[str]:
+    text = (ROOT / "Makefile").read_text()
+    return set(re.findall(r"^([A-Za-z][\w.-]*)\s*:(?!=)", text, flags=re.M))
+
+
+def _check_command(line: str) -> str:
+    """Assert that the command a workflow runs exists here; returns what it was."""
+    import click
+    import typer
+
+    from rotationzoo.cli.main import app
+
+    words = shlex.split(line.split("|")[0])
+    if words[0] == "make":
+        targets = [w for w in words[1:] if "=" not in w and not w.startswith("-")]
+        assert targets and set(targets) <= _make_targets(), (line, _make_targets())
+        return "make"
+    if words[0] == ".venv/bin/python":
+        assert (ROOT / words[1]).is_file(), line
+        return words[1]
+    if words[0] == ".venv/bin/rotationzoo":
+        group = typer.main.get_command(app)
+        ctx = click.Context(group, info_name="rotationzoo")
+        name = words[1]
+        cmd = group.get_command(ctx, name)
+        assert cmd is not None, f"no CLI command {name!r}: {line}"
+        sub = cmd.make_context(name, list(words[2:]), parent=ctx)  # raises on an unknown option
+        assert isinstance(sub, click.Context)
+        return f"rotationzoo {name}"
+    raise AssertionError(f"unexpected command in a workflow: {line}")
+
+
+def test_ci_workflow_runs_the_readme_test_command_and_the_registry_check() -> None:
+    data = _load("ci.yml")
+    triggers = _triggers(data)
+    assert "push" in triggers and "pull_request" in triggers
+    lines = _run_lines(data)
+    assert "make test PYTHON=python" in lines and "make install PYTHON=python" in lines
+    assert ".venv/bin/python tools/check_registry.py" in lines
+    assert "make test" in (ROOT / "README.md").read_text()  # the README's test command
+    assert lines.index("make install PYTHON=python") < lines.index(".venv/bin/python tools/check_registry.py")
+    assert {_check_command(line) for line in lines} == {"make", "tools/check_registry.py"}
+
+
+def test_zoo_integrity_workflow_is_scheduled_and_verifies_with_download() -> None:
+    data = _load("zoo-integrity.yml")
+    triggers = _triggers(data)
+    assert triggers["schedule"][0]["cron"].count(" ") == 4 and "workflow_dispatch" in triggers
+    lines = _run_lines(data)
+    verify = [line for line in lines if "rotationzoo verify" in line]
+    assert verify and "--registry" in verify[0] and "--download" in verify[0]
+    assert {_check_command(line) for line in lines} == {"make", "tools/check_registry.py", "rotationzoo verify"}
+    job = next(iter(data["jobs"].values()))
+    assert any(s.get("shell") == "bash" for s in job["steps"] if "rotationzoo verify" in str(s.get("run", "")))
