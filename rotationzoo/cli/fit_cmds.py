@@ -1,0 +1,275 @@
+"""``rotationzoo fit`` and ``rotationzoo calibrate``: regenerate or fit OSCAR rotations.
+
+Examples::
+
+    # the authors' recipe from an SGLang Q/K/V dump (chunk 0 skipped, qqt_sst, r_h_pbr)
+    rotationzoo fit --dump qkv_dumps/gpqa --out rotations/ --model Qwen/Qwen3-8B --tag gpqa-seq20000
+
+    # group-aware composition for 32-wide quantisation groups
+    rotationzoo fit --dump qkv_dumps/gpqa --out rot-g32/ --composition r_pbr_hg --group-size 32
+
+    # data-free Hadamard baseline
+    rotationzoo fit --objective hadamard --num-layers 36 --head-dim 128 --out rotations/
+
+    # capture from a local transformers model (folder or .gguf), no SGLang needed
+    rotationzoo calibrate --model ./Qwen3-8B --text calib.txt --tokens 20000 --out rotations/ --dump-out qkv/
+
+This module imports torch and the library only inside the commands, so other commands start fast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Callable, List, Optional
+
+import typer
+
+from ._output import console, emit_json, progress_enabled
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..fit import FitOutput, FitResult
+
+_OBJECTIVES = "qqt_sst|ktk_vtv|qqt|sst|ktk|vtv|hadamard"
+_COMPOSITIONS = "r_h_pbr|plain|pbr|br|br_h128|r_h|h_pbr|h_r_pbr|h_pbr_r|r_pbr_hg"
+
+ObjectiveOpt = Annotated[
+    str, typer.Option("--objective", "-o", help=f"Covariance target(s): {_OBJECTIVES}. qqt_sst is OSCAR's.")
+]
+CompositionOpt = Annotated[
+    str,
+    typer.Option(
+        "--composition", "-c",
+        help=f"Rotation composition: {_COMPOSITIONS}. r_h_pbr = U·H·P_br (OSCAR); r_pbr_hg needs --group-size.",
+    ),
+]
+GroupSizeOpt = Annotated[
+    Optional[int], typer.Option("--group-size", "-g", help="Quantisation group size G for --composition r_pbr_hg.")
+]
+SignsOpt = Annotated[
+    str,
+    typer.Option("--signs", help="Eigenvector signs: canonical (largest entry positive) or lapack (as eigh returns)."),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print a JSON report on stdout.")]
+TagOpt = Annotated[Optional[str], typer.Option("--tag", help="Calibration tag recorded in rotationzoo.json.")]
+FormatOpt = Annotated[str, typer.Option("--format", help="Output format: pt (the authors') or safetensors.")]
+
+
+def _parse_layers(text: Optional[str]) -> Optional[list[int]]:
+    if text is None:
+        return None
+    from ..errors import CLIError
+
+    ids: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            if "-" in part:
+                a, b = part.split("-", 1)
+                ids.extend(range(int(a), int(b) + 1))
+            else:
+                ids.append(int(part))
+        except ValueError:
+            raise CLIError(f"--layers: {part!r} is not a layer id or range (e.g. 0,1,2 or 3-7)") from None
+    return ids
+
+
+class _LayerBars:
+    """Rich progress: one bar for the whole fit and one per layer being read."""
+
+    def __init__(self, enabled: bool, layer_ids: list[int] | None = None, overall_label: str = "fit") -> None:
+        self.enabled = enabled
+        self._tasks: dict[Any, Any] = {}
+        self._progress = None
+        self._overall = None
+        self._n_layers = len(layer_ids) if layer_ids else 0
+        self._done_layers: set[Any] = set()
+        self._overall_label = overall_label
+
+    def __enter__(self) -> "_LayerBars":
+        if self.enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._progress = Progress(
+                TextColumn("{task.description:>12}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                console=console(stderr=True), transient=True,
+            )
+            self._progress.__enter__()
+            if self._n_layers:
+                self._overall = self._progress.add_task(self._overall_label, total=self._n_layers)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._progress is not None:
+            self._progress.__exit__(*exc)
+
+    def update(self, key: Any, done: int, total: int, label: str | None = None) -> None:
+        if self._progress is None:
+            return
+        task = self._tasks.get(key)
+        if task is None:
+            task = self._tasks[key] = self._progress.add_task(label or f"layer {key}", total=total)
+        self._progress.update(task, completed=done, total=total)
+        if done >= total and isinstance(key, int) and key not in self._done_layers:
+            self._done_layers.add(key)
+            self._progress.remove_task(task)
+            if self._overall is not None:
+                self._progress.update(self._overall, completed=len(self._done_layers))
+
+    def layer_callback(self) -> Optional[Callable[[int, int, int], None]]:
+        return (lambda lid, done, total: self.update(lid, done, total)) if self.enabled else None
+
+
+def _report(result: "FitResult", out: "FitOutput", as_json: bool) -> None:
+    if as_json:
+        emit_json({
+            "files": {side: {"path": str(p), **out.manifest["files"][side]} for side, p in out.paths.items()},
+            "manifest": str(out.manifest_path),
+            "result": result.summary(),
+        })
+        return
+    con = console()
+    for side, p in out.paths.items():
+        f = out.manifest["files"][side]
+        con.print(f"[bold]{side.upper()}[/] {f['objective']:<16} sha256 {f['sha256'][:12]}…  {p}")
+    s = result.stats
+    tokens = f"{result.token_count} tokens/layer, " if result.tokens else ""
+    con.print(
+        f"{len(result.layer_ids)} layers, head_dim {result.head_dim}, {tokens}"
+        f"{s.wall_s:.2f} s, {s.bytes_read / 1e6:.1f} MB read, peak RSS {s.peak_rss_bytes / 2**20:.0f} MiB"
+    )
+    con.print(f"manifest: {out.manifest_path}")
+
+
+def fit_command(
+    out: Annotated[Path, typer.Option("--out", help="Output folder for the rotation files and rotationzoo.json.")],
+    dump: Annotated[
+        Optional[Path], typer.Option("--dump", help="Q/K/V dump folder (SGLang layout: layer_<L>/{q,k,v,seq_lens}/<chunk>.pt).")
+    ] = None,
+    objective: ObjectiveOpt = "qqt_sst",
+    composition: CompositionOpt = "r_h_pbr",
+    group_size: GroupSizeOpt = None,
+    keep_first_chunk: Annotated[
+        bool, typer.Option("--keep-first-chunk", help="Also fit on chunk 0 (SGLang's warm-up batch; skipped by default).")
+    ] = False,
+    layers: Annotated[Optional[str], typer.Option("--layers", help="Only these layers, e.g. 0,1,2 or 3-7.")] = None,
+    num_layers: Annotated[
+        Optional[int], typer.Option("--num-layers", help="Layer count for --objective hadamard without --dump.")
+    ] = None,
+    head_dim: Annotated[Optional[int], typer.Option("--head-dim", help="head_dim for --objective hadamard without --dump.")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", help="Model id recorded in rotationzoo.json.")] = None,
+    tag: TagOpt = None,
+    signs: SignsOpt = "canonical",
+    workers: Annotated[Optional[int], typer.Option("--workers", help="Layers processed concurrently (default: auto).")] = None,
+    fmt: FormatOpt = "pt",
+    as_json: JsonOpt = False,
+) -> None:
+    """Fit per-layer K/V rotations from a Q/K/V dump (or write the data-free Hadamard baseline).
+
+    Streams every chunk once per pass in fp64 with the authors' exact normalisations, writes
+    k_rotation_<target>_<composition>.pt / v_rotation_<target>_<composition>.pt (validated) and
+    rotationzoo.json.
+
+    Examples:
+
+      rotationzoo fit --dump qkv_dumps/gpqa --out rotations/ --model Qwen/Qwen3-8B
+
+      rotationzoo fit --dump qkv/ --out rot/ --objective ktk_vtv --composition r_h
+
+      rotationzoo fit --dump qkv/ --out rot-g32/ --composition r_pbr_hg --group-size 32
+
+      rotationzoo fit --objective hadamard --num-layers 36 --head-dim 128 --out rotations/
+    """
+    from ..errors import CLIError
+    from ..fit import fit_rotations, write_fitted
+
+    if dump is None and objective != "hadamard":
+        raise CLIError("--dump DIR is required (only --objective hadamard works without a dump)")
+    layer_ids = _parse_layers(layers)
+    show = progress_enabled() and dump is not None and objective != "hadamard"
+    n_bar = None
+    if show:
+        from ..fit import open_dump
+
+        n_bar = list(open_dump(dump, keep_first_chunk=keep_first_chunk, layers=layer_ids).layer_ids)  # type: ignore[arg-type]
+    with _LayerBars(show, n_bar) as bars:
+        result = fit_rotations(
+            dump,
+            objective,
+            composition,
+            group_size=group_size,
+            keep_first_chunk=keep_first_chunk,
+            layers=layer_ids,
+            num_workers=workers,
+            progress=bars.layer_callback(),
+            signs=signs,  # type: ignore[arg-type]
+            num_layers=num_layers,
+            head_dim=head_dim,
+        )
+    written = write_fitted(result, out, model=model, tag=tag, fmt=fmt)
+    _report(result, written, as_json)
+
+
+def calibrate_command(
+    model: Annotated[str, typer.Option("--model", "-m", help="Local transformers model folder or .gguf file.")],
+    text: Annotated[
+        List[Path], typer.Option("--text", "-t", help="Calibration text file (UTF-8); repeat for more files.")
+    ],
+    tokens: Annotated[int, typer.Option("--tokens", "-n", help="Tokens per layer to fit on (T).")],
+    out: Annotated[Path, typer.Option("--out", help="Output folder for the rotation files and rotationzoo.json.")],
+    dump_out: Annotated[
+        Optional[Path], typer.Option("--dump-out", help="Also write the captured Q/K/V as an SGLang-layout dump here.")
+    ] = None,
+    objective: Annotated[
+        str, typer.Option("--objective", "-o", help="Covariance target(s): qqt_sst|ktk_vtv|qqt|sst|ktk|vtv.")
+    ] = "qqt_sst",
+    composition: CompositionOpt = "r_h_pbr",
+    group_size: GroupSizeOpt = None,
+    seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per calibration sequence.")] = 2048,
+    dtype: Annotated[str, typer.Option("--dtype", help="Model dtype: auto, bfloat16, float16 or float32.")] = "auto",
+    device: Annotated[str, typer.Option("--device", help="Where the model runs (cpu, cuda, ...).")] = "cpu",
+    model_id: Annotated[
+        Optional[str], typer.Option("--model-id", help="Model id for rotationzoo.json (default: the folder/file name).")
+    ] = None,
+    tag: TagOpt = None,
+    signs: SignsOpt = "canonical",
+    overwrite_dump: Annotated[bool, typer.Option("--overwrite-dump", help="Replace an existing dump in --dump-out.")] = False,
+    fmt: FormatOpt = "pt",
+    as_json: JsonOpt = False,
+) -> None:
+    """Capture post-RoPE Q/K/V from a local transformers model and fit rotations (no SGLang needed).
+
+    Each text file is tokenized and cut into --seq-len windows, run as independent sequences until
+    --tokens tokens; Q/K/V stream straight into the fp64 accumulators. Nothing is downloaded.
+
+    Examples:
+
+      rotationzoo calibrate --model ./Qwen3-8B --text calib.txt --tokens 20000 --out rotations/
+
+      rotationzoo calibrate -m model.Q8_0.gguf -t a.txt -t b.txt -n 8000 --out rot/ --dump-out qkv/
+    """
+    from ..errors import CLIError
+    from ..fit import write_fitted
+    from ..integrations.transformers import calibrate, load_model
+
+    if objective == "hadamard":
+        raise CLIError("calibrate fits data-driven objectives; for hadamard use `rotationzoo fit --objective hadamard`")
+    lm, tokenizer = load_model(model, dtype=dtype, device=device)
+    mid = model_id or Path(model).name
+    show = progress_enabled()
+    with _LayerBars(show) as bars:
+        cb = (lambda stage, done, total: bars.update(stage, done, total, label=stage)) if show else None
+        result = calibrate(
+            lm, tokenizer, text, tokens=tokens, seq_len=seq_len, objective=objective, composition=composition,
+            group_size=group_size, dump_out=dump_out, overwrite_dump=overwrite_dump, signs=signs,
+            model_id=mid, progress=cb,
+        )
+    written = write_fitted(result, out, model=mid, tag=tag, fmt=fmt)
+    _report(result, written, as_json)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``fit`` and ``calibrate`` to the CLI."""
+    app.command("fit", no_args_is_help=True)(fit_command)
+    app.command("calibrate", no_args_is_help=True)(calibrate_command)

@@ -1,0 +1,469 @@
+"""Streaming fp64 accumulators for the OSCAR covariance targets.
+
+The targets, exactly as the authors' fitter (``rotation/compute_kv_rotation.py``) defines them.
+``T`` tokens per layer, ``q [T, H_q, d]``, ``k, v [T, H_kv, d]``, ``g = H_q / H_kv``; KV head ``h``
+owns query heads ``h·g … (h+1)·g − 1``::
+
+    ktk:  C = K_flatᵀ K_flat / (T·H_kv)                      K_flat = k.reshape(-1, d)
+    vtv:  C = V_flatᵀ V_flat / (T·H_kv)
+    qqt:  C = (1/H_kv) Σ_h A_h                               A_h = Q_hᵀ Q_h / (T·g)
+    sst:  w_{t,h} = k_{t,h}ᵀ A_h k_{t,h}
+          w_h     = w_h / max(Σ_t w_{t,h}, 1e-12) · T        (each head normalised to mean 1)
+          C_h     = (v_h·√w_h)ᵀ (v_h·√w_h) / T
+          C       = (1/H_kv) Σ_h C_h
+
+``sst`` needs the final ``A_h`` before any weight can be computed, so a layer is read in two
+passes: pass 1 reads Q (and K / V for ``ktk`` / ``vtv``) and accumulates the per-group query
+Gram matrices; pass 2 reads K and V, computes the weights and accumulates ``Σ_t w_t v_t v_tᵀ`` and
+``Σ_t w_t``. The normalisation by ``T / max(Σ w, 1e-12)`` is applied at the end (it is a per-head
+scalar, so this equals the authors' per-token form). Every file is therefore read once, and only
+one chunk of activations (converted into a reusable fp64 workspace) is held per layer at a time.
+
+All sums are fp64 (bf16/fp16/fp32 inputs convert exactly); results agree with the authors'
+load-everything implementation to rounding (~1e-15 relative).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+from ..errors import DumpError, FitError
+from .dump import Dump, DumpShape
+
+#: The covariance targets.
+TARGETS: tuple[str, ...] = ("qqt", "sst", "ktk", "vtv")
+#: Which side (K or V file) each target fits.
+TARGET_SIDE: dict[str, str] = {"qqt": "k", "ktk": "k", "sst": "v", "vtv": "v"}
+
+#: Largest fp64 slice of a chunk converted at once (per worker): 16 MiB.
+DEFAULT_BLOCK_BYTES = 16 * 2**20
+
+#: ``progress(layer_id, done, total)``: called after each chunk read (done counts chunk reads of
+#: every pass of that layer).
+ProgressFn = Callable[[int, int, int], None]
+
+
+class Workspace:
+    """Grow-only fp64 scratch buffers, reused across chunks and layers (one per worker thread).
+
+    Re-using buffers avoids the page-fault cost of fresh allocations, which on CPU costs more
+    than the bf16→fp64 conversion itself.
+
+    Args:
+        device: where the buffers live.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: Sequence[int], dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """A contiguous tensor of ``shape`` backed by the named buffer (contents undefined)."""
+        numel = 1
+        for s in shape:
+            numel *= int(s)
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = torch.empty(max(numel, 1), dtype=dtype, device=self.device)
+            self._bufs[name] = buf
+        return buf[:numel].view(*shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the buffers."""
+        return sum(b.numel() * b.element_size() for b in self._bufs.values())
+
+
+class LayerAccumulator:
+    """fp64 sufficient statistics of one layer for the requested targets.
+
+    Feed pass 1 with :meth:`add_q` / :meth:`add_k` / :meth:`add_v`, then (only when ``"sst"`` is
+    among the targets) call :meth:`start_second_pass` and feed the same chunks to :meth:`add_kv`.
+    :meth:`covariance` returns the finished target.
+
+    Args:
+        layer_id: model layer index (for messages).
+        num_q_heads: ``H_q`` (may be ``None`` when neither ``qqt`` nor ``sst`` is requested).
+        num_kv_heads: ``H_kv``.
+        head_dim: ``d``.
+        targets: subset of :data:`TARGETS`.
+        device: where accumulation runs (``"cpu"`` or a CUDA device; fp64 throughout).
+        workspace: scratch buffers to reuse (a private one by default).
+        block_bytes: chunks are converted to fp64 in token slices of at most this many bytes,
+            which bounds the workspace independently of the chunk size.
+    """
+
+    def __init__(
+        self,
+        layer_id: int,
+        *,
+        num_q_heads: int | None,
+        num_kv_heads: int,
+        head_dim: int,
+        targets: Iterable[str],
+        device: torch.device | str = "cpu",
+        workspace: Workspace | None = None,
+        block_bytes: int = DEFAULT_BLOCK_BYTES,
+    ) -> None:
+        self.layer_id = int(layer_id)
+        self.block_bytes = int(block_bytes)
+        self.targets = tuple(dict.fromkeys(targets))
+        bad = [t for t in self.targets if t not in TARGETS]
+        if bad:
+            raise FitError(f"unknown target(s) {bad}; expected some of {', '.join(TARGETS)}")
+        self.needs_q = "qqt" in self.targets or "sst" in self.targets
+        if self.needs_q and not num_q_heads:
+            raise FitError(f"layer {layer_id}: targets {self.targets} need the number of query heads")
+        if self.needs_q and num_q_heads % num_kv_heads:  # type: ignore[operator]
+            raise FitError(f"layer {layer_id}: {num_q_heads} query heads is not a multiple of {num_kv_heads} KV heads")
+        self.num_q_heads = num_q_heads
+        self.num_kv_heads = int(num_kv_heads)
+        self.head_dim = int(head_dim)
+        self.group = (num_q_heads // num_kv_heads) if num_q_heads else None
+        self.device = torch.device(device)
+        self.ws = workspace if workspace is not None else Workspace(self.device)
+        d, hkv = self.head_dim, self.num_kv_heads
+        z = dict(dtype=torch.float64, device=self.device)
+        self.tokens: dict[str, int] = {"q": 0, "k": 0, "v": 0}
+        self.tokens_second_pass = 0
+        self.qgram = torch.zeros(hkv, d, d, **z) if self.needs_q else None  # Σ Q_hᵀQ_h per group
+        self.kgram = torch.zeros(d, d, **z) if "ktk" in self.targets else None
+        self.vgram = torch.zeros(d, d, **z) if "vtv" in self.targets else None
+        self.wsum = torch.zeros(hkv, **z) if "sst" in self.targets else None  # Σ_t w_{t,h}
+        self.vwgram = torch.zeros(hkv, d, d, **z) if "sst" in self.targets else None  # Σ_t w v vᵀ
+        self._a: torch.Tensor | None = None
+
+    # -- helpers ----------------------------------------------------------------------------------
+    @property
+    def needs_second_pass(self) -> bool:
+        """Whether ``sst`` is requested (K and V must be read again after pass 1)."""
+        return "sst" in self.targets
+
+    @property
+    def pass1_kinds(self) -> tuple[str, ...]:
+        """Kinds read in pass 1: ``q`` for qqt/sst, ``k`` for ktk, ``v`` for vtv."""
+        kinds = []
+        if self.needs_q:
+            kinds.append("q")
+        if "ktk" in self.targets:
+            kinds.append("k")
+        if "vtv" in self.targets:
+            kinds.append("v")
+        return tuple(kinds)
+
+    @property
+    def num_tokens(self) -> int:
+        """``T``: tokens seen in pass 1 (all kinds read in pass 1 must agree)."""
+        counts = {self.tokens[k] for k in self.pass1_kinds}
+        if len(counts) > 1:
+            raise FitError(f"layer {self.layer_id}: token counts differ between kinds: {self.tokens}")
+        return counts.pop() if counts else 0
+
+    def _check(self, x: torch.Tensor, heads: int | None, kind: str) -> int:
+        if x.dim() != 3 or x.shape[1] != heads or x.shape[2] != self.head_dim:
+            raise FitError(
+                f"layer {self.layer_id}: {kind} chunk has shape {tuple(x.shape)}, expected [n, {heads}, {self.head_dim}]"
+            )
+        if not x.is_floating_point():
+            raise FitError(f"layer {self.layer_id}: {kind} chunk has dtype {x.dtype}, expected floating point")
+        return int(x.shape[0])
+
+    def _grams_into(self, acc: torch.Tensor, x: torch.Tensor) -> None:
+        """``acc[h] += x[h]ᵀ x[h]`` for ``x [B, N, d]``, upper block triangle only.
+
+        The Gram is symmetric, so only the column-block panels ``x_iᵀ x[:, i·w:]`` are computed
+        (``(b+1)/(2b)`` of the FLOPs for ``b`` blocks); :func:`_mirror_blocks` fills in the rest.
+        """
+        w = _block_width(self.head_dim)
+        for h in range(x.shape[0]):
+            xh = x[h]
+            for i in range(0, self.head_dim, w):
+                acc[h, i:i + w, i:].addmm_(xh[:, i:i + w].T, xh[:, i:])
+
+    def _slices(self, n: int, row_bytes: int) -> Iterable[slice]:
+        """Token slices of a chunk, each converting to at most ``block_bytes`` of fp64."""
+        step = max(16, self.block_bytes // max(1, row_bytes))
+        return (slice(s, min(n, s + step)) for s in range(0, n, step))
+
+    # -- pass 1 -----------------------------------------------------------------------------------
+    def add_q(self, q: torch.Tensor) -> None:
+        """Accumulate a query chunk ``q [n, H_q, d]`` (any float dtype) into the per-group Grams."""
+        if self.qgram is None:
+            return
+        n = self._check(q, self.num_q_heads, "q")
+        hkv, g, d = self.num_kv_heads, self.group, self.head_dim
+        for sl in self._slices(n, hkv * g * d * 8):  # type: ignore[operator]
+            m = sl.stop - sl.start
+            buf = self.ws.get("q", (hkv, m, g, d))  # type: ignore[arg-type]
+            # convert and regroup in one copy: buf[h, t, j] = q[t, h·g + j]
+            buf.copy_(q[sl].to(self.device, non_blocking=True).reshape(m, hkv, g, d).permute(1, 0, 2, 3))
+            self._grams_into(self.qgram, buf.view(hkv, m * g, d))  # type: ignore[operator]
+        self.tokens["q"] += n
+
+    def _add_flat(self, x: torch.Tensor, gram: torch.Tensor, name: str) -> None:
+        n, heads, d = x.shape
+        for sl in self._slices(n, heads * d * 8):
+            m = sl.stop - sl.start
+            buf = self.ws.get(name, (1, m * heads, d))
+            buf.copy_(x[sl].to(self.device, non_blocking=True).reshape(1, m * heads, d))
+            self._grams_into(gram.unsqueeze(0), buf)
+
+    def add_k(self, k: torch.Tensor) -> None:
+        """Accumulate a key chunk ``k [n, H_kv, d]`` for ``ktk``."""
+        n = self._check(k, self.num_kv_heads, "k")
+        if self.kgram is not None:
+            self._add_flat(k, self.kgram, "k")
+        self.tokens["k"] += n
+
+    def add_v(self, v: torch.Tensor) -> None:
+        """Accumulate a value chunk ``v [n, H_kv, d]`` for ``vtv``."""
+        n = self._check(v, self.num_kv_heads, "v")
+        if self.vgram is not None:
+            self._add_flat(v, self.vgram, "v")
+        self.tokens["v"] += n
+
+    # -- pass 2 (sst) -----------------------------------------------------------------------------
+    def query_covariances(self) -> torch.Tensor:
+        """``A_h = Q_hᵀQ_h / (T·g)`` for every KV group, fp64 ``[H_kv, d, d]``."""
+        if self.qgram is None:
+            raise FitError(f"layer {self.layer_id}: no query statistics were requested")
+        t = self.tokens["q"]
+        if t == 0:
+            raise FitError(f"layer {self.layer_id}: no query tokens were accumulated")
+        return _mirror_blocks(self.qgram) / (t * self.group)  # type: ignore[arg-type,operator]
+
+    def start_second_pass(self) -> None:
+        """Freeze the per-group query covariances ``A_h`` used by :meth:`add_kv`."""
+        if not self.needs_second_pass:
+            return
+        self._a = self.query_covariances()
+
+    def add_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Pass 2 for ``sst``: weights ``w_{t,h} = k_{t,h}ᵀ A_h k_{t,h}``; accumulate ``Σ w``, ``Σ w v vᵀ``.
+
+        Args:
+            k: ``[n, H_kv, d]`` keys of a chunk already seen in pass 1.
+            v: ``[n, H_kv, d]`` values of the same chunk.
+        """
+        if not self.needs_second_pass:
+            return
+        if self._a is None:
+            raise FitError(f"layer {self.layer_id}: call start_second_pass() after pass 1, before add_kv()")
+        n = self._check(k, self.num_kv_heads, "k")
+        if self._check(v, self.num_kv_heads, "v") != n:
+            raise FitError(f"layer {self.layer_id}: k has {n} tokens but v has {v.shape[0]}")
+        hkv, d = self.num_kv_heads, self.head_dim
+        for sl in self._slices(n, hkv * d * 8 * 3):
+            m = sl.stop - sl.start
+            kb = self.ws.get("k2", (hkv, m, d))
+            kb.copy_(k[sl].to(self.device, non_blocking=True).permute(1, 0, 2))
+            vb = self.ws.get("v2", (hkv, m, d))
+            vb.copy_(v[sl].to(self.device, non_blocking=True).permute(1, 0, 2))
+            ka = self.ws.get("ka", (hkv, m, d))
+            torch.bmm(kb, self._a, out=ka)  # k_t A_h
+            ka.mul_(kb)
+            w = ka.sum(dim=-1)  # [H_kv, n]: k_tᵀ A_h k_t  (≥ 0 up to rounding)
+            self.wsum += w.sum(dim=-1)  # type: ignore[operator]
+            # √w of a PSD form; clamp the rare −1e-17 rounding to 0 instead of producing NaN
+            vb.mul_(w.clamp_(min=0).sqrt_().unsqueeze(-1))
+            self._grams_into(self.vwgram, vb)  # type: ignore[arg-type]
+        self.tokens_second_pass += n
+
+    # -- results ----------------------------------------------------------------------------------
+    def covariance(self, target: str) -> torch.Tensor:
+        """The finished target, fp64 ``[d, d]`` (not yet symmetrised).
+
+        Raises:
+            FitError: the target was not requested, no tokens were seen, or pass 2 saw a
+                different number of tokens than pass 1.
+        """
+        if target not in self.targets:
+            raise FitError(f"layer {self.layer_id}: target {target!r} was not accumulated (have {self.targets})")
+        t = self.num_tokens
+        if t == 0:
+            raise FitError(f"layer {self.layer_id}: no tokens were accumulated")
+        if target == "qqt":
+            return self.query_covariances().mean(dim=0)
+        if target == "ktk":
+            return _mirror_blocks(self.kgram) / (self.tokens["k"] * self.num_kv_heads)  # type: ignore[arg-type]
+        if target == "vtv":
+            return _mirror_blocks(self.vgram) / (self.tokens["v"] * self.num_kv_heads)  # type: ignore[arg-type]
+        # sst
+        if self.tokens_second_pass != self.tokens["q"]:
+            raise FitError(
+                f"layer {self.layer_id}: sst pass 2 saw {self.tokens_second_pass} tokens but pass 1 saw "
+                f"{self.tokens['q']} (k/v and q chunks do not match)"
+            )
+        tq = float(self.tokens["q"])
+        scale = tq / self.wsum.clamp(min=1e-12)  # type: ignore[union-attr]  # w ← w·T/max(Σw, 1e-12)
+        per_head = _mirror_blocks(self.vwgram) * scale.view(-1, 1, 1) / tq  # type: ignore[arg-type]
+        return per_head.mean(dim=0)
+
+
+def _block_width(d: int) -> int:
+    """Column-block width of the symmetric Gram (4 blocks when d allows, else the whole matrix)."""
+    return d // _GRAM_BLOCKS if d % _GRAM_BLOCKS == 0 and d >= 8 * _GRAM_BLOCKS else d
+
+
+def _mirror_blocks(acc: torch.Tensor) -> torch.Tensor:
+    """Full Gram from one accumulated by :meth:`LayerAccumulator._grams_into` (``[..., d, d]``).
+
+    Blocks below the block diagonal are taken from the transposed blocks above it; the
+    diagonal blocks are kept as computed (the final target is symmetrised anyway, as the
+    authors do).
+    """
+    d = acc.shape[-1]
+    w = _block_width(d)
+    out = acc.clone()
+    for i in range(0, d, w):
+        for j in range(0, i, w):
+            out[..., i:i + w, j:j + w] = acc[..., j:j + w, i:i + w].transpose(-1, -2)
+    return out
+
+
+#: Number of column blocks of the symmetric Gram.
+_GRAM_BLOCKS = 4
+
+# -- driving a layer of a dump -------------------------------------------------------------------
+
+_thread_local = threading.local()
+
+
+def thread_workspace(device: torch.device | str = "cpu") -> Workspace:
+    """The calling thread's reusable :class:`Workspace` for ``device``."""
+    key = str(torch.device(device))
+    spaces = getattr(_thread_local, "spaces", None)
+    if spaces is None:
+        spaces = _thread_local.spaces = {}
+    if key not in spaces:
+        spaces[key] = Workspace(device)
+    return spaces[key]
+
+
+def accumulate_dump_layer(
+    dump: Dump,
+    layer_id: int,
+    shape: DumpShape,
+    targets: Sequence[str],
+    *,
+    device: torch.device | str = "cpu",
+    workspace: Workspace | None = None,
+    progress: ProgressFn | None = None,
+) -> tuple[LayerAccumulator, dict[str, int]]:
+    """Stream one layer of a dump through a :class:`LayerAccumulator`.
+
+    Pass 1 reads each chunk of the kinds the targets need once; pass 2 (``sst`` only) reads each
+    K and V chunk once more. Q is never read twice.
+
+    Args:
+        dump: the opened dump.
+        layer_id: the layer to process.
+        shape: the dump's head layout (:meth:`Dump.shape`).
+        targets: subset of :data:`TARGETS`.
+        device: accumulation device.
+        workspace: scratch buffers (default: the calling thread's).
+        progress: ``progress(layer_id, done, total)`` after each chunk.
+
+    Returns:
+        ``(accumulator, io)`` with ``io = {"bytes_read": ..., "chunks_read": ...}``.
+
+    Raises:
+        DumpError: a chunk with the wrong shape, or K/V chunk sizes that differ from Q's.
+    """
+    ws = workspace if workspace is not None else thread_workspace(device)
+    acc = LayerAccumulator(
+        layer_id,
+        num_q_heads=shape.num_q_heads,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        targets=targets,
+        device=device,
+        workspace=ws,
+    )
+    kinds1 = acc.pass1_kinds
+    kinds2 = ("k", "v") if acc.needs_second_pass else ()
+    needed = tuple(dict.fromkeys(kinds1 + kinds2))
+    chunks = dump.chunk_ids(layer_id, needed)
+    total = len(chunks) * (1 + (1 if kinds2 else 0))
+    done = 0
+    io = {"bytes_read": 0, "chunks_read": 0}
+    sizes: dict[int, int] = {}
+    heads = {"q": shape.num_q_heads, "k": shape.num_kv_heads, "v": shape.num_kv_heads}
+
+    def load(kind: str, chunk: int) -> torch.Tensor:
+        t = dump.load(layer_id, kind, chunk)
+        if t.shape[1] != heads[kind] or t.shape[2] != shape.head_dim:
+            raise DumpError(
+                f"{dump.path(layer_id, kind, chunk)}: shape {tuple(t.shape)}, expected "
+                f"[n, {heads[kind]}, {shape.head_dim}] like the rest of the dump (inconsistent head dims)"
+            )
+        n = int(t.shape[0])
+        if sizes.setdefault(chunk, n) != n:
+            raise DumpError(
+                f"{dump.path(layer_id, kind, chunk)}: {n} tokens, but other tensors of chunk {chunk} have {sizes[chunk]}"
+            )
+        io["bytes_read"] += t.numel() * t.element_size()
+        io["chunks_read"] += 1
+        return t
+
+    add = {"q": acc.add_q, "k": acc.add_k, "v": acc.add_v}
+    for chunk in chunks:
+        for kind in kinds1:
+            t = load(kind, chunk)
+            add[kind](t)
+            del t
+        done += 1
+        if progress is not None:
+            progress(layer_id, done, total)
+    if acc.num_tokens == 0:
+        raise DumpError(f"{dump.root}/layer_{layer_id}: empty layer: its chunks hold 0 tokens")
+    if kinds2:
+        acc.start_second_pass()
+        for chunk in chunks:
+            k = load("k", chunk)
+            v = load("v", chunk)
+            acc.add_kv(k, v)
+            del k, v
+            done += 1
+            if progress is not None:
+                progress(layer_id, done, total)
+    return acc, io
+
+
+def second_pass_from_dump(
+    acc: LayerAccumulator,
+    dump: Dump,
+    layer_id: int | None = None,
+    *,
+    progress: ProgressFn | None = None,
+) -> dict[str, int]:
+    """Run pass 2 (``sst``) of an accumulator whose pass 1 was fed elsewhere (e.g. live capture).
+
+    Args:
+        acc: an accumulator that has seen every chunk of pass 1.
+        dump: a dump (possibly holding only ``k/`` and ``v/``) with the same chunks, in order.
+        layer_id: the dump layer to read (default ``acc.layer_id``).
+        progress: ``progress(layer_id, done, total)`` after each chunk.
+
+    Returns:
+        ``{"bytes_read": ..., "chunks_read": ...}``.
+    """
+    if not acc.needs_second_pass:
+        return {"bytes_read": 0, "chunks_read": 0}
+    lid = acc.layer_id if layer_id is None else int(layer_id)
+    acc.start_second_pass()
+    chunks = dump.chunk_ids(lid, ("k", "v"))
+    io = {"bytes_read": 0, "chunks_read": 0}
+    for i, chunk in enumerate(chunks):
+        k = dump.load(lid, "k", chunk)
+        v = dump.load(lid, "v", chunk)
+        io["bytes_read"] += k.numel() * k.element_size() + v.numel() * v.element_size()
+        io["chunks_read"] += 2
+        acc.add_kv(k, v)
+        del k, v
+        if progress is not None:
+            progress(lid, i + 1, len(chunks))
+    return io

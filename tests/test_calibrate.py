@@ -1,0 +1,204 @@
+"""Calibration from a live transformers model: Q/K/V capture, streaming fit, SGLang-layout dump.
+
+The model is a tiny randomly initialised ``LlamaForCausalLM`` built here from a ``LlamaConfig`` and
+saved with ``save_pretrained``, with a word-level tokenizer built offline; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+from rotationzoo import read_rotation, validate  # noqa: E402
+from rotationzoo.errors import DumpError, FitError  # noqa: E402
+from rotationzoo.fit import fit_rotations, open_dump  # noqa: E402
+from rotationzoo.integrations.transformers import (  # noqa: E402
+    WARMUP_TOKENS,
+    QKVCapture,
+    calibrate,
+    capture_to_dump,
+    load_model,
+    token_windows,
+)
+
+WORDS = ("the a of and to in is was for on that with as by at from it an be this are or which his her "
+         "model cache key value query head layer token rotation group").split()
+HQ, HKV, D, LAYERS = 8, 2, 32, 2
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("tiny-llama")
+    vocab = {"[UNK]": 0, "[BOS]": 1, "[EOS]": 2}
+    for w in WORDS:
+        vocab.setdefault(w, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="[BOS] $A", special_tokens=[("[BOS]", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="[BOS]", eos_token="[EOS]")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+        num_attention_heads=HQ, num_key_value_heads=HKV, head_dim=D, max_position_embeddings=1024,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(root)
+    fast.save_pretrained(root)
+    rng = random.Random(0)
+    (root / "calib_a.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(700)), encoding="utf-8")
+    (root / "calib_b.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(400)), encoding="utf-8")
+    return root
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return load_model(tiny_model_dir)
+
+
+def _manual_qkv(model, input_ids: torch.Tensor, layer: int = 0):
+    """Post-RoPE q/k/v of a Llama layer, computed directly from the module weights."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    with torch.no_grad():
+        out = model(input_ids=input_ids, output_hidden_states=True, use_cache=False)
+        hidden = out.hidden_states[layer]
+        blk = model.model.layers[layer]
+        x = blk.input_layernorm(hidden)
+        b, s, _ = x.shape
+        q = blk.self_attn.q_proj(x).view(b, s, -1, D).transpose(1, 2)
+        k = blk.self_attn.k_proj(x).view(b, s, -1, D).transpose(1, 2)
+        v = blk.self_attn.v_proj(x).view(b, s, -1, D).transpose(1, 2)
+        pos = torch.arange(s).unsqueeze(0)
+        cos, sin = model.model.rotary_emb(x, pos)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    return q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), out.logits
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_capture_records_post_rope_qkv_and_keeps_outputs(tiny, impl):
+    model, _ = tiny
+    model.set_attn_implementation(impl)
+    try:
+        ids = torch.randint(3, 20, (1, 17), generator=torch.Generator().manual_seed(1))
+        q_ref, k_ref, v_ref, logits_ref = _manual_qkv(model, ids)
+        seen: dict[int, tuple] = {}
+        with QKVCapture(model, lambda lid, q, k, v: seen.__setitem__(lid, (q.clone(), k.clone(), v.clone()))):
+            assert model.config._attn_implementation.startswith("rotationzoo_qkv_capture")
+            with torch.no_grad():
+                logits = model(input_ids=ids, use_cache=False).logits
+        assert model.config._attn_implementation == impl
+        assert sorted(seen) == list(range(LAYERS))
+        q, k, v = seen[0]
+        assert q.shape == (17, HQ, D) and k.shape == (17, HKV, D) and v.shape == (17, HKV, D)
+        torch.testing.assert_close(q, q_ref, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(k, k_ref, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(v, v_ref, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(logits, logits_ref, rtol=1e-5, atol=1e-5)  # causal mask kept
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
+def test_calibrate_writes_dump_that_fit_reproduces(tiny, tiny_model_dir, tmp_path):
+    model, tokenizer = tiny
+    texts = [tiny_model_dir / "calib_a.txt", tiny_model_dir / "calib_b.txt"]
+    res = calibrate(model, tokenizer, texts, tokens=900, seq_len=256, dump_out=tmp_path / "dump", model_id="tiny")
+    assert res.layer_ids == tuple(range(LAYERS)) and res.tokens == {0: 900, 1: 900}
+    assert res.prompts == 4  # 701 tokens of a → 256 + 256 + 189, then 199 of b
+    assert (res.num_q_heads, res.num_kv_heads, res.head_dim) == (HQ, HKV, D)
+    for rs in (res.k, res.v):
+        validate(rs, num_layers=LAYERS, head_dim=D)
+    # the dump follows the SGLang layout, with a warm-up chunk 0
+    dump = open_dump(tmp_path / "dump")
+    assert dump.chunk_ids(0) == (1, 2, 3, 4)
+    assert dump.load(0, "q", 0).shape == (WARMUP_TOKENS, HQ, D)
+    assert dump.load(1, "k", 3).shape == (189, HKV, D)
+    assert dump.seq_lens(0, 2) == [256]
+    info = json.loads((tmp_path / "dump" / "rotationzoo_dump.json").read_text())
+    assert info["model"] == "tiny" and info["prompts"] == 4 and info["tokens"] == 900
+    # fitting the dump gives the same rotations
+    again = fit_rotations(tmp_path / "dump")
+    assert again.tokens == res.tokens and again.prompts == 4 and again.model == "tiny"
+    assert torch.equal(again.k.rotations, res.k.rotations) and torch.equal(again.v.rotations, res.v.rotations)
+    # without a dump (K/V spilled to a temporary folder) the result is the same too
+    direct = calibrate(model, tokenizer, texts, tokens=900, seq_len=256)
+    assert torch.equal(direct.v.rotations, res.v.rotations) and torch.equal(direct.k.rotations, res.k.rotations)
+    with pytest.raises(DumpError, match="already holds a dump"):
+        calibrate(model, tokenizer, texts, tokens=100, seq_len=64, dump_out=tmp_path / "dump")
+
+
+def test_calibrate_other_objectives(tiny, tiny_model_dir):
+    model, tokenizer = tiny
+    res = calibrate(model, tokenizer, [tiny_model_dir / "calib_a.txt"], tokens=300, seq_len=128,
+                    objective="ktk_vtv", composition="r_pbr_hg", group_size=8)
+    assert res.k.objective == "ktk_r_pbr_hg8" and res.v.objective == "vtv_r_pbr_hg8"
+    with pytest.raises(FitError, match="objective must be"):
+        calibrate(model, tokenizer, [tiny_model_dir / "calib_a.txt"], tokens=10, objective="hadamard")
+
+
+def test_capture_to_dump_budget(tiny, tmp_path):
+    model, _ = tiny
+    seqs = [[1, 5, 6, 7, 8, 9], [3 + i % 30 for i in range(37)], [3 + i % 30 for i in range(57)]]
+    root = capture_to_dump(model, seqs, tmp_path / "d", token_budget=50, info={"model": "tiny"})
+    dump = open_dump(root, keep_first_chunk=True)
+    sizes = [dump.load(0, "q", c).shape[0] for c in dump.chunk_ids(0)]
+    assert sizes == [6, 37, 7]  # the chunk that crosses the budget is truncated to fit exactly
+    assert dump.seq_lens(0, 2) == [7]
+
+
+def test_token_windows(tiny):
+    _, tokenizer = tiny
+    wins = list(token_windows(tokenizer, ["the a of " * 10, "model cache " * 5], tokens=35, seq_len=12))
+    assert [len(w) for w in wins] == [12, 12, 7, 4]
+    assert wins[0][0] == 1 and wins[3][0] == 1  # each text starts with BOS
+    with pytest.raises(FitError):
+        list(token_windows(tokenizer, ["x"], tokens=0, seq_len=4))
+
+
+def test_load_model_errors(tmp_path):
+    with pytest.raises(FitError, match="not found"):
+        load_model(tmp_path / "missing")
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(FitError, match="not a .gguf"):
+        load_model(tmp_path / "weights.bin")
+    with pytest.raises(FitError, match="no config.json"):
+        load_model(tmp_path)
+
+
+def test_cli_calibrate_then_fit(tiny_model_dir, tmp_path):
+    import typer
+    from typer.testing import CliRunner
+
+    from rotationzoo.cli import fit_cmds
+
+    app = typer.Typer()
+
+    @app.callback()
+    def _root() -> None:
+        pass
+
+    fit_cmds.register(app)
+    runner = CliRunner()
+    r = runner.invoke(app, [
+        "calibrate", "--model", str(tiny_model_dir), "--text", str(tiny_model_dir / "calib_a.txt"),
+        "--text", str(tiny_model_dir / "calib_b.txt"), "--tokens", "500", "--seq-len", "200",
+        "--out", str(tmp_path / "rot"), "--dump-out", str(tmp_path / "dump"), "--tag", "t", "--json",
+    ])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert report["result"]["tokens"] == 500 and report["result"]["model"] == tiny_model_dir.name
+    m = json.loads((tmp_path / "rot" / "rotationzoo.json").read_text())
+    assert m["model"] == tiny_model_dir.name and m["tag"] == "t" and m["source"]["kind"] == "transformers"
+    r = runner.invoke(app, ["fit", "--dump", str(tmp_path / "dump"), "--out", str(tmp_path / "rot2")])
+    assert r.exit_code == 0, r.output
+    for name in ("k_rotation_qqt_r_h_pbr.pt", "v_rotation_sst_r_h_pbr.pt"):
+        a, b = read_rotation(tmp_path / "rot" / name), read_rotation(tmp_path / "rot2" / name)
+        assert torch.equal(a.rotations, b.rotations) and torch.equal(a.eigenvalues, b.eigenvalues)
