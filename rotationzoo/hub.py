@@ -19,7 +19,6 @@ A warm hit is two ``stat`` calls and a small JSON read: no hashing and no networ
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -33,6 +32,7 @@ from typing import Callable, Iterable, Literal
 
 from . import config
 from .errors import FetchError, IntegrityError, OfflineError, RotationZooError
+from .hashing import sha256_file
 from .registry import SIDES, FileEntry, Source, TagEntry
 
 log = logging.getLogger("rotationzoo")
@@ -142,14 +142,6 @@ def _write_marker(path: Path, sha: str, source: str, entry: TagEntry, side: str,
     tmp.write_text(json.dumps(marker, indent=1))
     os.replace(tmp, mp)
     return marker
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # -- the sources ---------------------------------------------------------------------------------

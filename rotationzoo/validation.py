@@ -16,6 +16,7 @@ import torch
 
 from .errors import InvalidRotationError, RotationZooError
 from .format import RotationSet, read_rotation
+from .hashing import sha256_file
 
 #: Default orthogonality tolerance: published files measure 3.6e-7 … 7.2e-7.
 DEFAULT_ATOL = 1e-5
@@ -142,20 +143,6 @@ def validate(
 
 def _short(ids: list[int]) -> str:
     return ", ".join(map(str, ids[:10])) + (" ..." if len(ids) > 10 else "")
-
-
-def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
-    """Hex sha256 of a file, read in 1 MiB chunks."""
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(chunk)
-            if not b:
-                break
-            h.update(b)
-    return h.hexdigest()
 
 
 def verify_file(
