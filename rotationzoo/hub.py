@@ -19,10 +19,13 @@ A warm hit is two ``stat`` calls and a small JSON read: no hashing and no networ
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import time
 import warnings
@@ -175,13 +178,16 @@ def _download_modelscope(src: Source, f: FileEntry, hub_cache: Path, revision: s
     from modelscope.hub.file_download import model_file_download
 
     cache = hub_cache / "modelscope"
-    path = model_file_download(
-        model_id=src.repo,
-        file_path=f.source_path(src),
-        revision=revision,  # always explicit: None would mean "newest tag"
-        cache_dir=str(cache),
-        endpoint=_ms_endpoint(),
-    )
+    # its tqdm bars cannot be switched off; keep them for terminals, drop them from logs and pipes
+    quiet = contextlib.nullcontext() if sys.stderr.isatty() else contextlib.redirect_stderr(io.StringIO())
+    with quiet:
+        path = model_file_download(
+            model_id=src.repo,
+            file_path=f.source_path(src),
+            revision=revision,  # always explicit: None would mean "newest tag"
+            cache_dir=str(cache),
+            endpoint=_ms_endpoint(),
+        )
     p = Path(path)
     return p, [p, Path(os.path.realpath(p))]
 

@@ -340,3 +340,15 @@ def test_cli_fetch_errors(zoo, capsys) -> None:
     assert "--source must be one of" in capsys.readouterr().err
     assert main(["fetch", "--model", "Tiny-LM", "--offline", "--cache-dir", "/nonexistent-rz"]) == 1
     assert "rotationzoo fetch --model acme/Tiny-LM" in capsys.readouterr().err
+
+
+def test_cli_fetch_is_quiet_when_not_a_terminal(zoo, tmp_path) -> None:
+    """Piped output carries no client progress bars: stdout is JSON, stderr is empty."""
+    for source in ("modelscope", "huggingface", "url"):
+        env = {**os.environ, "MODELSCOPE_ENDPOINT": zoo.server.url, "HF_ENDPOINT": zoo.server.url,
+               "ROTATIONZOO_CACHE": str(tmp_path / f"quiet-{source}")}
+        r = subprocess.run([sys.executable, "-m", "rotationzoo.cli.main", "fetch", "--model", "Tiny-LM",
+                            "--source", source, "--json"], capture_output=True, text=True, env=env, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["source"].startswith(source)
+        assert r.stderr == "", r.stderr
