@@ -163,8 +163,11 @@ def cmd_demo(
     tokens: Annotated[int, typer.Option(help="Tokens in the random K tensor.")] = 1024,
     json_out: JsonOpt = False,
 ) -> None:
-    """Resolve, verify and load a registry entry (the bundled one by default: no network), then
-    rotate + clip + INT2-quantize a random K tensor with it and report the reconstruction error.
+    """Load a registry entry (the bundled one by default: no network) and INT2-quantize a tensor with it.
+
+    Resolves, verifies and loads the entry's K/V rotations, then rotates, clips and INT2-quantizes a
+    random K-like tensor with layer 0's R_K and reports the reconstruction error with and without
+    the rotation.
 
     Example:  rotationzoo demo  |  rotationzoo demo --json
     """
