@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import random_orthogonal
 from hubserver import hub_env, hub_server  # noqa: F401  (fixtures)
 
 import rotationzoo
@@ -29,9 +30,7 @@ L, D = 4, 16
 
 
 def _orthogonal(seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    q, _ = torch.linalg.qr(torch.randn(L, D, D, dtype=torch.float64, generator=g))
-    return q.float().contiguous()
+    return random_orthogonal(L, D, seed)
 
 
 @pytest.fixture

@@ -22,13 +22,9 @@ from rotationzoo.errors import (
 from rotationzoo.hadamard import bit_reversal_permutation, hadamard_matrix
 from rotationzoo.validation import verify_file
 
+from helpers import random_orthogonal
+
 SOURCES_ROW = re.compile(r"^\| `(?P<file>[^`]+)` \| `[^`]+` \| `[0-9a-f]{40}` \| `[^`]+` \| `(?P<sha>[0-9a-f]{64})` \| (?P<size>\d+) \|")
-
-
-def random_orthogonal(n_layers: int, d: int, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    q, _ = torch.linalg.qr(torch.randn(n_layers, d, d, dtype=torch.float64, generator=g))
-    return q.float()
 
 
 def make_set(n_layers: int = 4, d: int = 16, **kw) -> RotationSet:

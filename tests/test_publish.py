@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import random_orthogonal
 from hubserver import TEST_TOKEN, hub_env, hub_server, hub_server_factory  # noqa: F401  (fixtures)
 
 import rotationzoo
@@ -46,9 +47,7 @@ WRITE_METHODS = ("POST", "PUT", "DELETE", "PATCH")
 
 
 def _orthogonal(seed: int, layers: int = L, d: int = D) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    q, _ = torch.linalg.qr(torch.randn(layers, d, d, dtype=torch.float64, generator=g))
-    return q.float().contiguous()
+    return random_orthogonal(layers, d, seed)
 
 
 def _sha(p: Path) -> str:
