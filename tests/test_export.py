@@ -85,8 +85,9 @@ def test_safetensors_from_bundled_model_has_model_and_tag(tmp_path):
     out = export_safetensors("SmolLM2-135M-Instruct", tmp_path / "smol.safetensors")
     back = read_exported(out)
     pair = rotationzoo.load("SmolLM2-135M-Instruct")
-    assert back.model == "HuggingFaceTB/SmolLM2-135M-Instruct" and back.tag == "hadamard"
-    assert back.metadata["model"] == back.model and back.metadata["tag"] == "hadamard"
+    default = pair.entry.name
+    assert back.model == "HuggingFaceTB/SmolLM2-135M-Instruct" and back.tag == default
+    assert back.metadata["model"] == back.model and back.metadata["tag"] == default
     assert torch.equal(back.k.rotations, pair.k.rotations)
     assert back.k.eigenvalues is not None or pair.k.eigenvalues is None
     assert back.sha256 == pair.sha256
@@ -303,7 +304,8 @@ def test_cli_export(pair_dir, tmp_path, capsys):
     rc, text, err = run_cli(capsys, "export", "SmolLM2-135M-Instruct", "--to", "safetensors", "--out",
                             str(tmp_path / "s.safetensors"))
     assert rc == 0, err
-    assert "30 layers" in text and "HuggingFaceTB/SmolLM2-135M-Instruct@hadamard" in text
+    default = rotationzoo.get_model("SmolLM2-135M-Instruct").default_tag
+    assert "30 layers" in text and f"HuggingFaceTB/SmolLM2-135M-Instruct@{default}" in text
     base = tmp_path / "model.gguf"
     fake_model_gguf(base)
     rc, text, err = run_cli(capsys, "export", str(out), "--to", "gguf", "--base-gguf", str(base),

@@ -495,7 +495,9 @@ def test_known_model_gets_its_registry_architecture_and_keeps_bundled_tags(hubs,
                   description="my calibration", dataset="GPQA-diamond")
     assert res.model == "HuggingFaceTB/SmolLM2-135M-Instruct" and res.folder == "SmolLM2-135M-Instruct/mytag"
     model = json.loads(reg.read_text())["models"][0]
-    assert list(model["tags"]) == ["hadamard", "mytag"] and model["default_tag"] == "hadamard"
+    bundled = json.loads((ROOT / "registry.json").read_text())["models"][0]
+    assert bundled["id"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert list(model["tags"]) == [*bundled["tags"], "mytag"] and model["default_tag"] == bundled["default_tag"]
     assert model["architecture"]["num_layers"] == 30 and model["architecture"]["num_kv_heads"] == 3
     assert model["tags"]["mytag"]["description"] == "my calibration"
     assert model["tags"]["mytag"]["calibration"]["dataset"] == "GPQA-diamond"
@@ -503,7 +505,7 @@ def test_known_model_gets_its_registry_architecture_and_keeps_bundled_tags(hubs,
                            capture_output=True, text=True, timeout=120)
     assert check.returncode == 0, check.stdout + check.stderr
     monkeypatch.setenv("ROTATIONZOO_REGISTRY", str(reg))
-    assert rotationzoo.load("smollm2-135m").entry.name == "hadamard"  # the bundled tag still loads
+    assert rotationzoo.load("smollm2-135m").entry.name == bundled["default_tag"]  # the bundled default still loads
     pair = rotationzoo.load("smollm2-135m", "mytag", cache_dir=tmp_path / "c")
     assert torch.equal(pair.k.rotations, _orthogonal(1, 30, 64))
 

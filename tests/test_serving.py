@@ -282,7 +282,8 @@ def test_bundled_pair_serve_env():
     env = pair.serve_env("sglang")
     assert env["SGLANG_OSCAR_K_ROTATION_PATH"] == str(pair.paths["k"])
     spec = launch_spec(pair, engine="sglang")
-    assert spec.args[spec.args.index("--kv-cache-quant-group-size") + 1] == "64"  # this entry's group size
+    group = str(pair.serving.group_size)  # this entry's group size (not the 128 of the zoo entries)
+    assert group != "128" and spec.args[spec.args.index("--kv-cache-quant-group-size") + 1] == group
 
 
 def test_every_registry_entry_renders_for_every_engine():

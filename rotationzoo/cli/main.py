@@ -35,6 +35,7 @@ COMMAND_MODULES = [
     "publish_cmds",
     "serve_cmds",
     "fit_cmds",
+    "eval_cmds",
 ]
 
 
