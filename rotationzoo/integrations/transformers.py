@@ -344,99 +344,18 @@ def calibrate(
     Returns:
         A :class:`rotationzoo.fit.FitResult` (``prompts`` = number of sequences run).
     """
-    from ..fit import OBJECTIVES, fit_rotations
-    from ..fit.accumulate import LayerAccumulator, Workspace, second_pass_from_dump
+    from ..fit import fit_rotations
     from ..fit.compose import check_composition
-    from ..fit.dump import Dump, DumpWriter
 
-    if objective not in OBJECTIVES or objective == "hadamard":
-        raise FitError(f"calibrate: objective must be one of {', '.join(o for o in OBJECTIVES if o != 'hadamard')}")
-    check_composition(composition, group_size)
-    k_target, v_target = OBJECTIVES[objective]
-    targets = tuple(t for t in (k_target, v_target) if t is not None)
-    raw_texts = read_texts(texts) if texts_are_paths else [str(t) for t in texts]
-    windows = list(token_windows(tokenizer, raw_texts, tokens=tokens, seq_len=seq_len))
-    if not windows:
-        raise FitError("the calibration texts produced no tokens")
-    total_tokens = sum(len(w) for w in windows)
-
-    needs_kv_spill = "sst" in targets
-    tmp: tempfile.TemporaryDirectory | None = None
-    writer: DumpWriter | None = None
-    if dump_out is not None:
-        writer = DumpWriter(dump_out, overwrite=overwrite_dump)
-    elif needs_kv_spill:
-        tmp = tempfile.TemporaryDirectory(prefix="rotationzoo-kv-")
-        writer = DumpWriter(tmp.name, kinds=("k", "v"))
-    device = next(model.parameters()).device
-    workspace = Workspace("cpu")
-    accs: dict[int, LayerAccumulator] = {}
-    state = {"warmup": False, "seq_len": 0}
-
-    def on_qkv(layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        q, k, v = q.detach().to("cpu"), k.detach().to("cpu"), v.detach().to("cpu")
-        if writer is not None:
-            writer.write(layer_id, q=q if "q" in writer.kinds else None, k=k, v=v, seq_lens=[q.shape[0]])
-        if state["warmup"]:
-            return
-        acc = accs.get(layer_id)
-        if acc is None:
-            acc = accs[layer_id] = LayerAccumulator(
-                layer_id, num_q_heads=q.shape[1], num_kv_heads=k.shape[1], head_dim=q.shape[2],
-                targets=targets, workspace=workspace,
-            )
-        for kind in acc.pass1_kinds:
-            {"q": acc.add_q, "k": acc.add_k, "v": acc.add_v}[kind]({"q": q, "k": k, "v": v}[kind])
-
-    try:
-        with torch.no_grad(), QKVCapture(model, on_qkv):
-            if dump_out is not None:
-                state["warmup"] = True
-                warm = windows[0][:WARMUP_TOKENS]
-                model(input_ids=torch.tensor([warm], device=device), use_cache=False)
-                state["warmup"] = False
-            done = 0
-            for window in windows:
-                model(input_ids=torch.tensor([window], device=device), use_cache=False)
-                done += len(window)
-                if progress is not None:
-                    progress("tokens", done, total_tokens)
-        if not accs:
-            raise FitError("no attention layer reported Q/K/V; the model's attention does not use AttentionInterface")
-        if needs_kv_spill:
-            assert writer is not None
-            spill = Dump(writer.root, keep_first_chunk=dump_out is None)
-            for lid, acc in accs.items():
-                second_pass_from_dump(
-                    acc, spill, lid,
-                    progress=(lambda l, d, t: progress(f"layer {l}", d, t)) if progress is not None else None,
-                )
-        info: dict[str, Any] = {
-            "kind": "transformers",
-            "model": model_id,
-            "texts": [str(t) for t in texts] if texts_are_paths else len(raw_texts),
-            "seq_len": seq_len,
-            "token_budget": int(tokens),
-            "prompts": len(windows),
-        }
-        if dump_out is not None:
-            info["dump"] = str(dump_out)
-            assert writer is not None
-            writer.write_info({
-                "model": model_id,
-                "prompts": len(windows),
-                "tokens": total_tokens,
-                "seq_len": seq_len,
-                "warmup_chunk": True,
-                "texts": info["texts"],
-                "writer": "rotationzoo calibrate",
-            })
-        return fit_rotations(
-            accs, objective, composition, group_size=group_size, signs=signs, source_info=info,  # type: ignore[arg-type]
-        )
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
+    check_composition(composition, group_size)  # before the model runs
+    stats = collect_statistics(
+        model, tokenizer, texts, tokens=tokens, seq_len=seq_len, objective=objective, model_id=model_id,
+        texts_are_paths=texts_are_paths, progress=progress, dump_out=dump_out, overwrite_dump=overwrite_dump,
+    )
+    return fit_rotations(
+        stats.accumulators, objective, composition, group_size=group_size, signs=signs,  # type: ignore[arg-type]
+        source_info=stats.info,
+    )
 
 
 def capture_to_dump(
@@ -521,13 +440,21 @@ def collect_statistics(
     model_id: str | None = None,
     texts_are_paths: bool = True,
     progress: CalibrationProgress | None = None,
+    dump_out: str | os.PathLike[str] | None = None,
+    overwrite_dump: bool = False,
 ) -> CapturedStatistics:
     """Run ``model`` once over calibration text and return the finished fp64 statistics.
 
-    Same windows, capture point and accumulation as :func:`calibrate` (which fits one composition);
-    this returns the accumulators so that several compositions (``r_h_pbr``, ``r_pbr_hg<G>`` for
-    several ``G``) can be fitted from one capture. ``sst`` spills K/V to a temporary folder for its
-    second pass, as :func:`calibrate` does.
+    Pass 1 runs the model once over the calibration windows; each captured Q (and K/V for
+    ``ktk``/``vtv``) chunk goes straight into the fp64 accumulators. ``sst`` needs a second pass
+    over K and V after the query statistics are final: the captured K/V chunks are spilled to
+    disk (to ``dump_out`` when given, else a temporary folder) and read back once, so the model
+    runs only once and memory stays bounded. Several compositions (``r_h_pbr``, ``r_pbr_hg<G>``
+    for several ``G``) can then be fitted from one capture; :func:`calibrate` fits one.
+
+    With ``dump_out`` the full Q/K/V dump is written in the SGLang layout, preceded by a
+    ``WARMUP_TOKENS``-token warm-up forward stored as chunk 0 (never accumulated), so that
+    ``fit_rotations(dump_out)`` with its default chunk-0 skip gives the same rotations.
 
     Args:
         model: a causal LM (e.g. from :func:`load_model`).
@@ -539,6 +466,8 @@ def collect_statistics(
         model_id: model name recorded in ``info``.
         texts_are_paths: whether ``texts`` are file paths.
         progress: ``progress(stage, done, total)``.
+        dump_out: also write an SGLang-layout dump here.
+        overwrite_dump: replace an existing dump in ``dump_out``.
 
     Returns:
         :class:`CapturedStatistics`.
@@ -559,38 +488,30 @@ def collect_statistics(
     workspace = Workspace("cpu")
     accs: dict[int, LayerAccumulator] = {}
     spill = "sst" in targets
-    with tempfile.TemporaryDirectory(prefix="rotationzoo-kv-") as tmp:
-        writer = DumpWriter(tmp, kinds=("k", "v")) if spill else None
+    tmp: tempfile.TemporaryDirectory | None = None
+    writer: DumpWriter | None = None
+    if dump_out is not None:
+        writer = DumpWriter(dump_out, overwrite=overwrite_dump)
+    elif spill:
+        tmp = tempfile.TemporaryDirectory(prefix="rotationzoo-kv-")
+        writer = DumpWriter(tmp.name, kinds=("k", "v"))
+    state = {"warmup": False}
 
-        def on_qkv(layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-            q, k, v = q.detach().to("cpu"), k.detach().to("cpu"), v.detach().to("cpu")
-            if writer is not None:
-                writer.write(layer_id, k=k, v=v, seq_lens=[q.shape[0]])
-            acc = accs.get(layer_id)
-            if acc is None:
-                acc = accs[layer_id] = LayerAccumulator(
-                    layer_id, num_q_heads=q.shape[1], num_kv_heads=k.shape[1], head_dim=q.shape[2],
-                    targets=targets, workspace=workspace,
-                )
-            for kind in acc.pass1_kinds:
-                {"q": acc.add_q, "k": acc.add_k, "v": acc.add_v}[kind]({"q": q, "k": k, "v": v}[kind])
-
-        with torch.no_grad(), QKVCapture(model, on_qkv):
-            done = 0
-            for window in windows:
-                model(input_ids=torch.tensor([window], device=device), use_cache=False)
-                done += len(window)
-                if progress is not None:
-                    progress("tokens", done, total)
-        if not accs:
-            raise FitError("no attention layer reported Q/K/V; the model's attention does not use AttentionInterface")
+    def on_qkv(layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        q, k, v = q.detach().to("cpu"), k.detach().to("cpu"), v.detach().to("cpu")
         if writer is not None:
-            dump = Dump(writer.root, keep_first_chunk=True)
-            for lid, acc in accs.items():
-                second_pass_from_dump(
-                    acc, dump, lid,
-                    progress=(lambda l, d, t: progress(f"layer {l}", d, t)) if progress is not None else None,
-                )
+            writer.write(layer_id, q=q if "q" in writer.kinds else None, k=k, v=v, seq_lens=[q.shape[0]])
+        if state["warmup"]:
+            return
+        acc = accs.get(layer_id)
+        if acc is None:
+            acc = accs[layer_id] = LayerAccumulator(
+                layer_id, num_q_heads=q.shape[1], num_kv_heads=k.shape[1], head_dim=q.shape[2],
+                targets=targets, workspace=workspace,
+            )
+        for kind in acc.pass1_kinds:
+            {"q": acc.add_q, "k": acc.add_k, "v": acc.add_v}[kind]({"q": q, "k": k, "v": v}[kind])
+
     info: dict[str, Any] = {
         "kind": "transformers",
         "model": model_id,
@@ -600,6 +521,44 @@ def collect_statistics(
         "tokens": total,
         "prompts": len(windows),
     }
+    try:
+        with torch.no_grad(), QKVCapture(model, on_qkv):
+            if dump_out is not None:
+                state["warmup"] = True
+                model(input_ids=torch.tensor([windows[0][:WARMUP_TOKENS]], device=device), use_cache=False)
+                state["warmup"] = False
+            done = 0
+            for window in windows:
+                model(input_ids=torch.tensor([window], device=device), use_cache=False)
+                done += len(window)
+                if progress is not None:
+                    progress("tokens", done, total)
+        if not accs:
+            raise FitError("no attention layer reported Q/K/V; the model's attention does not use AttentionInterface")
+        if spill:
+            assert writer is not None
+            # a dump written for the user keeps its warm-up chunk 0 on disk; skip it here
+            kv = Dump(writer.root, keep_first_chunk=dump_out is None)
+            for lid, acc in accs.items():
+                second_pass_from_dump(
+                    acc, kv, lid,
+                    progress=(lambda l, d, t: progress(f"layer {l}", d, t)) if progress is not None else None,
+                )
+        if dump_out is not None:
+            assert writer is not None
+            info["dump"] = str(dump_out)
+            writer.write_info({
+                "model": model_id,
+                "prompts": len(windows),
+                "tokens": total,
+                "seq_len": seq_len,
+                "warmup_chunk": True,
+                "texts": info["texts"],
+                "writer": "rotationzoo calibrate",
+            })
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
     return CapturedStatistics(accs, info, objective)
 
 
