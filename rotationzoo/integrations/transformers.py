@@ -313,17 +313,11 @@ def calibrate(
     texts_are_paths: bool = True,
     progress: CalibrationProgress | None = None,
 ) -> Any:
-    """Fit rotations from a live ``transformers`` model, streaming Q/K/V into the accumulators.
+    """Fit rotations from a live ``transformers`` model: :func:`collect_statistics`, then one fit.
 
-    Pass 1 runs the model once over the calibration windows; each captured Q (and K/V for
-    ``ktk``/``vtv``) chunk goes straight into the fp64 accumulators. ``sst`` needs a second pass
-    over K and V after the query statistics are final: the captured K/V chunks are spilled to
-    disk (to ``dump_out`` when given, else a temporary folder) and read back once, so the model
-    runs only once and memory stays bounded.
-
-    With ``dump_out`` the full Q/K/V dump is written in the SGLang layout, preceded by a
-    ``WARMUP_TOKENS``-token warm-up forward stored as chunk 0 (never fitted), so that
-    ``fit_rotations(dump_out)`` with its default chunk-0 skip gives the same rotations.
+    The model runs once (see :func:`collect_statistics` for the passes, the K/V spill and the
+    ``dump_out`` layout); the finished statistics are fitted with
+    :func:`rotationzoo.fit.fit_rotations` for one ``composition``.
 
     Args:
         model: a causal LM (e.g. from :func:`load_model`).
