@@ -30,18 +30,14 @@ from rotationzoo.fit.compose import (
 )
 from rotationzoo.validation import sha256_file
 
+from authors_reference import br_perm_matrix as ref_perm_matrix
+from authors_reference import build_hadamard as ref_hadamard
+from authors_reference import load_chunks as ref_load
+
 # ---------------------------------------------------------------------------------------------
 # An independent fp64 implementation of the authors' fitter (compute_kv_rotation.py):
 # load every chunk but 0 as .float().double(), concatenate, per-KV-head loops.
 # ---------------------------------------------------------------------------------------------
-
-
-def ref_load(root: Path, layer: int, kind: str, keep_first: bool = False) -> torch.Tensor:
-    folder = root / f"layer_{layer}" / kind
-    ids = sorted(int(p.stem) for p in folder.glob("*.pt"))
-    if not keep_first:
-        ids = [i for i in ids if i != 0]
-    return torch.cat([torch.load(folder / f"{i}.pt", weights_only=True).float().double() for i in ids], dim=0)
 
 
 def ref_covariance(root: Path, layer: int, target: str, keep_first: bool = False) -> torch.Tensor:
@@ -71,24 +67,6 @@ def ref_covariance(root: Path, layer: int, target: str, keep_first: bool = False
         c += vw.T @ vw / t
     c /= hkv
     return (c + c.T) / 2
-
-
-def ref_hadamard(n: int) -> torch.Tensor:
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0) / 2**0.5
-    return h
-
-
-def ref_perm_matrix(eigvals: torch.Tensor) -> torch.Tensor:
-    d = eigvals.shape[0]
-    bits = d.bit_length() - 1
-    br = [int(format(i, f"0{bits}b")[::-1], 2) for i in range(d)]
-    sorted_idx = torch.argsort(eigvals, descending=True)
-    perm = [0] * d
-    for i in range(d):
-        perm[br[i]] = int(sorted_idx[i])
-    return torch.eye(d, dtype=torch.float64)[:, perm]
 
 
 def ref_compose(u: torch.Tensor, lam: torch.Tensor, composition: str) -> torch.Tensor:

@@ -99,47 +99,19 @@ def make_dump(root: Path, *, layers: int, tokens: int, q_heads: int, kv_heads: i
 # -- the authors' procedure, written straightforwardly ---------------------------------------------
 
 
-def _reference_load(dump: Path, layer: int, kind: str):
-    import torch
-
-    folder = dump / f"layer_{layer}" / kind
-    ids = sorted(int(p.stem) for p in folder.glob("*.pt"))
-    ids = [i for i in ids if i != 0]  # chunk 0 = warm-up, skipped
-    return torch.cat([torch.load(folder / f"{i}.pt", weights_only=True).float().double() for i in ids], dim=0)
-
-
-def _reference_build_hadamard(n: int):
-    import torch
-
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0) / 2**0.5
-    return h
-
-
-def _reference_br_perm_matrix(eigvals):
-    import torch
-
-    d = eigvals.shape[0]
-    bits = d.bit_length() - 1
-    br = [int(format(i, f"0{bits}b")[::-1], 2) for i in range(d)]
-    sorted_idx = torch.argsort(eigvals, descending=True)
-    perm = [0] * d
-    for i in range(d):
-        perm[br[i]] = int(sorted_idx[i])
-    return torch.eye(d, dtype=torch.float64)[:, perm]
-
-
 def reference_fit(dump: Path, out: Path) -> None:
     """The authors' method: load all, concatenate, per-head loops (qqt for K, sst for V, r_h_pbr)."""
     import torch
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from authors_reference import br_perm_matrix, build_hadamard, load_chunks
 
     layers = sorted(int(p.name.split("_")[1]) for p in dump.glob("layer_*"))
     results = {"k": {}, "v": {}}
     for layer in layers:
         # compute_qqt: loads Q and K
-        q = _reference_load(dump, layer, "q")
-        k = _reference_load(dump, layer, "k")
+        q = load_chunks(dump, layer, "q")
+        k = load_chunks(dump, layer, "k")
         t, hq, d = q.shape
         hkv = k.shape[1]
         g = hq // hkv
@@ -151,9 +123,9 @@ def reference_fit(dump: Path, out: Path) -> None:
         cov_k = (c + c.T) / 2
         del q, k
         # compute_sst: loads Q, K and V again
-        q = _reference_load(dump, layer, "q")
-        k = _reference_load(dump, layer, "k")
-        v = _reference_load(dump, layer, "v")
+        q = load_chunks(dump, layer, "q")
+        k = load_chunks(dump, layer, "k")
+        v = load_chunks(dump, layer, "v")
         c = torch.zeros(d, d, dtype=torch.float64)
         for h in range(hkv):
             qh = q[:, h * g:(h + 1) * g, :].reshape(-1, d)
@@ -166,10 +138,10 @@ def reference_fit(dump: Path, out: Path) -> None:
         c /= hkv
         cov_v = (c + c.T) / 2
         del q, k, v
-        hmat = _reference_build_hadamard(d)
+        hmat = build_hadamard(d)
         for side, cov in (("k", cov_k), ("v", cov_v)):
             lam, u = torch.linalg.eigh(cov)
-            r = u @ hmat @ _reference_br_perm_matrix(lam)
+            r = u @ hmat @ br_perm_matrix(lam)
             err = (r @ r.T - torch.eye(d, dtype=torch.float64)).abs().max().item()
             print(f"layer {layer} {side}: max|RR^T-I| = {err:.2e}", file=sys.stderr)
             results[side][layer] = {"layer_id": layer, "rotation": r.float().contiguous(),
