@@ -313,7 +313,7 @@ def test_cli_export(pair_dir, tmp_path, capsys):
     assert rc == 0, err
     assert read_exported_gguf(tmp_path / "model-rot-kv.gguf").sides == ("k", "v")
     rc, _, err = run_cli(capsys, "export", str(pair_dir), "--to", "onnx", "--out", str(tmp_path / "x"))
-    assert rc == 1 and "--to must be one of safetensors, gguf" in err
+    assert rc == 2 and "Invalid value for '--to'" in err and "'safetensors', 'gguf'" in err
     rc, _, err = run_cli(capsys, "export", str(pair_dir), "--to", "safetensors", "--base-gguf", str(base),
                          "--out", str(tmp_path / "x"))
     assert rc == 1 and "--base-gguf applies to --to gguf only" in err

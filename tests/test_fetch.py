@@ -335,8 +335,8 @@ def test_cli_fetch_json_through_hf_endpoint(zoo, tmp_path) -> None:
 
 
 def test_cli_fetch_errors(zoo, capsys) -> None:
-    assert main(["fetch", "--model", "Tiny-LM", "--source", "ftp"]) == 1
-    assert "--source must be one of" in capsys.readouterr().err
+    assert main(["fetch", "--model", "Tiny-LM", "--source", "ftp"]) == 2
+    assert "Invalid value for '--source'" in capsys.readouterr().err
     assert main(["fetch", "--model", "Tiny-LM", "--offline", "--cache-dir", "/nonexistent-rz"]) == 1
     assert "rotationzoo fetch --model acme/Tiny-LM" in capsys.readouterr().err
 

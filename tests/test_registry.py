@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -205,19 +203,14 @@ def test_cli_version(capsys) -> None:
     assert capsys.readouterr().out.strip() == f"rotationzoo {__version__}"
 
 
-def test_list_is_fast_and_does_not_import_torch() -> None:
+def test_list_imports_nothing_heavy() -> None:
+    """`rotationzoo list` stays light: no torch, no hub clients, no safetensors (its start-up time is
+    measured by tools/bench_client.py, not asserted here)."""
+    heavy = ("torch", "huggingface_hub", "modelscope", "safetensors", "transformers", "numpy")
     code = (
-        "import sys, time; t = time.perf_counter();"
-        "from rotationzoo.cli.main import main; rc = main(['list', '--json']);"
-        "assert rc == 0; assert 'torch' not in sys.modules, 'torch was imported';"
-        "print(time.perf_counter() - t, file=sys.stderr)"
+        "import sys; from rotationzoo.cli.main import main; rc = main(['list', '--json']); assert rc == 0;"
+        f"print(','.join(m for m in {heavy!r} if m in sys.modules), file=sys.stderr)"
     )
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "0"}
-    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, env=env)  # warm pyc
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-        best = min(best, time.perf_counter() - t0)
-        assert r.returncode == 0, r.stderr
-    assert best <= 0.3, f"`rotationzoo list --json` took {best:.3f} s (budget 0.3 s)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.strip().splitlines()[-1:] in ([], [""]), f"imported: {r.stderr.strip()}"

@@ -2,9 +2,9 @@
 
 Examples::
 
-    rotationzoo fetch --model Qwen3-8B
+    rotationzoo fetch Qwen3-8B
     rotationzoo fetch --model Qwen3-8B --tag longbench-seq150000_prompt44_group128 --source url --json
-    HF_ENDPOINT=https://my-mirror.example rotationzoo fetch --model Qwen3-8B --source huggingface
+    HF_ENDPOINT=https://my-mirror.example rotationzoo fetch Qwen3-8B --source huggingface
     rotationzoo cache ls --json
     rotationzoo cache verify
     rotationzoo cache rm --model Qwen3-8B
@@ -12,25 +12,23 @@ Examples::
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from ..errors import CLIError
+from ._options import CacheDirOpt, JsonOpt, OfflineOpt, RevisionOpt, SourceOpt, TagOpt
 from ._output import console, emit_json, print_warning, progress_enabled
-
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
-CacheDirOpt = Annotated[Optional[Path], typer.Option("--cache-dir", help="Cache root (default: $ROTATIONZOO_CACHE or the user cache dir).")]
 
 
 def cmd_fetch(
-    model: Annotated[str, typer.Option("--model", "-m", help="Model id or alias (e.g. Qwen3-8B).")],
-    tag: Annotated[Optional[str], typer.Option("--tag", "-t", help="Calibration tag (default: the model's default).")] = None,
-    source: Annotated[str, typer.Option(help="auto (entry order, with failover) | huggingface | modelscope | url | bundled.")] = "auto",
-    revision: Annotated[Optional[str], typer.Option(help="Hub revision override (branch, tag or commit sha).")] = None,
+    model_arg: Annotated[Optional[str], typer.Argument(metavar="MODEL", help="Model id or alias (e.g. Qwen3-8B; MODEL@TAG works too).")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="The same as MODEL.")] = None,
+    tag: TagOpt = None,
+    source: SourceOpt = "auto",
+    revision: RevisionOpt = None,
     cache_dir: CacheDirOpt = None,
-    offline: Annotated[bool, typer.Option("--offline", help="Use only the cache; never touch the network.")] = False,
+    offline: OfflineOpt = False,
     force: Annotated[bool, typer.Option("--force", help="Download again even if a verified copy is cached.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
@@ -38,36 +36,29 @@ def cmd_fetch(
 
     Prints the two local paths (or JSON with model, tag, source, and path + sha256 of k and v).
 
-    Examples:  rotationzoo fetch --model Qwen3-8B  |  rotationzoo fetch -m qwen3-8b --source modelscope --json
+    Examples:  rotationzoo fetch Qwen3-8B  |  rotationzoo fetch -m qwen3-8b --source modelscope --json
     """
     import warnings
 
     from ..api import fetch
-    from ..hub import SOURCE_CHOICES
 
-    if source not in SOURCE_CHOICES:
-        raise CLIError(f"--source must be one of {', '.join(SOURCE_CHOICES)}, got {source!r}")
+    name = model_arg or model
+    if name is None:
+        raise CLIError("give the model to fetch: rotationzoo fetch MODEL (see `rotationzoo list`)")
+    if model_arg and model and model_arg != model:
+        raise CLIError(f"MODEL {model_arg!r} and --model {model!r} disagree; give one")
     messages: list[str] = []
     show = progress_enabled() and not json_out
 
     def report(msg: str) -> None:
         messages.append(msg)
         if show:
-            console(stderr=True).print(f"[dim]{msg}[/]")
+            console(stderr=True).print(f"[dim]{msg}[/]", markup=True)
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        if show:
-            from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-            with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                          console=console(stderr=True), transient=True) as prog:
-                prog.add_task(f"fetching {model}{'@' + tag if tag else ''}", total=None)
-                res = fetch(model, tag, source=source, revision=revision, cache_dir=cache_dir,
-                            offline=offline or None, force=force, report=report)
-        else:
-            res = fetch(model, tag, source=source, revision=revision, cache_dir=cache_dir,
-                        offline=offline or None, force=force, report=report)
+        res = fetch(name, tag, source=source, revision=revision, cache_dir=cache_dir, offline=offline or None,
+                    force=force, report=report)
     for w in caught:
         print_warning(str(w.message))
     if json_out:
@@ -79,29 +70,34 @@ def cmd_fetch(
         typer.echo(str(res.paths[side]))
 
 
-cache_app = typer.Typer(help="Inspect, verify and clean the local rotation cache.", no_args_is_help=True)
+cache_app = typer.Typer(
+    help="Inspect, verify and clean the local rotation cache.\n\n"
+         "Examples:  rotationzoo cache ls  |  rotationzoo cache verify --json  |  rotationzoo cache rm --model Qwen3-8B",
+    no_args_is_help=True,
+)
 
 
 @cache_app.command("ls")
 def cmd_cache_ls(cache_dir: CacheDirOpt = None, json_out: JsonOpt = False) -> None:
-    """List cached rotation files with their model, tag, size and source.
+    """List cached files (verified downloads and files derived from them) with model, tag, size and source.
 
     Example:  rotationzoo cache ls --json
     """
     from ..hub import cache_records, cache_root
 
     records = cache_records(cache_dir)
+    total = sum(r.size for r in records)
     if json_out:
-        emit_json({"cache_dir": str(cache_root(cache_dir)), "files": [r.to_json() for r in records]})
+        emit_json({"cache_dir": str(cache_root(cache_dir)), "bytes": total, "files": [r.to_json() for r in records]})
         return
     from rich.table import Table
 
-    table = Table(title=f"cache {cache_root(cache_dir)} ({len(records)} files)")
-    for col in ("model", "tag", "side", "size", "sha256", "source"):
-        table.add_column(col)
+    table = Table(title=f"cache {cache_root(cache_dir)} ({len(records)} files, {total:,} bytes)")
+    for col in ("model", "tag", "file", "size", "sha256", "source"):
+        table.add_column(col, justify="right" if col == "size" else "left")
     for r in records:
-        table.add_row(r.model or "?", r.tag or "?", (r.side or "?").upper(), f"{r.size:,}",
-                      (r.sha256 or "-")[:12], r.source or "-")
+        what = (r.side or "?").upper() if r.area == "files" else f"derived: {r.path.name}"
+        table.add_row(r.model or "?", r.tag or "?", what, f"{r.size:,}", (r.sha256 or "-")[:12], r.source or "-")
     console().print(table)
 
 
@@ -111,10 +107,13 @@ def cmd_cache_verify(
     keep: Annotated[bool, typer.Option("--keep", help="Report bad files but do not remove them.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Re-hash every cached file against its verification marker and the registry; remove bad ones.
+    """Re-hash every cached file against its marker (downloads also against the registry, derived
+    files against the inputs they were built from); remove bad ones. Exit 1 if any file was bad.
 
-    Exit 1 if any file was bad.  Example:  rotationzoo cache verify --json
+    Example:  rotationzoo cache verify --json
     """
+    from rich.markup import escape
+
     from ..hub import verify_cache
 
     records = verify_cache(cache_dir, remove_bad=not keep)
@@ -125,8 +124,8 @@ def cmd_cache_verify(
     else:
         c = console()
         for r in records:
-            mark = "[green]ok[/]" if r.ok else f"[red]BAD[/] {r.problem}" + ("" if keep else " (removed)")
-            c.print(f"{r.path}: {mark}")
+            mark = "[green]ok[/]" if r.ok else f"[red]BAD[/] {escape(str(r.problem))}" + ("" if keep else " (removed)")
+            c.print(f"{escape(str(r.path))}: {mark}")
         c.print(f"{len(records)} files checked, {len(bad)} bad")
     if bad:
         raise typer.Exit(1)
@@ -135,12 +134,12 @@ def cmd_cache_verify(
 @cache_app.command("rm")
 def cmd_cache_rm(
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Only this model.")] = None,
-    tag: Annotated[Optional[str], typer.Option("--tag", "-t", help="Only this tag (with --model).")] = None,
+    tag: TagOpt = None,
     all_: Annotated[bool, typer.Option("--all", help="Remove everything, including the hub clients' caches.")] = False,
     cache_dir: CacheDirOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Remove cached files: one model (and tag), or everything with --all.
+    """Remove cached files (derived files included): one model (and tag), or everything with --all.
 
     Examples:  rotationzoo cache rm --model Qwen3-8B  |  rotationzoo cache rm --all
     """
@@ -159,8 +158,8 @@ def cmd_cache_rm(
 
 def cmd_demo(
     model: Annotated[str, typer.Option("--model", "-m", help="Registry model to demonstrate.")] = "SmolLM2-135M-Instruct",
-    tag: Annotated[Optional[str], typer.Option("--tag", "-t")] = None,
-    tokens: Annotated[int, typer.Option(help="Tokens in the random K tensor.")] = 1024,
+    tag: TagOpt = None,
+    tokens: Annotated[int, typer.Option("--tokens", min=1, help="Rows of the random K-like tensor.")] = 1024,
     json_out: JsonOpt = False,
 ) -> None:
     """Load a registry entry (the bundled one by default: no network) and INT2-quantize a tensor with it.
@@ -171,60 +170,21 @@ def cmd_demo(
 
     Example:  rotationzoo demo  |  rotationzoo demo --json
     """
-    import time
+    from ..demo import run_demo
 
-    import torch
-
-    from ..api import load
-    from ..registry import get_entry
-
-    t0 = time.perf_counter()
-    entry = get_entry(model, tag)
-    pair = load(model, tag)
-    t_load = time.perf_counter() - t0
-    s = pair.serving
-    d = pair.head_dim
-    heads = entry.architecture.num_kv_heads or 1
-    g = torch.Generator().manual_seed(0)
-    # K-like activations: a few outlier channels, as real keys have
-    x = torch.randn(tokens, heads, d, generator=g)
-    x[..., : max(1, d // 32)] *= 8.0
-    x = x.to(torch.bfloat16)
-    out: dict = {
-        "model": entry.model_id, "tag": entry.name, "layers": len(pair.layer_ids), "head_dim": d,
-        "k_file": str(pair.paths["k"]), "k_sha256": pair.sha256["k"], "load_seconds": round(t_load, 4),
-        "group_size": s.group_size, "k_clip_ratio": s.k_clip_ratio,
-    }
-    try:
-        from ..kernels import dequantize_int2, quantize_int2
-    except ImportError as exc:  # kernels not available in this build
-        out["quantize"] = f"skipped ({exc})"
-    else:
-        r = pair.k.rotations[0]
-        rel = {}
-        for name, rot, clip in (("none", None, 0.0), ("rotated", r, 0.0), ("rotated+clip", r, s.k_clip_ratio)):
-            codes, sz = quantize_int2(x, rotation=rot, clip_ratio=clip, group_size=s.group_size)
-            back = dequantize_int2(codes, sz, group_size=s.group_size, rotation=rot, dtype=torch.float32)
-            err = (back - x.float()).norm() / x.float().norm()
-            rel[name] = round(float(err), 4)
-        out["codes_shape"] = list(codes.shape)
-        out["scales_zeros_shape"] = list(sz.shape)
-        out["relative_error"] = rel
+    out = run_demo(model, tag, tokens=tokens)
     if json_out:
         emit_json(out)
         return
     c = console()
-    c.print(f"[bold]{out['model']}@{out['tag']}[/]: {out['layers']} layers × d={d}, loaded and validated "
-            f"in {t_load * 1e3:.1f} ms from {out['k_file']}")
+    c.print(f"[bold]{out['model']}@{out['tag']}[/]: {out['layers']} layers × d={out['head_dim']}, loaded and validated "
+            f"in {out['load_seconds'] * 1e3:.1f} ms from {out['k_file']}")
     c.print(f"K sha256 {out['k_sha256']}")
-    if "relative_error" in out:
-        c.print(f"INT2 quantized a [{tokens}, {heads}, {d}] bf16 tensor with layer {pair.layer_ids[0]}'s R_K: "
-                f"codes {out['codes_shape']} uint8, scales/zeros {out['scales_zeros_shape']} "
-                f"(group {s.group_size})")
-        for k, v in out["relative_error"].items():
-            c.print(f"  relative reconstruction error, {k:>12}: {v:.4f}")
-    else:
-        c.print(f"quantize: {out['quantize']}")
+    c.print(f"INT2 quantized a [{out['tokens']}, {out['heads']}, {out['head_dim']}] bf16 tensor with layer "
+            f"{out['layer']}'s R_K: codes {out['codes_shape']} uint8, scales/zeros {out['scales_zeros_shape']} "
+            f"(group {out['group_size']})")
+    for k, v in out["relative_error"].items():
+        c.print(f"  relative reconstruction error, {k:>12}: {v:.4f}")
 
 
 def register(app: typer.Typer) -> None:

@@ -16,9 +16,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from ._options import CacheDirOpt, JsonOpt, TagOpt
 from ._output import console, emit_json
-
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
 
 
 def cmd_list(json_out: JsonOpt = False) -> None:
@@ -51,7 +50,7 @@ def cmd_list(json_out: JsonOpt = False) -> None:
 
 def cmd_info(
     model: Annotated[str, typer.Argument(help="Model id or alias, case-insensitive (e.g. Qwen3-8B).")],
-    tag: Annotated[Optional[str], typer.Option("--tag", "-t", help="Calibration tag (default: the model's default tag).")] = None,
+    tag: TagOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Show a model's entry: architecture, tags, serving defaults, files and sources.
@@ -59,10 +58,11 @@ def cmd_info(
     Examples:  rotationzoo info Qwen3-8B  |  rotationzoo info qwen3-8b --json  |
     rotationzoo info Qwen3-8B --tag longbench-seq150000_prompt44_group128
     """
-    from ..registry import get_model
+    from ..registry import get_model, split_model_tag
 
-    m = get_model(model)
-    entry = m.tag(tag)
+    name, at_tag = split_model_tag(model)
+    m = get_model(name)
+    entry = m.tag(tag or at_tag)
     if json_out:
         out = m.to_json()
         out["tag"] = entry.to_json()
@@ -76,7 +76,7 @@ def cmd_info(
         c.print(m.description)
     c.print(
         f"architecture: {len(ids) if ids else '?'} attention layers"
-        + (f" (ids {', '.join(map(str, ids))})" if arch.attention_layer_ids else "")
+        + (f" (ids {', '.join(map(str, ids or ()))})" if arch.attention_layer_ids else "")
         + f", head_dim {arch.head_dim}, kv heads {arch.num_kv_heads or '?'}"
     )
     c.print(f"tags: {', '.join(('*' + t if t == m.default_tag else t) for t in m.tags)}  (* = default)")
@@ -98,14 +98,14 @@ def cmd_info(
 
 
 def cmd_verify(
-    paths: Annotated[Optional[list[Path]], typer.Argument(help="Rotation files (.pt or .safetensors).")] = None,
-    num_layers: Annotated[Optional[int], typer.Option(help="Expect layers 0..N-1.")] = None,
-    head_dim: Annotated[Optional[int], typer.Option(help="Expect [d, d] matrices with this d.")] = None,
+    paths: Annotated[Optional[list[Path]], typer.Argument(help="Rotation files (.pt, .safetensors, or exported pair files .safetensors / .gguf).")] = None,
+    num_layers: Annotated[Optional[int], typer.Option(min=1, help="Expect layers 0..N-1.")] = None,
+    head_dim: Annotated[Optional[int], typer.Option(min=1, help="Expect [d, d] matrices with this d.")] = None,
     model: Annotated[Optional[str], typer.Option(help="Take layer ids and head_dim from this registry model (with --registry: check only this model).")] = None,
     atol: Annotated[float, typer.Option(help="Tolerance on max|RRᵀ−I|.")] = 1e-5,
     registry: Annotated[bool, typer.Option("--registry", help="Check every registry entry instead of files: cached (or bundled) files, or all with --download.")] = False,
     download: Annotated[bool, typer.Option("--download", help="With --registry: download (and verify) entries that are not cached.")] = False,
-    cache_dir: Annotated[Optional[Path], typer.Option("--cache-dir", help="With --registry: cache root (default: $ROTATIONZOO_CACHE or the user cache dir).")] = None,
+    cache_dir: CacheDirOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Validate rotation files: format, orthogonality, finiteness, shapes, layers. Exit 1 if any fails.
@@ -152,7 +152,7 @@ def cmd_verify(
         raise CLIError("--download and --cache-dir go with --registry")
     if not paths:
         raise CLIError("give one or more rotation files to check, or --registry to check the registry entries")
-    from ..validation import verify_file
+    from ..pair import verify_path
 
     layer_ids = None
     if model is not None:
@@ -161,9 +161,8 @@ def cmd_verify(
         arch = get_model(model).architecture
         layer_ids = arch.expected_layer_ids()
         head_dim = head_dim or arch.head_dim
-    reports = [
-        verify_file(p, atol=atol, layer_ids=layer_ids, num_layers=num_layers, head_dim=head_dim) for p in paths
-    ]
+    reports = [r for p in paths
+               for r in verify_path(p, atol=atol, layer_ids=layer_ids, num_layers=num_layers, head_dim=head_dim)]
     if json_out:
         emit_json([r.to_json() for r in reports])
     else:

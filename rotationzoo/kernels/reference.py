@@ -89,6 +89,37 @@ def clip_rows(v: torch.Tensor, index: int) -> torch.Tensor:
     return torch.minimum(torch.maximum(v, -thr), thr)
 
 
+def bisect_iters(d: int) -> int:
+    """Passes of the decode-flush bisection: ``log2(d)`` for ``d >= 64``, else 0 (exact threshold)."""
+    return d.bit_length() - 1 if d >= 64 else 0
+
+
+def bisect_clip_rows(v: torch.Tensor, index: int) -> torch.Tensor:
+    """The clip of the SGLang fork's decode-flush kernel (``gpu_flush_int2``) on rows ``v [n, d]``.
+
+    ``lo = 0``, ``hi = max|row|``; :func:`bisect_iters` times: ``mid = (lo + hi) * 0.5``, and if more
+    than ``d - index`` values have ``|x| > mid`` then ``lo = mid`` else ``hi = mid``; the threshold is
+    the final ``hi`` (fp32 throughout). It clips at or below the exact ``sort(|row|)[index]``:
+    slightly more values than :func:`clip_rows`. ``d < 64`` uses the exact threshold, as the fork does.
+    """
+    if index < 0:
+        return v
+    d = v.shape[-1]
+    iters = bisect_iters(d)
+    if iters == 0:
+        return clip_rows(v, index)
+    a = v.abs()
+    target = d - index
+    lo = torch.zeros(a.shape[:-1] + (1,), dtype=torch.float32, device=v.device)
+    hi = a.amax(dim=-1, keepdim=True).to(torch.float32)
+    for _ in range(iters):
+        mid = (lo + hi) * 0.5
+        too_many = (a > mid).sum(dim=-1, keepdim=True) > target
+        lo = torch.where(too_many, mid, lo)
+        hi = torch.where(too_many, hi, mid)
+    return torch.minimum(torch.maximum(v, -hi), hi)
+
+
 def lloyd_max_params(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Approximate Lloyd-Max INT2 of whole rows ``v [n, d]`` (fp32, finite).
 
@@ -156,6 +187,7 @@ def quantize_rows(
     group_size: int,
     lloyd_max: bool,
     scale_dtype: torch.dtype,
+    clip_search: str = "exact",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clip, quantize and pack rows.
 
@@ -165,6 +197,7 @@ def quantize_rows(
         group_size: contiguous dims per (scale, zero) pair; ``d`` when ``lloyd_max``.
         lloyd_max: approximate Lloyd-Max levels instead of min/max uniform levels.
         scale_dtype: dtype of the stored scale/zero pairs.
+        clip_search: ``"exact"`` (:func:`clip_rows`) or ``"bisect"`` (:func:`bisect_clip_rows`).
 
     Returns:
         ``codes uint8 [n, d/4]`` and ``scales_zeros [n, 2 * d / group_size]`` (``scale_dtype``),
@@ -174,7 +207,7 @@ def quantize_rows(
     v = v.to(torch.float32)
     nan_row = torch.isnan(v).any(dim=-1)
     v = v.masked_fill(nan_row[:, None], 0.0)
-    v = clip_rows(v, clip_index)
+    v = bisect_clip_rows(v, clip_index) if clip_search == "bisect" else clip_rows(v, clip_index)
     bad = nan_row | torch.isinf(v).any(dim=-1)
     v = v.masked_fill(bad[:, None] | (v == 0), 0.0)  # also turns -0.0 into +0.0
     if lloyd_max:
@@ -210,13 +243,15 @@ def quantize_int2_torch(
     group_size: int,
     lloyd_max: bool,
     scale_dtype: torch.dtype,
+    clip_search: str = "exact",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference :func:`rotationzoo.kernels.quantize_int2` on validated inputs."""
     d = x.shape[-1]
     lead = x.shape[:-1]
     v = bf16_matmul(x, rotation) if rotation is not None else x
     codes, sz = quantize_rows(
-        v.reshape(-1, d), clip_index=clip_index, group_size=group_size, lloyd_max=lloyd_max, scale_dtype=scale_dtype
+        v.reshape(-1, d), clip_index=clip_index, group_size=group_size, lloyd_max=lloyd_max, scale_dtype=scale_dtype,
+        clip_search=clip_search,
     )
     return codes.reshape(*lead, d // 4), sz.reshape(*lead, sz.shape[-1])
 

@@ -1,0 +1,323 @@
+"""Fetching one entry's files: sources in order with failover, verification, atomic cache writes.
+
+Every downloaded file is checked against the registry (size, sha256) and structurally validated
+before it enters the cache; a file that fails is removed from every cache involved, downloaded once
+more, and only then is an :class:`~rotationzoo.errors.IntegrityError` raised. A warm hit is two
+``stat`` calls and a small JSON read: no hashing and no network.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .. import config
+from ..errors import ConfigError, FetchError, IntegrityError, OfflineError, RotationZooError
+from ..format import read_rotation
+from ..hashing import sha256_file
+from ..registry import SIDES, FileEntry, Source, TagEntry
+from ..validation import validate
+from .layout import cache_root, entry_dir, lock_path, marker_path, purge, read_marker, write_marker
+from ..vocab import SOURCE_CHOICES
+from .sources import DOWNLOADERS, Download, bundled_path, describe_exc
+
+log = logging.getLogger("rotationzoo")
+
+#: Called with one line of human-readable status (source chosen, failover, retries).
+Reporter = Callable[[str], None]
+
+
+class UnpinnedEntryWarning(UserWarning):
+    """The registry has no sha256 for a file: it was validated structurally only."""
+
+
+_warned_unpinned: set[str] = set()
+
+
+@dataclass
+class CachedFile:
+    """A verified file in the cache."""
+
+    side: str
+    path: Path
+    sha256: str
+    size: int
+    source: str
+    revision: str | None = None
+    from_cache: bool = False
+
+
+@dataclass
+class EntryFiles:
+    entry: TagEntry
+    files: dict[str, CachedFile] = field(default_factory=dict)
+
+
+def warm_hit(path: Path, expected_sha256: str | None) -> dict | None:
+    """The marker of ``path`` if the file is present, unchanged since verification, and (when the
+    registry pins a sha256) verified against that same sha256. No hashing."""
+    marker = read_marker(path)
+    if marker is None:
+        return None
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    if st.st_size != marker.get("size") or st.st_mtime_ns != marker.get("mtime_ns"):
+        return None
+    if expected_sha256 is not None and marker.get("sha256") != expected_sha256:
+        return None
+    return marker
+
+
+def _hit(side: str, path: Path, marker: dict) -> CachedFile:
+    return CachedFile(side, path, marker["sha256"], marker["size"], marker["source"], marker.get("revision"),
+                      from_cache=True)
+
+
+def _check(path: Path, f: FileEntry, entry: TagEntry) -> tuple[str | None, str]:
+    """(problem or None, observed sha256). Size and sha256 against the registry, then structure."""
+    size = path.stat().st_size
+    sha = sha256_file(path)
+    if f.size is not None and size != f.size:
+        return f"size {size} B, expected {f.size} B (truncated or wrong file); sha256 {sha}", sha
+    if f.sha256 is not None and sha != f.sha256:
+        return f"sha256 mismatch: expected {f.sha256}, got {sha}", sha
+    try:
+        rs = read_rotation(path)
+        validate(rs, layer_ids=entry.architecture.expected_layer_ids(), head_dim=entry.architecture.head_dim)
+    except RotationZooError as exc:
+        return f"not a valid rotation file for {entry.model_id}: {exc}", sha
+    return None, sha
+
+
+def _select_sources(f: FileEntry, source: str) -> list[Source]:
+    if source not in SOURCE_CHOICES:
+        raise ConfigError(f"source must be one of {', '.join(SOURCE_CHOICES)}, got {source!r}")
+    if source == "auto":
+        return list(f.sources)
+    chosen = [s for s in f.sources if s.type == source]
+    if not chosen:
+        have = ", ".join(s.type for s in f.sources)
+        raise FetchError(f"{f.path}: the registry lists no {source} source for this file (it has: {have})")
+    return chosen
+
+
+def record_verified(path: Path, entry: TagEntry, side: str, *, sha: str, source: str,
+                    revision: str | None = None) -> dict:
+    """Write the marker that makes ``path`` a verified cached file of ``entry``'s ``side``.
+
+    Only call it for bytes checked against the registry (size, sha256, structure).
+    """
+    return write_marker(path, {
+        "model": entry.model_id, "tag": entry.name, "side": side, "sha256": sha,
+        "registry_sha256": entry.files[side].sha256, "source": source, "revision": revision,
+        "verified_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    })
+
+
+def _fetch_bundled(entry: TagEntry, side: str, src: Source) -> CachedFile:
+    """Bundled data needs no cache: it ships with the package and is checked on use (it is small)."""
+    f = entry.files[side]
+    p = bundled_path(src)
+    if not p.is_file():
+        raise FetchError(f"{f.path}: bundled file {p} is missing; reinstall rotationzoo")
+    sha = sha256_file(p)
+    if f.sha256 is not None and sha != f.sha256:
+        raise IntegrityError(f"{p}: bundled file sha256 {sha} differs from the registry's {f.sha256}; "
+                             f"reinstall rotationzoo")
+    return CachedFile(side, p, sha, p.stat().st_size, src.describe(), None, from_cache=True)
+
+
+def _accept(got: Download, target: Path, f: FileEntry, entry: TagEntry) -> tuple[str | None, str]:
+    """Copy a download out of the client's cache, check the copy, and move it into place if good."""
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{f.filename}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        if got.path.resolve() != tmp.resolve():
+            shutil.copyfile(got.path, tmp)
+        problem, sha = _check(tmp, f, entry)
+        if problem is None:
+            os.replace(tmp, target)
+        return problem, sha
+    finally:
+        purge([tmp])
+
+
+def _from_source(entry: TagEntry, side: str, src: Source, *, root: Path, revision: str | None, force: bool,
+                 say: Reporter) -> CachedFile:
+    """Download one file from one source, verified; one retry after bad bytes.
+
+    ``revision`` is the caller's override (it also selects the cache folder).
+
+    Raises:
+        IntegrityError: the bytes failed verification twice.
+        Exception: whatever the downloader raised (network, HTTP): the caller fails over.
+    """
+    f = entry.files[side]
+    rev = (revision or src.revision) if src.is_hub else None
+    label = f"{src.type}:{src.repo}@{rev}" if src.is_hub else src.describe()
+    target = entry_dir(root, entry, revision) / f.filename
+    bad_hashes: list[str] = []
+    problem = None
+    for attempt in (1, 2):
+        got = DOWNLOADERS[src.type](src, f, hub_cache=root / "hub", dest_dir=target.parent, revision=rev,
+                                    force=force or attempt > 1)
+        problem, sha = _accept(got, target, f, entry)
+        if problem is None:
+            if src.type == "url":
+                purge(got.purge)
+            if f.sha256 is None:
+                _warn_unpinned(entry, side, sha)
+            marker = record_verified(target, entry, side, sha=sha, source=label, revision=rev)
+            say(f"{side.upper()} {f.filename}: verified from {label}")
+            return CachedFile(side, target, sha, marker["size"], label, rev)
+        # bad bytes: remove them from every cache involved, then try once more
+        purge(got.purge)
+        purge([target, marker_path(target)])
+        bad_hashes.append(sha)
+        if attempt == 1:
+            say(f"{label}: {f.filename}: {problem}; removed the bad copy, downloading again")
+    raise IntegrityError(
+        f"{entry.key} {side.upper()} file {f.filename} from {label} failed verification twice: {problem}. "
+        f"Expected sha256 {f.sha256 or '(unpinned)'}, got {', '.join(bad_hashes)}. "
+        f"No bad copy was kept. The source may be corrupted or tampered with; "
+        f"try another source (--source) or report it."
+    )
+
+
+def fetch_file(
+    entry: TagEntry,
+    side: str,
+    *,
+    root: Path,
+    source: str = "auto",
+    revision: str | None = None,
+    offline: bool = False,
+    force: bool = False,
+    report: Reporter | None = None,
+) -> CachedFile:
+    """Return the verified local copy of one file of ``entry``, downloading it if needed.
+
+    Call with the entry's lock held (see :func:`fetch_entry`).
+    """
+    f = entry.files[side]
+    say = report or (lambda msg: log.info(msg))
+    sources = _select_sources(f, source)
+    if sources[0].type == "bundled":
+        return _fetch_bundled(entry, side, sources[0])
+    target = entry_dir(root, entry, revision) / f.filename
+    if not force:
+        marker = warm_hit(target, f.sha256)
+        if marker is not None:
+            return _hit(side, target, marker)
+    if offline:
+        raise OfflineError(
+            f"offline mode: {entry.key} {side.upper()} file {f.filename} is not in the cache ({target.parent}); "
+            f"run `rotationzoo fetch --model {entry.model_id} --tag {entry.name}` with network access"
+        )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    usable = [s for s in sources if s.type != "bundled"]
+    failures: list[str] = []
+    for i, src in enumerate(usable):
+        if src.is_hub and not (revision or src.revision):
+            failures.append(f"{src.describe()}: no revision given")
+            continue
+        try:
+            return _from_source(entry, side, src, root=root, revision=revision, force=force, say=say)
+        except RotationZooError:
+            raise
+        except Exception as exc:  # network error, 5xx, missing file: fail over
+            failures.append(f"{src.describe()}: {describe_exc(exc)}")
+            nxt = usable[i + 1] if i + 1 < len(usable) else None
+            say(failures[-1] + (f"; trying {nxt.describe()}" if nxt else ""))
+    detail = "; ".join(failures) or "no usable source"
+    raise FetchError(f"could not fetch {entry.key} {side.upper()} file {f.filename}: {detail}")
+
+
+def _warn_unpinned(entry: TagEntry, side: str, sha: str) -> None:
+    key = f"{entry.key}:{side}"
+    if key in _warned_unpinned:
+        return
+    _warned_unpinned.add(key)
+    warnings.warn(
+        f"{entry.key} {side.upper()} file is not pinned in the registry (no sha256); it was validated "
+        f"structurally only. Observed sha256 {sha} (recorded in the cache).",
+        UnpinnedEntryWarning,
+        stacklevel=4,
+    )
+
+
+def _warm_files(entry: TagEntry, root: Path, source: str, revision: str | None) -> dict[str, CachedFile]:
+    """The sides already verified in the cache (bundled sides are left to :func:`fetch_file`)."""
+    out: dict[str, CachedFile] = {}
+    for side in SIDES:
+        f = entry.files[side]
+        if f.bundled and source in ("auto", "bundled"):
+            continue
+        target = entry_dir(root, entry, revision) / f.filename
+        marker = warm_hit(target, f.sha256)
+        if marker is None:
+            break
+        out[side] = _hit(side, target, marker)
+    return out
+
+
+def fetch_entry(
+    entry: TagEntry,
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+    source: str = "auto",
+    revision: str | None = None,
+    offline: bool | None = None,
+    force: bool = False,
+    report: Reporter | None = None,
+) -> EntryFiles:
+    """Both files of ``entry``, verified and cached; one download across processes (file lock)."""
+    root = cache_root(cache_dir)
+    offline = config.offline() if offline is None else offline
+    out = EntryFiles(entry, {} if force else _warm_files(entry, root, source, revision))
+    missing = [s for s in SIDES if s not in out.files]
+    if not missing:
+        return out
+    if offline:
+        need = []  # name every missing file in one message
+        for side in missing:
+            f = entry.files[side]
+            if f.bundled and source in ("auto", "bundled"):
+                out.files[side] = fetch_file(entry, side, root=root, source=source, offline=True)
+            else:
+                need.append(f.filename)
+        if need:
+            raise OfflineError(
+                f"offline mode: {entry.key} is not cached (missing {', '.join(need)} in "
+                f"{entry_dir(root, entry, revision)}); run `rotationzoo fetch --model {entry.model_id} "
+                f"--tag {entry.name}` where the network is reachable (offline because {offline_reason()})"
+            )
+        return out
+    from filelock import FileLock
+
+    lp = lock_path(root, entry, revision)
+    lp.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(lp)):
+        for side in missing:
+            out.files[side] = fetch_file(entry, side, root=root, source=source, revision=revision,
+                                         offline=False, force=force, report=report)
+    return out
+
+
+def offline_reason() -> str:
+    """Why offline mode is on, for error messages."""
+    if config.env_bool("ROTATIONZOO_OFFLINE"):
+        return "ROTATIONZOO_OFFLINE is set"
+    if config.env_bool("HF_HUB_OFFLINE"):
+        return "HF_HUB_OFFLINE is set"
+    return "--offline (offline=True) was given"
