@@ -4,7 +4,8 @@ A hostile file can declare a tiny tensor backed by a huge storage, a stride-0 vi
 terabytes, a deflated member that inflates to gigabytes, a million layers, or a pickle that runs
 code. Everything here reads only the archive's directory, the declared sizes and the pickle's
 opcode stream, so such a file is refused in milliseconds with a bounded amount of memory, before
-``torch.load`` or ``safetensors`` allocates a single tensor.
+``torch.load`` allocates a single tensor. (Safetensors headers are checked in
+:mod:`rotationzoo._schema` with the same :class:`Limits` and :func:`check_view`.)
 
 The pickle in ``data.pkl`` is inspected in two passes: :func:`scan_pickle` walks the opcodes as
 :func:`pickletools.genops` does (allowed opcodes only, bounded count and memo indices, globals
@@ -19,7 +20,6 @@ This module imports only the standard library and :mod:`rotationzoo.errors`.
 from __future__ import annotations
 
 import io
-import json
 import pickle
 import pickletools
 import re
@@ -39,12 +39,6 @@ STORAGE_TYPES: dict[str, tuple[str, int]] = {
     "BoolStorage": ("bool", 1), "ComplexFloatStorage": ("complex64", 8),
     "ComplexDoubleStorage": ("complex128", 16),
 }
-#: safetensors dtype codes, mapped to the same names.
-SAFETENSORS_DTYPES: dict[str, tuple[str, int]] = {
-    "F16": ("float16", 2), "BF16": ("bfloat16", 2), "F32": ("float32", 4), "F64": ("float64", 8),
-    "U8": ("uint8", 1), "I8": ("int8", 1), "I16": ("int16", 2), "I32": ("int32", 4), "I64": ("int64", 8),
-    "BOOL": ("bool", 1),
-}
 FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
 
 #: Storages may hold this many elements beyond what the tensors viewing them cover.
@@ -57,16 +51,21 @@ _TORCH_REBUILD_UNSUPPORTED = frozenset({
     "_rebuild_meta_tensor_no_storage", "_rebuild_wrapper_subclass", "_rebuild_device_tensor_from_numpy",
     "_rebuild_device_tensor_from_cpu_tensor", "_rebuild_xla_tensor", "_rebuild_mtia_tensor",
 })
-# What torch.save emits for dense tensors and plain data; anything else is refused.
+# What torch.save (pickle protocol 2) emits and torch.load(weights_only=True) reads, less NEWOBJ,
+# BUILD and EMPTY_SET; anything else is refused.
 _ALLOWED_OPCODES = frozenset(
-    "PROTO FRAME STOP MARK POP POP_MARK DUP NONE NEWTRUE NEWFALSE INT BININT BININT1 BININT2 LONG LONG1 "
-    "LONG4 FLOAT BINFLOAT BINSTRING SHORT_BINSTRING BINUNICODE SHORT_BINUNICODE BINUNICODE8 "
-    "BINBYTES SHORT_BINBYTES BINBYTES8 EMPTY_LIST APPEND APPENDS LIST EMPTY_TUPLE TUPLE TUPLE1 TUPLE2 TUPLE3 "
-    "EMPTY_DICT DICT SETITEM SETITEMS PUT BINPUT LONG_BINPUT GET BINGET LONG_BINGET MEMOIZE GLOBAL "
-    "STACK_GLOBAL REDUCE BINPERSID".split()
+    "PROTO STOP MARK NONE NEWTRUE NEWFALSE BININT BININT1 BININT2 LONG1 BINFLOAT BINUNICODE SHORT_BINSTRING "
+    "EMPTY_LIST APPEND APPENDS EMPTY_TUPLE TUPLE TUPLE1 TUPLE2 TUPLE3 EMPTY_DICT SETITEM SETITEMS "
+    "BINPUT LONG_BINPUT BINGET LONG_BINGET GLOBAL REDUCE BINPERSID".split()
 )
-_BIG = 1 << 62  # no size, stride or offset in a sane file comes near this
+# Opcodes that build or call objects beyond the globals seen by name: a sign of a hostile file.
+_CODE_OPCODES = frozenset("BUILD NEWOBJ NEWOBJ_EX INST OBJ EXT1 EXT2 EXT4 PERSID".split())
+_STRING_OPS = frozenset({"BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8", "SHORT_BINSTRING"})
+_NON_PUSHING = frozenset({"PROTO", "FRAME", "PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE", "STOP"})
+#: No size, stride, offset or dict key in a sane file comes near this.
+BIG_INT = 1 << 62
 _MEMO_OPS = frozenset({"PUT", "BINPUT", "LONG_BINPUT", "GET", "BINGET", "LONG_BINGET"})
+_MEMO_PUT = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
 _DECIMAL = re.compile(r"(0|[1-9][0-9]{0,17})\Z")  # ASCII digits only, canonical
 _repr = reprlib.Repr()
 _repr.maxlevel, _repr.maxstring, _repr.maxother, _repr.maxlist, _repr.maxdict = 2, 40, 40, 4, 4
@@ -88,7 +87,7 @@ def exc_line(exc: BaseException) -> str:
 
 def parse_index(x: Any) -> int | None:
     """``x`` as a non-negative int if it is one or its plain ASCII decimal string, else ``None``."""
-    if type(x) is int and x >= 0:
+    if type(x) is int and 0 <= x < BIG_INT:
         return x
     if isinstance(x, str) and _DECIMAL.match(x):
         return int(x)
@@ -150,7 +149,8 @@ class TensorMeta:
         return f"TensorMeta({self.dtype}, {self.shape})"
 
 
-def _refuse(name: str, what: str) -> RotationFileError:
+def refuse(name: str, what: str) -> RotationFileError:
+    """The error for a file refused before loading: ``<file>: refused before loading: <what>``."""
     return RotationFileError(f"{name}: refused before loading: {what}")
 
 
@@ -158,21 +158,21 @@ def check_view(name: str, t: TensorMeta, limits: Limits) -> None:
     """Refuse empty, over-large, >2-D, stride-0, negative-stride or overlapping views."""
     shape, stride = t.shape, t.stride
     if len(shape) > 2:
-        raise _refuse(name, f"a tensor of shape {shape}; rotation files hold [d, d] and [d] tensors")
+        raise refuse(name, f"a tensor of shape {shape}; rotation files hold [d, d] and [d] tensors")
     if any(n < 1 for n in shape):
-        raise _refuse(name, f"an empty tensor of shape {shape}")
+        raise refuse(name, f"an empty tensor of shape {shape}")
     dims = sorted((s, n) for s, n in zip(stride, shape) if n > 1)
     reach = 0  # furthest element offset reached by the smaller-stride dims
     for s, n in dims:
         if s < 1:
-            raise _refuse(name, f"a view with stride {stride} (stride-0 or negative: it repeats memory)")
+            raise refuse(name, f"a view with stride {stride} (stride-0 or negative: it repeats memory)")
         if s <= reach:
-            raise _refuse(name, f"a view with overlapping strides {stride} for shape {shape}")
+            raise refuse(name, f"a view with overlapping strides {stride} for shape {shape}")
         reach += s * (n - 1)
     if any(n > limits.max_head_dim for n in shape):
-        raise _refuse(name, f"a tensor of shape {shape} exceeds max_head_dim={limits.max_head_dim}{limits.note}")
+        raise refuse(name, f"a tensor of shape {shape} exceeds max_head_dim={limits.max_head_dim}{limits.note}")
     if t.storage is not None and t.offset + reach + 1 > t.storage.numel:
-        raise _refuse(name, f"a view (offset {t.offset}, shape {shape}, stride {stride}) beyond its storage "
+        raise refuse(name, f"a view (offset {t.offset}, shape {shape}, stride {stride}) beyond its storage "
                             f"of {t.storage.numel} elements")
 
 
@@ -219,41 +219,43 @@ class _Recorder:
 
     def persistent_load(self, pid: Any) -> StorageRef:
         if not (type(pid) is tuple and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageType)):
-            raise _refuse(self.name, f"an unexpected persistent id {safe_repr(pid)}")
+            raise refuse(self.name, f"an unexpected persistent id {safe_repr(pid)}")
         _, storage_type, key, location, numel = pid
         dtype, itemsize = STORAGE_TYPES[storage_type.name]
-        if parse_index(key) is None or not isinstance(location, str) or type(numel) is not int or not 0 <= numel < _BIG:
-            raise _refuse(self.name, f"a malformed storage reference {safe_repr(pid)}")
+        if parse_index(key) is None or not isinstance(location, str) or type(numel) is not int or not 0 <= numel < BIG_INT:
+            raise refuse(self.name, f"a malformed storage reference {safe_repr(pid)}")
         if numel * itemsize > self.limits.max_bytes:
-            raise _refuse(self.name, f"a storage of {numel * itemsize} bytes exceeds max_bytes={self.limits.max_bytes}{self.limits.note}")
+            raise refuse(self.name, f"a storage of {numel * itemsize} bytes exceeds max_bytes={self.limits.max_bytes}{self.limits.note}")
         seen = self.storages.get(key)
         if seen is None:
             seen = self.storages[key] = StorageRef(key, dtype, itemsize, numel)
         elif (seen.dtype, seen.numel) != (dtype, numel):
-            raise _refuse(self.name, f"storage {key} declared twice with different types or sizes")
+            raise refuse(self.name, f"storage {key} declared twice with different types or sizes")
         return seen
 
-    def rebuild_tensor(self, storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any = False,
-                       hooks: Any = None, metadata: Any = None, *extra: Any) -> TensorMeta:
-        ints = (lambda v: type(v) is tuple and all(type(i) is int and abs(i) < _BIG for i in v))
-        if (not isinstance(storage, StorageRef) or type(offset) is not int or not 0 <= offset < _BIG or not ints(size)
-                or not ints(stride) or len(size) != len(stride) or extra or metadata not in (None, {})):
-            raise _refuse(self.name, "a malformed tensor record (storage, offset, size, stride)")
+    def rebuild_tensor(self, storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any,
+                       hooks: Any, metadata: Any = None, *extra: Any) -> TensorMeta:
+        """``torch._utils._rebuild_tensor_v2``, same signature, recorded instead of built."""
+        ints = (lambda v: type(v) is tuple and all(type(i) is int and abs(i) < BIG_INT for i in v))
+        if (not isinstance(storage, StorageRef) or type(offset) is not int or not 0 <= offset < BIG_INT or not ints(size)
+                or not ints(stride) or len(size) != len(stride) or extra or metadata not in (None, {})
+                or type(requires_grad) is not bool or type(hooks) is not dict):
+            raise refuse(self.name, "a malformed tensor record (storage, offset, size, stride)")
         if len(self.tensors) >= self.limits.max_tensors:
-            raise _refuse(self.name, f"more than {self.limits.max_tensors} tensors (max_layers={self.limits.max_layers}{self.limits.note})")
+            raise refuse(self.name, f"more than {self.limits.max_tensors} tensors (max_layers={self.limits.max_layers}{self.limits.note})")
         t = TensorMeta(storage.dtype, size, stride, offset, storage)
         check_view(self.name, t, self.limits)
         self.tensors.append(t)
         return t
 
-    def rebuild_parameter(self, data: Any, requires_grad: Any = False, hooks: Any = None) -> TensorMeta:
-        if not isinstance(data, TensorMeta):
-            raise _refuse(self.name, "a parameter record without a tensor")
+    def rebuild_parameter(self, data: Any, requires_grad: Any, hooks: Any) -> TensorMeta:
+        if not isinstance(data, TensorMeta) or type(requires_grad) is not bool or type(hooks) is not dict:
+            raise refuse(self.name, "a parameter record without a tensor")
         return data
 
     def ordered_dict(self, *args: Any) -> dict:
         if args:
-            raise _refuse(self.name, "an OrderedDict built from arguments")
+            raise refuse(self.name, "an OrderedDict built from arguments")
         return {}
 
 
@@ -284,10 +286,10 @@ class _InspectingUnpickler(pickle._Unpickler):  # the stdlib's pure-Python unpic
 
     def _set(self, d: Any, items: list) -> None:
         if type(d) is not dict:
-            raise _refuse(self._rec.name, f"a dict item set on a {type(d).__name__}")
+            raise refuse(self._rec.name, f"a dict item set on a {type(d).__name__}")
         for key in items[::2]:
-            if not (type(key) in (str, bytes, float, bool) or key is None or (type(key) is int and abs(key) < _BIG)):
-                raise _refuse(self._rec.name, f"a dict key of type {type(key).__name__} ({safe_repr(key)})")
+            if not (type(key) in (str, bytes, float, bool) or key is None or (type(key) is int and abs(key) < BIG_INT)):
+                raise refuse(self._rec.name, f"a dict key of type {type(key).__name__} ({safe_repr(key)})")
         for i in range(0, len(items), 2):
             d[items[i]] = items[i + 1]
 
@@ -299,23 +301,21 @@ class _InspectingUnpickler(pickle._Unpickler):  # the stdlib's pure-Python unpic
         items = self.pop_mark()
         self._set(self.stack[-1], items)
 
-    def load_dict(self) -> None:
-        items, d = self.pop_mark(), {}
-        self._set(d, items)
-        self.append(d)
-
     dispatch[pickle.SETITEM[0]] = load_setitem
     dispatch[pickle.SETITEMS[0]] = load_setitems
-    dispatch[pickle.DICT[0]] = load_dict
 
 
 def scan_pickle(data: bytes, name: str, limits: Limits, recorder: _Recorder) -> None:
-    """Walk the opcodes without executing any: allowed opcodes, bounded count and memo, globals by name.
+    """Walk the opcodes without executing any, as :func:`pickletools.genops` does.
 
-    This is :func:`pickletools.genops`, except that a disallowed opcode is refused before its
-    argument is read.
+    Refuses opcodes that build objects (before reading their argument), memo slots and opcode
+    counts beyond the limits, and any global not admitted by :meth:`_Recorder.find`, including
+    those a protocol-4 ``STACK_GLOBAL`` names. Opcodes ``torch.load(weights_only=True)`` cannot
+    read are refused after the walk, so that a refused global is named first.
     """
-    stream, n, op = io.BytesIO(data), 0, None
+    stream, n, op, unsupported = io.BytesIO(data), 0, None, None
+    recent: list[Any] = [None, None]  # the last two values pushed, when strings (STACK_GLOBAL's names)
+    memo: dict[int, Any] = {}
     while op is None or op.name != "STOP":
         code = stream.read(1)
         op = pickletools.code2op.get(code.decode("latin-1")) if code else None
@@ -323,18 +323,37 @@ def scan_pickle(data: bytes, name: str, limits: Limits, recorder: _Recorder) -> 
             raise ValueError(f"unknown opcode {code!r} at byte {stream.tell() - 1}" if code else "no STOP opcode")
         n += 1
         if n > limits.max_pickle_ops:
-            raise _refuse(name, f"its pickle has more than {limits.max_pickle_ops} opcodes (max_layers={limits.max_layers})")
-        if op.name not in _ALLOWED_OPCODES:  # refused before its argument is even decoded
+            raise refuse(name, f"its pickle has more than {limits.max_pickle_ops} opcodes (max_layers={limits.max_layers})")
+        if op.name in _CODE_OPCODES:  # refused before its argument is even decoded
             raise UnsafeRotationFileError(
                 f"{name}: refused to load: its pickle uses opcode {op.name}, which builds arbitrary objects; "
                 "rotation files hold only tensors and plain data; do not trust this file"
             )
+        if op.name not in _ALLOWED_OPCODES:
+            unsupported = unsupported or op.name
+            if op.name == "STRING":  # a protocol-0 text pickle: not torch's; stop here
+                break
         arg = op.arg.reader(stream) if op.arg is not None else None
         if op.name in _MEMO_OPS and not (isinstance(arg, int) and 0 <= arg < limits.max_pickle_ops):
-            raise _refuse(name, f"its pickle uses memo slot {safe_repr(arg)}")
+            raise refuse(name, f"its pickle uses memo slot {safe_repr(arg)}")
         if op.name == "GLOBAL":
             module, _, qualname = str(arg).partition(" ")
             recorder.find(module, qualname)
+        elif op.name == "STACK_GLOBAL":
+            if not all(isinstance(x, str) for x in recent):
+                raise UnsafeRotationFileError(f"{name}: refused to load: its pickle computes the name of a global; "
+                                              "do not trust this file")
+            recorder.find(*recent)
+        if op.name in _MEMO_PUT or op.name == "MEMOIZE":
+            memo[arg if op.name in _MEMO_PUT else len(memo)] = recent[-1]
+        elif op.name not in _NON_PUSHING:
+            pushed = memo.get(arg) if op.name in ("GET", "BINGET", "LONG_BINGET") else arg
+            recent = [recent[-1], pushed if op.name in _STRING_OPS or isinstance(pushed, str) else None]
+    if unsupported:
+        raise RotationFileError(
+            f"{name}: its pickle uses opcode {unsupported}, which torch.load(weights_only=True) does not read; "
+            "re-save the file with torch.save's default pickle protocol"
+        )
 
 
 def inspect_pickle(data: bytes, name: str, limits: Limits) -> tuple[Any, _Recorder]:
@@ -360,11 +379,11 @@ def check_storage_use(name: str, rec: _Recorder, limits: Limits) -> None:
     for key, s in rec.storages.items():
         used = sum(covered.get(key, {}).values())
         if s.numel > used + STORAGE_SLACK:
-            raise _refuse(name, f"storage {key} holds {s.numel} elements but its tensors use {used}")
+            raise refuse(name, f"storage {key} holds {s.numel} elements but its tensors use {used}")
         total += s.numel * s.itemsize
     out = sum(t.numel for t in rec.tensors) * 4  # what loading materialises as fp32
     if max(total, out) > limits.max_bytes:
-        raise _refuse(name, f"its tensors need {max(total, out)} bytes, more than max_bytes={limits.max_bytes}{limits.note}")
+        raise refuse(name, f"its tensors need {max(total, out)} bytes, more than max_bytes={limits.max_bytes}{limits.note}")
 
 
 def _member_kind(rest: str) -> str:
@@ -378,23 +397,23 @@ def _member_kind(rest: str) -> str:
 def check_members(name: str, infos: list[zipfile.ZipInfo], limits: Limits) -> tuple[str, dict[str, zipfile.ZipInfo]]:
     """Check the archive directory; return ``data.pkl``'s name and the tensor records by key."""
     if len(infos) > 16 + limits.max_tensors:
-        raise _refuse(name, f"the archive has {len(infos)} members (max_layers={limits.max_layers})")
+        raise refuse(name, f"the archive has {len(infos)} members (max_layers={limits.max_layers})")
     prefixes, names, records, pkl, total = set(), set(), {}, None, 0
     for info in infos:
         prefix, sep, rest = info.filename.partition("/")
         if not sep or not rest or prefix in ("", ".", "..") or "\\" in info.filename or "\0" in info.filename:
-            raise _refuse(name, f"an archive member named {safe_repr(info.filename)}")
+            raise refuse(name, f"an archive member named {safe_repr(info.filename)}")
         if info.filename in names:
-            raise _refuse(name, f"the archive holds {safe_repr(info.filename)} twice")
+            raise refuse(name, f"the archive holds {safe_repr(info.filename)} twice")
         names.add(info.filename)
         prefixes.add(prefix)
         if info.flag_bits & 0x1 or info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
-            raise _refuse(name, f"member {safe_repr(rest)} is encrypted or uses compression {info.compress_type}")
+            raise refuse(name, f"member {safe_repr(rest)} is encrypted or uses compression {info.compress_type}")
         kind = _member_kind(rest)
         cap, label = {"pickle": (limits.max_pickle_bytes, f"limit for max_layers={limits.max_layers}"),
                       "record": (limits.max_bytes, "max_bytes"), "other": (SMALL_MEMBER_BYTES, "limit")}[kind]
         if info.file_size > cap:
-            raise _refuse(name, f"member {safe_repr(rest)} declares {info.file_size} bytes ({label}={cap}{limits.note})")
+            raise refuse(name, f"member {safe_repr(rest)} declares {info.file_size} bytes ({label}={cap}{limits.note})")
         if kind == "record":
             records[rest[5:]] = info
             total += info.file_size
@@ -403,7 +422,7 @@ def check_members(name: str, infos: list[zipfile.ZipInfo], limits: Limits) -> tu
     if len(prefixes) != 1 or pkl is None:
         raise RotationFileError(f"{name}: not a torch archive (expected one folder with data.pkl); re-save it with torch.save")
     if total > limits.max_bytes:
-        raise _refuse(name, f"its tensor records declare {total} bytes, more than max_bytes={limits.max_bytes}{limits.note}")
+        raise refuse(name, f"its tensor records declare {total} bytes, more than max_bytes={limits.max_bytes}{limits.note}")
     return pkl, records
 
 
@@ -419,7 +438,7 @@ def inspect_torch_zip(path: Path, limits: Limits) -> tuple[Any, _Recorder]:
         with zipfile.ZipFile(path) as zf:
             if zf.comment or min((i.header_offset for i in zf.infolist()), default=0) != 0:
                 # torch.save writes neither; either lets two zip readers disagree on the contents
-                raise _refuse(name, "a zip with a comment or with data before its first member")
+                raise refuse(name, "a zip with a comment or with data before its first member")
             pkl, records = check_members(name, zf.infolist(), limits)
             data = zf.read(pkl)  # zipfile checks the CRC; size already bounded
             obj, rec = inspect_pickle(data, name, limits)
@@ -427,10 +446,10 @@ def inspect_torch_zip(path: Path, limits: Limits) -> tuple[Any, _Recorder]:
                 info = records.get(key)
                 if info is None or info.file_size != s.numel * s.itemsize:
                     found = "missing" if info is None else f"{info.file_size} bytes"
-                    raise _refuse(name, f"storage {key} declares {s.numel * s.itemsize} bytes, its record is {found}")
+                    raise refuse(name, f"storage {key} declares {s.numel * s.itemsize} bytes, its record is {found}")
             unused = sorted(set(records) - set(rec.storages))
             if unused:
-                raise _refuse(name, f"the archive holds tensor records no tensor uses ({', '.join(unused[:4])})")
+                raise refuse(name, f"the archive holds tensor records no tensor uses ({', '.join(unused[:4])})")
             check_storage_use(name, rec, limits)
             bad = zf.testzip()  # every remaining member, now that sizes are bounded
     except RotationFileError:
@@ -458,79 +477,3 @@ def refuse_legacy_pickle(path: Path, limits: Limits) -> None:
         f"{name}: legacy (non-zip) torch serialization is not supported; re-save it with torch.save "
         "from torch >= 1.6 or write safetensors"
     )
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {safe_repr(k)}")
-        out[k] = v
-    return out
-
-
-def inspect_safetensors(path: Path, limits: Limits) -> tuple[dict[str, str], dict[str, TensorMeta]]:
-    """Check a safetensors header (dtypes, shapes, data_offsets) before any tensor is read.
-
-    Returns:
-        The string metadata and a :class:`TensorMeta` per tensor name.
-    """
-    name = str(path)
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        if n > limits.max_header_bytes or 8 + n > size:
-            raise _refuse(name, f"its safetensors header declares {n} bytes (file {size}, limit {limits.max_header_bytes})")
-        raw = f.read(n)
-    try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except (ValueError, RecursionError) as exc:
-        raise RotationFileError(f"{name}: damaged safetensors header ({exc_line(exc)}); re-download the file") from None
-    if not isinstance(header, dict):
-        raise RotationFileError(f"{name}: damaged safetensors header (not a JSON object)")
-    meta = header.pop("__metadata__", {})
-    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
-        raise RotationFileError(f"{name}: safetensors __metadata__ must map strings to strings")
-    if len(header) > limits.max_tensors:
-        raise _refuse(name, f"{len(header)} tensors (max_layers={limits.max_layers})")
-    data_len, tensors, spans = size - 8 - n, {}, []
-    for key, entry in header.items():
-        t, span = _safetensors_entry(name, key, entry, limits, data_len)
-        tensors[key] = t
-        spans.append(span)
-    spans.sort()
-    for (_, end), (start, _) in zip(spans, spans[1:]):
-        if start < end:
-            raise _refuse(name, "safetensors tensors overlap")
-    total = sum(e - s for s, e in spans)
-    if max(total, sum(t.numel for t in tensors.values()) * 4) > limits.max_bytes:
-        raise _refuse(name, f"its tensors need more than max_bytes={limits.max_bytes}{limits.note}")
-    return meta, tensors
-
-
-def _safetensors_entry(name: str, key: str, entry: Any, limits: Limits, data_len: int) -> tuple[TensorMeta, tuple[int, int]]:
-    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-        raise RotationFileError(f"{name}: damaged safetensors entry {safe_repr(key)}")
-    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-    ints = (lambda v: isinstance(v, list) and all(type(i) is int and abs(i) < _BIG for i in v))
-    if dtype not in SAFETENSORS_DTYPES or not ints(shape) or not ints(offsets) or len(offsets) != 2:
-        raise RotationFileError(f"{name}: damaged safetensors entry {safe_repr(key)} "
-                                f"(dtype {safe_repr(dtype)}, shape {safe_repr(shape)})")
-    dname, itemsize = SAFETENSORS_DTYPES[dtype]
-    shape_t = tuple(shape)
-    stride = tuple(_contiguous_strides(shape_t))
-    t = TensorMeta(dname, shape_t, stride)
-    check_view(f"{name}: tensor {safe_repr(key)}", t, limits)
-    start, end = offsets
-    if not 0 <= start <= end <= data_len or end - start != t.numel * itemsize:
-        raise _refuse(name, f"tensor {safe_repr(key)} has data_offsets {offsets} for {t.numel} elements "
-                            f"of {dtype} in {data_len} bytes of data")
-    return t, (start, end)
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> list[int]:
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= max(n, 1)
-    return strides[::-1]

@@ -40,7 +40,6 @@ from . import _schema
 from ._inspect import (
     Limits,
     exc_line,
-    inspect_safetensors,
     inspect_torch_zip,
     parse_index,
     refuse_legacy_pickle,
@@ -53,6 +52,7 @@ from ._schema import (  # noqa: F401  (public names of this module)
     MAX_LAYERS,
     MIN_TORCH,
     STRING_FORMAT_VERSIONS,
+    inspect_safetensors,
     make_limits,
 )
 from .errors import RotationFileError, TorchVersionError, UnsafeRotationFileError
@@ -180,8 +180,8 @@ class RotationSet:
         # stack copies: layers that shared one storage in the file become independent tensors
         eigs = [p[2] for p in parsed]
         try:
-            rotations = torch.stack([p[1].to(torch.float32) for p in parsed]).contiguous()
-            eigenvalues = (torch.stack([e.to(torch.float32) for e in eigs]).contiguous()
+            rotations = torch.stack([p[1].detach().to(torch.float32) for p in parsed]).contiguous()
+            eigenvalues = (torch.stack([e.detach().to(torch.float32) for e in eigs]).contiguous()
                            if all(e is not None for e in eigs) else None)
         except RuntimeError as exc:  # e.g. tensors on different devices in a dict built in memory
             raise RotationFileError(f"{name}: cannot stack the layers ({exc_line(exc)})") from None

@@ -338,7 +338,8 @@ def _nested(depth: int):
         (rotation_dict({0: {"rotation": torch.zeros(0, 0)}}), "empty tensor"),
         (rotation_dict({0: {"rotation": torch.eye(4).to_sparse()}}), "tensor kind rotation files do not use"),
         (rotation_dict({0: {"rotation": torch.eye(4, dtype=torch.complex64)}}), "not floating point"),
-        ({"format_version": 10**5000, "layers": {0: {"rotation": torch.eye(4)}}}, "newer format version"),
+        ({"format_version": 2**2000, "layers": {0: {"rotation": torch.eye(4)}}}, "newer format version"),
+        ({"format_version": 10**5000, "layers": {0: {"rotation": torch.eye(4)}}}, "opcode LONG4"),
     ],
 )
 def test_hostile_content_gives_typed_errors(tmp_path: Path, obj, pattern) -> None:
@@ -438,6 +439,14 @@ def test_safetensors_layer_names_are_strict(tmp_path: Path) -> None:
 class _System:
     def __reduce__(self):
         return (os.system, ("true",))
+
+
+def test_pickle_protocol_torch_cannot_read_is_refused_plainly(tmp_path: Path, no_torch_load) -> None:
+    path = tmp_path / "k.pt"
+    torch.save(rotation_dict({0: {"rotation": torch.eye(4)}}), path, pickle_protocol=4)
+    with pytest.raises(RotationFileError, match="opcode FRAME, which torch.load.weights_only=True. does not read") as ei:
+        read_rotation(path)
+    assert not isinstance(ei.value, UnsafeRotationFileError)
 
 
 @pytest.mark.parametrize("protocol", [2, 4])
