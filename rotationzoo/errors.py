@@ -73,6 +73,10 @@ class UnsupportedFormatError(RotationFileError):
     """``k.pt: written by a newer format version (2); upgrade rotationzoo``."""
 
 
+class TorchVersionError(RotationZooError, RuntimeError):
+    """The installed torch cannot load ``.pt`` files safely: ``torch 2.5.1 < 2.6 (CVE-2025-32434); upgrade``."""
+
+
 class InvalidRotationError(RotationZooError, ValueError):
     """A rotation set fails validation: ``k.pt: layer 7: max|RRᵀ−I| = 3.1e-02 > 1e-05``."""
 
