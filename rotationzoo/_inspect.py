@@ -294,15 +294,15 @@ class _InspectingUnpickler(pickle._Unpickler):  # the stdlib's pure-Python unpic
             d[items[i]] = items[i + 1]
 
     def load_setitem(self) -> None:
-        value, key = self.stack.pop(), self.stack.pop()
-        self._set(self.stack[-1], [key, value])
+        value, key = self.stack.pop(), self.stack.pop()  # type: ignore[attr-defined]
+        self._set(self.stack[-1], [key, value])  # type: ignore[attr-defined]
 
     def load_setitems(self) -> None:
-        items = self.pop_mark()
-        self._set(self.stack[-1], items)
+        items = self.pop_mark()  # type: ignore[attr-defined]
+        self._set(self.stack[-1], items)  # type: ignore[attr-defined]
 
-    dispatch[pickle.SETITEM[0]] = load_setitem
-    dispatch[pickle.SETITEMS[0]] = load_setitems
+    dispatch[pickle.SETITEM[0]] = load_setitem  # type: ignore[assignment]
+    dispatch[pickle.SETITEMS[0]] = load_setitems  # type: ignore[assignment]
 
 
 def scan_pickle(data: bytes, name: str, limits: Limits, recorder: _Recorder) -> None:
@@ -318,7 +318,7 @@ def scan_pickle(data: bytes, name: str, limits: Limits, recorder: _Recorder) -> 
     memo: dict[int, Any] = {}
     while op is None or op.name != "STOP":
         code = stream.read(1)
-        op = pickletools.code2op.get(code.decode("latin-1")) if code else None
+        op = pickletools.code2op.get(code.decode("latin-1")) if code else None  # type: ignore[attr-defined]
         if op is None:
             raise ValueError(f"unknown opcode {code!r} at byte {stream.tell() - 1}" if code else "no STOP opcode")
         n += 1
@@ -345,9 +345,9 @@ def scan_pickle(data: bytes, name: str, limits: Limits, recorder: _Recorder) -> 
                                               "do not trust this file")
             recorder.find(*recent)
         if op.name in _MEMO_PUT or op.name == "MEMOIZE":
-            memo[arg if op.name in _MEMO_PUT else len(memo)] = recent[-1]
+            memo[arg if op.name in _MEMO_PUT else len(memo)] = recent[-1]  # type: ignore[index]
         elif op.name not in _NON_PUSHING:
-            pushed = memo.get(arg) if op.name in ("GET", "BINGET", "LONG_BINGET") else arg
+            pushed = memo.get(arg) if op.name in ("GET", "BINGET", "LONG_BINGET") else arg  # type: ignore[arg-type]
             recent = [recent[-1], pushed if op.name in _STRING_OPS or isinstance(pushed, str) else None]
     if unsupported:
         raise RotationFileError(
@@ -374,7 +374,7 @@ def check_storage_use(name: str, rec: _Recorder, limits: Limits) -> None:
     """Refuse storages much larger than the views on them, and totals beyond ``max_bytes``."""
     covered: dict[str, dict[tuple, int]] = {}
     for t in rec.tensors:
-        covered.setdefault(t.storage.key, {})[(t.offset, t.shape, t.stride)] = t.numel
+        covered.setdefault(t.storage.key, {})[(t.offset, t.shape, t.stride)] = t.numel  # type: ignore[union-attr]
     total = 0
     for key, s in rec.storages.items():
         used = sum(covered.get(key, {}).values())

@@ -392,10 +392,11 @@ def load_registered(
     entry = get_entry(model, tag)
     got = fetch_entry(entry, cache_dir=cache_dir, source=source, revision=revision, offline=offline, force=force)
     arch = entry.architecture
+    ids = arch.expected_layer_ids()
     sets = {}
     for s in SIDES:
-        rs = read_rotation(got.files[s].path)
-        validate(rs, atol=atol, layer_ids=arch.expected_layer_ids(), head_dim=arch.head_dim)
+        rs = read_rotation(got.files[s].path, head_dim=arch.head_dim, num_layers=len(ids) if ids else None)
+        validate(rs, atol=atol, layer_ids=ids, head_dim=arch.head_dim)
         if dtype is not None or str(device) != "cpu":
             rs = rs.to(device=device, dtype=dtype)
         sets[s] = rs

@@ -90,9 +90,11 @@ def _check(path: Path, f: FileEntry, entry: TagEntry) -> tuple[str | None, str]:
         return f"size {size} B, expected {f.size} B (truncated or wrong file); sha256 {sha}", sha
     if f.sha256 is not None and sha != f.sha256:
         return f"sha256 mismatch: expected {f.sha256}, got {sha}", sha
+    arch = entry.architecture
+    ids = arch.expected_layer_ids()
     try:
-        rs = read_rotation(path)
-        validate(rs, layer_ids=entry.architecture.expected_layer_ids(), head_dim=entry.architecture.head_dim)
+        rs = read_rotation(path, head_dim=arch.head_dim, num_layers=len(ids) if ids else None)
+        validate(rs, layer_ids=ids, head_dim=arch.head_dim)
     except RotationZooError as exc:
         return f"not a valid rotation file for {entry.model_id}: {exc}", sha
     return None, sha

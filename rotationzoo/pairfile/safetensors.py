@@ -13,11 +13,13 @@ Layout::
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
+from .._schema import MAX_LAYERS, inspect_safetensors, make_limits
 from .._version import __version__
 from ..errors import ExportError
 from ..format import RotationSet
@@ -26,6 +28,7 @@ from .common import EXPORT_FORMAT_VERSION, Sets, atomic_path, parse_version, sid
 
 #: ``format`` metadata value of a pair file.
 SAFETENSORS_FORMAT = "rotationzoo.rotations"
+_LAYER = re.compile(r"0|[1-9][0-9]{0,8}")  # a plain decimal layer id
 
 
 def pair_metadata(sets: Sets, *, model: str | None, tag: str | None, sha256: Mapping[str, str]) -> dict[str, str]:
@@ -94,21 +97,25 @@ def read_pair_safetensors(path: Path) -> tuple[dict[str, RotationSet], dict[str,
 
     if not path.is_file():
         raise ExportError(f"{path}: no such file")
+    limits = make_limits(max_layers=2 * MAX_LAYERS)  # both sides in one file
+    meta, header = inspect_safetensors(path, limits)  # dtypes, shapes, offsets: before any tensor is read
+    for key in header:
+        parts = key.split(".")
+        if (len(parts) != 3 or parts[0] not in SIDES or not _LAYER.fullmatch(parts[1])
+                or parts[2] not in ("rotation", "eigenvalues")):
+            raise ExportError(
+                f"{path}: unexpected tensor {key[:80]!r}; a pair file holds k.<layer>.rotation, "
+                f"k.<layer>.eigenvalues, v.<layer>.rotation, v.<layer>.eigenvalues"
+            )
     try:
         with safe_open(str(path), framework="pt") as f:
-            meta = dict(f.metadata() or {})
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
+            tensors = {k: f.get_tensor(k) for k in header}
     except (SafetensorError, OSError, ValueError) as exc:
         raise ExportError(f"{path}: cannot read safetensors ({exc})") from None
     layers: dict[str, dict[int, dict[str, Any]]] = {}
     for key, t in tensors.items():
-        parts = key.split(".")
-        if len(parts) != 3 or parts[0] not in SIDES or not parts[1].isdigit() or parts[2] not in ("rotation", "eigenvalues"):
-            raise ExportError(
-                f"{path}: unexpected tensor {key!r}; a pair file holds k.<layer>.rotation, "
-                f"k.<layer>.eigenvalues, v.<layer>.rotation, v.<layer>.eigenvalues"
-            )
-        layers.setdefault(parts[0], {}).setdefault(int(parts[1]), {"layer_id": int(parts[1])})[parts[2]] = t
+        side, layer, kind = key.split(".")
+        layers.setdefault(side, {}).setdefault(int(layer), {"layer_id": int(layer)})[kind] = t
     if not layers:
         raise ExportError(f"{path}: no rotation tensors")
     sets = {}
