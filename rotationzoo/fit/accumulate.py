@@ -203,7 +203,7 @@ class LayerAccumulator:
             buf = self.ws.get("q", (hkv, m, g, d))  # type: ignore[arg-type]
             # convert and regroup in one copy: buf[h, t, j] = q[t, h·g + j]
             buf.copy_(q[sl].to(self.device, non_blocking=True).reshape(m, hkv, g, d).permute(1, 0, 2, 3))  # type: ignore[arg-type]
-            self._grams_into(self.qgram, buf.view(hkv, m * g, d))  # type: ignore[operator]
+            self._grams_into(self.qgram, buf.view(hkv, m * g, d))
         self.tokens["q"] += n
 
     def _add_flat(self, x: torch.Tensor, gram: torch.Tensor, name: str) -> None:
@@ -236,7 +236,7 @@ class LayerAccumulator:
         t = self.tokens["q"]
         if t == 0:
             raise FitError(f"layer {self.layer_id}: no query tokens were accumulated")
-        return _mirror_blocks(self.qgram) / (t * self.group)  # type: ignore[arg-type,operator]
+        return _mirror_blocks(self.qgram) / (t * self.group)  # type: ignore[operator]
 
     def start_second_pass(self) -> None:
         """Freeze the per-group query covariances ``A_h`` used by :meth:`add_kv`."""

@@ -189,7 +189,7 @@ def _check_clip_search(clip_search: object) -> str:
 def _check_scale_dtype(scale_dtype: object) -> torch.dtype:
     if scale_dtype not in SCALE_DTYPES:
         raise KernelInputError(f"scale_dtype {scale_dtype} is not supported; expected one of {_names(SCALE_DTYPES)}")
-    return scale_dtype  # type: ignore[return-value]
+    return scale_dtype
 
 
 def _group_from_sz(d: int, sz_last: int, group_size: int | None, what: str) -> int:
