@@ -185,7 +185,8 @@ def test_cli_verify(upstream_dir: Path, tmp_path: Path, capsys) -> None:
     # the same files checked against the wrong model fail with exit 1
     assert main(["verify", files[0], "--num-layers", "36", "--head-dim", "128"]) == 1
     out = capsys.readouterr().out
-    assert "head_dim 256, but the model needs 128" in out.replace("\n", " ") or "NO" in out
+    flat = " ".join(out.split())
+    assert "│ NO │" in out and "shape (256, 256) exceeds max_head_dim=128; the model's head_dim is 128" in flat
 
 
 def test_cli_verify_bad_file_exit_code(tmp_path: Path, capsys) -> None:

@@ -308,6 +308,22 @@ def test_bundled_pair_serve_env():
     assert group != "128" and spec.args[spec.args.index("--kv-cache-quant-group-size") + 1] == group
 
 
+def test_sglang_page_size_follows_the_window_dtype():
+    """The fork's quantised page size is 4 · itemsize(hp_dtype), and windows must be multiples of it."""
+    from rotationzoo.engines import engine_notes, sglang_args, sglang_page_size
+    from rotationzoo.int2kv import Int2KVConfig
+
+    assert [sglang_page_size(t) for t in ("bfloat16", "float16", "float32")] == [8, 8, 16]
+    args = sglang_args(Int2KVConfig(hp_dtype="float32"), "m", 128)
+    assert args[args.index("--page-size") + 1] == "16"
+    assert args[args.index("--kv-cache-quant-group-size") + 1] == "128"
+    notes = engine_notes("sglang", Int2KVConfig(hp_dtype="float32", prefix_tokens=24, recent_tokens=256), 128)
+    assert any("prefix_tokens=24 is not a multiple of the quantised page size 16" in n for n in notes)
+    assert not any("recent_tokens" in n for n in notes)
+    with pytest.raises(ServingError, match="unknown hp_dtype"):
+        sglang_page_size("int8")
+
+
 def test_every_registry_entry_renders_for_every_engine():
     paths = {"k": "/x/k.pt", "v": "/x/v.pt"}
     for model in load_registry():
