@@ -50,6 +50,7 @@ __all__ = [
     "CLIP_SEARCHES",
     "clip_index",
     "dequantize_int2",
+    "fake_quantize_int2",
     "packed_dim",
     "quantize_int2",
     "quantize_int2_into",
@@ -354,6 +355,46 @@ def dequantize_int2(
     if r is not None:
         out = _ref.unrotate(out, r).to(dtype)
     return out
+
+
+def fake_quantize_int2(
+    x: torch.Tensor,
+    *,
+    clip_ratio: float = 0.0,
+    group_size: int | None = None,
+    lloyd_max: bool = False,
+    scale_dtype: torch.dtype = torch.float32,
+    clip_search: ClipSearch = "exact",
+    dtype: torch.dtype | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """What INT2 rows read back: ``dequantize_int2(*quantize_int2(x, ...))``, bit for bit.
+
+    The PyTorch backend skips the packing (:func:`~rotationzoo.kernels.reference.fake_quantize_rows`);
+    the Triton backend runs the two kernels. No rotation: rotate ``x`` first if needed.
+
+    Args:
+        x: ``[..., d]`` values (bf16, fp16 or fp32).
+        clip_ratio, group_size, lloyd_max, scale_dtype, clip_search, backend: as for
+            :func:`quantize_int2`.
+        dtype: output dtype (default ``x.dtype``).
+    """
+    x = _check_values(x)
+    d = x.shape[-1]
+    gs = _check_group(d, group_size)
+    ci = _check_clip(clip_ratio, d)
+    lm = _check_lloyd_max(lloyd_max, d, gs)
+    sdt = _check_scale_dtype(scale_dtype)
+    cs = _check_clip_search(clip_search)
+    out_dtype = dtype or x.dtype
+    if out_dtype not in OUTPUT_DTYPES:
+        raise KernelInputError(f"dtype {out_dtype} is not supported; expected one of {_names(OUTPUT_DTYPES)}")
+    if _backend(backend, x.device) == "torch" or cs == "bisect":
+        out = _ref.fake_quantize_rows(x.reshape(-1, d), clip_index=ci, group_size=gs, lloyd_max=lm, scale_dtype=sdt,
+                                      clip_search=cs, dtype=out_dtype)
+        return out.reshape(x.shape)
+    codes, sz = quantize_int2(x, clip_ratio=clip_ratio, group_size=gs, lloyd_max=lm, scale_dtype=sdt, backend=backend)
+    return dequantize_int2(codes, sz, group_size=gs, dtype=out_dtype, backend=backend)
 
 
 def quantize_int2_into(

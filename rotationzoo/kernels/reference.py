@@ -180,6 +180,48 @@ def unpack_codes(codes: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def _levels(v: torch.Tensor, clip_index: int, group_size: int, lloyd_max: bool, clip_search: str
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Steps 2-5 of the module docstring on rows ``v [n, d]``: ``(q, scale, zero, bad rows)``."""
+    v = v.to(torch.float32)
+    if bool(torch.isnan(v).any()):
+        nan_row = torch.isnan(v).any(dim=-1)
+        v = v.masked_fill(nan_row[:, None], 0.0)
+    else:
+        nan_row = torch.zeros(v.shape[0], dtype=torch.bool, device=v.device)
+    v = bisect_clip_rows(v, clip_index) if clip_search == "bisect" else clip_rows(v, clip_index)
+    bad = nan_row | torch.isinf(v).any(dim=-1) if bool(torch.isinf(v).any()) else nan_row
+    if bool(bad.any()):
+        v = v.masked_fill(bad[:, None], 0.0)
+    v = v + 0.0  # -0.0 + 0.0 is +0.0 (round to nearest): signed zeros become +0, nothing else changes
+    q, scale, zero = lloyd_max_params(v) if lloyd_max else uniform_params(v, group_size)
+    return q, scale, zero, bad
+
+
+def fake_quantize_rows(
+    v: torch.Tensor,
+    *,
+    clip_index: int,
+    group_size: int,
+    lloyd_max: bool,
+    scale_dtype: torch.dtype,
+    clip_search: str = "exact",
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """What an INT2 row reads back: ``dequantize_rows(*quantize_rows(v, ...))`` without packing.
+
+    Bit-identical to the round trip (same codes, the same ``scale_dtype``-rounded scale and zero,
+    ``(q − zero) · scale`` in fp32, then ``dtype``), about twice as fast; flagged rows are NaN.
+    """
+    n, d = v.shape
+    q, scale, zero, bad = _levels(v, clip_index, group_size, lloyd_max, clip_search)
+    s = scale.masked_fill(bad[:, None], float("nan")).to(scale_dtype).to(torch.float32)
+    z = zero.masked_fill(bad[:, None], float("nan")).to(scale_dtype).to(torch.float32)
+    groups = s.shape[-1]
+    out = (q.to(torch.float32).reshape(n, groups, d // groups) - z[..., None]) * s[..., None]
+    return out.reshape(n, d).to(dtype)
+
+
 def quantize_rows(
     v: torch.Tensor,
     *,
@@ -204,16 +246,7 @@ def quantize_rows(
         interleaved ``[s0, z0, s1, z1, ...]``.
     """
     n, d = v.shape
-    v = v.to(torch.float32)
-    nan_row = torch.isnan(v).any(dim=-1)
-    v = v.masked_fill(nan_row[:, None], 0.0)
-    v = bisect_clip_rows(v, clip_index) if clip_search == "bisect" else clip_rows(v, clip_index)
-    bad = nan_row | torch.isinf(v).any(dim=-1)
-    v = v.masked_fill(bad[:, None] | (v == 0), 0.0)  # also turns -0.0 into +0.0
-    if lloyd_max:
-        q, scale, zero = lloyd_max_params(v)
-    else:
-        q, scale, zero = uniform_params(v, group_size)
+    q, scale, zero, bad = _levels(v, clip_index, group_size, lloyd_max, clip_search)
     codes = pack_codes(q).masked_fill(bad[:, None], 0)
     scale = scale.masked_fill(bad[:, None], float("nan"))
     zero = zero.masked_fill(bad[:, None], float("nan"))

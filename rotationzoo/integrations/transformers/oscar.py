@@ -15,7 +15,7 @@ import torch
 
 from ...errors import EvaluationError
 from ...int2kv import Int2KVConfig
-from ...kernels import dequantize_int2, quantize_int2
+from ...kernels import dequantize_int2, fake_quantize_int2, quantize_int2
 
 #: Attribute set on the key tensor an ``OscarInt2Cache`` layer returns (its layer object).
 OSCAR_TAG = "_rotationzoo_oscar_layer"
@@ -178,6 +178,11 @@ def dequantize_rows(codes: torch.Tensor, sz: torch.Tensor, oscar: OscarKV, dtype
 
 
 def fake_quantize(x: torch.Tensor, oscar: OscarKV, side: str, dtype: torch.dtype) -> torch.Tensor:
-    """``dequantize(quantize(x))``: what an INT2 token reads back."""
-    codes, sz = quantize_rows(x, oscar, side)
-    return dequantize_rows(codes, sz, oscar, dtype)
+    """``dequantize(quantize(x))``: what an INT2 token reads back (the kernels' values, bit for bit)."""
+    cfg = oscar.config
+    out_dtype = dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+    return fake_quantize_int2(
+        x.contiguous(), clip_ratio=cfg.clip_ratio(side), group_size=cfg.group_size, lloyd_max=cfg.lloyd_max,
+        scale_dtype=DTYPES[cfg.scale_dtype], clip_search=cfg.clip_search,  # type: ignore[arg-type]
+        dtype=out_dtype, backend=oscar.backend,  # type: ignore[arg-type]
+    ).to(dtype)
