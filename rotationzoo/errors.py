@@ -89,7 +89,17 @@ class InvalidRotationError(RotationZooError, ValueError):
 
 
 class FetchError(RotationZooError, ConnectionError):
-    """Every source failed: ``could not fetch Qwen/Qwen3-8B@tag k: huggingface: HTTP 500; ...``."""
+    """Every source failed: one line per source tried, then a hint.
+
+    Attributes:
+        attempts: the same as data: ``[{"source": ..., "kind": ..., "reason": ...}]`` in the order tried
+            (``kind``: ``unreachable``, ``timeout``, ``http``, ``not_found``, ``denied``, ``too_large``,
+            ``wrong_size``, ``error``).
+    """
+
+    def __init__(self, message: str, attempts: list[dict[str, str]] | None = None) -> None:
+        super().__init__(message)
+        self.attempts = list(attempts or [])
 
 
 class IntegrityError(RotationZooError, ValueError):

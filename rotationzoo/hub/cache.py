@@ -4,7 +4,9 @@ Two areas hold files (see :mod:`rotationzoo.hub.layout`): ``files/`` (verified d
 ``derived/`` (files built from verified inputs, e.g. the rotations GGUF that ``serve-args
 --engine llamacpp`` writes). Both carry markers; :func:`verify_cache` checks each file against its
 marker (and, for downloads, the registry; for derived files, that their inputs are still the
-verified ones) and never removes a file that passes.
+verified ones) and never removes a file that passes. Hidden download-in-progress files left by a
+killed process (``.url-*.part``, ``.*.tmp``) are listed as area ``"partial"``; :func:`verify_cache`
+removes those whose entry no download is holding (its lock is free).
 """
 
 from __future__ import annotations
@@ -23,9 +25,12 @@ from .layout import (
     DERIVED_AREA,
     FILES_AREA,
     HUB_AREA,
+    LOCKS_AREA,
     MARKER_SUFFIX,
     cache_root,
     derived_dir,
+    inside,
+    is_orphan_name,
     marker_path,
     model_folder,
     purge,
@@ -33,13 +38,17 @@ from .layout import (
     write_marker,
 )
 
+#: The area of download-in-progress files (orphans when no download holds their entry's lock).
+PARTIAL_AREA = "partial"
+
 
 @dataclass
 class CacheRecord:
     """One file in the cache, as its marker describes it.
 
     Attributes:
-        area: ``"files"`` (a verified download) or ``"derived"`` (built from verified files).
+        area: ``"files"`` (a verified download), ``"derived"`` (built from verified files) or
+            ``"partial"`` (a download in progress, or left by a killed process).
         side: ``"k"`` / ``"v"`` for downloads; ``None`` for derived files.
         inputs: for derived files, the sha256 of each input side it was built from.
     """
@@ -66,12 +75,19 @@ def _records(root: Path, area: str) -> list[CacheRecord]:
     if not base.is_dir():
         return out
     for p in sorted(base.rglob("*")):
-        if not p.is_file() or p.name.endswith(MARKER_SUFFIX) or p.name.startswith("."):
+        if p.is_symlink():
+            out.append(CacheRecord(p, area, None, None, None, 0, None, None, problem="a symlink (never served)"))
+            continue
+        if not p.is_file() or p.name.endswith(MARKER_SUFFIX):
+            continue
+        if p.name.startswith("."):
+            if is_orphan_name(p.name):
+                out.append(CacheRecord(p, PARTIAL_AREA, None, None, None, p.stat().st_size, None, None,
+                                       problem="download in progress or left by a killed process"))
             continue
         m = read_marker(p) or {}
-        inputs = m.get("inputs") if isinstance(m.get("inputs"), dict) else None
         out.append(CacheRecord(p, area, m.get("model"), m.get("tag"), m.get("side"), p.stat().st_size,
-                               m.get("sha256"), m.get("source"), inputs))
+                               m.get("sha256"), m.get("source"), m.get("inputs")))
     return out
 
 
@@ -112,6 +128,17 @@ def verify_cache(cache_dir: str | os.PathLike[str] | None = None, *, remove_bad:
     inputs = _verified_inputs(root)
     records = cache_records(root)
     for r in records:
+        if r.area == PARTIAL_AREA:
+            r.ok = False
+            if remove_bad and _unlocked(root, r.path):
+                purge([r.path])
+                r.problem = "left by a killed download (removed)"
+            continue
+        if r.path.is_symlink():
+            r.ok = False
+            if remove_bad:
+                purge([r.path, marker_path(r.path)])
+            continue
         registry_sha = None
         if r.area == FILES_AREA and r.model and r.tag and r.side:
             try:
@@ -123,6 +150,21 @@ def verify_cache(cache_dir: str | os.PathLike[str] | None = None, *, remove_bad:
         if not r.ok and remove_bad:
             purge([r.path, marker_path(r.path)])
     return records
+
+
+def _unlocked(root: Path, path: Path) -> bool:
+    """True when no download holds the lock of the entry folder ``path`` is in."""
+    from filelock import FileLock, Timeout
+
+    folder = path.parent
+    lock = root / LOCKS_AREA / f"{folder.parent.name}--{folder.name}.lock"
+    if not lock.exists():
+        return True
+    try:
+        with FileLock(str(lock), timeout=0):
+            return True
+    except Timeout:
+        return False
 
 
 def remove_cached(model: str | None = None, tag: str | None = None,
@@ -140,9 +182,9 @@ def remove_cached(model: str | None = None, tag: str | None = None,
     m = get_model(model)
     want = None if tag is None else m.tag(tag).name
     for area in (FILES_AREA, DERIVED_AREA):
-        base = root / area / model_folder(m.id)
+        base = inside(root, root / area / model_folder(m.id))
         for d in [base] if want is None else [d for d in base.glob("*") if d.name.split("@")[0] == want]:
-            if d.exists():
+            if d.exists() and not d.is_symlink():
                 removed.extend(p for p in d.rglob("*") if p.is_file())
                 shutil.rmtree(d)
     return removed

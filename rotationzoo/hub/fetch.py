@@ -2,8 +2,15 @@
 
 Every downloaded file is checked against the registry (size, sha256) and structurally validated
 before it enters the cache; a file that fails is removed from every cache involved, downloaded once
-more, and only then is an :class:`~rotationzoo.errors.IntegrityError` raised. A warm hit is two
-``stat`` calls and a small JSON read: no hashing and no network.
+more, and only then is an :class:`~rotationzoo.errors.IntegrityError` raised. Files the registry does
+not pin are compared with the user's pin file (:mod:`.pins`, trust on first use).
+
+A source that cannot serve the file (host unreachable, 404, 5xx after bounded retries, a wrong
+declared size: see :mod:`.network`) is skipped at once for the next one; when all fail,
+:class:`~rotationzoo.errors.FetchError` lists one line per source and a hint.
+
+A warm hit re-hashes the cached file (a few milliseconds for a rotation file: see
+docs/performance.md) and never follows a symlink: a swapped or linked file is not served.
 """
 
 from __future__ import annotations
@@ -19,14 +26,26 @@ from pathlib import Path
 from typing import Callable
 
 from .. import config
-from ..errors import ConfigError, FetchError, IntegrityError, OfflineError, RotationZooError
+from ..errors import ConfigError, FetchError, IntegrityError, OfflineError, RegistryError, RotationZooError
 from ..format import read_rotation
 from ..hashing import sha256_file
 from ..registry import SIDES, FileEntry, Source, TagEntry
+from ..registry.safety import check_revision
 from ..validation import validate
-from .layout import cache_root, entry_dir, lock_path, marker_path, purge, read_marker, write_marker
 from ..vocab import SOURCE_CHOICES
-from .sources import DOWNLOADERS, Download, bundled_path, describe_exc
+from . import network, pins
+from .layout import (
+    cache_root,
+    entry_dir,
+    lock_path,
+    marker_path,
+    partial_files,
+    purge,
+    read_marker,
+    regular_file,
+    write_marker,
+)
+from .sources import DOWNLOADERS, MAX_DOWNLOAD_BYTES, Download, bundled_path, describe_exc, hf_endpoint, ms_endpoint
 
 log = logging.getLogger("rotationzoo")
 
@@ -61,25 +80,34 @@ class EntryFiles:
 
 
 def warm_hit(path: Path, expected_sha256: str | None) -> dict | None:
-    """The marker of ``path`` if the file is present, unchanged since verification, and (when the
-    registry pins a sha256) verified against that same sha256. No hashing."""
+    """The marker of ``path`` if it is a regular file (not a symlink) whose bytes hash to the sha256
+    its marker recorded and, when given, to ``expected_sha256`` (the registry's, or the local pin)."""
     marker = read_marker(path)
-    if marker is None:
+    if marker is None or not regular_file(path):
         return None
     try:
-        st = path.stat()
-    except FileNotFoundError:
+        if path.stat().st_size != marker["size"]:
+            return None
+        sha = sha256_file(path)
+    except OSError:
         return None
-    if st.st_size != marker.get("size") or st.st_mtime_ns != marker.get("mtime_ns"):
-        return None
-    if expected_sha256 is not None and marker.get("sha256") != expected_sha256:
+    if sha != marker["sha256"] or (expected_sha256 is not None and sha != expected_sha256):
         return None
     return marker
 
 
+def _expected_sha(entry: TagEntry, side: str) -> str | None:
+    """The sha256 a cached file must have: the registry's, else the local pin's (if any)."""
+    f = entry.files[side]
+    if f.sha256 is not None:
+        return f.sha256
+    pin = pins.pin_for(entry, side)
+    return pin["sha256"] if pin else None
+
+
 def _hit(side: str, path: Path, marker: dict) -> CachedFile:
-    return CachedFile(side, path, marker["sha256"], marker["size"], marker["source"], marker.get("revision"),
-                      from_cache=True)
+    return CachedFile(side, path, marker["sha256"], marker["size"], marker.get("source", "cache"),
+                      marker.get("revision"), from_cache=True)
 
 
 def _check(path: Path, f: FileEntry, entry: TagEntry) -> tuple[str | None, str]:
@@ -113,14 +141,14 @@ def _select_sources(f: FileEntry, source: str) -> list[Source]:
 
 
 def record_verified(path: Path, entry: TagEntry, side: str, *, sha: str, source: str,
-                    revision: str | None = None) -> dict:
+                    revision: str | None = None, commit: str | None = None) -> dict:
     """Write the marker that makes ``path`` a verified cached file of ``entry``'s ``side``.
 
     Only call it for bytes checked against the registry (size, sha256, structure).
     """
     return write_marker(path, {
         "model": entry.model_id, "tag": entry.name, "side": side, "sha256": sha,
-        "registry_sha256": entry.files[side].sha256, "source": source, "revision": revision,
+        "registry_sha256": entry.files[side].sha256, "source": source, "revision": revision, "commit": commit,
         "verified_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     })
 
@@ -154,15 +182,40 @@ def _accept(got: Download, target: Path, f: FileEntry, entry: TagEntry) -> tuple
         purge([tmp])
 
 
+def _preflight(src: Source, f: FileEntry, rev: str | None, say: Reporter) -> str | None:
+    """Ask the hub about the file before its client does (see :mod:`.network`): fail fast, check what
+    it declares (size; on ModelScope also sha256) against the registry. Returns the commit if known."""
+    if not src.is_hub or rev is None or src.repo is None:
+        return None
+    endpoint = hf_endpoint() if src.type == "huggingface" else ms_endpoint()
+    url, method, headers = network.file_url(src.type, src.repo, f.source_path(src), rev, endpoint)
+    answer = network.ask(url, method=method, headers=headers, read_body=src.type == "modelscope", say=say)
+    size, sha, commit = answer.size, None, None
+    if src.type == "modelscope":
+        record = network.listed_file(answer.body, f.source_path(src))
+        listed_size, listed_sha, listed_rev = record.get("Size"), record.get("Sha256"), record.get("Revision")
+        size = listed_size if type(listed_size) is int else None
+        sha = listed_sha if isinstance(listed_sha, str) else None
+        commit = listed_rev if isinstance(listed_rev, str) else None
+    if size is not None and f.size is not None and size != f.size:
+        raise network.Unavailable(f"declares {size} B, the registry expects {f.size} B", "wrong_size")
+    if sha and f.sha256 is not None and sha != f.sha256:
+        raise network.Unavailable(f"lists sha256 {sha[:12]}…, the registry expects {f.sha256[:12]}…", "wrong_size")
+    if size is not None and f.size is None and size > MAX_DOWNLOAD_BYTES:
+        raise network.Unavailable(f"declares {size} B, more than the {MAX_DOWNLOAD_BYTES} B limit", "too_large")
+    return commit
+
+
 def _from_source(entry: TagEntry, side: str, src: Source, *, root: Path, revision: str | None, force: bool,
-                 say: Reporter) -> CachedFile:
+                 accept_new: bool, say: Reporter) -> CachedFile:
     """Download one file from one source, verified; one retry after bad bytes.
 
     ``revision`` is the caller's override (it also selects the cache folder).
 
     Raises:
-        IntegrityError: the bytes failed verification twice.
-        Exception: whatever the downloader raised (network, HTTP): the caller fails over.
+        IntegrityError: the bytes failed verification twice, or differ from the local pin.
+        network.Unavailable: the source cannot serve the file (the caller fails over).
+        Exception: whatever else the client raised (the caller fails over).
     """
     f = entry.files[side]
     rev = (revision or src.revision) if src.is_hub else None
@@ -170,16 +223,32 @@ def _from_source(entry: TagEntry, side: str, src: Source, *, root: Path, revisio
     target = entry_dir(root, entry, revision) / f.filename
     bad_hashes: list[str] = []
     problem = None
+    listed_commit = _preflight(src, f, rev, say)
     for attempt in (1, 2):
-        got = DOWNLOADERS[src.type](src, f, hub_cache=root / "hub", dest_dir=target.parent, revision=rev,
-                                    force=force or attempt > 1)
-        problem, sha = _accept(got, target, f, entry)
+        got: Download | None = None
+        try:
+            with network.quiet_clients():
+                got = DOWNLOADERS[src.type](src, f, hub_cache=root / "hub", dest_dir=target.parent, revision=rev,
+                                            force=force or attempt > 1)
+            problem, sha = _accept(got, target, f, entry)
+        except BaseException:
+            if got is not None and src.type == "url":
+                purge(got.purge)
+            raise
         if problem is None:
             if src.type == "url":
                 purge(got.purge)
+            commit = got.commit or listed_commit
             if f.sha256 is None:
-                _warn_unpinned(entry, side, sha)
-            marker = record_verified(target, entry, side, sha=sha, source=label, revision=rev)
+                try:
+                    state = pins.check_or_pin(entry, side, sha, source=label, revision=rev, commit=commit,
+                                              accept_new=accept_new)
+                except IntegrityError:
+                    purge([target, marker_path(target)])
+                    raise
+                if state == "new":
+                    _warn_unpinned(entry, side, sha)
+            marker = record_verified(target, entry, side, sha=sha, source=label, revision=rev, commit=commit)
             say(f"{side.upper()} {f.filename}: verified from {label}")
             return CachedFile(side, target, sha, marker["size"], label, rev)
         # bad bytes: remove them from every cache involved, then try once more
@@ -189,11 +258,24 @@ def _from_source(entry: TagEntry, side: str, src: Source, *, root: Path, revisio
         if attempt == 1:
             say(f"{label}: {f.filename}: {problem}; removed the bad copy, downloading again")
     raise IntegrityError(
-        f"{entry.key} {side.upper()} file {f.filename} from {label} failed verification twice: {problem}. "
-        f"Expected sha256 {f.sha256 or '(unpinned)'}, got {', '.join(bad_hashes)}. "
-        f"No bad copy was kept. The source may be corrupted or tampered with; "
-        f"try another source (--source) or report it."
+        f"{entry.key} {side.upper()} file {f.filename} from {label} failed verification twice: {problem} "
+        f"(sha256 of the copies: {', '.join(bad_hashes)}). No bad copy was kept. The source may be corrupted "
+        f"or tampered with; try another source (--source) or report it."
     )
+
+
+def _attempt(src: Source, rev: str | None, kind: str, reason: str) -> dict[str, str]:
+    label = f"{src.type}:{src.repo}@{rev}" if src.is_hub else src.describe()
+    return {"source": label, "kind": kind, "reason": network.shorten(reason)}
+
+
+FETCH_HINT = ("hint: check the network or use a mirror (HF_ENDPOINT=..., MODELSCOPE_ENDPOINT=...); "
+              "files already cached work with --offline (see `rotationzoo cache ls`)")
+
+
+def _sweep(folder: Path) -> None:
+    """Remove the download-in-progress files a killed process left (call with the entry's lock held)."""
+    purge(partial_files(folder))
 
 
 def fetch_file(
@@ -205,6 +287,7 @@ def fetch_file(
     revision: str | None = None,
     offline: bool = False,
     force: bool = False,
+    accept_new: bool = False,
     report: Reporter | None = None,
 ) -> CachedFile:
     """Return the verified local copy of one file of ``entry``, downloading it if needed.
@@ -217,8 +300,8 @@ def fetch_file(
     if sources[0].type == "bundled":
         return _fetch_bundled(entry, side, sources[0])
     target = entry_dir(root, entry, revision) / f.filename
-    if not force:
-        marker = warm_hit(target, f.sha256)
+    if not (force or accept_new):
+        marker = warm_hit(target, _expected_sha(entry, side))
         if marker is not None:
             return _hit(side, target, marker)
     if offline:
@@ -227,22 +310,29 @@ def fetch_file(
             f"run `rotationzoo fetch --model {entry.model_id} --tag {entry.name}` with network access"
         )
     target.parent.mkdir(parents=True, exist_ok=True)
+    _sweep(target.parent)
     usable = [s for s in sources if s.type != "bundled"]
-    failures: list[str] = []
+    attempts: list[dict[str, str]] = []
     for i, src in enumerate(usable):
-        if src.is_hub and not (revision or src.revision):
-            failures.append(f"{src.describe()}: no revision given")
+        rev = (revision or src.revision) if src.is_hub else None
+        if src.is_hub and not rev:
+            attempts.append(_attempt(src, rev, "error", "no revision given"))
             continue
         try:
-            return _from_source(entry, side, src, root=root, revision=revision, force=force, say=say)
+            return _from_source(entry, side, src, root=root, revision=revision, force=force,
+                                accept_new=accept_new, say=say)
         except RotationZooError:
             raise
-        except Exception as exc:  # network error, 5xx, missing file: fail over
-            failures.append(f"{src.describe()}: {describe_exc(exc)}")
-            nxt = usable[i + 1] if i + 1 < len(usable) else None
-            say(failures[-1] + (f"; trying {nxt.describe()}" if nxt else ""))
-    detail = "; ".join(failures) or "no usable source"
-    raise FetchError(f"could not fetch {entry.key} {side.upper()} file {f.filename}: {detail}")
+        except network.Unavailable as exc:
+            attempts.append(_attempt(src, rev, exc.kind, exc.reason))
+        except Exception as exc:  # the client's own errors (HTTP, connection): fail over
+            attempts.append(_attempt(src, rev, "error", describe_exc(exc)))
+        nxt = usable[i + 1] if i + 1 < len(usable) else None
+        say(f"{attempts[-1]['source']}: {attempts[-1]['reason']}" + (f"; trying {nxt.describe()}" if nxt else ""))
+    lines = "\n".join(f"  {a['source']}: {a['reason']}" for a in attempts) or "  no usable source"
+    raise FetchError(
+        f"could not fetch {entry.key} {side.upper()} file {f.filename} from {len(attempts)} source(s):\n"
+        f"{lines}\n{FETCH_HINT}", attempts)
 
 
 def _warn_unpinned(entry: TagEntry, side: str, sha: str) -> None:
@@ -266,7 +356,7 @@ def _warm_files(entry: TagEntry, root: Path, source: str, revision: str | None) 
         if f.bundled and source in ("auto", "bundled"):
             continue
         target = entry_dir(root, entry, revision) / f.filename
-        marker = warm_hit(target, f.sha256)
+        marker = warm_hit(target, _expected_sha(entry, side))
         if marker is None:
             break
         out[side] = _hit(side, target, marker)
@@ -281,12 +371,22 @@ def fetch_entry(
     revision: str | None = None,
     offline: bool | None = None,
     force: bool = False,
+    accept_new: bool = False,
     report: Reporter | None = None,
 ) -> EntryFiles:
-    """Both files of ``entry``, verified and cached; one download across processes (file lock)."""
+    """Both files of ``entry``, verified and cached; one download across processes (file lock).
+
+    Args:
+        accept_new: accept (and re-pin) unpinned files that differ from the local pin.
+    """
     root = cache_root(cache_dir)
     offline = config.offline() if offline is None else offline
-    out = EntryFiles(entry, {} if force else _warm_files(entry, root, source, revision))
+    if revision is not None:
+        try:
+            check_revision(revision, "--revision")
+        except RegistryError as exc:
+            raise ConfigError(str(exc)) from None
+    out = EntryFiles(entry, {} if force or accept_new else _warm_files(entry, root, source, revision))
     missing = [s for s in SIDES if s not in out.files]
     if not missing:
         return out
@@ -312,7 +412,7 @@ def fetch_entry(
     with FileLock(str(lp)):
         for side in missing:
             out.files[side] = fetch_file(entry, side, root=root, source=source, revision=revision,
-                                         offline=False, force=force, report=report)
+                                         offline=False, force=force, accept_new=accept_new, report=report)
     return out
 
 
