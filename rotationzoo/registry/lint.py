@@ -6,7 +6,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from ..errors import RegistryError
+from . import safety
 from .model import HEX40, SHA256, SIDES
+
+
+def _safe(check: Any, value: Any, where: str, rep: "LintReport") -> bool:
+    """Run one :mod:`.safety` check; a refusal becomes a lint error."""
+    try:
+        check(value, where)
+    except RegistryError as exc:
+        rep.errors.append(str(exc))
+        return False
+    return True
 
 
 @dataclass
@@ -61,6 +73,9 @@ def _lint_schema(data: Any, schema: Mapping[str, Any], rep: LintReport) -> None:
 
 def _lint_model(m: Mapping[str, Any], mid: str, seen: dict[str, str], rep: LintReport) -> None:
     rep.models += 1
+    _safe(safety.check_model_id, m.get("id"), f"{mid}: id", rep)
+    for alias in m.get("aliases", []):
+        _safe(safety.check_alias, alias, f"{mid}: aliases", rep)
     names = [mid, *m.get("aliases", []), mid.split("/", 1)[-1]]
     for n in dict.fromkeys(x.lower() for x in names):
         if n in seen and seen[n] != mid:
@@ -72,6 +87,7 @@ def _lint_model(m: Mapping[str, Any], mid: str, seen: dict[str, str], rep: LintR
         rep.errors.append(f"{mid}: default_tag '{m.get('default_tag')}' is not one of its tags ({', '.join(tags)})")
     for tname, t in tags.items():
         rep.tags += 1
+        _safe(safety.check_tag, tname, f"{mid}@{tname}", rep)
         files = t.get("files") or {}
         for side in SIDES:
             f = files.get(side)
@@ -92,8 +108,7 @@ def _lint_file(f: Mapping[str, Any], side: str, tname: str, tag_sources: Any, wh
         rep.errors.append(f"{where}: files.{side}.size {size!r} must be a positive integer")
     if (sha is None) != (size is None):
         rep.warnings.append(f"{where}: files.{side} has {'size' if sha is None else 'sha256'} but not the other")
-    if not path or path.startswith("/") or ".." in path.split("/"):
-        rep.errors.append(f"{where}: files.{side}.path {path!r} must be a relative path")
+    _safe(safety.check_relpath, path, f"{where}: files.{side}", rep)
     srcs = f.get("sources", tag_sources)
     if not srcs:
         rep.errors.append(f"{where}: files.{side} has no sources")
@@ -114,18 +129,19 @@ def _lint_source(s: Any, where: str, rep: LintReport) -> None:
     typ = s["type"]
     if typ in ("huggingface", "modelscope"):
         repo, rev = s.get("repo"), s.get("revision")
-        if not isinstance(repo, str) or repo.count("/") != 1 or not all(repo.split("/")):
-            rep.errors.append(f"{where}: repo {repo!r} must be 'namespace/name'")
+        _safe(safety.check_model_id, repo, f"{where}: repo", rep)
         if not rev:
             rep.errors.append(f"{where}: no revision (always pin or name one)")
-        elif not HEX40.match(str(rev)):
+        elif _safe(safety.check_revision, rev, where, rep) and not HEX40.match(str(rev)):
             rep.unpinned_sources += 1
+        if s.get("path") is not None:
+            _safe(safety.check_relpath, s.get("path"), where, rep)
     elif typ == "url":
-        url = str(s.get("url", ""))
-        if not url.startswith(("https://", "http://")):
-            rep.errors.append(f"{where}: url {url!r} must start with https://")
+        _safe(safety.check_url, s.get("url"), where, rep)
     elif typ == "bundled":
         if not s.get("path"):
             rep.errors.append(f"{where}: bundled source needs a path")
+        else:
+            _safe(safety.bundled_file, s.get("path"), where, rep)
     else:
         rep.errors.append(f"{where}: unknown source type {typ!r}")

@@ -16,7 +16,19 @@ from .. import config
 from ..errors import RegistryError, UnknownModelError
 from ..int2kv import Int2KVConfig
 from ..vocab import WEIGHT_DTYPE_NAMES
-from .model import SIDES, Architecture, Calibration, FileEntry, ModelEntry, Result, Source, TagEntry, parse_tag_name
+from . import safety
+from .model import (
+    SIDES,
+    SOURCE_TYPES,
+    Architecture,
+    Calibration,
+    FileEntry,
+    ModelEntry,
+    Result,
+    Source,
+    TagEntry,
+    parse_tag_name,
+)
 
 #: The ``registry_version`` this release reads and writes.
 REGISTRY_VERSION = 1
@@ -65,20 +77,43 @@ def _parse_architecture(raw: Mapping[str, Any], where: str) -> Architecture:
     )
 
 
+def _parse_source(raw: Mapping[str, Any], where: str) -> Source:
+    """One source, with every name that reaches a path or a request checked (:mod:`.safety`)."""
+    src = Source(**raw)
+    if src.type not in SOURCE_TYPES:
+        raise RegistryError(f"{where}: unknown source type {src.type!r}; expected one of {', '.join(SOURCE_TYPES)}")
+    if src.is_hub:
+        safety.check_model_id(src.repo, f"{where}.repo")
+        safety.check_revision(src.revision, f"{where}.revision")
+        if src.path is not None:
+            safety.check_relpath(src.path, f"{where}.path")
+    elif src.type == "url":
+        safety.check_url(src.url, f"{where}.url")
+    else:
+        safety.bundled_file(str(src.path), f"{where}.path")
+    return src
+
+
 def _parse_files(t: Mapping[str, Any], where: str) -> dict[str, FileEntry]:
-    tag_sources = tuple(Source(**s) for s in t.get("sources", []))
+    tag_sources = tuple(_parse_source(s, f"{where}.sources[{i}]") for i, s in enumerate(t.get("sources", [])))
     files = {}
     for side in SIDES:
         f = t["files"][side]
-        srcs = tuple(Source(**s) for s in f["sources"]) if "sources" in f else tag_sources
+        fw = f"{where}.files.{side}"
+        srcs = (tuple(_parse_source(s, f"{fw}.sources[{i}]") for i, s in enumerate(f["sources"]))
+                if "sources" in f else tag_sources)
         if not srcs:
-            raise RegistryError(f"{where}.files.{side}: no sources (give 'sources' on the tag or the file)")
-        files[side] = FileEntry(side=side, path=f["path"], sha256=f.get("sha256"), size=f.get("size"),  # type: ignore[arg-type]
+            raise RegistryError(f"{fw}: no sources (give 'sources' on the tag or the file)")
+        path = safety.check_relpath(f["path"], f"{fw}.path")
+        if path.endswith(".verified"):
+            raise RegistryError(f"{fw}.path: {path!r} ends like a cache verification marker")
+        files[side] = FileEntry(side=side, path=path, sha256=f.get("sha256"), size=f.get("size"),  # type: ignore[arg-type]
                                 sources=srcs)
     return files
 
 
 def _parse_tag(mid: str, tname: str, t: Mapping[str, Any], arch: Architecture, where: str) -> TagEntry:
+    safety.check_tag(tname, where)
     calib_raw = dict(t.get("calibration") or {})
     for k, v in (parse_tag_name(tname) or {}).items():
         if calib_raw.get(k) is None:
@@ -99,7 +134,9 @@ def _parse_tag(mid: str, tname: str, t: Mapping[str, Any], arch: Architecture, w
 def parse_model(raw: Mapping[str, Any], where: str, origin: str) -> ModelEntry:
     """One ``models[i]`` object → :class:`ModelEntry`; any problem is a one-line :class:`RegistryError`."""
     try:
-        mid = raw["id"]
+        mid = safety.check_model_id(raw["id"], f"{where}.id")
+        for i, alias in enumerate(raw.get("aliases", [])):
+            safety.check_alias(alias, f"{where}.aliases[{i}]")
         arch = _parse_architecture(raw["architecture"], where)
         tags = {tname: _parse_tag(mid, tname, t, arch, f"{where}.tags[{tname!r}]") for tname, t in raw["tags"].items()}
         model = ModelEntry(
