@@ -40,6 +40,10 @@ FILE_FORMATS: tuple[str, ...] = get_args(FileFormat)
 #: dtypes of stored values, by name.
 DtypeName = Literal["bfloat16", "float16", "float32"]
 DTYPE_NAMES: tuple[str, ...] = get_args(DtypeName)
+#: dtypes of model weights (registry ``architecture.weight_dtype``): the KV/window dtypes plus
+#: ``float8`` (one byte per parameter, any FP8 variant such as e4m3 block-scaled checkpoints).
+WeightDtypeName = Literal["bfloat16", "float16", "float32", "float8"]
+WEIGHT_DTYPE_NAMES: tuple[str, ...] = get_args(WeightDtypeName)
 #: How a clip threshold is found (exact sort, or the decode flush's bisection).
 ClipSearch = Literal["exact", "bisect"]
 CLIP_SEARCHES: tuple[str, ...] = get_args(ClipSearch)

@@ -34,6 +34,7 @@ COMMAND_MODULES = [
     "fetch_cmds",
     "publish_cmds",
     "serve_cmds",
+    "plan_cmds",
     "fit_cmds",
     "eval_cmds",
 ]

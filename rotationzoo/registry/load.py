@@ -15,6 +15,7 @@ from typing import Any, Iterable, Iterator, Mapping
 from .. import config
 from ..errors import RegistryError, UnknownModelError
 from ..int2kv import Int2KVConfig
+from ..vocab import WEIGHT_DTYPE_NAMES
 from . import safety
 from .model import (
     SIDES,
@@ -50,14 +51,29 @@ def schema_path() -> Path:
 # -- parsing -------------------------------------------------------------------------------------
 
 
-def _parse_architecture(raw: Mapping[str, Any]) -> Architecture:
+def _parse_weights(raw: Mapping[str, Any], where: str) -> tuple[int | None, Any]:
+    """``(num_parameters, weight_dtype)`` of an architecture, checked (they come together)."""
+    n, dtype = raw.get("num_parameters"), raw.get("weight_dtype")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise RegistryError(f"{where}.architecture.num_parameters must be an integer >= 1, got {n!r}")
+    if dtype is not None and dtype not in WEIGHT_DTYPE_NAMES:
+        raise RegistryError(f"{where}.architecture.weight_dtype must be one of {', '.join(WEIGHT_DTYPE_NAMES)}, got {dtype!r}")
+    if n is not None and dtype is None:
+        raise RegistryError(f"{where}.architecture: num_parameters needs weight_dtype too (e.g. \"bfloat16\")")
+    return n, dtype
+
+
+def _parse_architecture(raw: Mapping[str, Any], where: str) -> Architecture:
     ids = raw.get("attention_layer_ids")
+    num_parameters, weight_dtype = _parse_weights(raw, where)
     return Architecture(
         head_dim=int(raw["head_dim"]),
         num_layers=raw.get("num_layers"),
         attention_layer_ids=tuple(ids) if ids else None,
         num_kv_heads=raw.get("num_kv_heads"),
         num_attention_heads=raw.get("num_attention_heads"),
+        num_parameters=num_parameters,
+        weight_dtype=weight_dtype,
     )
 
 
@@ -121,7 +137,7 @@ def parse_model(raw: Mapping[str, Any], where: str, origin: str) -> ModelEntry:
         mid = safety.check_model_id(raw["id"], f"{where}.id")
         for i, alias in enumerate(raw.get("aliases", [])):
             safety.check_alias(alias, f"{where}.aliases[{i}]")
-        arch = _parse_architecture(raw["architecture"])
+        arch = _parse_architecture(raw["architecture"], where)
         tags = {tname: _parse_tag(mid, tname, t, arch, f"{where}.tags[{tname!r}]") for tname, t in raw["tags"].items()}
         model = ModelEntry(
             id=mid,

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from ..errors import UnknownTagError
 from ..int2kv import Int2KVConfig
-from ..vocab import SIDES, SOURCE_TYPES, Side, SourceType  # noqa: F401 - re-exported by the package
+from ..vocab import SIDES, SOURCE_TYPES, Side, SourceType, WeightDtypeName  # noqa: F401 - re-exported by the package
 
 #: An entry's serving defaults are an INT2-KV configuration (one type for the concept).
 Serving = Int2KVConfig
@@ -127,13 +127,19 @@ class Result:
 
 @dataclass(frozen=True)
 class Architecture:
-    """What a model needs from a rotation pair (and what the memory planner needs from a model)."""
+    """What a model needs from a rotation pair (and what the memory planner needs from a model).
+
+    ``num_parameters`` and ``weight_dtype`` (``bfloat16``, ``float16``, ``float32`` or ``float8``)
+    give the planner the weights' size: ``num_parameters × bytes(weight_dtype)``.
+    """
 
     head_dim: int
     num_layers: int | None = None
     attention_layer_ids: tuple[int, ...] | None = None
     num_kv_heads: int | None = None
     num_attention_heads: int | None = None
+    num_parameters: int | None = None
+    weight_dtype: WeightDtypeName | None = None
 
     def expected_layer_ids(self) -> tuple[int, ...] | None:
         """The layer ids a rotation file must cover (sparse for hybrids), or None if unknown."""
