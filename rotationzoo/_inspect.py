@@ -31,6 +31,16 @@ from typing import Any
 
 from .errors import RotationFileError, UnsafeRotationFileError
 
+#: Largest ``d`` (rotation size) a file may declare; published files use 64 … 256.
+MAX_HEAD_DIM = 4096
+#: Most layers a file may hold; published files hold 8 … 36.
+MAX_LAYERS = 1024
+#: Most bytes a file's tensors may occupy, as stored or as loaded in fp32: 256 MiB, i.e. 1024
+#: layers of d=256 (the largest published file is 2.6 MB). The cap in force is
+#: ``min(max_bytes, max_layers * (max_head_dim**2 + max_head_dim) * 8)``, so expectations passed to
+#: :func:`read_rotation` tighten it (36 layers of d=128: 4.8 MB).
+MAX_BYTES = 256 << 20
+
 #: Element type and size of each storage class a ``torch.save`` pickle names.
 STORAGE_TYPES: dict[str, tuple[str, int]] = {
     "FloatStorage": ("float32", 4), "DoubleStorage": ("float64", 8), "HalfStorage": ("float16", 2),

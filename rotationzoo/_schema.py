@@ -16,6 +16,9 @@ import torch
 
 from ._inspect import (
     BIG_INT,
+    MAX_BYTES,
+    MAX_HEAD_DIM,
+    MAX_LAYERS,
     FLOAT_DTYPES,
     Limits,
     TensorMeta,
@@ -32,15 +35,6 @@ FORMAT_VERSION = 1
 #: String format versions also understood (the authors' VL branch identity files).
 STRING_FORMAT_VERSIONS = ("identity-v1",)
 
-#: Largest ``d`` (rotation size) a file may declare; published files use 64 … 256.
-MAX_HEAD_DIM = 4096
-#: Most layers a file may hold; published files hold 8 … 36.
-MAX_LAYERS = 1024
-#: Most bytes a file's tensors may occupy, as stored or as loaded in fp32: 256 MiB, i.e. 1024
-#: layers of d=256 (the largest published file is 2.6 MB). The cap in force is
-#: ``min(max_bytes, max_layers * (max_head_dim**2 + max_head_dim) * 8)``, so expectations passed to
-#: :func:`read_rotation` tighten it (36 layers of d=128: 4.8 MB).
-MAX_BYTES = 256 << 20
 #: Oldest torch allowed to ``torch.load`` a file: ``weights_only=True`` can run code before 2.6
 #: (CVE-2025-32434).
 MIN_TORCH = (2, 6)

@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .hub import Reporter, fetch_entry
-from .pair import RotationPair, load_registered
 from .registry import SIDES, TagEntry, get_entry, split_model_tag
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+
+    from .pair import RotationPair
 
 
 @dataclass
@@ -67,6 +68,7 @@ def fetch(
     cache_dir: str | os.PathLike[str] | None = None,
     offline: bool | None = None,
     force: bool = False,
+    accept_new: bool = False,
     report: Reporter | None = None,
 ) -> FetchResult:
     """Make the K and V files of ``model``/``tag`` available locally, verified.
@@ -80,6 +82,8 @@ def fetch(
         cache_dir: cache root (default ``ROTATIONZOO_CACHE`` or the user cache dir).
         offline: never use the network (default: ``ROTATIONZOO_OFFLINE`` / ``HF_HUB_OFFLINE``).
         force: download again even when a verified copy is cached.
+        accept_new: for files the registry does not pin, accept (and pin) a file that differs from
+            the one pinned on first use (see :mod:`rotationzoo.hub.pins`).
         report: optional callable receiving one-line status messages.
 
     Raises:
@@ -88,7 +92,7 @@ def fetch(
     name, at_tag = split_model_tag(model)
     entry = get_entry(name, tag or at_tag)
     got = fetch_entry(entry, cache_dir=cache_dir, source=source, revision=revision, offline=offline,
-                      force=force, report=report)
+                      force=force, accept_new=accept_new, report=report)
     return FetchResult(
         entry=entry,
         paths={s: got.files[s].path for s in SIDES},
@@ -109,12 +113,13 @@ def load(
     cache_dir: str | os.PathLike[str] | None = None,
     offline: bool | None = None,
     force: bool = False,
+    accept_new: bool = False,
     atol: float = 1e-5,
 ) -> RotationPair:
     """Fetch (if needed), read and validate a model's rotation pair.
 
     Args:
-        model, tag, source, revision, cache_dir, offline, force: as for :func:`fetch`
+        model, tag, source, revision, cache_dir, offline, force, accept_new: as for :func:`fetch`
             (``model`` may also be ``"MODEL@TAG"``).
         device: device of the returned tensors.
         dtype: dtype of the returned rotations (default fp32, as stored; serving engines use bf16).
@@ -125,9 +130,19 @@ def load(
         ``[L, d, d]`` tensors for the model's attention layers ``pair.layer_ids``, with
         ``pair.entry`` and ``pair.serving`` from the registry.
     """
+    from .pair import load_registered  # torch is imported only by what needs tensors
+
     name, at_tag = split_model_tag(model)
     return load_registered(name, tag or at_tag, device=device, dtype=dtype, source=source, revision=revision,
-                           cache_dir=cache_dir, offline=offline, force=force, atol=atol)
+                           cache_dir=cache_dir, offline=offline, force=force, accept_new=accept_new, atol=atol)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RotationPair":
+        from .pair import RotationPair
+
+        return RotationPair
+    raise AttributeError(name)
 
 
 __all__ = ["FetchResult", "RotationPair", "fetch", "load"]

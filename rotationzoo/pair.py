@@ -386,11 +386,13 @@ def load_registered(
     cache_dir: str | os.PathLike[str] | None = None,
     offline: bool | None = None,
     force: bool = False,
+    accept_new: bool = False,
     atol: float = DEFAULT_ATOL,
 ) -> RotationPair:
     """Fetch (if needed), read and validate a registry entry's pair; see :func:`rotationzoo.load`."""
     entry = get_entry(model, tag)
-    got = fetch_entry(entry, cache_dir=cache_dir, source=source, revision=revision, offline=offline, force=force)
+    got = fetch_entry(entry, cache_dir=cache_dir, source=source, revision=revision, offline=offline, force=force,
+                      accept_new=accept_new)
     arch = entry.architecture
     ids = arch.expected_layer_ids()
     sets = {}

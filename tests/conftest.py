@@ -34,6 +34,12 @@ UPSTREAM = SHARED / "upstream-rotations"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
+@pytest.fixture(autouse=True)
+def _own_pin_file(tmp_path, monkeypatch) -> None:
+    """Each test pins files on first use in its own pin file."""
+    monkeypatch.setenv("ROTATIONZOO_PINS", str(tmp_path / "pins.json"))
+
+
 @pytest.fixture
 def upstream_dir() -> Path:
     """The authors' published rotation files (skips when ../shared is absent)."""

@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -209,15 +208,13 @@ def test_connection_reset_fails_over(zoo, no_backoff_sleep) -> None:
 # -- cache behaviour -----------------------------------------------------------------------------
 
 
-def test_warm_load_makes_no_request_and_is_fast(zoo) -> None:
+def test_warm_load_makes_no_request(zoo) -> None:
+    # its speed is measured by tools/bench_client.py, not asserted here
     rotationzoo.load(MODEL)
     zoo.server.clear_log()
-    t0 = time.perf_counter()
     pair = rotationzoo.load(MODEL)
-    elapsed = time.perf_counter() - t0
     assert zoo.server.requests() == []
     assert pair.k.rotations.shape == (L, D, D)
-    assert elapsed < 0.5  # generous for CI; tools/bench_client.py measures the overhead precisely
     res = rotationzoo.fetch(MODEL)
     assert res.from_cache and zoo.server.requests() == []
 

@@ -335,7 +335,10 @@ def test_hf_commit_racing_a_concurrent_push_gets_412_and_writes_nothing(hubs, fi
     with pytest.raises(PublishError) as excinfo:
         publish(fitted, repo=REPO_ID, model=MODEL, tag=TAG)
     msg = str(excinfo.value)
-    assert msg.startswith("huggingface:") and "changed since" in msg and "nothing was written" in msg
+    assert msg.startswith("huggingface:") and "changed since" in msg and "no commit was made" in msg
+    # the LFS blobs went up before the refused commit: the message says which
+    puts = hubs.hf.requests("PUT")
+    assert puts and f"{len(puts)} LFS blob(s) were already in the hub's storage" in msg
     assert racer["sha"][:12] in msg
     assert hubs.hf.head(REPO_ID) == racer["sha"]
     assert not any(p.startswith("Tiny-LM/") for p in hubs.hf.list_files(REPO_ID))
@@ -358,7 +361,8 @@ def test_modelscope_head_moving_before_commit_writes_nothing(hubs, fitted, monke
     with pytest.raises(PublishError) as excinfo:
         publish(fitted, repo=REPO_ID, model=MODEL, tag=TAG, to="modelscope")
     msg = str(excinfo.value)
-    assert msg.startswith("modelscope:") and "changed since" in msg and "nothing was written" in msg
+    assert msg.startswith("modelscope:") and "changed since" in msg and "no commit was made" in msg
+    assert "LFS blob(s) were already in the hub's storage" in msg, msg
     assert hubs.ms.head(REPO_ID) == racer["sha"]
     assert not any(p.startswith("Tiny-LM/") for p in hubs.ms.list_files(REPO_ID))
     assert hubs.ms.requests("POST", contains="/commit/") == []

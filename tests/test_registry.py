@@ -56,7 +56,8 @@ def test_model_card_entries() -> None:
         assert e.files["v"].path.endswith(f"{tag}/v_rotation_sst_r_h_pbr.pt")
         for f in e.files.values():
             assert f.sha256 is None and f.size is None  # unknown here: unpinned, never invented
-            assert [s.describe().split("@")[0] for s in f.sources] == [
+            assert [s.describe().split("@")[0] for s in f.sources] == [  # the model card's own repo first
+                "modelscope:togethercomputer/OSCAR-RotationZoo",
                 "huggingface:Zhongzhu/OSCAR-RotationZoo",
                 "modelscope:zzz879978/OSCAR-RotationZoo",
                 "huggingface:togethercomputer/OSCAR-RotationZoo",

@@ -22,6 +22,7 @@ from .fetch import (
     record_verified,
     warm_hit,
 )
+from . import network, pins
 from .layout import MARKER_SUFFIX, cache_root, entry_dir, lock_path, marker_path, read_marker
 from .sources import DOWNLOADERS, Download, describe_exc
 

@@ -27,11 +27,9 @@ from typing import Callable
 
 from .. import config
 from ..errors import ConfigError, FetchError, IntegrityError, OfflineError, RegistryError, RotationZooError
-from ..format import read_rotation
 from ..hashing import sha256_file
 from ..registry import SIDES, FileEntry, Source, TagEntry
 from ..registry.safety import check_revision
-from ..validation import validate
 from ..vocab import SOURCE_CHOICES
 from . import network, pins
 from .layout import (
@@ -118,6 +116,9 @@ def _check(path: Path, f: FileEntry, entry: TagEntry) -> tuple[str | None, str]:
         return f"size {size} B, expected {f.size} B (truncated or wrong file); sha256 {sha}", sha
     if f.sha256 is not None and sha != f.sha256:
         return f"sha256 mismatch: expected {f.sha256}, got {sha}", sha
+    from ..format import read_rotation  # torch: only once bytes have arrived
+    from ..validation import validate
+
     arch = entry.architecture
     ids = arch.expected_layer_ids()
     try:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from .. import config
-from .._schema import MAX_BYTES
+from .._inspect import MAX_BYTES
 from ..registry import FileEntry, Source
 from ..registry.safety import bundled_file
 from .network import Unavailable, reach, shorten

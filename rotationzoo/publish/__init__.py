@@ -47,7 +47,8 @@ from ..registry.edit import merge_into_registry, registry_text, write_registry_f
 from .card import CARD_BEGIN, CARD_END, CARD_HEADER, card_row, update_model_card
 from .clients import HUBS, LOGIN_HINT, TOKEN_ENV, HubClient, HubState, find_token, hub_branch, make_client, parse_hubs, parse_parents, per_hub, require_token
 from .entry import merged_registry
-from .plan import MODEL_ID_RE, Plan, check_name, find_pair, prepare
+from ..registry.safety import MODEL_ID
+from .plan import Plan, check_name, find_pair, prepare
 from .results import HubResult, PublishResult, UploadFile
 from .verify import EntryCheck, verify_registry
 
@@ -124,7 +125,7 @@ def publish(
     hubs = parse_hubs(to)
     repos = {h: per_hub(repo, h) or "" for h in hubs}
     for h, name in repos.items():
-        if not MODEL_ID_RE.match(name):
+        if not MODEL_ID.match(name):
             raise PublishError(f"{h}: repository {name!r} must be NAMESPACE/NAME (--repo)")
     check_name("revision", revision)
     if create_tag is not None:

@@ -96,10 +96,17 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def _stale(hub: str, repo: str, branch: str, since: str, now: str | None) -> PublishError:
+def _stale(hub: str, repo: str, branch: str, since: str, now: str | None,
+           blobs: list[str] | None = None) -> PublishError:
+    """The branch moved. ``blobs``: sha256 of LFS blobs already uploaded to the hub's storage."""
     now_s = f" (it is now at {now[:12]})" if now else " (another commit landed first)"
+    if blobs:
+        written = (f"no commit was made, but {len(blobs)} LFS blob(s) were already in the hub's storage, "
+                   f"referenced by no commit (sha256 {', '.join(b[:12] for b in blobs)}; a re-run reuses them)")
+    else:
+        written = "nothing was written"
     return PublishError(
-        f"{hub}: {repo}@{branch} changed since {since[:12]} was read{now_s}; nothing was written; "
+        f"{hub}: {repo}@{branch} changed since {since[:12]} was read{now_s}; {written}; "
         f"re-run to publish on top of the new head"
     )
 
@@ -250,7 +257,9 @@ class _HuggingFace(HubClient):
                 now = None
                 with contextlib.suppress(Exception):
                     now = self.api.repo_info(self.repo, revision=self.branch).sha
-                raise _stale(self.name, self.repo, self.branch, parent, now) from None
+                # create_commit uploads LFS blobs before the commit that the hub refused
+                blobs = sorted({f.sha256 for f in plan.files if f.lfs})
+                raise _stale(self.name, self.repo, self.branch, parent, now, blobs) from None
             raise self._fail(f"committing to {self.repo}@{self.branch}", exc) from None
         return info.oid
 
@@ -341,12 +350,12 @@ class _ModelScope(HubClient):
             {"action": "delete", "path": p, "type": "normal", "size": 0, "sha256": "", "content": "", "encoding": ""}
             for p in deletions
         ]
+        uploaded: set[str] = set()
         try:
             lfs = [f for f in plan.files if f.lfs]
             if lfs:
                 objects = list({f.sha256: {"oid": f.sha256, "size": f.size} for f in lfs}.values())
                 hrefs = legacy.validate_blobs(self.repo, "model", objects)
-                uploaded: set[str] = set()
                 for f in lfs:
                     href = hrefs.get(f.sha256)
                     if href and f.sha256 not in uploaded:
@@ -368,7 +377,7 @@ class _ModelScope(HubClient):
         except Exception as exc:
             raise self._fail(f"uploading to {self.repo}", exc) from None
         if now != parent:
-            raise _stale(self.name, self.repo, self.branch, parent, now)
+            raise _stale(self.name, self.repo, self.branch, parent, now, sorted(uploaded))
         try:
             body = legacy.create_commit(self.repo, "model", ops, f"{message}\n\n{description}".strip(),
                                         revision=self.branch)

@@ -4,21 +4,26 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ..errors import ExportError, InvalidRotationError, PublishError, RotationZooError, UnknownModelError
+from ..errors import (
+    ExportError,
+    InvalidRotationError,
+    PublishError,
+    RegistryError,
+    RotationZooError,
+    UnknownModelError,
+)
 from ..format import read_rotation, write_rotation
 from ..hashing import sha256_file
 from ..pair import MANIFEST_NAME, find_pair_files
 from ..registry import load_registry
+from ..registry.safety import MODEL_ID, check_tag
 from ..validation import validate
 from .results import UploadFile
 
-MODEL_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
 
 
 @dataclass
@@ -70,7 +75,7 @@ def _resolve_model(model: str) -> tuple[str, Any]:
         known = None
     if known is not None:
         return known.id, known
-    if not MODEL_ID_RE.match(model.strip()):
+    if not MODEL_ID.match(model.strip()):
         raise PublishError(
             f"unknown model '{model}': for a model that is not in the registry, give its full id "
             f"NAMESPACE/NAME as on the Hugging Face Hub (e.g. Qwen/Qwen3-8B)"
@@ -79,8 +84,11 @@ def _resolve_model(model: str) -> tuple[str, Any]:
 
 
 def check_name(what: str, value: str) -> None:
-    if not value or not _NAME_RE.match(value) or value in (".", ".."):
-        raise PublishError(f"{what} {value!r} must be one path component of letters, digits and . _ + -")
+    """A tag, revision or tag name: one safe path component (the registry's tag rule)."""
+    try:
+        check_tag(value, what)
+    except RegistryError:
+        raise PublishError(f"{what} {value!r} must be one path component of letters, digits and . _ + -") from None
 
 
 def prepare(

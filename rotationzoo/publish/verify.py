@@ -8,10 +8,11 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .. import config
 from ..errors import OfflineError, RotationZooError
 from ..hashing import sha256_file
-from ..hub import UnpinnedEntryWarning, fetch_entry
-from ..registry import SIDES, get_model, load_registry
+from ..hub import UnpinnedEntryWarning, cache_root, entry_dir, fetch_entry, offline_reason, warm_hit
+from ..registry import SIDES, TagEntry, get_model, load_registry
 from ..validation import verify_file
 
 log = logging.getLogger("rotationzoo")
@@ -38,6 +39,21 @@ class EntryCheck:
                 "problems": list(self.problems)}
 
 
+def _changed_copies(entry: TagEntry, cache_dir: str | os.PathLike[str] | None) -> list[str]:
+    """Problems of cached copies that a cache hit refused (changed on disk since verification)."""
+    out = []
+    folder = entry_dir(cache_root(cache_dir), entry)
+    for side in SIDES:
+        f = entry.files[side]
+        p = folder / f.filename
+        if not p.is_file() or p.is_symlink() or warm_hit(p, f.sha256) is not None:
+            continue
+        sha = sha256_file(p)
+        pinned = f" the registry pins {f.sha256}" if f.sha256 else " its verification recorded another"
+        out.append(f"{side.upper()} file {p}: sha256 {sha} (changed on disk since it was verified);{pinned}")
+    return out
+
+
 def verify_registry(
     *,
     download: bool = False,
@@ -52,6 +68,7 @@ def verify_registry(
     Args:
         download: fetch entries that are not cached (through :func:`rotationzoo.fetch`, which
             verifies on download); otherwise only cached and bundled files are checked.
+            ``ROTATIONZOO_OFFLINE`` / ``HF_HUB_OFFLINE`` win: nothing is downloaded then.
         model: only this model (id or alias).
         cache_dir: cache root (default ``ROTATIONZOO_CACHE`` or the user cache dir).
         source: as for :func:`rotationzoo.fetch`.
@@ -63,6 +80,7 @@ def verify_registry(
         cache hit alone would not notice a file changed on disk).
     """
     say: Reporter = report or (lambda msg: log.info(msg))
+    offline = not download or config.offline()  # ROTATIONZOO_OFFLINE wins over --download
     models = [get_model(model)] if model is not None else list(load_registry())
     checks: list[EntryCheck] = []
     for m in models:
@@ -72,10 +90,15 @@ def verify_registry(
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", UnpinnedEntryWarning)
-                    got = fetch_entry(entry, source=source, cache_dir=cache_dir, offline=not download)
+                    got = fetch_entry(entry, source=source, cache_dir=cache_dir, offline=offline)
             except OfflineError:
-                check.status = "missing"
-                check.problems.append("not in the cache (pass --download to fetch it)")
+                changed = _changed_copies(entry, cache_dir)
+                if changed:  # present but not served: the bytes changed after verification
+                    check.problems.extend(changed)
+                else:
+                    check.status = "missing"
+                    check.problems.append("not in the cache (pass --download to fetch it)" if not download else
+                                          f"not in the cache, and offline ({offline_reason()})")
             except RotationZooError as exc:
                 check.problems.append(str(exc))
             else:

@@ -28,7 +28,7 @@ from .. import config
 from ..errors import RegistryError
 
 _PART = r"[A-Za-z0-9][A-Za-z0-9._-]*"
-_MODEL_ID = re.compile(rf"^{_PART}/{_PART}$")
+MODEL_ID = re.compile(rf"^{_PART}/{_PART}$")
 _ALIAS = re.compile(rf"^{_PART}(/{_PART})?$")
 _TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
 _PATH_PART = re.compile(r"^[A-Za-z0-9._+-]+$")
@@ -41,7 +41,7 @@ def _no_dots(value: str) -> bool:
 
 def check_model_id(value: object, where: str) -> str:
     """A ``NAMESPACE/NAME`` model id or repository."""
-    if not isinstance(value, str) or len(value) > 96 or not _MODEL_ID.match(value) or not _no_dots(value):
+    if not isinstance(value, str) or len(value) > 96 or not MODEL_ID.match(value) or not _no_dots(value):
         raise RegistryError(f"{where}: {value!r} is not a NAMESPACE/NAME id (letters, digits and . _ -; no '..')")
     return value
 
