@@ -71,7 +71,7 @@ def test_cache_rm_refuses_without_yes_when_stdin_is_not_a_terminal(filled, capsy
 def test_cache_rm_asks_on_a_terminal(filled, capsys, monkeypatch, answer, kept) -> None:
     monkeypatch.setattr(fetch_cmds, "stdin_is_tty", lambda: True)
     monkeypatch.setattr(sys, "stdin", io.StringIO(answer))
-    rc, out, err = run(capsys, "cache", "rm", "--model", SMOL)
+    rc, _, err = run(capsys, "cache", "rm", "--model", SMOL)
     assert "remove 2 files, 2.9 KiB (3,000 bytes)? [y/N]" in err
     assert rc == (1 if kept == 3 else 0) and len(cache_records(filled)) == kept
 

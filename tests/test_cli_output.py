@@ -123,9 +123,9 @@ def test_debug_shows_the_traceback(capsys, monkeypatch) -> None:
 
 
 def test_misspelt_command_is_suggested_once(capsys) -> None:
-    rc, out, err = run(capsys, "lst")
+    rc, _, err = run(capsys, "lst")
     assert rc == 2 and err.count("Did you mean") == 1 and "'list'" in err
-    rc, out, err = run(capsys, "cache", "lss")
+    rc, _, err = run(capsys, "cache", "lss")
     assert rc == 2 and err.count("Did you mean") == 1 and "'ls'" in err
 
 
