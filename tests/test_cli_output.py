@@ -164,7 +164,7 @@ def test_help_of_demo_tag_and_cache_group(capsys) -> None:
     rc, out, _ = run(capsys, "demo", "--help")
     assert rc == 0 and re.search(r"--tag.*Calibration tag", out.replace("\n", " "))
     rc, out, _ = run(capsys, "cache", "--help")
-    assert rc == 0 and "rotationzoo cache rm --model Qwen3-8B --dry-run" in out
+    assert rc == 0 and "rotationzoo cache rm --model Qwen3-8B --dry-run" in out and "rotationzoo cache ls" in out
 
 
 # -- verify ----------------------------------------------------------------------------------------

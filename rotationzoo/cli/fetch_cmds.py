@@ -85,11 +85,11 @@ cache_app = typer.Typer(
     cls=Group,
     help="Inspect, verify and clean the local rotation cache.\n\n"
          "Examples:\n\n"
-         "  rotationzoo cache ls                                 # what is cached, with sizes and a total\n\n"
-         "  rotationzoo cache verify --json                      # re-hash every file; remove bad ones\n\n"
-         "  rotationzoo cache rm --model Qwen3-8B --dry-run      # what would be removed, with sizes\n\n"
-         "  rotationzoo cache rm --model Qwen3-8B                # asks first (--yes to skip the question)\n\n"
-         "  rotationzoo cache rm --all --yes                     # everything, the hub clients' caches too",
+         "  rotationzoo cache ls\n\n"
+         "  rotationzoo cache verify --json\n\n"
+         "  rotationzoo cache rm --model Qwen3-8B --dry-run   (only lists, with sizes)\n\n"
+         "  rotationzoo cache rm --model Qwen3-8B             (lists, then asks)\n\n"
+         "  rotationzoo cache rm --all --yes                  (no question)",
     no_args_is_help=True,
 )
 
@@ -106,8 +106,7 @@ def human_size(n: int) -> str:
 
 @cache_app.command("ls")
 def cmd_cache_ls(cache_dir: CacheDirOpt = None, json_out: JsonOpt = False) -> None:
-    """List cached files (verified downloads and files derived from them) with model, tag, size and
-    source, and a total line.
+    """List cached files (downloads and files derived from them): model, tag, size, source; then a total.
 
     Example:  rotationzoo cache ls  |  rotationzoo cache ls --json
     """
@@ -193,7 +192,7 @@ def _to_remove(model: str | None, tag: str | None, cache_dir: Any) -> tuple[list
 @cache_app.command("rm")
 def cmd_cache_rm(
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Only this model.")] = None,
-    tag: TagOpt = None,
+    tag: Annotated[str | None, typer.Option("--tag", "-t", help="With --model: only this tag (default: every tag).")] = None,
     all_: Annotated[bool, typer.Option("--all", help="Remove everything, including the hub clients' caches.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="List what would be removed, with sizes; remove nothing.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation (needed when stdin is not a terminal).")] = False,
