@@ -27,7 +27,7 @@ from ._options import (
     SourceOpt,
     TagOpt,
 )
-from ._output import console, emit_json, print_warning, progress_enabled, stdin_is_tty
+from ._output import console, emit_json, plain, print_warning, progress_enabled, stdin_is_tty
 
 
 def cmd_fetch(
@@ -64,7 +64,7 @@ def cmd_fetch(
     def report(msg: str) -> None:
         messages.append(msg)
         if show:
-            console(stderr=True).print(f"[dim]{escape(msg)}[/]", markup=True)
+            console(stderr=True).print(f"[dim]{escape(plain(msg))}[/]", markup=True)
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -170,6 +170,8 @@ def cmd_verify(
         from ..publish import verify_registry
 
         checks = verify_registry(download=download, model=model, cache_dir=cache_dir, atol=atol)
+        for ch in checks:
+            ch.problems = [plain(p) for p in ch.problems]
         counts = {s: sum(ch.status == s for ch in checks) for s in ("ok", "unpinned", "missing", "failed")}
         if json_out:
             emit_json({"ok": counts["failed"] == 0, "download": download, "checked": len(checks),
@@ -184,7 +186,7 @@ def cmd_verify(
                         c.print(f"          {side.upper()} sha256 {f['sha256']} ({f['size']} B), not pinned in the registry")
                 elif ch.status == "failed":
                     for p in ch.problems:
-                        c.print(f"          [red]✗[/] {escape(plain(p))}")
+                        c.print(f"          [red]✗[/] {escape(p)}")
             c.print(f"{len(checks)} entries: {counts['ok']} ok, {counts['unpinned']} unpinned, "
                     f"{counts['missing']} not cached{'' if download else ' (use --download)'}, "
                     f"{counts['failed']} failed")
