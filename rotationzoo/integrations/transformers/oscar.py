@@ -183,6 +183,6 @@ def fake_quantize(x: torch.Tensor, oscar: OscarKV, side: str, dtype: torch.dtype
     out_dtype = dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
     return fake_quantize_int2(
         x.contiguous(), clip_ratio=cfg.clip_ratio(side), group_size=cfg.group_size, lloyd_max=cfg.lloyd_max,
-        scale_dtype=DTYPES[cfg.scale_dtype], clip_search=cfg.clip_search,  # type: ignore[arg-type]
+        scale_dtype=DTYPES[cfg.scale_dtype], clip_search=cfg.clip_search,
         dtype=out_dtype, backend=oscar.backend,  # type: ignore[arg-type]
     ).to(dtype)
