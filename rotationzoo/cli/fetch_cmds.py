@@ -27,7 +27,14 @@ from ._options import (
     SourceOpt,
     TagOpt,
 )
-from ._output import console, emit_json, plain, print_warning, progress_enabled, stdin_is_tty
+from ._output import (
+    console,
+    emit_json,
+    plain,
+    print_warning,
+    progress_enabled,
+    stdin_is_tty,
+)
 
 
 def cmd_fetch(
