@@ -31,8 +31,9 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -x -m "not slow"
 
+## The documentation site in site/ (strict; mkdocs-material's notice about MkDocs 2 silenced, as in CI).
 docs: install
-	$(VENV)/bin/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) site build dist .pytest_cache

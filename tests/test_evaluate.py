@@ -166,6 +166,7 @@ def test_evaluate_reports_metrics_exposure_and_paired_ci(model, ids, tmp_path) -
     d = rand.vs_baseline["kl"]
     assert d.lo <= d.delta <= d.hi and d.delta == pytest.approx(rand.kl - had.kl)
     assert rand.copy is not None and rand.copy["tokens"] == 3 * 11
+    assert seen[0] == (0, (3 + 3) * (1 + 1 + 2 + 2))  # the total before the first forward: an ETA at once
     assert seen[-1] == (report_units := (3 + 3) * (1 + 1 + 2 + 2), report_units)
     data = json.loads(report.to_json(tmp_path / "r.json"))
     assert data["results"][3]["vs_baseline"]["kl"]["verdict"] in ("better", "worse", "no detectable difference")
@@ -193,10 +194,28 @@ def test_mismatched_rotations_are_refused_before_running(model, ids) -> None:
         evaluate(model, ids, [MethodSpec.hadamard()], Int2KVConfig(group_size=16, lloyd_max=True))
 
 
-def test_nothing_quantized_is_a_warning(model, ids) -> None:
-    report = evaluate(model, ids[:200], [MethodSpec.fp(), MethodSpec.hadamard()], Int2KVConfig(),
-                      EvalProtocol(context=100))
-    assert report.results[1].exposure["tokens"] == 0 and any("nothing was quantized" in w for w in report.warnings)
+def test_min_int2_window_is_where_exposure_starts() -> None:
+    """A window of min_int2_window tokens is the shortest in which a scored token reads an INT2 key."""
+    from rotationzoo.evaluate import min_int2_window
+    from rotationzoo.evaluate.protocol import Exposure
+
+    for conf in (Int2KVConfig(), Int2KVConfig(prefix_tokens=4, recent_tokens=8), Int2KVConfig(prefix_tokens=0,
+                                                                                              recent_tokens=0)):
+        need = min_int2_window(conf)
+        for n, reads in ((need - 1, False), (need, True)):
+            ex = Exposure()
+            ex.add(torch.arange(0, n - 1), conf)  # the scored query positions of an n-token window
+            assert (ex.tokens_with_int2 > 0) is reads, (conf, n)
+
+
+def test_nothing_quantized_is_refused(model, ids) -> None:
+    calls = []
+    with pytest.raises(ConfigError, match="windows of 100 tokens: nothing would be quantized.*at least 323 tokens"):
+        evaluate(model, ids[:200], [MethodSpec.fp(), MethodSpec.hadamard()], Int2KVConfig(),
+                 EvalProtocol(context=100), progress=lambda *a: calls.append(a))
+    assert calls == []
+    report = evaluate(model, ids[:200], [MethodSpec.fp()], Int2KVConfig(), EvalProtocol(context=100))
+    assert report.results[0].method == "fp"  # nothing to quantize, nothing refused
 
 
 # -- CLI -------------------------------------------------------------------------------------------
@@ -254,7 +273,7 @@ def test_cli_eval(tmp_path, capsys) -> None:
     assert rows["oscar"]["copy"]["tokens"] == 2 * 7 and data["context"] == 128
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rc = main(["eval", "--model", str(folder), "--text", str(text), "--context", "64", "--methods", "fp,none",
-               "--baseline", "none", "--json"])
+               "--prefix-tokens", "4", "--recent-tokens", "8", "--baseline", "none", "--json"])
     assert rc == 0
     assert json.loads(capsys.readouterr().out)["results"][1]["method"] == "none"
 
@@ -270,7 +289,7 @@ def test_cli_eval_errors(tmp_path, capsys) -> None:
     # a missing text is refused before the model is loaded (the model path does not even exist)
     assert main(["eval", "--model", str(tmp_path / "nope"), "--text", str(tmp_path / "nope.txt")]) == 1
     err = capsys.readouterr().err
-    assert "nope.txt: evaluation text file not found" in err and "calibration" not in err
+    assert f"--text {tmp_path / 'nope.txt'}: evaluation text file not found" in err and "calibration" not in err
     assert main(["eval", "--model", str(folder), "--text", str(text), "--rotations", "SmolLM2-135M-Instruct"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "rotations cover 30 layers" in err
@@ -282,3 +301,49 @@ def test_tokenize_texts(tmp_path) -> None:
     ids = tokenize_texts(tok, [text, text], tokens=500)
     assert len(ids) == 500 and tokenize_texts(tok, [text], tokens=10, skip=5) == ids[5:15]
     assert math.isfinite(len(ids))
+
+
+@pytest.mark.parametrize("option, value", [("--tokens", "300"), ("--context", "100")])
+def test_cli_eval_refuses_windows_that_quantize_nothing_before_loading(tmp_path, capsys, option, value) -> None:
+    from rotationzoo.cli.main import main
+
+    text = tmp_path / "t.txt"
+    text.write_text("some text")
+    # the model path does not exist: the refusal comes before any loading
+    rc = main(["eval", "--model", str(tmp_path / "no-model"), "--text", str(text), "--methods", "fp,none",
+               "--baseline", "none", option, value])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.count("\n") == 1
+    assert f"error: {option} {value}: nothing would be quantized" in err and "at least 323 tokens" in err
+    rc = main(["eval", "--model", str(tmp_path / "no-model"), "--text", str(text), "--methods", "fp,none",
+               "--baseline", "none", option, value, "--prefix-tokens", "4", "--recent-tokens", "8"])
+    assert rc == 1 and "no-model" in capsys.readouterr().err  # now it gets as far as loading
+
+
+def test_cli_eval_takes_int2_settings_from_the_registry_entry(tmp_path, capsys, monkeypatch) -> None:
+    """The default model is evaluated at its entry's serving settings (G = 16), NAME=ENTRY methods
+    at theirs, and --group-size wins; a line says that the model is being loaded."""
+    import rotationzoo.evaluate as ev
+    from rotationzoo.cli.main import main
+
+    folder, text = _save_tiny(tmp_path)
+    seen = []
+
+    def stop(model, ids, specs, config, protocol, **kw):
+        seen.append(config)
+        raise EvaluationError("stopped by the test")
+
+    monkeypatch.setattr(ev, "find_smollm2_gguf", lambda: folder)
+    monkeypatch.setattr("rotationzoo.cli.eval_cmds.progress_enabled", lambda: True)  # as on a terminal
+    monkeypatch.setattr(ev, "evaluate", stop)
+    base = ["eval", "--text", str(text), "--methods", "fp,none", "--baseline", "none", "--context", "400"]
+    assert main(base) == 1
+    assert seen[-1].group_size == 16 and seen[-1].scale_dtype == "float16"
+    assert f"loading {folder}" in capsys.readouterr().err
+    assert main([*base, "--group-size", "32"]) == 1 and seen[-1].group_size == 32
+    assert main(["eval", "--model", str(folder), "--text", str(text), "--methods", "fp,none",
+                 "--baseline", "none", "--context", "400"]) == 1
+    assert seen[-1].group_size is None  # a local model without registry rotations: the library defaults
+    assert main(["eval", "--model", str(folder), "--text", str(text), "--context", "400", "--baseline", "none",
+                 "--methods", "none,had=SmolLM2-135M-Instruct@hadamard"]) == 1
+    assert seen[-1].group_size == 64

@@ -318,6 +318,32 @@ def test_cli_export(pair_dir, tmp_path, capsys):
     assert rc == 1 and "no such file or folder" in err
 
 
+def test_cli_export_then_verify_round_trips(pair_dir, tmp_path, capsys):
+    """`export DIR --to safetensors` then `verify` of that file: a pair file, one row per side."""
+    out = tmp_path / "p.safetensors"
+    rc, _, err = run_cli(capsys, "export", str(pair_dir), "--to", "safetensors", "--out", str(out))
+    assert rc == 0, err
+    rc, text, err = run_cli(capsys, "verify", str(out))
+    assert rc == 0, text + err
+    assert f"{out} [k]" in text and f"{out} [v]" in text and "qqt_r_h_pbr" in text and "sst_r_h_pbr" in text
+    rc, text, _ = run_cli(capsys, "verify", str(out), "--num-layers", "4", "--head-dim", "16", "--json")
+    assert rc == 0 and [r["path"] for r in json.loads(text)] == [f"{out} [k]", f"{out} [v]"]
+
+
+@pytest.mark.parametrize("source", ["folder", "SmolLM2-135M-Instruct"])
+@pytest.mark.parametrize("to", ["safetensors", "gguf"])
+def test_cli_export_side_is_honoured(pair_dir, tmp_path, capsys, source, to):
+    src = str(pair_dir) if source == "folder" else source
+    for side in ("k", "v"):
+        out = tmp_path / f"{side}.{to}"
+        rc, text, err = run_cli(capsys, "export", src, "--to", to, "--side", side, "--out", str(out))
+        assert rc == 0, err
+        assert f"sides {side.upper()}," in text
+        assert read_exported(out).sides == (side,)
+        rc, text, _ = run_cli(capsys, "verify", str(out), "--json")
+        assert rc == 0 and [r["path"] for r in json.loads(text)] == [f"{out} [{side}]"]
+
+
 def test_side_of_a_single_file_from_its_name_or_objective(tmp_path) -> None:
     """A single file's side comes from its name (k_/v_), else its objective (qqt/ktk → K, sst/vtv → V)."""
     from rotationzoo.pair import infer_side, read_pair

@@ -312,7 +312,7 @@ def test_cache_verify_and_rm(zoo, capsys) -> None:
     assert main(["cache", "ls", "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)["files"]
     assert [f["side"] for f in listed] == ["k"]
-    assert main(["cache", "rm", "--model", "tiny-lm", "--json"]) == 0
+    assert main(["cache", "rm", "--model", "tiny-lm", "--yes", "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out)["removed"]) >= 1
     assert cache_records(zoo.cache) == []
 

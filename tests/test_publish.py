@@ -548,10 +548,10 @@ def test_cli_publish_json(hubs, fitted, tmp_path, capsys) -> None:
     assert out["hubs"][0]["commit"] == hubs.hf.head(REPO_ID) == out["entry"]["tags"][TAG]["sources"][0]["revision"]
     assert out["registry_out"] == str(reg) and json.loads(reg.read_text())["models"][0] == out["entry"]
     assert any("committed" in m for m in out["messages"])
-    # the same again: refused, exit 1, one error line naming the fix
+    # the same again: refused, exit 1, the error as JSON (with --json) naming the fix
     assert main([*args, "--json"]) == 1
     captured = capsys.readouterr()
-    assert captured.out == "" and "pass --force" in captured.err
+    assert captured.err == "" and "pass --force" in json.loads(captured.out)["error"]["message"]
     assert main([*args, "--force", "--json", "--token", f"hf={TEST_TOKEN}", "--token", f"ms={TEST_TOKEN}"]) == 0
 
 

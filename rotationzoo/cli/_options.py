@@ -11,15 +11,31 @@ from typing import Annotated, Any, Optional
 
 import click
 import typer
+from typer.core import TyperGroup
 
 from .. import vocab
+from ._output import json_requested
+
+
+class Group(TyperGroup):
+    """typer's group, suggesting a misspelt command once (click >= 8.4 already adds the suggestion
+    that typer appends again)."""
+
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> Any:
+        try:
+            return super().resolve_command(ctx, args)
+        except click.UsageError as exc:
+            if getattr(exc, "possibilities", None):  # click's own suggestion: drop typer's copy
+                exc.message = exc.message.split(" Did you mean")[0]  # type: ignore[misc]
+            raise
 
 
 def choice(values: tuple[str, ...]) -> click.Choice:
     return click.Choice(list(values))
 
 
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
+JsonOpt = Annotated[bool, typer.Option("--json", callback=json_requested,
+                                       help="Print machine-readable JSON on stdout (errors too).")]
 CacheDirOpt = Annotated[Optional[Path], typer.Option(
     "--cache-dir", help="Cache root (default: $ROTATIONZOO_CACHE or the user cache dir).")]
 OfflineOpt = Annotated[bool, typer.Option("--offline", help="Use only the cache; never touch the network.")]

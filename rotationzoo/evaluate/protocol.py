@@ -121,6 +121,35 @@ def windows(n: int, context: int, stride: int) -> list[tuple[int, int, int]]:
         begin += stride
 
 
+def min_int2_window(config: Int2KVConfig) -> int:
+    """Fewest tokens a window needs for one scored token to read a key as INT2.
+
+    The scored query positions of a window of ``n`` tokens are ``0 … n − 2`` (the last token has no
+    target), and position ``i`` reads INT2 keys only when ``i > prefix_tokens + recent_tokens``.
+    """
+    return config.prefix_tokens + config.recent_tokens + 3
+
+
+def check_int2_window(tokens: int, config: Int2KVConfig, what: str = "a window") -> None:
+    """Refuse a window that would quantize nothing (every key it reads stays in the BF16 windows).
+
+    Args:
+        tokens: the window length (or the whole text's, when shorter).
+        config: the INT2-KV settings (their sink and recent windows).
+        what: what ``tokens`` is, for the message (``"--context 100"``).
+
+    Raises:
+        ConfigError: ``tokens < min_int2_window(config)``.
+    """
+    need = min_int2_window(config)
+    if tokens < need:
+        raise ConfigError(
+            f"{what}: nothing would be quantized: a window needs at least {need} tokens to read a key as INT2 "
+            f"({config.prefix_tokens} sink + {config.recent_tokens} recent tokens stay in {config.hp_dtype}); "
+            f"give at least {need} tokens, or smaller --prefix-tokens / --recent-tokens"
+        )
+
+
 def int2_keys(query_pos: torch.Tensor, config: Int2KVConfig) -> torch.Tensor:
     """How many keys query positions ``query_pos`` (within their forward) read as INT2."""
     return (query_pos - config.recent_tokens - config.prefix_tokens).clamp_min(0)

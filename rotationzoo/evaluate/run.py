@@ -15,7 +15,14 @@ from ..int2kv import Int2KVConfig
 from ..integrations.transformers import ModelShape, model_shape
 from .methods import MethodSpec
 from .metrics import TokenMetrics, compare, hidden_states
-from .protocol import EvalProtocol, Exposure, probe_sequences, resolve_context, windows
+from .protocol import (
+    EvalProtocol,
+    Exposure,
+    check_int2_window,
+    probe_sequences,
+    resolve_context,
+    windows,
+)
 from .report import EvalReport, MethodResult, environment
 from .stats import PairedDifference, mean_and_spread, paired_difference
 
@@ -166,6 +173,8 @@ def evaluate(
 
     Raises:
         EvaluationError: rotations that do not fit the model, an unknown baseline, bad settings.
+        ConfigError: INT2 methods with windows too short to quantize anything (see
+            :func:`~rotationzoo.evaluate.protocol.min_int2_window`).
     """
     t0 = time.perf_counter()
     config = config or Int2KVConfig()
@@ -173,6 +182,8 @@ def evaluate(
     shape = model_shape(model)
     _check(methods, shape, config, protocol)
     context = resolve_context(protocol, shape.context_length, len(ids))
+    if any(m.kind != "fp" for m in methods):
+        check_int2_window(context, config, f"windows of {context} tokens")
     stride = protocol.stride or context
     wins = windows(len(ids), context, stride)
     seqs = [(list(ids[b:e]), first - b) for b, e, first in wins]
@@ -186,6 +197,9 @@ def evaluate(
         done[0] += 1
         if progress is not None:
             progress(done[0], total, label)
+
+    if progress is not None:
+        progress(0, total, "fp")  # the total is known before the first forward: the ETA starts at once
 
     main = _pass(model, seqs, methods, runs, shape, config, protocol, tick, error_seqs=protocol.error_windows)
     probe = _pass(model, probes, methods, runs, shape, config, protocol, tick) if probes else None
