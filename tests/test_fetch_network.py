@@ -20,6 +20,7 @@ from hubserver import hub_env, hub_server  # noqa: F401  (fixtures)
 from test_fetch import MODEL, REPO_ID, TAG, zoo  # noqa: F401  (fixture)
 
 import rotationzoo
+from rotationzoo.cli.main import main
 from rotationzoo import RotationSet, write_rotation
 from rotationzoo.errors import CacheError, ConfigError, FetchError, IntegrityError
 from rotationzoo.hub import cache_records, entry_dir, network, verify_cache
@@ -205,6 +206,21 @@ def test_unpinned_files_are_pinned_on_first_use_and_changes_refused(zoo, tmp_pat
     assert read_pins()[f"{MODEL}:{TAG}:k"]["sha256"] == again.sha256["k"]
 
 
+def test_cli_shows_pin_states_and_accepts_new(zoo, tmp_path, capsys) -> None:
+    zoo.write_registry(pinned=False)
+    assert main(["info", MODEL, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tag"]["files"]["k"]["pin"] == {"state": "unpinned"}
+    assert main(["fetch", MODEL, "--source", "modelscope", "--json"]) == 0
+    sha = json.loads(capsys.readouterr().out)["k"]["sha256"]
+    assert main(["info", MODEL, "--json"]) == 0
+    pin = json.loads(capsys.readouterr().out)["tag"]["files"]["k"]["pin"]
+    assert pin["state"] == "pinned locally" and pin["local"]["sha256"] == sha
+    assert main(["info", MODEL]) == 0
+    assert f"sha256 {sha} (pinned locally" in capsys.readouterr().out
+    assert main(["fetch", MODEL, "--source", "modelscope", "--accept-new", "--timeout", "5", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["from_cache"] is False  # --accept-new downloads again
+
+
 def test_registry_pins_win_over_the_pin_file(zoo) -> None:
     entry = get_entry(MODEL)
     rotationzoo.fetch(MODEL)
@@ -297,3 +313,15 @@ def test_entry_folder_symlinked_outside_the_cache_is_refused(zoo, tmp_path) -> N
     with pytest.raises(CacheError, match="outside the cache root"):
         rotationzoo.fetch(MODEL)
     assert list(outside.iterdir()) == []
+
+
+def test_unwritable_cache_is_one_typed_line(zoo, tmp_path) -> None:
+    if os.geteuid() == 0:
+        # root writes anywhere: make the cache root a file instead of a folder
+        blocked = tmp_path / "not-a-folder"
+        blocked.write_text("x")
+    else:
+        blocked = tmp_path / "read-only"
+        blocked.mkdir(mode=0o500)
+    with pytest.raises(CacheError, match="is not writable.*ROTATIONZOO_CACHE"):
+        rotationzoo.fetch(MODEL, cache_dir=blocked)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from .. import config
-from ..errors import ConfigError, FetchError, IntegrityError, OfflineError, RegistryError, RotationZooError
+from ..errors import CacheError, ConfigError, FetchError, IntegrityError, OfflineError, RegistryError, RotationZooError
 from ..hashing import sha256_file
 from ..registry import SIDES, FileEntry, Source, TagEntry
 from ..registry.safety import check_revision
@@ -274,6 +274,18 @@ FETCH_HINT = ("hint: check the network or use a mirror (HF_ENDPOINT=..., MODELSC
               "files already cached work with --offline (see `rotationzoo cache ls`)")
 
 
+def _writable(folder: Path) -> None:
+    """Create ``folder`` (inside the cache) or say in one line why it cannot be used."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{os.getpid()}.tmp"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise CacheError(f"cache folder {folder} is not writable ({exc.strerror or exc}); set ROTATIONZOO_CACHE "
+                         f"or --cache-dir to a writable folder") from None
+
+
 def _sweep(folder: Path) -> None:
     """Remove the download-in-progress files a killed process left (call with the entry's lock held)."""
     purge(partial_files(folder))
@@ -310,7 +322,7 @@ def fetch_file(
             f"offline mode: {entry.key} {side.upper()} file {f.filename} is not in the cache ({target.parent}); "
             f"run `rotationzoo fetch --model {entry.model_id} --tag {entry.name}` with network access"
         )
-    target.parent.mkdir(parents=True, exist_ok=True)
+    _writable(target.parent)
     _sweep(target.parent)
     usable = [s for s in sources if s.type != "bundled"]
     attempts: list[dict[str, str]] = []
@@ -409,7 +421,7 @@ def fetch_entry(
     from filelock import FileLock
 
     lp = lock_path(root, entry, revision)
-    lp.parent.mkdir(parents=True, exist_ok=True)
+    _writable(lp.parent)
     with FileLock(str(lp)):
         for side in missing:
             out.files[side] = fetch_file(entry, side, root=root, source=source, revision=revision,
