@@ -68,7 +68,7 @@ def _parse_layers(text: Optional[str]) -> Optional[list[int]]:
 
 
 class _LayerBars:
-    """Rich progress: one bar for the whole fit and one per layer being read."""
+    """Rich progress (elapsed time and ETA): one bar for the whole fit and one per layer being read."""
 
     def __init__(self, enabled: bool, layer_ids: list[int] | None = None, overall_label: str = "fit") -> None:
         self.enabled = enabled
@@ -81,11 +81,12 @@ class _LayerBars:
 
     def __enter__(self) -> "_LayerBars":
         if self.enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                       TimeRemainingColumn)
 
             self._progress = Progress(
                 TextColumn("{task.description:>12}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                console=console(stderr=True), transient=True,
+                TextColumn("eta"), TimeRemainingColumn(), console=console(stderr=True), transient=True,
             )
             self._progress.__enter__()
             if self._n_layers:
