@@ -248,79 +248,78 @@ def collect_statistics(
     if not windows:
         raise FitError("the calibration texts produced no tokens")
     total = sum(len(w) for w in windows)
-    device = next(model.parameters()).device
-    workspace = Workspace("cpu")
-    accs: dict[int, LayerAccumulator] = {}
-    spill = "sst" in targets
-    tmp: tempfile.TemporaryDirectory | None = None
-    writer: DumpWriter | None = None
-    if dump_out is not None:
-        writer = DumpWriter(dump_out, overwrite=overwrite_dump)
-    elif spill:
-        tmp = tempfile.TemporaryDirectory(prefix="rotationzoo-kv-")
-        writer = DumpWriter(tmp.name, kinds=("k", "v"))
-    state = {"warmup": False}
-
-    def on_qkv(layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        q, k, v = q.detach().to("cpu"), k.detach().to("cpu"), v.detach().to("cpu")
-        if writer is not None:
-            writer.write(layer_id, q=q if "q" in writer.kinds else None, k=k, v=v, seq_lens=[q.shape[0]])
-        if state["warmup"]:
-            return
-        acc = accs.get(layer_id)
-        if acc is None:
-            acc = accs[layer_id] = LayerAccumulator(
-                layer_id, num_q_heads=q.shape[1], num_kv_heads=k.shape[1], head_dim=q.shape[2],
-                targets=targets, workspace=workspace,
-            )
-        for kind in acc.pass1_kinds:
-            {"q": acc.add_q, "k": acc.add_k, "v": acc.add_v}[kind]({"q": q, "k": k, "v": v}[kind])
-
     info: dict[str, Any] = {
-        "kind": "transformers",
-        "model": model_id,
+        "kind": "transformers", "model": model_id,
         "texts": [str(t) for t in texts] if texts_are_paths else len(raw_texts),
-        "seq_len": seq_len,
-        "token_budget": int(tokens),
-        "tokens": total,
-        "prompts": len(windows),
+        "seq_len": seq_len, "token_budget": int(tokens), "tokens": total, "prompts": len(windows),
     }
+    spill = "sst" in targets  # sst needs K/V again once the query statistics are final
+    tmp = tempfile.TemporaryDirectory(prefix="rotationzoo-kv-") if spill and dump_out is None else None
+    writer = (DumpWriter(dump_out, overwrite=overwrite_dump) if dump_out is not None
+              else DumpWriter(tmp.name, kinds=("k", "v")) if tmp is not None else None)
+    collector = _Collector(targets, writer)
     try:
-        with torch.no_grad(), QKVCapture(model, on_qkv):
-            if dump_out is not None:
-                state["warmup"] = True
-                model(input_ids=torch.tensor([windows[0][:WARMUP_TOKENS]], device=device), use_cache=False)
-                state["warmup"] = False
-            done = 0
-            for window in windows:
-                model(input_ids=torch.tensor([window], device=device), use_cache=False)
-                done += len(window)
-                if progress is not None:
-                    progress("tokens", done, total)
-        if not accs:
+        _forward_windows(model, windows, collector, warmup=dump_out is not None, progress=progress)
+        if not collector.accs:
             raise FitError("no attention layer reported Q/K/V; the model's attention does not use AttentionInterface")
-        if spill:
-            assert writer is not None
+        if writer is not None and spill:
             # a dump written for the user keeps its warm-up chunk 0 on disk; skip it here
             kv = Dump(writer.root, keep_first_chunk=dump_out is None)
-            for lid, acc in accs.items():
+            for lid, acc in collector.accs.items():
                 second_pass_from_dump(
                     acc, kv, lid,
                     progress=(lambda l, d, t: progress(f"layer {l}", d, t)) if progress is not None else None,
                 )
-        if dump_out is not None:
-            assert writer is not None
+        if dump_out is not None and writer is not None:
             info["dump"] = str(dump_out)
-            writer.write_info({
-                "model": model_id,
-                "prompts": len(windows),
-                "tokens": total,
-                "seq_len": seq_len,
-                "warmup_chunk": True,
-                "texts": info["texts"],
-                "writer": "rotationzoo calibrate",
-            })
+            writer.write_info({"model": model_id, "prompts": len(windows), "tokens": total, "seq_len": seq_len,
+                               "warmup_chunk": True, "texts": info["texts"], "writer": "rotationzoo calibrate"})
     finally:
         if tmp is not None:
             tmp.cleanup()
-    return CapturedStatistics(accs, info, objective)
+    return CapturedStatistics(collector.accs, info, objective)
+
+
+class _Collector:
+    """Receives each attention layer's Q/K/V chunk: writes it to the dump (if any) and feeds pass 1
+    of the layer's fp64 accumulators (nothing is accumulated while ``warmup`` is set)."""
+
+    def __init__(self, targets: tuple[str, ...], writer: DumpWriter | None) -> None:
+        self.targets, self.writer = targets, writer
+        self.accs: dict[int, LayerAccumulator] = {}
+        self.workspace = Workspace("cpu")
+        self.warmup = False
+
+    def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        q, k, v = q.detach().to("cpu"), k.detach().to("cpu"), v.detach().to("cpu")
+        if self.writer is not None:
+            self.writer.write(layer_id, q=q if "q" in self.writer.kinds else None, k=k, v=v, seq_lens=[q.shape[0]])
+        if self.warmup:
+            return
+        acc = self.accs.get(layer_id)
+        if acc is None:
+            acc = self.accs[layer_id] = LayerAccumulator(
+                layer_id, num_q_heads=q.shape[1], num_kv_heads=k.shape[1], head_dim=q.shape[2],
+                targets=self.targets, workspace=self.workspace,
+            )
+        for kind in acc.pass1_kinds:
+            {"q": acc.add_q, "k": acc.add_k, "v": acc.add_v}[kind]({"q": q, "k": k, "v": v}[kind])
+
+
+def _forward_windows(model: Any, windows: list[list[int]], collector: _Collector, *, warmup: bool,
+                     progress: CalibrationProgress | None) -> None:
+    """Pass 1: one forward per window with Q/K/V captured (after a short warm-up forward when a
+    dump is written, stored as its chunk 0 like the authors' server does)."""
+    device = next(model.parameters()).device
+    total = sum(len(w) for w in windows)
+    with torch.no_grad(), QKVCapture(model, collector):
+        if warmup:
+            collector.warmup = True
+            model(input_ids=torch.tensor([windows[0][:WARMUP_TOKENS]], device=device), use_cache=False)
+            collector.warmup = False
+        done = 0
+        for window in windows:
+            model(input_ids=torch.tensor([window], device=device), use_cache=False)
+            done += len(window)
+            if progress is not None:
+                progress("tokens", done, total)
