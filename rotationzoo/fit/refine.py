@@ -1,0 +1,610 @@
+"""Learn per-layer rotations against the error an INT2 KV store actually makes.
+
+Starting from an init rotation (the data-free Hadamard ``H_d``, an OSCAR ``U·H·P_br`` or
+``U·P_br·H_G`` matrix, or any given one), each layer's ``R`` is optimized on the orthogonal
+group to minimise, on calibration blocks (:mod:`rotationzoo.fit.samples`):
+
+* **K, attention-logit error** ``Σ ‖Q_h (K̃_h − K_h)ᵀ‖² / Σ ‖Q_h K_hᵀ‖²``: every query of the
+  KV head's group against every key *of the same block* (all pairs, not only causal ones: a key
+  stored as INT2 is read by the queries that come after it, and a block's queries stand in for
+  those). Per block and head this is ``tr(E M Eᵀ)`` with the query Gram ``M = Q_hᵀQ_h``, so the
+  cost is that of one extra ``d × d`` product per row;
+* **V, attention-output error** ``Σ ‖A (Ṽ_h − V_h)‖² / Σ ‖A V_h‖²`` with the exact causal
+  softmax weights ``A`` of the block computed once from the captured q, k (scale ``d^-½``),
+  summed over the group's query heads: ``tr(Eᵀ W E)`` with ``W = Σ_j A_jᵀ A_j``. The output
+  projection is left out (the error is measured in the head's value space). A block is attended
+  on its own, which stands in for the (query, old value) pairs of a long context.
+
+``K̃ = dequant(quant(bf16(K·R)))·Rᵀ`` with the kernels' quantizer (:func:`fake_quantize_int2`).
+Rows whose position in their sequence is below ``prefix`` stay in the BF16 sink when served and
+add no error. Both losses are measured in the rotated basis (``‖A E Rᵀ‖ = ‖A E‖``; for K the Gram
+is rotated, ``Rᵀ M R``), against the exact fp32 ``K·R``: the BF16 rounding of the served rows is
+part of the error.
+
+Parametrization: ``R = R0 · expm(S)``, ``S = A − Aᵀ`` (skew, so ``R`` is exactly orthogonal), Adam
+on ``A`` (fp64), re-based ``R0 ← R``, ``A ← 0`` every ``rebase_every`` steps; ``param="cayley"``
+uses ``(I − S/2)⁻¹(I + S/2)`` instead (the two measured the same within noise on SmolLM2-135M,
+see ``tools/bench_refine.py --param``). Every step uses a random minibatch of training blocks.
+Rounding inside the loss is a straight-through estimator: forward values are exactly those of
+:func:`rotationzoo.kernels.quantize_int2` + :func:`~rotationzoo.kernels.dequantize_int2`;
+backward treats each element's rounding offset in code units as a constant, so the error of an
+element is ``scale · u`` and its gradient flows through the group's scale (min/max) and the row's
+clip threshold, which is what a rotation can change.
+
+A held-out share of the blocks decides: a layer (a head with ``per_head``) keeps the refined
+rotation only when its held-out loss is lower than the init's, so refinement never makes a layer
+worse on held-out data. Results are re-orthogonalised in fp64 (polar factor); a seed and the
+same inputs (and ``torch`` thread count) give bit-identical rotations.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+from ..errors import FitError
+from ..format import RotationSet
+from ..hadamard import hadamard_matrix
+from ..kernels.layout import clip_index as _clip_index
+from ..kernels.reference import RANGE_EPS
+from .accumulate import LayerAccumulator
+from .compose import rotation_from_covariance
+from .samples import CalibrationSamples, LayerSamples
+
+#: Init rotations computed from the samples themselves (besides a given matrix).
+INITS: tuple[str, ...] = ("hadamard", "r_h_pbr", "r_pbr_hg")
+#: Loss names recorded per side.
+LOSS_NAMES = {"k": "k_logit", "v": "v_attn_out"}
+
+ProgressFn = Callable[[int, str, dict], None]
+
+
+@dataclass
+class RefineConfig:
+    """Settings of :func:`refine_rotations`.
+
+    Attributes:
+        sides: ``("k", "v")`` or one of them.
+        steps_k, steps_v: optimizer steps per layer.
+        lr: Adam learning rate on the skew parameter (radians-ish per step).
+        batch_blocks: training blocks per step (all when fewer).
+        rebase_every: re-base ``R0 ← R`` every this many steps (0: never).
+        param: ``"expm"`` or ``"cayley"``.
+        group_size: INT2 group ``G`` (``None`` = head_dim).
+        clip_k, clip_v: per-row clip ratios (kernel semantics, ``<= 0`` disables).
+        scale_dtype: dtype the scale/zero are stored in (fp32 as served by default).
+        round_rows: dtype the rotated rows are rounded to before quantizing (``torch.bfloat16``,
+            the served window dtype), or ``None``.
+        prefix: positions below this stay in the BF16 sink (no INT2 error).
+        holdout: share of blocks held out for the keep decision (at least one block).
+        per_head: one rotation per KV head (``[H_kv, d, d]`` per layer) instead of per layer.
+        seed: seeds the split and the minibatches (with the layer id).
+        softmax_scale: attention scale for the V weights (``None``: ``d^-½``).
+    """
+
+    sides: tuple[str, ...] = ("k", "v")
+    steps_k: int = 300
+    steps_v: int = 200
+    lr: float = 2e-3
+    batch_blocks: int = 16
+    rebase_every: int = 50
+    param: str = "expm"
+    group_size: int | None = None
+    clip_k: float = 0.96
+    clip_v: float = 0.92
+    scale_dtype: torch.dtype = torch.float32
+    round_rows: torch.dtype | None = torch.bfloat16
+    prefix: int = 64
+    holdout: float = 0.25
+    per_head: bool = False
+    seed: int = 0
+    softmax_scale: float | None = None
+
+    def __post_init__(self) -> None:
+        bad = [s for s in self.sides if s not in ("k", "v")]
+        if bad or not self.sides:
+            raise FitError(f"sides must be a non-empty subset of ('k', 'v'), got {self.sides!r}")
+        if self.param not in ("expm", "cayley"):
+            raise FitError(f"param must be 'expm' or 'cayley', got {self.param!r}")
+        if min(self.steps_k, self.steps_v, self.batch_blocks - 1, self.rebase_every) < 0 or not self.lr >= 0:
+            raise FitError("steps, rebase_every and lr must be ≥ 0 and batch_blocks ≥ 1")
+        if not 0.0 < self.holdout < 1.0:
+            raise FitError(f"holdout must be in (0, 1), got {self.holdout}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly settings."""
+        d = asdict(self)
+        d["sides"] = list(self.sides)
+        d["scale_dtype"] = str(self.scale_dtype).replace("torch.", "")
+        d["round_rows"] = str(self.round_rows).replace("torch.", "") if self.round_rows else None
+        return d
+
+
+# -- the quantizer --------------------------------------------------------------------------------
+
+
+class _FakeInt2(torch.autograd.Function):
+    """Forward: the kernels' clip + INT2 + dequant of ``bf16``-rounded rows; backward: see
+    :func:`fake_quantize_int2`. Hand-written so that one step costs a dozen passes over the rows."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, clip_index: int, group_size: int, scale_dtype: torch.dtype,
+                round_rows: torch.dtype | None) -> torch.Tensor:
+        n, d = x.shape
+        xr = x.to(round_rows).to(torch.float32) if round_rows is not None else x
+        if clip_index >= 0:
+            top = torch.topk(xr.abs(), d - clip_index, dim=-1)  # the clipped elements; thr = the last
+            thr = top.values[:, -1:]
+            xc = torch.clamp(xr, min=-thr, max=thr)
+            idx = top.indices
+            sgn = torch.sign(torch.gather(xr, 1, idx))
+        else:
+            xc, idx, sgn = xr, None, None
+        xc = xc + 0.0  # -0.0 -> +0.0 (as the kernels do); every other value is unchanged
+        g = xc.view(n, d // group_size, group_size)
+        mx, imx = g.max(dim=-1)
+        mn, imn = g.min(dim=-1)
+        scale = torch.clamp_min(mx - mn, RANGE_EPS) / 3.0
+        zero = -mn / scale
+        q = torch.clamp(torch.floor(g / scale[..., None] + zero[..., None] + 0.5), 0.0, 3.0)
+        s_st = scale.to(scale_dtype).to(torch.float32)[..., None]
+        z_st = zero.to(scale_dtype).to(torch.float32)[..., None]
+        out = (q - z_st) * s_st
+        ctx.save_for_backward((out - g).div_(scale[..., None]), imx, imn, idx, sgn)
+        ctx.shape = (n, d, group_size)
+        return out.view(n, d)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        u, imx, imn, idx, sgn = ctx.saved_tensors
+        n, d, gs = ctx.shape
+        gg = grad.reshape(n, d // gs, gs)
+        # x̂ = x_c + scale·u (u constant): d/dscale = u; scale = (max − min)/3
+        gscale = (gg * u).sum(dim=-1) / 3.0
+        gx = gg.clone()
+        gx.scatter_add_(-1, imx[..., None], gscale[..., None])
+        gx.scatter_add_(-1, imn[..., None], -gscale[..., None])
+        gx = gx.view(n, d)
+        if idx is not None:
+            gclip = torch.gather(gx, 1, idx)
+            gx.scatter_(1, idx, 0.0)  # clipped: x_c = ±thr does not move with x
+            gthr = (gclip * sgn).sum(dim=-1, keepdim=True)  # ... but with thr = |x| of the last one
+            gx.scatter_add_(1, idx[:, -1:], gthr * sgn[:, -1:])
+        return gx, None, None, None, None
+
+
+def fake_quantize_int2(
+    x: torch.Tensor,
+    *,
+    clip_index: int,
+    group_size: int,
+    scale_dtype: torch.dtype = torch.float32,
+    round_rows: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Clip, INT2-quantize and dequantize rows ``x [n, d]`` (fp32, finite), differentiably.
+
+    Forward: exactly ``dequantize_int2(*quantize_int2(xr, clip_ratio, group_size, scale_dtype),
+    dtype=float32)`` of :mod:`rotationzoo.kernels` (``backend="torch"``) on
+    ``xr = round_rows(x)`` (``x`` itself when ``round_rows`` is ``None``):
+    ``thr = sort(|xr|)[clip_index]``, clamp, ``-0 → +0``, per group
+    ``scale = max(max − min, 1e-8)/3``, ``zero = −min/scale``,
+    ``q = clamp(floor(x/scale + zero + 0.5), 0, 3)``, ``(q − zero_s)·scale_s`` with scale/zero
+    rounded to ``scale_dtype``.
+
+    Backward (straight-through): the rounding to ``round_rows`` is the identity, and
+    ``x̂ = x_clipped + scale·u`` with each element's rounding offset ``u = (x̂ − x_clipped)/scale``
+    (code units) held constant, so gradients reach the elements themselves, each group's min and
+    max (through ``scale``) and, for the clipped elements, the row's threshold element. (Plain
+    straight-through rounding with a differentiable scale and zero gives the same gradient.)
+    """
+    if x.dim() != 2:
+        raise FitError(f"fake_quantize_int2 takes rows [n, d], got {list(x.shape)}")
+    return _FakeInt2.apply(x, int(clip_index), int(group_size), scale_dtype, round_rows)
+
+
+# -- per-layer data -------------------------------------------------------------------------------
+
+
+@dataclass
+class _LayerData:
+    """fp32 training tensors of one layer, blocks first: ``x [B, H, n, d]``, ``m [B, H, d, d]``,
+    ``w [B, H, n, n]``, ``mask [B, 1, n, 1]``, ``den [B, H]``."""
+
+    x: torch.Tensor
+    metric: torch.Tensor
+    mask: torch.Tensor
+    den: torch.Tensor
+    side: str
+
+
+def _block_attention_weights(q: torch.Tensor, k: torch.Tensor, scale: float, chunk: int = 8) -> torch.Tensor:
+    """``W = Σ_j A_jᵀ A_j`` per KV head: ``q [B, Hq, n, d]``, ``k [B, Hkv, n, d]`` → ``[B, Hkv, n, n]``."""
+    b, hq, n, _ = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    out = torch.empty(b, hkv, n, n, dtype=torch.float32)
+    for s in range(0, b, chunk):
+        qs, ks = q[s:s + chunk], k[s:s + chunk].repeat_interleave(g, dim=1)
+        scores = (qs @ ks.transpose(-1, -2)) * scale
+        a = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+        a = a.reshape(a.shape[0], hkv, g, n, n)
+        out[s:s + chunk] = torch.einsum("bhgij,bhgik->bhjk", a, a)
+    return out
+
+
+def _layer_data(samples: LayerSamples, side: str, cfg: RefineConfig) -> _LayerData:
+    q, k, v, pos = samples.blocks()
+    shape = samples.shape
+    assert shape is not None
+    hkv, g, d = shape.num_kv_heads, shape.group, shape.head_dim
+    n = samples.block_size
+    kf = k.to(torch.float32).permute(0, 2, 1, 3).contiguous()  # [B, Hkv, n, d]
+    qf = q.to(torch.float32).permute(0, 2, 1, 3).contiguous()  # [B, Hq, n, d]
+    mask = ((pos[:, None] + torch.arange(n)[None, :]) >= cfg.prefix).to(torch.float32)[:, None, :, None]
+    if side == "k":
+        qg = qf.reshape(qf.shape[0], hkv, g * n, d)
+        metric = qg.transpose(-1, -2) @ qg  # [B, Hkv, d, d]
+        x = kf
+        den = ((x @ metric) * x).sum(dim=(-1, -2))
+    else:
+        scale = cfg.softmax_scale if cfg.softmax_scale is not None else d ** -0.5
+        metric = _block_attention_weights(qf, kf, scale)
+        x = v.to(torch.float32).permute(0, 2, 1, 3).contiguous()
+        den = ((metric @ x) * x).sum(dim=(-1, -2))
+    return _LayerData(x=x, metric=metric, mask=mask, den=den.to(torch.float64), side=side)
+
+
+def _numerators(r: torch.Tensor, data: _LayerData, idx: torch.Tensor, cfg: RefineConfig) -> torch.Tensor:
+    """Per-head loss numerators ``[H]`` (fp64) of blocks ``idx`` under rotations ``r [P, d, d]`` fp32."""
+    x = data.x[idx] @ r  # [b, H, n, d]
+    d = x.shape[-1]
+    gs = cfg.group_size or d
+    ci = _clip_index(cfg.clip_k if data.side == "k" else cfg.clip_v, d)
+    xq = fake_quantize_int2(x.reshape(-1, d), clip_index=ci, group_size=gs, scale_dtype=cfg.scale_dtype,
+                            round_rows=cfg.round_rows).reshape(x.shape)
+    e = (xq - x) * data.mask[idx]
+    metric = data.metric[idx]
+    if data.side == "k":
+        mr = r.transpose(-1, -2) @ metric @ r
+        num = ((e @ mr) * e).sum(dim=(-1, -2))
+    else:
+        num = ((metric @ e) * e).sum(dim=(-1, -2))
+    return num.sum(dim=0).to(torch.float64)
+
+
+def _heldout(r: torch.Tensor, data: _LayerData, idx: torch.Tensor, cfg: RefineConfig, chunk: int = 16) -> torch.Tensor:
+    """Per-head relative loss ``[H]`` over blocks ``idx`` (no gradient)."""
+    with torch.no_grad():
+        rf = r.to(torch.float32)
+        num = sum(_numerators(rf, data, idx[s:s + chunk], cfg) for s in range(0, len(idx), chunk))
+        return num / data.den[idx].sum(dim=0).clamp_min(1e-30)
+
+
+# -- optimisation ---------------------------------------------------------------------------------
+
+
+def _retract(base: torch.Tensor, a: torch.Tensor, param: str) -> torch.Tensor:
+    s = a - a.transpose(-1, -2)
+    if param == "expm":
+        return base @ torch.linalg.matrix_exp(s)
+    eye = torch.eye(s.shape[-1], dtype=s.dtype).expand_as(s)
+    return base @ torch.linalg.solve(eye - s / 2, eye + s / 2)
+
+
+def polar(r: torch.Tensor) -> torch.Tensor:
+    """The nearest orthogonal matrix (polar factor ``U Vᵀ`` of the SVD), in fp64."""
+    u, _, vh = torch.linalg.svd(r.to(torch.float64))
+    return u @ vh
+
+
+def _optimize(r0: torch.Tensor, data: _LayerData, train: torch.Tensor, steps: int, cfg: RefineConfig,
+              gen: torch.Generator) -> tuple[torch.Tensor, list[float]]:
+    """Adam on the skew parameter; returns the fp64 rotation ``[P, d, d]`` and the loss trace."""
+    base = r0.clone()
+    a = torch.zeros_like(base, requires_grad=True)
+    opt = torch.optim.Adam([a], lr=cfg.lr)
+    trace: list[float] = []
+    for step in range(steps):
+        if len(train) > cfg.batch_blocks:
+            idx = train[torch.randperm(len(train), generator=gen)[:cfg.batch_blocks]].sort().values
+        else:
+            idx = train
+        r = _retract(base, a, cfg.param)
+        loss = _numerators(r.to(torch.float32), data, idx, cfg).sum() / data.den[idx].sum().clamp_min(1e-30)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        trace.append(float(loss.detach()))
+        if cfg.rebase_every and (step + 1) % cfg.rebase_every == 0:
+            with torch.no_grad():
+                base = _retract(base, a, cfg.param)
+                a.zero_()
+    with torch.no_grad():
+        return polar(_retract(base, a, cfg.param)), trace
+
+
+# -- one layer ------------------------------------------------------------------------------------
+
+
+@dataclass
+class LayerRefinement:
+    """Outcome for one (layer, side).
+
+    Attributes:
+        layer_id: model layer.
+        side: ``"k"`` or ``"v"``.
+        rotation: fp64 ``[d, d]`` (or ``[H_kv, d, d]`` with ``per_head``), the kept rotation.
+        record: init, loss, steps, seed, held-out loss before/after, kept, wall time...
+    """
+
+    layer_id: int
+    side: str
+    rotation: torch.Tensor
+    record: dict[str, Any] = field(default_factory=dict)
+
+
+def _split(num_blocks: int, cfg: RefineConfig, layer_id: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if num_blocks < 2:
+        raise FitError(f"layer {layer_id}: {num_blocks} calibration block(s); refinement needs ≥ 2 (train + held-out)"
+                       f" — give more calibration tokens or a smaller block_size")
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + layer_id)
+    perm = torch.randperm(num_blocks, generator=gen)
+    n_hold = min(num_blocks - 1, max(1, round(cfg.holdout * num_blocks)))
+    return perm[n_hold:].sort().values, perm[:n_hold].sort().values
+
+
+def refine_layer(
+    samples: LayerSamples, side: str, init: torch.Tensor, cfg: RefineConfig, *, init_name: str = "given"
+) -> LayerRefinement:
+    """Refine one layer's K or V rotation from ``init`` (``[d, d]``, or ``[H_kv, d, d]``).
+
+    Returns:
+        A :class:`LayerRefinement`; its rotation is the refined one where it lowers the held-out
+        loss (per head with ``cfg.per_head``), else the init.
+    """
+    t0 = time.perf_counter()
+    shape = samples.shape
+    if shape is None:
+        raise FitError(f"layer {samples.layer_id}: no calibration samples")
+    hkv, d = shape.num_kv_heads, shape.head_dim
+    r_init = _check_init(init, d, hkv, samples.layer_id, side)
+    if cfg.per_head and r_init.shape[0] == 1:
+        r_init = r_init.expand(hkv, d, d).clone()
+    elif not cfg.per_head and r_init.shape[0] != 1:
+        raise FitError(f"layer {samples.layer_id} {side}: a per-head init [{hkv}, {d}, {d}] needs per_head=True")
+    data = _layer_data(samples, side, cfg)
+    train, hold = _split(data.x.shape[0], cfg, samples.layer_id, side)
+    steps = cfg.steps_k if side == "k" else cfg.steps_v
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + samples.layer_id * 2 + (side == "v"))
+    refined, trace = _optimize(r_init, data, train, steps, cfg, gen) if steps else (r_init.clone(), [])
+    before = _heldout(r_init, data, hold, cfg)
+    after = _heldout(refined, data, hold, cfg)
+    if cfg.per_head:
+        keep = after < before
+        rotation = torch.where(keep[:, None, None], refined, r_init)
+        kept = ["refined" if b else "init" for b in keep.tolist()]
+    else:
+        keep_layer = bool(after.sum() < before.sum())
+        rotation = (refined if keep_layer else r_init)[0]
+        kept = "refined" if keep_layer else "init"
+    b_tot, a_tot = _total(before, data, hold), _total(after, data, hold)
+    final = _total(_heldout(rotation if cfg.per_head else rotation[None], data, hold, cfg), data, hold)
+    record = {
+        "layer_id": samples.layer_id, "side": side, "init": init_name, "loss": LOSS_NAMES[side],
+        "per_head": cfg.per_head, "steps": steps, "lr": cfg.lr, "param": cfg.param, "seed": cfg.seed,
+        "batch_blocks": cfg.batch_blocks, "train_blocks": len(train), "heldout_blocks": len(hold),
+        "block_size": samples.block_size, "heldout_init": b_tot, "heldout_refined": a_tot, "heldout_final": final,
+        "heldout_init_per_head": before.tolist(), "heldout_refined_per_head": after.tolist(), "kept": kept,
+        "train_loss_first": trace[0] if trace else None, "train_loss_last": trace[-1] if trace else None,
+        "wall_s": time.perf_counter() - t0,
+    }
+    return LayerRefinement(samples.layer_id, side, rotation, record)
+
+
+def _total(per_head: torch.Tensor, data: _LayerData, idx: torch.Tensor) -> float:
+    """Relative loss over all heads from per-head relative losses (weighted by their energy)."""
+    den = data.den[idx].sum(dim=0)
+    return float((per_head * den).sum() / den.sum().clamp_min(1e-30))
+
+
+def _check_init(init: torch.Tensor, d: int, hkv: int, layer_id: int, side: str) -> torch.Tensor:
+    r = torch.as_tensor(init).to(torch.float64)
+    if r.dim() == 2:
+        r = r[None]
+    if r.dim() != 3 or r.shape[-2:] != (d, d) or r.shape[0] not in (1, hkv):
+        raise FitError(f"layer {layer_id} {side}: init rotation must be [{d}, {d}] or [{hkv}, {d}, {d}], got {list(r.shape)}")
+    err = float((r @ r.transpose(-1, -2) - torch.eye(d, dtype=torch.float64)).abs().max())
+    if not err <= 1e-4:
+        raise FitError(f"layer {layer_id} {side}: init rotation is not orthogonal (max|RRᵀ−I| = {err:.2e}); pass a rotation")
+    return polar(r)
+
+
+# -- inits ----------------------------------------------------------------------------------------
+
+
+def init_rotation(samples: LayerSamples, side: str, init: str, *, group_size: int | None = None) -> torch.Tensor:
+    """An init computed for one layer: ``"hadamard"`` (``H_d``), or ``"r_h_pbr"`` / ``"r_pbr_hg"``
+    fitted (qqt for K, sst for V) from the samples' own q/k/v with :mod:`rotationzoo.fit`."""
+    shape = samples.shape
+    if shape is None:
+        raise FitError(f"layer {samples.layer_id}: no calibration samples")
+    d = shape.head_dim
+    if init == "hadamard":
+        return hadamard_matrix(d, dtype=torch.float64)
+    if init not in INITS:
+        raise FitError(f"unknown init {init!r}; expected one of {', '.join(INITS)} or a rotation tensor")
+    target = "qqt" if side == "k" else "sst"
+    acc = LayerAccumulator(samples.layer_id, num_q_heads=shape.num_q_heads, num_kv_heads=shape.num_kv_heads,
+                           head_dim=d, targets=(target,))
+    q, k, v, _ = samples.blocks()
+    for i in range(q.shape[0]):
+        acc.add_q(q[i])
+    acc.start_second_pass()
+    if target == "sst":
+        for i in range(k.shape[0]):
+            acc.add_kv(k[i], v[i])
+    cov = acc.covariance(target)
+    r, _ = rotation_from_covariance((cov + cov.T) / 2, init, group_size=group_size if init == "r_pbr_hg" else None,
+                                    what=f"layer {samples.layer_id} {target}")
+    return r
+
+
+# -- all layers -----------------------------------------------------------------------------------
+
+
+@dataclass
+class RefineResult:
+    """Refined rotations of every layer.
+
+    Attributes:
+        layer_ids: refined layers, ascending.
+        head_dim, num_kv_heads: the layout.
+        rotations: ``{"k": {layer: fp64 [d, d] or [H_kv, d, d]}, "v": {...}}`` (sides refined only).
+        records: one dict per (layer, side), see :func:`refine_layer`.
+        config: the settings.
+        wall_s: total seconds.
+        workers: jobs run concurrently.
+    """
+
+    layer_ids: tuple[int, ...]
+    head_dim: int
+    num_kv_heads: int
+    rotations: dict[str, dict[int, torch.Tensor]]
+    records: list[dict[str, Any]]
+    config: RefineConfig
+    wall_s: float = 0.0
+    workers: int = 1
+
+    def stacked(self, side: str) -> torch.Tensor:
+        """fp32 ``[L, d, d]`` (``[L, H_kv, d, d]`` per head) of one side."""
+        if side not in self.rotations:
+            raise FitError(f"side {side!r} was not refined (sides: {', '.join(self.rotations)})")
+        return torch.stack([self.rotations[side][i] for i in self.layer_ids]).to(torch.float32).contiguous()
+
+    def rotation_set(self, side: str, objective: str | None = None) -> RotationSet:
+        """A format-version-1 :class:`~rotationzoo.format.RotationSet` (one matrix per layer).
+
+        Raises:
+            FitError: per-head rotations (format version 1 holds one matrix per layer).
+        """
+        if self.config.per_head:
+            raise FitError("per-head rotations ([H_kv, d, d] per layer) do not fit format version 1; refine per layer")
+        init = self.records[0]["init"] if self.records else "given"
+        return RotationSet(rotations=self.stacked(side), layer_ids=self.layer_ids,
+                           objective=objective or f"refined_{LOSS_NAMES[side]}_from_{init}")
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-friendly records and settings (for a manifest)."""
+        return {"config": self.config.to_dict(), "layer_ids": list(self.layer_ids), "wall_s": self.wall_s,
+                "records": self.records}
+
+
+def refine_rotations(
+    samples: CalibrationSamples,
+    init: str | Mapping[str, Any] = "hadamard",
+    config: RefineConfig | None = None,
+    *,
+    layers: Any = None,
+    num_workers: int | None = None,
+    progress: ProgressFn | None = None,
+) -> RefineResult:
+    """Refine every layer's K and/or V rotation.
+
+    Args:
+        samples: calibration blocks per layer.
+        init: ``"hadamard"``, ``"r_h_pbr"``, ``"r_pbr_hg"`` (group size from ``config``), or
+            ``{"k": rotations, "v": rotations}`` where ``rotations`` is an ``[L, d, d]`` tensor in
+            ``layers`` order, a ``{layer_id: [d, d]}`` mapping, or a ``RotationSet``.
+        config: settings (defaults of :class:`RefineConfig`).
+        layers: only these layer ids (default: every layer with samples).
+        num_workers: (layer, side) jobs run concurrently, each single-threaded (intra-op threads
+            are set to 1 while refining, so the result does not depend on this number).
+            Default: ``torch.get_num_threads()``.
+        progress: ``progress(layer_id, side, record)`` after each (layer, side), from a worker thread.
+
+    Returns:
+        A :class:`RefineResult`.
+    """
+    cfg = config or RefineConfig()
+    t0 = time.perf_counter()
+    ids = tuple(sorted(int(i) for i in layers)) if layers is not None else samples.layer_ids()
+    if not ids:
+        raise FitError("no calibration samples to refine on")
+    missing = [i for i in ids if i not in samples.layers or not samples.layers[i].num_blocks]
+    if missing:
+        raise FitError(f"no calibration blocks for layer(s) {missing}")
+    first = samples.layers[ids[0]].shape
+    assert first is not None
+    jobs = [(lid, side) for lid in ids for side in cfg.sides]
+
+    def run(job: tuple[int, str]) -> LayerRefinement:
+        lid, side = job
+        r0, name = _resolve_init(init, samples.layers[lid], side, lid, ids, cfg)
+        res = refine_layer(samples.layers[lid], side, r0, cfg, init_name=name)
+        if progress is not None:
+            progress(lid, side, res.record)
+        return res
+
+    workers = max(1, min(int(num_workers or torch.get_num_threads()), len(jobs)))
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread per job: faster for these small ops, and worker-count independent
+    try:
+        if workers == 1:
+            done = [run(j) for j in jobs]
+        else:
+            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rotationzoo-refine") as pool:
+                done = list(pool.map(run, jobs))
+    finally:
+        torch.set_num_threads(threads_before)
+    out: dict[str, dict[int, torch.Tensor]] = {s: {} for s in cfg.sides}
+    for res in done:
+        out[res.side][res.layer_id] = res.rotation
+    return RefineResult(layer_ids=ids, head_dim=first.head_dim, num_kv_heads=first.num_kv_heads, rotations=out,
+                        records=[res.record for res in done], config=cfg, wall_s=time.perf_counter() - t0,
+                        workers=workers)
+
+
+def _resolve_init(init: Any, samples: LayerSamples, side: str, lid: int, ids: tuple[int, ...],
+                  cfg: RefineConfig) -> tuple[torch.Tensor, str]:
+    if isinstance(init, str):
+        return init_rotation(samples, side, init, group_size=cfg.group_size), init
+    src = init.get(side) if isinstance(init, Mapping) else None
+    if src is None:
+        raise FitError(f"init has no {side.upper()} rotations; give {{'k': ..., 'v': ...}} or a name of {INITS}")
+    if isinstance(src, RotationSet):
+        if lid not in src.layer_ids:
+            raise FitError(f"init {side.upper()} rotations lack layer {lid}")
+        return src.rotations[src.layer_ids.index(lid)], src.objective
+    if isinstance(src, Mapping):
+        if lid not in src:
+            raise FitError(f"init {side.upper()} rotations lack layer {lid}")
+        return torch.as_tensor(src[lid]), "given"
+    t = torch.as_tensor(src)
+    if t.shape[0] != len(ids):
+        raise FitError(f"init {side.upper()} tensor holds {t.shape[0]} rotations for {len(ids)} layers")
+    return t[ids.index(lid)], "given"
+
+
+def relative_improvement(records: list[dict[str, Any]]) -> float:
+    """Mean over records of ``1 − final/init`` held-out loss (0 when nothing improved)."""
+    vals = [1.0 - r["heldout_final"] / r["heldout_init"] for r in records if r["heldout_init"] > 0]
+    return float(sum(vals) / len(vals)) if vals else 0.0
+
+
+__all__ = [
+    "INITS",
+    "LayerRefinement",
+    "RefineConfig",
+    "RefineResult",
+    "fake_quantize_int2",
+    "init_rotation",
+    "polar",
+    "refine_layer",
+    "refine_rotations",
+    "relative_improvement",
+]
