@@ -87,10 +87,10 @@ class RefineConfig:
     """
 
     sides: tuple[str, ...] = ("k", "v")
-    steps_k: int = 300
+    steps_k: int = 200
     steps_v: int = 200
-    lr: float = 2e-3
-    batch_blocks: int = 16
+    lr: float = 1e-2
+    batch_blocks: int = 8
     rebase_every: int = 50
     param: str = "expm"
     group_size: int | None = None
@@ -304,26 +304,30 @@ def polar(r: torch.Tensor) -> torch.Tensor:
 
 def _optimize(r0: torch.Tensor, data: _LayerData, train: torch.Tensor, steps: int, cfg: RefineConfig,
               gen: torch.Generator) -> tuple[torch.Tensor, list[float]]:
-    """Adam on the skew parameter; returns the fp64 rotation ``[P, d, d]`` and the loss trace."""
+    """Adam (β = 0.9, 0.999, ε = 1e-8) on the skew parameter; returns the fp64 rotation ``[P, d, d]``
+    and the minibatch loss trace. Adam is spelled out here (a few lines) rather than taken from
+    ``torch.optim``, whose import costs seconds."""
     base = r0.clone()
     a = torch.zeros_like(base, requires_grad=True)
-    opt = torch.optim.Adam([a], lr=cfg.lr)
+    m, v = torch.zeros_like(base), torch.zeros_like(base)
+    b1, b2, eps = 0.9, 0.999, 1e-8
     trace: list[float] = []
-    for step in range(steps):
+    for step in range(1, steps + 1):
         if len(train) > cfg.batch_blocks:
             idx = train[torch.randperm(len(train), generator=gen)[:cfg.batch_blocks]].sort().values
         else:
             idx = train
         r = _retract(base, a, cfg.param)
         loss = _numerators(r.to(torch.float32), data, idx, cfg).sum() / data.den[idx].sum().clamp_min(1e-30)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        trace.append(float(loss.detach()))
-        if cfg.rebase_every and (step + 1) % cfg.rebase_every == 0:
-            with torch.no_grad():
+        (grad,) = torch.autograd.grad(loss, a)
+        with torch.no_grad():
+            m.mul_(b1).add_(grad, alpha=1 - b1)
+            v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+            a -= cfg.lr * (m / (1 - b1**step)) / ((v / (1 - b2**step)).sqrt() + eps)
+            if cfg.rebase_every and step % cfg.rebase_every == 0:
                 base = _retract(base, a, cfg.param)
                 a.zero_()
+        trace.append(float(loss.detach()))
     with torch.no_grad():
         return polar(_retract(base, a, cfg.param)), trace
 
