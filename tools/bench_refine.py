@@ -159,6 +159,40 @@ def layer_table(res: Any, title: str) -> str:
     return "\n".join(out) + "\n"
 
 
+def save_refined(folder: Path, refined: Any, heads: Any) -> None:
+    """``refined.pt`` (and ``refined_head.pt``): ``{"k": [L, d, d], "v": ..., "layer_ids": [...]}`` + records."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, res in (("refined", refined), ("refined_head", heads)):
+        if res is not None:
+            torch.save({"k": res.stacked("k"), "v": res.stacked("v"), "layer_ids": list(res.layer_ids)},
+                       folder / f"{name}.pt")
+
+
+class _Loaded:
+    """What evaluation needs of a refinement result, read back from :func:`save_refined`'s files."""
+
+    def __init__(self, data: dict) -> None:
+        self.data, self.layer_ids = data, tuple(int(i) for i in data["layer_ids"])
+
+    def stacked(self, side: str) -> torch.Tensor:
+        return self.data[side]
+
+    def rotation_set(self, side: str) -> Any:
+        from rotationzoo.format import RotationSet
+
+        return RotationSet(rotations=self.data[side], layer_ids=self.layer_ids, objective=f"refined_{side}")
+
+
+def load_refined(folder: Path) -> tuple[Any, Any]:
+    out = []
+    for name in ("refined", "refined_head"):
+        p = folder / f"{name}.pt"
+        out.append(_Loaded(torch.load(p, weights_only=True)) if p.is_file() else None)
+    if out[0] is None:
+        raise SystemExit(f"{folder}/refined.pt not found (write it with --save-rotations)")
+    return out[0], out[1]
+
+
 # -- evaluation --------------------------------------------------------------------------------------
 
 
@@ -309,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check-evaluate", action="store_true",
                     help="also run rotationzoo.evaluate.evaluate_method for hadamard and refined and compare NLL")
     ap.add_argument("--save-rotations", type=Path, help="write the refined rotations (torch.save) here")
+    ap.add_argument("--load-rotations", type=Path, help="evaluate rotations written by --save-rotations instead of refining")
     ap.add_argument("--json-out", type=Path)
     ap.add_argument("--markdown", type=Path)
     ap.add_argument("--verbose", action="store_true", help="log every (layer, side)")
@@ -341,31 +376,31 @@ def main(argv: list[str] | None = None) -> int:
             model, tok = load_model(model_path)
             report["load_s"] = time.perf_counter() - t0
 
+    fit = None
     if args.reuse_dump and args.dump.is_dir():
-        fit = fit_rotations(args.dump, "qqt_sst", "r_h_pbr")
         report["calibration"] = {"dump": str(args.dump), "reused": True}
     else:
         need_model()
         fit, report["calibration"] = calibrate(args, model, tok)
-    samples = load_samples(args)
-    report["samples"] = samples.summary()
-    refined, report["refine"] = refine(args, samples, per_head=False)
-    report["refine"]["records"] = refined.records
-    report["refine"]["config"] = refined.config.to_dict()
-    tables = [layer_table(refined, "held-out relative loss per layer, one rotation per layer (from Hadamard)")]
-    heads = None
-    if args.per_head:
-        heads, report["refine_head"] = refine(args, samples, per_head=True)
-        report["refine_head"]["records"] = heads.records
-        tables.append(layer_table(heads, "held-out relative loss per layer, one rotation per KV head (from Hadamard)"))
-    del samples
-    if args.save_rotations:
-        args.save_rotations.mkdir(parents=True, exist_ok=True)
-        torch.save({"k": refined.stacked("k"), "v": refined.stacked("v"), "layer_ids": list(refined.layer_ids)},
-                   args.save_rotations / "refined.pt")
-        if heads is not None:
-            torch.save({"k": heads.stacked("k"), "v": heads.stacked("v"), "layer_ids": list(heads.layer_ids)},
-                       args.save_rotations / "refined_head.pt")
+    tables: list[str] = []
+    if args.load_rotations:
+        refined, heads = load_refined(args.load_rotations)
+        report["refine"] = {"loaded_from": str(args.load_rotations)}
+    else:
+        samples = load_samples(args)
+        report["samples"] = samples.summary()
+        refined, report["refine"] = refine(args, samples, per_head=False)
+        report["refine"]["records"] = refined.records
+        report["refine"]["config"] = refined.config.to_dict()
+        tables.append(layer_table(refined, "held-out relative loss per layer, one rotation per layer (from Hadamard)"))
+        heads = None
+        if args.per_head:
+            heads, report["refine_head"] = refine(args, samples, per_head=True)
+            report["refine_head"]["records"] = heads.records
+            tables.append(layer_table(heads, "held-out relative loss per layer, one rotation per KV head (from Hadamard)"))
+        del samples
+        if args.save_rotations:
+            save_refined(args.save_rotations, refined, heads)
     print("\n".join(tables))
 
     def save() -> None:
@@ -378,10 +413,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.refine_only:
         return 0
     need_model()
+    if fit is None and "r_h_pbr" in args.methods.split(","):
+        fit = fit_rotations(args.dump, "qqt_sst", "r_h_pbr")
     settings = EvalSettings(window=args.window, group_size=args.group_size, clip_k=args.clip_k, clip_v=args.clip_v,
                             prefix=args.prefix, recent=args.recent, scale_dtype=args.scale_dtype, error_windows=0)
     ids = tokenize_texts(tok, [args.eval_text], tokens=args.eval_offset + args.eval_tokens)[args.eval_offset:]
     layer_ids = tuple(refined.layer_ids)
+    d = int(refined.stacked("k").shape[-1])
     specs: dict[str, Any] = {}
     for m in [m for m in args.methods.split(",") if m]:
         if m == "none":
@@ -391,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         elif m == "signs":
             for i in range(args.sign_draws):
                 specs[f"hadamard·D{i + 1}"] = _oscar_for(
-                    model, MethodSpec(f"hadamard·D{i + 1}", rotations=sign_draw(layer_ids, refined.head_dim, 1000 + i)),
+                    model, MethodSpec(f"hadamard·D{i + 1}", rotations=sign_draw(layer_ids, d, 1000 + i)),
                     settings)
         elif m == "r_h_pbr":
             specs[m] = _oscar_for(model, MethodSpec.from_fit("r_h_pbr", fit), settings)

@@ -21,20 +21,24 @@ add no error. Both losses are measured in the rotated basis (``‖A E Rᵀ‖ = 
 is rotated, ``Rᵀ M R``), against the exact fp32 ``K·R``: the BF16 rounding of the served rows is
 part of the error.
 
-Parametrization: ``R = R0 · expm(S)``, ``S = A − Aᵀ`` (skew, so ``R`` is exactly orthogonal), Adam
-on ``A`` (fp64), re-based ``R0 ← R``, ``A ← 0`` every ``rebase_every`` steps; ``param="cayley"``
-uses ``(I − S/2)⁻¹(I + S/2)`` instead (the two measured the same within noise on SmolLM2-135M,
-see ``tools/bench_refine.py --param``). Every step uses a random minibatch of training blocks.
+Parametrization: ``R = R0 · expm(S)``, ``S = A − Aᵀ`` (skew, so ``R`` is exactly orthogonal for
+any ``A``, no projection or retraction error), Adam on ``A`` in fp64, re-based ``R0 ← R``,
+``A ← 0`` every ``rebase_every`` steps so that ``S`` stays small; ``param="cayley"`` uses
+``(I − S/2)⁻¹(I + S/2)`` instead (same quality and cost on SmolLM2-135M, see
+``tools/bench_refine.py --param``). Every step uses a random minibatch of training blocks.
 Rounding inside the loss is a straight-through estimator: forward values are exactly those of
 :func:`rotationzoo.kernels.quantize_int2` + :func:`~rotationzoo.kernels.dequantize_int2`;
 backward treats each element's rounding offset in code units as a constant, so the error of an
 element is ``scale · u`` and its gradient flows through the group's scale (min/max) and the row's
-clip threshold, which is what a rotation can change.
+clip threshold, which is what a rotation can change. (An identity straight-through estimator,
+``x̂ ≈ x``, would give the error no gradient at all; the exact almost-everywhere gradient only
+pulls each element towards its current grid point.)
 
 A held-out share of the blocks decides: a layer (a head with ``per_head``) keeps the refined
 rotation only when its held-out loss is lower than the init's, so refinement never makes a layer
-worse on held-out data. Results are re-orthogonalised in fp64 (polar factor); a seed and the
-same inputs (and ``torch`` thread count) give bit-identical rotations.
+worse on held-out data. Results are re-orthogonalised in fp64 (polar factor). The split and the
+minibatches are seeded from ``(seed, layer)``, and :func:`refine_rotations` runs every (layer,
+side) single-threaded, so a seed gives bit-identical rotations whatever the number of workers.
 """
 
 from __future__ import annotations
@@ -352,7 +356,7 @@ class LayerRefinement:
     record: dict[str, Any] = field(default_factory=dict)
 
 
-def _split(num_blocks: int, cfg: RefineConfig, layer_id: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _split(num_blocks: int, cfg: RefineConfig, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     if num_blocks < 2:
         raise FitError(f"layer {layer_id}: {num_blocks} calibration block(s); refinement needs ≥ 2 (train + held-out)"
                        f" — give more calibration tokens or a smaller block_size")
@@ -382,7 +386,7 @@ def refine_layer(
     elif not cfg.per_head and r_init.shape[0] != 1:
         raise FitError(f"layer {samples.layer_id} {side}: a per-head init [{hkv}, {d}, {d}] needs per_head=True")
     data = _layer_data(samples, side, cfg)
-    train, hold = _split(data.x.shape[0], cfg, samples.layer_id, side)
+    train, hold = _split(data.x.shape[0], cfg, samples.layer_id)
     steps = cfg.steps_k if side == "k" else cfg.steps_v
     gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + samples.layer_id * 2 + (side == "v"))
     refined, trace = _optimize(r_init, data, train, steps, cfg, gen) if steps else (r_init.clone(), [])
@@ -425,7 +429,7 @@ def _check_init(init: torch.Tensor, d: int, hkv: int, layer_id: int, side: str) 
     err = float((r @ r.transpose(-1, -2) - torch.eye(d, dtype=torch.float64)).abs().max())
     if not err <= 1e-4:
         raise FitError(f"layer {layer_id} {side}: init rotation is not orthogonal (max|RRᵀ−I| = {err:.2e}); pass a rotation")
-    return polar(r)
+    return r if err <= 1e-12 else polar(r)
 
 
 # -- inits ----------------------------------------------------------------------------------------
