@@ -15,6 +15,7 @@ from rotationzoo.fit.refine import (
     refine_rotations,
 )
 from rotationzoo.fit.samples import CalibrationSamples, LayerSamples
+from rotationzoo.format import read_rotation, write_rotation
 from rotationzoo.hadamard import hadamard_matrix
 from rotationzoo.kernels import dequantize_int2, quantize_int2
 from rotationzoo.kernels.layout import clip_index
@@ -231,7 +232,7 @@ def test_per_head_keeps_the_better_per_head(monkeypatch: pytest.MonkeyPatch) -> 
     assert torch.allclose(res.rotation[0], h) and torch.allclose(res.rotation[1], eye)
 
 
-def test_same_seed_same_rotations_any_worker_count() -> None:
+def test_same_seed_same_rotations_any_worker_count(tmp_path) -> None:
     samples = CalibrationSamples(block_size=64, max_tokens=8 * 64, dtype=torch.float32)
     for lid in (0, 1):
         s = _planted(blocks=8, seed=lid)
@@ -250,6 +251,8 @@ def test_same_seed_same_rotations_any_worker_count() -> None:
     assert [r["kept"] for r in a.records] == [r["kept"] for r in b.records]
     rs = a.rotation_set("k")
     assert validate(rs, head_dim=D, layer_ids=(0, 1)).max_orthogonality_error <= 1e-6
+    back = read_rotation(write_rotation(tmp_path / "k_rotation_refined.pt", rs))  # a format-version-1 file
+    assert back.format_version == 1 and torch.equal(back.rotations, a.stacked("k"))
     assert {r["side"] for r in a.records} == {"k", "v"} and all(r["seed"] == 0 for r in a.records)
 
 
