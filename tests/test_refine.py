@@ -15,7 +15,7 @@ from rotationzoo.fit.refine import (
     refine_rotations,
 )
 from rotationzoo.fit.samples import CalibrationSamples, LayerSamples
-from rotationzoo.format import read_rotation, write_rotation
+from rotationzoo.format import RotationSet, read_rotation, write_rotation
 from rotationzoo.hadamard import hadamard_matrix
 from rotationzoo.kernels import dequantize_int2, quantize_int2
 from rotationzoo.kernels.layout import clip_index
@@ -254,6 +254,24 @@ def test_same_seed_same_rotations_any_worker_count(tmp_path) -> None:
     back = read_rotation(write_rotation(tmp_path / "k_rotation_refined.pt", rs))  # a format-version-1 file
     assert back.format_version == 1 and torch.equal(back.rotations, a.stacked("k"))
     assert {r["side"] for r in a.records} == {"k", "v"} and all(r["seed"] == 0 for r in a.records)
+
+
+def test_given_and_fitted_inits() -> None:
+    samples = CalibrationSamples(block_size=64, max_tokens=4 * 64, dtype=torch.float32)
+    q, k, v, _ = _planted(blocks=4).blocks()
+    for i in range(4):
+        samples.on_qkv(2, q[i], k[i], v[i])
+    good = RotationSet(rotations=_good_rotation()[None].float(), layer_ids=(2,), objective="qqt_r_pbr_hg16")
+    cfg = RefineConfig(**{**CFG, "steps_k": 0, "steps_v": 0})
+    res = refine_rotations(samples, {"k": good, "v": {2: torch.eye(D)}}, cfg)
+    assert torch.equal(res.stacked("k")[0], good.rotations[0]) and torch.equal(res.stacked("v")[0], torch.eye(D))
+    assert [r["init"] for r in res.records] == ["qqt_r_pbr_hg16", "given"]
+    fitted = refine_rotations(samples, "r_pbr_hg", cfg)
+    r = fitted.stacked("k")[0].double()
+    assert float((r @ r.T - torch.eye(D, dtype=torch.float64)).abs().max()) < 1e-6
+    assert not torch.allclose(r, hadamard_matrix(D, dtype=torch.float64), atol=1e-3)
+    with pytest.raises(FitError, match="no V rotations"):
+        refine_rotations(samples, {"k": good}, cfg)
 
 
 def test_per_head_results_need_per_head_storage() -> None:

@@ -514,7 +514,7 @@ class RefineResult:
 
 def refine_rotations(
     samples: CalibrationSamples,
-    init: str | Mapping[str, Any] = "hadamard",
+    init: Any = "hadamard",
     config: RefineConfig | None = None,
     *,
     layers: Any = None,
@@ -525,9 +525,11 @@ def refine_rotations(
 
     Args:
         samples: calibration blocks per layer.
-        init: ``"hadamard"``, ``"r_h_pbr"``, ``"r_pbr_hg"`` (group size from ``config``), or
-            ``{"k": rotations, "v": rotations}`` where ``rotations`` is an ``[L, d, d]`` tensor in
-            ``layers`` order, a ``{layer_id: [d, d]}`` mapping, or a ``RotationSet``.
+        init: ``"hadamard"``, ``"r_h_pbr"``, ``"r_pbr_hg"`` (computed from the samples; group size
+            from ``config``), an object with ``.k``/``.v`` rotation sets (a
+            :class:`~rotationzoo.fit.FitResult`, a loaded pair), or ``{"k": rotations, "v": rotations}``
+            where ``rotations`` is a ``RotationSet``, an ``[L, d, d]`` tensor in ``layers`` order or a
+            ``{layer_id: [d, d]}`` mapping.
         config: settings (defaults of :class:`RefineConfig`).
         layers: only these layer ids (default: every layer with samples).
         num_workers: (layer, side) jobs run concurrently, each single-threaded (intra-op threads
@@ -581,7 +583,7 @@ def _resolve_init(init: Any, samples: LayerSamples, side: str, lid: int, ids: tu
                   cfg: RefineConfig) -> tuple[torch.Tensor, str]:
     if isinstance(init, str):
         return init_rotation(samples, side, init, group_size=cfg.group_size), init
-    src = init.get(side) if isinstance(init, Mapping) else None
+    src = init.get(side) if isinstance(init, Mapping) else getattr(init, side, None)
     if src is None:
         raise FitError(f"init has no {side.upper()} rotations; give {{'k': ..., 'v': ...}} or a name of {INITS}")
     if isinstance(src, RotationSet):
