@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reuse-dump", action="store_true", help="use an existing --dump instead of calibrating")
     ap.add_argument("--block-size", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=20480, help="reservoir tokens per layer")
-    ap.add_argument("--sample-dtype", default="float32")
+    ap.add_argument("--sample-dtype", default="bfloat16", help="reservoir storage dtype")
     ap.add_argument("--steps-k", type=int, default=200)
     ap.add_argument("--steps-v", type=int, default=200)
     ap.add_argument("--lr", type=float, default=1e-2)
