@@ -355,7 +355,7 @@ def quantize_triton(
     if rotate:
         # compiled: bf16 operand for tl.dot; interpreted: the same bf16 values held in fp32 (the
         # interpreter has no bf16 matmul)
-        r = rotation.to(torch.bfloat16)
+        r = rotation.to(torch.bfloat16)  # type: ignore[union-attr]
         if interpret:
             r = r.to(torch.float32)
         if r.dim() == 2:
