@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import torch
@@ -53,240 +53,16 @@ import torch
 from ..errors import FitError
 from ..format import RotationSet
 from ..hadamard import hadamard_matrix
-from ..kernels.layout import clip_index as _clip_index
-from ..kernels.reference import RANGE_EPS
 from .accumulate import LayerAccumulator
 from .compose import rotation_from_covariance
+from .refine_loss import LOSS_NAMES, LayerData, RefineConfig, heldout_loss, layer_data, numerators, total_loss
 from .samples import CalibrationSamples, LayerSamples
+from .ste import fake_quantize_int2
 
 #: Init rotations computed from the samples themselves (besides a given matrix).
 INITS: tuple[str, ...] = ("hadamard", "r_h_pbr", "r_pbr_hg")
-#: Loss names recorded per side.
-LOSS_NAMES = {"k": "k_logit", "v": "v_attn_out"}
 
 ProgressFn = Callable[[int, str, dict], None]
-
-
-@dataclass
-class RefineConfig:
-    """Settings of :func:`refine_rotations`.
-
-    Attributes:
-        sides: ``("k", "v")`` or one of them.
-        steps_k, steps_v: optimizer steps per layer.
-        lr: Adam learning rate on the skew parameter (radians-ish per step).
-        batch_blocks: training blocks per step (all when fewer).
-        rebase_every: re-base ``R0 ← R`` every this many steps (0: never).
-        param: ``"expm"`` or ``"cayley"``.
-        group_size: INT2 group ``G`` (``None`` = head_dim).
-        clip_k, clip_v: per-row clip ratios (kernel semantics, ``<= 0`` disables).
-        scale_dtype: dtype the scale/zero are stored in (fp32 as served by default).
-        round_rows: dtype the rotated rows are rounded to before quantizing (``torch.bfloat16``,
-            the served window dtype), or ``None``.
-        prefix: positions below this stay in the BF16 sink (no INT2 error).
-        holdout: share of blocks held out for the keep decision (at least one block).
-        per_head: one rotation per KV head (``[H_kv, d, d]`` per layer) instead of per layer.
-        seed: seeds the split and the minibatches (with the layer id).
-        softmax_scale: attention scale for the V weights (``None``: ``d^-½``).
-    """
-
-    sides: tuple[str, ...] = ("k", "v")
-    steps_k: int = 200
-    steps_v: int = 200
-    lr: float = 1e-2
-    batch_blocks: int = 8
-    rebase_every: int = 50
-    param: str = "expm"
-    group_size: int | None = None
-    clip_k: float = 0.96
-    clip_v: float = 0.92
-    scale_dtype: torch.dtype = torch.float32
-    round_rows: torch.dtype | None = torch.bfloat16
-    prefix: int = 64
-    holdout: float = 0.25
-    per_head: bool = False
-    seed: int = 0
-    softmax_scale: float | None = None
-
-    def __post_init__(self) -> None:
-        bad = [s for s in self.sides if s not in ("k", "v")]
-        if bad or not self.sides:
-            raise FitError(f"sides must be a non-empty subset of ('k', 'v'), got {self.sides!r}")
-        if self.param not in ("expm", "cayley"):
-            raise FitError(f"param must be 'expm' or 'cayley', got {self.param!r}")
-        if min(self.steps_k, self.steps_v, self.batch_blocks - 1, self.rebase_every) < 0 or not self.lr >= 0:
-            raise FitError("steps, rebase_every and lr must be ≥ 0 and batch_blocks ≥ 1")
-        if not 0.0 < self.holdout < 1.0:
-            raise FitError(f"holdout must be in (0, 1), got {self.holdout}")
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-friendly settings."""
-        d = asdict(self)
-        d["sides"] = list(self.sides)
-        d["scale_dtype"] = str(self.scale_dtype).replace("torch.", "")
-        d["round_rows"] = str(self.round_rows).replace("torch.", "") if self.round_rows else None
-        return d
-
-
-# -- the quantizer --------------------------------------------------------------------------------
-
-
-class _FakeInt2(torch.autograd.Function):
-    """Forward: the kernels' clip + INT2 + dequant of ``bf16``-rounded rows; backward: see
-    :func:`fake_quantize_int2`. Hand-written so that one step costs a dozen passes over the rows."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, clip_index: int, group_size: int, scale_dtype: torch.dtype,
-                round_rows: torch.dtype | None) -> torch.Tensor:
-        n, d = x.shape
-        xr = x.to(round_rows).to(torch.float32) if round_rows is not None else x
-        if clip_index >= 0:
-            top = torch.topk(xr.abs(), d - clip_index, dim=-1)  # the clipped elements; thr = the last
-            thr = top.values[:, -1:]
-            xc = torch.clamp(xr, min=-thr, max=thr)
-            idx = top.indices
-            sgn = torch.sign(torch.gather(xr, 1, idx))
-        else:
-            xc, idx, sgn = xr, None, None
-        xc = xc + 0.0  # -0.0 -> +0.0 (as the kernels do); every other value is unchanged
-        g = xc.view(n, d // group_size, group_size)
-        mx, imx = g.max(dim=-1)
-        mn, imn = g.min(dim=-1)
-        scale = torch.clamp_min(mx - mn, RANGE_EPS) / 3.0
-        zero = -mn / scale
-        q = torch.clamp(torch.floor(g / scale[..., None] + zero[..., None] + 0.5), 0.0, 3.0)
-        s_st = scale.to(scale_dtype).to(torch.float32)[..., None]
-        z_st = zero.to(scale_dtype).to(torch.float32)[..., None]
-        out = (q - z_st) * s_st
-        ctx.save_for_backward((out - g).div_(scale[..., None]), imx, imn, idx, sgn)
-        ctx.shape = (n, d, group_size)
-        return out.view(n, d)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        u, imx, imn, idx, sgn = ctx.saved_tensors
-        n, d, gs = ctx.shape
-        gg = grad.reshape(n, d // gs, gs)
-        # x̂ = x_c + scale·u (u constant): d/dscale = u; scale = (max − min)/3
-        gscale = (gg * u).sum(dim=-1) / 3.0
-        gx = gg.clone()
-        gx.scatter_add_(-1, imx[..., None], gscale[..., None])
-        gx.scatter_add_(-1, imn[..., None], -gscale[..., None])
-        gx = gx.view(n, d)
-        if idx is not None:
-            gclip = torch.gather(gx, 1, idx)
-            gx.scatter_(1, idx, 0.0)  # clipped: x_c = ±thr does not move with x
-            gthr = (gclip * sgn).sum(dim=-1, keepdim=True)  # ... but with thr = |x| of the last one
-            gx.scatter_add_(1, idx[:, -1:], gthr * sgn[:, -1:])
-        return gx, None, None, None, None
-
-
-def fake_quantize_int2(
-    x: torch.Tensor,
-    *,
-    clip_index: int,
-    group_size: int,
-    scale_dtype: torch.dtype = torch.float32,
-    round_rows: torch.dtype | None = None,
-) -> torch.Tensor:
-    """Clip, INT2-quantize and dequantize rows ``x [n, d]`` (fp32, finite), differentiably.
-
-    Forward: exactly ``dequantize_int2(*quantize_int2(xr, clip_ratio, group_size, scale_dtype),
-    dtype=float32)`` of :mod:`rotationzoo.kernels` (``backend="torch"``) on
-    ``xr = round_rows(x)`` (``x`` itself when ``round_rows`` is ``None``):
-    ``thr = sort(|xr|)[clip_index]``, clamp, ``-0 → +0``, per group
-    ``scale = max(max − min, 1e-8)/3``, ``zero = −min/scale``,
-    ``q = clamp(floor(x/scale + zero + 0.5), 0, 3)``, ``(q − zero_s)·scale_s`` with scale/zero
-    rounded to ``scale_dtype``.
-
-    Backward (straight-through): the rounding to ``round_rows`` is the identity, and
-    ``x̂ = x_clipped + scale·u`` with each element's rounding offset ``u = (x̂ − x_clipped)/scale``
-    (code units) held constant, so gradients reach the elements themselves, each group's min and
-    max (through ``scale``) and, for the clipped elements, the row's threshold element. (Plain
-    straight-through rounding with a differentiable scale and zero gives the same gradient.)
-    """
-    if x.dim() != 2:
-        raise FitError(f"fake_quantize_int2 takes rows [n, d], got {list(x.shape)}")
-    return _FakeInt2.apply(x, int(clip_index), int(group_size), scale_dtype, round_rows)
-
-
-# -- per-layer data -------------------------------------------------------------------------------
-
-
-@dataclass
-class _LayerData:
-    """fp32 training tensors of one layer, blocks first: ``x [B, H, n, d]``, ``m [B, H, d, d]``,
-    ``w [B, H, n, n]``, ``mask [B, 1, n, 1]``, ``den [B, H]``."""
-
-    x: torch.Tensor
-    metric: torch.Tensor
-    mask: torch.Tensor
-    den: torch.Tensor
-    side: str
-
-
-def _block_attention_weights(q: torch.Tensor, k: torch.Tensor, scale: float, chunk: int = 8) -> torch.Tensor:
-    """``W = Σ_j A_jᵀ A_j`` per KV head: ``q [B, Hq, n, d]``, ``k [B, Hkv, n, d]`` → ``[B, Hkv, n, n]``."""
-    b, hq, n, _ = q.shape
-    hkv = k.shape[1]
-    g = hq // hkv
-    causal = torch.ones(n, n, dtype=torch.bool).tril()
-    out = torch.empty(b, hkv, n, n, dtype=torch.float32)
-    for s in range(0, b, chunk):
-        qs, ks = q[s:s + chunk], k[s:s + chunk].repeat_interleave(g, dim=1)
-        scores = (qs @ ks.transpose(-1, -2)) * scale
-        a = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
-        a = a.reshape(a.shape[0], hkv, g, n, n)
-        out[s:s + chunk] = torch.einsum("bhgij,bhgik->bhjk", a, a)
-    return out
-
-
-def _layer_data(samples: LayerSamples, side: str, cfg: RefineConfig) -> _LayerData:
-    q, k, v, pos = samples.blocks()
-    shape = samples.shape
-    assert shape is not None
-    hkv, g, d = shape.num_kv_heads, shape.group, shape.head_dim
-    n = samples.block_size
-    kf = k.to(torch.float32).permute(0, 2, 1, 3).contiguous()  # [B, Hkv, n, d]
-    qf = q.to(torch.float32).permute(0, 2, 1, 3).contiguous()  # [B, Hq, n, d]
-    mask = ((pos[:, None] + torch.arange(n)[None, :]) >= cfg.prefix).to(torch.float32)[:, None, :, None]
-    if side == "k":
-        qg = qf.reshape(qf.shape[0], hkv, g * n, d)
-        metric = qg.transpose(-1, -2) @ qg  # [B, Hkv, d, d]
-        x = kf
-        den = ((x @ metric) * x).sum(dim=(-1, -2))
-    else:
-        scale = cfg.softmax_scale if cfg.softmax_scale is not None else d ** -0.5
-        metric = _block_attention_weights(qf, kf, scale)
-        x = v.to(torch.float32).permute(0, 2, 1, 3).contiguous()
-        den = ((metric @ x) * x).sum(dim=(-1, -2))
-    return _LayerData(x=x, metric=metric, mask=mask, den=den.to(torch.float64), side=side)
-
-
-def _numerators(r: torch.Tensor, data: _LayerData, idx: torch.Tensor, cfg: RefineConfig) -> torch.Tensor:
-    """Per-head loss numerators ``[H]`` (fp64) of blocks ``idx`` under rotations ``r [P, d, d]`` fp32."""
-    x = data.x[idx] @ r  # [b, H, n, d]
-    d = x.shape[-1]
-    gs = cfg.group_size or d
-    ci = _clip_index(cfg.clip_k if data.side == "k" else cfg.clip_v, d)
-    xq = fake_quantize_int2(x.reshape(-1, d), clip_index=ci, group_size=gs, scale_dtype=cfg.scale_dtype,
-                            round_rows=cfg.round_rows).reshape(x.shape)
-    e = (xq - x) * data.mask[idx]
-    metric = data.metric[idx]
-    if data.side == "k":
-        mr = r.transpose(-1, -2) @ metric @ r
-        num = ((e @ mr) * e).sum(dim=(-1, -2))
-    else:
-        num = ((metric @ e) * e).sum(dim=(-1, -2))
-    return num.sum(dim=0).to(torch.float64)
-
-
-def _heldout(r: torch.Tensor, data: _LayerData, idx: torch.Tensor, cfg: RefineConfig, chunk: int = 16) -> torch.Tensor:
-    """Per-head relative loss ``[H]`` over blocks ``idx`` (no gradient)."""
-    with torch.no_grad():
-        rf = r.to(torch.float32)
-        num = sum(_numerators(rf, data, idx[s:s + chunk], cfg) for s in range(0, len(idx), chunk))
-        return num / data.den[idx].sum(dim=0).clamp_min(1e-30)
 
 
 # -- optimisation ---------------------------------------------------------------------------------
@@ -306,7 +82,7 @@ def polar(r: torch.Tensor) -> torch.Tensor:
     return u @ vh
 
 
-def _optimize(r0: torch.Tensor, data: _LayerData, train: torch.Tensor, steps: int, cfg: RefineConfig,
+def _optimize(r0: torch.Tensor, data: LayerData, train: torch.Tensor, steps: int, cfg: RefineConfig,
               gen: torch.Generator) -> tuple[torch.Tensor, list[float]]:
     """Adam (β = 0.9, 0.999, ε = 1e-8) on the skew parameter; returns the fp64 rotation ``[P, d, d]``
     and the minibatch loss trace. Adam is spelled out here (a few lines) rather than taken from
@@ -322,7 +98,7 @@ def _optimize(r0: torch.Tensor, data: _LayerData, train: torch.Tensor, steps: in
         else:
             idx = train
         r = _retract(base, a, cfg.param)
-        loss = _numerators(r.to(torch.float32), data, idx, cfg).sum() / data.den[idx].sum().clamp_min(1e-30)
+        loss = numerators(r.to(torch.float32), data, idx, cfg).sum() / data.den[idx].sum().clamp_min(1e-30)
         (grad,) = torch.autograd.grad(loss, a)
         with torch.no_grad():
             m.mul_(b1).add_(grad, alpha=1 - b1)
@@ -385,23 +161,24 @@ def refine_layer(
         r_init = r_init.expand(hkv, d, d).clone()
     elif not cfg.per_head and r_init.shape[0] != 1:
         raise FitError(f"layer {samples.layer_id} {side}: a per-head init [{hkv}, {d}, {d}] needs per_head=True")
-    data = _layer_data(samples, side, cfg)
+    data = layer_data(samples, side, cfg)
     train, hold = _split(data.x.shape[0], cfg, samples.layer_id)
     steps = cfg.steps_k if side == "k" else cfg.steps_v
     gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + samples.layer_id * 2 + (side == "v"))
     refined, trace = _optimize(r_init, data, train, steps, cfg, gen) if steps else (r_init.clone(), [])
-    before = _heldout(r_init, data, hold, cfg)
-    after = _heldout(refined, data, hold, cfg)
+    before = heldout_loss(r_init, data, hold, cfg)
+    after = heldout_loss(refined, data, hold, cfg)
+    kept: str | list[str]
     if cfg.per_head:
         keep = after < before
         rotation = torch.where(keep[:, None, None], refined, r_init)
         kept = ["refined" if b else "init" for b in keep.tolist()]
-    else:
-        keep_layer = bool(after.sum() < before.sum())
+    b_tot, a_tot = total_loss(before, data, hold), total_loss(after, data, hold)
+    if not cfg.per_head:
+        keep_layer = a_tot < b_tot
         rotation = (refined if keep_layer else r_init)[0]
         kept = "refined" if keep_layer else "init"
-    b_tot, a_tot = _total(before, data, hold), _total(after, data, hold)
-    final = _total(_heldout(rotation if cfg.per_head else rotation[None], data, hold, cfg), data, hold)
+    final = total_loss(heldout_loss(rotation if cfg.per_head else rotation[None], data, hold, cfg), data, hold)
     record = {
         "layer_id": samples.layer_id, "side": side, "init": init_name, "loss": LOSS_NAMES[side],
         "per_head": cfg.per_head, "steps": steps, "lr": cfg.lr, "param": cfg.param, "seed": cfg.seed,
@@ -413,11 +190,6 @@ def refine_layer(
     }
     return LayerRefinement(samples.layer_id, side, rotation, record)
 
-
-def _total(per_head: torch.Tensor, data: _LayerData, idx: torch.Tensor) -> float:
-    """Relative loss over all heads from per-head relative losses (weighted by their energy)."""
-    den = data.den[idx].sum(dim=0)
-    return float((per_head * den).sum() / den.sum().clamp_min(1e-30))
 
 
 def _check_init(init: torch.Tensor, d: int, hkv: int, layer_id: int, side: str) -> torch.Tensor:
