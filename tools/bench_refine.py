@@ -18,6 +18,7 @@ Two modes:
   layer, then ``--layers`` (default: two) are refined with ``--workers`` jobs, so the peak RSS is
   that of a full refinement (the reservoir of every layer plus the working set of the jobs
   running at once).
+* ``--dump DIR``: the samples (and the OSCAR inits) from a Q/K/V dump instead of a model pass.
 
 End-to-end quality (KL, perplexity, copy probe) is measured by ``tools/bench_real_model.py
 --extra refined_g64=DIR/refined_g64@64 ...``.
@@ -44,7 +45,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from rotationzoo.fit import RefineOptions, refine_fit, write_fitted  # noqa: E402
+from rotationzoo.fit import RefineOptions, refine_fit, samples_from_dump, write_fitted  # noqa: E402
 from rotationzoo.fit.result import peak_rss_bytes  # noqa: E402
 from rotationzoo.fit.samples import CalibrationSamples  # noqa: E402
 
@@ -92,14 +93,15 @@ def synthetic_samples(args: argparse.Namespace) -> CalibrationSamples:
     g = torch.Generator().manual_seed(args.seed)
     chan = torch.ones(d)
     chan[:4] = 10.0
+    bufs = [torch.empty(args.calib_seq, h, d) for h in (hq, hkv, hkv)]  # reused: no allocator churn
     for lid in range(n_layers):
         left = args.calib_tokens
         while left > 0:
             n = min(args.calib_seq, left)
-            q = (torch.randn(n, hq, d, generator=g) * chan).to(torch.bfloat16)
-            k = (torch.randn(n, hkv, d, generator=g) * chan).to(torch.bfloat16)
-            v = torch.randn(n, hkv, d, generator=g).to(torch.bfloat16)
-            samples.on_qkv(lid, q, k, v)
+            q, k, v = (torch.randn(b.shape, generator=g, out=b)[:n] for b in bufs)
+            q.mul_(chan)
+            k.mul_(chan)
+            samples.on_qkv(lid, q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16))
             left -= n
     _log(f"synthetic reservoir: {n_layers} layers, d={d}, {hq}/{hkv} heads, {samples.nbytes() / 2**30:.2f} GiB, "
          f"peak RSS {peak_rss_bytes() / 2**30:.2f} GiB")
@@ -154,6 +156,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layers", help="refine only these layers, e.g. 0,4,9")
     p.add_argument("--workers", type=int, default=None, help="concurrent (layer, side) jobs (default: torch threads)")
+    p.add_argument("--dump", type=Path, help="take the samples and the OSCAR inits from this Q/K/V dump instead of "
+                                             "running the model (e.g. one written by collect_statistics(dump_out=))")
     p.add_argument("--synthetic", help="memory mode: LAYERS,HEAD_DIM,HQ,HKV of random activations")
     p.add_argument("--save", type=Path, help="write every full run to SAVE/refined_<init>_g<G>")
     p.add_argument("--best", type=Path, help="write the best init per G to BEST/refined_g<G>")
@@ -173,6 +177,11 @@ def main(argv: list[str] | None = None) -> int:
         args.layers = args.layers or "0,1"
         report["reservoir_bytes"] = samples.nbytes()
         report["peak_rss_after_reservoir_bytes"] = peak_rss_bytes()
+    elif args.dump:
+        t0 = time.perf_counter()
+        samples, stats = samples_from_dump(args.dump, max_tokens=args.sample_tokens, seed=args.seed), None
+        info = {"kind": "dump", "path": str(args.dump)}
+        report["calibration"] = dict(info, reservoir_bytes=samples.nbytes(), read_s=time.perf_counter() - t0)
     else:
         stats = capture(args)
         samples, info = stats.samples, stats.info
@@ -180,9 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     best: dict[int, tuple[float, Any]] = {}
     for g in [int(x) for x in args.groups.split(",")]:
         for init in args.inits.split(","):
-            res, row = run_one(args, samples, init, g, stats.accumulators if stats else None, info)
+            statistics = stats.accumulators if stats else args.dump
+            res, row = run_one(args, samples, init, g, statistics, info)
             report["runs"].append(row)
-            score = (row["k"]["heldout_final"] / row["k"]["heldout_init"] + row["v"]["heldout_final"] / row["v"]["heldout_init"])
+            score = row["k"]["heldout_final"] + row["v"]["heldout_final"]  # same held-out blocks for every init
             if not args.layers and args.save:
                 write_fitted(res, args.save / f"refined_{init}_g{g}", tag=f"{args.calib}-{args.calib_tokens}")
             if g not in best or score < best[g][0]:

@@ -102,15 +102,31 @@ class LayerData:
     side: str
 
 
-def _block_attention_weights(q: torch.Tensor, k: torch.Tensor, scale: float, chunk: int = 8) -> torch.Tensor:
-    """``W = Σ_j A_jᵀ A_j`` per KV head: ``q [B, Hq, n, d]``, ``k [B, Hkv, n, d]`` → ``[B, Hkv, n, n]``."""
-    b, hq, n, _ = q.shape
-    hkv = k.shape[1]
+def _heads_first(t: torch.Tensor) -> torch.Tensor:
+    """``[b, n, H, d]`` (any float dtype) → fp32 ``[b, H, n, d]``."""
+    return t.to(torch.float32).permute(0, 2, 1, 3).contiguous()
+
+
+def _query_grams(q: torch.Tensor, hkv: int, chunk: int = 8) -> torch.Tensor:
+    """``M = Σ_h Q_hᵀ Q_h`` over each KV head's query group: ``q [B, n, Hq, d]`` → ``[B, Hkv, d, d]``
+    (converted to fp32 a few blocks at a time, so that the queries are never held in fp32 whole)."""
+    b, n, hq, d = q.shape
+    out = torch.empty(b, hkv, d, d, dtype=torch.float32)
+    for s in range(0, b, chunk):
+        qg = _heads_first(q[s:s + chunk]).reshape(-1, hkv, (hq // hkv) * n, d)
+        out[s:s + chunk] = qg.transpose(-1, -2) @ qg
+    return out
+
+
+def _block_attention_weights(q: torch.Tensor, k: torch.Tensor, scale: float, chunk: int = 2) -> torch.Tensor:
+    """``W = Σ_j A_jᵀ A_j`` per KV head: ``q [B, n, Hq, d]``, ``k [B, n, Hkv, d]`` → ``[B, Hkv, n, n]``."""
+    b, n, hq, _ = q.shape
+    hkv = k.shape[2]
     g = hq // hkv
     causal = torch.ones(n, n, dtype=torch.bool).tril()
     out = torch.empty(b, hkv, n, n, dtype=torch.float32)
     for s in range(0, b, chunk):
-        qs, ks = q[s:s + chunk], k[s:s + chunk].repeat_interleave(g, dim=1)
+        qs, ks = _heads_first(q[s:s + chunk]), _heads_first(k[s:s + chunk]).repeat_interleave(g, dim=1)
         scores = (qs @ ks.transpose(-1, -2)) * scale
         a = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
         a = a.reshape(a.shape[0], hkv, g, n, n)
@@ -119,23 +135,21 @@ def _block_attention_weights(q: torch.Tensor, k: torch.Tensor, scale: float, chu
 
 
 def layer_data(samples: LayerSamples, side: str, cfg: RefineConfig) -> LayerData:
+    """The fp32 training tensors of one layer and side (queries are reduced to what the loss needs:
+    their Gram per KV group for K, the block's attention weights for V)."""
     q, k, v, pos = samples.blocks()
     shape = samples.shape
     assert shape is not None
-    hkv, g, d = shape.num_kv_heads, shape.group, shape.head_dim
     n = samples.block_size
-    kf = k.to(torch.float32).permute(0, 2, 1, 3).contiguous()  # [B, Hkv, n, d]
-    qf = q.to(torch.float32).permute(0, 2, 1, 3).contiguous()  # [B, Hq, n, d]
     mask = ((pos[:, None] + torch.arange(n)[None, :]) >= cfg.prefix).to(torch.float32)[:, None, :, None]
     if side == "k":
-        qg = qf.reshape(qf.shape[0], hkv, g * n, d)
-        metric = qg.transpose(-1, -2) @ qg  # [B, Hkv, d, d]
-        x = kf
+        metric = _query_grams(q, shape.num_kv_heads)  # [B, Hkv, d, d]
+        x = _heads_first(k)
         den = ((x @ metric) * x).sum(dim=(-1, -2))
     else:
-        scale = cfg.softmax_scale if cfg.softmax_scale is not None else d ** -0.5
-        metric = _block_attention_weights(qf, kf, scale)
-        x = v.to(torch.float32).permute(0, 2, 1, 3).contiguous()
+        scale = cfg.softmax_scale if cfg.softmax_scale is not None else shape.head_dim ** -0.5
+        metric = _block_attention_weights(q, k, scale)  # [B, Hkv, n, n]
+        x = _heads_first(v)
         den = ((metric @ x) * x).sum(dim=(-1, -2))
     return LayerData(x=x, metric=metric, mask=mask, den=den.to(torch.float64), side=side)
 
