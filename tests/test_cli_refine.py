@@ -97,3 +97,20 @@ def test_refine_dump_oscar_init_from_the_whole_dump(dump: Path) -> None:
         assert torch.allclose(getattr(res, side).rotations, getattr(oscar, side).rotations, atol=1e-6)
     assert res.refinement is not None and res.refinement["init_composition"] == "r_h_pbr"
     assert all(r["kept"] == "init" for r in res.refinement["layers"]["k"])
+
+
+def test_cli_refine_never_writes_a_worse_layer(dump: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An optimizer that returns the identity (outlier channels left unspread: far worse than Hadamard
+    at G = 64) must leave every layer at its init, and the manifest must say so."""
+    from rotationzoo.fit import refine as refine_mod
+
+    eye = torch.eye(D, dtype=torch.float64)
+    monkeypatch.setattr(refine_mod, "_optimize", lambda r0, *a, **k: (eye.expand_as(r0).clone(), [1.0]))
+    out = tmp_path / "worse"
+    assert _cli(["fit", "--dump", str(dump), "--out", str(out), "--refine", "5", "-g", "64"]) == 0
+    ref = json.loads((out / "rotationzoo.json").read_text())["refinement"]
+    for side in ("k", "v"):
+        for row in ref["layers"][side]:
+            assert row["heldout_refined"] > row["heldout_init"] == row["heldout_final"] and row["kept"] == "init"
+    h = read_rotation(out / "k_rotation_refined_k_logit_hadamard.pt").rotations
+    assert torch.allclose(h[0].double() @ h[0].double().T, eye, atol=1e-6) and not torch.allclose(h[0].double(), eye)
