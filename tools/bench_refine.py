@@ -46,6 +46,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from rotationzoo.fit import RefineOptions, refine_fit, samples_from_dump, write_fitted  # noqa: E402
+from rotationzoo.fit.refine_loss import RefineConfig  # noqa: E402
 from rotationzoo.fit.result import peak_rss_bytes  # noqa: E402
 from rotationzoo.fit.samples import CalibrationSamples  # noqa: E402
 
@@ -112,10 +113,11 @@ def run_one(args: argparse.Namespace, samples: CalibrationSamples, init: str, g:
             statistics: Any, info: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     c0, t0 = time.process_time(), time.perf_counter()
     res = refine_fit(samples, init, steps=args.steps, group_size=g, seed=args.seed, statistics=statistics,
-                     layers=_ids(args.layers), num_workers=args.workers, source_info=info, model=MODEL_ID)
+                     config=RefineConfig(param=args.param), layers=_ids(args.layers), num_workers=args.workers,
+                     source_info=info, model=MODEL_ID)
     assert res.refinement is not None
     ref = res.refinement
-    row: dict[str, Any] = {"init": init, "group_size": g, "layers": len(res.layer_ids),
+    row: dict[str, Any] = {"init": init, "group_size": g, "param": args.param, "layers": len(res.layer_ids),
                            "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
                            "peak_rss_bytes": peak_rss_bytes(), "load_average": _load()}
     for side, rows in ref["layers"].items():
@@ -154,6 +156,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--inits", default="hadamard,oscar,r_pbr_hg")
     p.add_argument("--steps", type=int, default=RefineOptions().steps)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--param", default="expm", choices=("expm", "cayley"), help="retraction of the skew parameter")
     p.add_argument("--layers", help="refine only these layers, e.g. 0,4,9")
     p.add_argument("--workers", type=int, default=None, help="concurrent (layer, side) jobs (default: torch threads)")
     p.add_argument("--dump", type=Path, help="take the samples and the OSCAR inits from this Q/K/V dump instead of "

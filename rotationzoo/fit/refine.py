@@ -24,8 +24,7 @@ part of the error.
 Parametrization: ``R = R0 · expm(S)``, ``S = A − Aᵀ`` (skew, so ``R`` is exactly orthogonal for
 any ``A``, no projection or retraction error), Adam on ``A`` in fp64, re-based ``R0 ← R``,
 ``A ← 0`` every ``rebase_every`` steps so that ``S`` stays small; ``param="cayley"`` uses
-``(I − S/2)⁻¹(I + S/2)`` instead (same quality and cost on SmolLM2-135M, see
-``tools/bench_refine.py --param``). Every step uses a random minibatch of training blocks.
+``(I − S/2)⁻¹(I + S/2)`` instead (compare with ``tools/bench_refine.py --param cayley``). Every step uses a random minibatch of training blocks.
 Rounding inside the loss is a straight-through estimator: forward values are exactly those of
 :func:`rotationzoo.kernels.quantize_int2` + :func:`~rotationzoo.kernels.dequantize_int2`;
 backward treats each element's rounding offset in code units as a constant, so the error of an
