@@ -17,8 +17,10 @@ Each sequence is cut into ``⌊n / block_size⌋`` whole blocks starting at its 
 Memory (the default: ``block_size = 256``, ``max_tokens = 16,384`` = 64 blocks, bf16). A layer
 costs ``max_tokens · (H_q + 2·H_kv) · d · bytes`` (plus 8 bytes per block for its position): for
 a 36-layer model with ``d = 128``, 32 query and 8 KV heads that is
-``16,384 · 48 · 128 · 2 B = 201 MB`` per layer, ``36 × 201 MB = 7.25e9 B = 6.75 GiB`` in all, within
-8 GiB. Fed 20,000 tokens per layer (78 whole blocks), it keeps 64 of them. Keeping all 20,000
+``16,384 · 48 · 128 · 2 B = 201 MB`` per layer, ``36 × 201 MB = 7.25e9 B = 6.75 GiB`` in all; with
+the working sets of two refinement jobs the measured peak is 7.91 GiB (``tools/bench_refine.py
+--synthetic 36,128,32,8``), within 8 GiB. Fed 20,000 tokens per layer (78 whole blocks), it keeps 64
+of them. Keeping all 20,000
 tokens would need 8.24 GiB in bf16 and fp32 storage would double either figure, hence bf16 and
 16,384 by default. SmolLM2-135M (30 layers, ``d = 64``, 9 + 2·3 heads) costs 31.5 MB per layer,
 0.88 GiB in all, at the default size.
