@@ -228,3 +228,14 @@ def test_cli_calibrate_then_fit(tiny_model_dir, tmp_path):
     for name in ("k_rotation_qqt_r_h_pbr.pt", "v_rotation_sst_r_h_pbr.pt"):
         a, b = read_rotation(tmp_path / "rot" / name), read_rotation(tmp_path / "rot2" / name)
         assert torch.equal(a.rotations, b.rotations) and torch.equal(a.eigenvalues, b.eigenvalues)
+    # --refine: learned rotations from the samples kept during the capture (two 256-token blocks per layer)
+    r = runner.invoke(app, [
+        "calibrate", "--model", str(tiny_model_dir), "--text", str(tiny_model_dir / "calib_a.txt"), "--tokens", "600",
+        "--seq-len", "300", "--out", str(tmp_path / "rot3"), "--refine", "3", "--init", "r_pbr_hg", "-g", "16",
+        "--sample-tokens", "512", "--seed", "2",
+    ])
+    assert r.exit_code == 0, r.output
+    m = json.loads((tmp_path / "rot3" / "rotationzoo.json").read_text())
+    assert m["objective"] == "refined" and m["refinement"]["init_composition"] == "r_pbr_hg16"
+    assert m["refinement"]["seed"] == 2 and m["refinement"]["samples"]["max_tokens"] == 512
+    assert read_rotation(tmp_path / "rot3" / "k_rotation_refined_k_logit_r_pbr_hg16.pt").layer_ids == (0, 1)
