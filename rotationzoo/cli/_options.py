@@ -78,7 +78,7 @@ InitOpt = Annotated[str, typer.Option("--init", click_type=choice(vocab.REFINE_I
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of --refine: sample reservoir, held-out split, minibatches.")]
 SampleTokensOpt = Annotated[Optional[int], typer.Option(
     "--sample-tokens", min=1,
-    help="Calibration tokens kept per layer for --refine (blocks of 256; default 16384).")]
+    help="Calibration tokens kept per layer for --refine (blocks of 256; default 14336).")]
 
 
 def config_changes(**knobs: Any) -> dict[str, Any]:

@@ -82,7 +82,7 @@ def samples_from_dump(
 
     Args:
         dump: dump folder (SGLang layout) or an opened :class:`~rotationzoo.fit.dump.Dump`.
-        max_tokens: tokens kept per layer (default 16,384; see :mod:`rotationzoo.fit.samples`).
+        max_tokens: tokens kept per layer (default 14,336; see :mod:`rotationzoo.fit.samples`).
         block_size: tokens per block.
         seed: reservoir seed.
         keep_first_chunk: also read chunk 0 (skipped by default, as the fitter does).

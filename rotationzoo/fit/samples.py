@@ -14,23 +14,24 @@ Each sequence is cut into ``⌊n / block_size⌋`` whole blocks starting at its 
 ``n mod block_size`` tokens left at its end (and sequences shorter than one block) are counted in
 :attr:`LayerSamples.tokens_dropped` and not kept.
 
-Memory (the default: ``block_size = 256``, ``max_tokens = 16,384`` = 64 blocks, bf16). A layer
+Memory (the default: ``block_size = 256``, ``max_tokens = 14,336`` = 56 blocks, bf16). A layer
 costs ``max_tokens · (H_q + 2·H_kv) · d · bytes`` (plus 8 bytes per block for its position): for
 a 36-layer model with ``d = 128``, 32 query and 8 KV heads that is
-``16,384 · 48 · 128 · 2 B = 201 MB`` per layer, ``36 × 201 MB = 7.25e9 B = 6.75 GiB`` in all; with
-the working sets of two refinement jobs the measured peak is 7.91 GiB (``tools/bench_refine.py
---synthetic 36,128,32,8``), within 8 GiB. Fed 20,000 tokens per layer (78 whole blocks), it keeps 64
-of them. Keeping all 20,000
-tokens would need 8.24 GiB in bf16 and fp32 storage would double either figure, hence bf16 and
-16,384 by default. SmolLM2-135M (30 layers, ``d = 64``, 9 + 2·3 heads) costs 31.5 MB per layer,
-0.88 GiB in all, at the default size.
+``14,336 · 48 · 128 · 2 B = 176 MB`` per layer, ``36 × 176 MB = 6.34e9 B = 5.91 GiB`` in all; with
+the interpreter and the working sets of two refinement jobs the measured peak is 7.43 GiB
+(``tools/bench_refine.py --synthetic 36,128,32,8``), within 8 GiB with room to spare. Fed 20,000
+tokens per layer (78 whole blocks), it keeps 56 of them. Keeping all 20,000 tokens would need
+8.24 GiB for the reservoir alone (16,384 tokens: 6.75 GiB, measured peak 7.9 GiB, too close to
+8 GiB), and fp32 storage would double either figure, hence bf16 and 14,336 by default.
+SmolLM2-135M (30 layers, ``d = 64``, 9 + 2·3 heads) costs 27.5 MB per layer, 0.77 GiB in all, at
+the default size.
 
 Fill a reservoir from a live capture::
 
     from rotationzoo.fit.samples import CalibrationSamples
     from rotationzoo.integrations.transformers import QKVCapture
 
-    samples = CalibrationSamples(max_tokens=16384, seed=0)
+    samples = CalibrationSamples(max_tokens=14336, seed=0)
     with torch.no_grad(), QKVCapture(model, samples.on_qkv):
         for window in windows:                        # batch 1, no cache: one sequence per call
             model(input_ids=torch.tensor([window]), use_cache=False)
@@ -51,8 +52,8 @@ from .dump import Dump
 
 #: Tokens per block (consecutive positions of one sequence).
 DEFAULT_BLOCK_SIZE = 256
-#: Tokens kept per layer (64 blocks of 256); see the module docstring for the memory arithmetic.
-DEFAULT_MAX_TOKENS = 16384
+#: Tokens kept per layer (56 blocks of 256); see the module docstring for the memory arithmetic.
+DEFAULT_MAX_TOKENS = 14336
 #: Storage dtype of the kept activations.
 DEFAULT_DTYPE = torch.bfloat16
 

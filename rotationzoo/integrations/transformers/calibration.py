@@ -258,8 +258,8 @@ def collect_statistics(
         dump_out: also write an SGLang-layout dump here.
         overwrite_dump: replace an existing dump in ``dump_out``.
         sample_tokens: also keep a reservoir of up to this many tokens per layer (whole blocks of
-            256 consecutive tokens, bf16 q/k/v) for learned refinement; default 16,384 (0.88 GiB
-            for SmolLM2-135M, 6.75 GiB for 36 layers of 32 + 8 heads at ``d = 128``; see
+            256 consecutive tokens, bf16 q/k/v) for learned refinement; default 14,336 (0.77 GiB
+            for SmolLM2-135M, 5.91 GiB for 36 layers of 32 + 8 heads at ``d = 128``; see
             :mod:`rotationzoo.fit.samples`). ``0`` keeps none.
         sample_seed: reservoir seed.
 
