@@ -18,12 +18,13 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from rotationzoo import read_rotation, validate  # noqa: E402
 from rotationzoo.errors import DumpError, FitError, ModelLoadError  # noqa: E402
-from rotationzoo.fit import fit_rotations, open_dump  # noqa: E402
+from rotationzoo.fit import RefineOptions, fit_rotations, open_dump, samples_from_dump  # noqa: E402
 from rotationzoo.integrations.transformers import (  # noqa: E402
     WARMUP_TOKENS,
     QKVCapture,
     calibrate,
     capture_to_dump,
+    collect_statistics,
     load_model,
     token_windows,
 )
@@ -135,6 +136,31 @@ def test_calibrate_writes_dump_that_fit_reproduces(tiny, tiny_model_dir, tmp_pat
         calibrate(model, tokenizer, texts, tokens=100, seq_len=64, dump_out=tmp_path / "dump")
 
 
+def test_statistics_keep_a_sample_reservoir_for_refinement(tiny, tiny_model_dir, tmp_path):
+    model, tokenizer = tiny
+    texts = [tiny_model_dir / "calib_a.txt", tiny_model_dir / "calib_b.txt"]
+    # windows of 701 → 256 + 256 + 189 tokens, then 199: two whole 256-token blocks per layer, one kept
+    stats = collect_statistics(model, tokenizer, texts, tokens=900, seq_len=256, dump_out=tmp_path / "dump",
+                               sample_tokens=256, sample_seed=5)
+    assert stats.samples is not None and stats.samples.layer_ids() == (0, 1)
+    s = stats.samples.layers[1]
+    assert (s.num_blocks, s.blocks_seen, s.tokens_seen) == (1, 2, 900)
+    q, k, v, pos = s.blocks()
+    assert q.shape == (1, 256, HQ, D) and k.shape == v.shape == (1, 256, HKV, D) and pos.tolist() == [0]
+    again = samples_from_dump(tmp_path / "dump", max_tokens=256, seed=5)  # the dump reader keeps the same blocks
+    for x, y in zip(again.layers[1].blocks(), s.blocks()):
+        assert torch.equal(x, y)
+    none = collect_statistics(model, tokenizer, texts, tokens=300, seq_len=256, sample_tokens=0)
+    assert none.samples is None
+    res = calibrate(model, tokenizer, texts, tokens=900, seq_len=256, group_size=16,
+                    refine=RefineOptions(steps=3, init="oscar", sample_tokens=512))
+    assert res.objective == "refined" and res.layer_ids == (0, 1) and res.refinement["init"] == "oscar"
+    for rs in (res.k, res.v):
+        validate(rs, num_layers=LAYERS, head_dim=D)
+    with pytest.raises(FitError, match="qqt_sst"):
+        calibrate(model, tokenizer, texts, tokens=300, objective="ktk_vtv", refine=RefineOptions(steps=1))
+
+
 def test_calibrate_other_objectives(tiny, tiny_model_dir):
     model, tokenizer = tiny
     res = calibrate(model, tokenizer, [tiny_model_dir / "calib_a.txt"], tokens=300, seq_len=128,
@@ -202,3 +228,14 @@ def test_cli_calibrate_then_fit(tiny_model_dir, tmp_path):
     for name in ("k_rotation_qqt_r_h_pbr.pt", "v_rotation_sst_r_h_pbr.pt"):
         a, b = read_rotation(tmp_path / "rot" / name), read_rotation(tmp_path / "rot2" / name)
         assert torch.equal(a.rotations, b.rotations) and torch.equal(a.eigenvalues, b.eigenvalues)
+    # --refine: learned rotations from the samples kept during the capture (two 256-token blocks per layer)
+    r = runner.invoke(app, [
+        "calibrate", "--model", str(tiny_model_dir), "--text", str(tiny_model_dir / "calib_a.txt"), "--tokens", "600",
+        "--seq-len", "300", "--out", str(tmp_path / "rot3"), "--refine", "3", "--init", "r_pbr_hg", "-g", "16",
+        "--sample-tokens", "512", "--seed", "2",
+    ])
+    assert r.exit_code == 0, r.output
+    m = json.loads((tmp_path / "rot3" / "rotationzoo.json").read_text())
+    assert m["objective"] == "refined" and m["refinement"]["init_composition"] == "r_pbr_hg16"
+    assert m["refinement"]["seed"] == 2 and m["refinement"]["samples"]["max_tokens"] == 512
+    assert read_rotation(tmp_path / "rot3" / "k_rotation_refined_k_logit_r_pbr_hg16.pt").layer_ids == (0, 1)

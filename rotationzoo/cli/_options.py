@@ -67,6 +67,19 @@ ClipSearchOpt = Annotated[Optional[str], typer.Option(
     "--clip-search", click_type=choice(vocab.CLIP_SEARCHES),
     help="exact (SGLang's prefill store) or bisect (its decode-flush search, applied to every INT2 row).")]
 
+# -- learned refinement (rotationzoo.fit.RefineOptions fields) --
+RefineOpt = Annotated[Optional[int], typer.Option(
+    "--refine", min=0, metavar="STEPS",
+    help="Learn the rotations: STEPS optimizer steps per layer and side against the INT2 error, from --init "
+         "(kept per layer only where it lowers the held-out loss).")]
+InitOpt = Annotated[str, typer.Option("--init", click_type=choice(vocab.REFINE_INITS),
+                                      help="Starting rotation of --refine: hadamard, oscar (r_h_pbr) or r_pbr_hg "
+                                           "(with --group-size).")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of --refine: sample reservoir, held-out split, minibatches.")]
+SampleTokensOpt = Annotated[Optional[int], typer.Option(
+    "--sample-tokens", min=1,
+    help="Calibration tokens kept per layer for --refine (blocks of 256; default 14336).")]
+
 
 def config_changes(**knobs: Any) -> dict[str, Any]:
     """The INT2-KV knobs given on the command line (``None`` = not given)."""

@@ -11,6 +11,9 @@ Examples::
     # data-free Hadamard baseline
     rotationzoo fit --objective hadamard --num-layers 36 --head-dim 128 --out rotations/
 
+    # learned rotations: 200 steps per layer from OSCAR, against the INT2 error at G = 64
+    rotationzoo fit --dump qkv_dumps/gpqa --out rot-refined/ --refine 200 --init oscar --group-size 64
+
     # capture from a local transformers model (folder or .gguf), no SGLang needed
     rotationzoo calibrate --model ./Qwen3-8B --text calib.txt --tokens 20000 --out rotations/ --dump-out qkv/
 
@@ -25,7 +28,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Callable, List, Optional
 import typer
 
 from .. import vocab
-from ._options import JsonOpt, choice
+from ._options import InitOpt, JsonOpt, RefineOpt, SampleTokensOpt, SeedOpt, choice
 from ._output import console, emit_json, progress_enabled
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -37,7 +40,8 @@ CompositionOpt = Annotated[str, typer.Option(
     "--composition", "-c", click_type=choice(vocab.COMPOSITIONS),
     help="Rotation composition: r_h_pbr = U·H·P_br (OSCAR); r_pbr_hg needs --group-size.")]
 GroupSizeOpt = Annotated[
-    Optional[int], typer.Option("--group-size", "-g", help="Quantisation group size G for --composition r_pbr_hg.")
+    Optional[int], typer.Option("--group-size", "-g", help="Quantisation group size G for --composition r_pbr_hg, "
+                                                  "and the INT2 group of --refine's loss (default there: head_dim).")
 ]
 SignsOpt = Annotated[str, typer.Option("--signs", click_type=choice(vocab.SIGN_CONVENTIONS),
                                        help="Eigenvector signs: canonical (largest entry positive) or lapack (as eigh returns).")]
@@ -114,6 +118,28 @@ class _LayerBars:
         return (lambda lid, done, total: self.update(lid, done, total)) if self.enabled else None
 
 
+def _refine_options(steps: int, init: str, seed: int, sample_tokens: Optional[int]) -> Any:
+    from ..fit import RefineOptions
+
+    extra = {"sample_tokens": sample_tokens} if sample_tokens is not None else {}
+    return RefineOptions(steps=steps, init=init, seed=seed, **extra)
+
+
+def _refine_from_dump(dump: Path, options: Any, group_size: Optional[int], keep_first_chunk: bool,
+                      layer_ids: Optional[list[int]], workers: Optional[int]) -> "FitResult":
+    from ..fit import open_dump, refine_dump
+
+    ids = list(open_dump(dump, keep_first_chunk=keep_first_chunk, layers=layer_ids).layer_ids)
+    done: dict[int, int] = {}
+    with _LayerBars(progress_enabled(), ids, "refine") as bars:
+        def progress(lid: int, side: str, record: dict) -> None:
+            done[lid] = done.get(lid, 0) + 1
+            bars.update(lid, done[lid], 2)
+
+        return refine_dump(dump, options, group_size=group_size, keep_first_chunk=keep_first_chunk, layers=layer_ids,
+                           num_workers=workers, progress=progress)
+
+
 def _report(result: "FitResult", out: "FitOutput", as_json: bool) -> None:
     if as_json:
         emit_json({
@@ -132,6 +158,12 @@ def _report(result: "FitResult", out: "FitOutput", as_json: bool) -> None:
         f"{len(result.layer_ids)} layers, head_dim {result.head_dim}, {tokens}"
         f"{s.wall_s:.2f} s, {s.bytes_read / 1e6:.1f} MB read, peak RSS {s.peak_rss_bytes / 2**20:.0f} MiB"
     )
+    if result.refinement is not None:
+        ref = result.refinement
+        for side, rows in ref["layers"].items():
+            kept = sum(r["kept"] == "refined" for r in rows)
+            con.print(f"{side.upper()} {ref['loss'][side]}: held-out loss {-ref['mean_relative_improvement'][side]:+.1%} "
+                      f"mean vs {ref['init']}, refined rotation kept in {kept}/{len(rows)} layers")
     con.print(f"manifest: {out.manifest_path}")
 
 
@@ -155,6 +187,10 @@ def fit_command(
     tag: TagOpt = None,
     signs: SignsOpt = "canonical",
     workers: Annotated[Optional[int], typer.Option("--workers", help="Layers processed concurrently (default: auto).")] = None,
+    refine: RefineOpt = None,
+    init: InitOpt = "hadamard",
+    seed: SeedOpt = 0,
+    sample_tokens: SampleTokensOpt = None,
     fmt: FormatOpt = "pt",
     as_json: JsonOpt = False,
 ) -> None:
@@ -173,6 +209,13 @@ def fit_command(
       rotationzoo fit --dump qkv/ --out rot-g32/ --composition r_pbr_hg --group-size 32
 
       rotationzoo fit --objective hadamard --num-layers 36 --head-dim 128 --out rotations/
+
+      rotationzoo fit --dump qkv/ --out rot-refined/ --refine 200 --init oscar -g 64
+
+    With --refine, each layer's rotation starts from --init and is learned against the INT2
+    store's error (K: attention logits, V: attention outputs) on a reservoir of --sample-tokens
+    tokens per layer; a layer keeps the learned rotation only if it lowers the loss on held-out
+    blocks (--objective and --composition are not used then).
     """
     from ..errors import CLIError
     from ..fit import fit_rotations, write_fitted
@@ -180,6 +223,13 @@ def fit_command(
     if dump is None and objective != "hadamard":
         raise CLIError("--dump DIR is required (only --objective hadamard works without a dump)")
     layer_ids = _parse_layers(layers)
+    if refine is not None:
+        if dump is None:
+            raise CLIError("--refine needs --dump DIR (the calibration samples)")
+        result = _refine_from_dump(dump, _refine_options(refine, init, seed, sample_tokens), group_size,
+                                   keep_first_chunk, layer_ids, workers)
+        _report(result, write_fitted(result, out, model=model, tag=tag, fmt=fmt), as_json)
+        return
     show = progress_enabled() and dump is not None and objective != "hadamard"
     n_bar = None
     if show:
@@ -228,6 +278,10 @@ def calibrate_command(
     tag: TagOpt = None,
     signs: SignsOpt = "canonical",
     overwrite_dump: Annotated[bool, typer.Option("--overwrite-dump", help="Replace an existing dump in --dump-out.")] = False,
+    refine: RefineOpt = None,
+    init: InitOpt = "hadamard",
+    seed: SeedOpt = 0,
+    sample_tokens: SampleTokensOpt = None,
     fmt: FormatOpt = "pt",
     as_json: JsonOpt = False,
 ) -> None:
@@ -241,10 +295,15 @@ def calibrate_command(
       rotationzoo calibrate --model ./Qwen3-8B --text calib.txt --tokens 20000 --out rotations/
 
       rotationzoo calibrate -m model.Q8_0.gguf -t a.txt -t b.txt -n 8000 --out rot/ --dump-out qkv/
+
+      rotationzoo calibrate -m model.gguf -t calib.txt -n 20000 --out rot/ --refine 200 --init oscar -g 64
+
+    --refine learns the rotations as `rotationzoo fit --refine` does, on samples kept during the capture.
     """
     from ..fit import write_fitted
     from ..integrations.transformers import calibrate, load_model
 
+    options = _refine_options(refine, init, seed, sample_tokens) if refine is not None else None
     lm, tokenizer = load_model(model, dtype=dtype, device=device)
     mid = model_id or Path(model).name
     show = progress_enabled()
@@ -253,7 +312,7 @@ def calibrate_command(
         result = calibrate(
             lm, tokenizer, text, tokens=tokens, seq_len=seq_len, objective=objective, composition=composition,
             group_size=group_size, dump_out=dump_out, overwrite_dump=overwrite_dump, signs=signs,
-            model_id=mid, progress=cb,
+            model_id=mid, progress=cb, refine=options,
         )
     written = write_fitted(result, out, model=mid, tag=tag, fmt=fmt)
     _report(result, written, as_json)

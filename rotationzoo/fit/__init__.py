@@ -10,7 +10,9 @@ Quick use::
 
 Modules: :mod:`~.accumulate` (streaming fp64 covariances), :mod:`~.compose` (eigendecomposition and
 the authors' compositions), :mod:`~.dump` (the SGLang Q/K/V dump layout), :mod:`~.fitter`
-(:func:`fit_rotations`), :mod:`~.result` (:class:`FitResult`), :mod:`~.output` (files and manifest).
+(:func:`fit_rotations`), :mod:`~.result` (:class:`FitResult`), :mod:`~.output` (files and manifest);
+learned rotations: :mod:`~.samples` (calibration blocks), :mod:`~.refine` (the optimizer),
+:mod:`~.refine_loss`, :mod:`~.ste` (the INT2 loss) and :mod:`~.refine_fit` (:func:`refine_fit`).
 The math, normalisations and compositions are those of the authors' fitter
 (``rotation/compute_kv_rotation.py``); see ``docs/fitting.md``.
 """
@@ -23,6 +25,7 @@ from .compose import hadamard_rotations
 from .dump import Dump, DumpShape, DumpWriter, open_dump, write_dump
 from .fitter import fit_rotations
 from .output import MANIFEST_NAME, FitOutput, build_manifest, output_file_names, write_fitted
+from .refine_fit import RefineOptions, refine_dump, refine_fit, samples_from_dump
 from .result import OBJECTIVE_TARGETS, FitResult, FitStats
 
 __all__ = [
@@ -31,6 +34,7 @@ __all__ = [
     "MANIFEST_NAME",
     "OBJECTIVES",
     "OBJECTIVE_TARGETS",
+    "RefineOptions",
     "TARGETS",
     "Dump",
     "DumpShape",
@@ -44,6 +48,9 @@ __all__ = [
     "hadamard_rotations",
     "open_dump",
     "output_file_names",
+    "refine_dump",
+    "refine_fit",
+    "samples_from_dump",
     "write_dump",
     "write_fitted",
 ]

@@ -133,6 +133,8 @@ def write_fitted(
     manifest = build_manifest(result, files, model=model, tag=tag, prompts=prompts, clip_ratios=clip_ratios, fmt=fmt)
     if result.tokens and len(set(result.tokens.values())) > 1:
         manifest["tokens_per_layer"] = {str(k): v for k, v in result.tokens.items()}
+    if result.refinement is not None:
+        manifest["refinement"] = result.refinement
     manifest.update(extra or {})
     mpath = out / MANIFEST_NAME
     fd, tmp = tempfile.mkstemp(prefix=f".{MANIFEST_NAME}.", dir=out)

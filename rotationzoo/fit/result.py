@@ -87,6 +87,9 @@ class FitResult:
         model: model id recorded by the source, if any.
         keep_first_chunk: whether dump chunk 0 was used.
         signs: eigenvector sign convention.
+        refinement: for learned rotations (``objective = "refined"``, see
+            :func:`rotationzoo.fit.refine_fit`): init, losses, steps, seed and the per-layer held-out
+            losses, written to the manifest's ``refinement``; ``None`` otherwise.
     """
 
     k: RotationSet | None
@@ -107,12 +110,16 @@ class FitResult:
     model: str | None = None
     keep_first_chunk: bool = False
     signs: str = "canonical"
+    refinement: dict[str, Any] | None = None
 
     @property
     def composition_label(self) -> str:
-        """Composition as written in objective strings and file names (``r_pbr_hg32``, ...)."""
+        """Composition as written in objective strings and file names (``r_pbr_hg32``, ...;
+        ``refined_<init>`` for learned rotations)."""
         if self.objective == "hadamard":
             return "hadamard"
+        if self.objective == "refined":
+            return f"refined_{self.composition}"
         return composition_label(self.composition, self.group_size)
 
     @property
@@ -125,6 +132,8 @@ class FitResult:
         if self.objective == "hadamard":
             return "hadamard"
         target = self.targets.get(side)
+        if self.objective == "refined" and target is not None:
+            return f"refined_{target}_{self.composition}"  # refined_k_logit_hadamard
         if target is None:
             raise FitError(f"objective {self.objective!r} produces no {side.upper()} rotations")
         return f"{target}_{self.composition_label}"
@@ -145,6 +154,7 @@ class FitResult:
             "prompts": self.prompts,
             "keep_first_chunk": self.keep_first_chunk,
             "signs": self.signs,
+            "refinement": self.refinement,
             "source": self.source,
             "model": self.model,
             "stats": vars(self.stats).copy(),

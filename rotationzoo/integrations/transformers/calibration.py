@@ -18,10 +18,11 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 import torch
 
 from ...errors import ConfigError, FitError
-from ...fit import OBJECTIVE_TARGETS, fit_rotations
+from ...fit import OBJECTIVE_TARGETS, RefineOptions, fit_rotations, refine_fit
 from ...fit.accumulate import LayerAccumulator, Workspace, second_pass_from_dump
 from ...fit.compose import check_composition
 from ...fit.dump import Dump, DumpWriter
+from ...fit.samples import DEFAULT_MAX_TOKENS, CalibrationSamples
 from .capture import QKVCapture
 
 #: Tokens of the warm-up forward written as chunk 0 of a dump (mirrors SGLang's warm-up batch).
@@ -91,6 +92,7 @@ def calibrate(
     model_id: str | None = None,
     texts_are_paths: bool = True,
     progress: CalibrationProgress | None = None,
+    refine: RefineOptions | None = None,
 ) -> Any:
     """Fit rotations from a live ``transformers`` model: :func:`collect_statistics`, then one fit.
 
@@ -113,15 +115,27 @@ def calibrate(
         model_id: model name recorded in the result/manifest.
         texts_are_paths: whether ``texts`` are file paths.
         progress: ``progress(stage, done, total)``.
+        refine: learn the rotations instead (:func:`rotationzoo.fit.refine_fit` on a reservoir of
+            ``refine.sample_tokens`` tokens per layer, the OSCAR inits fitted from the full
+            statistics; ``composition`` is not used then, ``group_size`` is the loss's INT2 group).
 
     Returns:
         A :class:`rotationzoo.fit.FitResult` (``prompts`` = number of sequences run).
     """
-    check_composition(composition, group_size)  # before the model runs
+    if refine is None:
+        check_composition(composition, group_size)  # before the model runs
+    elif objective != "qqt_sst":
+        raise FitError("refinement fits its OSCAR inits from qqt_sst statistics; leave objective at qqt_sst")
     stats = collect_statistics(
         model, tokenizer, texts, tokens=tokens, seq_len=seq_len, objective=objective, model_id=model_id,
         texts_are_paths=texts_are_paths, progress=progress, dump_out=dump_out, overwrite_dump=overwrite_dump,
+        sample_tokens=refine.sample_tokens if refine is not None else 0,
+        sample_seed=refine.seed if refine is not None else 0,
     )
+    if refine is not None:
+        assert stats.samples is not None
+        return refine_fit(stats.samples, refine.init, steps=refine.steps, group_size=group_size, seed=refine.seed,
+                          statistics=stats.accumulators, source_info=stats.info, model=model_id)
     return fit_rotations(
         stats.accumulators, objective, composition, group_size=group_size, signs=signs,  # type: ignore[arg-type]
         source_info=stats.info,
@@ -184,12 +198,17 @@ class CapturedStatistics:
         accumulators: ``{layer_id: LayerAccumulator}`` with pass 1 (and pass 2 for ``sst``) done.
         info: what was run (``kind``, ``texts``, ``seq_len``, ``token_budget``, ``tokens``, ``prompts``).
         objective: the objective the statistics cover (e.g. ``"qqt_sst"``).
+        samples: the bounded reservoir of whole q/k/v token blocks per layer that learned
+            refinement (:func:`rotationzoo.fit.refine_fit`) trains on, or ``None`` when
+            ``sample_tokens=0``.
     """
 
-    def __init__(self, accumulators: dict[int, Any], info: dict[str, Any], objective: str) -> None:
+    def __init__(self, accumulators: dict[int, Any], info: dict[str, Any], objective: str,
+                 samples: CalibrationSamples | None = None) -> None:
         self.accumulators = accumulators
         self.info = info
         self.objective = objective
+        self.samples = samples
 
     @property
     def tokens(self) -> int:
@@ -210,6 +229,8 @@ def collect_statistics(
     progress: CalibrationProgress | None = None,
     dump_out: str | os.PathLike[str] | None = None,
     overwrite_dump: bool = False,
+    sample_tokens: int = DEFAULT_MAX_TOKENS,
+    sample_seed: int = 0,
 ) -> CapturedStatistics:
     """Run ``model`` once over calibration text and return the finished fp64 statistics.
 
@@ -236,6 +257,11 @@ def collect_statistics(
         progress: ``progress(stage, done, total)``.
         dump_out: also write an SGLang-layout dump here.
         overwrite_dump: replace an existing dump in ``dump_out``.
+        sample_tokens: also keep a reservoir of up to this many tokens per layer (whole blocks of
+            256 consecutive tokens, bf16 q/k/v) for learned refinement; default 14,336 (0.77 GiB
+            for SmolLM2-135M, 5.91 GiB for 36 layers of 32 + 8 heads at ``d = 128``; see
+            :mod:`rotationzoo.fit.samples`). ``0`` keeps none.
+        sample_seed: reservoir seed.
 
     Returns:
         :class:`CapturedStatistics`.
@@ -257,7 +283,8 @@ def collect_statistics(
     tmp = tempfile.TemporaryDirectory(prefix="rotationzoo-kv-") if spill and dump_out is None else None
     writer = (DumpWriter(dump_out, overwrite=overwrite_dump) if dump_out is not None
               else DumpWriter(tmp.name, kinds=("k", "v")) if tmp is not None else None)
-    collector = _Collector(targets, writer)
+    samples = CalibrationSamples(max_tokens=sample_tokens, seed=sample_seed) if sample_tokens > 0 else None
+    collector = _Collector(targets, writer, samples)
     try:
         _forward_windows(model, windows, collector, warmup=dump_out is not None, progress=progress)
         if not collector.accs:
@@ -277,15 +304,17 @@ def collect_statistics(
     finally:
         if tmp is not None:
             tmp.cleanup()
-    return CapturedStatistics(collector.accs, info, objective)
+    return CapturedStatistics(collector.accs, info, objective, samples)
 
 
 class _Collector:
     """Receives each attention layer's Q/K/V chunk: writes it to the dump (if any) and feeds pass 1
-    of the layer's fp64 accumulators (nothing is accumulated while ``warmup`` is set)."""
+    of the layer's fp64 accumulators and its sample reservoir, if any (nothing is accumulated
+    while ``warmup`` is set)."""
 
-    def __init__(self, targets: tuple[str, ...], writer: DumpWriter | None) -> None:
-        self.targets, self.writer = targets, writer
+    def __init__(self, targets: tuple[str, ...], writer: DumpWriter | None,
+                 samples: CalibrationSamples | None = None) -> None:
+        self.targets, self.writer, self.samples = targets, writer, samples
         self.accs: dict[int, LayerAccumulator] = {}
         self.workspace = Workspace("cpu")
         self.warmup = False
@@ -304,6 +333,8 @@ class _Collector:
             )
         for kind in acc.pass1_kinds:
             {"q": acc.add_q, "k": acc.add_k, "v": acc.add_v}[kind]({"q": q, "k": k, "v": v}[kind])
+        if self.samples is not None:
+            self.samples.layer(layer_id).add_sequence(q, k, v)
 
 
 def _forward_windows(model: Any, windows: list[list[int]], collector: _Collector, *, warmup: bool,

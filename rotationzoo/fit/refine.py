@@ -1,0 +1,391 @@
+"""Learn per-layer rotations against the error an INT2 KV store actually makes.
+
+Starting from an init rotation (the data-free Hadamard ``H_d``, an OSCAR ``U·H·P_br`` or
+``U·P_br·H_G`` matrix, or any given one), each layer's ``R`` is optimized on the orthogonal
+group to minimise, on calibration blocks (:mod:`rotationzoo.fit.samples`):
+
+* **K, attention-logit error** ``Σ ‖Q_h (K̃_h − K_h)ᵀ‖² / Σ ‖Q_h K_hᵀ‖²``: every query of the
+  KV head's group against every key *of the same block* (all pairs, not only causal ones: a key
+  stored as INT2 is read by the queries that come after it, and a block's queries stand in for
+  those). Per block and head this is ``tr(E M Eᵀ)`` with the query Gram ``M = Q_hᵀQ_h``, so the
+  cost is that of one extra ``d × d`` product per row;
+* **V, attention-output error** ``Σ ‖A (Ṽ_h − V_h)‖² / Σ ‖A V_h‖²`` with the exact causal
+  softmax weights ``A`` of the block computed once from the captured q, k (scale ``d^-½``),
+  summed over the group's query heads: ``tr(Eᵀ W E)`` with ``W = Σ_j A_jᵀ A_j``. The output
+  projection is left out (the error is measured in the head's value space). A block is attended
+  on its own, which stands in for the (query, old value) pairs of a long context.
+
+``K̃ = dequant(quant(bf16(K·R)))·Rᵀ`` with the kernels' quantizer (:func:`fake_quantize_int2`).
+Rows whose position in their sequence is below ``prefix`` stay in the BF16 sink when served and
+add no error. Both losses are measured in the rotated basis (``‖A E Rᵀ‖ = ‖A E‖``; for K the Gram
+is rotated, ``Rᵀ M R``), against the exact fp32 ``K·R``: the BF16 rounding of the served rows is
+part of the error.
+
+Parametrization: ``R = R0 · expm(S)``, ``S = A − Aᵀ`` (skew, so ``R`` is exactly orthogonal for
+any ``A``, no projection or retraction error), Adam on ``A`` in fp64, re-based ``R0 ← R``,
+``A ← 0`` every ``rebase_every`` steps so that ``S`` stays small; ``param="cayley"`` uses
+``(I − S/2)⁻¹(I + S/2)`` instead (compare with ``tools/bench_refine.py --param cayley``). Every step uses a random minibatch of training blocks.
+Rounding inside the loss is a straight-through estimator: forward values are exactly those of
+:func:`rotationzoo.kernels.quantize_int2` + :func:`~rotationzoo.kernels.dequantize_int2`;
+backward treats each element's rounding offset in code units as a constant, so the error of an
+element is ``scale · u`` and its gradient flows through the group's scale (min/max) and the row's
+clip threshold, which is what a rotation can change. (An identity straight-through estimator,
+``x̂ ≈ x``, would give the error no gradient at all; the exact almost-everywhere gradient only
+pulls each element towards its current grid point.)
+
+A held-out share of the blocks decides: a layer (a head with ``per_head``) keeps the refined
+rotation only when its held-out loss is lower than the init's, so refinement never makes a layer
+worse on held-out data. Results are re-orthogonalised in fp64 (polar factor). The split and the
+minibatches are seeded from ``(seed, layer)``, and :func:`refine_rotations` runs every (layer,
+side) single-threaded, so a seed gives bit-identical rotations whatever the number of workers.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+from ..errors import FitError
+from ..format import RotationSet
+from ..hadamard import hadamard_matrix
+from .accumulate import LayerAccumulator
+from .compose import rotation_from_covariance
+from .refine_loss import LOSS_NAMES, LayerData, RefineConfig, heldout_loss, layer_data, numerators, total_loss
+from .samples import CalibrationSamples, LayerSamples
+from .ste import fake_quantize_int2
+
+#: Init rotations computed from the samples themselves (besides a given matrix).
+INITS: tuple[str, ...] = ("hadamard", "r_h_pbr", "r_pbr_hg")
+
+ProgressFn = Callable[[int, str, dict], None]
+
+
+# -- optimisation ---------------------------------------------------------------------------------
+
+
+def _retract(base: torch.Tensor, a: torch.Tensor, param: str) -> torch.Tensor:
+    s = a - a.transpose(-1, -2)
+    if param == "expm":
+        return base @ torch.linalg.matrix_exp(s)
+    eye = torch.eye(s.shape[-1], dtype=s.dtype).expand_as(s)
+    return base @ torch.linalg.solve(eye - s / 2, eye + s / 2)
+
+
+def polar(r: torch.Tensor) -> torch.Tensor:
+    """The nearest orthogonal matrix (polar factor ``U Vᵀ`` of the SVD), in fp64."""
+    u, _, vh = torch.linalg.svd(r.to(torch.float64))
+    return u @ vh
+
+
+def _optimize(r0: torch.Tensor, data: LayerData, train: torch.Tensor, steps: int, cfg: RefineConfig,
+              gen: torch.Generator) -> tuple[torch.Tensor, list[float]]:
+    """Adam (β = 0.9, 0.999, ε = 1e-8) on the skew parameter; returns the fp64 rotation ``[P, d, d]``
+    and the minibatch loss trace. Adam is spelled out here (a few lines) rather than taken from
+    ``torch.optim``, whose import costs seconds."""
+    base = r0.clone()
+    a = torch.zeros_like(base, requires_grad=True)
+    m, v = torch.zeros_like(base), torch.zeros_like(base)
+    b1, b2, eps = 0.9, 0.999, 1e-8
+    trace: list[float] = []
+    for step in range(1, steps + 1):
+        if len(train) > cfg.batch_blocks:
+            idx = train[torch.randperm(len(train), generator=gen)[:cfg.batch_blocks]].sort().values
+        else:
+            idx = train
+        r = _retract(base, a, cfg.param)
+        loss = numerators(r.to(torch.float32), data, idx, cfg).sum() / data.den[idx].sum().clamp_min(1e-30)
+        (grad,) = torch.autograd.grad(loss, a)
+        with torch.no_grad():
+            m.mul_(b1).add_(grad, alpha=1 - b1)
+            v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+            a -= cfg.lr * (m / (1 - b1**step)) / ((v / (1 - b2**step)).sqrt() + eps)
+            if cfg.rebase_every and step % cfg.rebase_every == 0:
+                base = _retract(base, a, cfg.param)
+                a.zero_()
+        trace.append(float(loss.detach()))
+    with torch.no_grad():
+        return polar(_retract(base, a, cfg.param)), trace
+
+
+# -- one layer ------------------------------------------------------------------------------------
+
+
+@dataclass
+class LayerRefinement:
+    """Outcome for one (layer, side).
+
+    Attributes:
+        layer_id: model layer.
+        side: ``"k"`` or ``"v"``.
+        rotation: fp64 ``[d, d]`` (or ``[H_kv, d, d]`` with ``per_head``), the kept rotation.
+        record: init, loss, steps, seed, held-out loss before/after, kept, wall time...
+    """
+
+    layer_id: int
+    side: str
+    rotation: torch.Tensor
+    record: dict[str, Any] = field(default_factory=dict)
+
+
+def _split(num_blocks: int, cfg: RefineConfig, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if num_blocks < 2:
+        raise FitError(f"layer {layer_id}: {num_blocks} calibration block(s); refinement needs ≥ 2 (train + held-out)"
+                       f" — give more calibration tokens or a smaller block_size")
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + layer_id)
+    perm = torch.randperm(num_blocks, generator=gen)
+    n_hold = min(num_blocks - 1, max(1, round(cfg.holdout * num_blocks)))
+    return perm[n_hold:].sort().values, perm[:n_hold].sort().values
+
+
+def refine_layer(
+    samples: LayerSamples, side: str, init: torch.Tensor, cfg: RefineConfig, *, init_name: str = "given"
+) -> LayerRefinement:
+    """Refine one layer's K or V rotation from ``init`` (``[d, d]``, or ``[H_kv, d, d]``).
+
+    Returns:
+        A :class:`LayerRefinement`; its rotation is the refined one where it lowers the held-out
+        loss (per head with ``cfg.per_head``), else the init.
+    """
+    t0 = time.perf_counter()
+    shape = samples.shape
+    if shape is None:
+        raise FitError(f"layer {samples.layer_id}: no calibration samples")
+    hkv, d = shape.num_kv_heads, shape.head_dim
+    r_init = _check_init(init, d, hkv, samples.layer_id, side)
+    if cfg.per_head and r_init.shape[0] == 1:
+        r_init = r_init.expand(hkv, d, d).clone()
+    elif not cfg.per_head and r_init.shape[0] != 1:
+        raise FitError(f"layer {samples.layer_id} {side}: a per-head init [{hkv}, {d}, {d}] needs per_head=True")
+    data = layer_data(samples, side, cfg)
+    train, hold = _split(data.x.shape[0], cfg, samples.layer_id)
+    steps = cfg.steps_k if side == "k" else cfg.steps_v
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + samples.layer_id * 2 + (side == "v"))
+    refined, trace = _optimize(r_init, data, train, steps, cfg, gen) if steps else (r_init.clone(), [])
+    before = heldout_loss(r_init, data, hold, cfg)
+    after = heldout_loss(refined, data, hold, cfg)
+    kept: str | list[str]
+    if cfg.per_head:
+        keep = after < before
+        rotation = torch.where(keep[:, None, None], refined, r_init)
+        kept = ["refined" if b else "init" for b in keep.tolist()]
+    b_tot, a_tot = total_loss(before, data, hold), total_loss(after, data, hold)
+    if not cfg.per_head:
+        keep_layer = a_tot < b_tot
+        rotation = (refined if keep_layer else r_init)[0]
+        kept = "refined" if keep_layer else "init"
+    final = total_loss(heldout_loss(rotation if cfg.per_head else rotation[None], data, hold, cfg), data, hold)
+    record = {
+        "layer_id": samples.layer_id, "side": side, "init": init_name, "loss": LOSS_NAMES[side],
+        "per_head": cfg.per_head, "steps": steps, "lr": cfg.lr, "param": cfg.param, "seed": cfg.seed,
+        "batch_blocks": cfg.batch_blocks, "train_blocks": len(train), "heldout_blocks": len(hold),
+        "block_size": samples.block_size, "heldout_init": b_tot, "heldout_refined": a_tot, "heldout_final": final,
+        "heldout_init_per_head": before.tolist(), "heldout_refined_per_head": after.tolist(), "kept": kept,
+        "train_loss_first": trace[0] if trace else None, "train_loss_last": trace[-1] if trace else None,
+        "wall_s": time.perf_counter() - t0,
+    }
+    return LayerRefinement(samples.layer_id, side, rotation, record)
+
+
+
+def _check_init(init: torch.Tensor, d: int, hkv: int, layer_id: int, side: str) -> torch.Tensor:
+    r = torch.as_tensor(init).to(torch.float64)
+    if r.dim() == 2:
+        r = r[None]
+    if r.dim() != 3 or r.shape[-2:] != (d, d) or r.shape[0] not in (1, hkv):
+        raise FitError(f"layer {layer_id} {side}: init rotation must be [{d}, {d}] or [{hkv}, {d}, {d}], got {list(r.shape)}")
+    err = float((r @ r.transpose(-1, -2) - torch.eye(d, dtype=torch.float64)).abs().max())
+    if not err <= 1e-4:
+        raise FitError(f"layer {layer_id} {side}: init rotation is not orthogonal (max|RRᵀ−I| = {err:.2e}); pass a rotation")
+    return r if err <= 1e-12 else polar(r)
+
+
+# -- inits ----------------------------------------------------------------------------------------
+
+
+def init_rotation(samples: LayerSamples, side: str, init: str, *, group_size: int | None = None) -> torch.Tensor:
+    """An init computed for one layer: ``"hadamard"`` (``H_d``), or ``"r_h_pbr"`` / ``"r_pbr_hg"``
+    fitted (qqt for K, sst for V) from the samples' own q/k/v with :mod:`rotationzoo.fit`."""
+    shape = samples.shape
+    if shape is None:
+        raise FitError(f"layer {samples.layer_id}: no calibration samples")
+    d = shape.head_dim
+    if init == "hadamard":
+        return hadamard_matrix(d, dtype=torch.float64)
+    if init not in INITS:
+        raise FitError(f"unknown init {init!r}; expected one of {', '.join(INITS)} or a rotation tensor")
+    target = "qqt" if side == "k" else "sst"
+    acc = LayerAccumulator(samples.layer_id, num_q_heads=shape.num_q_heads, num_kv_heads=shape.num_kv_heads,
+                           head_dim=d, targets=(target,))
+    q, k, v, _ = samples.blocks()
+    for i in range(q.shape[0]):
+        acc.add_q(q[i])
+    acc.start_second_pass()
+    if target == "sst":
+        for i in range(k.shape[0]):
+            acc.add_kv(k[i], v[i])
+    cov = acc.covariance(target)
+    r, _ = rotation_from_covariance((cov + cov.T) / 2, init, group_size=group_size if init == "r_pbr_hg" else None,
+                                    what=f"layer {samples.layer_id} {target}")
+    return r
+
+
+# -- all layers -----------------------------------------------------------------------------------
+
+
+@dataclass
+class RefineResult:
+    """Refined rotations of every layer.
+
+    Attributes:
+        layer_ids: refined layers, ascending.
+        head_dim, num_kv_heads: the layout.
+        rotations: ``{"k": {layer: fp64 [d, d] or [H_kv, d, d]}, "v": {...}}`` (sides refined only).
+        records: one dict per (layer, side), see :func:`refine_layer`.
+        config: the settings.
+        wall_s: total seconds.
+        workers: jobs run concurrently.
+    """
+
+    layer_ids: tuple[int, ...]
+    head_dim: int
+    num_kv_heads: int
+    rotations: dict[str, dict[int, torch.Tensor]]
+    records: list[dict[str, Any]]
+    config: RefineConfig
+    wall_s: float = 0.0
+    workers: int = 1
+
+    def stacked(self, side: str) -> torch.Tensor:
+        """fp32 ``[L, d, d]`` (``[L, H_kv, d, d]`` per head) of one side."""
+        if side not in self.rotations:
+            raise FitError(f"side {side!r} was not refined (sides: {', '.join(self.rotations)})")
+        return torch.stack([self.rotations[side][i] for i in self.layer_ids]).to(torch.float32).contiguous()
+
+    def rotation_set(self, side: str, objective: str | None = None) -> RotationSet:
+        """A format-version-1 :class:`~rotationzoo.format.RotationSet` (one matrix per layer).
+
+        Raises:
+            FitError: per-head rotations (format version 1 holds one matrix per layer).
+        """
+        if self.config.per_head:
+            raise FitError("per-head rotations ([H_kv, d, d] per layer) do not fit format version 1; refine per layer")
+        init = self.records[0]["init"] if self.records else "given"
+        return RotationSet(rotations=self.stacked(side), layer_ids=self.layer_ids,
+                           objective=objective or f"refined_{LOSS_NAMES[side]}_from_{init}")
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-friendly records and settings (for a manifest)."""
+        return {"config": self.config.to_dict(), "layer_ids": list(self.layer_ids), "wall_s": self.wall_s,
+                "records": self.records}
+
+
+def refine_rotations(
+    samples: CalibrationSamples,
+    init: Any = "hadamard",
+    config: RefineConfig | None = None,
+    *,
+    layers: Any = None,
+    num_workers: int | None = None,
+    progress: ProgressFn | None = None,
+) -> RefineResult:
+    """Refine every layer's K and/or V rotation.
+
+    Args:
+        samples: calibration blocks per layer.
+        init: ``"hadamard"``, ``"r_h_pbr"``, ``"r_pbr_hg"`` (computed from the samples; group size
+            from ``config``), an object with ``.k``/``.v`` rotation sets (a
+            :class:`~rotationzoo.fit.FitResult`, a loaded pair), or ``{"k": rotations, "v": rotations}``
+            where ``rotations`` is a ``RotationSet``, an ``[L, d, d]`` tensor in ``layers`` order or a
+            ``{layer_id: [d, d]}`` mapping.
+        config: settings (defaults of :class:`RefineConfig`).
+        layers: only these layer ids (default: every layer with samples).
+        num_workers: (layer, side) jobs run concurrently, each single-threaded (intra-op threads
+            are set to 1 while refining, so the result does not depend on this number).
+            Default: ``torch.get_num_threads()``.
+        progress: ``progress(layer_id, side, record)`` after each (layer, side), from a worker thread.
+
+    Returns:
+        A :class:`RefineResult`.
+    """
+    cfg = config or RefineConfig()
+    t0 = time.perf_counter()
+    ids = tuple(sorted(int(i) for i in layers)) if layers is not None else samples.layer_ids()
+    if not ids:
+        raise FitError("no calibration samples to refine on")
+    missing = [i for i in ids if i not in samples.layers or not samples.layers[i].num_blocks]
+    if missing:
+        raise FitError(f"no calibration blocks for layer(s) {missing}")
+    first = samples.layers[ids[0]].shape
+    assert first is not None
+    jobs = [(lid, side) for lid in ids for side in cfg.sides]
+
+    def run(job: tuple[int, str]) -> LayerRefinement:
+        lid, side = job
+        r0, name = _resolve_init(init, samples.layers[lid], side, lid, ids, cfg)
+        res = refine_layer(samples.layers[lid], side, r0, cfg, init_name=name)
+        if progress is not None:
+            progress(lid, side, res.record)
+        return res
+
+    workers = max(1, min(int(num_workers or torch.get_num_threads()), len(jobs)))
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread per job: faster for these small ops, and worker-count independent
+    try:
+        if workers == 1:
+            done = [run(j) for j in jobs]
+        else:
+            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rotationzoo-refine") as pool:
+                done = list(pool.map(run, jobs))
+    finally:
+        torch.set_num_threads(threads_before)
+    out: dict[str, dict[int, torch.Tensor]] = {s: {} for s in cfg.sides}
+    for res in done:
+        out[res.side][res.layer_id] = res.rotation
+    return RefineResult(layer_ids=ids, head_dim=first.head_dim, num_kv_heads=first.num_kv_heads, rotations=out,
+                        records=[res.record for res in done], config=cfg, wall_s=time.perf_counter() - t0,
+                        workers=workers)
+
+
+def _resolve_init(init: Any, samples: LayerSamples, side: str, lid: int, ids: tuple[int, ...],
+                  cfg: RefineConfig) -> tuple[torch.Tensor, str]:
+    if isinstance(init, str):
+        return init_rotation(samples, side, init, group_size=cfg.group_size), init
+    src = init.get(side) if isinstance(init, Mapping) else getattr(init, side, None)
+    if src is None:
+        raise FitError(f"init has no {side.upper()} rotations; give {{'k': ..., 'v': ...}} or a name of {INITS}")
+    if isinstance(src, RotationSet):
+        if lid not in src.layer_ids:
+            raise FitError(f"init {side.upper()} rotations lack layer {lid}")
+        return src.rotations[src.layer_ids.index(lid)], src.objective
+    if isinstance(src, Mapping):
+        if lid not in src:
+            raise FitError(f"init {side.upper()} rotations lack layer {lid}")
+        return torch.as_tensor(src[lid]), "given"
+    t = torch.as_tensor(src)
+    if t.shape[0] != len(ids):
+        raise FitError(f"init {side.upper()} tensor holds {t.shape[0]} rotations for {len(ids)} layers")
+    return t[ids.index(lid)], "given"
+
+
+def relative_improvement(records: list[dict[str, Any]]) -> float:
+    """Mean over records of ``1 − final/init`` held-out loss (0 when nothing improved)."""
+    vals = [1.0 - r["heldout_final"] / r["heldout_init"] for r in records if r["heldout_init"] > 0]
+    return float(sum(vals) / len(vals)) if vals else 0.0
+
+
+__all__ = [
+    "INITS",
+    "LayerRefinement",
+    "RefineConfig",
+    "RefineResult",
+    "fake_quantize_int2",
+    "init_rotation",
+    "polar",
+    "refine_layer",
+    "refine_rotations",
+    "relative_improvement",
+]

@@ -1,0 +1,229 @@
+"""Learned rotations as a fit: calibration samples in, a standard format-version-1 pair out.
+
+:func:`refine_fit` starts every layer from an init rotation (``hadamard``, ``oscar`` = OSCAR's
+``U·H·P_br`` or ``r_pbr_hg`` = ``U·P_br·H_G``), refines it with
+:func:`rotationzoo.fit.refine.refine_rotations` and returns a :class:`~rotationzoo.fit.FitResult`
+(``objective = "refined"``) that :func:`~rotationzoo.fit.write_fitted` writes like any other fit:
+``k_rotation_refined_k_logit_<init>.pt``, ``v_rotation_refined_v_attn_out_<init>.pt`` and a
+``rotationzoo.json`` whose ``refinement`` records the init, the losses, steps, seed and every
+layer's held-out loss before and after::
+
+    from rotationzoo.fit import refine_fit, samples_from_dump, write_fitted
+
+    samples = samples_from_dump("qkv_dumps/gpqa")
+    result = refine_fit(samples, "oscar", steps=200, group_size=64, statistics="qkv_dumps/gpqa")
+    write_fitted(result, "rotations-refined/", tag="gpqa-refined")
+
+The OSCAR inits are fitted from the full covariance statistics when ``statistics`` (a dump or the
+accumulators of :func:`~rotationzoo.integrations.transformers.collect_statistics`) is given, else
+from the samples themselves.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from ..errors import FitError
+from ..vocab import REFINE_INITS
+from .compose import composition_label
+from .dump import Dump, open_dump
+from .fitter import fit_rotations
+from .refine import ProgressFn, RefineResult, refine_rotations, relative_improvement
+from .refine_loss import LOSS_NAMES, RefineConfig
+from .result import FitResult, FitStats, peak_rss_bytes
+from .samples import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_TOKENS, CalibrationSamples
+
+#: Default optimizer steps per layer and side.
+DEFAULT_STEPS = 200
+#: ``--init`` name → composition fitted for it (``None``: data-free).
+INIT_COMPOSITIONS: dict[str, str | None] = {"hadamard": None, "oscar": "r_h_pbr", "r_pbr_hg": "r_pbr_hg"}
+
+
+@dataclass(frozen=True)
+class RefineOptions:
+    """What ``--refine STEPS --init NAME --seed S --sample-tokens N`` ask for.
+
+    Attributes:
+        steps: optimizer steps per layer and side.
+        init: ``"hadamard"``, ``"oscar"`` or ``"r_pbr_hg"``.
+        seed: seeds the reservoir, the split and the minibatches.
+        sample_tokens: calibration tokens kept per layer (reservoir of 256-token blocks).
+    """
+
+    steps: int = DEFAULT_STEPS
+    init: str = "hadamard"
+    seed: int = 0
+    sample_tokens: int = DEFAULT_MAX_TOKENS
+
+    def __post_init__(self) -> None:
+        if self.init not in INIT_COMPOSITIONS:
+            raise FitError(f"unknown init {self.init!r}; expected one of {', '.join(REFINE_INITS)}")
+        if self.steps < 0:
+            raise FitError(f"refinement steps must be ≥ 0, got {self.steps}")
+        if self.sample_tokens < DEFAULT_BLOCK_SIZE:
+            raise FitError(f"sample_tokens must be ≥ {DEFAULT_BLOCK_SIZE} (one block), got {self.sample_tokens}")
+
+
+def samples_from_dump(
+    dump: str | os.PathLike[str] | Dump,
+    *,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    seed: int = 0,
+    keep_first_chunk: bool = False,
+    layers: Iterable[int] | None = None,
+) -> CalibrationSamples:
+    """A bounded reservoir of whole token blocks per layer, read from a Q/K/V dump.
+
+    Args:
+        dump: dump folder (SGLang layout) or an opened :class:`~rotationzoo.fit.dump.Dump`.
+        max_tokens: tokens kept per layer (default 14,336; see :mod:`rotationzoo.fit.samples`).
+        block_size: tokens per block.
+        seed: reservoir seed.
+        keep_first_chunk: also read chunk 0 (skipped by default, as the fitter does).
+        layers: only these layers.
+    """
+    d = dump if isinstance(dump, Dump) else open_dump(dump, keep_first_chunk=keep_first_chunk, layers=layers)
+    samples = CalibrationSamples(block_size=block_size, max_tokens=max_tokens, seed=seed)
+    samples.add_dump(d, layers=layers)
+    return samples
+
+
+def _init_source(init: str, samples: CalibrationSamples, statistics: Any, group_size: int | None,
+                 layers: tuple[int, ...]) -> tuple[Any, str]:
+    """What :func:`refine_rotations` starts from, and its label (``hadamard``, ``r_h_pbr``, ``r_pbr_hg64``)."""
+    if init not in INIT_COMPOSITIONS:
+        raise FitError(f"unknown init {init!r}; expected one of {', '.join(REFINE_INITS)}")
+    comp = INIT_COMPOSITIONS[init]
+    if comp is None:
+        return "hadamard", "hadamard"
+    shape = samples.layers[layers[0]].shape
+    assert shape is not None
+    g = group_size or shape.head_dim
+    label = composition_label(comp, g)
+    if statistics is None:
+        return comp, label  # fitted per layer from the samples' own q/k/v
+    fit = fit_rotations(statistics, "qqt_sst", comp, group_size=g if comp == "r_pbr_hg" else None, layers=layers)
+    return fit, label
+
+
+def _layer_losses(res: RefineResult) -> dict[str, list[dict[str, Any]]]:
+    keys = ("layer_id", "heldout_init", "heldout_refined", "heldout_final", "kept", "train_blocks", "heldout_blocks")
+    out: dict[str, list[dict[str, Any]]] = {side: [] for side in res.config.sides}
+    for rec in sorted(res.records, key=lambda r: (r["side"], r["layer_id"])):
+        out[rec["side"]].append({k: rec[k] for k in keys})
+    return out
+
+
+def refinement_summary(res: RefineResult, init: str, init_label: str, samples: CalibrationSamples) -> dict[str, Any]:
+    """The manifest's ``refinement``: init, losses, optimizer, steps, seed, per-layer held-out losses."""
+    cfg = res.config
+    return {
+        "init": init,
+        "init_composition": init_label,
+        "loss": {side: LOSS_NAMES[side] for side in cfg.sides},
+        "steps": {"k": cfg.steps_k, "v": cfg.steps_v},
+        "seed": cfg.seed,
+        "optimizer": "adam",
+        "parametrization": cfg.param,
+        "config": cfg.to_dict(),
+        "samples": {k: v for k, v in samples.summary().items() if k != "layers"},
+        "mean_relative_improvement": {
+            side: relative_improvement([r for r in res.records if r["side"] == side]) for side in cfg.sides
+        },
+        "layers": _layer_losses(res),
+    }
+
+
+def refine_fit(
+    samples: CalibrationSamples,
+    init: str = "hadamard",
+    *,
+    steps: int = DEFAULT_STEPS,
+    group_size: int | None = None,
+    seed: int = 0,
+    statistics: str | os.PathLike[str] | Dump | Mapping[int, Any] | None = None,
+    config: RefineConfig | None = None,
+    layers: Iterable[int] | None = None,
+    num_workers: int | None = None,
+    progress: ProgressFn | None = None,
+    source_info: Mapping[str, Any] | None = None,
+    model: str | None = None,
+) -> FitResult:
+    """Learn every layer's K and V rotation against the INT2 store's error; a fit result to write.
+
+    Args:
+        samples: calibration blocks per layer (:func:`samples_from_dump`, or ``stats.samples`` of
+            :func:`~rotationzoo.integrations.transformers.collect_statistics`).
+        init: ``"hadamard"``, ``"oscar"`` (``r_h_pbr``) or ``"r_pbr_hg"`` (with ``G = group_size``).
+        steps: optimizer steps per layer and side (0: the init, with its held-out loss recorded).
+        group_size: INT2 group ``G`` of the loss (``None``: head_dim).
+        seed: seeds the train/held-out split and the minibatches.
+        statistics: a dump or covariance accumulators to fit the OSCAR inits from (default: the samples).
+        config: further settings (clip ratios, learning rate, ...); ``steps``, ``group_size`` and
+            ``seed`` override its fields.
+        layers: only these layers (default: all with samples).
+        num_workers: concurrent (layer, side) jobs (the result does not depend on it).
+        progress: ``progress(layer_id, side, record)`` after each (layer, side).
+        source_info: what the samples came from (recorded as the result's ``source``).
+        model: model id recorded in the result.
+
+    Returns:
+        A :class:`~rotationzoo.fit.FitResult` with ``objective = "refined"`` and ``refinement`` set.
+    """
+    t0 = time.perf_counter()
+    base = config or RefineConfig()
+    cfg = RefineConfig(**{**vars(base), "steps_k": int(steps), "steps_v": int(steps), "group_size": group_size,
+                          "seed": int(seed)})
+    if cfg.per_head or tuple(cfg.sides) != ("k", "v"):
+        raise FitError("refine_fit writes a format-version-1 pair: per-layer rotations for both K and V")
+    ids = tuple(sorted(int(i) for i in layers)) if layers is not None else samples.layer_ids()
+    if not ids:
+        raise FitError("no calibration samples to refine on")
+    src, label = _init_source(init, samples, statistics, group_size, ids)
+    res = refine_rotations(samples, src, cfg, layers=ids, num_workers=num_workers, progress=progress)
+    first = samples.layers[ids[0]].shape
+    assert first is not None
+    info = dict(source_info or {})
+    result = FitResult(
+        k=res.rotation_set("k", f"refined_k_logit_{label}"), v=res.rotation_set("v", f"refined_v_attn_out_{label}"),
+        objective="refined", composition=label, group_size=group_size, targets=dict(LOSS_NAMES),
+        layer_ids=ids, head_dim=first.head_dim, num_q_heads=first.num_q_heads, num_kv_heads=first.num_kv_heads,
+        tokens={lid: samples.layers[lid].tokens_seen for lid in ids}, prompts=info.get("prompts"),
+        source=info, model=model if model is not None else info.get("model"),
+        refinement=refinement_summary(res, init, label, samples),
+    )
+    result.stats = FitStats(wall_s=time.perf_counter() - t0, peak_rss_bytes=peak_rss_bytes(), num_workers=res.workers)
+    return result
+
+
+def refine_dump(
+    dump: str | os.PathLike[str],
+    options: RefineOptions,
+    *,
+    group_size: int | None = None,
+    keep_first_chunk: bool = False,
+    layers: Iterable[int] | None = None,
+    num_workers: int | None = None,
+    progress: ProgressFn | None = None,
+    config: RefineConfig | None = None,
+) -> FitResult:
+    """``rotationzoo fit --dump D --refine STEPS``: a reservoir of the dump's blocks
+    (:func:`samples_from_dump`), the OSCAR inits fitted from the whole dump, then :func:`refine_fit`."""
+    d = open_dump(dump, keep_first_chunk=keep_first_chunk, layers=layers)
+    samples = samples_from_dump(d, max_tokens=options.sample_tokens, seed=options.seed)
+    dump_info = d.info()
+    info = {"kind": "dump", "path": str(d.root), "prompts": dump_info.get("prompts", d.prompt_count())}
+    result = refine_fit(samples, options.init, steps=options.steps, group_size=group_size, seed=options.seed,
+                        statistics=d, config=config, num_workers=num_workers, progress=progress, source_info=info,
+                        model=dump_info.get("model"))
+    result.keep_first_chunk = d.keep_first_chunk
+    return result
+
+
+__all__ = ["DEFAULT_STEPS", "INIT_COMPOSITIONS", "RefineOptions", "refine_dump", "refine_fit", "refinement_summary", "samples_from_dump"]

@@ -1,0 +1,116 @@
+"""``rotationzoo fit --refine``: a synthetic dump in, a verified format-version-1 pair out."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from rotationzoo.fit import RefineOptions, refine_dump
+from rotationzoo.fit.dump import write_dump
+from rotationzoo.format import read_rotation
+
+D = 64
+OUTLIERS = (0, 1, 2, 3)
+SEQ = 256  # one default-size block per sequence
+
+
+def _planted_dump(root: Path, layers: tuple[int, ...] = (0, 1), seqs: int = 4) -> Path:
+    """Keys with outlier channels the queries never look at (Hadamard spreads them into every group)."""
+    chunks: dict[int, list[dict]] = {}
+    for lid in layers:
+        g = torch.Generator().manual_seed(lid)
+        chan = torch.ones(D)
+        chan[list(OUTLIERS)] = 12.0
+        qmask = torch.ones(D)
+        qmask[list(OUTLIERS)] = 0.0
+        warm = {"q": torch.randn(3, 2, D, generator=g), "k": torch.randn(3, 1, D, generator=g),
+                "v": torch.randn(3, 1, D, generator=g), "seq_lens": [3]}
+        body = [{"q": torch.randn(SEQ, 2, D, generator=g) * qmask, "k": torch.randn(SEQ, 1, D, generator=g) * chan,
+                 "v": torch.randn(SEQ, 1, D, generator=g) * chan, "seq_lens": [SEQ]} for _ in range(seqs)]
+        chunks[lid] = [warm, *body]
+    return write_dump(root, chunks)
+
+
+def _cli(args: list[str]) -> int:
+    from rotationzoo.cli.main import main
+
+    return main(args)
+
+
+@pytest.fixture(scope="module")
+def dump(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _planted_dump(tmp_path_factory.mktemp("refine") / "dump")
+
+
+def test_cli_fit_refine_writes_a_verified_pair(dump: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "out"
+    assert _cli(["fit", "--dump", str(dump), "--out", str(out), "--refine", "200", "-g", "16", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    k, v = Path(report["files"]["k"]["path"]), Path(report["files"]["v"]["path"])
+    assert (k.name, v.name) == ("k_rotation_refined_k_logit_hadamard.pt", "v_rotation_refined_v_attn_out_hadamard.pt")
+    assert _cli(["verify", str(k), str(v), "--num-layers", "2", "--head-dim", str(D)]) == 0
+    for p in (k, v):
+        rs = read_rotation(p)
+        assert rs.format_version == 1 and rs.layer_ids == (0, 1)
+        eye = torch.eye(D, dtype=torch.float64)
+        assert float((rs.rotations.double() @ rs.rotations.double().transpose(-1, -2) - eye).abs().max()) <= 1e-6
+    m = json.loads((out / "rotationzoo.json").read_text())
+    ref = m["refinement"]
+    assert m["format_version"] == 1 and m["objectives"]["k"] == "refined_k_logit_hadamard"
+    assert ref["init"] == "hadamard" and ref["steps"] == {"k": 200, "v": 200} and ref["seed"] == 0
+    assert ref["loss"] == {"k": "k_logit", "v": "v_attn_out"}
+    for side in ("k", "v"):
+        rows = ref["layers"][side]
+        assert [r["layer_id"] for r in rows] == [0, 1]
+        assert all(r["heldout_final"] <= r["heldout_init"] for r in rows)  # never worse than the init
+    assert all(r["heldout_final"] < 0.7 * r["heldout_init"] for r in ref["layers"]["k"])  # and K clearly better
+
+
+def test_cli_refine_same_seed_same_bytes(dump: Path, tmp_path: Path) -> None:
+    files = []
+    for name, seed in (("a", 3), ("b", 3), ("c", 4)):
+        assert _cli(["fit", "--dump", str(dump), "--out", str(tmp_path / name), "--refine", "20", "-g", "16",
+                     "--seed", str(seed), "--init", "oscar", "--layers", "1"]) == 0
+        files.append([(tmp_path / name / f).read_bytes() for f in ("k_rotation_refined_k_logit_r_h_pbr.pt",
+                                                                   "v_rotation_refined_v_attn_out_r_h_pbr.pt")])
+    assert files[0] == files[1]
+    assert files[0][0] != files[2][0]
+
+
+def test_cli_refine_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert _cli(["fit", "--out", str(tmp_path / "o"), "--objective", "hadamard", "--num-layers", "2",
+                 "--head-dim", "64", "--refine", "5"]) == 1
+    assert "--refine needs --dump" in capsys.readouterr().err
+    with pytest.raises(Exception, match="unknown init"):
+        RefineOptions(init="random")
+
+
+def test_refine_dump_oscar_init_from_the_whole_dump(dump: Path) -> None:
+    from rotationzoo.fit import fit_rotations
+
+    res = refine_dump(dump, RefineOptions(steps=0, init="oscar"), group_size=16)
+    oscar = fit_rotations(dump, "qqt_sst", "r_h_pbr")
+    for side in ("k", "v"):  # kept as given, up to the fp64 re-orthogonalisation of the fp32 init
+        assert torch.allclose(getattr(res, side).rotations, getattr(oscar, side).rotations, atol=1e-6)
+    assert res.refinement is not None and res.refinement["init_composition"] == "r_h_pbr"
+    assert all(r["kept"] == "init" for r in res.refinement["layers"]["k"])
+
+
+def test_cli_refine_never_writes_a_worse_layer(dump: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An optimizer that returns the identity (outlier channels left unspread: far worse than Hadamard
+    at G = 64) must leave every layer at its init, and the manifest must say so."""
+    from rotationzoo.fit import refine as refine_mod
+
+    eye = torch.eye(D, dtype=torch.float64)
+    monkeypatch.setattr(refine_mod, "_optimize", lambda r0, *a, **k: (eye.expand_as(r0).clone(), [1.0]))
+    out = tmp_path / "worse"
+    assert _cli(["fit", "--dump", str(dump), "--out", str(out), "--refine", "5", "-g", "64"]) == 0
+    ref = json.loads((out / "rotationzoo.json").read_text())["refinement"]
+    for side in ("k", "v"):
+        for row in ref["layers"][side]:
+            assert row["heldout_refined"] > row["heldout_init"] == row["heldout_final"] and row["kept"] == "init"
+    h = read_rotation(out / "k_rotation_refined_k_logit_hadamard.pt").rotations
+    assert torch.allclose(h[0].double() @ h[0].double().T, eye, atol=1e-6) and not torch.allclose(h[0].double(), eye)
