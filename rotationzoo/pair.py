@@ -410,8 +410,17 @@ def load_registered(
 def verify_path(path: str | os.PathLike[str], *, atol: float = DEFAULT_ATOL, layer_ids: Sequence[int] | None = None,
                 num_layers: int | None = None, head_dim: int | None = None) -> list[ValidationReport]:
     """Validation reports of a rotation file: one for a single-side file, one per side for a pair
-    file (exported safetensors or GGUF). Never raises for a bad file (the report says why)."""
+    file (exported safetensors or GGUF) or a pair folder (found as :func:`find_pair_files` finds it).
+    Never raises for a bad file (the report says why)."""
     p = Path(path)
+    if p.is_dir():
+        try:
+            files = find_pair_files(p)
+        except RotationZooError as exc:
+            return [ValidationReport(path=str(p), ok=False, problems=[str(exc)])]
+        return [r for s in SIDES if s in files
+                for r in verify_path(files[s], atol=atol, layer_ids=layer_ids, num_layers=num_layers,
+                                     head_dim=head_dim)]
     kind = file_kind(p) if p.is_file() else None
     if kind is None:
         return [verify_file(p, atol=atol, layer_ids=layer_ids, num_layers=num_layers, head_dim=head_dim)]

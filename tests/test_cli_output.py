@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import re
 
 import pytest
@@ -188,6 +189,17 @@ def test_verify_file_column_keeps_the_end_of_long_paths(tmp_path, capsys, monkey
     rc, out, _ = run(capsys, "verify", str(k), str(v))
     assert rc == 0 and "…/k_rotation_qqt_r_h_pbr.pt" in out and "…/v_rotation_sst_r_h_pbr.pt" in out
     assert max(len(line) for line in out.splitlines()) <= 100
+
+
+def test_verify_accepts_a_pair_folder(tmp_path, capsys) -> None:
+    k, v = _pair(tmp_path)
+    rc, out, _ = run(capsys, "verify", str(k.parent), "--json")
+    reports = json.loads(out)
+    assert rc == 0 and [Path(r["path"]).name for r in reports] == [k.name, v.name]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    rc, out, _ = run(capsys, "verify", str(empty))
+    assert rc == 1 and "no rotation pair found" in out
 
 
 def test_verify_strips_ansi_codes_from_messages(tmp_path, capsys, monkeypatch) -> None:

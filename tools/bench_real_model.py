@@ -199,7 +199,7 @@ def markdown(out: dict[str, Any]) -> str:
 
 
 def timing(args: argparse.Namespace) -> dict[str, Any]:
-    """fp forward vs one INT2 method's forward on one window (best of ``--repeat``), with peak RSS."""
+    """fp forward vs one INT2 method's forward on one window (best of ``--repeat`` alternated runs), with peak RSS."""
     import resource
 
     import torch
@@ -213,15 +213,13 @@ def timing(args: argparse.Namespace) -> dict[str, Any]:
     ids = tokenize_texts(tok, [_text(args, args.texts.split(",")[0])], skip=args.skip, tokens=args.context)
     shape = model_shape(model)
     oscar = MethodSpec.hadamard().oscar(shape, Int2KVConfig(group_size=int(args.groups.split(",")[0])), draw=0)
-    times: dict[str, float] = {}
-    for name, o in (("fp", None), ("int2", oscar)):
-        best = float("inf")
-        for _ in range(args.repeat):
+    times = {"fp": float("inf"), "int2": float("inf")}
+    for rep in range(args.repeat):  # alternated, so that a busy machine slows both alike
+        for name, o in (("fp", None), ("int2", oscar)):
             t0 = time.perf_counter()
             hidden_states(model, ids, o)
-            best = min(best, time.perf_counter() - t0)
-        times[name] = best
-        _log(f"{name}: {best:.1f} s for {len(ids)} tokens")
+            times[name] = min(times[name], time.perf_counter() - t0)
+            _log(f"{name} #{rep + 1}: {time.perf_counter() - t0:.1f} s for {len(ids)} tokens")
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     out = {"tokens": len(ids), "threads": torch.get_num_threads(), "fp_s": times["fp"], "int2_s": times["int2"],
            "ratio": times["int2"] / times["fp"], "peak_rss_mib": rss}

@@ -152,7 +152,7 @@ def cmd_info(
 
 
 def cmd_verify(
-    paths: Annotated[Optional[list[Path]], typer.Argument(help="Rotation files (.pt, .safetensors, or exported pair files .safetensors / .gguf).")] = None,
+    paths: Annotated[Optional[list[Path]], typer.Argument(help="Rotation files (.pt, .safetensors, or exported pair files .safetensors / .gguf) or pair folders.")] = None,
     num_layers: Annotated[Optional[int], typer.Option(min=1, help="Expect layers 0..N-1.")] = None,
     head_dim: Annotated[Optional[int], typer.Option(min=1, help="Expect [d, d] matrices with this d.")] = None,
     model: Annotated[Optional[str], typer.Option(help="Take layer ids and head_dim from this registry model (with --registry: check only this model).")] = None,
