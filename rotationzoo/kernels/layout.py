@@ -153,11 +153,32 @@ def quant_num_warps(d: int, block_rows: int, *, rotate: bool) -> int:
     return int(min(max(warps, 4), 8))
 
 
+def quant_num_stages(d: int, block_rows: int, *, rotate: bool) -> int:
+    """Software-pipelining stages of the quantize kernel's tile loop (1: no prefetch)."""
+    del d, block_rows, rotate
+    return 1
+
+
+def quant_launch_candidates(d: int) -> tuple[tuple[int, int, int], ...]:
+    """``(rows per tile, warps, stages)`` tried by ``bench_kernels.py --sweep`` and ``aot_report.py``.
+
+    Rows 16..128 x 4 or 8 warps x 1 or 2 stages; 128-row tiles only below d = 256.
+    """
+    rows = (16, 32, 64, 128) if d < 256 else (16, 32, 64)
+    return tuple((bt, w, s) for bt in rows for w in (4, 8) for s in (1, 2))
+
+
 def dequant_block_rows(d: int, *, interpret: bool = False) -> int:
     """Rows per tile of the dequantize kernel (64; 32 at d=256)."""
     if interpret:
         return 64
     return 32 if d >= 256 else 64
+
+
+def dequant_num_warps(d: int, block_rows: int) -> int:
+    """Warps per dequantize program (4)."""
+    del d, block_rows
+    return 4
 
 
 def persistent_programs(num_tiles: int, num_heads: int, num_sms: int, *, per_sm: int = 4) -> int:

@@ -13,6 +13,7 @@ Kernels are built on first use for the current Triton mode (compiled or interpre
 ``TRITON_INTERPRET=1`` after ``import triton`` still takes effect.
 """
 
+import collections
 import functools
 import os
 import types
@@ -295,27 +296,117 @@ def interpret_mode() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in {"1", "true", "yes", "on"}
 
 
-@functools.lru_cache(maxsize=2)
-def _kernels(interpret: bool) -> types.SimpleNamespace:
-    # Each mode decorates its own copies of the raw functions, in a private copy of the module
-    # namespace (the interpreter adds names to the globals of what it runs).
-    del interpret  # the cache key; triton.jit reads the same setting
-    namespace = dict(globals())
-
-    def jit(fn):
+def _copies(namespace: dict, wrap) -> types.SimpleNamespace:
+    # The raw kernel functions re-created in a private copy of the module namespace (the interpreter
+    # adds names to the globals of what it runs), each wrapped by ``wrap``.
+    def copy_of(fn):
         copy = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
         copy.__module__ = fn.__module__
         copy.__qualname__ = fn.__qualname__
         copy.__doc__ = fn.__doc__
-        return triton.jit(copy)
+        copy.__annotations__ = dict(fn.__annotations__)  # the tl.constexpr marks; FunctionType drops them
+        return wrap(copy)
 
-    return types.SimpleNamespace(quant=jit(_int2_quant_kernel), dequant=jit(_int2_dequant_kernel))
+    return types.SimpleNamespace(quant=copy_of(_int2_quant_kernel), dequant=copy_of(_int2_dequant_kernel))
+
+
+@functools.lru_cache(maxsize=2)
+def _kernels(interpret: bool) -> types.SimpleNamespace:
+    del interpret  # the cache key; triton.jit reads the same setting
+    return _copies(dict(globals()), triton.jit)
+
+
+@functools.lru_cache(maxsize=1)
+def aot_kernels() -> types.SimpleNamespace:
+    """Compiled-mode (``JITFunction``) copies of both kernels, for ahead-of-time compilation.
+
+    Built whatever ``TRITON_INTERPRET`` says, so ``triton.compile`` works on a CPU-only machine even
+    in a process that runs the interpreter: Triton's combine functions, which are interpreted
+    objects when triton was imported under ``TRITON_INTERPRET=1``, are re-jitted for the copies.
+    Never launch these; use :func:`quantize_triton` / :func:`dequantize_triton`.
+    """
+    from triton.runtime.jit import JITFunction
+
+    namespace = dict(globals())
+    for name in ("_MAX_FN", "_MIN_FN", "_SUM_FN"):
+        fn = namespace[name]
+        if not isinstance(fn, JITFunction):  # an InterpretedFunction wrapping the same function
+            namespace[name] = JITFunction(fn.fn)
+    return _copies(namespace, JITFunction)
 
 
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
+
+
+Launch = collections.namedtuple("Launch", "grid args kwargs")
+Launch.__doc__ = "One kernel launch: ``kernel[grid](*args, **kwargs)`` (constexprs and options in kwargs)."
+
+
+def quant_launch(
+    x: torch.Tensor,
+    rotation: torch.Tensor | None,
+    loc: torch.Tensor | None,
+    codes_out: torch.Tensor,
+    sz_out: torch.Tensor,
+    *,
+    clip_index: int,
+    group_size: int,
+    lloyd_max: bool,
+    block_rows: int | None = None,
+    num_warps: int | None = None,
+    programs: int | None = None,
+    num_stages: int | None = None,
+    interpret: bool | None = None,
+    num_sms: int | None = None,
+) -> Launch:
+    """The launch :func:`quantize_triton` makes (same arguments), without running it.
+
+    ``interpret`` defaults to :func:`interpret_mode`; ``False`` gives the compiled-mode launch (bf16
+    ``tl.dot`` operand, compiled tile sizes) on any device, which is what ahead-of-time compilation
+    specializes. ``num_sms`` defaults to the device's.
+    """
+    n, heads, d = x.shape
+    interpret = interpret_mode() if interpret is None else interpret
+    rotate = rotation is not None
+    if rotate:
+        # compiled: bf16 operand for tl.dot; interpreted: the same bf16 values held in fp32 (the
+        # interpreter has no bf16 matmul)
+        r = rotation.to(torch.bfloat16)
+        if interpret:
+            r = r.to(torch.float32)
+        sr = (0, r.stride(0), r.stride(1)) if r.dim() == 2 else (r.stride(0), r.stride(1), r.stride(2))
+    else:
+        r = x  # unused pointer
+        sr = (0, 0, 0)
+    bt = block_rows or layout.quant_block_rows(d, rotate=rotate, interpret=interpret)
+    warps = num_warps or layout.quant_num_warps(d, bt, rotate=rotate)
+    tiles = triton.cdiv(n, bt)
+    progs = programs or layout.persistent_programs(tiles, heads, num_sms or _num_sms(x.device))
+    mode, iters = layout.clip_plan(clip_index, d)
+    args = (x, r, loc if loc is not None else x, codes_out, sz_out, n, tiles, codes_out.shape[0])
+    args += (*x.stride(), *sr, *codes_out.stride(), *sz_out.stride())
+    kwargs = dict(
+        D=d,
+        Q=d // 4,
+        NG=d // group_size,
+        G=group_size,
+        BT=bt,
+        ROTATE=rotate,
+        DOT_BF16=not interpret,
+        HAS_LOC=loc is not None,
+        CLIP_INDEX=clip_index,
+        CLIP_MODE=_CLIP_MODES[mode],
+        CLIP_ITERS=iters,
+        LLOYD_MAX=lloyd_max,
+        SZ_BF16=sz_out.dtype == torch.bfloat16,
+        num_warps=warps,
+        num_stages=num_stages or layout.quant_num_stages(d, bt, rotate=rotate),
+        enable_fp_fusion=False,
+    )
+    return Launch((progs, heads), args, kwargs)
 
 
 def quantize_triton(
@@ -331,6 +422,7 @@ def quantize_triton(
     block_rows: int | None = None,
     num_warps: int | None = None,
     programs: int | None = None,
+    num_stages: int | None = None,
 ) -> None:
     """Launch the fused quantize kernel.
 
@@ -343,69 +435,52 @@ def quantize_triton(
         clip_index: from :func:`layout.clip_index` (``-1``: off).
         group_size: contiguous dims per scale/zero pair (``d`` when ``lloyd_max``).
         lloyd_max: approximate Lloyd-Max levels.
-        block_rows, num_warps, programs: launch overrides (benchmark sweeps); default heuristics
-            from :mod:`rotationzoo.kernels.layout`.
+        block_rows, num_warps, programs, num_stages: launch overrides (benchmark sweeps); default
+            heuristics from :mod:`rotationzoo.kernels.layout`.
     """
-    n, heads, d = x.shape
-    if n == 0:
+    if x.shape[0] == 0:
         return
     interpret = interpret_mode()
-    k = _kernels(interpret)
-    rotate = rotation is not None
-    if rotate:
-        # compiled: bf16 operand for tl.dot; interpreted: the same bf16 values held in fp32 (the
-        # interpreter has no bf16 matmul)
-        r = rotation.to(torch.bfloat16)
-        if interpret:
-            r = r.to(torch.float32)
-        if r.dim() == 2:
-            sr = (0, r.stride(0), r.stride(1))
-        else:
-            sr = (r.stride(0), r.stride(1), r.stride(2))
-    else:
-        r = x  # unused pointer
-        sr = (0, 0, 0)
-    bt = block_rows or layout.quant_block_rows(d, rotate=rotate, interpret=interpret)
-    warps = num_warps or layout.quant_num_warps(d, bt, rotate=rotate)
+    launch = quant_launch(
+        x, rotation, loc, codes_out, sz_out, clip_index=clip_index, group_size=group_size, lloyd_max=lloyd_max,
+        block_rows=block_rows, num_warps=num_warps, programs=programs, num_stages=num_stages, interpret=interpret,
+    )  # fmt: skip
+    _kernels(interpret).quant[launch.grid](*launch.args, **launch.kwargs)
+
+
+def dequant_launch(
+    codes: torch.Tensor,
+    sz: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    group_size: int,
+    block_rows: int | None = None,
+    num_warps: int | None = None,
+    programs: int | None = None,
+    interpret: bool | None = None,
+    num_sms: int | None = None,
+) -> Launch:
+    """The launch :func:`dequantize_triton` makes (same arguments), without running it."""
+    n, quarter = codes.shape
+    d = 4 * quarter
+    interpret = interpret_mode() if interpret is None else interpret
+    bt = block_rows or layout.dequant_block_rows(d, interpret=interpret)
+    warps = num_warps or layout.dequant_num_warps(d, bt)
     tiles = triton.cdiv(n, bt)
-    progs = programs or layout.persistent_programs(tiles, heads, _num_sms(x.device))
-    mode, iters = layout.clip_plan(clip_index, d)
-    k.quant[(progs, heads)](
-        x,
-        r,
-        loc if loc is not None else x,
-        codes_out,
-        sz_out,
-        n,
-        tiles,
-        codes_out.shape[0],
-        x.stride(0),
-        x.stride(1),
-        x.stride(2),
-        *sr,
-        codes_out.stride(0),
-        codes_out.stride(1),
-        codes_out.stride(2),
-        sz_out.stride(0),
-        sz_out.stride(1),
-        sz_out.stride(2),
+    progs = programs or layout.persistent_programs(tiles, 1, num_sms or _num_sms(codes.device))
+    args = (codes, sz, out, n, tiles, *codes.stride(), *sz.stride(), *out.stride())
+    kwargs = dict(
         D=d,
-        Q=d // 4,
+        Q=quarter,
         NG=d // group_size,
         G=group_size,
         BT=bt,
-        ROTATE=rotate,
-        DOT_BF16=not interpret,
-        HAS_LOC=loc is not None,
-        CLIP_INDEX=clip_index,
-        CLIP_MODE=_CLIP_MODES[mode],
-        CLIP_ITERS=iters,
-        LLOYD_MAX=lloyd_max,
-        SZ_BF16=sz_out.dtype == torch.bfloat16,
+        OUT_BF16=out.dtype == torch.bfloat16,
         num_warps=warps,
         num_stages=1,
         enable_fp_fusion=False,
     )
+    return Launch((progs,), args, kwargs)
 
 
 def dequantize_triton(
@@ -419,35 +494,11 @@ def dequantize_triton(
     programs: int | None = None,
 ) -> None:
     """Launch the dequantize kernel on ``codes [N, d/4]``, ``sz [N, 2*groups]`` into ``out [N, d]``."""
-    n, quarter = codes.shape
-    if n == 0:
+    if codes.shape[0] == 0:
         return
-    d = 4 * quarter
     interpret = interpret_mode()
-    k = _kernels(interpret)
-    bt = block_rows or layout.dequant_block_rows(d, interpret=interpret)
-    warps = num_warps or 4
-    tiles = triton.cdiv(n, bt)
-    progs = programs or layout.persistent_programs(tiles, 1, _num_sms(codes.device))
-    k.dequant[(progs,)](
-        codes,
-        sz,
-        out,
-        n,
-        tiles,
-        codes.stride(0),
-        codes.stride(1),
-        sz.stride(0),
-        sz.stride(1),
-        out.stride(0),
-        out.stride(1),
-        D=d,
-        Q=quarter,
-        NG=d // group_size,
-        G=group_size,
-        BT=bt,
-        OUT_BF16=out.dtype == torch.bfloat16,
-        num_warps=warps,
-        num_stages=1,
-        enable_fp_fusion=False,
-    )
+    launch = dequant_launch(
+        codes, sz, out, group_size=group_size, block_rows=block_rows, num_warps=num_warps, programs=programs,
+        interpret=interpret,
+    )  # fmt: skip
+    _kernels(interpret).dequant[launch.grid](*launch.args, **launch.kwargs)
