@@ -171,7 +171,7 @@ def _launch(v: dict):
     assert layout.clip_plan(ci, v["d"])[0] == v["clip"], (v, ci)
     launch = ti.quant_launch(
         x, rot, loc, codes, sz, clip_index=ci, group_size=v["group"], lloyd_max=v["lloyd_max"],
-        interpret=False, num_sms=sms, num_stages=v.get("num_stages"), **over,
+        interpret=False, num_sms=sms, num_stages=v.get("num_stages"), capability=v["target"], **over,
     )  # fmt: skip
     return ti.aot_kernels().quant, launch
 

@@ -341,6 +341,13 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
+def _capability(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return 10 * major + minor
+    return None
+
+
 Launch = collections.namedtuple("Launch", "grid args kwargs")
 Launch.__doc__ = "One kernel launch: ``kernel[grid](*args, **kwargs)`` (constexprs and options in kwargs)."
 
@@ -361,12 +368,14 @@ def quant_launch(
     num_stages: int | None = None,
     interpret: bool | None = None,
     num_sms: int | None = None,
+    capability: int | None = None,
 ) -> Launch:
     """The launch :func:`quantize_triton` makes (same arguments), without running it.
 
     ``interpret`` defaults to :func:`interpret_mode`; ``False`` gives the compiled-mode launch (bf16
     ``tl.dot`` operand, compiled tile sizes) on any device, which is what ahead-of-time compilation
-    specializes. ``num_sms`` defaults to the device's.
+    specializes. ``num_sms`` and ``capability`` (``10 * major + minor``, for the launch tables)
+    default to the device's.
     """
     n, heads, d = x.shape
     interpret = interpret_mode() if interpret is None else interpret
@@ -381,8 +390,9 @@ def quant_launch(
     else:
         r = x  # unused pointer
         sr = (0, 0, 0)
-    bt = block_rows or layout.quant_block_rows(d, rotate=rotate, interpret=interpret)
-    warps = num_warps or layout.quant_num_warps(d, bt, rotate=rotate)
+    cap = capability if capability is not None else _capability(x.device)
+    bt = block_rows or layout.quant_block_rows(d, rotate=rotate, interpret=interpret, capability=cap)
+    warps = num_warps or layout.quant_num_warps(d, bt, rotate=rotate, capability=cap)
     tiles = triton.cdiv(n, bt)
     progs = programs or layout.persistent_programs(tiles, heads, num_sms or _num_sms(x.device))
     mode, iters = layout.clip_plan(clip_index, d)
@@ -403,7 +413,7 @@ def quant_launch(
         LLOYD_MAX=lloyd_max,
         SZ_BF16=sz_out.dtype == torch.bfloat16,
         num_warps=warps,
-        num_stages=num_stages or layout.quant_num_stages(d, bt, rotate=rotate),
+        num_stages=num_stages or layout.quant_num_stages(d, bt, rotate=rotate, capability=cap),
         enable_fp_fusion=False,
     )
     return Launch((progs, heads), args, kwargs)
