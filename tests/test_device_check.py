@@ -27,7 +27,7 @@ def run_check(tmp_path, python: str, steps: str, budget: int = 470) -> tuple[sub
     out = tmp_path / "out"
     env = dict(os.environ, OUT=str(out), PYTHON=python, DEVICE_CHECK_STEPS=steps, DEVICE_CHECK_BUDGET_S=str(budget))
     proc = subprocess.run(["bash", str(SCRIPT), "--dry-run"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, check=False)
     report = json.loads((out / "device-check.json").read_text())
     return proc, report
 

@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rotationzoo.kernels import layout  # noqa: E402  (plain Python, no torch/triton)
+from rotationzoo.kernels import layout  # noqa: E402
 
 TOKENS, HEADS = 4096, 8
 """Shape the launch arguments are built for (only their strides, alignment and sizes matter)."""
@@ -197,7 +197,7 @@ def compile_launch(fn, launch, target_cap: int):
 
 def _cuobjdump() -> str:
     try:
-        import triton.knobs as knobs
+        from triton import knobs
 
         return knobs.nvidia.cuobjdump.path
     except Exception:  # noqa: BLE001 - older layouts: the bundled binary
@@ -219,7 +219,10 @@ def read_resources(cubin: bytes) -> dict:
         os.unlink(f.name)
     fields = dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", usage.stdout))
     ins = [(int(a, 16), op, rest) for a, op, rest in _SASS.findall(sass) if op != "NOP"]
-    count = lambda *names: sum(1 for _, op, _ in ins if op in names)  # noqa: E731
+
+    def count(*names: str) -> int:
+        return sum(1 for _, op, _ in ins if op in names)
+
     loop = _tile_loop(ins)
     return {
         "regs": int(fields.get("REG", -1)),
@@ -280,6 +283,14 @@ def tile_load_bytes(v: dict, block_rows: int) -> int:
     return block_rows * (d // 4 + 2 * (d // v["group"]) * SCALE_BYTES[v["scale"]])
 
 
+def _cpu_seconds() -> float:
+    """CPU time of this process and its finished children (ptxas, cuobjdump): load-independent."""
+    import resource
+
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def _error_line(exc: BaseException) -> str:
     """``Type: first line ... reason`` (Triton puts the source excerpt between the two)."""
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip() and not ln.startswith("Repro command")]
@@ -290,7 +301,7 @@ def _error_line(exc: BaseException) -> str:
 def compile_variant(v: dict) -> dict:
     """Compile one variant and measure it; never raises (errors are recorded)."""
     rec = dict(v, ok=False, bytes_per_row=bytes_per_row(v))
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _cpu_seconds()
     try:
         fn, launch = _launch(v)
         kw = launch.kwargs
@@ -299,9 +310,9 @@ def compile_variant(v: dict) -> dict:
         res = read_resources(ck.asm["cubin"])
     except Exception as exc:  # noqa: BLE001 - one failing variant must not stop the report
         rec["error"], rec["error_detail"] = _error_line(exc), str(exc)[-3000:]
-        rec["compile_s"] = round(time.perf_counter() - t0, 3)
+        rec.update(compile_s=round(time.perf_counter() - t0, 3), cpu_s=round(_cpu_seconds() - c0, 3))
         return rec
-    rec["compile_s"] = round(time.perf_counter() - t0, 3)
+    rec.update(compile_s=round(time.perf_counter() - t0, 3), cpu_s=round(_cpu_seconds() - c0, 3))
     lim = SM_LIMITS.get(v["target"], SM_LIMITS[90])
     smem = res["static_smem"] + int(ck.metadata.shared)
     spills = res["stack_bytes"] + res["local_bytes"] > 0 or res["spill_instructions"] > 0
@@ -423,6 +434,7 @@ def summarize(records: list[dict]) -> dict:
                 [r["h200_estimate"]["issue_bound_pct_of_copy"] for r in ok
                  if "issue_bound_pct_of_copy" in r.get("h200_estimate", {})]),
             "compile_s_total": round(sum(r["compile_s"] for r in recs), 1),
+            "cpu_s_total": round(sum(r.get("cpu_s", 0.0) for r in recs), 1),
         }
     return out
 
@@ -455,11 +467,11 @@ def print_report(result: dict) -> None:
     rows = [[name, str(s["variants"]), str(s["compiled"]), str(s["failed"]), str(s["spilling"]),
              _mm(s["regs_min_median_max"]), str(s["smem_max_bytes"]),
              f"{s['rotating_with_tensor_cores']} ({s['rotating_with_wgmma']})", _mm(s["resident_warps_min_median"]),
-             _mm(s["h200_issue_bound_pct_min_median"], "{:.0f}"), f"{s['compile_s_total']:.0f}"]
+             _mm(s["h200_issue_bound_pct_min_median"], "{:.0f}"), f"{s['cpu_s_total']:.0f}"]
             for name, s in result["summary"].items()]
     show(f"INT2 kernels compiled ahead of time (Triton {result['triton']}, ptxas {ptxas})",
          ("target / family / launch", "variants", "ok", "failed", "spilling", "regs min/med/max", "smem max",
-          "rotate: TC (wgmma)", "resident warps min/med", "H200 issue % min/med", "compile s"), rows)
+          "rotate: TC (wgmma)", "resident warps min/med", "H200 issue % min/med", "CPU s"), rows)
     show("Serving case: rotate, clip 0.96, G = d, fp32 scale, paged store (heuristic launch)", _LAUNCH_COLUMNS,
          _launch_rows(result["goal"]))
     sweep = [r for r in result["records"] if r["source"] == "sweep" and r["has_loc"]]
@@ -484,7 +496,8 @@ def print_report(result: dict) -> None:
     verdict = result["verdict"]
     print(f"compile failures: {verdict['failures']}, spilling variants: {verdict['spilling']}, "
           f"rotating variants without tensor cores: {verdict['rotate_without_tensor_cores']} -> "
-          f"{'OK' if verdict['ok'] else 'NOT OK'}   ({result['wall_s']:.0f} s wall, {result['jobs']} jobs)")
+          f"{'OK' if verdict['ok'] else 'NOT OK'}   ({result['wall_s']:.0f} s wall, {result['jobs']} jobs, "
+          f"{result.get('cpu_s', 0):.0f} CPU s)")
 
 
 _LAUNCH_COLUMNS = ("target", "d", "rotate", "rows x warps x stages", "regs", "spill", "smem KiB", "tensor cores",
@@ -608,6 +621,7 @@ def main(argv=None) -> int:
         "quick": args.quick,
         "jobs": args.jobs,
         "wall_s": round(wall, 1),
+        "cpu_s": round(sum(r.get("cpu_s", 0.0) for r in records), 1),
         "launch_shape": {"tokens": TOKENS, "heads": HEADS, "input_dtype": "bf16", "loc_dtype": "int64"},
         "clip_ratios": CLIP_RATIOS,
         "sm_limits": {f"sm_{k}": v for k, v in SM_LIMITS.items() if k in targets},
