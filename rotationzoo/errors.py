@@ -7,9 +7,30 @@ against the builtins keeps working. Messages say what was expected, what was fou
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class RotationZooError(Exception):
     """Root of every rotationzoo error."""
+
+
+class ConfigError(RotationZooError, ValueError):
+    """A setting or an input file is invalid: ``k_clip_ratio must be a number <= 1 (0 disables clipping), got 1.5``."""
+
+
+class MissingDependencyError(RotationZooError, ImportError):
+    """An optional dependency is not installed: ``this needs transformers: pip install 'rotationzoo[transformers]'``.
+
+    Attributes:
+        package: the missing import name (``"transformers"``).
+        extra: the rotationzoo extra that installs it (``"transformers"``), or ``None``.
+    """
+
+    def __init__(self, package: str, extra: str | None = None, *, what: str | None = None) -> None:
+        self.package = package
+        self.extra = extra
+        install = f"pip install 'rotationzoo[{extra}]'" if extra else f"pip install {package}"
+        super().__init__(f"{what or 'this'} needs the optional package {package!r}: {install}")
 
 
 # --- registry -----------------------------------------------------------------------------------
@@ -52,6 +73,10 @@ class UnsupportedFormatError(RotationFileError):
     """``k.pt: written by a newer format version (2); upgrade rotationzoo``."""
 
 
+class TorchVersionError(RotationZooError, RuntimeError):
+    """The installed torch cannot load ``.pt`` files safely: ``torch 2.5.1 < 2.6 (CVE-2025-32434); upgrade``."""
+
+
 class InvalidRotationError(RotationZooError, ValueError):
     """A rotation set fails validation: ``k.pt: layer 7: max|RRᵀ−I| = 3.1e-02 > 1e-05``."""
 
@@ -64,7 +89,17 @@ class InvalidRotationError(RotationZooError, ValueError):
 
 
 class FetchError(RotationZooError, ConnectionError):
-    """Every source failed: ``could not fetch Qwen/Qwen3-8B@tag k: huggingface: HTTP 500; ...``."""
+    """Every source failed: one line per source tried, then a hint.
+
+    Attributes:
+        attempts: the same as data: ``[{"source": ..., "kind": ..., "reason": ...}]`` in the order tried
+            (``kind``: ``unreachable``, ``timeout``, ``http``, ``not_found``, ``denied``, ``too_large``,
+            ``wrong_size``, ``error``).
+    """
+
+    def __init__(self, message: str, attempts: list[dict[str, str]] | None = None) -> None:
+        super().__init__(message)
+        self.attempts = list(attempts or [])
 
 
 class IntegrityError(RotationZooError, ValueError):
@@ -101,6 +136,17 @@ class FitError(RotationZooError, ValueError):
     """The fitter cannot produce a rotation: ``layer 5: covariance has NaN``."""
 
 
+# --- models and evaluation ----------------------------------------------------------------------
+
+
+class ModelLoadError(RotationZooError, OSError):
+    """A local model cannot be loaded: ``models/x: no config.json; not a transformers model folder``."""
+
+
+class EvaluationError(RotationZooError, ValueError):
+    """An evaluation cannot run as asked: ``rotations have 36 layers, the model has 30``."""
+
+
 # --- serving and export -------------------------------------------------------------------------
 
 
@@ -116,7 +162,18 @@ class ExportError(RotationFileError):
 
 
 class PublishError(RotationZooError, RuntimeError):
-    """Publishing failed or was refused: ``Qwen3-8B/tag already exists in NS/NAME; pass --force``."""
+    """Publishing failed or was refused: ``Qwen3-8B/tag already exists in NS/NAME; pass --force``.
+
+    Attributes:
+        result: the ``PublishResult`` of the attempt when one exists (what was planned or already
+            uploaded), else ``None``.
+    """
+
+    result: Any
+
+    def __init__(self, message: str, result: Any = None) -> None:
+        super().__init__(message)
+        self.result = result
 
 
 class AuthError(PublishError, PermissionError):

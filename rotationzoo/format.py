@@ -10,9 +10,12 @@ The ``.pt`` schema (format_version 1), as written by the OSCAR fitter and read b
                     "eigenvalues": fp32 Tensor[d]},     # optional, ascending, not permuted
                 ...}}
 
-Layer keys may be ``int`` or ``str``. The ``identity-v1`` variant (``format_version`` is that
-string, no eigenvalues) is accepted too. Loading never unpickles code: ``.pt`` files are read
-with ``torch.load(weights_only=True)`` only.
+Layer keys are non-negative ``int`` or their plain ASCII decimal ``str`` and equal the entry's
+``layer_id`` when it has one. The ``identity-v1`` variant (``format_version`` is that string, no
+eigenvalues) is accepted too. Loading never unpickles code: a ``.pt`` archive's directory, declared
+sizes and pickle are inspected first (:mod:`rotationzoo._inspect`) and the file is refused unless
+it holds only dense tensors within the limits below; only then is it read with
+``torch.load(weights_only=True)`` (torch >= 2.6). Safetensors headers are checked the same way.
 
 The safetensors layout holds tensors ``rotation.<layer_id>`` ``[d, d]`` and optionally
 ``eigenvalues.<layer_id>`` ``[d]``, with string metadata ``format_version``, ``objective``,
@@ -21,23 +24,38 @@ The safetensors layout holds tensors ``rotation.<layer_id>`` ``[d, d]`` and opti
 
 from __future__ import annotations
 
+import operator
 import os
 import pickle
+import re
 import shutil
 import tempfile
-import zipfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
-from .errors import RotationFileError, UnsafeRotationFileError, UnsupportedFormatError
-
-#: The newest integer ``format_version`` this release reads and writes.
-FORMAT_VERSION = 1
-#: String format versions also understood (the authors' VL branch identity files).
-STRING_FORMAT_VERSIONS = ("identity-v1",)
+from . import _schema
+from ._inspect import (
+    Limits,
+    exc_line,
+    inspect_torch_zip,
+    parse_index,
+    refuse_legacy_pickle,
+    safe_repr,
+)
+from ._schema import (  # noqa: F401  (public names of this module)
+    FORMAT_VERSION,
+    MAX_BYTES,
+    MAX_HEAD_DIM,
+    MAX_LAYERS,
+    MIN_TORCH,
+    STRING_FORMAT_VERSIONS,
+    inspect_safetensors,
+    make_limits,
+)
+from .errors import RotationFileError, TorchVersionError, UnsafeRotationFileError
 
 _SAFETENSORS_MAGIC_MAX_HEADER = 100 * 1024 * 1024
 
@@ -67,7 +85,15 @@ class RotationSet:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.layer_ids = tuple(int(i) for i in self.layer_ids)
+        if not isinstance(self.rotations, torch.Tensor):
+            raise RotationFileError(f"{self._name()}: rotations must be a tensor, got {type(self.rotations).__name__}")
+        try:
+            ids = tuple(self.layer_ids)
+            if any(isinstance(i, bool) for i in ids):
+                raise TypeError("bool")
+            self.layer_ids = tuple(operator.index(i) for i in ids)
+        except TypeError:
+            raise RotationFileError(f"{self._name()}: layer ids must be integers, got {safe_repr(self.layer_ids)}") from None
         if self.rotations.dim() != 3:
             raise RotationFileError(f"{self._name()}: rotations must be [L, d, d], got {tuple(self.rotations.shape)}")
         if self.rotations.shape[0] != len(self.layer_ids):
@@ -137,70 +163,30 @@ class RotationSet:
         }
 
     @classmethod
-    def from_dict(cls, obj: Any, *, path: Path | None = None) -> "RotationSet":
-        """Parse the authors' dict (see module docstring); raises typed errors on anything else."""
+    def from_dict(cls, obj: Any, *, path: Path | None = None, max_head_dim: int = MAX_HEAD_DIM,
+                  max_layers: int = MAX_LAYERS, max_bytes: int = MAX_BYTES) -> "RotationSet":
+        """Parse the authors' dict (see module docstring); raises typed errors on anything else.
+
+        Args:
+            obj: the dict, as ``torch.load`` returns it.
+            path: the file it came from (named in messages).
+            max_head_dim: largest accepted ``d``.
+            max_layers: most accepted layers.
+            max_bytes: most bytes the stacked fp32 rotations and eigenvalues may take.
+        """
         name = str(path) if path else "rotation data"
-        if not isinstance(obj, Mapping):
-            raise RotationFileError(
-                f"{name}: expected a dict with 'format_version' and 'layers', got {type(obj).__name__}"
-            )
-        version = obj.get("format_version", FORMAT_VERSION)
-        _check_format_version(version, name)
-        if "layers" not in obj:
-            keys = ", ".join(map(str, list(obj)[:8])) or "none"
-            raise RotationFileError(f"{name}: no 'layers' entry (keys: {keys}); not a rotation file")
-        layers = obj["layers"]
-        if not isinstance(layers, Mapping) or not layers:
-            raise RotationFileError(f"{name}: 'layers' must be a non-empty dict of layer id -> entry")
-        parsed: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
-        for key, entry in layers.items():
-            try:
-                lid = int(key)
-            except (TypeError, ValueError):
-                raise RotationFileError(f"{name}: layer key {key!r} is not an integer") from None
-            if isinstance(entry, torch.Tensor):  # flat {layer: matrix} variant
-                rot, eig = entry, None
-            elif isinstance(entry, Mapping) and "rotation" in entry:
-                rot, eig = entry["rotation"], entry.get("eigenvalues")
-            else:
-                raise RotationFileError(f"{name}: layer {lid}: expected a dict with a 'rotation' tensor")
-            if not isinstance(rot, torch.Tensor):
-                raise RotationFileError(f"{name}: layer {lid}: 'rotation' is {type(rot).__name__}, not a tensor")
-            if rot.dim() != 2 or rot.shape[0] != rot.shape[1]:
-                raise RotationFileError(
-                    f"{name}: layer {lid}: rotation must be a square [d, d] matrix, got {tuple(rot.shape)}"
-                )
-            if not rot.is_floating_point():
-                raise RotationFileError(f"{name}: layer {lid}: rotation dtype {rot.dtype} is not floating point")
-            if eig is not None and not isinstance(eig, torch.Tensor):
-                raise RotationFileError(f"{name}: layer {lid}: 'eigenvalues' is not a tensor")
-            parsed.append((lid, rot, eig))
-        parsed.sort(key=lambda t: t[0])
-        dims = {p[1].shape[0] for p in parsed}
-        if len(dims) != 1:
-            detail = ", ".join(f"layer {lid}: {rot.shape[0]}" for lid, rot, _ in parsed[:6])
-            raise RotationFileError(f"{name}: layers have different head_dims ({detail})")
-        d = dims.pop()
-        for lid, _, eig in parsed:
-            if eig is not None and tuple(eig.shape) != (d,):
-                raise RotationFileError(
-                    f"{name}: layer {lid}: eigenvalues must have shape [{d}], got {tuple(eig.shape)}"
-                )
+        limits = make_limits(max_head_dim, max_layers, max_bytes)
+        version, parsed, objective, grouping = _schema.parse(obj, name, limits)
         # stack copies: layers that shared one storage in the file become independent tensors
-        rotations = torch.stack([p[1].to(torch.float32) for p in parsed]).contiguous()
         eigs = [p[2] for p in parsed]
-        eigenvalues = (
-            torch.stack([e.to(torch.float32) for e in eigs]).contiguous() if all(e is not None for e in eigs) else None
-        )
-        return cls(
-            rotations=rotations,
-            layer_ids=tuple(p[0] for p in parsed),
-            objective=str(obj.get("objective", "unknown")),
-            eigenvalues=eigenvalues,
-            format_version=version,
-            source_grouping=str(obj.get("source_grouping", "layer")),
-            path=path,
-        )
+        try:
+            rotations = torch.stack([p[1].detach().to(torch.float32) for p in parsed]).contiguous()
+            eigenvalues = (torch.stack([e.detach().to(torch.float32) for e in eigs]).contiguous()
+                           if all(e is not None for e in eigs) else None)
+        except RuntimeError as exc:  # e.g. tensors on different devices in a dict built in memory
+            raise RotationFileError(f"{name}: cannot stack the layers ({exc_line(exc)})") from None
+        return cls(rotations=rotations, layer_ids=tuple(p[0] for p in parsed), objective=objective,
+                   eigenvalues=eigenvalues, format_version=version, source_grouping=grouping, path=path)
 
 
 def _dedupe(t: torch.Tensor, seen: list[torch.Tensor]) -> torch.Tensor:
@@ -213,25 +199,6 @@ def _dedupe(t: torch.Tensor, seen: list[torch.Tensor]) -> torch.Tensor:
 
 def _fmt_ids(ids: tuple[int, ...]) -> str:
     return ", ".join(map(str, ids[:12])) + (" ..." if len(ids) > 12 else "")
-
-
-def _check_format_version(version: Any, name: str) -> None:
-    if isinstance(version, bool):
-        raise UnsupportedFormatError(f"{name}: format_version {version!r} is not a version")
-    if isinstance(version, int):
-        if version > FORMAT_VERSION:
-            raise UnsupportedFormatError(
-                f"{name}: written by a newer format version ({version}); this rotationzoo reads up to "
-                f"{FORMAT_VERSION}; upgrade rotationzoo (pip install -U rotationzoo)"
-            )
-        if version < 1:
-            raise UnsupportedFormatError(f"{name}: format_version {version} is not valid (expected 1)")
-        return
-    if isinstance(version, str) and version in STRING_FORMAT_VERSIONS:
-        return
-    raise UnsupportedFormatError(
-        f"{name}: unknown format_version {version!r}; expected 1 or one of {', '.join(STRING_FORMAT_VERSIONS)}"
-    )
 
 
 # -- reading -------------------------------------------------------------------------------------
@@ -255,87 +222,147 @@ def detect_kind(path: Path) -> str:
     )
 
 
-def read_rotation(path: str | os.PathLike[str], *, map_location: str | torch.device = "cpu") -> RotationSet:
+def read_rotation(
+    path: str | os.PathLike[str],
+    *,
+    map_location: str | torch.device = "cpu",
+    max_head_dim: int = MAX_HEAD_DIM,
+    max_layers: int = MAX_LAYERS,
+    max_bytes: int = MAX_BYTES,
+    head_dim: int | None = None,
+    num_layers: int | None = None,
+) -> RotationSet:
     """Read a rotation file (``.pt`` or ``.safetensors``) without running any code from it.
+
+    Before anything is materialised the file is inspected (archive directory, declared sizes, the
+    pickle's tensor records or the safetensors header) and refused if it exceeds the limits, holds
+    stride-0 or overlapping views, storages larger than its tensors, or references any global but
+    torch's dense-tensor rebuild. Only then is it loaded with ``torch.load(weights_only=True)``.
 
     Args:
         path: the file.
         map_location: device for the returned tensors.
+        max_head_dim: largest ``d`` accepted (default :data:`MAX_HEAD_DIM`).
+        max_layers: most layers accepted (default :data:`MAX_LAYERS`).
+        max_bytes: most bytes of tensor data accepted (default :data:`MAX_BYTES`).
+        head_dim: the model's head dimension when known: a file with another ``d`` is refused
+            before loading, and the limits tighten to it.
+        num_layers: how many layers the model has when known: a file with more is refused.
 
     Returns:
         A :class:`RotationSet` with fp32 ``rotations [L, d, d]`` (not yet validated; see
         :func:`rotationzoo.validate`).
 
     Raises:
-        RotationFileError: missing, truncated or not a rotation file (message names the file).
-        UnsafeRotationFileError: the pickle references anything but tensors and plain data.
+        RotationFileError: missing, truncated, not a rotation file, or beyond the limits (message
+            names the file and the limit).
+        UnsafeRotationFileError: the pickle references anything but tensors and plain data (message
+            names the global).
         UnsupportedFormatError: a newer or unknown ``format_version``.
+        TorchVersionError: a ``.pt`` file and torch older than 2.6.
     """
     p = Path(path)
     if not p.is_file():
         raise RotationFileError(f"{p}: no such file")
     if p.stat().st_size == 0:
         raise RotationFileError(f"{p}: file is empty")
+    limits = make_limits(max_head_dim, max_layers, max_bytes, head_dim=head_dim, num_layers=num_layers)
     kind = detect_kind(p)
     if kind == "safetensors":
-        rs = _read_safetensors(p)
+        rs = _read_safetensors(p, limits, head_dim, num_layers)
     else:
-        rs = RotationSet.from_dict(_torch_load_safe(p), path=p)
+        check_torch_version()
+        if not _is_zip(p):
+            refuse_legacy_pickle(p, limits)
+        plan, _ = inspect_torch_zip(p, limits)
+        _check_expected(_schema.parse(plan, str(p), limits), str(p), head_dim, num_layers)
+        rs = RotationSet.from_dict(_torch_load_safe(p), path=p, max_head_dim=limits.max_head_dim,
+                                   max_layers=limits.max_layers, max_bytes=limits.max_bytes)
     if str(map_location) != "cpu":
         rs = rs.to(device=map_location)
     return rs
 
 
+def check_torch_version(version: str | None = None) -> None:
+    """Raise :class:`TorchVersionError` if torch (or ``version``) is older than :data:`MIN_TORCH`."""
+    v = version or torch.__version__
+    m = re.match(r"(\d+)\.(\d+)", str(v))
+    if m is None or (int(m[1]), int(m[2])) < MIN_TORCH:
+        need = ".".join(map(str, MIN_TORCH))
+        raise TorchVersionError(
+            f"torch {v} is older than {need}: its torch.load(weights_only=True) can run code from a file "
+            f"(CVE-2025-32434), so rotationzoo will not load .pt files with it; pip install -U 'torch>={need}'"
+        )
+
+
+def _is_zip(p: Path) -> bool:
+    with open(p, "rb") as f:
+        return f.read(4) == b"PK\x03\x04"
+
+
+def _check_expected(parsed: tuple, name: str, head_dim: int | None, num_layers: int | None) -> None:
+    rows = parsed[1]
+    d = int(rows[0][1].shape[0])
+    if head_dim is not None and d != head_dim:
+        raise RotationFileError(f"{name}: head_dim {d}, but the model needs {head_dim}")
+    if num_layers is not None and len(rows) > num_layers:
+        raise RotationFileError(f"{name}: has {len(rows)} layers, the model needs {num_layers}")
+
+
 def _torch_load_safe(p: Path) -> Any:
-    if zipfile.is_zipfile(p):
-        try:
-            with zipfile.ZipFile(p) as zf:
-                bad = zf.testzip()
-        except (zipfile.BadZipFile, OSError, EOFError) as exc:
-            raise RotationFileError(f"{p}: damaged zip archive ({exc}); re-download the file") from None
-        if bad is not None:
-            raise RotationFileError(f"{p}: damaged zip member {bad!r} (CRC mismatch); re-download the file")
+    """``torch.load(weights_only=True)`` of an inspected archive; typed errors only."""
     try:
         return torch.load(p, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UnsafeRotationFileError(
-            f"{p}: refused to load: the file's pickle asks for objects other than tensors and plain "
-            f"data ({first}). rotationzoo only loads with weights_only=True; do not trust this file."
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        what = f"references '{found[1]}'" if found else "asks for objects other than tensors and plain data"
+        raise UnsafeRotationFileError(f"{p}: refused to load: its pickle {what}; do not trust this file") from None
+    except Exception as exc:  # torch raises many types on damaged archives
+        raise RotationFileError(
+            f"{p}: cannot read ({type(exc).__name__}: {exc_line(exc)}); the file is truncated or damaged; re-download it"
         ) from None
-    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as exc:
-        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise RotationFileError(f"{p}: cannot read ({msg}); the file is truncated or damaged; re-download it") from None
 
 
-def _read_safetensors(p: Path) -> RotationSet:
-    from safetensors import SafetensorError, safe_open
+def _read_safetensors(p: Path, limits: Limits, head_dim: int | None, num_layers: int | None) -> RotationSet:
+    from safetensors import safe_open
 
+    meta, metas = inspect_safetensors(p, limits)
+    plan = _safetensors_dict(p, meta, metas)
+    _check_expected(_schema.parse(plan, str(p), limits), str(p), head_dim, num_layers)
     try:
         with safe_open(str(p), framework="pt") as f:
-            meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise RotationFileError(f"{p}: cannot read safetensors ({exc}); the file is truncated or damaged") from None
+            tensors = {k: f.get_tensor(k) for k in metas}
+    except Exception as exc:  # SafetensorError, OSError, ... on damaged data
+        raise RotationFileError(
+            f"{p}: cannot read safetensors ({type(exc).__name__}: {exc_line(exc)}); the file is truncated or damaged"
+        ) from None
+    return RotationSet.from_dict(_safetensors_dict(p, meta, tensors), path=p, max_head_dim=limits.max_head_dim,
+                                 max_layers=limits.max_layers, max_bytes=limits.max_bytes)
+
+
+def _safetensors_dict(p: Path, meta: Mapping[str, str], tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """The authors' dict from safetensors names ``rotation.<layer>`` / ``eigenvalues.<layer>``."""
     layers: dict[int, dict[str, Any]] = {}
     for key, t in tensors.items():
-        kind, _, lid = key.partition(".")
-        if kind not in ("rotation", "eigenvalues") or not lid.lstrip("-").isdigit():
-            raise RotationFileError(f"{p}: unexpected tensor {key!r} (expected rotation.<layer>, eigenvalues.<layer>)")
-        layers.setdefault(int(lid), {"layer_id": int(lid)})[kind] = t
+        kind, _, lid_text = key.partition(".")
+        lid = parse_index(lid_text)
+        if kind not in ("rotation", "eigenvalues") or lid is None:
+            raise RotationFileError(
+                f"{p}: unexpected tensor {safe_repr(key)} (expected rotation.<layer>, eigenvalues.<layer>)"
+            )
+        layers.setdefault(lid, {"layer_id": lid})[kind] = t
+    for lid, entry in layers.items():
+        if "rotation" not in entry:
+            raise RotationFileError(f"{p}: layer {lid} has eigenvalues but no rotation")
     version: Any = meta.get("format_version", str(FORMAT_VERSION))
-    if isinstance(version, str) and version.isdigit():
+    if parse_index(version) is not None:
         version = int(version)
-    obj = {
+    return {
         "format_version": version,
         "objective": meta.get("objective", "unknown"),
         "source_grouping": meta.get("source_grouping", "layer"),
         "layers": layers,
     }
-    for lid, entry in layers.items():
-        if "rotation" not in entry:
-            raise RotationFileError(f"{p}: layer {lid} has eigenvalues but no rotation")
-    return RotationSet.from_dict(obj, path=p)
 
 
 # -- writing -------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from typing import Any, Iterable
 
 import torch
 
+from ._inspect import exc_line
 from .errors import InvalidRotationError, RotationZooError
 from .format import RotationSet, read_rotation
 from .hashing import sha256_file
@@ -77,11 +78,12 @@ def validate(
     name = str(rotation_set.path) if rotation_set.path else "rotation set"
     rot = rotation_set.rotations
     ids = list(rotation_set.layer_ids)
+    is_3d = isinstance(rot, torch.Tensor) and rot.dim() == 3
     report = ValidationReport(
         path=str(rotation_set.path) if rotation_set.path else None,
         ok=False,
         num_layers=len(ids),
-        head_dim=int(rot.shape[-1]) if rot.dim() == 3 else None,
+        head_dim=int(rot.shape[-1]) if is_3d else None,
         layer_ids=ids,
         objective=rotation_set.objective,
         format_version=rotation_set.format_version,
@@ -90,32 +92,20 @@ def validate(
     problems = report.problems
     if not ids:
         problems.append(f"{name}: no layers")
-    elif rot.dim() != 3 or rot.shape[-1] != rot.shape[-2]:
-        problems.append(f"{name}: rotations must be [L, d, d], got {tuple(rot.shape)}")
+    elif not is_3d or rot.shape[-1] != rot.shape[-2] or rot.shape[0] != len(ids):
+        shape = tuple(rot.shape) if isinstance(rot, torch.Tensor) else type(rot).__name__
+        problems.append(f"{name}: rotations must be [L, d, d] with L = {len(ids)} layers, got {shape}")
+    elif rot.layout != torch.strided:
+        problems.append(f"{name}: rotations are a {rot.layout} tensor, expected a dense (strided) one")
+    elif rot.shape[-1] < 1:
+        problems.append(f"{name}: rotations are empty [{len(ids)}, 0, 0] matrices")
     elif not rot.is_floating_point():
         problems.append(f"{name}: rotations have dtype {rot.dtype}, expected a floating point dtype")
     else:
-        finite = torch.isfinite(rot).flatten(1).all(dim=1)
-        for i in (~finite).nonzero().flatten().tolist():
-            n_bad = int((~torch.isfinite(rot[i])).sum())
-            problems.append(f"{name}: layer {ids[i]}: {n_bad} non-finite values (NaN or inf)")
-        if bool(finite.any()):
-            errs = orthogonality_errors(rot)
-            errs = torch.where(finite, errs, torch.zeros_like(errs))
-            worst = int(errs.argmax())
-            report.max_orthogonality_error = float(errs[worst])
-            report.worst_layer = ids[worst]
-            for i in (errs > atol).nonzero().flatten().tolist():
-                problems.append(
-                    f"{name}: layer {ids[i]}: not orthogonal, max|RRᵀ−I| = {float(errs[i]):.3e} > {atol:.0e}"
-                )
-        ev = rotation_set.eigenvalues
-        if ev is not None:
-            if tuple(ev.shape) != (len(ids), rot.shape[-1]):
-                problems.append(f"{name}: eigenvalues shape {tuple(ev.shape)}, expected [{len(ids)}, {rot.shape[-1]}]")
-            elif not bool(torch.isfinite(ev).all()):
-                bad = [ids[i] for i in (~torch.isfinite(ev).all(dim=1)).nonzero().flatten().tolist()]
-                problems.append(f"{name}: eigenvalues of layers {bad[:8]} are not finite")
+        try:
+            _check_numerics(rotation_set, name, atol, report)
+        except Exception as exc:  # a tensor subclass or device that cannot be checked
+            problems.append(f"{name}: cannot check the rotations ({type(exc).__name__}: {exc_line(exc)})")
     # expectations from the model
     if head_dim is not None and report.head_dim is not None and report.head_dim != head_dim:
         problems.append(f"{name}: head_dim {report.head_dim}, but the model needs {head_dim}")
@@ -141,6 +131,33 @@ def validate(
     return report
 
 
+def _check_numerics(rotation_set: RotationSet, name: str, atol: float, report: ValidationReport) -> None:
+    """Finiteness and orthogonality of every matrix, shape and finiteness of the eigenvalues."""
+    rot, ids, problems = rotation_set.rotations, list(rotation_set.layer_ids), report.problems
+    finite = torch.isfinite(rot).flatten(1).all(dim=1)
+    for i in (~finite).nonzero().flatten().tolist():
+        n_bad = int((~torch.isfinite(rot[i])).sum())
+        problems.append(f"{name}: layer {ids[i]}: {n_bad} non-finite values (NaN or inf)")
+    if bool(finite.any()):
+        errs = orthogonality_errors(rot)
+        errs = torch.where(finite, errs, torch.zeros_like(errs))
+        worst = int(errs.argmax())
+        report.max_orthogonality_error = float(errs[worst])
+        report.worst_layer = ids[worst]
+        for i in (errs > atol).nonzero().flatten().tolist():
+            problems.append(f"{name}: layer {ids[i]}: not orthogonal, max|RRᵀ−I| = {float(errs[i]):.3e} > {atol:.0e}")
+    ev = rotation_set.eigenvalues
+    if ev is None:
+        return
+    if not isinstance(ev, torch.Tensor) or ev.layout != torch.strided or not ev.is_floating_point():
+        problems.append(f"{name}: eigenvalues must be a dense floating point tensor")
+    elif tuple(ev.shape) != (len(ids), rot.shape[-1]):
+        problems.append(f"{name}: eigenvalues shape {tuple(ev.shape)}, expected [{len(ids)}, {rot.shape[-1]}]")
+    elif not bool(torch.isfinite(ev).all()):
+        bad = [ids[i] for i in (~torch.isfinite(ev).all(dim=1)).nonzero().flatten().tolist()]
+        problems.append(f"{name}: eigenvalues of layers {bad[:8]} are not finite")
+
+
 def _short(ids: list[int]) -> str:
     return ", ".join(map(str, ids[:10])) + (" ..." if len(ids) > 10 else "")
 
@@ -154,16 +171,28 @@ def verify_file(
     head_dim: int | None = None,
     with_hash: bool = True,
 ) -> ValidationReport:
-    """Read and validate one file; never raises for a bad file (the report says why)."""
+    """Read and validate one file; never raises for a bad file (the report says why).
+
+    The model's expectations (``head_dim``, the number of layers) also bound what is read: a file
+    declaring a larger ``d`` or more layers is refused before it is loaded.
+    """
     p = Path(path)
+    ids = sorted({int(i) for i in layer_ids}) if layer_ids is not None else None
+    expected_layers = len(ids) if ids is not None else num_layers
     try:
-        rs = read_rotation(p)
+        rs = read_rotation(p, head_dim=head_dim, num_layers=expected_layers)
+        report = validate(rs, atol=atol, layer_ids=ids, num_layers=num_layers, head_dim=head_dim,
+                          raise_on_error=False)
     except RotationZooError as exc:
         report = ValidationReport(path=str(p), ok=False, problems=[str(exc)])
-    else:
-        report = validate(rs, atol=atol, layer_ids=layer_ids, num_layers=num_layers, head_dim=head_dim,
-                          raise_on_error=False)
+    except Exception as exc:  # documented never to raise: report anything unforeseen, typed by name
+        report = ValidationReport(path=str(p), ok=False,
+                                  problems=[f"{p}: cannot verify ({type(exc).__name__}: {exc_line(exc)})"])
     if with_hash and p.is_file():
-        report.sha256 = sha256_file(p)
-        report.size = p.stat().st_size
+        try:
+            report.sha256 = sha256_file(p)
+            report.size = p.stat().st_size
+        except OSError as exc:
+            report.problems.append(f"{p}: cannot hash ({exc_line(exc)})")
+            report.ok = False
     return report

@@ -18,6 +18,9 @@ os.environ["ROTATIONZOO_CACHE"] = str(_TMP / "rotationzoo-cache")
 os.environ.pop("ROTATIONZOO_REGISTRY", None)
 os.environ.pop("ROTATIONZOO_OFFLINE", None)
 os.environ.pop("HF_HUB_OFFLINE", None)
+# the test hub server answers plain http on 127.0.0.1: URL sources may point at it
+os.environ["ROTATIONZOO_ALLOW_HTTP_LOOPBACK"] = "1"
+os.environ["ROTATIONZOO_PINS"] = str(_TMP / "pins.json")
 if not os.path.exists("/dev/nvidiactl"):
     # Triton has no CPU backend: its interpreter runs kernels on CPU tensors (bit-exact, slow).
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -29,6 +32,12 @@ SHARED = REPO.parent / "shared"
 UPSTREAM = SHARED / "upstream-rotations"
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+@pytest.fixture(autouse=True)
+def _own_pin_file(tmp_path, monkeypatch) -> None:
+    """Each test pins files on first use in its own pin file."""
+    monkeypatch.setenv("ROTATIONZOO_PINS", str(tmp_path / "pins.json"))
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
 from rotationzoo import read_rotation, validate  # noqa: E402
-from rotationzoo.errors import DumpError, FitError  # noqa: E402
+from rotationzoo.errors import DumpError, FitError, ModelLoadError  # noqa: E402
 from rotationzoo.fit import fit_rotations, open_dump  # noqa: E402
 from rotationzoo.integrations.transformers import (  # noqa: E402
     WARMUP_TOKENS,
@@ -164,12 +164,12 @@ def test_token_windows(tiny):
 
 
 def test_load_model_errors(tmp_path):
-    with pytest.raises(FitError, match="not found"):
+    with pytest.raises(ModelLoadError, match="not found"):
         load_model(tmp_path / "missing")
     (tmp_path / "weights.bin").write_bytes(b"x")
-    with pytest.raises(FitError, match="not a .gguf"):
+    with pytest.raises(ModelLoadError, match="not a .gguf"):
         load_model(tmp_path / "weights.bin")
-    with pytest.raises(FitError, match="no config.json"):
+    with pytest.raises(ModelLoadError, match="no config.json"):
         load_model(tmp_path)
 
 

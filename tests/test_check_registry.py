@@ -72,7 +72,7 @@ def _swapped_sides(d):
         (_bad_sha, "is not 64 lowercase hex digits"),
         (_no_default, "default_tag 'seq99_prompt1_group128' is not one of its tags"),
         (_bad_size, "must be a positive integer"),
-        (_bad_source, "must be 'namespace/name'"),
+        (_bad_source, "is not a NAMESPACE/NAME id"),
         (_path_wrong_tag, "is not under a folder named after the tag"),
         (_swapped_sides, "does not name a K file"),
     ],

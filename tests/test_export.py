@@ -23,13 +23,9 @@ from rotationzoo.export import (
 )
 from rotationzoo.format import RotationSet, write_rotation
 
+from helpers import random_orthogonal
+
 gguf = pytest.importorskip("gguf")
-
-
-def random_orthogonal(n: int, d: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    q, r = torch.linalg.qr(torch.randn(n, d, d, generator=g, dtype=torch.float64))
-    return (q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)).float()
 
 
 def make_set(ids=(0, 1, 2, 3), d: int = 16, seed: int = 0, objective: str = "qqt_r_h_pbr", eig: bool = True) -> RotationSet:
@@ -89,7 +85,8 @@ def test_safetensors_from_bundled_model_has_model_and_tag(tmp_path):
     assert back.model == "HuggingFaceTB/SmolLM2-135M-Instruct" and back.tag == default
     assert back.metadata["model"] == back.model and back.metadata["tag"] == default
     assert torch.equal(back.k.rotations, pair.k.rotations)
-    assert back.k.eigenvalues is not None or pair.k.eigenvalues is None
+    assert pair.k.eigenvalues is not None and pair.v.eigenvalues is not None  # the fitter wrote them
+    assert torch.equal(back.k.eigenvalues, pair.k.eigenvalues) and torch.equal(back.v.eigenvalues, pair.v.eigenvalues)
     assert back.sha256 == pair.sha256
 
 
@@ -313,9 +310,55 @@ def test_cli_export(pair_dir, tmp_path, capsys):
     assert rc == 0, err
     assert read_exported_gguf(tmp_path / "model-rot-kv.gguf").sides == ("k", "v")
     rc, _, err = run_cli(capsys, "export", str(pair_dir), "--to", "onnx", "--out", str(tmp_path / "x"))
-    assert rc == 1 and "--to must be one of safetensors, gguf" in err
+    assert rc == 2 and "Invalid value for '--to'" in err and "'safetensors', 'gguf'" in err
     rc, _, err = run_cli(capsys, "export", str(pair_dir), "--to", "safetensors", "--base-gguf", str(base),
                          "--out", str(tmp_path / "x"))
     assert rc == 1 and "--base-gguf applies to --to gguf only" in err
     rc, _, err = run_cli(capsys, "export", str(tmp_path / "missing"), "--to", "gguf", "--out", str(tmp_path / "x"))
     assert rc == 1 and "no such file or folder" in err
+
+
+def test_cli_export_then_verify_round_trips(pair_dir, tmp_path, capsys):
+    """`export DIR --to safetensors` then `verify` of that file: a pair file, one row per side."""
+    out = tmp_path / "p.safetensors"
+    rc, _, err = run_cli(capsys, "export", str(pair_dir), "--to", "safetensors", "--out", str(out))
+    assert rc == 0, err
+    rc, text, err = run_cli(capsys, "verify", str(out))
+    assert rc == 0, text + err
+    assert f"{out} [k]" in text and f"{out} [v]" in text and "qqt_r_h_pbr" in text and "sst_r_h_pbr" in text
+    rc, text, _ = run_cli(capsys, "verify", str(out), "--num-layers", "4", "--head-dim", "16", "--json")
+    assert rc == 0 and [r["path"] for r in json.loads(text)] == [f"{out} [k]", f"{out} [v]"]
+
+
+@pytest.mark.parametrize("source", ["folder", "SmolLM2-135M-Instruct"])
+@pytest.mark.parametrize("to", ["safetensors", "gguf"])
+def test_cli_export_side_is_honoured(pair_dir, tmp_path, capsys, source, to):
+    src = str(pair_dir) if source == "folder" else source
+    for side in ("k", "v"):
+        out = tmp_path / f"{side}.{to}"
+        rc, text, err = run_cli(capsys, "export", src, "--to", to, "--side", side, "--out", str(out))
+        assert rc == 0, err
+        assert f"sides {side.upper()}," in text
+        assert read_exported(out).sides == (side,)
+        rc, text, _ = run_cli(capsys, "verify", str(out), "--json")
+        assert rc == 0 and [r["path"] for r in json.loads(text)] == [f"{out} [{side}]"]
+
+
+def test_side_of_a_single_file_from_its_name_or_objective(tmp_path) -> None:
+    """A single file's side comes from its name (k_/v_), else its objective (qqt/ktk → K, sst/vtv → V)."""
+    from rotationzoo.pair import infer_side, read_pair
+
+    assert infer_side(Path("k_rotation_x.pt"), "sst_r_h_pbr") == "k"  # the name wins
+    assert infer_side(Path("rot.pt"), "qqt_r_h_pbr") == "k" and infer_side(Path("rot.pt"), "ktk_plain") == "k"
+    assert infer_side(Path("rot.pt"), "sst_r_pbr_hg16") == "v" and infer_side(None, "identity-v") == "v"
+    assert infer_side(Path("rot.pt"), "hadamard") is None
+    rs = RotationSet(rotations=random_orthogonal(2, 16), layer_ids=(0, 1), objective="sst_r_h_pbr")
+    write_rotation(tmp_path / "rot.pt", rs)
+    assert read_pair(tmp_path / "rot.pt").sides == ("v",)
+    out = export_safetensors(tmp_path / "rot.pt", tmp_path / "rot.safetensors")
+    assert read_exported(out).sides == ("v",)
+    rs.objective = "hadamard"
+    write_rotation(tmp_path / "h.pt", rs)
+    with pytest.raises(ExportError, match="K or the V rotation"):
+        read_pair(tmp_path / "h.pt")
+    assert read_pair(tmp_path / "h.pt", side="k").sides == ("k",)

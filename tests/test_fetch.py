@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -183,16 +182,21 @@ def test_corrupt_twice_raises_and_keeps_nothing(zoo, source, tmp_path) -> None:
 
 @pytest.mark.parametrize("source", ["huggingface", "url"])
 def test_truncated_body_recovers_or_fails_clearly(zoo, source) -> None:
+    """A body cut short is never served: the Hugging Face client retries the download itself; the
+    URL download is caught by the size check and downloaded again."""
     path, data = zoo.files["k"]
+    zoo.server.clear_log()
     zoo.server.arm_fault(path.rsplit("/", 1)[-1], "truncate", count=1)
-    messages = []
-    try:
-        res = rotationzoo.fetch(MODEL, source=source, report=messages.append)
-    except (FetchError, IntegrityError) as exc:  # a clear error is acceptable, a bad file is not
-        assert "k_rotation" in str(exc)
-        assert not any(r.side == "k" for r in cache_records(zoo.cache))
-    else:
-        assert res.paths["k"].read_bytes() == data
+    messages: list[str] = []
+    res = rotationzoo.fetch(MODEL, source=source, report=messages.append)
+    assert res.paths["k"].read_bytes() == data
+    gets = [e for e in zoo.server.requests("GET") if path.rsplit("/", 1)[-1] in e["target"]]
+    assert gets[0]["fault"] == "truncate" and gets[0]["bytes"] < len(data)  # the fault was served
+    if source == "huggingface":  # the client itself retries the download (resuming or from the start)
+        assert gets[1]["fault"] is None and gets[1]["bytes"] + (gets[1]["range"] and gets[0]["bytes"] or 0) == len(data)
+    else:  # rotationzoo's size check catches it and downloads again
+        assert any("truncated or wrong file" in m and "downloading again" in m for m in messages), messages
+        assert len(gets) == 2 and gets[1]["bytes"] == len(data)
 
 
 def test_connection_reset_fails_over(zoo, no_backoff_sleep) -> None:
@@ -204,15 +208,13 @@ def test_connection_reset_fails_over(zoo, no_backoff_sleep) -> None:
 # -- cache behaviour -----------------------------------------------------------------------------
 
 
-def test_warm_load_makes_no_request_and_is_fast(zoo) -> None:
+def test_warm_load_makes_no_request(zoo) -> None:
+    # its speed is measured by tools/bench_client.py, not asserted here
     rotationzoo.load(MODEL)
     zoo.server.clear_log()
-    t0 = time.perf_counter()
     pair = rotationzoo.load(MODEL)
-    elapsed = time.perf_counter() - t0
     assert zoo.server.requests() == []
     assert pair.k.rotations.shape == (L, D, D)
-    assert elapsed < 0.5  # generous for CI; tools/bench_client.py measures the overhead precisely
     res = rotationzoo.fetch(MODEL)
     assert res.from_cache and zoo.server.requests() == []
 
@@ -310,7 +312,7 @@ def test_cache_verify_and_rm(zoo, capsys) -> None:
     assert main(["cache", "ls", "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)["files"]
     assert [f["side"] for f in listed] == ["k"]
-    assert main(["cache", "rm", "--model", "tiny-lm", "--json"]) == 0
+    assert main(["cache", "rm", "--model", "tiny-lm", "--yes", "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out)["removed"]) >= 1
     assert cache_records(zoo.cache) == []
 
@@ -335,8 +337,8 @@ def test_cli_fetch_json_through_hf_endpoint(zoo, tmp_path) -> None:
 
 
 def test_cli_fetch_errors(zoo, capsys) -> None:
-    assert main(["fetch", "--model", "Tiny-LM", "--source", "ftp"]) == 1
-    assert "--source must be one of" in capsys.readouterr().err
+    assert main(["fetch", "--model", "Tiny-LM", "--source", "ftp"]) == 2
+    assert "Invalid value for '--source'" in capsys.readouterr().err
     assert main(["fetch", "--model", "Tiny-LM", "--offline", "--cache-dir", "/nonexistent-rz"]) == 1
     assert "rotationzoo fetch --model acme/Tiny-LM" in capsys.readouterr().err
 

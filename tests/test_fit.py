@@ -12,7 +12,7 @@ import torch
 from rotationzoo import read_rotation, validate
 from rotationzoo.errors import DumpError, FitError
 from rotationzoo.fit import (
-    OBJECTIVES,
+    OBJECTIVE_TARGETS,
     fit_rotations,
     hadamard_rotations,
     open_dump,
@@ -166,7 +166,7 @@ def test_lapack_signs_match_reference_without_alignment(tmp_path):
 def test_other_objectives(tmp_path, objective):
     root = make_dump(tmp_path / "dump", hq=8, hkv=2, d=64)
     res = fit_rotations(root, objective, "r_h")
-    k_t, v_t = OBJECTIVES[objective]
+    k_t, v_t = OBJECTIVE_TARGETS[objective]
     assert (res.k is None) == (k_t is None) and (res.v is None) == (v_t is None)
     for side, target in (("k", k_t), ("v", v_t)):
         if target is None:

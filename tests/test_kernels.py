@@ -543,3 +543,24 @@ def test_import_does_not_pull_triton():
     code = "import sys, rotationzoo.kernels as k; assert 'triton' not in sys.modules, 'triton imported'; print('ok')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize("knobs", [
+    {}, {"clip_ratio": 0.96}, {"clip_ratio": 0.92, "group_size": 16}, {"lloyd_max": True, "clip_ratio": 0.96},
+    {"clip_ratio": 0.96, "clip_search": "bisect"}, {"scale_dtype": torch.bfloat16, "group_size": 32},
+    {"scale_dtype": torch.float16, "clip_ratio": 0.5},
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fake_quantize_equals_the_round_trip(knobs, dtype) -> None:
+    """fake_quantize_int2 reads back exactly what quantize_int2 + dequantize_int2 give (NaN rows too)."""
+    from rotationzoo.kernels import fake_quantize_int2
+
+    g = torch.Generator().manual_seed(len(knobs))
+    x = (torch.randn(300, 2, 128, generator=g) * torch.rand(300, 2, 1, generator=g) * 10).to(dtype)
+    x[3, 1, 7] = float("nan")
+    x[5, 0] = 0.0
+    codes, sz = quantize_int2(x, backend="torch", **knobs)
+    ref = dequantize_int2(codes, sz, dtype=torch.float32, backend="torch")
+    got = fake_quantize_int2(x, dtype=torch.float32, backend="torch", **knobs)
+    assert torch.equal(got.isnan(), ref.isnan()) and torch.equal(got.nan_to_num(), ref.nan_to_num())
+    assert fake_quantize_int2(x, backend="torch", **knobs).dtype == dtype

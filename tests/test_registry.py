@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -58,7 +56,8 @@ def test_model_card_entries() -> None:
         assert e.files["v"].path.endswith(f"{tag}/v_rotation_sst_r_h_pbr.pt")
         for f in e.files.values():
             assert f.sha256 is None and f.size is None  # unknown here: unpinned, never invented
-            assert [s.describe().split("@")[0] for s in f.sources] == [
+            assert [s.describe().split("@")[0] for s in f.sources] == [  # the model card's own repo first
+                "modelscope:togethercomputer/OSCAR-RotationZoo",
                 "huggingface:Zhongzhu/OSCAR-RotationZoo",
                 "modelscope:zzz879978/OSCAR-RotationZoo",
                 "huggingface:togethercomputer/OSCAR-RotationZoo",
@@ -187,7 +186,8 @@ def test_cli_verify(upstream_dir: Path, tmp_path: Path, capsys) -> None:
     # the same files checked against the wrong model fail with exit 1
     assert main(["verify", files[0], "--num-layers", "36", "--head-dim", "128"]) == 1
     out = capsys.readouterr().out
-    assert "head_dim 256, but the model needs 128" in out.replace("\n", " ") or "NO" in out
+    flat = " ".join(out.split())
+    assert "│ NO │" in out and "shape (256, 256) exceeds max_head_dim=128; the model's head_dim is 128" in flat
 
 
 def test_cli_verify_bad_file_exit_code(tmp_path: Path, capsys) -> None:
@@ -205,19 +205,14 @@ def test_cli_version(capsys) -> None:
     assert capsys.readouterr().out.strip() == f"rotationzoo {__version__}"
 
 
-def test_list_is_fast_and_does_not_import_torch() -> None:
+def test_list_imports_nothing_heavy() -> None:
+    """`rotationzoo list` stays light: no torch, no hub clients, no safetensors (its start-up time is
+    measured by tools/bench_client.py, not asserted here)."""
+    heavy = ("torch", "huggingface_hub", "modelscope", "safetensors", "transformers", "numpy")
     code = (
-        "import sys, time; t = time.perf_counter();"
-        "from rotationzoo.cli.main import main; rc = main(['list', '--json']);"
-        "assert rc == 0; assert 'torch' not in sys.modules, 'torch was imported';"
-        "print(time.perf_counter() - t, file=sys.stderr)"
+        "import sys; from rotationzoo.cli.main import main; rc = main(['list', '--json']); assert rc == 0;"
+        f"print(','.join(m for m in {heavy!r} if m in sys.modules), file=sys.stderr)"
     )
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "0"}
-    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, env=env)  # warm pyc
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-        best = min(best, time.perf_counter() - t0)
-        assert r.returncode == 0, r.stderr
-    assert best <= 0.3, f"`rotationzoo list --json` took {best:.3f} s (budget 0.3 s)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.strip().splitlines()[-1:] in ([], [""]), f"imported: {r.stderr.strip()}"

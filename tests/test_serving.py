@@ -19,6 +19,7 @@ from rotationzoo import hub
 from rotationzoo.cli.main import main
 from rotationzoo.errors import OfflineError, RotationZooError
 from rotationzoo.format import RotationSet, write_rotation
+from rotationzoo.hashing import sha256_file
 from rotationzoo.registry import get_entry, load_registry
 from rotationzoo.serving import ServingError, launch_spec, serve_env
 
@@ -61,7 +62,7 @@ def seed_cache(root: Path, entry, *, seed: int = 0) -> dict[str, Path]:
     folder.mkdir(parents=True, exist_ok=True)
     paths = write_pair(folder, entry, seed=seed)
     for side, p in paths.items():
-        hub._write_marker(p, hub.sha256_file(p), "url:https://example.invalid/seeded", entry, side, None)
+        hub.record_verified(p, entry, side, sha=sha256_file(p), source="url:https://example.invalid/seeded")
     return paths
 
 
@@ -91,7 +92,7 @@ def tuned_qwen(cache_dir: Path, tmp_path: Path, monkeypatch) -> dict[str, Path]:
                 "objectives": {"k": "qqt_r_h_pbr", "v": "sst_r_h_pbr"},
                 "serving": {"k_clip_ratio": 0.97, "v_clip_ratio": 0.9, "prefix_tokens": 32, "recent_tokens": 512,
                             "group_size": 128, "hp_dtype": "bfloat16", "scale_dtype": "bfloat16", "lloyd_max": True},
-                "files": {side: {"path": f"Qwen3-8B/{tag}/{files[side].name}", "sha256": hub.sha256_file(files[side]),
+                "files": {side: {"path": f"Qwen3-8B/{tag}/{files[side].name}", "sha256": sha256_file(files[side]),
                                  "size": files[side].stat().st_size,
                                  "sources": [{"type": "url", "url": f"https://example.invalid/{files[side].name}"}]}
                           for side in ("k", "v")},
@@ -109,7 +110,7 @@ def tuned_qwen(cache_dir: Path, tmp_path: Path, monkeypatch) -> dict[str, Path]:
     for side in ("k", "v"):
         dest = folder / files[side].name
         dest.write_bytes(files[side].read_bytes())
-        hub._write_marker(dest, hub.sha256_file(dest), "url:https://example.invalid", entry, side, None)
+        hub.record_verified(dest, entry, side, sha=sha256_file(dest), source="url:https://example.invalid")
         out[side] = dest
     return out
 
@@ -219,7 +220,7 @@ def test_vllm(qwen_cache, capsys):
 def test_llamacpp_exports_the_rotation_gguf(qwen_cache, capsys, tmp_path):
     from rotationzoo.export import read_exported_gguf
 
-    gguf_path = qwen_cache["k"].parent / "oscar-rot-kv.gguf"
+    gguf_path = hub.derived_path("oscar-rot-kv.gguf", entry=get_entry(QWEN))
     assert not gguf_path.exists()
     base = tmp_path / "qwen3-8b-q4_k_m.gguf"
     rc, out, err = run_cli(capsys, "serve-args", QWEN, "-e", "llamacpp", "-f", "json", "--model-path", str(base))
@@ -255,7 +256,28 @@ def test_llamacpp_gguf_is_rebuilt_for_other_files(qwen_cache, cache_dir):
 
     got = read_exported_gguf(spec2.files["gguf"])
     assert Path(spec2.files["gguf"]) == gguf_path
-    assert got.sha256["k"] == hub.sha256_file(Path(spec2.files["k"]))
+    assert got.sha256["k"] == sha256_file(Path(spec2.files["k"]))
+
+
+def test_the_gguf_is_a_derived_file_the_cache_knows(cache_dir, capsys):
+    """serve-args writes its GGUF into the derived area; cache ls lists it and cache verify keeps it."""
+    rc, _, err = run_cli(capsys, "serve-args", "SmolLM2-135M-Instruct", "--engine", "llamacpp")
+    assert rc == 0, err
+    gguf = hub.derived_path("oscar-rot-kv.gguf", entry=get_entry("SmolLM2-135M-Instruct"))
+    assert gguf.is_file()
+    rc, out, err = run_cli(capsys, "cache", "verify", "--json")
+    assert rc == 0, out + err
+    report = json.loads(out)
+    assert report["bad"] == 0 and [f["path"] for f in report["files"]] == [str(gguf)] and gguf.is_file()
+    rc, out, _ = run_cli(capsys, "cache", "ls", "--json")
+    (rec,) = json.loads(out)["files"]
+    assert rec["area"] == "derived" and rec["size"] == gguf.stat().st_size and rec["model"].endswith("SmolLM2-135M-Instruct")
+    # a derived file whose bytes changed is reported and removed; a rebuilt one is valid again
+    gguf.write_bytes(gguf.read_bytes()[:-1] + b"\0")
+    rc, out, _ = run_cli(capsys, "cache", "verify", "--json")
+    assert rc == 1 and json.loads(out)["bad"] == 1 and not gguf.exists()
+    launch_spec("SmolLM2-135M-Instruct", engine="llamacpp")
+    assert run_cli(capsys, "cache", "verify")[0] == 0
 
 
 def test_bundled_model_gguf_goes_to_the_cache(cache_dir):
@@ -286,6 +308,22 @@ def test_bundled_pair_serve_env():
     assert group != "128" and spec.args[spec.args.index("--kv-cache-quant-group-size") + 1] == group
 
 
+def test_sglang_page_size_follows_the_window_dtype():
+    """The fork's quantised page size is 4 · itemsize(hp_dtype), and windows must be multiples of it."""
+    from rotationzoo.engines import engine_notes, sglang_args, sglang_page_size
+    from rotationzoo.int2kv import Int2KVConfig
+
+    assert [sglang_page_size(t) for t in ("bfloat16", "float16", "float32")] == [8, 8, 16]
+    args = sglang_args(Int2KVConfig(hp_dtype="float32"), "m", 128)
+    assert args[args.index("--page-size") + 1] == "16"
+    assert args[args.index("--kv-cache-quant-group-size") + 1] == "128"
+    notes = engine_notes("sglang", Int2KVConfig(hp_dtype="float32", prefix_tokens=24, recent_tokens=256), 128)
+    assert any("prefix_tokens=24 is not a multiple of the quantised page size 16" in n for n in notes)
+    assert not any("recent_tokens" in n for n in notes)
+    with pytest.raises(ServingError, match="unknown hp_dtype"):
+        sglang_page_size("int8")
+
+
 def test_every_registry_entry_renders_for_every_engine():
     paths = {"k": "/x/k.pt", "v": "/x/v.pt"}
     for model in load_registry():
@@ -304,9 +342,9 @@ def test_bad_inputs(qwen_cache, capsys):
     with pytest.raises(ServingError):
         rotationzoo.load("SmolLM2-135M-Instruct").serve_env("trt")
     rc, _, err = run_cli(capsys, "serve-args", QWEN, "--engine", "tgi")
-    assert rc == 1 and "--engine must be one of sglang, vllm, llamacpp" in err
+    assert rc == 1 and "unknown engine 'tgi'; expected one of sglang, vllm, llamacpp" in err
     rc, _, err = run_cli(capsys, "serve-args", QWEN, "--engine", "vllm", "--format", "yaml")
-    assert rc == 1 and "--format must be one of shell, env, json" in err
+    assert rc == 2 and "Invalid value for '--format'" in err
     rc, _, err = run_cli(capsys, "serve-args", "Qwen3-9B", "--engine", "vllm")
     assert rc == 1 and "unknown model 'Qwen3-9B'" in err
     rc, _, err = run_cli(capsys, "serve-args", QWEN, "--engine", "vllm", "--tag", "nope")

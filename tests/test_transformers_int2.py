@@ -1,4 +1,4 @@
-"""The OSCAR INT2 KV path for transformers, on tiny random Llama models (no download)."""
+"""The OSCAR INT2 KV path for transformers (simulation and real cache), on tiny random Llama models."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from rotationzoo.evaluate import (  # noqa: E402
-    EvalSettings, MethodSpec, _windows, bits_per_element, evaluate, plot_results, tokenize_texts,
-)
+from rotationzoo.errors import EvaluationError  # noqa: E402
+from rotationzoo.int2kv import Int2KVConfig  # noqa: E402
 from rotationzoo.integrations.transformers import (  # noqa: E402
     OscarKV, oscar_attention_name, oscar_kv, simulated_int2_attention,
 )
@@ -30,6 +29,11 @@ def tiny_llama(num_kv_heads: int = 2, seed: int = 0, layers: int = 2):
     )
     model = transformers.LlamaForCausalLM(cfg).eval()
     return model
+
+
+def cfg(**knobs) -> Int2KVConfig:
+    """INT2-KV settings for tests: no clip and fp32 (exact) windows unless given."""
+    return Int2KVConfig(**{"k_clip_ratio": 0.0, "v_clip_ratio": 0.0, "hp_dtype": "float32", **knobs})
 
 
 def random_rotations(layers: int = 2, seed: int = 1) -> torch.Tensor:
@@ -58,7 +62,7 @@ def test_huge_windows_equal_fp_attention(model, ids, impl) -> None:
         with torch.no_grad():
             ref = model(ids, use_cache=False).logits
             r = random_rotations()
-            oscar = OscarKV(r, random_rotations(seed=2), prefix=512, recent=512, window_dtype=None, clip_k=0.96)
+            oscar = OscarKV(r, random_rotations(seed=2), config=cfg(prefix_tokens=512, recent_tokens=512, k_clip_ratio=0.96))
             with oscar_kv(model, oscar) as kv:
                 sim = model(ids, use_cache=False).logits
                 cached = model(ids, cache=kv.new_cache()).logits
@@ -73,7 +77,7 @@ def test_identity_rotation_without_quantization_is_fp(model, ids) -> None:
     with torch.no_grad():
         ref = model(ids, use_cache=False).logits
         eye = torch.eye(D).expand(2, D, D).contiguous()
-        oscar = OscarKV(eye, eye, prefix=0, recent=0, window_dtype=None, quantize_k=False, quantize_v=False)
+        oscar = OscarKV(eye, eye, config=cfg(prefix_tokens=0, recent_tokens=0), quantize_k=False, quantize_v=False)
         with oscar_kv(model, oscar):
             out = model(ids, use_cache=False).logits
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
@@ -100,10 +104,13 @@ def _naive_attention(q, k_ex, v_ex, k_q, v_q, prefix, recent, scale):
     return out
 
 
-@pytest.mark.parametrize("prefix,recent,extra", [(0, 0, 0), (3, 5, 0), (4, 2, 7), (50, 0, 0)])
-def test_simulated_attention_matches_naive_loop(prefix, recent, extra) -> None:
+@pytest.mark.parametrize("prefix,recent,extra,s", [(0, 0, 0, 20), (3, 5, 0, 20), (4, 2, 7, 20), (50, 0, 0, 20),
+                                                  (4, 32, 0, 150), (0, 40, 0, 200), (8, 33, 0, 170)])
+def test_simulated_attention_matches_naive_loop(prefix, recent, extra, s) -> None:
+    """Both paths (fused partial attentions merged by log-sum-exp for whole sequences, masked blocks
+    otherwise) equal a per-query loop."""
     g = torch.Generator().manual_seed(prefix * 31 + recent)
-    s, length = 20, 20 + extra
+    length = s + extra
     q = torch.randn(1, 4, s, D, generator=g)
     k_ex, v_ex = torch.randn(1, 2, length, D, generator=g), torch.randn(1, 2, length, D, generator=g)
     k_q, v_q = k_ex + 0.3 * torch.randn_like(k_ex), v_ex + 0.3 * torch.randn_like(v_ex)
@@ -123,7 +130,7 @@ def test_windows_zero_matches_direct_reference(model, ids) -> None:
     q = torch.randn(1, 4, 24, D, generator=g)
     k = torch.randn(1, 2, 24, D, generator=g) * 2
     v = torch.randn(1, 2, 24, D, generator=g)
-    oscar = OscarKV(rots_k, rots_v, prefix=0, recent=0, window_dtype=None, group_size=D)
+    oscar = OscarKV(rots_k, rots_v, config=cfg(prefix_tokens=0, recent_tokens=0, group_size=D))
     fn = transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS[oscar_attention_name("sdpa")]
     with oscar_kv(model, oscar):
         out, _ = fn(layer, q, k, v, None, scaling=D ** -0.5)
@@ -152,8 +159,9 @@ def test_incremental_cache_equals_simulation(num_kv_heads, group_size, clip) -> 
     """Decoding token by token through OscarInt2Cache reads exactly what the simulation reads."""
     model = tiny_llama(num_kv_heads=num_kv_heads, seed=num_kv_heads)
     ids = torch.randint(3, 96, (1, 40), generator=torch.Generator().manual_seed(num_kv_heads))
-    oscar = OscarKV(random_rotations(), random_rotations(seed=7), group_size=group_size, clip_k=clip, clip_v=clip,
-                    prefix=3, recent=6)
+    oscar = OscarKV(random_rotations(), random_rotations(seed=7),
+                    config=Int2KVConfig(group_size=group_size, k_clip_ratio=clip, v_clip_ratio=clip, prefix_tokens=3,
+                                        recent_tokens=6))
     with torch.no_grad(), oscar_kv(model, oscar) as kv:
         sim = model(ids, use_cache=False).logits
         cache = kv.new_cache()
@@ -170,7 +178,7 @@ def test_incremental_cache_equals_simulation(num_kv_heads, group_size, clip) -> 
 
 def test_cache_codes_are_the_kernels_codes(model, ids) -> None:
     r = random_rotations()
-    oscar = OscarKV(r, r, group_size=32, clip_k=0.96, clip_v=0.92, prefix=4, recent=8, scale_dtype=torch.float16)
+    oscar = OscarKV(r, r, config=Int2KVConfig(group_size=32, prefix_tokens=4, recent_tokens=8, scale_dtype="float16"))
     keys = {}  # post-RoPE keys/values of layer 0 as handed to the cache
     with torch.no_grad(), oscar_kv(model, oscar) as kv:
         cache = kv.new_cache()
@@ -192,14 +200,13 @@ def test_cache_codes_are_the_kernels_codes(model, ids) -> None:
 
 
 def test_cache_bits_per_element_matches_formula(model, ids) -> None:
-    oscar = OscarKV(None, None, group_size=64, prefix=1, recent=1).replace(
-        group_size=16, prefix=4, recent=8, scale_dtype=torch.float16)
+    oscar = OscarKV(None, None, config=Int2KVConfig(group_size=64, prefix_tokens=1, recent_tokens=1)).replace(
+        group_size=16, prefix_tokens=4, recent_tokens=8, scale_dtype="float16")
     assert oscar.describe()["group_size"] == 16 and oscar.describe()["rotated"] == {"k": False, "v": False}
     with torch.no_grad(), oscar_kv(model, oscar) as kv:
         cache = kv.new_cache()
         model(ids, cache=cache)
-    want = bits_per_element(head_dim=D, group_size=16, context_len=ids.shape[1], prefix=4, recent=8,
-                            scale_bits=16, window_bits=16)
+    want = oscar.config.bits_per_element(D, ids.shape[1])
     assert math.isclose(cache.bits_per_element(), want, rel_tol=1e-12)
 
 
@@ -208,10 +215,10 @@ def test_generate_with_cache(model, ids) -> None:
     with torch.no_grad():
         ref = model.generate(prompt, max_new_tokens=8, do_sample=False)
         eye = torch.eye(D).expand(2, D, D).contiguous()
-        exact = OscarKV(random_rotations(), random_rotations(seed=3), prefix=256, recent=256, window_dtype=None)
+        exact = OscarKV(random_rotations(), random_rotations(seed=3), config=cfg(prefix_tokens=256, recent_tokens=256))
         with oscar_kv(model, exact) as kv:
             same = model.generate(prompt, cache=kv.new_cache(), max_new_tokens=8, do_sample=False)
-        int2 = OscarKV(eye, eye, prefix=2, recent=2, group_size=16)
+        int2 = OscarKV(eye, eye, config=Int2KVConfig(prefix_tokens=2, recent_tokens=2, group_size=16))
         with oscar_kv(model, int2) as kv:
             cache = kv.new_cache()
             out = model.generate(prompt, cache=cache, max_new_tokens=8, do_sample=False)
@@ -228,7 +235,7 @@ def test_generate_batched_with_padding() -> None:
     mask = (batch != 0).long()
     with torch.no_grad():
         ref = model.generate(batch, attention_mask=mask, max_new_tokens=6, do_sample=False)
-        oscar = OscarKV(random_rotations(), random_rotations(seed=5), prefix=64, recent=64, window_dtype=None)
+        oscar = OscarKV(random_rotations(), random_rotations(seed=5), config=cfg(prefix_tokens=64, recent_tokens=64))
         with oscar_kv(model, oscar) as kv:
             out = model.generate(batch, attention_mask=mask, cache=kv.new_cache(), max_new_tokens=6, do_sample=False)
             sim = model(batch, attention_mask=mask, use_cache=False).logits
@@ -238,18 +245,16 @@ def test_generate_batched_with_padding() -> None:
 
 
 def test_cache_without_oscar_attention_is_refused(model, ids) -> None:
-    from rotationzoo.errors import FitError
-
-    oscar = OscarKV(random_rotations(), random_rotations(), prefix=4, recent=4)
+    oscar = OscarKV(random_rotations(), random_rotations(), config=Int2KVConfig(prefix_tokens=4, recent_tokens=4))
     with oscar_kv(model, oscar) as kv:
         cache = kv.new_cache()
-    with torch.no_grad(), pytest.raises(FitError, match="oscar_kv"):
+    with torch.no_grad(), pytest.raises(EvaluationError, match="oscar_kv"):
         model(ids[:, :10], cache=cache)
         model(ids[:, 10:11], cache=cache)
 
 
 def test_layer_errors_are_collected(model, ids) -> None:
-    oscar = OscarKV(None, None, prefix=0, recent=0, group_size=16)
+    oscar = OscarKV(None, None, config=Int2KVConfig(prefix_tokens=0, recent_tokens=0, group_size=16))
     with torch.no_grad(), oscar_kv(model, oscar, collect_errors=True) as kv:
         model(ids, use_cache=False)
         errs = kv.layer_errors()
@@ -257,111 +262,53 @@ def test_layer_errors_are_collected(model, ids) -> None:
     assert all(0 < e < 1.5 for e in errs.values())
 
 
-# -- evaluation library and CLI --------------------------------------------------------------------
+# -- the INT2-KV settings reach the kernels ----------------------------------------------------------
 
 
-def test_bits_per_element_definition() -> None:
-    # d = G = 64, 16-bit scale and zero: 2.5 bits per INT2 element; 320 BF16 window tokens at L = 2048
-    assert bits_per_element(head_dim=64, group_size=64, context_len=2048, prefix=64, recent=256) == pytest.approx(
-        (1728 * 2.5 + 320 * 16) / 2048)
-    assert bits_per_element(head_dim=64, group_size=16, context_len=2048, prefix=0, recent=0) == 4.0
-    assert bits_per_element(head_dim=128, group_size=None, context_len=131072, prefix=64, recent=256,
-                            scale_bits=16) == pytest.approx(2.25 + 320 * 13.75 / 131072)  # the paper's 2.28
-    assert bits_per_element(head_dim=64, group_size=32, context_len=100, prefix=64, recent=256) == 16.0
+@pytest.mark.parametrize("knobs", [{"lloyd_max": True}, {"clip_search": "bisect", "group_size": 16},
+                                   {"scale_dtype": "bfloat16", "group_size": 32}])
+def test_config_knobs_reach_the_quantizer(model, knobs) -> None:
+    """Lloyd-Max, the bisection clip and the scale dtype are applied to the INT2 rows exactly as the kernels do."""
+    from rotationzoo.integrations.transformers.oscar import DTYPES, quantize_rows
+
+    conf = Int2KVConfig(**knobs)
+    oscar = OscarKV(None, None, config=conf)
+    x = torch.randn(1, 2, 40, D, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    codes, sz = quantize_rows(x, oscar, "k")
+    want_c, want_s = quantize_int2(x, clip_ratio=conf.k_clip_ratio, group_size=conf.group_size,
+                                   lloyd_max=conf.lloyd_max, scale_dtype=DTYPES[conf.scale_dtype],
+                                   clip_search=conf.clip_search)
+    plain_c, _ = quantize_int2(x, clip_ratio=conf.k_clip_ratio, group_size=conf.group_size)
+    assert torch.equal(codes, want_c) and torch.equal(sz, want_s)
+    assert not torch.equal(codes, plain_c) or sz.dtype != torch.float32  # the knob changed something
 
 
-@pytest.mark.parametrize("n,window,stride", [(10, 4, 4), (10, 4, 2), (9, 9, 9), (100, 32, 7)])
-def test_windows_score_every_target_once(n, window, stride) -> None:
-    targets = []
-    for begin, end, first in _windows(n, window, stride):
-        assert end - begin <= window and begin < first <= end
-        targets.extend(range(first, end))
-    if stride == window:
-        assert targets == [t for t in range(1, n) if t % window]
-    else:
-        assert targets == list(range(1, n))
+def test_lloyd_max_entry_is_evaluated_with_lloyd_max(model, ids) -> None:
+    """An entry served with lloyd_max: true runs the model with Lloyd-Max codes (different logits)."""
+    base = Int2KVConfig(prefix_tokens=2, recent_tokens=2)
+    outs = {}
+    for lm in (False, True):
+        with torch.no_grad(), oscar_kv(model, OscarKV(random_rotations(), random_rotations(), config=base.replace(
+                lloyd_max=lm))):
+            outs[lm] = model(ids, use_cache=False).logits
+    assert not torch.allclose(outs[False], outs[True])
 
 
-def test_evaluate_report_and_plot(model, tmp_path) -> None:
-    pytest.importorskip("matplotlib")
-    ids = torch.randint(3, 96, (200,), generator=torch.Generator().manual_seed(1)).tolist()
-    settings = EvalSettings(window=64, group_size=16, clip_k=0.96, clip_v=0.92, prefix=4, recent=8)
-    methods = [MethodSpec.fp(), MethodSpec.none(), MethodSpec.hadamard()]
-    report = evaluate(model, ids, methods, settings, model_name="tiny")
-    assert [r.method for r in report.results] == ["fp", "none", "hadamard"]
-    fp, none, had = report.results
-    assert fp.bpe == 32.0 and fp.tokens_scored == none.tokens_scored == 200 - 4
-    assert none.perplexity > 0 and had.layer_errors and len(had.layer_ids) == 2
-    assert had.bpe == pytest.approx(bits_per_element(head_dim=64, group_size=16, context_len=64, prefix=4, recent=8))
-    data = json.loads(report.to_json(tmp_path / "r.json"))
-    assert data["results"][2]["method"] == "hadamard"
-    png = plot_results(report.results, tmp_path / "r.png")
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def _save_tiny(tmp_path):
-    """A tiny Llama folder with a word-level tokenizer, loadable offline by ``rotationzoo eval``."""
-    tokenizers = pytest.importorskip("tokenizers")
-    words = "the a of and to in was she he her it had be that not as for with his you i at by on".split()
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(words)}}
-    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>",
-                                                eos_token="</s>")
-    model = tiny_llama(seed=11)
-    folder = tmp_path / "tiny"
-    model.save_pretrained(folder)
-    fast.save_pretrained(folder)
-    text = tmp_path / "held_out.txt"
-    g = torch.Generator().manual_seed(2)
-    text.write_text(" ".join(words[int(i)] for i in torch.randint(0, len(words), (400,), generator=g)))
-    return folder, text
-
-
-def test_cli_eval(tmp_path, capsys) -> None:
-    pytest.importorskip("matplotlib")
-    from rotationzoo.cli.main import main
-    from rotationzoo.fit import hadamard_rotations, write_fitted
-    from rotationzoo.fit import FitResult
-
-    folder, text = _save_tiny(tmp_path)
-    h = hadamard_rotations((0, 1), D)
-    res = FitResult(k=h, v=h, objective="hadamard", composition="none", group_size=None,
-                    targets={"k": None, "v": None}, layer_ids=(0, 1), head_dim=D)
-    write_fitted(res, tmp_path / "rot")
-    out_json, out_png = tmp_path / "e.json", tmp_path / "e.png"
-    rc = main(["eval", "--model", str(folder), "--rotations", str(tmp_path / "rot"), "--text", str(text),
-               "--window", "128", "--group-size", "32", "--prefix", "4", "--recent", "8",
-               "--methods", "fp,none,hadamard,oscar,again=" + str(tmp_path / "rot"),
-               "--plot", str(out_png), "--json-out", str(out_json)])
-    assert rc == 0
-    printed = capsys.readouterr().out
-    assert "BPE" in printed and "hadamard" in printed and "again" in printed
-    data = json.loads(out_json.read_text())
-    rows = {r["method"]: r for r in data["results"]}
-    assert set(rows) == {"fp", "none", "hadamard", "oscar", "again"}
-    # the same Hadamard matrices through the file path and the built-in method
-    assert rows["oscar"]["perplexity"] == pytest.approx(rows["hadamard"]["perplexity"], rel=1e-6)
-    assert rows["oscar"]["bpe"] == pytest.approx(bits_per_element(head_dim=64, group_size=32, context_len=128,
-                                                                  prefix=4, recent=8))
-    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    rc = main(["eval", "--model", str(folder), "--text", str(text), "--window", "64", "--methods", "fp,none", "--json"])
-    assert rc == 0
-    assert json.loads(capsys.readouterr().out)["results"][1]["method"] == "none"
-
-
-def test_cli_eval_errors(tmp_path, capsys) -> None:
-    from rotationzoo.cli.main import main
-
-    folder, text = _save_tiny(tmp_path)
-    assert main(["eval", "--model", str(folder), "--text", str(text), "--methods", "fp,oscar"]) != 0
-    assert "--rotations" in capsys.readouterr().err
-    assert main(["eval", "--model", str(folder), "--text", str(text), "--methods", "fp,bogus"]) != 0
-    assert "unknown method" in capsys.readouterr().err
-
-
-def test_tokenize_texts(tmp_path) -> None:
-    folder, text = _save_tiny(tmp_path)
-    tok = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    ids = tokenize_texts(tok, [text, text], tokens=500)
-    assert len(ids) == 500
+def test_per_kv_head_rotations_rotate_each_head(model, ids) -> None:
+    """[L, H_kv, d, d] rotations: identical heads equal the shared rotation; without quantization
+    every rotation cancels."""
+    r = random_rotations()
+    per_head = r[:, None].expand(2, 2, D, D).contiguous()
+    conf = Int2KVConfig(prefix_tokens=2, recent_tokens=2)
+    with torch.no_grad():
+        with oscar_kv(model, OscarKV(r, r, config=conf)):
+            shared = model(ids, use_cache=False).logits
+        with oscar_kv(model, OscarKV(per_head, per_head, config=conf)):
+            heads = model(ids, use_cache=False).logits
+        ref = model(ids, use_cache=False).logits
+        distinct = torch.stack([random_rotations(seed=5), random_rotations(seed=6)], dim=1)
+        with oscar_kv(model, OscarKV(distinct, distinct, config=cfg(prefix_tokens=0, recent_tokens=0),
+                                     quantize_k=False, quantize_v=False)):
+            exact = model(ids, use_cache=False).logits
+    torch.testing.assert_close(heads, shared, atol=1e-5, rtol=0)
+    torch.testing.assert_close(exact, ref, atol=2e-5, rtol=0)

@@ -219,3 +219,12 @@ def test_zoo_integrity_workflow_is_scheduled_and_verifies_with_download() -> Non
     assert {_check_command(line) for line in lines} == {"make", "tools/check_registry.py", "rotationzoo verify"}
     job = next(iter(data["jobs"].values()))
     assert any(s.get("shell") == "bash" for s in job["steps"] if "rotationzoo verify" in str(s.get("run", "")))
+
+
+def test_offline_env_wins_over_download(zoo, monkeypatch) -> None:
+    monkeypatch.setenv("ROTATIONZOO_OFFLINE", "1")
+    checks = _by_tag(verify_registry(model=MODEL, download=True))
+    assert {t: c.status for t, c in checks.items()} == {"pinned": "missing", "unpinned": "missing",
+                                                         "tampered": "missing"}
+    assert "ROTATIONZOO_OFFLINE is set" in checks["pinned"].problems[0]
+    assert zoo.server.requests() == []

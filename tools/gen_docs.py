@@ -122,6 +122,11 @@ def render_zoo() -> str:
             arch_bits.append("attention layers " + ", ".join(map(str, arch.attention_layer_ids)))
         if arch.num_kv_heads:
             arch_bits.append(f"{arch.num_kv_heads} KV heads")
+        if arch.num_parameters:
+            n = arch.num_parameters
+            arch_bits.append(f"{n / 1e9:.4g}B parameters" if n >= 1e9 else f"{n / 1e6:.4g}M parameters")
+        if arch.weight_dtype:
+            arch_bits.append(f"weights in {arch.weight_dtype}")
         out.append(f"Aliases: {aliases}. Architecture: {', '.join(arch_bits)}.")
         out.append("")
         for name in [m.default_tag] + [t for t in m.tags if t != m.default_tag]:

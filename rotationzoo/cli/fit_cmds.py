@@ -24,34 +24,26 @@ from typing import TYPE_CHECKING, Annotated, Any, Callable, List, Optional
 
 import typer
 
+from .. import vocab
+from ._options import JsonOpt, choice
 from ._output import console, emit_json, progress_enabled
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..fit import FitOutput, FitResult
 
-_OBJECTIVES = "qqt_sst|ktk_vtv|qqt|sst|ktk|vtv|hadamard"
-_COMPOSITIONS = "r_h_pbr|plain|pbr|br|br_h128|r_h|h_pbr|h_r_pbr|h_pbr_r|r_pbr_hg"
-
-ObjectiveOpt = Annotated[
-    str, typer.Option("--objective", "-o", help=f"Covariance target(s): {_OBJECTIVES}. qqt_sst is OSCAR's.")
-]
-CompositionOpt = Annotated[
-    str,
-    typer.Option(
-        "--composition", "-c",
-        help=f"Rotation composition: {_COMPOSITIONS}. r_h_pbr = U·H·P_br (OSCAR); r_pbr_hg needs --group-size.",
-    ),
-]
+ObjectiveOpt = Annotated[str, typer.Option("--objective", "-o", click_type=choice(vocab.OBJECTIVES),
+                                           help="Covariance target(s); qqt_sst is OSCAR's, hadamard is data-free.")]
+CompositionOpt = Annotated[str, typer.Option(
+    "--composition", "-c", click_type=choice(vocab.COMPOSITIONS),
+    help="Rotation composition: r_h_pbr = U·H·P_br (OSCAR); r_pbr_hg needs --group-size.")]
 GroupSizeOpt = Annotated[
     Optional[int], typer.Option("--group-size", "-g", help="Quantisation group size G for --composition r_pbr_hg.")
 ]
-SignsOpt = Annotated[
-    str,
-    typer.Option("--signs", help="Eigenvector signs: canonical (largest entry positive) or lapack (as eigh returns)."),
-]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print a JSON report on stdout.")]
+SignsOpt = Annotated[str, typer.Option("--signs", click_type=choice(vocab.SIGN_CONVENTIONS),
+                                       help="Eigenvector signs: canonical (largest entry positive) or lapack (as eigh returns).")]
 TagOpt = Annotated[Optional[str], typer.Option("--tag", help="Calibration tag recorded in rotationzoo.json.")]
-FormatOpt = Annotated[str, typer.Option("--format", help="Output format: pt (the authors') or safetensors.")]
+FormatOpt = Annotated[str, typer.Option("--format", click_type=choice(vocab.FILE_FORMATS),
+                                        help="Output format: pt (the authors') or safetensors.")]
 
 
 def _parse_layers(text: Optional[str]) -> Optional[list[int]]:
@@ -76,24 +68,25 @@ def _parse_layers(text: Optional[str]) -> Optional[list[int]]:
 
 
 class _LayerBars:
-    """Rich progress: one bar for the whole fit and one per layer being read."""
+    """Rich progress (elapsed time and ETA): one bar for the whole fit and one per layer being read."""
 
     def __init__(self, enabled: bool, layer_ids: list[int] | None = None, overall_label: str = "fit") -> None:
         self.enabled = enabled
         self._tasks: dict[Any, Any] = {}
-        self._progress = None
-        self._overall = None
+        self._progress: Any = None
+        self._overall: Any = None
         self._n_layers = len(layer_ids) if layer_ids else 0
         self._done_layers: set[Any] = set()
         self._overall_label = overall_label
 
     def __enter__(self) -> "_LayerBars":
         if self.enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                       TimeRemainingColumn)
 
             self._progress = Progress(
                 TextColumn("{task.description:>12}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                console=console(stderr=True), transient=True,
+                TextColumn("eta"), TimeRemainingColumn(), console=console(stderr=True), transient=True,
             )
             self._progress.__enter__()
             if self._n_layers:
@@ -221,9 +214,9 @@ def calibrate_command(
     dump_out: Annotated[
         Optional[Path], typer.Option("--dump-out", help="Also write the captured Q/K/V as an SGLang-layout dump here.")
     ] = None,
-    objective: Annotated[
-        str, typer.Option("--objective", "-o", help="Covariance target(s): qqt_sst|ktk_vtv|qqt|sst|ktk|vtv.")
-    ] = "qqt_sst",
+    objective: Annotated[str, typer.Option(
+        "--objective", "-o", click_type=choice(tuple(o for o in vocab.OBJECTIVES if o != "hadamard")),
+        help="Covariance target(s); qqt_sst is OSCAR's.")] = "qqt_sst",
     composition: CompositionOpt = "r_h_pbr",
     group_size: GroupSizeOpt = None,
     seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per calibration sequence.")] = 2048,
@@ -249,12 +242,9 @@ def calibrate_command(
 
       rotationzoo calibrate -m model.Q8_0.gguf -t a.txt -t b.txt -n 8000 --out rot/ --dump-out qkv/
     """
-    from ..errors import CLIError
     from ..fit import write_fitted
     from ..integrations.transformers import calibrate, load_model
 
-    if objective == "hadamard":
-        raise CLIError("calibrate fits data-driven objectives; for hadamard use `rotationzoo fit --objective hadamard`")
     lm, tokenizer = load_model(model, dtype=dtype, device=device)
     mid = model_id or Path(model).name
     show = progress_enabled()

@@ -17,10 +17,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..errors import CLIError
-from ._output import console, emit_json, print_warning, progress_enabled
-
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
+from ..errors import CLIError, PublishError
+from ._options import JsonOpt
+from ._output import console, emit_json, plain, print_warning, progress_enabled
 
 
 def _hub_values(values: list[str] | None, what: str) -> str | dict[str, str] | None:
@@ -40,7 +39,7 @@ def _hub_values(values: list[str] | None, what: str) -> str | dict[str, str] | N
         hub, _, value = item.partition("=")
         try:
             name = parse_hubs(hub)[0]
-        except Exception:
+        except PublishError:
             raise CLIError(f"{what}: unknown hub {hub!r} in {item.split('=')[0]}=…; use huggingface or modelscope") from None
         out[name] = value
     return out
@@ -86,7 +85,7 @@ def cmd_publish(
         if show:
             from rich.markup import escape
 
-            console(stderr=True).print(f"[dim]{escape(msg)}[/]", markup=True, highlight=False)
+            console(stderr=True).print(f"[dim]{escape(plain(msg))}[/]", markup=True, highlight=False)
 
     res = publish(
         directory, repo=_hub_values(repo, "--repo") or "", model=model, tag=tag, to=to, revision=revision, create_tag=create_tag,

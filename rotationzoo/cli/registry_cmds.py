@@ -3,6 +3,8 @@
 Examples::
 
     rotationzoo list
+    rotationzoo list 'qwen3*'
+    rotationzoo list --plain | grep -i vl
     rotationzoo list --json
     rotationzoo info qwen3-8b --json
     rotationzoo verify k_rotation_qqt_r_h_pbr.pt v_rotation_sst_r_h_pbr.pt --num-layers 36 --head-dim 128
@@ -12,46 +14,86 @@ Examples::
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from ._output import console, emit_json
+from ._options import CacheDirOpt, JsonOpt, TagOpt
+from ._output import console, emit_json, plain, print_warning, tail
 
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
+if TYPE_CHECKING:  # pragma: no cover
+    from ..registry import ModelEntry
+    from ..validation import ValidationReport
 
 
-def cmd_list(json_out: JsonOpt = False) -> None:
-    """List every model in the registry with its default tag.
+def _matches(pattern: str, m: ModelEntry) -> bool:
+    """fnmatch ``pattern`` (case-insensitive) against the model's id, its name after the org, and aliases."""
+    from fnmatch import fnmatchcase
 
-    Examples:  rotationzoo list  |  rotationzoo list --json
+    pat = pattern.lower()
+    names = (m.id, m.id.rsplit("/", 1)[-1], *m.aliases)
+    return any(fnmatchcase(n.lower(), pat) for n in names)
+
+
+def cmd_list(
+    pattern: Annotated[str | None, typer.Argument(
+        help="Only models whose id or an alias matches this shell-style pattern, case-insensitive "
+             "(e.g. 'qwen3*', '*-8b', 'smollm2*'); quote it so that the shell does not expand it.")] = None,
+    plain_out: Annotated[bool, typer.Option("--plain", help="One model per line, tab-separated, no table: id, aliases, "
+                                        "layers, head_dim, default tag, tags, pinned (for grep, cut, awk).")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """List the models in the registry (all, or those matching PATTERN) with their default tag.
+
+    Printed to a pipe or a file, the table keeps every id and tag in full.
+
+    Examples:  rotationzoo list  |  rotationzoo list 'qwen3*'  |  rotationzoo list --plain | grep -i vl  |
+    rotationzoo list '*8b*' --json
     """
     from ..registry import list_models
 
     models = list_models()
+    if pattern is not None:
+        models = [m for m in models if _matches(pattern, m)]
     if json_out:
         emit_json([m.to_json() for m in models])
         return
+    if pattern is not None and not models:
+        hint = "" if any(ch in pattern for ch in "*?[") else f"; for a prefix use '{pattern}*'"
+        print_warning(f"no model matches {pattern!r}{hint} (rotationzoo list shows all)")
+        return
+    rows = []
+    for m in models:
+        ids = m.architecture.expected_layer_ids()
+        n_pinned = sum(t.pinned for t in m.tags.values())
+        rows.append((m, str(len(ids)) if ids else "?", f"{n_pinned}/{len(m.tags)}"))
+    if plain_out:
+        for m, layers, pinned in rows:
+            typer.echo("\t".join((m.id, ",".join(m.aliases), layers, str(m.architecture.head_dim), m.default_tag,
+                                  ",".join(m.tags), pinned)))
+        return
+    from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title=f"rotationzoo registry ({len(models)} models)")
-    table.add_column("model")
+    title = f"rotationzoo registry ({len(models)} models{f' matching {pattern!r}' if pattern else ''})"
+    c = console()
+    table = Table(title=escape(title))
+    # on a narrow terminal the ids stay whole and the other columns wrap
+    table.add_column("model", no_wrap=True, min_width=min(c.width // 2, max((len(m.id) for m in models), default=5)))
     table.add_column("aliases")
     table.add_column("layers × d")
     table.add_column("default tag")
     table.add_column("tags", justify="right")
     table.add_column("pinned", justify="center")
-    for m in models:
-        ids = m.architecture.expected_layer_ids()
-        shape = f"{len(ids) if ids else '?'} × {m.architecture.head_dim}"
-        pinned = sum(t.pinned for t in m.tags.values())
-        table.add_row(m.id, ", ".join(m.aliases), shape, m.default_tag, str(len(m.tags)), f"{pinned}/{len(m.tags)}")
-    console().print(table)
+    for m, layers, pinned in rows:
+        table.add_row(escape(m.id), escape(", ".join(m.aliases)), f"{layers} × {m.architecture.head_dim}",
+                      escape(m.default_tag), str(len(m.tags)), pinned)
+    c.print(table)
 
 
 def cmd_info(
     model: Annotated[str, typer.Argument(help="Model id or alias, case-insensitive (e.g. Qwen3-8B).")],
-    tag: Annotated[Optional[str], typer.Option("--tag", "-t", help="Calibration tag (default: the model's default tag).")] = None,
+    tag: TagOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Show a model's entry: architecture, tags, serving defaults, files and sources.
@@ -59,13 +101,18 @@ def cmd_info(
     Examples:  rotationzoo info Qwen3-8B  |  rotationzoo info qwen3-8b --json  |
     rotationzoo info Qwen3-8B --tag longbench-seq150000_prompt44_group128
     """
-    from ..registry import get_model
+    from ..hub.pins import pin_for, pin_state
+    from ..registry import get_model, split_model_tag
 
-    m = get_model(model)
-    entry = m.tag(tag)
+    name, at_tag = split_model_tag(model)
+    m = get_model(name)
+    entry = m.tag(tag or at_tag)
+    pins = {side: (pin_state(entry, side), pin_for(entry, side)) for side in entry.files}
     if json_out:
         out = m.to_json()
         out["tag"] = entry.to_json()
+        for side, (state, pin) in pins.items():
+            out["tag"]["files"][side]["pin"] = {"state": state, **({"local": pin} if pin else {})}
         emit_json(out)
         return
     c = console()
@@ -76,7 +123,7 @@ def cmd_info(
         c.print(m.description)
     c.print(
         f"architecture: {len(ids) if ids else '?'} attention layers"
-        + (f" (ids {', '.join(map(str, ids))})" if arch.attention_layer_ids else "")
+        + (f" (ids {', '.join(map(str, ids or ()))})" if arch.attention_layer_ids else "")
         + f", head_dim {arch.head_dim}, kv heads {arch.num_kv_heads or '?'}"
     )
     c.print(f"tags: {', '.join(('*' + t if t == m.default_tag else t) for t in m.tags)}  (* = default)")
@@ -92,20 +139,27 @@ def cmd_info(
     for r in entry.results:
         c.print(f"result: {r.benchmark} BF16 {r.bf16} → OSCAR INT2 {r.oscar_int2} ({r.source})")
     for side, f in entry.files.items():
-        c.print(f"{side.upper()} file: {f.path}  sha256 {f.sha256 or 'unpinned'}  size {f.size or '?'}")
+        state, pin = pins[side]
+        if f.sha256:
+            sha = f"sha256 {f.sha256} (pinned)"
+        elif pin:
+            sha = f"sha256 {pin['sha256']} (pinned locally {pin.get('pinned_at', '')}, from {pin.get('source', '?')})"
+        else:
+            sha = "sha256 unpinned (pinned on first fetch)"
+        c.print(f"{side.upper()} file: {f.path}  {sha}  size {f.size or '?'}", markup=False)
         for src in f.sources:
             c.print(f"    from {src.describe()}{'' if src.pinned else '  (revision not pinned)'}")
 
 
 def cmd_verify(
-    paths: Annotated[Optional[list[Path]], typer.Argument(help="Rotation files (.pt or .safetensors).")] = None,
-    num_layers: Annotated[Optional[int], typer.Option(help="Expect layers 0..N-1.")] = None,
-    head_dim: Annotated[Optional[int], typer.Option(help="Expect [d, d] matrices with this d.")] = None,
+    paths: Annotated[Optional[list[Path]], typer.Argument(help="Rotation files (.pt, .safetensors, or exported pair files .safetensors / .gguf).")] = None,
+    num_layers: Annotated[Optional[int], typer.Option(min=1, help="Expect layers 0..N-1.")] = None,
+    head_dim: Annotated[Optional[int], typer.Option(min=1, help="Expect [d, d] matrices with this d.")] = None,
     model: Annotated[Optional[str], typer.Option(help="Take layer ids and head_dim from this registry model (with --registry: check only this model).")] = None,
     atol: Annotated[float, typer.Option(help="Tolerance on max|RRᵀ−I|.")] = 1e-5,
     registry: Annotated[bool, typer.Option("--registry", help="Check every registry entry instead of files: cached (or bundled) files, or all with --download.")] = False,
     download: Annotated[bool, typer.Option("--download", help="With --registry: download (and verify) entries that are not cached.")] = False,
-    cache_dir: Annotated[Optional[Path], typer.Option("--cache-dir", help="With --registry: cache root (default: $ROTATIONZOO_CACHE or the user cache dir).")] = None,
+    cache_dir: CacheDirOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Validate rotation files: format, orthogonality, finiteness, shapes, layers. Exit 1 if any fails.
@@ -127,6 +181,8 @@ def cmd_verify(
         from ..publish import verify_registry
 
         checks = verify_registry(download=download, model=model, cache_dir=cache_dir, atol=atol)
+        for ch in checks:
+            ch.problems = [plain(p) for p in ch.problems]
         counts = {s: sum(ch.status == s for ch in checks) for s in ("ok", "unpinned", "missing", "failed")}
         if json_out:
             emit_json({"ok": counts["failed"] == 0, "download": download, "checked": len(checks),
@@ -152,7 +208,7 @@ def cmd_verify(
         raise CLIError("--download and --cache-dir go with --registry")
     if not paths:
         raise CLIError("give one or more rotation files to check, or --registry to check the registry entries")
-    from ..validation import verify_file
+    from ..pair import verify_path
 
     layer_ids = None
     if model is not None:
@@ -161,30 +217,44 @@ def cmd_verify(
         arch = get_model(model).architecture
         layer_ids = arch.expected_layer_ids()
         head_dim = head_dim or arch.head_dim
-    reports = [
-        verify_file(p, atol=atol, layer_ids=layer_ids, num_layers=num_layers, head_dim=head_dim) for p in paths
-    ]
+    reports = [r for p in paths
+               for r in verify_path(p, atol=atol, layer_ids=layer_ids, num_layers=num_layers, head_dim=head_dim)]
+    for r in reports:  # torch and other libraries colour their messages: never let ANSI codes through
+        r.problems = [plain(p) for p in r.problems]
     if json_out:
         emit_json([r.to_json() for r in reports])
     else:
-        from rich.table import Table
-
-        table = Table(title="rotation files")
-        for col in ("file", "ok", "layers", "d", "objective", "max|RRᵀ−I|", "sha256"):
-            table.add_column(col)
-        for r in reports:
-            err = f"{r.max_orthogonality_error:.1e}" if r.max_orthogonality_error is not None else "-"
-            table.add_row(
-                r.path or "-", "[green]yes[/]" if r.ok else "[red]NO[/]", str(r.num_layers or "-"),
-                str(r.head_dim or "-"), r.objective or "-", err, (r.sha256 or "-")[:12],
-            )
-        c = console()
-        c.print(table)
-        for r in reports:
-            for p in r.problems:
-                c.print(f"[red]✗[/] {p}")
+        _print_reports(reports)
     if not all(r.ok for r in reports):
         raise typer.Exit(1)
+
+
+def _print_reports(reports: list[ValidationReport]) -> None:
+    """The verify table; on a terminal, long paths keep their end (``…/k_rotation.pt``)."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    c = console()
+    rows = []
+    for r in reports:
+        err = f"{r.max_orthogonality_error:.1e}" if r.max_orthogonality_error is not None else "-"
+        rows.append((r.path or "-", "yes" if r.ok else "NO", str(r.num_layers or "-"), str(r.head_dim or "-"),
+                     r.objective or "-", err, (r.sha256 or "-")[:12]))
+    heads = ("file", "ok", "layers", "d", "objective", "max|RRᵀ−I|", "sha256")
+    # what the other columns take (content, padding, borders); in a pipe (PIPE_WIDTH) nothing is cut
+    others = sum(max(len(h), *(len(row[i]) for row in rows)) + 3 for i, h in enumerate(heads) if i) + 4
+    room = max(20, c.width - others)
+    table = Table(title="rotation files")
+    table.add_column("file", no_wrap=True, min_width=min(room, max(len(row[0]) for row in rows)))
+    for col in heads[1:]:
+        table.add_column(col)
+    for path, ok, *rest in rows:
+        table.add_row(escape(tail(path, room)), f"[green]{ok}[/]" if ok == "yes" else f"[red]{ok}[/]",
+                      *map(escape, rest))
+    c.print(table)
+    for r in reports:
+        for p in r.problems:
+            c.print(f"[red]✗[/] {escape(p)}")
 
 
 def register(app: typer.Typer) -> None:

@@ -4,7 +4,7 @@ Examples::
 
     rotationzoo serve-args Qwen3-8B --engine sglang
     rotationzoo serve-args Qwen3-8B --engine vllm --format env > oscar.env
-    rotationzoo serve-args Qwen3-8B --engine llamacpp --model-path qwen3-8b-q4_k_m.gguf --format json
+    rotationzoo serve-args Qwen3-8B --engine llamacpp --model-path qwen3-8b-q4_k_m.gguf --json
     rotationzoo export Qwen3-8B --to safetensors --out qwen3-8b-oscar.safetensors
     rotationzoo export Qwen3-8B --to gguf --out qwen3-8b-rot.gguf
     rotationzoo export qwen3-8b-rot.gguf --to gguf --base-gguf qwen3-8b-q4_k_m.gguf --out qwen3-8b-q4_k_m-rot-kv.gguf
@@ -14,71 +14,74 @@ Examples::
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
+from .. import vocab
 from ..errors import CLIError
-from ._output import console, emit_json, print_warning
+from ._options import CacheDirOpt, JsonOpt, OfflineOpt, RotationsHelp, SideOpt, TagOpt, choice
+from ._output import console, emit_json, json_requested, print_warning
 
-ENGINES = ("sglang", "vllm", "llamacpp")
-FORMATS = ("shell", "env", "json")
-EXPORT_FORMATS = ("safetensors", "gguf")
 
-CacheDirOpt = Annotated[Optional[Path], typer.Option("--cache-dir", help="Cache root (default: $ROTATIONZOO_CACHE or the user cache dir).")]
-OfflineOpt = Annotated[bool, typer.Option("--offline", help="Use only the cache; never touch the network.")]
-TagOpt = Annotated[Optional[str], typer.Option("--tag", "-t", help="Calibration tag (default: the model's default tag).")]
+def _format_callback(value: str) -> str:
+    json_requested(value == "json")
+    return value
 
 
 def cmd_serve_args(
-    model: Annotated[str, typer.Argument(help="Model id or alias, case-insensitive (e.g. Qwen3-8B).")],
-    engine: Annotated[str, typer.Option("--engine", "-e", help="sglang (the authors' fork) | vllm (the OSCAR port) | llamacpp (the authors' branch).")],
+    model: Annotated[str, typer.Argument(metavar="ROTATIONS", help=f"What to serve: {RotationsHelp}.")],
+    engine: Annotated[str, typer.Option("--engine", "-e", help="sglang (the authors' fork) | vllm (the OSCAR port) | "
+                                        "llamacpp (the authors' branch); llama.cpp / llama-cpp work too.")],
     tag: TagOpt = None,
-    fmt: Annotated[str, typer.Option("--format", "-f", help="shell (copy-pasteable command) | env (KEY=VALUE lines) | json.")] = "shell",
-    model_path: Annotated[Optional[str], typer.Option("--model-path", help="What the engine loads instead of the registry id: a checkpoint folder (sglang, vllm) or the model's GGUF file (llamacpp).")] = None,
+    fmt: Annotated[str, typer.Option("--format", "-f", click_type=choice(vocab.LAUNCH_FORMATS),
+                                     callback=_format_callback,
+                                     help="shell (copy-pasteable command) | env (KEY=VALUE lines) | json "
+                                          "(the same as --json).")] = "shell",
+    model_path: Annotated[Optional[str], typer.Option("--model-path", help="What the engine loads instead of the registry "
+                          "id: a checkpoint folder (sglang, vllm) or the model's GGUF file (llamacpp).")] = None,
     cache_dir: CacheDirOpt = None,
     offline: OfflineOpt = False,
+    json_out: JsonOpt = False,
 ) -> None:
-    """Print the launch settings that serve MODEL's rotations with an OSCAR-enabled engine.
+    """Print the launch settings that serve these rotations with an OSCAR-enabled engine.
 
-    Resolves the registry entry, fetches and verifies its K/V files if they are not cached, and
-    prints environment variables (local rotation paths, the entry's clip ratios, sink/recent
-    windows, group size, dtypes) and the engine's command line. For llamacpp it also writes a
-    rotations GGUF next to the cached files and prints the step that appends it to the model GGUF.
+    Resolves the rotations (a registry entry is fetched and verified if not cached), and prints
+    environment variables (local rotation paths, the entry's clip ratios, sink/recent windows, group
+    size, dtypes) and the engine's command line. For llamacpp it also writes a rotations GGUF into
+    the cache's derived area (see `rotationzoo cache ls`) and prints the step that appends it to the
+    model GGUF.
 
     Examples:  rotationzoo serve-args Qwen3-8B --engine sglang  |
     rotationzoo serve-args Qwen3-8B -e vllm --format env  |
-    rotationzoo serve-args Qwen3-4B-Thinking -e llamacpp --model-path qwen3-4b-q4_k_m.gguf --format json
+    rotationzoo serve-args Qwen3-4B-Thinking -e llamacpp --model-path qwen3-4b-q4_k_m.gguf --json
     """
     from ..serving import launch_spec
 
-    eng = engine.strip().lower()
-    if eng not in ENGINES and eng not in ("llama.cpp", "llama-cpp", "llama_cpp"):
-        raise CLIError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-    if fmt not in FORMATS:
-        raise CLIError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    spec = launch_spec(model, tag, engine=eng, model_path=model_path, cache_dir=cache_dir,
-                       offline=offline or None)
+    spec = launch_spec(model, tag, engine=engine, model_path=model_path, cache_dir=cache_dir, offline=offline or None)
+    if json_out or fmt == "json":
+        emit_json(spec.to_json())
+        return
     typer.echo(spec.render(fmt))
-    if fmt != "json":
-        err = console(stderr=True)
-        for note in spec.notes:
-            if note.startswith("replace "):
-                print_warning(note)
-            else:
-                err.print(f"[dim]note: {note}[/]")
+    err = console(stderr=True)
+    for note in spec.notes:
+        if note.startswith("replace "):
+            print_warning(note)
+        else:
+            err.print(f"[dim]note: {note}[/]")
 
 
 def cmd_export(
-    source: Annotated[str, typer.Argument(metavar="PATH_OR_MODEL", help="A folder with k_rotation*.pt + v_rotation*.pt, one rotation file (.pt, .safetensors), an exported file (.safetensors, .gguf), or a registry model id.")],
-    to: Annotated[str, typer.Option("--to", help="safetensors | gguf.")],
+    source: Annotated[str, typer.Argument(metavar="ROTATIONS", help=f"What to export: {RotationsHelp}, or one rotation file.")],
+    to: Annotated[str, typer.Option("--to", click_type=choice(vocab.EXPORT_FORMATS), help="safetensors | gguf.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Output file.")],
     tag: TagOpt = None,
-    side: Annotated[Optional[str], typer.Option("--side", help="k | v: which side a single file is, or which side to keep.")] = None,
-    base_gguf: Annotated[Optional[Path], typer.Option("--base-gguf", help="GGUF only: a model GGUF to copy through with the rotation tensors appended (what the llama.cpp branch loads).")] = None,
+    side: SideOpt = None,
+    base_gguf: Annotated[Optional[Path], typer.Option("--base-gguf", help="GGUF only: a model GGUF to copy through with "
+                         "the rotation tensors appended (what the llama.cpp branch loads).")] = None,
     cache_dir: CacheDirOpt = None,
     offline: OfflineOpt = False,
-    json_out: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")] = False,
+    json_out: JsonOpt = False,
 ) -> None:
     """Export K/V rotations to one safetensors file, or to GGUF for the llama.cpp branch.
 
@@ -86,6 +89,7 @@ def cmd_export(
     metadata with model, tag, objective and format_version per side. GGUF: tensors
     blk.<layer>.attn_k_rot.weight / attn_v_rot.weight holding the transposed matrices (F32), so that
     ggml_mul_mat(rot, K) == K @ M; with --base-gguf they are appended to a copy of a model GGUF.
+    `rotationzoo verify` reads both back.
 
     Examples:  rotationzoo export Qwen3-8B --to gguf --out qwen3-8b-rot.gguf  |
     rotationzoo export ./rotations --to safetensors --out pair.safetensors  |
@@ -93,26 +97,15 @@ def cmd_export(
     """
     from ..export import export, read_exported
 
-    if to not in EXPORT_FORMATS:
-        raise CLIError(f"--to must be one of {', '.join(EXPORT_FORMATS)}, got {to!r}")
-    if side is not None and side not in ("k", "v"):
-        raise CLIError(f"--side must be k or v, got {side!r}")
     if base_gguf is not None and to != "gguf":
         raise CLIError("--base-gguf applies to --to gguf only")
     path = export(source, out, to=to, tag=tag, side=side, base_gguf=base_gguf, cache_dir=cache_dir,
                   offline=offline or None)
     got = read_exported(path)
-    info = {
-        "out": str(path),
-        "format": to,
-        "model": got.model,
-        "tag": got.tag,
-        "sides": list(got.sides),
-        "layers": len(got.layer_ids),
-        "head_dim": got.head_dim,
-        "objectives": {s: rs.objective for s, rs in got},
-        "bytes": path.stat().st_size,
-        "base_gguf": str(base_gguf) if base_gguf else None,
+    info: dict[str, Any] = {
+        "out": str(path), "format": to, "model": got.model, "tag": got.tag, "sides": list(got.sides),
+        "layers": len(got.layer_ids), "head_dim": got.head_dim, "objectives": got.objectives,
+        "bytes": path.stat().st_size, "base_gguf": str(base_gguf) if base_gguf else None,
     }
     if json_out:
         emit_json(info)

@@ -126,14 +126,17 @@ class LayerAccumulator:
         self.device = torch.device(device)
         self.ws = workspace if workspace is not None else Workspace(self.device)
         d, hkv = self.head_dim, self.num_kv_heads
-        z = dict(dtype=torch.float64, device=self.device)
         self.tokens: dict[str, int] = {"q": 0, "k": 0, "v": 0}
         self.tokens_second_pass = 0
-        self.qgram = torch.zeros(hkv, d, d, **z) if self.needs_q else None  # Σ Q_hᵀQ_h per group
-        self.kgram = torch.zeros(d, d, **z) if "ktk" in self.targets else None
-        self.vgram = torch.zeros(d, d, **z) if "vtv" in self.targets else None
-        self.wsum = torch.zeros(hkv, **z) if "sst" in self.targets else None  # Σ_t w_{t,h}
-        self.vwgram = torch.zeros(hkv, d, d, **z) if "sst" in self.targets else None  # Σ_t w v vᵀ
+
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=torch.float64, device=self.device)
+
+        self.qgram = zeros(hkv, d, d) if self.needs_q else None  # Σ Q_hᵀQ_h per group
+        self.kgram = zeros(d, d) if "ktk" in self.targets else None
+        self.vgram = zeros(d, d) if "vtv" in self.targets else None
+        self.wsum = zeros(hkv) if "sst" in self.targets else None  # Σ_t w_{t,h}
+        self.vwgram = zeros(hkv, d, d) if "sst" in self.targets else None  # Σ_t w v vᵀ
         self._a: torch.Tensor | None = None
 
     # -- helpers ----------------------------------------------------------------------------------
@@ -199,8 +202,8 @@ class LayerAccumulator:
             m = sl.stop - sl.start
             buf = self.ws.get("q", (hkv, m, g, d))  # type: ignore[arg-type]
             # convert and regroup in one copy: buf[h, t, j] = q[t, h·g + j]
-            buf.copy_(q[sl].to(self.device, non_blocking=True).reshape(m, hkv, g, d).permute(1, 0, 2, 3))
-            self._grams_into(self.qgram, buf.view(hkv, m * g, d))  # type: ignore[operator]
+            buf.copy_(q[sl].to(self.device, non_blocking=True).reshape(m, hkv, g, d).permute(1, 0, 2, 3))  # type: ignore[arg-type]
+            self._grams_into(self.qgram, buf.view(hkv, m * g, d))
         self.tokens["q"] += n
 
     def _add_flat(self, x: torch.Tensor, gram: torch.Tensor, name: str) -> None:
@@ -233,7 +236,7 @@ class LayerAccumulator:
         t = self.tokens["q"]
         if t == 0:
             raise FitError(f"layer {self.layer_id}: no query tokens were accumulated")
-        return _mirror_blocks(self.qgram) / (t * self.group)  # type: ignore[arg-type,operator]
+        return _mirror_blocks(self.qgram) / (t * self.group)  # type: ignore[operator]
 
     def start_second_pass(self) -> None:
         """Freeze the per-group query covariances ``A_h`` used by :meth:`add_kv`."""

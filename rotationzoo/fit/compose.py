@@ -48,7 +48,7 @@ importance ``diag(Rᵀ C R)`` do not depend on the signs; the matrix itself does
 
 from __future__ import annotations
 
-from typing import Iterable, Literal
+from typing import Iterable
 
 import torch
 
@@ -56,22 +56,7 @@ from ..errors import FitError
 from ..format import RotationSet
 from ..hadamard import bit_reversal_permutation, hadamard_matrix
 
-#: Compositions implemented exactly as in the authors' fitter.
-AUTHOR_COMPOSITIONS: tuple[str, ...] = (
-    "plain",
-    "pbr",
-    "br",
-    "br_h128",
-    "r_h",
-    "h_pbr",
-    "h_r_pbr",
-    "h_pbr_r",
-    "r_h_pbr",
-)
-#: Every accepted composition name (``r_pbr_hg`` needs a group size).
-COMPOSITIONS: tuple[str, ...] = (*AUTHOR_COMPOSITIONS, "r_pbr_hg")
-
-SignConvention = Literal["canonical", "lapack"]
+from ..vocab import AUTHOR_COMPOSITIONS, COMPOSITIONS, SignConvention  # noqa: F401 - re-exported
 
 
 def _check_dim(d: int, what: str) -> None:

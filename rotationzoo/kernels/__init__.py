@@ -23,7 +23,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
-from typing import Literal
 
 import torch
 
@@ -31,8 +30,8 @@ from ..errors import BackendUnavailableError, KernelInputError
 from . import layout
 from . import reference as _ref
 from .layout import HEAD_DIMS, allowed_group_sizes, byte_index_and_shift, clip_index, packed_dim
+from ..vocab import CLIP_SEARCHES, Backend, ClipSearch
 
-Backend = Literal["auto", "torch", "triton"]
 
 INPUT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
 """Accepted dtypes of the values to quantize."""
@@ -48,8 +47,10 @@ __all__ = [
     "SCALE_DTYPES",
     "allowed_group_sizes",
     "byte_index_and_shift",
+    "CLIP_SEARCHES",
     "clip_index",
     "dequantize_int2",
+    "fake_quantize_int2",
     "packed_dim",
     "quantize_int2",
     "quantize_int2_into",
@@ -180,10 +181,16 @@ def _check_rotation(
     raise KernelInputError(f"rotation must be [{d}, {d}] or [heads, {d}, {d}], got {list(r.shape)}")
 
 
+def _check_clip_search(clip_search: object) -> str:
+    if clip_search not in CLIP_SEARCHES:
+        raise KernelInputError(f"clip_search must be one of {', '.join(CLIP_SEARCHES)}, got {clip_search!r}")
+    return str(clip_search)
+
+
 def _check_scale_dtype(scale_dtype: object) -> torch.dtype:
     if scale_dtype not in SCALE_DTYPES:
         raise KernelInputError(f"scale_dtype {scale_dtype} is not supported; expected one of {_names(SCALE_DTYPES)}")
-    return scale_dtype  # type: ignore[return-value]
+    return scale_dtype
 
 
 def _group_from_sz(d: int, sz_last: int, group_size: int | None, what: str) -> int:
@@ -211,6 +218,7 @@ def quantize_int2(
     group_size: int | None = None,
     lloyd_max: bool = False,
     scale_dtype: torch.dtype = torch.float32,
+    clip_search: ClipSearch = "exact",
     backend: Backend = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate (optional), clip, quantize to INT2 and pack rows of ``x``.
@@ -230,6 +238,9 @@ def quantize_int2(
         lloyd_max: approximate Lloyd-Max levels (``SGLANG_LLOYD_MAX=1``); needs ``group_size == d``.
         scale_dtype: dtype of the stored scale/zero (fp32 default; bf16 or fp16). Codes are always
             computed from the unrounded fp32 scale and zero.
+        clip_search: how the clip threshold is found: ``"exact"`` (the sorted value, as the
+            SGLang prefill store) or ``"bisect"`` (the ``log2(d)``-step bisection of its decode
+            flush, which clips slightly more; exact for ``d < 64``). PyTorch backend only.
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
 
     Returns:
@@ -251,9 +262,13 @@ def quantize_int2(
     ci = _check_clip(clip_ratio, d)
     lm = _check_lloyd_max(lloyd_max, d, gs)
     sdt = _check_scale_dtype(scale_dtype)
+    cs = _check_clip_search(clip_search)
     r = _check_rotation(rotation, tuple(x.shape), x.device)
-    if _backend(backend, x.device) == "torch":
-        return _ref.quantize_int2_torch(x, rotation=r, clip_index=ci, group_size=gs, lloyd_max=lm, scale_dtype=sdt)
+    if _backend(backend, x.device) == "torch" or (cs == "bisect" and backend == "auto"):
+        return _ref.quantize_int2_torch(x, rotation=r, clip_index=ci, group_size=gs, lloyd_max=lm, scale_dtype=sdt,
+                                        clip_search=cs)
+    if cs == "bisect":
+        raise BackendUnavailableError("clip_search='bisect' runs on the torch backend only; use backend='torch'")
 
     from .triton_int2 import quantize_triton
 
@@ -340,6 +355,46 @@ def dequantize_int2(
     if r is not None:
         out = _ref.unrotate(out, r).to(dtype)
     return out
+
+
+def fake_quantize_int2(
+    x: torch.Tensor,
+    *,
+    clip_ratio: float = 0.0,
+    group_size: int | None = None,
+    lloyd_max: bool = False,
+    scale_dtype: torch.dtype = torch.float32,
+    clip_search: ClipSearch = "exact",
+    dtype: torch.dtype | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """What INT2 rows read back: ``dequantize_int2(*quantize_int2(x, ...))``, bit for bit.
+
+    The PyTorch backend skips the packing (:func:`~rotationzoo.kernels.reference.fake_quantize_rows`);
+    the Triton backend runs the two kernels. No rotation: rotate ``x`` first if needed.
+
+    Args:
+        x: ``[..., d]`` values (bf16, fp16 or fp32).
+        clip_ratio, group_size, lloyd_max, scale_dtype, clip_search, backend: as for
+            :func:`quantize_int2`.
+        dtype: output dtype (default ``x.dtype``).
+    """
+    x = _check_values(x)
+    d = x.shape[-1]
+    gs = _check_group(d, group_size)
+    ci = _check_clip(clip_ratio, d)
+    lm = _check_lloyd_max(lloyd_max, d, gs)
+    sdt = _check_scale_dtype(scale_dtype)
+    cs = _check_clip_search(clip_search)
+    out_dtype = dtype or x.dtype
+    if out_dtype not in OUTPUT_DTYPES:
+        raise KernelInputError(f"dtype {out_dtype} is not supported; expected one of {_names(OUTPUT_DTYPES)}")
+    if _backend(backend, x.device) == "torch" or cs == "bisect":
+        out = _ref.fake_quantize_rows(x.reshape(-1, d), clip_index=ci, group_size=gs, lloyd_max=lm, scale_dtype=sdt,
+                                      clip_search=cs, dtype=out_dtype)
+        return out.reshape(x.shape)
+    codes, sz = quantize_int2(x, clip_ratio=clip_ratio, group_size=gs, lloyd_max=lm, scale_dtype=sdt, backend=backend)
+    return dequantize_int2(codes, sz, group_size=gs, dtype=out_dtype, backend=backend)
 
 
 def quantize_int2_into(

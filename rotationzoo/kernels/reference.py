@@ -89,6 +89,37 @@ def clip_rows(v: torch.Tensor, index: int) -> torch.Tensor:
     return torch.minimum(torch.maximum(v, -thr), thr)
 
 
+def bisect_iters(d: int) -> int:
+    """Passes of the decode-flush bisection: ``log2(d)`` for ``d >= 64``, else 0 (exact threshold)."""
+    return d.bit_length() - 1 if d >= 64 else 0
+
+
+def bisect_clip_rows(v: torch.Tensor, index: int) -> torch.Tensor:
+    """The clip of the SGLang fork's decode-flush kernel (``gpu_flush_int2``) on rows ``v [n, d]``.
+
+    ``lo = 0``, ``hi = max|row|``; :func:`bisect_iters` times: ``mid = (lo + hi) * 0.5``, and if more
+    than ``d - index`` values have ``|x| > mid`` then ``lo = mid`` else ``hi = mid``; the threshold is
+    the final ``hi`` (fp32 throughout). It clips at or below the exact ``sort(|row|)[index]``:
+    slightly more values than :func:`clip_rows`. ``d < 64`` uses the exact threshold, as the fork does.
+    """
+    if index < 0:
+        return v
+    d = v.shape[-1]
+    iters = bisect_iters(d)
+    if iters == 0:
+        return clip_rows(v, index)
+    a = v.abs()
+    target = d - index
+    lo = torch.zeros(a.shape[:-1] + (1,), dtype=torch.float32, device=v.device)
+    hi = a.amax(dim=-1, keepdim=True).to(torch.float32)
+    for _ in range(iters):
+        mid = (lo + hi) * 0.5
+        too_many = (a > mid).sum(dim=-1, keepdim=True) > target
+        lo = torch.where(too_many, mid, lo)
+        hi = torch.where(too_many, hi, mid)
+    return torch.minimum(torch.maximum(v, -hi), hi)
+
+
 def lloyd_max_params(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Approximate Lloyd-Max INT2 of whole rows ``v [n, d]`` (fp32, finite).
 
@@ -149,6 +180,48 @@ def unpack_codes(codes: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def _levels(v: torch.Tensor, clip_index: int, group_size: int, lloyd_max: bool, clip_search: str
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Steps 2-5 of the module docstring on rows ``v [n, d]``: ``(q, scale, zero, bad rows)``."""
+    v = v.to(torch.float32)
+    if bool(torch.isnan(v).any()):
+        nan_row = torch.isnan(v).any(dim=-1)
+        v = v.masked_fill(nan_row[:, None], 0.0)
+    else:
+        nan_row = torch.zeros(v.shape[0], dtype=torch.bool, device=v.device)
+    v = bisect_clip_rows(v, clip_index) if clip_search == "bisect" else clip_rows(v, clip_index)
+    bad = nan_row | torch.isinf(v).any(dim=-1) if bool(torch.isinf(v).any()) else nan_row
+    if bool(bad.any()):
+        v = v.masked_fill(bad[:, None], 0.0)
+    v = v + 0.0  # -0.0 + 0.0 is +0.0 (round to nearest): signed zeros become +0, nothing else changes
+    q, scale, zero = lloyd_max_params(v) if lloyd_max else uniform_params(v, group_size)
+    return q, scale, zero, bad
+
+
+def fake_quantize_rows(
+    v: torch.Tensor,
+    *,
+    clip_index: int,
+    group_size: int,
+    lloyd_max: bool,
+    scale_dtype: torch.dtype,
+    clip_search: str = "exact",
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """What an INT2 row reads back: ``dequantize_rows(*quantize_rows(v, ...))`` without packing.
+
+    Bit-identical to the round trip (same codes, the same ``scale_dtype``-rounded scale and zero,
+    ``(q − zero) · scale`` in fp32, then ``dtype``), about twice as fast; flagged rows are NaN.
+    """
+    n, d = v.shape
+    q, scale, zero, bad = _levels(v, clip_index, group_size, lloyd_max, clip_search)
+    s = scale.masked_fill(bad[:, None], float("nan")).to(scale_dtype).to(torch.float32)
+    z = zero.masked_fill(bad[:, None], float("nan")).to(scale_dtype).to(torch.float32)
+    groups = s.shape[-1]
+    out = (q.to(torch.float32).reshape(n, groups, d // groups) - z[..., None]) * s[..., None]
+    return out.reshape(n, d).to(dtype)
+
+
 def quantize_rows(
     v: torch.Tensor,
     *,
@@ -156,6 +229,7 @@ def quantize_rows(
     group_size: int,
     lloyd_max: bool,
     scale_dtype: torch.dtype,
+    clip_search: str = "exact",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clip, quantize and pack rows.
 
@@ -165,22 +239,14 @@ def quantize_rows(
         group_size: contiguous dims per (scale, zero) pair; ``d`` when ``lloyd_max``.
         lloyd_max: approximate Lloyd-Max levels instead of min/max uniform levels.
         scale_dtype: dtype of the stored scale/zero pairs.
+        clip_search: ``"exact"`` (:func:`clip_rows`) or ``"bisect"`` (:func:`bisect_clip_rows`).
 
     Returns:
         ``codes uint8 [n, d/4]`` and ``scales_zeros [n, 2 * d / group_size]`` (``scale_dtype``),
         interleaved ``[s0, z0, s1, z1, ...]``.
     """
     n, d = v.shape
-    v = v.to(torch.float32)
-    nan_row = torch.isnan(v).any(dim=-1)
-    v = v.masked_fill(nan_row[:, None], 0.0)
-    v = clip_rows(v, clip_index)
-    bad = nan_row | torch.isinf(v).any(dim=-1)
-    v = v.masked_fill(bad[:, None] | (v == 0), 0.0)  # also turns -0.0 into +0.0
-    if lloyd_max:
-        q, scale, zero = lloyd_max_params(v)
-    else:
-        q, scale, zero = uniform_params(v, group_size)
+    q, scale, zero, bad = _levels(v, clip_index, group_size, lloyd_max, clip_search)
     codes = pack_codes(q).masked_fill(bad[:, None], 0)
     scale = scale.masked_fill(bad[:, None], float("nan"))
     zero = zero.masked_fill(bad[:, None], float("nan"))
@@ -210,13 +276,15 @@ def quantize_int2_torch(
     group_size: int,
     lloyd_max: bool,
     scale_dtype: torch.dtype,
+    clip_search: str = "exact",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference :func:`rotationzoo.kernels.quantize_int2` on validated inputs."""
     d = x.shape[-1]
     lead = x.shape[:-1]
     v = bf16_matmul(x, rotation) if rotation is not None else x
     codes, sz = quantize_rows(
-        v.reshape(-1, d), clip_index=clip_index, group_size=group_size, lloyd_max=lloyd_max, scale_dtype=scale_dtype
+        v.reshape(-1, d), clip_index=clip_index, group_size=group_size, lloyd_max=lloyd_max, scale_dtype=scale_dtype,
+        clip_search=clip_search,
     )
     return codes.reshape(*lead, d // 4), sz.reshape(*lead, sz.shape[-1])
 

@@ -1,18 +1,22 @@
 #!/usr/bin/env python
-"""Extract Jane Austen's novels (public domain) from Debian's ``r-cran-janeaustenr`` package.
+"""Extract public-domain English texts shipped in Debian packages, for calibration and evaluation.
 
-The package stores the novels as character vectors in an R lazy-load database
-(``data/Rdata.rdx`` index + ``data/Rdata.rdb`` blobs: zlib-compressed, XDR-serialised R objects).
-This reads them with a small R-serialisation decoder (no R needed).
+- Jane Austen's novels (``emma``, ``persuasion``, ``prideprejudice``, ...) from ``r-cran-janeaustenr``;
+- Herman Melville's *Moby Dick* (``mobydick``, Project Gutenberg #2701, public domain) from the
+  data of ``r-cran-tokenizers``.
+
+Both R packages store their texts in an R lazy-load database (``data/Rdata.rdx`` index +
+``data/Rdata.rdb`` blobs: zlib-compressed, XDR-serialised R objects). This reads them with a small
+R-serialisation decoder (no R needed).
 
 Usage::
 
-    python tools/austen_text.py --list
-    python tools/austen_text.py emma persuasion --out-dir bench-out/austen
-    python tools/austen_text.py persuasion --deb r-cran-janeaustenr_1.0.0-1_all.deb --out-dir DIR
+    python tools/texts.py --list
+    python tools/texts.py emma persuasion mobydick --out-dir bench-out/texts
+    python tools/texts.py persuasion --deb r-cran-janeaustenr_1.0.0-1_all.deb --out-dir DIR
 
-Without ``--deb`` / ``--pkg-dir`` it runs ``apt-get download r-cran-janeaustenr`` into a temporary
-folder (Debian's package archive is reachable from the project's machines) and unpacks it with
+Without ``--deb`` / ``--pkg-dir`` it runs ``apt-get download <package>`` into a temporary folder
+(Debian's package archive is reachable from the project's machines) and unpacks it with
 ``dpkg-deb -x``.
 """
 
@@ -152,16 +156,34 @@ def read_lazyload_db(data_dir: Path) -> dict[str, Any]:
     return out
 
 
-def _package_dir(deb: Path | None, pkg_dir: Path | None) -> Path:
+#: Debian package -> R package folder name.
+PACKAGES = {"r-cran-janeaustenr": "janeaustenr", "r-cran-tokenizers": "tokenizers"}
+#: Texts of r-cran-tokenizers (everything else comes from r-cran-janeaustenr).
+TOKENIZERS_TEXTS = ("mobydick",)
+
+
+def _package_dir(package: str, deb: Path | None, pkg_dir: Path | None) -> Path:
     if pkg_dir is not None:
         return pkg_dir
-    work = Path(tempfile.mkdtemp(prefix="janeaustenr-"))
+    work = Path(tempfile.mkdtemp(prefix=f"{package}-"))
     if deb is None:
-        subprocess.run(["apt-get", "download", "r-cran-janeaustenr"], cwd=work, check=True,
-                       stdout=subprocess.DEVNULL)
-        deb = next(work.glob("r-cran-janeaustenr_*.deb"))
+        subprocess.run(["apt-get", "download", package], cwd=work, check=True, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
+        deb = next(work.glob(f"{package}_*.deb"))
     subprocess.run(["dpkg-deb", "-x", str(deb), str(work / "x")], check=True)
-    return work / "x" / "usr/lib/R/site-library/janeaustenr"
+    return work / "x" / "usr/lib/R/site-library" / PACKAGES[package]
+
+
+def gutenberg_text(raw: str) -> str:
+    """A Project Gutenberg file without its licence header and footer, as paragraphs."""
+    text = raw.lstrip("\ufeff").replace("\r\n", "\n")
+    start = text.find("*** START OF")
+    if start >= 0:
+        text = text[text.find("\n", start) + 1:]
+    end = text.find("*** END OF")
+    if end >= 0:
+        text = text[:end]
+    return novel_text(text.split("\n"))
 
 
 def novel_text(lines: list[str | None]) -> str:
@@ -181,25 +203,37 @@ def novel_text(lines: list[str | None]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("novels", nargs="*", help="names such as emma, persuasion, prideprejudice")
-    ap.add_argument("--deb", type=Path, help="a downloaded r-cran-janeaustenr .deb")
-    ap.add_argument("--pkg-dir", type=Path, help="an unpacked janeaustenr R package folder")
-    ap.add_argument("--out-dir", type=Path, default=Path("bench-out/austen"))
-    ap.add_argument("--list", action="store_true", help="list the novels and their sizes")
+    ap.add_argument("novels", nargs="*", help="names such as emma, persuasion, prideprejudice, mobydick")
+    ap.add_argument("--deb", type=Path, help="a downloaded .deb of the package holding the texts asked for")
+    ap.add_argument("--pkg-dir", type=Path, help="an unpacked R package folder holding the texts asked for")
+    ap.add_argument("--out-dir", type=Path, default=Path("bench-out/texts"))
+    ap.add_argument("--list", action="store_true", help="list the texts and their sizes")
     args = ap.parse_args(argv)
-    objects = read_lazyload_db(_package_dir(args.deb, args.pkg_dir) / "data")
+    wanted = {("r-cran-tokenizers" if n in TOKENIZERS_TEXTS else "r-cran-janeaustenr") for n in args.novels}
     if args.list or not args.novels:
-        for name, lines in objects.items():
-            if isinstance(lines, list):
-                print(f"{name:16s} {len(lines):7d} lines {len(novel_text(lines)):9d} chars")
+        wanted = set(PACKAGES)
+    if (args.deb or args.pkg_dir) and len(wanted) > 1:
+        print("error: --deb / --pkg-dir hold one package; ask for texts of that package only", file=sys.stderr)
+        return 1
+    texts: dict[str, str] = {}
+    for package in sorted(wanted):
+        objects = read_lazyload_db(_package_dir(package, args.deb, args.pkg_dir) / "data")
+        for name, value in objects.items():
+            if isinstance(value, dict) and name in value:  # tokenizers: {"mobydick": "<the book>"}
+                texts[name] = gutenberg_text(value[name])
+            elif isinstance(value, list):
+                texts[name] = novel_text(value)
+    if args.list or not args.novels:
+        for name, text in texts.items():
+            print(f"{name:16s} {len(text):9d} chars")
         return 0
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for name in args.novels:
-        if name not in objects:
-            print(f"error: no novel {name!r}; have {', '.join(objects)}", file=sys.stderr)
+        if name not in texts:
+            print(f"error: no text {name!r}; have {', '.join(texts)}", file=sys.stderr)
             return 1
         path = args.out_dir / f"{name}.txt"
-        path.write_text(novel_text(objects[name]), encoding="utf-8")
+        path.write_text(texts[name], encoding="utf-8")
         print(path)
     return 0
 

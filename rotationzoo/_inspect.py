@@ -1,0 +1,489 @@
+"""Inspection of rotation files before anything in them is materialised.
+
+A hostile file can declare a tiny tensor backed by a huge storage, a stride-0 view that expands to
+terabytes, a deflated member that inflates to gigabytes, a million layers, or a pickle that runs
+code. Everything here reads only the archive's directory, the declared sizes and the pickle's
+opcode stream, so such a file is refused in milliseconds with a bounded amount of memory, before
+``torch.load`` allocates a single tensor. (Safetensors headers are checked in
+:mod:`rotationzoo._schema` with the same :class:`Limits` and :func:`check_view`.)
+
+The pickle in ``data.pkl`` is inspected in two passes: :func:`scan_pickle` walks the opcodes as
+:func:`pickletools.genops` does (allowed opcodes only, bounded count and memo indices, globals
+checked by name), then the standard library's pure-Python unpickler, whose ``find_class`` returns
+only this module's recording functions, rebuilds the plain containers with :class:`TensorMeta`
+records in place of tensors (and refuses dict keys whose hashes can be made to collide). No object
+from an arbitrary global is ever constructed.
+
+This module imports only the standard library and :mod:`rotationzoo.errors`.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import pickletools
+import re
+import reprlib
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import RotationFileError, UnsafeRotationFileError
+
+#: Largest ``d`` (rotation size) a file may declare; published files use 64 … 256.
+MAX_HEAD_DIM = 4096
+#: Most layers a file may hold; published files hold 8 … 36.
+MAX_LAYERS = 1024
+#: Most bytes a file's tensors may occupy, as stored or as loaded in fp32: 256 MiB, i.e. 1024
+#: layers of d=256 (the largest published file is 2.6 MB). The cap in force is
+#: ``min(max_bytes, max_layers * (max_head_dim**2 + max_head_dim) * 8)``, so expectations passed to
+#: :func:`read_rotation` tighten it (36 layers of d=128: 4.8 MB).
+MAX_BYTES = 256 << 20
+
+#: Element type and size of each storage class a ``torch.save`` pickle names.
+STORAGE_TYPES: dict[str, tuple[str, int]] = {
+    "FloatStorage": ("float32", 4), "DoubleStorage": ("float64", 8), "HalfStorage": ("float16", 2),
+    "BFloat16Storage": ("bfloat16", 2), "ByteStorage": ("uint8", 1), "CharStorage": ("int8", 1),
+    "ShortStorage": ("int16", 2), "IntStorage": ("int32", 4), "LongStorage": ("int64", 8),
+    "BoolStorage": ("bool", 1), "ComplexFloatStorage": ("complex64", 8),
+    "ComplexDoubleStorage": ("complex128", 16),
+}
+FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
+
+#: Storages may hold this many elements beyond what the tensors viewing them cover.
+STORAGE_SLACK = 1024
+#: Cap on any archive member other than ``data.pkl`` and the tensor records (``version``, ...).
+SMALL_MEMBER_BYTES = 1 << 20
+
+_TORCH_REBUILD_UNSUPPORTED = frozenset({
+    "_rebuild_sparse_tensor", "_rebuild_sparse_csr_tensor", "_rebuild_qtensor", "_rebuild_nested_tensor",
+    "_rebuild_meta_tensor_no_storage", "_rebuild_wrapper_subclass", "_rebuild_device_tensor_from_numpy",
+    "_rebuild_device_tensor_from_cpu_tensor", "_rebuild_xla_tensor", "_rebuild_mtia_tensor",
+})
+# What torch.save (pickle protocol 2) emits and torch.load(weights_only=True) reads, less NEWOBJ,
+# BUILD and EMPTY_SET; anything else is refused.
+_ALLOWED_OPCODES = frozenset(
+    "PROTO STOP MARK NONE NEWTRUE NEWFALSE BININT BININT1 BININT2 LONG1 BINFLOAT BINUNICODE SHORT_BINSTRING "
+    "EMPTY_LIST APPEND APPENDS EMPTY_TUPLE TUPLE TUPLE1 TUPLE2 TUPLE3 EMPTY_DICT SETITEM SETITEMS "
+    "BINPUT LONG_BINPUT BINGET LONG_BINGET GLOBAL REDUCE BINPERSID".split()
+)
+# Opcodes that build or call objects beyond the globals seen by name: a sign of a hostile file.
+_CODE_OPCODES = frozenset("BUILD NEWOBJ NEWOBJ_EX INST OBJ EXT1 EXT2 EXT4 PERSID".split())
+_STRING_OPS = frozenset({"BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8", "SHORT_BINSTRING"})
+_NON_PUSHING = frozenset({"PROTO", "FRAME", "PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE", "STOP"})
+#: No size, stride, offset or dict key in a sane file comes near this.
+BIG_INT = 1 << 62
+_MEMO_OPS = frozenset({"PUT", "BINPUT", "LONG_BINPUT", "GET", "BINGET", "LONG_BINGET"})
+_MEMO_PUT = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+_DECIMAL = re.compile(r"(0|[1-9][0-9]{0,17})\Z")  # ASCII digits only, canonical
+_repr = reprlib.Repr()
+_repr.maxlevel, _repr.maxstring, _repr.maxother, _repr.maxlist, _repr.maxdict = 2, 40, 40, 4, 4
+
+
+def safe_repr(x: Any) -> str:
+    """A short ``repr`` that is safe on deep, huge or self-referencing values from a hostile file."""
+    try:
+        return _repr.repr(x)
+    except Exception:  # a repr that fails is itself hostile; say what it is instead
+        return f"<{type(x).__name__}>"
+
+
+def exc_line(exc: BaseException) -> str:
+    """The first line of an exception message (or its type), for a one-line typed error."""
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
+
+
+def parse_index(x: Any) -> int | None:
+    """``x`` as a non-negative int if it is one or its plain ASCII decimal string, else ``None``."""
+    if type(x) is int and 0 <= x < BIG_INT:
+        return x
+    if isinstance(x, str) and _DECIMAL.match(x):
+        return int(x)
+    return None
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds a file must respect before it is loaded (see ``rotationzoo.format.MAX_HEAD_DIM``)."""
+
+    max_head_dim: int
+    max_layers: int
+    max_bytes: int
+    note: str = ""  # appended to refusals, e.g. "; the model's head_dim is 128"
+
+    @property
+    def max_tensors(self) -> int:
+        return 2 * self.max_layers  # one rotation and one eigenvalue vector per layer
+
+    @property
+    def max_pickle_bytes(self) -> int:
+        return 64 * 1024 + 1024 * self.max_layers  # published files: ~150 B per layer
+
+    @property
+    def max_pickle_ops(self) -> int:
+        return 1024 + 512 * self.max_layers  # published files: ~68 opcodes per layer
+
+    @property
+    def max_header_bytes(self) -> int:
+        return 64 * 1024 + 512 * self.max_tensors  # safetensors JSON header
+
+
+class StorageRef:
+    """A storage named by the pickle: record ``data/<key>`` of ``numel`` elements of ``dtype``."""
+
+    __slots__ = ("key", "dtype", "itemsize", "numel")
+
+    def __init__(self, key: str, dtype: str, itemsize: int, numel: int) -> None:
+        self.key, self.dtype, self.itemsize, self.numel = key, dtype, itemsize, numel
+
+
+class TensorMeta:
+    """What a tensor would be, without its data: dtype, shape, stride and where it lies."""
+
+    __slots__ = ("dtype", "shape", "stride", "offset", "storage")
+
+    def __init__(self, dtype: str, shape: tuple[int, ...], stride: tuple[int, ...], offset: int = 0,
+                 storage: StorageRef | None = None) -> None:
+        self.dtype, self.shape, self.stride, self.offset, self.storage = dtype, shape, stride, offset, storage
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def __repr__(self) -> str:
+        return f"TensorMeta({self.dtype}, {self.shape})"
+
+
+def refuse(name: str, what: str) -> RotationFileError:
+    """The error for a file refused before loading: ``<file>: refused before loading: <what>``."""
+    return RotationFileError(f"{name}: refused before loading: {what}")
+
+
+def check_view(name: str, t: TensorMeta, limits: Limits) -> None:
+    """Refuse empty, over-large, >2-D, stride-0, negative-stride or overlapping views."""
+    shape, stride = t.shape, t.stride
+    if len(shape) > 2:
+        raise refuse(name, f"a tensor of shape {shape}; rotation files hold [d, d] and [d] tensors")
+    if any(n < 1 for n in shape):
+        raise refuse(name, f"an empty tensor of shape {shape}")
+    dims = sorted((s, n) for s, n in zip(stride, shape) if n > 1)
+    reach = 0  # furthest element offset reached by the smaller-stride dims
+    for s, n in dims:
+        if s < 1:
+            raise refuse(name, f"a view with stride {stride} (stride-0 or negative: it repeats memory)")
+        if s <= reach:
+            raise refuse(name, f"a view with overlapping strides {stride} for shape {shape}")
+        reach += s * (n - 1)
+    if any(n > limits.max_head_dim for n in shape):
+        raise refuse(name, f"a tensor of shape {shape} exceeds max_head_dim={limits.max_head_dim}{limits.note}")
+    if t.storage is not None and t.offset + reach + 1 > t.storage.numel:
+        raise refuse(name, f"a view (offset {t.offset}, shape {shape}, stride {stride}) beyond its storage "
+                            f"of {t.storage.numel} elements")
+
+
+class _StorageType:
+    """Stands in for ``torch.FloatStorage`` and the like."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"torch.{self.name}"
+
+
+class _Recorder:
+    """Stands in for torch while the pickle is rebuilt: records storages and tensor views."""
+
+    def __init__(self, name: str, limits: Limits) -> None:
+        self.name, self.limits = name, limits
+        self.storages: dict[str, StorageRef] = {}
+        self.tensors: list[TensorMeta] = []
+
+    def find(self, module: str, qualname: str) -> Any:
+        if module == "torch._utils" and qualname == "_rebuild_tensor_v2":
+            return self.rebuild_tensor
+        if module == "torch._utils" and qualname == "_rebuild_parameter":
+            return self.rebuild_parameter
+        if module == "collections" and qualname == "OrderedDict":
+            return self.ordered_dict
+        if module == "_codecs" and qualname == "encode":  # how protocol 2 pickles bytes
+            return _latin1_bytes
+        if module == "torch" and qualname in STORAGE_TYPES:
+            return _StorageType(qualname)
+        if module == "torch._utils" and qualname in _TORCH_REBUILD_UNSUPPORTED:
+            raise RotationFileError(
+                f"{self.name}: holds a tensor kind rotation files do not use ({module}.{qualname}); "
+                "save dense tensors (rotation.to_dense().contiguous())"
+            )
+        raise UnsafeRotationFileError(
+            f"{self.name}: refused to load: its pickle references {safe_repr(f'{module}.{qualname}')}, "
+            "which a rotation file never needs (it holds only tensors and plain data); do not trust this file"
+        )
+
+    def persistent_load(self, pid: Any) -> StorageRef:
+        if not (type(pid) is tuple and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageType)):
+            raise refuse(self.name, f"an unexpected persistent id {safe_repr(pid)}")
+        _, storage_type, key, location, numel = pid
+        dtype, itemsize = STORAGE_TYPES[storage_type.name]
+        if parse_index(key) is None or not isinstance(location, str) or type(numel) is not int or not 0 <= numel < BIG_INT:
+            raise refuse(self.name, f"a malformed storage reference {safe_repr(pid)}")
+        if numel * itemsize > self.limits.max_bytes:
+            raise refuse(self.name, f"a storage of {numel * itemsize} bytes exceeds max_bytes={self.limits.max_bytes}{self.limits.note}")
+        seen = self.storages.get(key)
+        if seen is None:
+            seen = self.storages[key] = StorageRef(key, dtype, itemsize, numel)
+        elif (seen.dtype, seen.numel) != (dtype, numel):
+            raise refuse(self.name, f"storage {key} declared twice with different types or sizes")
+        return seen
+
+    def rebuild_tensor(self, storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any,
+                       hooks: Any, metadata: Any = None, *extra: Any) -> TensorMeta:
+        """``torch._utils._rebuild_tensor_v2``, same signature, recorded instead of built."""
+        ints = (lambda v: type(v) is tuple and all(type(i) is int and abs(i) < BIG_INT for i in v))
+        if (not isinstance(storage, StorageRef) or type(offset) is not int or not 0 <= offset < BIG_INT or not ints(size)
+                or not ints(stride) or len(size) != len(stride) or extra or metadata not in (None, {})
+                or type(requires_grad) is not bool or type(hooks) is not dict):
+            raise refuse(self.name, "a malformed tensor record (storage, offset, size, stride)")
+        if len(self.tensors) >= self.limits.max_tensors:
+            raise refuse(self.name, f"more than {self.limits.max_tensors} tensors (max_layers={self.limits.max_layers}{self.limits.note})")
+        t = TensorMeta(storage.dtype, size, stride, offset, storage)
+        check_view(self.name, t, self.limits)
+        self.tensors.append(t)
+        return t
+
+    def rebuild_parameter(self, data: Any, requires_grad: Any, hooks: Any) -> TensorMeta:
+        if not isinstance(data, TensorMeta) or type(requires_grad) is not bool or type(hooks) is not dict:
+            raise refuse(self.name, "a parameter record without a tensor")
+        return data
+
+    def ordered_dict(self, *args: Any) -> dict:
+        if args:
+            raise refuse(self.name, "an OrderedDict built from arguments")
+        return {}
+
+
+def _latin1_bytes(text: Any, encoding: Any = "utf-8", *rest: Any) -> bytes:
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1") or rest:
+        raise RotationFileError("malformed bytes record in the pickle")
+    return text.encode("latin1")
+
+
+class _InspectingUnpickler(pickle._Unpickler):  # the stdlib's pure-Python unpickler
+    """Rebuilds containers only; globals resolve to :class:`_Recorder` methods; dict keys are checked.
+
+    Keys must be strings, bytes, None, floats or ints below 2**62: the hashes of tuples (and of
+    huge ints) can be made to collide at will, which turns building a dict quadratic.
+    """
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
+    def __init__(self, data: bytes, recorder: _Recorder) -> None:
+        super().__init__(io.BytesIO(data))
+        self._rec = recorder
+
+    def find_class(self, module: str, name: str) -> Any:
+        return self._rec.find(module, name)
+
+    def persistent_load(self, pid: Any) -> Any:
+        return self._rec.persistent_load(pid)
+
+    def _set(self, d: Any, items: list) -> None:
+        if type(d) is not dict:
+            raise refuse(self._rec.name, f"a dict item set on a {type(d).__name__}")
+        for key in items[::2]:
+            if not (type(key) in (str, bytes, float, bool) or key is None or (type(key) is int and abs(key) < BIG_INT)):
+                raise refuse(self._rec.name, f"a dict key of type {type(key).__name__} ({safe_repr(key)})")
+        for i in range(0, len(items), 2):
+            d[items[i]] = items[i + 1]
+
+    def load_setitem(self) -> None:
+        value, key = self.stack.pop(), self.stack.pop()  # type: ignore[attr-defined]
+        self._set(self.stack[-1], [key, value])  # type: ignore[attr-defined]
+
+    def load_setitems(self) -> None:
+        items = self.pop_mark()  # type: ignore[attr-defined]
+        self._set(self.stack[-1], items)  # type: ignore[attr-defined]
+
+    dispatch[pickle.SETITEM[0]] = load_setitem  # type: ignore[assignment]
+    dispatch[pickle.SETITEMS[0]] = load_setitems  # type: ignore[assignment]
+
+
+def scan_pickle(data: bytes, name: str, limits: Limits, recorder: _Recorder) -> None:
+    """Walk the opcodes without executing any, as :func:`pickletools.genops` does.
+
+    Refuses opcodes that build objects (before reading their argument), memo slots and opcode
+    counts beyond the limits, and any global not admitted by :meth:`_Recorder.find`, including
+    those a protocol-4 ``STACK_GLOBAL`` names. Opcodes ``torch.load(weights_only=True)`` cannot
+    read are refused after the walk, so that a refused global is named first.
+    """
+    stream, n, op, unsupported = io.BytesIO(data), 0, None, None
+    recent: list[Any] = [None, None]  # the last two values pushed, when strings (STACK_GLOBAL's names)
+    memo: dict[int, Any] = {}
+    while op is None or op.name != "STOP":
+        code = stream.read(1)
+        op = pickletools.code2op.get(code.decode("latin-1")) if code else None  # type: ignore[attr-defined]
+        if op is None:
+            raise ValueError(f"unknown opcode {code!r} at byte {stream.tell() - 1}" if code else "no STOP opcode")
+        n += 1
+        if n > limits.max_pickle_ops:
+            raise refuse(name, f"its pickle has more than {limits.max_pickle_ops} opcodes (max_layers={limits.max_layers})")
+        if op.name in _CODE_OPCODES:  # refused before its argument is even decoded
+            raise UnsafeRotationFileError(
+                f"{name}: refused to load: its pickle uses opcode {op.name}, which builds arbitrary objects; "
+                "rotation files hold only tensors and plain data; do not trust this file"
+            )
+        if op.name not in _ALLOWED_OPCODES:
+            unsupported = unsupported or op.name
+            if op.name == "STRING":  # a protocol-0 text pickle: not torch's; stop here
+                break
+        arg = op.arg.reader(stream) if op.arg is not None else None
+        if op.name in _MEMO_OPS and not (isinstance(arg, int) and 0 <= arg < limits.max_pickle_ops):
+            raise refuse(name, f"its pickle uses memo slot {safe_repr(arg)}")
+        if op.name == "GLOBAL":
+            module, _, qualname = str(arg).partition(" ")
+            recorder.find(module, qualname)
+        elif op.name == "STACK_GLOBAL":
+            if not all(isinstance(x, str) for x in recent):
+                raise UnsafeRotationFileError(f"{name}: refused to load: its pickle computes the name of a global; "
+                                              "do not trust this file")
+            recorder.find(*recent)
+        if op.name in _MEMO_PUT or op.name == "MEMOIZE":
+            memo[arg if op.name in _MEMO_PUT else len(memo)] = recent[-1]  # type: ignore[index]
+        elif op.name not in _NON_PUSHING:
+            pushed = memo.get(arg) if op.name in ("GET", "BINGET", "LONG_BINGET") else arg  # type: ignore[arg-type]
+            recent = [recent[-1], pushed if op.name in _STRING_OPS or isinstance(pushed, str) else None]
+    if unsupported:
+        raise RotationFileError(
+            f"{name}: its pickle uses opcode {unsupported}, which torch.load(weights_only=True) does not read; "
+            "re-save the file with torch.save's default pickle protocol"
+        )
+
+
+def inspect_pickle(data: bytes, name: str, limits: Limits) -> tuple[Any, _Recorder]:
+    """Rebuild ``data.pkl`` with :class:`TensorMeta` records for tensors; typed errors only."""
+    rec = _Recorder(name, limits)
+    try:
+        scan_pickle(data, name, limits, rec)
+        obj = _InspectingUnpickler(data, rec).load()
+    except RotationFileError:
+        raise
+    except Exception as exc:  # anything the stdlib raises on malformed bytes
+        raise RotationFileError(f"{name}: its pickle is damaged ({type(exc).__name__}: {exc_line(exc)}); "
+                                "re-download the file") from None
+    return obj, rec
+
+
+def check_storage_use(name: str, rec: _Recorder, limits: Limits) -> None:
+    """Refuse storages much larger than the views on them, and totals beyond ``max_bytes``."""
+    covered: dict[str, dict[tuple, int]] = {}
+    for t in rec.tensors:
+        covered.setdefault(t.storage.key, {})[(t.offset, t.shape, t.stride)] = t.numel  # type: ignore[union-attr]
+    total = 0
+    for key, s in rec.storages.items():
+        used = sum(covered.get(key, {}).values())
+        if s.numel > used + STORAGE_SLACK:
+            raise refuse(name, f"storage {key} holds {s.numel} elements but its tensors use {used}")
+        total += s.numel * s.itemsize
+    out = sum(t.numel for t in rec.tensors) * 4  # what loading materialises as fp32
+    if max(total, out) > limits.max_bytes:
+        raise refuse(name, f"its tensors need {max(total, out)} bytes, more than max_bytes={limits.max_bytes}{limits.note}")
+
+
+def _member_kind(rest: str) -> str:
+    if rest == "data.pkl":
+        return "pickle"
+    if rest.startswith("data/") and parse_index(rest[5:]) is not None:
+        return "record"
+    return "other"
+
+
+def check_members(name: str, infos: list[zipfile.ZipInfo], limits: Limits) -> tuple[str, dict[str, zipfile.ZipInfo]]:
+    """Check the archive directory; return ``data.pkl``'s name and the tensor records by key."""
+    if len(infos) > 16 + limits.max_tensors:
+        raise refuse(name, f"the archive has {len(infos)} members (max_layers={limits.max_layers})")
+    prefixes, names, records, pkl, total = set(), set(), {}, None, 0
+    for info in infos:
+        prefix, sep, rest = info.filename.partition("/")
+        if not sep or not rest or prefix in ("", ".", "..") or "\\" in info.filename or "\0" in info.filename:
+            raise refuse(name, f"an archive member named {safe_repr(info.filename)}")
+        if info.filename in names:
+            raise refuse(name, f"the archive holds {safe_repr(info.filename)} twice")
+        names.add(info.filename)
+        prefixes.add(prefix)
+        if info.flag_bits & 0x1 or info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+            raise refuse(name, f"member {safe_repr(rest)} is encrypted or uses compression {info.compress_type}")
+        kind = _member_kind(rest)
+        cap, label = {"pickle": (limits.max_pickle_bytes, f"limit for max_layers={limits.max_layers}"),
+                      "record": (limits.max_bytes, "max_bytes"), "other": (SMALL_MEMBER_BYTES, "limit")}[kind]
+        if info.file_size > cap:
+            raise refuse(name, f"member {safe_repr(rest)} declares {info.file_size} bytes ({label}={cap}{limits.note})")
+        if kind == "record":
+            records[rest[5:]] = info
+            total += info.file_size
+        elif kind == "pickle":
+            pkl = info.filename
+    if len(prefixes) != 1 or pkl is None:
+        raise RotationFileError(f"{name}: not a torch archive (expected one folder with data.pkl); re-save it with torch.save")
+    if total > limits.max_bytes:
+        raise refuse(name, f"its tensor records declare {total} bytes, more than max_bytes={limits.max_bytes}{limits.note}")
+    return pkl, records
+
+
+def inspect_torch_zip(path: Path, limits: Limits) -> tuple[Any, _Recorder]:
+    """Check a torch ``.pt`` zip archive and its pickle; return the pickle rebuilt with metadata only.
+
+    Raises:
+        UnsafeRotationFileError: the pickle references a global other than torch's dense tensor rebuild.
+        RotationFileError: damaged archive, or a declared size, view or count beyond ``limits``.
+    """
+    name = str(path)
+    try:
+        with zipfile.ZipFile(path) as zf:
+            if zf.comment or min((i.header_offset for i in zf.infolist()), default=0) != 0:
+                # torch.save writes neither; either lets two zip readers disagree on the contents
+                raise refuse(name, "a zip with a comment or with data before its first member")
+            pkl, records = check_members(name, zf.infolist(), limits)
+            data = zf.read(pkl)  # zipfile checks the CRC; size already bounded
+            obj, rec = inspect_pickle(data, name, limits)
+            for key, s in rec.storages.items():
+                info = records.get(key)
+                if info is None or info.file_size != s.numel * s.itemsize:
+                    found = "missing" if info is None else f"{info.file_size} bytes"
+                    raise refuse(name, f"storage {key} declares {s.numel * s.itemsize} bytes, its record is {found}")
+            unused = sorted(set(records) - set(rec.storages))
+            if unused:
+                raise refuse(name, f"the archive holds tensor records no tensor uses ({', '.join(unused[:4])})")
+            check_storage_use(name, rec, limits)
+            bad = zf.testzip()  # every remaining member, now that sizes are bounded
+    except RotationFileError:
+        raise
+    except Exception as exc:  # zipfile raises many types on damaged bytes
+        raise RotationFileError(f"{name}: damaged zip archive ({type(exc).__name__}: {exc_line(exc)}); "
+                                "re-download the file") from None
+    if bad is not None:
+        raise RotationFileError(f"{name}: damaged zip member {safe_repr(bad)} (CRC mismatch); re-download the file")
+    return obj, rec
+
+
+def refuse_legacy_pickle(path: Path, limits: Limits) -> None:
+    """Refuse a pre-zip (legacy) torch file, naming any code it would run; always raises."""
+    name = str(path)
+    with open(path, "rb") as f:
+        data = f.read(limits.max_pickle_bytes)
+    try:
+        inspect_pickle(data, name, limits)
+    except UnsafeRotationFileError:
+        raise
+    except RotationFileError:
+        pass
+    raise RotationFileError(
+        f"{name}: legacy (non-zip) torch serialization is not supported; re-save it with torch.save "
+        "from torch >= 1.6 or write safetensors"
+    )

@@ -1,0 +1,262 @@
+"""What a rotation file may hold: format versions, size limits, and the structure checks.
+
+The checks of the authors' dict (see :mod:`rotationzoo.format`) run twice on every file: first on
+the :class:`~rotationzoo._inspect.TensorMeta` records rebuilt from a ``.pt`` pickle or a
+safetensors header (before anything is loaded), then on the tensors actually read. They are
+written once here, for both. The safetensors header check lives here too.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from ._inspect import (
+    BIG_INT,
+    MAX_BYTES,
+    MAX_HEAD_DIM,
+    MAX_LAYERS,
+    FLOAT_DTYPES,
+    Limits,
+    TensorMeta,
+    check_view,
+    exc_line,
+    parse_index,
+    refuse,
+    safe_repr,
+)
+from .errors import RotationFileError, UnsupportedFormatError
+
+#: The newest integer ``format_version`` this release reads and writes.
+FORMAT_VERSION = 1
+#: String format versions also understood (the authors' VL branch identity files).
+STRING_FORMAT_VERSIONS = ("identity-v1",)
+
+#: Oldest torch allowed to ``torch.load`` a file: ``weights_only=True`` can run code before 2.6
+#: (CVE-2025-32434).
+MIN_TORCH = (2, 6)
+
+#: safetensors dtype codes, mapped to the same names.
+SAFETENSORS_DTYPES: dict[str, tuple[str, int]] = {
+    "F16": ("float16", 2), "BF16": ("bfloat16", 2), "F32": ("float32", 4), "F64": ("float64", 8),
+    "U8": ("uint8", 1), "I8": ("int8", 1), "I16": ("int16", 2), "I32": ("int32", 4), "I64": ("int64", 8),
+    "BOOL": ("bool", 1),
+}
+_MAX_TEXT = 1024  # objective, source_grouping
+
+
+def parse(obj: Any, name: str, limits: Limits) -> tuple[Any, list[tuple[int, Any, Any]], str, str]:
+    """Check the dict's structure; works on tensors and on :class:`TensorMeta` records alike.
+
+    Returns:
+        ``(format_version, [(layer_id, rotation, eigenvalues or None)] sorted by id, objective,
+        source_grouping)``.
+    """
+    if not isinstance(obj, Mapping):
+        raise RotationFileError(f"{name}: expected a dict with 'format_version' and 'layers', got {type(obj).__name__}")
+    version = obj.get("format_version", FORMAT_VERSION)
+    check_format_version(version, name)
+    if "layers" not in obj:
+        keys = ", ".join(safe_repr(k) for k in list(obj)[:8]) or "none"
+        raise RotationFileError(f"{name}: no 'layers' entry (keys: {keys}); not a rotation file")
+    layers = obj["layers"]
+    if not isinstance(layers, Mapping) or not layers:
+        raise RotationFileError(f"{name}: 'layers' must be a non-empty dict of layer id -> entry")
+    if len(layers) > limits.max_layers:
+        raise RotationFileError(f"{name}: {len(layers)} layers, more than max_layers={limits.max_layers}{limits.note}")
+    parsed: dict[int, tuple[int, Any, Any]] = {}
+    for key, entry in layers.items():
+        lid = _layer_key(key, entry, name)
+        if lid in parsed:
+            raise RotationFileError(f"{name}: layer {lid} appears twice (key {safe_repr(key)})")
+        if _is_tensor(entry):  # flat {layer: matrix} variant
+            rot, eig = entry, None
+        elif isinstance(entry, Mapping) and "rotation" in entry:
+            rot, eig = entry["rotation"], entry.get("eigenvalues")
+        else:
+            raise RotationFileError(f"{name}: layer {lid}: expected a dict with a 'rotation' tensor")
+        _check_tensor(rot, "rotation", lid, name, limits)
+        shape = tuple(rot.shape)
+        if len(shape) != 2 or shape[0] != shape[1]:
+            raise RotationFileError(f"{name}: layer {lid}: rotation must be a square [d, d] matrix, got {shape}")
+        if eig is not None:
+            _check_tensor(eig, "eigenvalues", lid, name, limits)
+        parsed[lid] = (lid, rot, eig)
+    rows = sorted(parsed.values(), key=lambda t: t[0])
+    dims = {p[1].shape[0] for p in rows}
+    if len(dims) != 1:
+        detail = ", ".join(f"layer {lid}: {rot.shape[0]}" for lid, rot, _ in rows[:6])
+        raise RotationFileError(f"{name}: layers have different head_dims ({detail})")
+    d = dims.pop()
+    loaded = len(rows) * (d * d + d) * 4  # fp32 after stacking; layers may share one stored tensor
+    if loaded > limits.max_bytes:
+        raise RotationFileError(f"{name}: {len(rows)} layers of d={d} need {loaded} bytes loaded, more than "
+                                f"max_bytes={limits.max_bytes}{limits.note}")
+    for lid, _, eig in rows:
+        if eig is not None and tuple(eig.shape) != (d,):
+            raise RotationFileError(f"{name}: layer {lid}: eigenvalues must have shape [{d}], got {tuple(eig.shape)}")
+    return version, rows, _text(obj, "objective", "unknown", name), _text(obj, "source_grouping", "layer", name)
+
+
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, (torch.Tensor, TensorMeta))
+
+
+def _layer_key(key: Any, entry: Any, name: str) -> int:
+    lid = parse_index(key)
+    if lid is None:
+        raise RotationFileError(
+            f"{name}: layer key {safe_repr(key)} is not an integer layer index (expected a non-negative int "
+            "or its ASCII decimal string)"
+        )
+    if isinstance(entry, Mapping) and "layer_id" in entry and parse_index(entry["layer_id"]) != lid:
+        raise RotationFileError(
+            f"{name}: layer key {safe_repr(key)} disagrees with its layer_id {safe_repr(entry['layer_id'])}"
+        )
+    return lid
+
+
+def _check_tensor(t: Any, what: str, lid: int, name: str, limits: Limits) -> None:
+    if not _is_tensor(t):
+        raise RotationFileError(f"{name}: layer {lid}: '{what}' is {type(t).__name__}, not a tensor")
+    if isinstance(t, TensorMeta):
+        floating, dtype = t.dtype in FLOAT_DTYPES, t.dtype
+    else:
+        if t.layout != torch.strided:
+            raise RotationFileError(f"{name}: layer {lid}: '{what}' is a {t.layout} tensor; save dense tensors")
+        floating, dtype = t.is_floating_point(), str(t.dtype)
+    if not floating:
+        raise RotationFileError(f"{name}: layer {lid}: {what} dtype {dtype} is not floating point")
+    shape = tuple(t.shape)
+    if not shape or len(shape) > 2 or min(shape) < 1:
+        raise RotationFileError(f"{name}: layer {lid}: {what} has shape {shape}; expected [d, d] or [d] with d >= 1")
+    if max(shape) > limits.max_head_dim:
+        raise RotationFileError(
+            f"{name}: layer {lid}: {what} of shape {shape} exceeds max_head_dim={limits.max_head_dim}{limits.note}"
+        )
+
+
+def _text(obj: Mapping, key: str, default: str, name: str) -> str:
+    value = obj.get(key, default)
+    if not isinstance(value, str) or len(value) > _MAX_TEXT:
+        raise RotationFileError(f"{name}: '{key}' must be a string of at most {_MAX_TEXT} characters, "
+                                f"got {safe_repr(value)}")
+    return value
+
+
+def check_format_version(version: Any, name: str) -> None:
+    if isinstance(version, bool):
+        raise UnsupportedFormatError(f"{name}: format_version {version!r} is not a version")
+    if isinstance(version, int):
+        if version > FORMAT_VERSION:
+            raise UnsupportedFormatError(
+                f"{name}: written by a newer format version ({safe_repr(version)}); this rotationzoo reads up to "
+                f"{FORMAT_VERSION}; upgrade rotationzoo (pip install -U rotationzoo)"
+            )
+        if version < 1:
+            raise UnsupportedFormatError(f"{name}: format_version {safe_repr(version)} is not valid (expected 1)")
+        return
+    if isinstance(version, str) and version in STRING_FORMAT_VERSIONS:
+        return
+    raise UnsupportedFormatError(
+        f"{name}: unknown format_version {safe_repr(version)}; expected 1 or one of {', '.join(STRING_FORMAT_VERSIONS)}"
+    )
+
+
+def make_limits(max_head_dim: int = MAX_HEAD_DIM, max_layers: int = MAX_LAYERS, max_bytes: int = MAX_BYTES,
+                *, head_dim: int | None = None, num_layers: int | None = None) -> Limits:
+    """The :class:`~rotationzoo._inspect.Limits` in force: the maxima, tightened by expectations."""
+    note = ""
+    if head_dim is not None:
+        max_head_dim = min(max_head_dim, int(head_dim))
+        note += f"; the model's head_dim is {head_dim}"
+    if num_layers is not None:
+        max_layers = min(max_layers, int(num_layers))
+        note += f"; the model has {num_layers} layers"
+    if min(max_head_dim, max_layers, max_bytes) < 1:
+        raise RotationFileError(f"limits must be positive: max_head_dim={max_head_dim}, max_layers={max_layers}, "
+                                f"max_bytes={max_bytes}")
+    derived = max_layers * (max_head_dim * max_head_dim + max_head_dim) * 8
+    return Limits(max_head_dim=max_head_dim, max_layers=max_layers, max_bytes=min(max_bytes, derived), note=note)
+
+
+# -- safetensors header ----------------------------------------------------------------------------
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {safe_repr(k)}")
+        out[k] = v
+    return out
+
+
+def inspect_safetensors(path: Path, limits: Limits) -> tuple[dict[str, str], dict[str, TensorMeta]]:
+    """Check a safetensors header (dtypes, shapes, data_offsets) before any tensor is read.
+
+    Returns:
+        The string metadata and a :class:`TensorMeta` per tensor name.
+    """
+    name = str(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if n > limits.max_header_bytes or 8 + n > size:
+            raise refuse(name, f"its safetensors header declares {n} bytes (file {size}, limit {limits.max_header_bytes})")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except (ValueError, RecursionError) as exc:
+        raise RotationFileError(f"{name}: damaged safetensors header ({exc_line(exc)}); re-download the file") from None
+    if not isinstance(header, dict):
+        raise RotationFileError(f"{name}: damaged safetensors header (not a JSON object)")
+    meta = header.pop("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise RotationFileError(f"{name}: safetensors __metadata__ must map strings to strings")
+    if len(header) > limits.max_tensors:
+        raise refuse(name, f"{len(header)} tensors (max_layers={limits.max_layers})")
+    data_len, tensors, spans = size - 8 - n, {}, []
+    for key, entry in header.items():
+        t, span = _safetensors_entry(name, key, entry, limits, data_len)
+        tensors[key] = t
+        spans.append(span)
+    spans.sort()
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        if start < end:
+            raise refuse(name, "safetensors tensors overlap")
+    total = sum(e - s for s, e in spans)
+    if max(total, sum(t.numel for t in tensors.values()) * 4) > limits.max_bytes:
+        raise refuse(name, f"its tensors need more than max_bytes={limits.max_bytes}{limits.note}")
+    return meta, tensors
+
+
+def _safetensors_entry(name: str, key: str, entry: Any, limits: Limits, data_len: int) -> tuple[TensorMeta, tuple[int, int]]:
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        raise RotationFileError(f"{name}: damaged safetensors entry {safe_repr(key)}")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    ints = (lambda v: isinstance(v, list) and all(type(i) is int and abs(i) < BIG_INT for i in v))
+    if dtype not in SAFETENSORS_DTYPES or not ints(shape) or not ints(offsets) or len(offsets) != 2:
+        raise RotationFileError(f"{name}: damaged safetensors entry {safe_repr(key)} "
+                                f"(dtype {safe_repr(dtype)}, shape {safe_repr(shape)})")
+    dname, itemsize = SAFETENSORS_DTYPES[dtype]
+    shape_t = tuple(shape)
+    stride = tuple(_contiguous_strides(shape_t))
+    t = TensorMeta(dname, shape_t, stride)
+    check_view(f"{name}: tensor {safe_repr(key)}", t, limits)
+    start, end = offsets
+    if not 0 <= start <= end <= data_len or end - start != t.numel * itemsize:
+        raise refuse(name, f"tensor {safe_repr(key)} has data_offsets {offsets} for {t.numel} elements "
+                            f"of {dtype} in {data_len} bytes of data")
+    return t, (start, end)
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> list[int]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return strides[::-1]

@@ -1,0 +1,73 @@
+"""Option aliases shared by every command, with choices taken from :mod:`rotationzoo.vocab`.
+
+One name per knob: the INT2-KV options are the :class:`~rotationzoo.int2kv.Int2KVConfig` field
+names (``--k-clip-ratio`` is ``k_clip_ratio``), and every choice list is the library's own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import click
+import typer
+from typer.core import TyperGroup
+
+from .. import vocab
+from ._output import json_requested
+
+
+class Group(TyperGroup):
+    """typer's group, suggesting a misspelt command once (click >= 8.4 already adds the suggestion
+    that typer appends again)."""
+
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> Any:
+        try:
+            return super().resolve_command(ctx, args)
+        except click.UsageError as exc:
+            if getattr(exc, "possibilities", None):  # click's own suggestion: drop typer's copy
+                exc.message = exc.message.split(" Did you mean")[0]  # type: ignore[misc]
+            raise
+
+
+def choice(values: tuple[str, ...]) -> click.Choice:
+    return click.Choice(list(values))
+
+
+JsonOpt = Annotated[bool, typer.Option("--json", callback=json_requested,
+                                       help="Print machine-readable JSON on stdout (errors too).")]
+CacheDirOpt = Annotated[Optional[Path], typer.Option(
+    "--cache-dir", help="Cache root (default: $ROTATIONZOO_CACHE or the user cache dir).")]
+OfflineOpt = Annotated[bool, typer.Option("--offline", help="Use only the cache; never touch the network.")]
+TagOpt = Annotated[Optional[str], typer.Option("--tag", "-t", help="Calibration tag (default: the model's default tag).")]
+ModelArg = Annotated[str, typer.Argument(help="Model id or alias, case-insensitive (e.g. Qwen3-8B; MODEL@TAG works too).")]
+SourceOpt = Annotated[str, typer.Option(
+    "--source", click_type=choice(vocab.SOURCE_CHOICES),
+    help="auto (the entry's order, with failover) or one source type.")]
+RevisionOpt = Annotated[Optional[str], typer.Option("--revision", help="Hub revision override (branch, tag or commit sha).")]
+SideOpt = Annotated[Optional[str], typer.Option("--side", click_type=choice(vocab.SIDES),
+                                                help="k | v: which side a single file is, or which side to keep.")]
+RotationsHelp = ("a folder with k_rotation*.pt + v_rotation*.pt, 'K.pt,V.pt', an exported .safetensors/.gguf file, "
+                 "or a registry id MODEL[@TAG]")
+
+# -- INT2-KV settings (Int2KVConfig fields); None = keep the default / the entry's serving value --
+KClipOpt = Annotated[Optional[float], typer.Option("--k-clip-ratio", help="Per-row clip ratio of keys (0 disables).")]
+VClipOpt = Annotated[Optional[float], typer.Option("--v-clip-ratio", help="Per-row clip ratio of values (0 disables).")]
+GroupOpt = Annotated[Optional[int], typer.Option(
+    "--group-size", "-g", help="INT2 group size G (default: the entry's, else head_dim: one pair per row).")]
+PrefixOpt = Annotated[Optional[int], typer.Option("--prefix-tokens", help="Sink tokens kept in hp_dtype.")]
+RecentOpt = Annotated[Optional[int], typer.Option("--recent-tokens", help="Recent tokens kept in hp_dtype.")]
+HpDtypeOpt = Annotated[Optional[str], typer.Option("--hp-dtype", click_type=choice(vocab.DTYPE_NAMES),
+                                                   help="dtype of the window tokens.")]
+ScaleDtypeOpt = Annotated[Optional[str], typer.Option("--scale-dtype", click_type=choice(vocab.DTYPE_NAMES),
+                                                      help="dtype of the stored scale/zero (float32: SGLang's default).")]
+LloydMaxOpt = Annotated[Optional[bool], typer.Option("--lloyd-max/--no-lloyd-max",
+                                                     help="Approximate Lloyd-Max INT2 levels (needs G = head_dim).")]
+ClipSearchOpt = Annotated[Optional[str], typer.Option(
+    "--clip-search", click_type=choice(vocab.CLIP_SEARCHES),
+    help="exact (SGLang's prefill store) or bisect (its decode-flush search, applied to every INT2 row).")]
+
+
+def config_changes(**knobs: Any) -> dict[str, Any]:
+    """The INT2-KV knobs given on the command line (``None`` = not given)."""
+    return {k: v for k, v in knobs.items() if v is not None}

@@ -1,0 +1,123 @@
+"""What is evaluated: the unquantized model, INT2 without rotation, Hadamard, or any rotation pair.
+
+Rotations come from :func:`rotationzoo.pair.resolve_pair` (a folder, ``k.pt,v.pt``, an exported
+file, ``MODEL[@TAG]``, a fit result). Every rotation method can be evaluated over sign draws:
+``R·D`` with ``D`` a seeded random ±1 diagonal per layer (and KV head) and side, an equally valid
+variant of the same rotation (the method's math does not change, its rounding does).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from ..errors import EvaluationError
+from ..hadamard import hadamard_matrix
+from ..int2kv import Int2KVConfig
+from ..integrations.transformers import ModelShape, OscarKV
+from ..pair import RotationPair, resolve_pair
+
+MethodKind = Literal["fp", "none", "hadamard", "rotations"]
+#: Names with a built-in meaning in ``--methods``.
+BUILTIN_METHODS: tuple[str, ...] = ("fp", "none", "hadamard")
+
+
+@dataclass
+class MethodSpec:
+    """One KV treatment to evaluate.
+
+    Attributes:
+        name: short name in reports (``fp``, ``none``, ``hadamard``, ``oscar``, ``refined``, ...).
+        kind: ``"fp"`` (the model unchanged), ``"none"`` (INT2 without rotation), ``"hadamard"``
+            (the normalised Sylvester Hadamard ``H_d`` for K and V in every layer), or
+            ``"rotations"`` (``pair``).
+        pair: the rotations of a ``"rotations"`` method.
+        source: where they came from, for the report.
+    """
+
+    name: str
+    kind: MethodKind = "rotations"
+    pair: RotationPair | None = None
+    source: str | None = None
+    objectives: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def fp(cls) -> "MethodSpec":
+        return cls("fp", kind="fp")
+
+    @classmethod
+    def none(cls) -> "MethodSpec":
+        return cls("none", kind="none")
+
+    @classmethod
+    def hadamard(cls) -> "MethodSpec":
+        return cls("hadamard", kind="hadamard", objectives={"k": "hadamard", "v": "hadamard"})
+
+    @classmethod
+    def from_source(cls, name: str, source: Any, *, offline: bool | None = None) -> "MethodSpec":
+        """Rotations from anything :func:`~rotationzoo.pair.resolve_pair` accepts (validated)."""
+        pair = resolve_pair(source, offline=offline)
+        missing = [s for s in ("k", "v") if s not in pair.sets]
+        if missing:
+            raise EvaluationError(f"{pair.source}: evaluation needs K and V rotations (missing {', '.join(missing)})")
+        desc = pair.entry.key if pair.entry is not None else (str(source) if isinstance(source, (str, os.PathLike))
+                                                                else pair.source)
+        return cls(name, pair=pair, source=desc, objectives=pair.objectives)
+
+    @property
+    def rotated(self) -> bool:
+        return self.kind in ("hadamard", "rotations")
+
+    def check_fits(self, shape: ModelShape) -> None:
+        """Refuse rotations that do not fit the model (one line, before anything runs).
+
+        Raises:
+            EvaluationError: different head_dim, layers, or KV-head count of per-head rotations.
+        """
+        if self.pair is None:
+            return
+        p = self.pair
+        if p.head_dim != shape.head_dim:
+            raise EvaluationError(f"method {self.name!r}: rotations are {p.head_dim}×{p.head_dim}, "
+                                  f"the model's head_dim is {shape.head_dim} ({p.source})")
+        if tuple(p.layer_ids) != tuple(shape.layer_ids):
+            raise EvaluationError(f"method {self.name!r}: rotations cover {len(p.layer_ids)} layers "
+                                  f"({_ids(p.layer_ids)}), the model has {len(shape.layer_ids)} ({p.source})")
+        for side, rs in p:
+            if rs.rotations.dim() == 4 and rs.rotations.shape[1] != shape.num_kv_heads:
+                raise EvaluationError(f"method {self.name!r}: per-KV-head {side.upper()} rotations for "
+                                      f"{rs.rotations.shape[1]} heads, the model has {shape.num_kv_heads}")
+
+    def oscar(self, shape: ModelShape, config: Int2KVConfig, *, draw: int | None = None, seed: int = 0,
+              backend: str = "auto") -> OscarKV | None:
+        """The :class:`OscarKV` of this method (``None`` for ``fp``), with sign draw ``draw`` applied."""
+        if self.kind == "fp":
+            return None
+        if self.kind == "none":
+            return OscarKV(None, None, config=config, backend=backend)
+        if self.kind == "hadamard":
+            h = hadamard_matrix(shape.head_dim, dtype=torch.float32).expand(len(shape.layer_ids), -1, -1)
+            k = v = h.contiguous()
+        else:
+            assert self.pair is not None
+            k, v = self.pair.k.rotations, self.pair.v.rotations
+        if draw is not None:
+            k, v = sign_flip(k, draw, seed, "k"), sign_flip(v, draw, seed, "v")
+        return OscarKV(k, v, layer_ids=shape.layer_ids, config=config, backend=backend)
+
+
+def _ids(ids: tuple[int, ...]) -> str:
+    return ", ".join(map(str, ids[:6])) + (" ..." if len(ids) > 6 else "")
+
+
+def sign_flip(rotations: torch.Tensor, draw: int, seed: int, side: str) -> torch.Tensor:
+    """``R·D``: the columns of every matrix of ``rotations [..., d, d]`` multiplied by seeded ±1.
+
+    The signs depend on ``(seed, draw, side)`` only, so draw ``k`` flips every method the same way.
+    """
+    g = torch.Generator().manual_seed((int(seed) * 1_000_003 + int(draw) * 2 + (side == "v")) % (2**63))
+    signs = torch.randint(0, 2, rotations.shape[:-2] + (1, rotations.shape[-1]), generator=g).float() * 2 - 1
+    return rotations * signs.to(rotations.device, rotations.dtype)

@@ -1,0 +1,206 @@
+"""How an evaluation reads the text: scoring windows, INT2 exposure, and the copy probe.
+
+Windows: the text's token ids are cut into windows of ``context`` tokens (each one forward,
+``stride`` apart, non-overlapping by default); in each window every position but the first is a
+scored target. The model's context length is the default ``context``, so that INT2 keys dominate
+what a token attends to, as in long generation.
+
+INT2 exposure: query position ``i`` of a window reads key ``j`` (``j ≤ i``) as INT2 when
+``prefix_tokens ≤ j ≤ i − recent_tokens − 1``, i.e. ``max(0, i − recent_tokens − prefix_tokens)`` of
+its ``i + 1`` keys. A result reports the fraction of (query, key) pairs read as INT2 and the
+fraction of scored tokens that read at least one INT2 key.
+
+Copy probe: sequences ``[lead-in: prefix_tokens] [P: passage_tokens] [filler: filler_tokens] [P]``
+cut from the evaluation text, scored on the second ``P`` only (tokens 2 … L of it, which have a
+copy cue). The lead-in keeps ``P`` out of the BF16 sink and ``filler_tokens > recent_tokens`` keeps it
+out of the recent window, so every token of the first ``P`` is read back as INT2 when the second
+``P`` is predicted: the probe measures retrieval from the quantized history.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from ..errors import ConfigError
+from ..int2kv import Int2KVConfig
+from .stats import DEFAULT_BLOCK_TOKENS, DEFAULT_RESAMPLES
+
+
+@dataclass(frozen=True)
+class CopyProbe:
+    """The copy probe's shape (see the module docstring).
+
+    Attributes:
+        passage_tokens: ``L``, tokens of the passage that is repeated.
+        filler_tokens: ``F``, tokens between the two copies; ``None`` means ``recent_tokens + 64``.
+        probes: how many probe sequences (each from a different part of the text).
+    """
+
+    passage_tokens: int = 128
+    filler_tokens: int | None = None
+    probes: int = 8
+
+    def filler(self, config: Int2KVConfig) -> int:
+        return self.filler_tokens if self.filler_tokens is not None else config.recent_tokens + 64
+
+    def sequence_tokens(self, config: Int2KVConfig) -> int:
+        return config.prefix_tokens + 2 * self.passage_tokens + self.filler(config)
+
+
+@dataclass(frozen=True)
+class EvalProtocol:
+    """How results are measured and compared.
+
+    Attributes:
+        context: tokens per scoring window (``None``: the model's context length, or the text
+            length when shorter).
+        stride: tokens between window starts (``None``: ``context``, non-overlapping).
+        draws: sign draws per rotation method (``R·D``, ``D`` a seeded random ±1 diagonal per
+            layer): equally valid variants whose spread is the noise floor of a comparison.
+        seed: seed of the sign draws and the bootstrap.
+        baseline: method every other method is compared with.
+        block_tokens: tokens per bootstrap block.
+        resamples: bootstrap resamples.
+        confidence: interval coverage.
+        error_windows: leading windows over which per-layer attention-output errors are measured.
+        probe: the copy probe, or ``None``.
+    """
+
+    context: int | None = None
+    stride: int | None = None
+    draws: int = 1
+    seed: int = 0
+    baseline: str = "hadamard"
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
+    resamples: int = DEFAULT_RESAMPLES
+    confidence: float = 0.95
+    error_windows: int = 0
+    probe: CopyProbe | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        if self.context is not None and self.context < 2:
+            raise ConfigError(f"context must be at least 2 tokens, got {self.context}")
+        if self.stride is not None and self.stride < 1:
+            raise ConfigError(f"stride must be at least 1 token, got {self.stride}")
+        if self.draws < 1:
+            raise ConfigError(f"draws must be at least 1, got {self.draws}")
+        if not 0 < self.confidence < 1:
+            raise ConfigError(f"confidence must be in (0, 1), got {self.confidence}")
+        if self.block_tokens < 1 or self.resamples < 1:
+            raise ConfigError("block_tokens and resamples must be positive")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def resolve_context(protocol: EvalProtocol, model_context: int | None, n_tokens: int) -> int:
+    """The window length actually used: ``context``, else the model's, never more than the text."""
+    want = protocol.context or model_context or n_tokens
+    return max(2, min(int(want), n_tokens))
+
+
+def windows(n: int, context: int, stride: int) -> list[tuple[int, int, int]]:
+    """``(begin, end, first_target)`` per forward; targets ``t`` in ``[first_target, end)``.
+
+    With ``stride < context`` each window scores only the targets not scored before (the Hugging
+    Face sliding-window recipe).
+    """
+    out = []
+    begin, scored_to = 0, 1
+    while True:
+        end = min(begin + context, n)
+        first = max(begin + 1, scored_to)
+        if first < end:
+            out.append((begin, end, first))
+        scored_to = end
+        if end >= n:
+            return out
+        begin += stride
+
+
+def min_int2_window(config: Int2KVConfig) -> int:
+    """Fewest tokens a window needs for one scored token to read a key as INT2.
+
+    The scored query positions of a window of ``n`` tokens are ``0 … n − 2`` (the last token has no
+    target), and position ``i`` reads INT2 keys only when ``i > prefix_tokens + recent_tokens``.
+    """
+    return config.prefix_tokens + config.recent_tokens + 3
+
+
+def check_int2_window(tokens: int, config: Int2KVConfig, what: str = "a window") -> None:
+    """Refuse a window that would quantize nothing (every key it reads stays in the BF16 windows).
+
+    Args:
+        tokens: the window length (or the whole text's, when shorter).
+        config: the INT2-KV settings (their sink and recent windows).
+        what: what ``tokens`` is, for the message (``"--context 100"``).
+
+    Raises:
+        ConfigError: ``tokens < min_int2_window(config)``.
+    """
+    need = min_int2_window(config)
+    if tokens < need:
+        raise ConfigError(
+            f"{what}: nothing would be quantized: a window needs at least {need} tokens to read a key as INT2 "
+            f"({config.prefix_tokens} sink + {config.recent_tokens} recent tokens stay in {config.hp_dtype}); "
+            f"give at least {need} tokens, or smaller --prefix-tokens / --recent-tokens"
+        )
+
+
+def int2_keys(query_pos: torch.Tensor, config: Int2KVConfig) -> torch.Tensor:
+    """How many keys query positions ``query_pos`` (within their forward) read as INT2."""
+    return (query_pos - config.recent_tokens - config.prefix_tokens).clamp_min(0)
+
+
+@dataclass
+class Exposure:
+    """Running INT2 exposure of scored tokens (see the module docstring)."""
+
+    pairs_int2: float = 0.0
+    pairs: float = 0.0
+    tokens_with_int2: int = 0
+    tokens: int = 0
+
+    def add(self, query_pos: torch.Tensor, config: Int2KVConfig) -> None:
+        k = int2_keys(query_pos, config)
+        self.pairs_int2 += float(k.sum())
+        self.pairs += float((query_pos + 1).sum())
+        self.tokens_with_int2 += int((k > 0).sum())
+        self.tokens += int(query_pos.numel())
+
+    def to_json(self) -> dict[str, float]:
+        return {
+            "pairs": self.pairs_int2 / self.pairs if self.pairs else 0.0,
+            "tokens": self.tokens_with_int2 / self.tokens if self.tokens else 0.0,
+        }
+
+
+def probe_sequences(ids: Sequence[int], probe: CopyProbe, config: Int2KVConfig) -> list[tuple[list[int], int]]:
+    """``(token ids, first scored target)`` of each copy-probe sequence, cut from ``ids``.
+
+    Probe ``k`` uses the ``k``-th consecutive stretch of ``prefix + L + F`` tokens of ``ids`` for its
+    lead-in, passage and filler; the passage is then repeated. The scored targets are the second
+    passage without its first token (the tokens that have a copy cue): positions ``first … end − 1``.
+
+    Raises:
+        ConfigError: the text is too short for the probes asked for.
+    """
+    lead, length, filler = config.prefix_tokens, probe.passage_tokens, probe.filler(config)
+    stretch = lead + length + filler
+    if probe.passage_tokens < 2:
+        raise ConfigError(f"the copy probe needs passages of at least 2 tokens, got {probe.passage_tokens}")
+    if probe.probes * stretch > len(ids):
+        raise ConfigError(f"the copy probe needs {probe.probes} × {stretch} = {probe.probes * stretch} tokens of text, "
+                          f"the text has {len(ids)}; use fewer --probe-count or shorter --probe-tokens")
+    out = []
+    for k in range(probe.probes):
+        a = k * stretch
+        lead_ids = list(ids[a:a + lead])
+        passage = list(ids[a + lead:a + lead + length])
+        fill = list(ids[a + lead + length:a + stretch])
+        seq = lead_ids + passage + fill + passage
+        out.append((seq, lead + length + filler + 1))
+    return out

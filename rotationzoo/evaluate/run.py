@@ -1,0 +1,224 @@
+"""Running an evaluation: every window (and copy probe) through the unquantized model once and
+through every method and sign draw, then per-method means and paired comparisons."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..errors import EvaluationError
+from ..int2kv import Int2KVConfig
+from ..integrations.transformers import ModelShape, model_shape
+from .methods import MethodSpec
+from .metrics import TokenMetrics, compare, hidden_states
+from .protocol import (
+    EvalProtocol,
+    Exposure,
+    check_int2_window,
+    probe_sequences,
+    resolve_context,
+    windows,
+)
+from .report import EvalReport, MethodResult, environment
+from .stats import PairedDifference, mean_and_spread, paired_difference
+
+#: ``progress(done, total, label)`` after each forward.
+Progress = Callable[[int, int, str], None]
+Run = tuple[str, int | None]  # (method name, sign draw or None)
+
+
+@dataclass
+class _Collected:
+    """Per-token metrics by run, concatenated over the sequences of one pass."""
+
+    fp: list[TokenMetrics] = field(default_factory=list)
+    runs: dict[Run, list[TokenMetrics]] = field(default_factory=dict)
+    errors: dict[str, dict[int, list[float]]] = field(default_factory=dict)
+    exposure: Exposure = field(default_factory=Exposure)
+    wall: dict[str, float] = field(default_factory=dict)
+
+    def stacked(self, spec: MethodSpec, runs: Sequence[Run], field_name: str) -> torch.Tensor:
+        """``[draws, tokens]`` of one metric of one method (fp rows for the ``fp`` method)."""
+        if spec.kind == "fp":
+            return torch.cat([getattr(m, field_name) for m in self.fp])[None]
+        keys = [r for r in runs if r[0] == spec.name]
+        return torch.stack([torch.cat([getattr(m, field_name) for m in self.runs[k]]) for k in keys])
+
+
+def _runs(methods: Sequence[MethodSpec], protocol: EvalProtocol) -> list[Run]:
+    out: list[Run] = []
+    for spec in methods:
+        if spec.kind == "fp":
+            continue
+        out.extend((spec.name, d) for d in (range(protocol.draws) if spec.rotated else [None]))
+    return out
+
+
+def _check(methods: Sequence[MethodSpec], shape: ModelShape, config: Int2KVConfig, protocol: EvalProtocol) -> None:
+    names = [m.name for m in methods]
+    if len(set(names)) != len(names):
+        raise EvaluationError(f"method names must be unique, got {', '.join(names)}")
+    if not methods:
+        raise EvaluationError("nothing to evaluate: give at least one method")
+    if protocol.baseline not in names and len(names) > 1:
+        raise EvaluationError(f"the baseline {protocol.baseline!r} is not one of the methods ({', '.join(names)}); "
+                              f"add it or choose another --baseline")
+    if config.lloyd_max and config.group_for(shape.head_dim) != shape.head_dim:
+        raise EvaluationError(f"lloyd_max needs one group per row: group_size must be head_dim ({shape.head_dim}), "
+                              f"got {config.group_size}")
+    if config.group_for(shape.head_dim) > shape.head_dim or shape.head_dim % config.group_for(shape.head_dim):
+        raise EvaluationError(f"group_size {config.group_size} does not divide head_dim {shape.head_dim}")
+    for m in methods:
+        m.check_fits(shape)
+
+
+def _pass(model: Any, seqs: Sequence[tuple[list[int], int]], methods: Sequence[MethodSpec], runs: Sequence[Run],
+          shape: ModelShape, config: Int2KVConfig, protocol: EvalProtocol, tick: Callable[[str], None],
+          error_seqs: int = 0) -> _Collected:
+    by_name = {m.name: m for m in methods}
+    out = _Collected(runs={r: [] for r in runs})
+    for i, (seq, first) in enumerate(seqs):
+        h_fp, _ = hidden_states(model, seq)
+        tick("fp")
+        others = {}
+        for name, draw in runs:
+            t0 = time.perf_counter()
+            oscar = by_name[name].oscar(shape, config, draw=draw, seed=protocol.seed)
+            others[(name, draw)], errs = hidden_states(model, seq, oscar, collect_errors=i < error_seqs)
+            for lid, e in errs.items():
+                out.errors.setdefault(name, {}).setdefault(lid, []).append(e)
+            out.wall[name] = out.wall.get(name, 0.0) + time.perf_counter() - t0
+            tick(name if draw is None else f"{name} draw {draw + 1}")
+        fp_m, metrics = compare(model, seq, first, h_fp, others)
+        out.fp.append(fp_m)
+        for key, m in metrics.items():
+            out.runs[key].append(m)
+        out.exposure.add(torch.arange(first - 1, len(seq) - 1), config)
+        del h_fp, others
+    return out
+
+
+def _result(spec: MethodSpec, main: _Collected, probe: _Collected | None, runs: Sequence[Run], shape: ModelShape,
+            config: Int2KVConfig, context: int, fp_bits: int) -> MethodResult:
+    nll, nll_sd = mean_and_spread(main.stacked(spec, runs, "nll"))
+    kl, kl_sd = mean_and_spread(main.stacked(spec, runs, "kl"))
+    copy = None
+    if probe is not None:
+        copy = {"accuracy": float(probe.stacked(spec, runs, "correct").mean()),
+                "nll": float(probe.stacked(spec, runs, "nll").mean()),
+                "tokens": int(probe.stacked(spec, runs, "nll").shape[-1])}
+    errs = {lid: sum(v) / len(v) for lid, v in sorted(main.errors.get(spec.name, {}).items())}
+    is_fp = spec.kind == "fp"
+    return MethodResult(
+        method=spec.name, kind=spec.kind, draws=len([r for r in runs if r[0] == spec.name]) or 1,
+        perplexity=math.exp(nll), nll=nll, nll_spread=nll_sd, kl=kl, kl_spread=kl_sd,
+        top1=float(main.stacked(spec, runs, "agree").mean()), accuracy=float(main.stacked(spec, runs, "correct").mean()),
+        tokens_scored=int(main.stacked(spec, runs, "nll").shape[-1]), context_len=context,
+        bpe=float(fp_bits) if is_fp else config.bits_per_element(shape.head_dim, context),
+        exposure={"pairs": 0.0, "tokens": 0.0} if is_fp else main.exposure.to_json(),
+        source=spec.source, objectives=dict(spec.objectives), copy=copy, layer_errors=errs,
+        wall_s=main.wall.get(spec.name, 0.0),
+    )
+
+
+def _compare(results: list[MethodResult], methods: Sequence[MethodSpec], main: _Collected, probe: _Collected | None,
+             runs: Sequence[Run], protocol: EvalProtocol) -> None:
+    by_name = {m.name: m for m in methods}
+    if protocol.baseline not in by_name:
+        return
+    base = by_name[protocol.baseline]
+    def diff(data: _Collected, metric: str, spec: MethodSpec, block: int) -> PairedDifference:
+        return paired_difference(data.stacked(spec, runs, metric), data.stacked(base, runs, metric), block=block,
+                                 resamples=protocol.resamples, confidence=protocol.confidence, seed=protocol.seed)
+
+    for r in results:
+        spec = by_name[r.method]
+        if spec.kind == "fp" or spec.name == base.name:
+            continue
+        r.vs_baseline = {k: diff(main, k, spec, protocol.block_tokens) for k in ("nll", "kl")}
+        if probe is not None and protocol.probe is not None:
+            # one block per probe passage: its tokens are one copy, correlated
+            r.vs_baseline["copy_nll"] = diff(probe, "nll", spec, max(1, protocol.probe.passage_tokens - 1))
+
+
+def evaluate(
+    model: Any,
+    ids: Sequence[int],
+    methods: Sequence[MethodSpec],
+    config: Int2KVConfig | None = None,
+    protocol: EvalProtocol | None = None,
+    *,
+    model_name: str = "",
+    texts: Sequence[str] = (),
+    probe_ids: Sequence[int] | None = None,
+    progress: Progress | None = None,
+) -> EvalReport:
+    """Evaluate methods on token ids: perplexity, KL to the unquantized model, top-1 agreement,
+    INT2 exposure, the copy probe, and paired differences to the baseline with confidence intervals.
+
+    Args:
+        model: a causal LM (e.g. from :func:`rotationzoo.integrations.transformers.load_model`).
+        ids: evaluation token ids (:func:`tokenize_texts`).
+        methods: what to compare (:class:`MethodSpec`).
+        config: the INT2-KV settings shared by every INT2 method (default :class:`Int2KVConfig`).
+        protocol: windows, draws, baseline, bootstrap and probe (default :class:`EvalProtocol`).
+        model_name, texts: recorded in the report.
+        probe_ids: token ids the copy probes are cut from (default: ``ids``; e.g. text after the
+            scored windows, so that probes and windows do not share tokens).
+        progress: ``progress(done, total, label)`` after each forward.
+
+    Raises:
+        EvaluationError: rotations that do not fit the model, an unknown baseline, bad settings.
+        ConfigError: INT2 methods with windows too short to quantize anything (see
+            :func:`~rotationzoo.evaluate.protocol.min_int2_window`).
+    """
+    t0 = time.perf_counter()
+    config = config or Int2KVConfig()
+    protocol = protocol or EvalProtocol()
+    shape = model_shape(model)
+    _check(methods, shape, config, protocol)
+    context = resolve_context(protocol, shape.context_length, len(ids))
+    if any(m.kind != "fp" for m in methods):
+        check_int2_window(context, config, f"windows of {context} tokens")
+    stride = protocol.stride or context
+    wins = windows(len(ids), context, stride)
+    seqs = [(list(ids[b:e]), first - b) for b, e, first in wins]
+    probes = (probe_sequences(ids if probe_ids is None else probe_ids, protocol.probe, config)
+              if protocol.probe is not None else [])
+    runs = _runs(methods, protocol)
+    total = (len(seqs) + len(probes)) * (1 + len(runs))
+    done = [0]
+
+    def tick(label: str) -> None:
+        done[0] += 1
+        if progress is not None:
+            progress(done[0], total, label)
+
+    if progress is not None:
+        progress(0, total, "fp")  # the total is known before the first forward: the ETA starts at once
+
+    main = _pass(model, seqs, methods, runs, shape, config, protocol, tick, error_seqs=protocol.error_windows)
+    probe = _pass(model, probes, methods, runs, shape, config, protocol, tick) if probes else None
+    fp_bits = torch.finfo(next(model.parameters()).dtype).bits
+    results = [_result(m, main, probe, runs, shape, config, context, fp_bits) for m in methods]
+    _compare(results, methods, main, probe, runs, protocol)
+    report = EvalReport(
+        model=model_name, texts=[str(t) for t in texts], tokens=len(ids), context=context, stride=stride,
+        windows=len(wins), config=config.to_json(), protocol=protocol.to_json(),
+        baseline=protocol.baseline if protocol.baseline in {m.name for m in methods} else None,
+        results=results, warnings=_warnings(main, config, context), environment=environment(),
+    )
+    report.wall_s = time.perf_counter() - t0
+    return report
+
+
+def _warnings(main: _Collected, config: Int2KVConfig, context: int) -> list[str]:
+    out = []
+    if main.exposure.tokens_with_int2 == 0:
+        out.append(f"nothing was quantized: windows of {context} tokens never reach past the {config.prefix_tokens} + "
+                   f"{config.recent_tokens} window tokens; use a longer --context (or text) or smaller windows")
+    return out

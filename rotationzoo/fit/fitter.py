@@ -1,0 +1,257 @@
+"""The fitter: per-layer K and V rotations from covariance statistics (a dump or a live capture).
+
+The math, normalisations and compositions are those of the authors' fitter
+(``rotation/compute_kv_rotation.py``); see :mod:`rotationzoo.fit.accumulate` and
+:mod:`rotationzoo.fit.compose`, and ``docs/fitting.md``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from ..errors import FitError
+from ..format import RotationSet
+from ..validation import validate
+from ..vocab import SignConvention
+from .accumulate import LayerAccumulator, ProgressFn, accumulate_dump_layer, thread_workspace
+from .compose import check_composition, composition_label, hadamard_rotations, rotation_from_covariance
+from .dump import Dump, DumpShape, open_dump
+from .result import OBJECTIVE_TARGETS, FitResult, FitStats, peak_rss_bytes
+
+#: Upper bound of the default number of concurrent layers (each holds one fp64 workspace).
+MAX_DEFAULT_WORKERS = 8
+
+
+def _parse_objective(objective: str) -> tuple[str | None, str | None]:
+    if objective not in OBJECTIVE_TARGETS:
+        raise FitError(f"unknown objective {objective!r}; expected one of {', '.join(OBJECTIVE_TARGETS)}")
+    return OBJECTIVE_TARGETS[objective]
+
+
+def _as_dump(source: Any, keep_first_chunk: bool, layers: Iterable[int] | None) -> Dump:
+    """Open a dump path; an opened :class:`Dump` keeps its own chunk-0 rule (``layers`` still applies)."""
+    if isinstance(source, Dump):
+        if layers is None:
+            return source
+        return open_dump(source.root, keep_first_chunk=source.keep_first_chunk, layers=layers)
+    return open_dump(source, keep_first_chunk=keep_first_chunk, layers=layers)
+
+
+def _resolve_workers(num_workers: int | None, n_layers: int) -> int:
+    if num_workers is None:
+        num_workers = min(MAX_DEFAULT_WORKERS, torch.get_num_threads())
+    if int(num_workers) < 1:
+        raise FitError(f"num_workers must be ≥ 1, got {num_workers}")
+    return max(1, min(int(num_workers), n_layers))
+
+
+def _fit_hadamard(source: Any, *, layers: Iterable[int] | None, num_layers: int | None, head_dim: int | None,
+                  keep_first_chunk: bool, info: dict[str, Any], stats: FitStats, t0: float, signs: str) -> FitResult:
+    """The data-free baseline: ``H_d`` for every layer, both sides."""
+    model = info.get("model")
+    shape: DumpShape | None = None
+    if source is None:
+        if layers is not None:
+            ids = tuple(sorted({int(i) for i in layers}))
+        elif num_layers is not None:
+            ids = tuple(range(int(num_layers)))
+        else:
+            raise FitError("hadamard without a dump needs num_layers (--num-layers) or layer ids")
+        if head_dim is None:
+            raise FitError("hadamard without a dump needs head_dim (--head-dim)")
+        d = int(head_dim)
+        info.setdefault("kind", "none")
+    else:
+        dump = _as_dump(source, keep_first_chunk, layers)
+        shape = dump.shape(("k",))
+        if head_dim is not None and int(head_dim) != shape.head_dim:
+            raise FitError(f"head_dim {head_dim} given, but the dump has head_dim {shape.head_dim}")
+        ids, d = dump.layer_ids, shape.head_dim
+        info.setdefault("kind", "dump")
+        info.setdefault("path", str(dump.root))
+        model = model or dump.info().get("model")
+    h = hadamard_rotations(ids, d)
+    stats.wall_s = time.perf_counter() - t0
+    stats.peak_rss_bytes = peak_rss_bytes()
+    v = RotationSet(rotations=h.rotations.clone(), layer_ids=h.layer_ids, objective="hadamard",
+                    eigenvalues=h.eigenvalues.clone() if h.eigenvalues is not None else None)
+    return FitResult(
+        k=h, v=v, objective="hadamard", composition="none", group_size=None, targets={"k": None, "v": None},
+        layer_ids=ids, head_dim=d, num_q_heads=shape.num_q_heads if shape else None,
+        num_kv_heads=shape.num_kv_heads if shape else None, stats=stats, source=info, model=model,
+        keep_first_chunk=keep_first_chunk, signs=signs,
+    )
+
+
+def _from_statistics(source: Mapping[int, LayerAccumulator], layers: Iterable[int] | None, targets: tuple[str, ...],
+                     objective: str) -> dict[int, LayerAccumulator]:
+    if layers is not None:
+        wanted = {int(i) for i in layers}
+        missing = sorted(wanted - set(source))
+        if missing:
+            raise FitError(f"no statistics for layer(s) {missing}")
+        accs = {int(i): source[i] for i in sorted(wanted)}
+    else:
+        accs = {int(i): source[i] for i in sorted(source)}
+    if not accs:
+        raise FitError("no layer statistics to fit")
+    for lid, acc in accs.items():
+        missing_t = [t for t in targets if t not in acc.targets]
+        if missing_t:
+            raise FitError(f"layer {lid}: statistics lack target(s) {missing_t} needed by {objective!r}")
+    return accs
+
+
+def _from_dump(dump: Dump, shape: DumpShape, targets: tuple[str, ...], *, num_workers: int | None,
+               device: torch.device | str, progress: ProgressFn | None, stats: FitStats) -> dict[int, LayerAccumulator]:
+    """Stream every layer of a dump through the accumulators (layers on a thread pool)."""
+    n_workers = _resolve_workers(num_workers, len(dump.layer_ids))
+    stats.num_workers = n_workers
+    workspaces: list[Any] = []
+
+    def run(layer_id: int) -> tuple[int, LayerAccumulator, dict[str, int]]:
+        ws = thread_workspace(device)
+        if ws not in workspaces:
+            workspaces.append(ws)
+        acc, io = accumulate_dump_layer(dump, layer_id, shape, targets, device=device, workspace=ws, progress=progress)
+        return layer_id, acc, io
+
+    if n_workers == 1:
+        results = [run(lid) for lid in dump.layer_ids]
+    else:
+        # one layer per worker, each with its share of the intra-op threads: independent
+        # single-threaded GEMMs scale better (and degrade more gracefully on a busy machine)
+        # than several multi-threaded GEMMs competing for the same cores
+        threads_before = torch.get_num_threads()
+        torch.set_num_threads(max(1, threads_before // n_workers))
+        try:
+            with ThreadPoolExecutor(max_workers=n_workers, thread_name_prefix="rotationzoo-fit") as pool:
+                results = list(pool.map(run, dump.layer_ids))
+        finally:
+            torch.set_num_threads(threads_before)
+    accs = {}
+    for lid, acc, io in results:
+        accs[lid] = acc
+        stats.bytes_read += io["bytes_read"]
+        stats.chunks_read += io["chunks_read"]
+    stats.workspace_bytes = sum(ws.nbytes for ws in workspaces)
+    return accs
+
+
+def _rotations(accs: Mapping[int, LayerAccumulator], side_targets: Mapping[str, str | None], composition: str,
+               group_size: int | None, signs: SignConvention, d: int
+               ) -> tuple[dict[str, RotationSet | None], dict[str, torch.Tensor]]:
+    """Per side: eigendecompose each layer's symmetrised covariance and compose its rotation."""
+    ids = tuple(accs)
+    sides: dict[str, RotationSet | None] = {"k": None, "v": None}
+    covs: dict[str, torch.Tensor] = {}
+    label = composition_label(composition, group_size)
+    for side, target in side_targets.items():
+        if target is None:
+            continue
+        rots, eigs, cs = [], [], []
+        for lid, acc in accs.items():
+            c = acc.covariance(target).to("cpu", torch.float64)
+            c = (c + c.T) / 2
+            r, lam = rotation_from_covariance(c, composition, group_size=group_size, signs=signs,
+                                              what=f"layer {lid} {target}")
+            rots.append(r)
+            eigs.append(lam)
+            cs.append(c)
+        rs = RotationSet(rotations=torch.stack(rots).to(torch.float32).contiguous(), layer_ids=ids,
+                         objective=f"{target}_{label}", eigenvalues=torch.stack(eigs).to(torch.float32).contiguous())
+        validate(rs, head_dim=d, layer_ids=ids)
+        sides[side] = rs
+        covs[side] = torch.stack(cs)
+    return sides, covs
+
+
+def fit_rotations(
+    source: str | os.PathLike[str] | Dump | Mapping[int, LayerAccumulator] | None,
+    objective: str = "qqt_sst",
+    composition: str = "r_h_pbr",
+    *,
+    group_size: int | None = None,
+    keep_first_chunk: bool = False,
+    layers: Iterable[int] | None = None,
+    num_workers: int | None = None,
+    progress: ProgressFn | None = None,
+    signs: SignConvention = "canonical",
+    device: torch.device | str = "cpu",
+    num_layers: int | None = None,
+    head_dim: int | None = None,
+    source_info: Mapping[str, Any] | None = None,
+) -> FitResult:
+    """Fit per-layer K and V rotations.
+
+    Args:
+        source: a dump folder (SGLang layout) or an opened :class:`Dump`; or finished
+            :class:`LayerAccumulator` objects by layer id (live capture, see
+            :mod:`rotationzoo.integrations.transformers`); or ``None`` for ``objective="hadamard"``
+            with ``num_layers``/``layers`` and ``head_dim``.
+        objective: ``"qqt_sst"`` (OSCAR), ``"ktk_vtv"``, ``"qqt"``, ``"sst"``, ``"ktk"``,
+            ``"vtv"`` or ``"hadamard"`` (data-free).
+        composition: one of :data:`~rotationzoo.vocab.COMPOSITIONS` (default ``"r_h_pbr"``, the authors' best).
+        group_size: ``G`` for the ``r_pbr_hg`` composition.
+        keep_first_chunk: use dump chunk 0 (the SGLang warm-up batch, skipped by default).
+        layers: fit only these layer ids.
+        num_workers: layers processed concurrently (threads), each with
+            ``torch.get_num_threads() // num_workers`` intra-op threads while the fit runs.
+            Default: ``min(8, torch.get_num_threads(), number of layers)``.
+        progress: ``progress(layer_id, done, total)`` after each chunk read.
+        signs: eigenvector signs, ``"canonical"`` (default) or ``"lapack"`` (as ``eigh`` returns).
+        device: accumulation device (fp64 everywhere; ``eigh`` always runs on CPU).
+        num_layers: layer count for ``hadamard`` without a dump (ids ``0 … num_layers−1``).
+        head_dim: ``d`` for ``hadamard`` without a dump.
+        source_info: extra facts recorded in :attr:`FitResult.source`.
+
+    Returns:
+        A :class:`FitResult` with fp32 rotation sets (fp64-accurate, validated to 1e-5).
+
+    Raises:
+        DumpError: missing or inconsistent dump.
+        FitError: bad arguments, or a covariance/rotation that is not finite or not orthogonal.
+    """
+    t0 = time.perf_counter()
+    k_target, v_target = _parse_objective(objective)
+    stats = FitStats(device=str(torch.device(device)))
+    info: dict[str, Any] = dict(source_info or {})
+    if objective == "hadamard":
+        return _fit_hadamard(source, layers=layers, num_layers=num_layers, head_dim=head_dim,
+                             keep_first_chunk=keep_first_chunk, info=info, stats=stats, t0=t0, signs=signs)
+    check_composition(composition, group_size)
+    targets = tuple(t for t in (k_target, v_target) if t is not None)
+    model, prompts = info.get("model"), info.get("prompts")
+    if isinstance(source, Mapping):
+        accs = _from_statistics(source, layers, targets, objective)
+        first = next(iter(accs.values()))
+        d, hq, hkv = first.head_dim, first.num_q_heads, first.num_kv_heads
+        info.setdefault("kind", "statistics")
+    elif source is None:
+        raise FitError(f"objective {objective!r} needs a dump or captured statistics")
+    else:
+        dump = _as_dump(source, keep_first_chunk, layers)
+        keep_first_chunk = dump.keep_first_chunk
+        shape = dump.shape(("q", "k") if any(t in ("qqt", "sst") for t in targets) else ("k", "v"))
+        d, hq, hkv = shape.head_dim, shape.num_q_heads, shape.num_kv_heads
+        info.setdefault("kind", "dump")
+        info.setdefault("path", str(dump.root))
+        dump_info = dump.info()
+        model = model or dump_info.get("model")
+        prompts = prompts if prompts is not None else dump_info.get("prompts", dump.prompt_count())
+        accs = _from_dump(dump, shape, targets, num_workers=num_workers, device=device, progress=progress, stats=stats)
+    sides, covs = _rotations(accs, {"k": k_target, "v": v_target}, composition, group_size, signs, d)
+    stats.wall_s = time.perf_counter() - t0
+    stats.peak_rss_bytes = peak_rss_bytes()
+    return FitResult(
+        k=sides["k"], v=sides["v"], objective=objective, composition=composition,
+        group_size=int(group_size) if composition == "r_pbr_hg" and group_size is not None else None,
+        targets={"k": k_target, "v": v_target}, layer_ids=tuple(accs), head_dim=d, num_q_heads=hq, num_kv_heads=hkv,
+        tokens={lid: acc.num_tokens for lid, acc in accs.items()}, prompts=prompts, covariances=covs, stats=stats,
+        source=info, model=model, keep_first_chunk=keep_first_chunk, signs=signs,
+    )

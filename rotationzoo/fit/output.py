@@ -1,0 +1,143 @@
+"""Writing a fit: the rotation files (the authors' names and schema) and the ``rotationzoo.json`` manifest."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from .._version import __version__
+from ..errors import FitError
+from ..format import write_rotation
+from ..hashing import sha256_file
+from ..int2kv import Int2KVConfig
+from ..validation import validate
+from ..vocab import FILE_FORMATS
+from .result import FitResult
+
+#: Manifest written next to the rotation files.
+MANIFEST_NAME = "rotationzoo.json"
+
+
+def output_file_names(result: FitResult, *, fmt: str = "pt") -> dict[str, str]:
+    """The authors' file names: ``{"k": "k_rotation_qqt_r_h_pbr.pt", "v": "v_rotation_sst_r_h_pbr.pt"}``.
+
+    ``hadamard`` gives ``k_rotation_hadamard.pt`` / ``v_rotation_hadamard.pt``; ``fmt="safetensors"``
+    swaps the suffix.
+    """
+    suffix = ".safetensors" if fmt == "safetensors" else ".pt"
+    names = {}
+    for side in ("k", "v"):
+        if getattr(result, side) is not None:
+            names[side] = f"{side}_rotation_{result.side_objective(side)}{suffix}"
+    return names
+
+
+@dataclass
+class FitOutput:
+    """Files written by :func:`write_fitted`.
+
+    Attributes:
+        paths: ``{"k": Path, "v": Path}`` of the rotation files.
+        manifest_path: the ``rotationzoo.json`` path.
+        manifest: its content.
+    """
+
+    paths: dict[str, Path]
+    manifest_path: Path
+    manifest: dict[str, Any]
+
+
+def build_manifest(result: FitResult, files: Mapping[str, Mapping[str, Any]], *, model: str | None, tag: str | None,
+                   prompts: int | None, clip_ratios: Mapping[str, float] | None, fmt: str) -> dict[str, Any]:
+    """The ``rotationzoo.json`` manifest of written ``files`` (name, objective, sha256, size per side)."""
+    defaults = Int2KVConfig()
+    ratios = {"k": defaults.k_clip_ratio, "v": defaults.v_clip_ratio, **(clip_ratios or {})}
+    return {
+        "manifest_version": 1,
+        "model": model if model is not None else result.model,
+        "tag": tag,
+        "tokens": result.token_count,
+        "prompts": prompts if prompts is not None else result.prompts,
+        "head_dim": result.head_dim,
+        "num_layers": len(result.layer_ids),
+        "layer_ids": list(result.layer_ids),
+        "num_q_heads": result.num_q_heads,
+        "num_kv_heads": result.num_kv_heads,
+        "objective": result.objective,
+        "objectives": {side: files[side]["objective"] for side in files},
+        "composition": result.composition_label,
+        "group_size": result.group_size,
+        "signs": result.signs,
+        "keep_first_chunk": result.keep_first_chunk,
+        "clip_ratio": {side: ratios[side] for side in ("k", "v")},
+        "format": fmt,
+        "format_version": 1,
+        "source": result.source,
+        "library": {"name": "rotationzoo", "version": __version__},
+        "created": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+        "files": dict(files),
+    }
+
+
+def write_fitted(
+    result: FitResult,
+    out_dir: str | os.PathLike[str],
+    *,
+    model: str | None = None,
+    tag: str | None = None,
+    prompts: int | None = None,
+    clip_ratios: Mapping[str, float] | None = None,
+    fmt: str = "pt",
+    extra: Mapping[str, Any] | None = None,
+) -> FitOutput:
+    """Validate, then write the rotation files and the ``rotationzoo.json`` manifest.
+
+    Args:
+        result: from :func:`fit_rotations`.
+        out_dir: destination folder (created).
+        model: model id for the manifest (default: what the source recorded).
+        tag: calibration tag for the manifest (e.g. ``"gpqa-seq20000"``).
+        prompts: prompt count for the manifest (default: ``result.prompts``).
+        clip_ratios: serving clip ratios recorded in the manifest (default: :class:`~rotationzoo.int2kv.Int2KVConfig`'s 0.96 / 0.92).
+        fmt: ``"pt"`` (the authors' format) or ``"safetensors"``.
+        extra: more manifest fields.
+
+    Returns:
+        A :class:`FitOutput`.
+
+    Raises:
+        InvalidRotationError: a set fails validation (nothing is written then).
+    """
+    if fmt not in FILE_FORMATS:
+        raise FitError(f"unknown output format {fmt!r}; expected one of {', '.join(FILE_FORMATS)}")
+    out = Path(out_dir)
+    names = output_file_names(result, fmt=fmt)
+    if not names:
+        raise FitError("nothing to write: the result has neither K nor V rotations")
+    sets = {side: getattr(result, side) for side in names}
+    for side, rs in sets.items():  # everything validated before anything is written
+        rs.objective = result.side_objective(side)
+        validate(rs, layer_ids=result.layer_ids, head_dim=result.head_dim)
+    out.mkdir(parents=True, exist_ok=True)
+    paths: dict[str, Path] = {}
+    files: dict[str, dict[str, Any]] = {}
+    for side, rs in sets.items():
+        p = write_rotation(out / names[side], rs, fmt=fmt)
+        paths[side] = p
+        files[side] = {"name": p.name, "objective": rs.objective, "sha256": sha256_file(p), "size": p.stat().st_size}
+    manifest = build_manifest(result, files, model=model, tag=tag, prompts=prompts, clip_ratios=clip_ratios, fmt=fmt)
+    if result.tokens and len(set(result.tokens.values())) > 1:
+        manifest["tokens_per_layer"] = {str(k): v for k, v in result.tokens.items()}
+    manifest.update(extra or {})
+    mpath = out / MANIFEST_NAME
+    fd, tmp = tempfile.mkstemp(prefix=f".{MANIFEST_NAME}.", dir=out)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=2, default=str)
+        f.write("\n")
+    os.replace(tmp, mpath)
+    return FitOutput(paths=paths, manifest_path=mpath, manifest=manifest)

@@ -1,0 +1,151 @@
+"""What a fit returns: the rotation sets, what they were fitted on, and what the fit cost."""
+
+from __future__ import annotations
+
+import resource
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import FitError
+from ..format import RotationSet
+from .compose import composition_label
+
+#: objective → (K target, V target); ``None`` = that file is not produced.
+OBJECTIVE_TARGETS: dict[str, tuple[str | None, str | None]] = {
+    "qqt_sst": ("qqt", "sst"),
+    "ktk_vtv": ("ktk", "vtv"),
+    "qqt": ("qqt", None),
+    "sst": (None, "sst"),
+    "ktk": ("ktk", None),
+    "vtv": (None, "vtv"),
+    "hadamard": (None, None),
+}
+
+
+def peak_rss_bytes() -> int:
+    """Peak RSS of this process (``VmHWM`` on Linux, else ``getrusage``)."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(r if sys.platform == "darwin" else r * 1024)
+
+
+@dataclass
+class FitStats:
+    """What a fit cost.
+
+    Attributes:
+        wall_s: wall time of :func:`fit_rotations`.
+        bytes_read: activation bytes read from the dump (all passes).
+        chunks_read: activation files read.
+        workspace_bytes: peak bytes of the fp64 chunk workspaces (all workers): the fitter's own
+            activation memory, independent of the dump size.
+        peak_rss_bytes: the process's peak resident set size so far (includes everything the
+            process did before).
+        num_workers: layers processed concurrently.
+        device: accumulation device.
+    """
+
+    wall_s: float = 0.0
+    bytes_read: int = 0
+    chunks_read: int = 0
+    workspace_bytes: int = 0
+    peak_rss_bytes: int = 0
+    num_workers: int = 1
+    device: str = "cpu"
+
+
+@dataclass
+class FitResult:
+    """Fitted K and V rotation sets and what they were fitted on.
+
+    Attributes:
+        k: K rotations (``objective = "<target>_<composition>"``) or ``None`` when the objective
+            fits only V.
+        v: V rotations or ``None``.
+        objective: e.g. ``"qqt_sst"`` or ``"hadamard"``.
+        composition: e.g. ``"r_h_pbr"`` (``"none"`` for ``hadamard``).
+        group_size: ``G`` for ``r_pbr_hg``.
+        targets: ``{"k": "qqt", "v": "sst"}``.
+        layer_ids: fitted layers, ascending.
+        head_dim: ``d``.
+        num_q_heads: ``H_q`` (``None`` if unknown).
+        num_kv_heads: ``H_kv`` (``None`` if unknown).
+        tokens: tokens fitted per layer (chunk 0 excluded unless kept).
+        prompts: the dump's ``prompt<N>`` count, or the number of calibration sequences.
+        covariances: ``{"k": fp64 [L, d, d], "v": ...}``, the symmetrised targets.
+        stats: cost of the fit.
+        source: where the activations came from (``{"kind": "dump", "path": ...}``, ...).
+        model: model id recorded by the source, if any.
+        keep_first_chunk: whether dump chunk 0 was used.
+        signs: eigenvector sign convention.
+    """
+
+    k: RotationSet | None
+    v: RotationSet | None
+    objective: str
+    composition: str
+    group_size: int | None
+    targets: dict[str, str | None]
+    layer_ids: tuple[int, ...]
+    head_dim: int
+    num_q_heads: int | None = None
+    num_kv_heads: int | None = None
+    tokens: dict[int, int] = field(default_factory=dict)
+    prompts: int | None = None
+    covariances: dict[str, torch.Tensor] = field(default_factory=dict)
+    stats: FitStats = field(default_factory=FitStats)
+    source: dict[str, Any] = field(default_factory=dict)
+    model: str | None = None
+    keep_first_chunk: bool = False
+    signs: str = "canonical"
+
+    @property
+    def composition_label(self) -> str:
+        """Composition as written in objective strings and file names (``r_pbr_hg32``, ...)."""
+        if self.objective == "hadamard":
+            return "hadamard"
+        return composition_label(self.composition, self.group_size)
+
+    @property
+    def token_count(self) -> int:
+        """Tokens fitted per layer (the smallest count when layers differ)."""
+        return min(self.tokens.values()) if self.tokens else 0
+
+    def side_objective(self, side: str) -> str:
+        """The ``objective`` string stored in the K or V file (``"qqt_r_h_pbr"``, ``"hadamard"``)."""
+        if self.objective == "hadamard":
+            return "hadamard"
+        target = self.targets.get(side)
+        if target is None:
+            raise FitError(f"objective {self.objective!r} produces no {side.upper()} rotations")
+        return f"{target}_{self.composition_label}"
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-friendly description (no tensors)."""
+        return {
+            "objective": self.objective,
+            "composition": self.composition_label,
+            "group_size": self.group_size,
+            "targets": self.targets,
+            "layer_ids": list(self.layer_ids),
+            "head_dim": self.head_dim,
+            "num_q_heads": self.num_q_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "tokens": self.token_count,
+            "tokens_per_layer": {str(k): v for k, v in self.tokens.items()},
+            "prompts": self.prompts,
+            "keep_first_chunk": self.keep_first_chunk,
+            "signs": self.signs,
+            "source": self.source,
+            "model": self.model,
+            "stats": vars(self.stats).copy(),
+        }

@@ -1,0 +1,438 @@
+"""Fetching one entry's files: sources in order with failover, verification, atomic cache writes.
+
+Every downloaded file is checked against the registry (size, sha256) and structurally validated
+before it enters the cache; a file that fails is removed from every cache involved, downloaded once
+more, and only then is an :class:`~rotationzoo.errors.IntegrityError` raised. Files the registry does
+not pin are compared with the user's pin file (:mod:`.pins`, trust on first use).
+
+A source that cannot serve the file (host unreachable, 404, 5xx after bounded retries, a wrong
+declared size: see :mod:`.network`) is skipped at once for the next one; when all fail,
+:class:`~rotationzoo.errors.FetchError` lists one line per source and a hint.
+
+A warm hit re-hashes the cached file (a few milliseconds for a rotation file: see
+docs/performance.md) and never follows a symlink: a swapped or linked file is not served.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .. import config
+from ..errors import CacheError, ConfigError, FetchError, IntegrityError, OfflineError, RegistryError, RotationZooError
+from ..hashing import sha256_file
+from ..registry import SIDES, FileEntry, Source, TagEntry
+from ..registry.safety import check_revision
+from ..vocab import SOURCE_CHOICES
+from . import network, pins
+from .layout import (
+    cache_root,
+    entry_dir,
+    lock_path,
+    marker_path,
+    partial_files,
+    purge,
+    read_marker,
+    regular_file,
+    write_marker,
+)
+from .sources import DOWNLOADERS, MAX_DOWNLOAD_BYTES, Download, bundled_path, describe_exc, hf_endpoint, ms_endpoint
+
+log = logging.getLogger("rotationzoo")
+
+#: Called with one line of human-readable status (source chosen, failover, retries).
+Reporter = Callable[[str], None]
+
+
+class UnpinnedEntryWarning(UserWarning):
+    """The registry has no sha256 for a file: it was validated structurally only."""
+
+
+_warned_unpinned: set[str] = set()
+
+
+@dataclass
+class CachedFile:
+    """A verified file in the cache."""
+
+    side: str
+    path: Path
+    sha256: str
+    size: int
+    source: str
+    revision: str | None = None
+    from_cache: bool = False
+
+
+@dataclass
+class EntryFiles:
+    entry: TagEntry
+    files: dict[str, CachedFile] = field(default_factory=dict)
+
+
+def warm_hit(path: Path, expected_sha256: str | None) -> dict | None:
+    """The marker of ``path`` if it is a regular file (not a symlink) whose bytes hash to the sha256
+    its marker recorded and, when given, to ``expected_sha256`` (the registry's, or the local pin)."""
+    marker = read_marker(path)
+    if marker is None or not regular_file(path):
+        return None
+    try:
+        if path.stat().st_size != marker["size"]:
+            return None
+        sha = sha256_file(path)
+    except OSError:
+        return None
+    if sha != marker["sha256"] or (expected_sha256 is not None and sha != expected_sha256):
+        return None
+    return marker
+
+
+def _expected_sha(entry: TagEntry, side: str) -> str | None:
+    """The sha256 a cached file must have: the registry's, else the local pin's (if any)."""
+    f = entry.files[side]
+    if f.sha256 is not None:
+        return f.sha256
+    pin = pins.pin_for(entry, side)
+    return pin["sha256"] if pin else None
+
+
+def _hit(side: str, path: Path, marker: dict) -> CachedFile:
+    return CachedFile(side, path, marker["sha256"], marker["size"], marker.get("source", "cache"),
+                      marker.get("revision"), from_cache=True)
+
+
+def _check(path: Path, f: FileEntry, entry: TagEntry) -> tuple[str | None, str]:
+    """(problem or None, observed sha256). Size and sha256 against the registry, then structure."""
+    size = path.stat().st_size
+    sha = sha256_file(path)
+    if f.size is not None and size != f.size:
+        return f"size {size} B, expected {f.size} B (truncated or wrong file); sha256 {sha}", sha
+    if f.sha256 is not None and sha != f.sha256:
+        return f"sha256 mismatch: expected {f.sha256}, got {sha}", sha
+    from ..format import read_rotation  # torch: only once bytes have arrived
+    from ..validation import validate
+
+    arch = entry.architecture
+    ids = arch.expected_layer_ids()
+    try:
+        rs = read_rotation(path, head_dim=arch.head_dim, num_layers=len(ids) if ids else None)
+        validate(rs, layer_ids=ids, head_dim=arch.head_dim)
+    except RotationZooError as exc:
+        return f"not a valid rotation file for {entry.model_id}: {exc}", sha
+    return None, sha
+
+
+def _select_sources(f: FileEntry, source: str) -> list[Source]:
+    if source not in SOURCE_CHOICES:
+        raise ConfigError(f"source must be one of {', '.join(SOURCE_CHOICES)}, got {source!r}")
+    if source == "auto":
+        return list(f.sources)
+    chosen = [s for s in f.sources if s.type == source]
+    if not chosen:
+        have = ", ".join(s.type for s in f.sources)
+        raise FetchError(f"{f.path}: the registry lists no {source} source for this file (it has: {have})")
+    return chosen
+
+
+def record_verified(path: Path, entry: TagEntry, side: str, *, sha: str, source: str,
+                    revision: str | None = None, commit: str | None = None) -> dict:
+    """Write the marker that makes ``path`` a verified cached file of ``entry``'s ``side``.
+
+    Only call it for bytes checked against the registry (size, sha256, structure).
+    """
+    return write_marker(path, {
+        "model": entry.model_id, "tag": entry.name, "side": side, "sha256": sha,
+        "registry_sha256": entry.files[side].sha256, "source": source, "revision": revision, "commit": commit,
+        "verified_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    })
+
+
+def _fetch_bundled(entry: TagEntry, side: str, src: Source) -> CachedFile:
+    """Bundled data needs no cache: it ships with the package and is checked on use (it is small)."""
+    f = entry.files[side]
+    p = bundled_path(src)
+    if not p.is_file():
+        raise FetchError(f"{f.path}: bundled file {p} is missing; reinstall rotationzoo")
+    sha = sha256_file(p)
+    if f.sha256 is not None and sha != f.sha256:
+        raise IntegrityError(f"{p}: bundled file sha256 {sha} differs from the registry's {f.sha256}; "
+                             f"reinstall rotationzoo")
+    return CachedFile(side, p, sha, p.stat().st_size, src.describe(), None, from_cache=True)
+
+
+def _accept(got: Download, target: Path, f: FileEntry, entry: TagEntry) -> tuple[str | None, str]:
+    """Copy a download out of the client's cache, check the copy, and move it into place if good."""
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{f.filename}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        if got.path.resolve() != tmp.resolve():
+            shutil.copyfile(got.path, tmp)
+        problem, sha = _check(tmp, f, entry)
+        if problem is None:
+            os.replace(tmp, target)
+        return problem, sha
+    finally:
+        purge([tmp])
+
+
+def _preflight(src: Source, f: FileEntry, rev: str | None, say: Reporter) -> str | None:
+    """Ask the hub about the file before its client does (see :mod:`.network`): fail fast, check what
+    it declares (size; on ModelScope also sha256) against the registry. Returns the commit if known."""
+    if not src.is_hub or rev is None or src.repo is None:
+        return None
+    endpoint = hf_endpoint() if src.type == "huggingface" else ms_endpoint()
+    url, method, headers = network.file_url(src.type, src.repo, f.source_path(src), rev, endpoint)
+    answer = network.ask(url, method=method, headers=headers, read_body=src.type == "modelscope", say=say)
+    size, sha, commit = answer.size, None, None
+    if src.type == "modelscope":
+        record = network.listed_file(answer.body, f.source_path(src))
+        listed_size, listed_sha, listed_rev = record.get("Size"), record.get("Sha256"), record.get("Revision")
+        size = listed_size if type(listed_size) is int else None
+        sha = listed_sha if isinstance(listed_sha, str) else None
+        commit = listed_rev if isinstance(listed_rev, str) else None
+    if size is not None and f.size is not None and size != f.size:
+        raise network.Unavailable(f"declares {size} B, the registry expects {f.size} B", "wrong_size")
+    if sha and f.sha256 is not None and sha != f.sha256:
+        raise network.Unavailable(f"lists sha256 {sha[:12]}…, the registry expects {f.sha256[:12]}…", "wrong_size")
+    if size is not None and f.size is None and size > MAX_DOWNLOAD_BYTES:
+        raise network.Unavailable(f"declares {size} B, more than the {MAX_DOWNLOAD_BYTES} B limit", "too_large")
+    return commit
+
+
+def _from_source(entry: TagEntry, side: str, src: Source, *, root: Path, revision: str | None, force: bool,
+                 accept_new: bool, say: Reporter) -> CachedFile:
+    """Download one file from one source, verified; one retry after bad bytes.
+
+    ``revision`` is the caller's override (it also selects the cache folder).
+
+    Raises:
+        IntegrityError: the bytes failed verification twice, or differ from the local pin.
+        network.Unavailable: the source cannot serve the file (the caller fails over).
+        Exception: whatever else the client raised (the caller fails over).
+    """
+    f = entry.files[side]
+    rev = (revision or src.revision) if src.is_hub else None
+    label = f"{src.type}:{src.repo}@{rev}" if src.is_hub else src.describe()
+    target = entry_dir(root, entry, revision) / f.filename
+    bad_hashes: list[str] = []
+    problem = None
+    listed_commit = _preflight(src, f, rev, say)
+    for attempt in (1, 2):
+        got: Download | None = None
+        try:
+            with network.quiet_clients():
+                got = DOWNLOADERS[src.type](src, f, hub_cache=root / "hub", dest_dir=target.parent, revision=rev,
+                                            force=force or attempt > 1)
+            problem, sha = _accept(got, target, f, entry)
+        except BaseException:
+            if got is not None and src.type == "url":
+                purge(got.purge)
+            raise
+        if problem is None:
+            if src.type == "url":
+                purge(got.purge)
+            commit = got.commit or listed_commit
+            if f.sha256 is None:
+                try:
+                    state = pins.check_or_pin(entry, side, sha, source=label, revision=rev, commit=commit,
+                                              accept_new=accept_new)
+                except IntegrityError:
+                    purge([target, marker_path(target)])
+                    raise
+                if state == "new":
+                    _warn_unpinned(entry, side, sha)
+            marker = record_verified(target, entry, side, sha=sha, source=label, revision=rev, commit=commit)
+            say(f"{side.upper()} {f.filename}: verified from {label}")
+            return CachedFile(side, target, sha, marker["size"], label, rev)
+        # bad bytes: remove them from every cache involved, then try once more
+        purge(got.purge)
+        purge([target, marker_path(target)])
+        bad_hashes.append(sha)
+        if attempt == 1:
+            say(f"{label}: {f.filename}: {problem}; removed the bad copy, downloading again")
+    raise IntegrityError(
+        f"{entry.key} {side.upper()} file {f.filename} from {label} failed verification twice: {problem} "
+        f"(sha256 of the copies: {', '.join(bad_hashes)}). No bad copy was kept. The source may be corrupted "
+        f"or tampered with; try another source (--source) or report it."
+    )
+
+
+def _attempt(src: Source, rev: str | None, kind: str, reason: str) -> dict[str, str]:
+    label = f"{src.type}:{src.repo}@{rev}" if src.is_hub else src.describe()
+    return {"source": label, "kind": kind, "reason": network.shorten(reason)}
+
+
+FETCH_HINT = ("hint: check the network or use a mirror (HF_ENDPOINT=..., MODELSCOPE_ENDPOINT=...); "
+              "files already cached work with --offline (see `rotationzoo cache ls`)")
+
+
+def _writable(folder: Path) -> None:
+    """Create ``folder`` (inside the cache) or say in one line why it cannot be used."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{os.getpid()}.tmp"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise CacheError(f"cache folder {folder} is not writable ({exc.strerror or exc}); set ROTATIONZOO_CACHE "
+                         f"or --cache-dir to a writable folder") from None
+
+
+def _sweep(folder: Path) -> None:
+    """Remove the download-in-progress files a killed process left (call with the entry's lock held)."""
+    purge(partial_files(folder))
+
+
+def fetch_file(
+    entry: TagEntry,
+    side: str,
+    *,
+    root: Path,
+    source: str = "auto",
+    revision: str | None = None,
+    offline: bool = False,
+    force: bool = False,
+    accept_new: bool = False,
+    report: Reporter | None = None,
+) -> CachedFile:
+    """Return the verified local copy of one file of ``entry``, downloading it if needed.
+
+    Call with the entry's lock held (see :func:`fetch_entry`).
+    """
+    f = entry.files[side]
+    say = report or (lambda msg: log.info(msg))
+    sources = _select_sources(f, source)
+    if sources[0].type == "bundled":
+        return _fetch_bundled(entry, side, sources[0])
+    target = entry_dir(root, entry, revision) / f.filename
+    if not (force or accept_new):
+        marker = warm_hit(target, _expected_sha(entry, side))
+        if marker is not None:
+            return _hit(side, target, marker)
+    if offline:
+        raise OfflineError(
+            f"offline mode: {entry.key} {side.upper()} file {f.filename} is not in the cache ({target.parent}); "
+            f"run `rotationzoo fetch --model {entry.model_id} --tag {entry.name}` with network access"
+        )
+    _writable(target.parent)
+    _sweep(target.parent)
+    usable = [s for s in sources if s.type != "bundled"]
+    attempts: list[dict[str, str]] = []
+    for i, src in enumerate(usable):
+        rev = (revision or src.revision) if src.is_hub else None
+        if src.is_hub and not rev:
+            attempts.append(_attempt(src, rev, "error", "no revision given"))
+            continue
+        try:
+            return _from_source(entry, side, src, root=root, revision=revision, force=force,
+                                accept_new=accept_new, say=say)
+        except RotationZooError:
+            raise
+        except network.Unavailable as exc:
+            attempts.append(_attempt(src, rev, exc.kind, exc.reason))
+        except Exception as exc:  # the client's own errors (HTTP, connection): fail over
+            attempts.append(_attempt(src, rev, "error", describe_exc(exc)))
+        nxt = usable[i + 1] if i + 1 < len(usable) else None
+        say(f"{attempts[-1]['source']}: {attempts[-1]['reason']}" + (f"; trying {nxt.describe()}" if nxt else ""))
+    lines = "\n".join(f"  {a['source']}: {a['reason']}" for a in attempts) or "  no usable source"
+    raise FetchError(
+        f"could not fetch {entry.key} {side.upper()} file {f.filename} from {len(attempts)} source(s):\n"
+        f"{lines}\n{FETCH_HINT}", attempts)
+
+
+def _warn_unpinned(entry: TagEntry, side: str, sha: str) -> None:
+    key = f"{entry.key}:{side}"
+    if key in _warned_unpinned:
+        return
+    _warned_unpinned.add(key)
+    warnings.warn(
+        f"{entry.key} {side.upper()} file is not pinned in the registry (no sha256); it was validated "
+        f"structurally only. Observed sha256 {sha} (recorded in the cache).",
+        UnpinnedEntryWarning,
+        stacklevel=4,
+    )
+
+
+def _warm_files(entry: TagEntry, root: Path, source: str, revision: str | None) -> dict[str, CachedFile]:
+    """The sides already verified in the cache (bundled sides are left to :func:`fetch_file`)."""
+    out: dict[str, CachedFile] = {}
+    for side in SIDES:
+        f = entry.files[side]
+        if f.bundled and source in ("auto", "bundled"):
+            continue
+        target = entry_dir(root, entry, revision) / f.filename
+        marker = warm_hit(target, _expected_sha(entry, side))
+        if marker is None:
+            break
+        out[side] = _hit(side, target, marker)
+    return out
+
+
+def fetch_entry(
+    entry: TagEntry,
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+    source: str = "auto",
+    revision: str | None = None,
+    offline: bool | None = None,
+    force: bool = False,
+    accept_new: bool = False,
+    report: Reporter | None = None,
+) -> EntryFiles:
+    """Both files of ``entry``, verified and cached; one download across processes (file lock).
+
+    Args:
+        accept_new: accept (and re-pin) unpinned files that differ from the local pin.
+    """
+    root = cache_root(cache_dir)
+    offline = config.offline() if offline is None else offline
+    if revision is not None:
+        try:
+            check_revision(revision, "--revision")
+        except RegistryError as exc:
+            raise ConfigError(str(exc)) from None
+    out = EntryFiles(entry, {} if force or accept_new else _warm_files(entry, root, source, revision))
+    missing = [s for s in SIDES if s not in out.files]
+    if not missing:
+        return out
+    if offline:
+        need = []  # name every missing file in one message
+        for side in missing:
+            f = entry.files[side]
+            if f.bundled and source in ("auto", "bundled"):
+                out.files[side] = fetch_file(entry, side, root=root, source=source, offline=True)
+            else:
+                need.append(f.filename)
+        if need:
+            raise OfflineError(
+                f"offline mode: {entry.key} is not cached (missing {', '.join(need)} in "
+                f"{entry_dir(root, entry, revision)}); run `rotationzoo fetch --model {entry.model_id} "
+                f"--tag {entry.name}` where the network is reachable (offline because {offline_reason()})"
+            )
+        return out
+    from filelock import FileLock
+
+    lp = lock_path(root, entry, revision)
+    _writable(lp.parent)
+    with FileLock(str(lp)):
+        for side in missing:
+            out.files[side] = fetch_file(entry, side, root=root, source=source, revision=revision,
+                                         offline=False, force=force, accept_new=accept_new, report=report)
+    return out
+
+
+def offline_reason() -> str:
+    """Why offline mode is on, for error messages."""
+    if config.env_bool("ROTATIONZOO_OFFLINE"):
+        return "ROTATIONZOO_OFFLINE is set"
+    if config.env_bool("HF_HUB_OFFLINE"):
+        return "HF_HUB_OFFLINE is set"
+    return "--offline (offline=True) was given"

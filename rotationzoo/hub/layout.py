@@ -1,0 +1,171 @@
+"""Where things live under the cache root, and the verification markers beside cached files.
+
+Layout under ``ROTATIONZOO_CACHE`` (default: the platform user cache dir)::
+
+    files/models--Qwen--Qwen3-8B/<tag>/k_rotation_qqt_r_h_pbr.pt          verified file
+    files/models--Qwen--Qwen3-8B/<tag>/k_rotation_qqt_r_h_pbr.pt.verified  marker (sha256, size, mtime, source)
+    derived/models--Qwen--Qwen3-8B/<tag>/oscar-rot-kv.gguf                 built from verified files
+    derived/models--Qwen--Qwen3-8B/<tag>/oscar-rot-kv.gguf.verified        marker (sha256, size, inputs)
+    derived/local/<id>/oscar-rot-kv.gguf                                   built from local files
+    hub/huggingface/ , hub/modelscope/                                     the clients' own caches
+    locks/models--Qwen--Qwen3-8B--<tag>.lock                               one lock per entry
+
+Every file under ``files/`` and ``derived/`` has a marker; ``rotationzoo cache ls / verify / rm``
+know both areas. Downloads in progress live beside their target as hidden ``.url-*.part`` /
+``.*.tmp`` files; one left by a killed process is an *orphan*, shown by ``cache ls`` and removed by
+the next fetch of its entry or by ``cache verify``.
+
+Every path built here is checked to resolve inside the cache root (:func:`inside`), and markers are
+read defensively (:func:`read_marker` returns ``None`` for anything but a well-formed marker).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Iterable
+
+from .. import config
+from ..errors import CacheError
+from ..registry import TagEntry
+
+MARKER_SUFFIX = ".verified"
+FILES_AREA = "files"
+DERIVED_AREA = "derived"
+HUB_AREA = "hub"
+LOCKS_AREA = "locks"
+
+
+def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The cache root: ``cache_dir`` when given, else ``ROTATIONZOO_CACHE`` or the user cache dir."""
+    return Path(cache_dir).expanduser() if cache_dir is not None else config.cache_dir()
+
+
+def inside(root: Path, path: Path) -> Path:
+    """``path``, after checking that it resolves inside ``root`` (symlinks followed).
+
+    Raises:
+        CacheError: it does not (a hostile name or a symlink that leaves the cache).
+    """
+    base = root.resolve()
+    full = path.resolve()
+    if full != base and not full.is_relative_to(base):
+        raise CacheError(f"{path} resolves to {full}, outside the cache root {base}; refusing to use it")
+    return path
+
+
+def model_folder(model_id: str) -> str:
+    """``Qwen/Qwen3-8B`` → ``models--Qwen--Qwen3-8B``."""
+    return "models--" + model_id.replace("/", "--")
+
+
+def _tag_folder(entry: TagEntry, revision: str | None) -> str:
+    return (entry.name + (f"@{revision}" if revision else "")).replace("/", "--")
+
+
+def entry_dir(root: Path, entry: TagEntry, revision: str | None = None) -> Path:
+    """Folder of an entry's verified files."""
+    return inside(root, root / FILES_AREA / model_folder(entry.model_id) / _tag_folder(entry, revision))
+
+
+def derived_dir(root: Path, entry: TagEntry | None = None, local_id: str | None = None) -> Path:
+    """Folder of files built from an entry's verified files (or from local files, by ``local_id``)."""
+    if entry is not None:
+        return inside(root, root / DERIVED_AREA / model_folder(entry.model_id) / _tag_folder(entry, None))
+    if not local_id or not re.fullmatch(r"[0-9a-f]{1,64}", local_id):
+        raise ValueError("derived_dir needs an entry or a hex local_id")
+    return inside(root, root / DERIVED_AREA / "local" / local_id)
+
+
+def lock_path(root: Path, entry: TagEntry, revision: str | None = None) -> Path:
+    """The lock held while an entry's files are downloaded."""
+    name = f"{model_folder(entry.model_id)}--{entry.name}" + (f"@{revision}" if revision else "")
+    return inside(root, root / LOCKS_AREA / (name.replace("/", "--") + ".lock"))
+
+
+def marker_path(path: Path) -> Path:
+    return path.with_name(path.name + MARKER_SUFFIX)
+
+
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_MARKER_TYPES: dict[str, Any] = {
+    "model": str, "tag": str, "side": str, "source": str, "revision": str, "kind": str,
+    "registry_sha256": str, "verified_at": str, "created_at": str, "commit": str,
+}
+MAX_MARKER_BYTES = 64 << 10
+
+
+def read_marker(path: Path) -> dict[str, Any] | None:
+    """The marker of ``path``, or ``None`` when absent, unreadable or malformed.
+
+    A well-formed marker is a JSON object (at most 64 KiB, not a symlink) with a 64-hex ``sha256`` and
+    an integer ``size``; optional fields of the wrong type are dropped, ``inputs`` must map sides to
+    sha256s.
+    """
+    mp = marker_path(path)
+    try:
+        if mp.is_symlink() or mp.stat().st_size > MAX_MARKER_BYTES:
+            return None
+        with open(mp, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    sha, size = data.get("sha256"), data.get("size")
+    if not isinstance(sha, str) or not _SHA256.match(sha) or type(size) is not int or size < 0:
+        return None
+    out: dict[str, Any] = {"sha256": sha, "size": size}
+    if type(data.get("mtime_ns")) is int:
+        out["mtime_ns"] = data["mtime_ns"]
+    for key, typ in _MARKER_TYPES.items():
+        if isinstance(data.get(key), typ):
+            out[key] = data[key]
+    inputs = data.get("inputs")
+    if isinstance(inputs, dict) and all(isinstance(k, str) and isinstance(v, str) and _SHA256.match(v)
+                                        for k, v in inputs.items()):
+        out["inputs"] = dict(inputs)
+    return out
+
+
+def is_orphan_name(name: str) -> bool:
+    """A hidden download-in-progress file (``.url-*.part``, ``.<name>.*.tmp``, a marker's ``.tmp``)."""
+    return name.startswith(".") and (name.endswith(".part") or name.endswith(".tmp"))
+
+
+def partial_files(folder: Path) -> list[Path]:
+    """Download-in-progress files directly in ``folder`` (orphans unless a download holds the lock)."""
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if is_orphan_name(p.name) and not p.is_symlink())
+
+
+def regular_file(path: Path) -> bool:
+    """A regular file that is not a symlink (cache hits never follow links)."""
+    try:
+        return not path.is_symlink() and path.is_file()
+    except OSError:
+        return False
+
+
+def write_marker(path: Path, marker: dict[str, Any]) -> dict[str, Any]:
+    """Write ``marker`` beside ``path`` atomically (with the file's current size and mtime)."""
+    st = path.stat()
+    marker = {**marker, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    mp = marker_path(path)
+    tmp = mp.with_name(f".{mp.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(marker, indent=1))
+    os.replace(tmp, mp)
+    return marker
+
+
+def purge(paths: Iterable[Path]) -> None:
+    """Remove files (and symlinks), ignoring those already gone."""
+    for p in paths:
+        try:
+            if p.is_symlink() or p.exists():
+                p.unlink()
+        except OSError:
+            pass

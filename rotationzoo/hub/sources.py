@@ -1,0 +1,224 @@
+"""Downloaders, one per source type, with one signature (like pooch's ``choose_downloader``).
+
+Each returns the downloaded file and every path that must be removed if its bytes turn out bad
+(the hub clients keep poisoned blobs otherwise). Bundled data is not downloaded: see
+:func:`bundled_path`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+from .. import config
+from .._inspect import MAX_BYTES
+from ..registry import FileEntry, Source
+from ..registry.safety import bundled_file
+from .network import Unavailable, reach, shorten
+
+
+@dataclass
+class Download:
+    """A downloaded file, what to purge when it fails verification, and the hub commit it came from."""
+
+    path: Path
+    purge: list[Path]
+    commit: str | None = None
+
+
+#: ``downloader(source, file, *, hub_cache, dest_dir, revision, force) -> Download``.
+Downloader = Callable[..., Download]
+
+#: Most bytes an unpinned file may have (a pinned one stops at its registry size): the reader's limit.
+MAX_DOWNLOAD_BYTES = MAX_BYTES
+
+
+def hf_endpoint() -> str | None:
+    return os.environ.get("HF_ENDPOINT") or None
+
+
+def ms_endpoint() -> str | None:
+    return os.environ.get("MODELSCOPE_ENDPOINT") or None
+
+
+def _show_progress() -> bool:
+    """Byte progress bars on a terminal only."""
+    return sys.stderr.isatty()
+
+
+def _with_blob(path: str) -> Download:
+    p = Path(path)
+    # a snapshot entry may be a symlink to a blob; a bad download must remove both
+    commit = p.parent.name if re.fullmatch(r"[0-9a-f]{40}", p.parent.name) else None
+    parts = p.parts
+    if "snapshots" in parts:  # <repo cache>/snapshots/<commit>/<path inside the repo>
+        i = parts.index("snapshots")
+        commit = parts[i + 1] if i + 1 < len(parts) and re.fullmatch(r"[0-9a-f]{40}", parts[i + 1]) else commit
+    return Download(p, [p, Path(os.path.realpath(p))], commit)
+
+
+@contextlib.contextmanager
+def _hf_bars() -> Iterator[None]:
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    was_disabled = are_progress_bars_disabled()
+    if not _show_progress():
+        disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was_disabled:
+            enable_progress_bars()
+
+
+def download_huggingface(src: Source, f: FileEntry, *, hub_cache: Path, dest_dir: Path, revision: str | None,
+                         force: bool) -> Download:
+    from huggingface_hub import hf_hub_download
+
+    assert src.repo is not None
+    with _hf_bars():
+        return _with_blob(hf_hub_download(
+            repo_id=src.repo,
+            filename=f.source_path(src),
+            revision=revision,
+            cache_dir=str(hub_cache / "huggingface"),
+            endpoint=hf_endpoint(),
+            force_download=force,
+            etag_timeout=config.timeout(),
+        ))
+
+
+def download_modelscope(src: Source, f: FileEntry, *, hub_cache: Path, dest_dir: Path, revision: str | None,
+                        force: bool) -> Download:
+    from modelscope.hub.file_download import model_file_download
+
+    assert src.repo is not None
+    # its tqdm bars cannot be switched off; keep them for terminals, drop them from logs and pipes
+    quiet = contextlib.nullcontext() if _show_progress() else contextlib.redirect_stderr(io.StringIO())
+    with quiet:
+        path = model_file_download(
+            model_id=src.repo,
+            file_path=f.source_path(src),
+            revision=revision,  # always explicit: None would mean "newest tag"
+            cache_dir=str(hub_cache / "modelscope"),
+            endpoint=ms_endpoint(),
+        )
+    return _with_blob(path)
+
+
+def download_url(src: Source, f: FileEntry, *, hub_cache: Path, dest_dir: Path, revision: str | None,
+                 force: bool) -> Download:
+    """Stream ``src.url`` into ``dest_dir/.url-*.part``, never past the expected size (pinned) or
+    :data:`MAX_DOWNLOAD_BYTES` (unpinned); 5xx and timeouts are retried like a hub pre-flight."""
+    assert src.url is not None
+    limit = f.size if f.size is not None else MAX_DOWNLOAD_BYTES
+    attempts = config.retries() + 1
+    for attempt in range(attempts):
+        try:
+            return _stream_url(src.url, f.filename, dest_dir, limit)
+        except Unavailable as exc:
+            if not exc.retryable or attempt == attempts - 1:
+                if attempt:
+                    exc.reason += f" ({attempt + 1} attempts)"
+                raise
+            time.sleep(min(0.5 * 2**attempt, 4.0))
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _stream_url(url: str, name: str, dest_dir: Path, limit: int) -> Download:
+    import urllib.error
+    import urllib.request
+
+    timeout = config.timeout()
+    reach(url, timeout)
+    req = urllib.request.Request(url, headers={"User-Agent": "rotationzoo"})
+    try:
+        resp = urllib.request.urlopen(req, timeout=timeout)
+    except urllib.error.HTTPError as exc:
+        exc.close()
+        kind = {404: "not_found", 401: "denied", 403: "denied"}.get(exc.code, "http")
+        raise Unavailable(f"HTTP {exc.code}", kind, retryable=exc.code >= 500 or exc.code in (408, 429)) from None
+    except TimeoutError:
+        raise Unavailable(f"no answer within {timeout:g} s", "timeout", retryable=True) from None
+    except (OSError, ValueError) as exc:
+        raise Unavailable(f"request failed ({shorten(str(exc), 60)})", "error", retryable=True) from None
+    with resp:
+        declared = resp.headers.get("Content-Length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise Unavailable(f"declares {int(declared)} B, more than the expected {limit} B", "too_large")
+        fd, tmp = tempfile.mkstemp(prefix=".url-", suffix=".part", dir=dest_dir)
+        try:
+            with os.fdopen(fd, "wb") as out, _bar(int(declared) if declared and declared.isdigit() else None,
+                                                  name) as bar:
+                total = 0
+                while True:
+                    block = resp.read(1 << 20)
+                    if not block:
+                        break
+                    total += len(block)
+                    if total > limit:
+                        raise Unavailable(f"sent more than the expected {limit} B; stopped", "too_large")
+                    out.write(block)
+                    bar(len(block))
+        except TimeoutError:
+            os.unlink(tmp)
+            raise Unavailable(f"stalled for {timeout:g} s mid-download", "timeout", retryable=True) from None
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    return Download(Path(tmp), [Path(tmp)])
+
+
+@contextlib.contextmanager
+def _bar(total: int | None, name: str) -> Iterator[Callable[[int], None]]:
+    """A byte progress bar (size, speed, ETA) on a terminal; nothing otherwise."""
+    if not _show_progress():
+        yield lambda n: None
+        return
+    from tqdm.auto import tqdm
+
+    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=name, leave=False) as bar:
+        yield bar.update
+
+
+DOWNLOADERS: dict[str, Downloader] = {
+    "huggingface": download_huggingface,
+    "modelscope": download_modelscope,
+    "url": download_url,
+}
+
+
+def bundled_path(src: Source) -> Path:
+    """The package data file a ``bundled`` source names (refused outside the package's data folder)."""
+    return bundled_file(str(src.path))
+
+
+def describe_exc(exc: BaseException) -> str:
+    """One line: the exception and the root cause (HTTP status, connection error) the clients wrap."""
+    chain: list[BaseException] = []
+    e: BaseException | None = exc
+    while e is not None and len(chain) < 6:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    status = next((getattr(getattr(c, "response", None), "status_code", None) for c in chain
+                   if getattr(getattr(c, "response", None), "status_code", None) is not None), None)
+
+    def first_line(c: BaseException) -> str:
+        text = str(c).strip()
+        return text.splitlines()[0] if text else ""
+
+    root = chain[-1]
+    parts = [f"{type(exc).__name__}: {first_line(exc)}"]
+    if root is not exc:
+        parts.append(f"cause {type(root).__name__}: {first_line(root)}")
+    if status is not None:
+        parts.insert(0, f"HTTP {status}")
+    return "; ".join(p for p in parts if p)[:400]

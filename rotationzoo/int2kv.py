@@ -1,0 +1,159 @@
+"""The INT2 KV-cache configuration: one frozen type for every knob of the OSCAR store.
+
+A registry entry's ``serving`` block, the transformers cache, ``rotationzoo eval``, the memory
+planner and the launch settings all read the same :class:`Int2KVConfig`, and every knob has one
+name everywhere (Python attribute, ``registry.json`` key, CLI flag, JSON report):
+
+====================  =========================  ===========================================================
+attribute / JSON key  CLI flag                   meaning
+====================  =========================  ===========================================================
+``k_clip_ratio``      ``--k-clip-ratio``         per-row clip of keys at ``sort(|row|)[int(r·d)]``; 0 disables
+``v_clip_ratio``      ``--v-clip-ratio``         the same for values
+``group_size``        ``--group-size``           dims sharing one (scale, zero); ``None`` = head_dim
+``prefix_tokens``     ``--prefix-tokens``        first tokens kept in ``hp_dtype`` (the sink)
+``recent_tokens``     ``--recent-tokens``        most recent tokens kept in ``hp_dtype``
+``hp_dtype``          ``--hp-dtype``             dtype of the window tokens (SGLang's ``HP_DTYPE``)
+``scale_dtype``       ``--scale-dtype``          dtype of the stored scale/zero pairs
+``lloyd_max``         ``--lloyd-max``            approximate Lloyd-Max levels (needs ``group_size == d``)
+``clip_search``       ``--clip-search``          ``exact`` threshold (SGLang prefill) or ``bisect`` (decode flush)
+====================  =========================  ===========================================================
+
+Defaults are the authors' serving recipe with SGLang's fp32 scale/zero: clip 0.96 / 0.92, one
+group per row, 64 + 256 BF16 window tokens, exact clip thresholds.
+
+This module imports nothing heavy (no torch): dtypes are names (``"bfloat16"``, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Mapping
+
+from .errors import ConfigError
+from .vocab import CLIP_SEARCHES, DTYPE_NAMES, ClipSearch, DtypeName
+#: Bits of one stored value of each dtype.
+DTYPE_BITS: dict[str, int] = {"bfloat16": 16, "float16": 16, "float32": 32}
+
+
+@dataclass(frozen=True)
+class Int2KVConfig:
+    """How keys and values are stored in an OSCAR INT2 KV cache (everything but the rotations).
+
+    Attributes:
+        k_clip_ratio: per-row clip ratio of keys (``0`` disables; OSCAR serves 0.96).
+        v_clip_ratio: per-row clip ratio of values (OSCAR serves 0.92).
+        group_size: contiguous dims sharing one (scale, zero) pair; ``None`` means head_dim (one
+            pair per row, the published ``group128`` at d = 128).
+        prefix_tokens: tokens at the start kept in ``hp_dtype`` (the BF16 sink).
+        recent_tokens: most recent tokens kept in ``hp_dtype``.
+        hp_dtype: dtype of the window tokens (``"bfloat16"`` as served).
+        scale_dtype: dtype of the stored scale/zero (``"float32"``, SGLang's default).
+        lloyd_max: approximate Lloyd-Max INT2 levels (``SGLANG_LLOYD_MAX=1``).
+        clip_search: ``"exact"`` thresholds (SGLang's prefill store) or ``"bisect"`` (the 7-step
+            search of its decode-flush kernel, applied to rows demoted from the recent window).
+    """
+
+    k_clip_ratio: float = 0.96
+    v_clip_ratio: float = 0.92
+    group_size: int | None = None
+    prefix_tokens: int = 64
+    recent_tokens: int = 256
+    hp_dtype: DtypeName = "bfloat16"
+    scale_dtype: DtypeName = "float32"
+    lloyd_max: bool = False
+    clip_search: ClipSearch = "exact"
+
+    def __post_init__(self) -> None:
+        for name in ("k_clip_ratio", "v_clip_ratio"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value <= 1.0 or value != value:
+                raise ConfigError(f"{name} must be a number <= 1 (0 disables clipping), got {value!r}")
+            object.__setattr__(self, name, float(value))
+        for name in ("prefix_tokens", "recent_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
+        g = self.group_size
+        if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 1 or g & (g - 1)):
+            raise ConfigError(f"group_size must be a power of two (or None for head_dim), got {g!r}")
+        for name in ("hp_dtype", "scale_dtype"):
+            if getattr(self, name) not in DTYPE_NAMES:
+                raise ConfigError(f"{name} must be one of {', '.join(DTYPE_NAMES)}, got {getattr(self, name)!r}")
+        if not isinstance(self.lloyd_max, bool):
+            raise ConfigError(f"lloyd_max must be true or false, got {self.lloyd_max!r}")
+        if self.clip_search not in CLIP_SEARCHES:
+            raise ConfigError(f"clip_search must be one of {', '.join(CLIP_SEARCHES)}, got {self.clip_search!r}")
+
+    # -- construction ------------------------------------------------------------------------------
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], *, where: str = "serving") -> "Int2KVConfig":
+        """Build from a ``registry.json`` ``serving`` block (missing keys take the defaults).
+
+        Raises:
+            ConfigError: an unknown key or a bad value (the message names ``where``).
+        """
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; expected {', '.join(sorted(known))}")
+        try:
+            return cls(**dict(data))
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+
+    def replace(self, **changes: Any) -> "Int2KVConfig":
+        """A copy with some knobs changed; ``None`` values are ignored (handy for optional CLI flags)."""
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+    def to_json(self) -> dict[str, Any]:
+        """The knobs as a JSON-friendly dict (``registry.json`` / report keys)."""
+        return asdict(self)
+
+    # -- derived values ----------------------------------------------------------------------------
+    def clip_ratio(self, side: str) -> float:
+        """``k_clip_ratio`` for ``"k"``, ``v_clip_ratio`` for ``"v"``."""
+        if side not in ("k", "v"):
+            raise ConfigError(f"side must be 'k' or 'v', got {side!r}")
+        return self.k_clip_ratio if side == "k" else self.v_clip_ratio
+
+    def group_for(self, head_dim: int) -> int:
+        """The effective group size for ``head_dim`` (``group_size`` or ``head_dim``)."""
+        return head_dim if self.group_size is None else self.group_size
+
+    @property
+    def window_tokens(self) -> int:
+        """``prefix_tokens + recent_tokens``."""
+        return self.prefix_tokens + self.recent_tokens
+
+    def int2_bits(self, head_dim: int) -> float:
+        """Stored bits per element of an INT2 token: ``2 + 2·bits(scale_dtype)/G``."""
+        return 2.0 + 2.0 * DTYPE_BITS[self.scale_dtype] / self.group_for(head_dim)
+
+    def bits_per_element(self, head_dim: int, context_len: int) -> float:
+        """Average stored bits per cached K/V element at ``context_len`` tokens (the paper's BPE).
+
+        ``W = min(L, prefix + recent)`` window tokens cost ``bits(hp_dtype)``; the others
+        :meth:`int2_bits`: ``BPE(L) = ((L − W)·b_int2 + W·b_hp) / L``. With d = G = 128, 16-bit
+        scale/zero and 64 + 256 windows, ``BPE(131072) = 2.2836`` (the paper's 2.28).
+        """
+        if context_len < 1:
+            raise ConfigError(f"context_len must be >= 1, got {context_len}")
+        w = min(context_len, self.window_tokens)
+        return ((context_len - w) * self.int2_bits(head_dim) + w * DTYPE_BITS[self.hp_dtype]) / context_len
+
+    def label(self, head_dim: int | None = None) -> str:
+        """Short description, e.g. ``G64 clip 0.96/0.92 win 64+256 fp32``."""
+        g = self.group_size if self.group_size is not None else head_dim
+        parts = [f"G{g}" if g else "G=d"]
+        clipped = self.k_clip_ratio > 0 or self.v_clip_ratio > 0
+        parts.append(f"clip {self.k_clip_ratio:g}/{self.v_clip_ratio:g}" if clipped else "no clip")
+        if clipped and self.clip_search != "exact":
+            parts.append(self.clip_search)
+        parts.append(f"win {self.prefix_tokens}+{self.recent_tokens}" if self.window_tokens else "no win")
+        parts.append({"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[self.scale_dtype])
+        if self.lloyd_max:
+            parts.append("LM")
+        return " ".join(parts)
+
+
+__all__ = ["CLIP_SEARCHES", "DTYPE_BITS", "DTYPE_NAMES", "ClipSearch", "DtypeName", "Int2KVConfig"]

@@ -1,0 +1,325 @@
+"""Calibration from a live model: capture Q/K/V over calibration text, fit rotations, or write a dump.
+
+Example::
+
+    from rotationzoo.integrations.transformers import calibrate, load_model
+
+    model, tokenizer = load_model("models/Qwen3-8B")          # local folder or a .gguf file
+    result = calibrate(model, tokenizer, ["calib.txt"], tokens=20000, dump_out="qkv_dump")
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+
+import torch
+
+from ...errors import ConfigError, FitError
+from ...fit import OBJECTIVE_TARGETS, fit_rotations
+from ...fit.accumulate import LayerAccumulator, Workspace, second_pass_from_dump
+from ...fit.compose import check_composition
+from ...fit.dump import Dump, DumpWriter
+from .capture import QKVCapture
+
+#: Tokens of the warm-up forward written as chunk 0 of a dump (mirrors SGLang's warm-up batch).
+WARMUP_TOKENS = 6
+#: ``progress(stage, done, total)``; stage is ``"tokens"`` during capture, ``"layer <L>"`` in pass 2.
+CalibrationProgress = Callable[[str, int, int], None]
+
+
+def read_texts(paths: Sequence[str | os.PathLike[str]], *, what: str = "calibration text") -> list[str]:
+    """Read UTF-8 text files (errors name the file and what it was for)."""
+    texts = []
+    for p in paths:
+        path = Path(p)
+        try:
+            texts.append(path.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read the {what} ({exc.strerror or exc})") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{path}: the {what} is not UTF-8 text") from None
+    if not any(t.strip() for t in texts):
+        raise ConfigError(f"the {what} files are empty")
+    return texts
+
+
+def token_windows(tokenizer: Any, texts: Iterable[str], *, tokens: int, seq_len: int) -> Iterator[list[int]]:
+    """Token id windows for calibration.
+
+    Each text is tokenized once (with the tokenizer's special tokens, e.g. a leading BOS) and cut
+    into consecutive windows of ``seq_len`` tokens; each window is one independent sequence. The
+    last window is truncated so that exactly ``tokens`` tokens are produced in total (fewer if
+    the texts run out).
+    """
+    if tokens < 1:
+        raise FitError(f"tokens must be ≥ 1, got {tokens}")
+    if seq_len < 1:
+        raise FitError(f"seq_len must be ≥ 1, got {seq_len}")
+    left = int(tokens)
+    for text in texts:
+        if not text.strip():
+            continue
+        ids = tokenizer(text)["input_ids"]
+        if ids and isinstance(ids[0], list):
+            ids = ids[0]
+        for start in range(0, len(ids), seq_len):
+            window = list(ids[start:start + seq_len])[:left]
+            if not window:
+                break
+            yield window
+            left -= len(window)
+            if left <= 0:
+                return
+
+
+def calibrate(
+    model: Any,
+    tokenizer: Any,
+    texts: Sequence[str | os.PathLike[str]] | Sequence[str],
+    *,
+    tokens: int,
+    seq_len: int = 2048,
+    objective: str = "qqt_sst",
+    composition: str = "r_h_pbr",
+    group_size: int | None = None,
+    dump_out: str | os.PathLike[str] | None = None,
+    overwrite_dump: bool = False,
+    signs: str = "canonical",
+    model_id: str | None = None,
+    texts_are_paths: bool = True,
+    progress: CalibrationProgress | None = None,
+) -> Any:
+    """Fit rotations from a live ``transformers`` model: :func:`collect_statistics`, then one fit.
+
+    The model runs once (see :func:`collect_statistics` for the passes, the K/V spill and the
+    ``dump_out`` layout); the finished statistics are fitted with
+    :func:`rotationzoo.fit.fit_rotations` for one ``composition``.
+
+    Args:
+        model: a causal LM (e.g. from :func:`load_model`).
+        tokenizer: its tokenizer.
+        texts: calibration text files (or strings with ``texts_are_paths=False``).
+        tokens: per-layer token budget ``T``.
+        seq_len: tokens per sequence (window).
+        objective: see :func:`rotationzoo.fit.fit_rotations` (not ``"hadamard"``).
+        composition: see :func:`rotationzoo.fit.fit_rotations`.
+        group_size: ``G`` for ``r_pbr_hg``.
+        dump_out: also write an SGLang-layout dump here.
+        overwrite_dump: replace an existing dump in ``dump_out``.
+        signs: eigenvector sign convention.
+        model_id: model name recorded in the result/manifest.
+        texts_are_paths: whether ``texts`` are file paths.
+        progress: ``progress(stage, done, total)``.
+
+    Returns:
+        A :class:`rotationzoo.fit.FitResult` (``prompts`` = number of sequences run).
+    """
+    check_composition(composition, group_size)  # before the model runs
+    stats = collect_statistics(
+        model, tokenizer, texts, tokens=tokens, seq_len=seq_len, objective=objective, model_id=model_id,
+        texts_are_paths=texts_are_paths, progress=progress, dump_out=dump_out, overwrite_dump=overwrite_dump,
+    )
+    return fit_rotations(
+        stats.accumulators, objective, composition, group_size=group_size, signs=signs,  # type: ignore[arg-type]
+        source_info=stats.info,
+    )
+
+
+def capture_to_dump(
+    model: Any,
+    input_ids: Iterable[Sequence[int] | torch.Tensor],
+    dump_out: str | os.PathLike[str],
+    *,
+    token_budget: int | None = None,
+    overwrite: bool = False,
+    info: Mapping[str, Any] | None = None,
+) -> Path:
+    """Run ``model`` over sequences of token ids and write an SGLang-layout Q/K/V dump.
+
+    Chunk 0 is whatever the first sequence produces (pass a short warm-up sequence first to
+    mirror SGLang, whose readers skip chunk 0).
+
+    Args:
+        model: a ``transformers`` causal LM.
+        input_ids: sequences of token ids, each run as one forward (batch 1).
+        dump_out: output folder.
+        token_budget: per-layer token limit (the dump hook's ``DUMP_KVCACHE_TOKENS``).
+        overwrite: replace an existing dump.
+        info: written to ``rotationzoo_dump.json``.
+
+    Returns:
+        The dump folder.
+    """
+    writer = DumpWriter(dump_out, token_budget=token_budget, overwrite=overwrite)
+    device = next(model.parameters()).device
+
+    def on_qkv(layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        writer.write(layer_id, q=q.detach().cpu(), k=k.detach().cpu(), v=v.detach().cpu(), seq_lens=[q.shape[0]])
+
+    with torch.no_grad(), QKVCapture(model, on_qkv):
+        for ids in input_ids:
+            t = ids if isinstance(ids, torch.Tensor) else torch.tensor(list(ids))
+            model(input_ids=t.reshape(1, -1).to(device), use_cache=False)
+    if info is not None:
+        writer.write_info(info)
+    return writer.root
+
+
+# -- statistics for several fits -------------------------------------------------------------------
+
+
+class CapturedStatistics:
+    """Finished per-layer fp64 statistics from one pass over calibration text.
+
+    Fit as many compositions as needed from them without running the model again::
+
+        stats = collect_statistics(model, tokenizer, ["emma.txt"], tokens=20000)
+        for comp, g in (("r_h_pbr", None), ("r_pbr_hg", 16)):
+            result = fit_rotations(stats.accumulators, "qqt_sst", comp, group_size=g, source_info=stats.info)
+
+    Attributes:
+        accumulators: ``{layer_id: LayerAccumulator}`` with pass 1 (and pass 2 for ``sst``) done.
+        info: what was run (``kind``, ``texts``, ``seq_len``, ``token_budget``, ``tokens``, ``prompts``).
+        objective: the objective the statistics cover (e.g. ``"qqt_sst"``).
+    """
+
+    def __init__(self, accumulators: dict[int, Any], info: dict[str, Any], objective: str) -> None:
+        self.accumulators = accumulators
+        self.info = info
+        self.objective = objective
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per layer seen in pass 1 (the smallest count over layers)."""
+        return min(acc.num_tokens for acc in self.accumulators.values())
+
+
+def collect_statistics(
+    model: Any,
+    tokenizer: Any,
+    texts: Sequence[str | os.PathLike[str]] | Sequence[str],
+    *,
+    tokens: int,
+    seq_len: int = 2048,
+    objective: str = "qqt_sst",
+    model_id: str | None = None,
+    texts_are_paths: bool = True,
+    progress: CalibrationProgress | None = None,
+    dump_out: str | os.PathLike[str] | None = None,
+    overwrite_dump: bool = False,
+) -> CapturedStatistics:
+    """Run ``model`` once over calibration text and return the finished fp64 statistics.
+
+    Pass 1 runs the model once over the calibration windows; each captured Q (and K/V for
+    ``ktk``/``vtv``) chunk goes straight into the fp64 accumulators. ``sst`` needs a second pass
+    over K and V after the query statistics are final: the captured K/V chunks are spilled to
+    disk (to ``dump_out`` when given, else a temporary folder) and read back once, so the model
+    runs only once and memory stays bounded. Several compositions (``r_h_pbr``, ``r_pbr_hg<G>``
+    for several ``G``) can then be fitted from one capture; :func:`calibrate` fits one.
+
+    With ``dump_out`` the full Q/K/V dump is written in the SGLang layout, preceded by a
+    ``WARMUP_TOKENS``-token warm-up forward stored as chunk 0 (never accumulated), so that
+    ``fit_rotations(dump_out)`` with its default chunk-0 skip gives the same rotations.
+
+    Args:
+        model: a causal LM (e.g. from :func:`load_model`).
+        tokenizer: its tokenizer.
+        texts: calibration text files (or strings with ``texts_are_paths=False``).
+        tokens: per-layer token budget ``T``.
+        seq_len: tokens per sequence (window).
+        objective: see :func:`rotationzoo.fit.fit_rotations` (not ``"hadamard"``).
+        model_id: model name recorded in ``info``.
+        texts_are_paths: whether ``texts`` are file paths.
+        progress: ``progress(stage, done, total)``.
+        dump_out: also write an SGLang-layout dump here.
+        overwrite_dump: replace an existing dump in ``dump_out``.
+
+    Returns:
+        :class:`CapturedStatistics`.
+    """
+    if objective not in OBJECTIVE_TARGETS or objective == "hadamard":
+        raise FitError(f"objective must be one of {', '.join(o for o in OBJECTIVE_TARGETS if o != 'hadamard')}")
+    targets = tuple(t for t in OBJECTIVE_TARGETS[objective] if t is not None)
+    raw_texts = read_texts(texts) if texts_are_paths else [str(t) for t in texts]
+    windows = list(token_windows(tokenizer, raw_texts, tokens=tokens, seq_len=seq_len))
+    if not windows:
+        raise FitError("the calibration texts produced no tokens")
+    total = sum(len(w) for w in windows)
+    info: dict[str, Any] = {
+        "kind": "transformers", "model": model_id,
+        "texts": [str(t) for t in texts] if texts_are_paths else len(raw_texts),
+        "seq_len": seq_len, "token_budget": int(tokens), "tokens": total, "prompts": len(windows),
+    }
+    spill = "sst" in targets  # sst needs K/V again once the query statistics are final
+    tmp = tempfile.TemporaryDirectory(prefix="rotationzoo-kv-") if spill and dump_out is None else None
+    writer = (DumpWriter(dump_out, overwrite=overwrite_dump) if dump_out is not None
+              else DumpWriter(tmp.name, kinds=("k", "v")) if tmp is not None else None)
+    collector = _Collector(targets, writer)
+    try:
+        _forward_windows(model, windows, collector, warmup=dump_out is not None, progress=progress)
+        if not collector.accs:
+            raise FitError("no attention layer reported Q/K/V; the model's attention does not use AttentionInterface")
+        if writer is not None and spill:
+            # a dump written for the user keeps its warm-up chunk 0 on disk; skip it here
+            kv = Dump(writer.root, keep_first_chunk=dump_out is None)
+            for lid, acc in collector.accs.items():
+                second_pass_from_dump(
+                    acc, kv, lid,
+                    progress=(lambda l, d, t: progress(f"layer {l}", d, t)) if progress is not None else None,
+                )
+        if dump_out is not None and writer is not None:
+            info["dump"] = str(dump_out)
+            writer.write_info({"model": model_id, "prompts": len(windows), "tokens": total, "seq_len": seq_len,
+                               "warmup_chunk": True, "texts": info["texts"], "writer": "rotationzoo calibrate"})
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    return CapturedStatistics(collector.accs, info, objective)
+
+
+class _Collector:
+    """Receives each attention layer's Q/K/V chunk: writes it to the dump (if any) and feeds pass 1
+    of the layer's fp64 accumulators (nothing is accumulated while ``warmup`` is set)."""
+
+    def __init__(self, targets: tuple[str, ...], writer: DumpWriter | None) -> None:
+        self.targets, self.writer = targets, writer
+        self.accs: dict[int, LayerAccumulator] = {}
+        self.workspace = Workspace("cpu")
+        self.warmup = False
+
+    def __call__(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        q, k, v = q.detach().to("cpu"), k.detach().to("cpu"), v.detach().to("cpu")
+        if self.writer is not None:
+            self.writer.write(layer_id, q=q if "q" in self.writer.kinds else None, k=k, v=v, seq_lens=[q.shape[0]])
+        if self.warmup:
+            return
+        acc = self.accs.get(layer_id)
+        if acc is None:
+            acc = self.accs[layer_id] = LayerAccumulator(
+                layer_id, num_q_heads=q.shape[1], num_kv_heads=k.shape[1], head_dim=q.shape[2],
+                targets=self.targets, workspace=self.workspace,
+            )
+        for kind in acc.pass1_kinds:
+            {"q": acc.add_q, "k": acc.add_k, "v": acc.add_v}[kind]({"q": q, "k": k, "v": v}[kind])
+
+
+def _forward_windows(model: Any, windows: list[list[int]], collector: _Collector, *, warmup: bool,
+                     progress: CalibrationProgress | None) -> None:
+    """Pass 1: one forward per window with Q/K/V captured (after a short warm-up forward when a
+    dump is written, stored as its chunk 0 like the authors' server does)."""
+    device = next(model.parameters()).device
+    total = sum(len(w) for w in windows)
+    with torch.no_grad(), QKVCapture(model, collector):
+        if warmup:
+            collector.warmup = True
+            model(input_ids=torch.tensor([windows[0][:WARMUP_TOKENS]], device=device), use_cache=False)
+            collector.warmup = False
+        done = 0
+        for window in windows:
+            model(input_ids=torch.tensor([window], device=device), use_cache=False)
+            done += len(window)
+            if progress is not None:
+                progress("tokens", done, total)

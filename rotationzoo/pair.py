@@ -1,0 +1,430 @@
+"""One K/V rotation pair, and the one resolver that turns anything naming rotations into it.
+
+:func:`resolve_pair` accepts, everywhere in the library and the CLI (``eval``, ``export``,
+``publish``, ``serve-args``, ``verify``):
+
+- a folder holding a pair (``k_rotation*.pt`` + ``v_rotation*.pt``, or ``.safetensors``; the
+  names listed in its ``rotationzoo.json`` manifest win; see :func:`find_pair_files`);
+- ``"k.pt,v.pt"``: two rotation files;
+- one rotation file (``.pt`` / ``.safetensors``): a single side, named ``k_…`` / ``v_…`` or with a
+  ``qqt…`` / ``sst…`` objective (or ``side=``);
+- a pair file written by :mod:`rotationzoo.export` (safetensors) or a GGUF holding the llama.cpp
+  branch's rotation tensors;
+- a registry id ``MODEL`` or ``MODEL@TAG`` (fetched, verified and cached; bundled entries offline);
+- an object already holding rotations: a :class:`RotationPair`, ``{"k": RotationSet, ...}``, a
+  :class:`~rotationzoo.format.RotationSet`, or anything with ``.k`` / ``.v`` sets (a ``FitResult``).
+
+Example::
+
+    from rotationzoo.pair import resolve_pair
+    pair = resolve_pair("Qwen3-8B")                   # registry: pair.entry, pair.serving
+    pair = resolve_pair("rotations/")                 # a fitter output folder
+    pair.k.rotations.shape, pair.layer_ids, pair.head_dim
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
+
+from .errors import ExportError, InvalidRotationError, RotationFileError, RotationZooError, UnknownModelError
+from .fit.output import MANIFEST_NAME
+from .format import RotationSet, read_rotation
+from .hashing import sha256_file
+from .hub import fetch_entry
+from .int2kv import Int2KVConfig
+from .pairfile import file_kind, read_pair_file
+from .registry import SIDES, TagEntry, get_entry, load_registry, split_model_tag
+from .validation import DEFAULT_ATOL, ValidationReport, validate, verify_file
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+#: Suffixes of single-side rotation files.
+ROTATION_SUFFIXES: tuple[str, ...] = (".pt", ".pth", ".safetensors")
+
+
+@dataclass(eq=False)
+class RotationPair:
+    """The K and/or V rotations of one model, with where they came from and how to serve them.
+
+    Attributes:
+        sets: ``{"k": RotationSet, "v": RotationSet}`` (one side may be absent, e.g. a single
+            exported side); each holds ``rotations [L, d, d]`` applied as ``x_rot = x @ R``.
+        entry: the registry entry when resolved from the registry, else ``None``.
+        paths: local files per side (the same file for both sides of a pair file).
+        sha256: sha256 of each side's source file, when known.
+        metadata: metadata of a pair file (strings), else empty.
+        source: what it was resolved from (``"Qwen/Qwen3-8B@tag"``, a path, ``"k.pt,v.pt"``).
+    """
+
+    sets: dict[str, RotationSet]
+    entry: TagEntry | None = None
+    paths: dict[str, Path] = field(default_factory=dict)
+    sha256: dict[str, str] = field(default_factory=dict)
+    metadata: dict[str, str] = field(default_factory=dict)
+    source: str = ""
+
+    def _side(self, side: str) -> RotationSet:
+        try:
+            return self.sets[side]
+        except KeyError:
+            raise RotationFileError(f"{self.source or 'rotation pair'}: has no {side.upper()} rotations "
+                                    f"(sides: {', '.join(self.sides) or 'none'})") from None
+
+    @property
+    def k(self) -> RotationSet:
+        """The K-side rotation set (``k.rotations [L, d, d]``)."""
+        return self._side("k")
+
+    @property
+    def v(self) -> RotationSet:
+        """The V-side rotation set."""
+        return self._side("v")
+
+    @property
+    def sides(self) -> tuple[str, ...]:
+        return tuple(s for s in SIDES if s in self.sets)
+
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        return self.sets[self.sides[0]].layer_ids
+
+    @property
+    def head_dim(self) -> int:
+        return self.sets[self.sides[0]].head_dim
+
+    @property
+    def model(self) -> str | None:
+        """The registry model id (or the one recorded in a pair file)."""
+        return self.entry.model_id if self.entry is not None else self.metadata.get("model")
+
+    @property
+    def tag(self) -> str | None:
+        return self.entry.name if self.entry is not None else self.metadata.get("tag")
+
+    @property
+    def serving(self) -> Int2KVConfig | None:
+        """The entry's published INT2-KV settings (``None`` for rotations not from the registry)."""
+        return self.entry.serving if self.entry is not None else None
+
+    def config(self) -> Int2KVConfig:
+        """The INT2-KV settings to use: the entry's serving defaults, else :class:`Int2KVConfig`'s."""
+        return self.serving if self.serving is not None else Int2KVConfig()
+
+    @property
+    def objectives(self) -> dict[str, str]:
+        return {s: rs.objective for s, rs in self}
+
+    def __getitem__(self, side: str) -> RotationSet:
+        return self._side(side)
+
+    def __iter__(self) -> Iterator[tuple[str, RotationSet]]:
+        return iter((s, self.sets[s]) for s in self.sides)
+
+    def only(self, side: str | None) -> "RotationPair":
+        """This pair reduced to ``side`` (``None`` keeps every side)."""
+        if side is None:
+            return self
+        rs = self._side(side)
+        return RotationPair({side: rs}, self.entry, {k: p for k, p in self.paths.items() if k == side},
+                            {k: h for k, h in self.sha256.items() if k == side}, dict(self.metadata), self.source)
+
+    def to(self, device: "str | torch.device | None" = None, dtype: "torch.dtype | None" = None) -> "RotationPair":
+        """A copy with every set moved / cast (see :meth:`RotationSet.to`)."""
+        sets = {s: rs.to(device=device, dtype=dtype) for s, rs in self}
+        return RotationPair(sets, self.entry, dict(self.paths), dict(self.sha256), dict(self.metadata), self.source)
+
+    def validate(self, *, atol: float = DEFAULT_ATOL, layer_ids: Sequence[int] | None = None,
+                 head_dim: int | None = None) -> "RotationPair":
+        """Check every side (orthogonality, finiteness, expected layers / ``d``) and K/V agreement.
+
+        Raises:
+            InvalidRotationError: a side fails, or K and V cover different layers or ``d``.
+        """
+        if not self.sets:
+            raise InvalidRotationError(f"{self.source or 'rotation pair'}: no K or V rotations")
+        for _, rs in self:
+            validate(rs, atol=atol, layer_ids=layer_ids, head_dim=head_dim)
+        if len(self.sets) == 2:
+            k, v = self.sets["k"], self.sets["v"]
+            if k.layer_ids != v.layer_ids or k.head_dim != v.head_dim:
+                raise InvalidRotationError(
+                    f"{self.source or 'rotation pair'}: K and V disagree: K has {len(k.layer_ids)} layers × "
+                    f"d {k.head_dim}, V has {len(v.layer_ids)} layers × d {v.head_dim}"
+                )
+        return self
+
+    def serve_env(self, engine: str) -> dict[str, str]:
+        """Environment variables that serve this pair with ``engine`` (``"sglang"``, ``"vllm"`` or
+        ``"llamacpp"``): local rotation paths, clip ratios, windows, group size, dtypes.
+
+        See :mod:`rotationzoo.serving` for the full launch (arguments, notes).
+        """
+        from .engines import serve_env
+
+        return serve_env(self.config(), engine, {s: str(p) for s, p in self.paths.items()})
+
+    def __repr__(self) -> str:
+        what = self.entry.key if self.entry is not None else (self.source or "local files")
+        objs = ", ".join(f"{s}={rs.objective}" for s, rs in self)
+        return f"RotationPair({what}, layers={len(self.layer_ids)}, d={self.head_dim}, {objs})"
+
+
+# -- local files ---------------------------------------------------------------------------------
+
+
+def infer_side(path: Path | None, objective: str | None) -> str | None:
+    """``"k"`` / ``"v"`` from a file name (``k_…``, ``v.…``) or an objective (``qqt…`` / ``sst…``)."""
+    if path is not None:
+        name = Path(path).name.lower()
+        for s in SIDES:
+            if name.startswith((f"{s}_", f"{s}.", f"{s}-")):
+                return s
+    obj = (objective or "").lower()
+    if obj.startswith(("qqt", "ktk")) or obj == "identity-k":
+        return "k"
+    if obj.startswith(("sst", "vtv")) or obj == "identity-v":
+        return "v"
+    return None
+
+
+def _manifest_files(d: Path) -> dict[str, Path]:
+    manifest = d / MANIFEST_NAME
+    if not manifest.is_file():
+        return {}
+    try:
+        named = json.loads(manifest.read_text(encoding="utf-8")).get("files") or {}
+        picked = {s: d / str(named[s]["name"]) for s in SIDES
+                  if isinstance(named.get(s), Mapping) and named[s].get("name")}
+    except (OSError, ValueError, AttributeError, TypeError):
+        return {}
+    return picked if all(p.is_file() for p in picked.values()) else {}
+
+
+def _pick(d: Path, side: str, files: list[Path]) -> Path | None:
+    cands = [f for f in files if f.name.startswith(f"{side}_rotation")]
+    by_stem: dict[str, Path] = {}
+    for f in sorted(cands, key=lambda f: ROTATION_SUFFIXES.index(f.suffix)):
+        by_stem.setdefault(f.stem, f)  # the same stem in several formats: copies; prefer .pt
+    if len(by_stem) > 1:
+        raise ExportError(
+            f"{d}: several {side.upper()} rotation files ({', '.join(p.name for p in by_stem.values())}); "
+            f"keep one pair in the folder, name them in {MANIFEST_NAME}, or give 'k.pt,v.pt'"
+        )
+    return next(iter(by_stem.values()), None)
+
+
+def find_pair_files(directory: str | os.PathLike[str]) -> dict[str, Path]:
+    """The rotation files of a folder, by side.
+
+    The manifest's ``files`` names win when they name files that exist. Otherwise each side needs
+    exactly one ``{side}_rotation*`` file (``.pt``, ``.pth`` or ``.safetensors``; one stem in
+    several formats counts once, ``.pt`` preferred): an ambiguous folder is refused, never guessed.
+
+    Raises:
+        ExportError: not a folder, no rotation file, a side missing, or several candidates for a side.
+    """
+    d = Path(directory)
+    if not d.is_dir():
+        raise ExportError(f"{d}: not a folder")
+    picked = _manifest_files(d)
+    if picked:
+        return picked
+    files = sorted(f for f in d.iterdir() if f.is_file() and f.suffix in ROTATION_SUFFIXES)
+    chosen = {s: p for s in SIDES if (p := _pick(d, s, files)) is not None}
+    if not chosen:
+        names = ", ".join(f.name for f in files[:8]) or "no .pt/.safetensors files"
+        raise ExportError(f"{d}: no rotation pair found (expected k_rotation*.pt and v_rotation*.pt; found {names})")
+    missing = [s for s in SIDES if s not in chosen]
+    if missing:
+        have = next(iter(chosen.values()))
+        raise ExportError(f"{d}: found {have.name} but no {missing[0]}_rotation*.pt; give the single file instead, "
+                          f"or add its partner")
+    return chosen
+
+
+def _read_sides(files: Mapping[str, Path], source: str) -> RotationPair:
+    return RotationPair({s: read_rotation(p) for s, p in files.items()}, paths=dict(files),
+                        sha256={s: sha256_file(p) for s, p in files.items()}, source=source)
+
+
+def read_pair(path: str | os.PathLike[str], *, side: str | None = None) -> RotationPair:
+    """Rotations from a local folder, ``"k.pt,v.pt"``, a pair file or one rotation file (not validated).
+
+    Raises:
+        ExportError: nothing usable at ``path`` (the message says what was expected).
+        RotationFileError: a file cannot be read.
+    """
+    text = os.fspath(path)
+    p = Path(text).expanduser()
+    if p.is_dir():
+        return _read_sides(find_pair_files(p), str(p))
+    if "," in text and not p.exists():
+        parts = [Path(x.strip()).expanduser() for x in text.split(",")]
+        if len(parts) != 2 or not all(q.is_file() for q in parts):
+            raise ExportError(f"{text}: expected two existing rotation files 'K_FILE,V_FILE'")
+        return _read_sides({"k": parts[0], "v": parts[1]}, text)
+    if not p.is_file():
+        raise ExportError(f"{p}: no such file or folder")
+    if file_kind(p) is not None:
+        sets, meta = read_pair_file(p)
+        sha = {s: meta[f"{s}.sha256"] for s in SIDES if f"{s}.sha256" in meta}
+        return RotationPair(sets, paths={s: p for s in sets}, sha256=sha, metadata=meta, source=str(p))
+    rs = read_rotation(p)
+    s = side or infer_side(p, rs.objective)
+    if s is None:
+        raise ExportError(
+            f"{p}: cannot tell whether this is the K or the V rotation (name does not start with k_/v_, "
+            f"objective {rs.objective!r}); pass side='k' or side='v' (--side)"
+        )
+    return RotationPair({s: rs}, paths={s: p}, sha256={s: sha256_file(p)}, source=str(p))
+
+
+# -- the resolver ----------------------------------------------------------------------------------
+
+
+def _from_object(obj: Any, side: str | None) -> RotationPair | None:
+    if isinstance(obj, RotationPair):
+        return obj
+    if isinstance(obj, RotationSet):
+        s = side or infer_side(obj.path, obj.objective)
+        if s is None:
+            raise ExportError(f"{obj.path or 'rotation set'}: cannot tell whether it is the K or the V side "
+                              f"(objective {obj.objective!r}); pass side='k' or side='v'")
+        return RotationPair({s: obj}, source=str(obj.path or ""))
+    if isinstance(obj, Mapping):
+        if not obj or any(k not in SIDES for k in obj):
+            raise ExportError(f"expected a mapping with keys 'k' and/or 'v', got keys {sorted(map(str, obj))}")
+        return RotationPair({s: obj[s] for s in SIDES if s in obj})
+    sets = {s: getattr(obj, s) for s in SIDES if isinstance(getattr(obj, s, None), RotationSet)}
+    if sets:  # FitResult and similar holders
+        return RotationPair(sets, source=type(obj).__name__)
+    return None
+
+
+def looks_like_path(text: str) -> bool:
+    """Whether a source string names a file rather than a registry model."""
+    return (Path(text).suffix in (*ROTATION_SUFFIXES, ".gguf") or text.startswith((".", "/", "~"))
+            or text.count("/") > 1 or "," in text)
+
+
+def resolve_pair(
+    source: Any,
+    tag: str | None = None,
+    *,
+    side: str | None = None,
+    validate_pair: bool = True,
+    atol: float = DEFAULT_ATOL,
+    cache_dir: str | os.PathLike[str] | None = None,
+    offline: bool | None = None,
+    hub_source: str = "auto",
+    revision: str | None = None,
+) -> RotationPair:
+    """Turn anything naming rotations into a :class:`RotationPair` (see the module docstring).
+
+    Args:
+        source: a path, ``"k.pt,v.pt"``, ``MODEL[@TAG]``, or an object holding rotations.
+        tag: calibration tag for a registry model (``MODEL@TAG`` works too).
+        side: keep only this side (``"k"`` / ``"v"``); also names the side of a single file whose
+            name and objective do not tell.
+        validate_pair: check orthogonality (``atol``) and K/V agreement (and, for registry
+            entries, the model's layers and ``d``).
+        atol: orthogonality tolerance.
+        cache_dir, offline, hub_source, revision: registry fetching (see :func:`rotationzoo.fetch`).
+
+    Raises:
+        ExportError: a path that holds no usable rotations, or a name that is neither a path nor a
+            registry model.
+        InvalidRotationError: validation failed.
+        UnknownTagError, FetchError, OfflineError, IntegrityError: registry resolution failed.
+    """
+    if side is not None and side not in SIDES:
+        raise ExportError(f"side must be 'k' or 'v', got {side!r}")
+    pair = _from_object(source, side) if not isinstance(source, (str, os.PathLike)) else None
+    if pair is None and not isinstance(source, (str, os.PathLike)):
+        raise ExportError(f"cannot read rotations from a {type(source).__name__}; give a path, a model id or a pair")
+    if pair is None:
+        pair = _resolve_text(os.fspath(source), tag, side=side, atol=atol, cache_dir=cache_dir, offline=offline,
+                             hub_source=hub_source, revision=revision)
+    pair = pair.only(side)
+    if validate_pair and pair.entry is None:
+        pair.validate(atol=atol)
+    return pair
+
+
+def _resolve_text(text: str, tag: str | None, *, side: str | None, atol: float, cache_dir: Any, offline: bool | None,
+                  hub_source: str, revision: str | None) -> RotationPair:
+    if Path(text).expanduser().exists() or "," in text:
+        if tag is not None:
+            raise ExportError(f"{text}: a tag applies to registry models, not to files or folders")
+        return read_pair(text, side=side)
+    model, at_tag = split_model_tag(text)
+    try:
+        load_registry().resolve(model)
+    except UnknownModelError as exc:
+        if looks_like_path(text):
+            raise ExportError(f"{text}: no such file or folder") from None
+        raise ExportError(f"{text}: not a file, a folder or a registry model; {exc}") from None
+    if at_tag is not None and tag is not None and at_tag != tag:
+        raise ExportError(f"{text}: names tag {at_tag!r} but tag {tag!r} was also given")
+    return load_registered(model, at_tag or tag, atol=atol, cache_dir=cache_dir, offline=offline,
+                           source=hub_source, revision=revision)
+
+
+def load_registered(
+    model: str,
+    tag: str | None = None,
+    *,
+    device: "str | torch.device" = "cpu",
+    dtype: "torch.dtype | None" = None,
+    source: str = "auto",
+    revision: str | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    offline: bool | None = None,
+    force: bool = False,
+    accept_new: bool = False,
+    atol: float = DEFAULT_ATOL,
+) -> RotationPair:
+    """Fetch (if needed), read and validate a registry entry's pair; see :func:`rotationzoo.load`."""
+    entry = get_entry(model, tag)
+    got = fetch_entry(entry, cache_dir=cache_dir, source=source, revision=revision, offline=offline, force=force,
+                      accept_new=accept_new)
+    arch = entry.architecture
+    ids = arch.expected_layer_ids()
+    sets = {}
+    for s in SIDES:
+        rs = read_rotation(got.files[s].path, head_dim=arch.head_dim, num_layers=len(ids) if ids else None)
+        validate(rs, atol=atol, layer_ids=ids, head_dim=arch.head_dim)
+        if dtype is not None or str(device) != "cpu":
+            rs = rs.to(device=device, dtype=dtype)
+        sets[s] = rs
+    pair = RotationPair(sets, entry=entry, paths={s: got.files[s].path for s in SIDES},
+                        sha256={s: got.files[s].sha256 for s in SIDES}, source=entry.key)
+    return pair.validate(atol=atol)
+
+
+def verify_path(path: str | os.PathLike[str], *, atol: float = DEFAULT_ATOL, layer_ids: Sequence[int] | None = None,
+                num_layers: int | None = None, head_dim: int | None = None) -> list[ValidationReport]:
+    """Validation reports of a rotation file: one for a single-side file, one per side for a pair
+    file (exported safetensors or GGUF). Never raises for a bad file (the report says why)."""
+    p = Path(path)
+    kind = file_kind(p) if p.is_file() else None
+    if kind is None:
+        return [verify_file(p, atol=atol, layer_ids=layer_ids, num_layers=num_layers, head_dim=head_dim)]
+    try:
+        sets, _ = read_pair_file(p)
+    except RotationZooError as exc:
+        return [ValidationReport(path=str(p), ok=False, problems=[str(exc)])]
+    sha, size = sha256_file(p), p.stat().st_size
+    out = []
+    for s in SIDES:
+        if s in sets:
+            rep = validate(sets[s], atol=atol, layer_ids=layer_ids, num_layers=num_layers, head_dim=head_dim,
+                           raise_on_error=False)
+            rep.path, rep.sha256, rep.size = f"{p} [{s}]", sha, size
+            out.append(rep)
+    return out

@@ -1,0 +1,243 @@
+"""GGUF rotation tensors, named and oriented as the authors' llama.cpp branch reads them.
+
+Layout::
+
+    blk.<layer>.attn_k_rot.weight   F32, holds M_Kᵀ   so that ggml_mul_mat(rot, K) == K @ M_K
+    blk.<layer>.attn_v_rot.weight   F32, holds M_Vᵀ
+
+A GGUF tensor stored from a numpy array ``A [rows, cols]`` has ggml shape ``ne = [cols, rows]``;
+``ggml_mul_mat(a, b)`` computes ``b @ aᵀ`` on row vectors, so storing ``A = Mᵀ`` yields
+``K @ M``. Metadata keys (``rotationzoo.*``: model, tag, layer_ids, head_dim, per-side objective
+and source sha256) are this project's choice; the branch ignores them. Eigenvalues are not
+written: llama.cpp rejects files with tensors the model graph does not use, and serving does not
+need them. With ``base_gguf`` the rotation tensors are appended to a copy of a model GGUF (every
+key and tensor of the base copied through unchanged, existing rotation tensors replaced), which is
+the file the branch loads with ``-m``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from .._version import __version__
+from ..errors import ExportError, MissingDependencyError
+from ..format import RotationSet
+from ..registry.model import SIDES
+from .common import EXPORT_FORMAT_VERSION, Sets, atomic_path, parse_version, sides_of
+
+#: GGUF tensor name of one layer's rotation.
+GGUF_TENSOR = "blk.{layer}.attn_{side}_rot.weight"
+#: ``general.architecture`` of a rotations-only GGUF (this project's choice; not a model file).
+GGUF_ARCH = "rotationzoo"
+#: Prefix of the metadata keys this project writes into GGUF files.
+GGUF_KEY_PREFIX = "rotationzoo."
+
+
+def gguf_module() -> Any:
+    """The ``gguf`` package, or :class:`MissingDependencyError` naming the extra that installs it."""
+    try:
+        import gguf
+    except ImportError:
+        raise MissingDependencyError("gguf", "gguf", what="GGUF files") from None
+    return gguf
+
+
+def is_gguf(path: Path) -> bool:
+    """True when ``path`` starts with the GGUF magic bytes."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def is_rotation_tensor(name: str) -> bool:
+    return name.startswith("blk.") and (name.endswith(".attn_k_rot.weight") or name.endswith(".attn_v_rot.weight"))
+
+
+def _transposed_tensors(sets: Sets) -> list[tuple[str, Any]]:
+    import numpy as np
+
+    out = []
+    for s in sides_of(sets):
+        rs = sets[s]
+        rot = rs.rotations.detach().to("cpu").double()
+        for i, lid in enumerate(rs.layer_ids):
+            out.append((GGUF_TENSOR.format(layer=lid, side=s), np.ascontiguousarray(rot[i].numpy().T, dtype=np.float32)))
+    return out
+
+
+def _add_metadata(w: Any, sets: Sets, model: str | None, tag: str | None, sha256: Mapping[str, str], gguf: Any) -> None:
+    T = gguf.GGUFValueType
+    pre = GGUF_KEY_PREFIX
+    first = sets[sides_of(sets)[0]]
+    w.add_key_value(pre + "export_format_version", EXPORT_FORMAT_VERSION, T.UINT32)
+    w.add_key_value(pre + "version", __version__, T.STRING)
+    w.add_key_value(pre + "transposed", True, T.BOOL)  # tensors hold Mᵀ
+    w.add_key_value(pre + "head_dim", first.head_dim, T.UINT32)
+    w.add_key_value(pre + "layer_ids", [int(i) for i in first.layer_ids], T.ARRAY, sub_type=T.INT32)
+    w.add_key_value(pre + "sides", ",".join(sides_of(sets)), T.STRING)
+    if model:
+        w.add_key_value(pre + "model", model, T.STRING)
+    if tag:
+        w.add_key_value(pre + "tag", tag, T.STRING)
+    for s in sides_of(sets):
+        w.add_key_value(f"{pre}{s}.objective", str(sets[s].objective), T.STRING)
+        w.add_key_value(f"{pre}{s}.format_version", str(sets[s].format_version), T.STRING)
+        if sha256.get(s):
+            w.add_key_value(f"{pre}{s}.sha256", sha256[s], T.STRING)
+
+
+def write_gguf(sets: Sets, out: Path, *, model: str | None = None, tag: str | None = None,
+               sha256: Mapping[str, str] | None = None, base_gguf: Path | None = None) -> Path:
+    """Write rotation tensors (``Mᵀ``, F32) to ``out`` atomically, alone or appended to ``base_gguf``.
+
+    Raises:
+        ExportError: the base is not a model GGUF, or its layers / head size do not fit the rotations.
+        MissingDependencyError: the ``gguf`` package is not installed.
+    """
+    gguf = gguf_module()
+    sha = dict(sha256 or {})
+    if base_gguf is not None and base_gguf.resolve() == out.resolve():
+        raise ExportError(f"{out}: the output must differ from --base-gguf")
+    tensors = _transposed_tensors(sets)
+    if base_gguf is not None:
+        return _merge_into_base(base_gguf, out, sets, tensors, model, tag, sha, gguf)
+    with atomic_path(out) as tmp:
+        w = gguf.GGUFWriter(str(tmp), GGUF_ARCH)
+        w.add_name(f"{model}@{tag} OSCAR rotations" if model else "OSCAR rotations")
+        _add_metadata(w, sets, model, tag, sha, gguf)
+        for n, t in tensors:
+            w.add_tensor(n, t)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    return out
+
+
+def _field(reader: Any, key: str) -> Any:
+    f = reader.get_field(key)
+    return f.contents() if f is not None else None
+
+
+def _open_reader(path: Path, gguf: Any, what: str) -> Any:
+    if not path.is_file():
+        raise ExportError(f"{path}: {what} not found")
+    if not is_gguf(path):
+        raise ExportError(f"{path}: not a GGUF file (no GGUF magic)")
+    try:
+        return gguf.GGUFReader(str(path), "r")
+    except Exception as exc:  # noqa: BLE001 - gguf raises ValueError/struct errors on damage
+        raise ExportError(f"{path}: cannot read GGUF ({type(exc).__name__}: {exc})") from None
+
+
+def _check_base(base: Path, reader: Any, sets: Sets, gguf: Any) -> str:
+    """The base's architecture name, after checking it can hold these rotations."""
+    first = sets[sides_of(sets)[0]]
+    arch = _field(reader, gguf.Keys.General.ARCHITECTURE)
+    if not arch:
+        raise ExportError(f"{base}: no general.architecture; not a model GGUF")
+    blocks = _field(reader, gguf.Keys.LLM.BLOCK_COUNT.format(arch=arch))
+    if blocks is not None and max(first.layer_ids) >= int(blocks):
+        raise ExportError(
+            f"{base}: the model has {blocks} blocks, but the rotations cover layers up to {max(first.layer_ids)}; "
+            f"these rotations belong to another model"
+        )
+    key_len = _field(reader, gguf.Keys.Attention.KEY_LENGTH.format(arch=arch))
+    if key_len is None:
+        emb = _field(reader, gguf.Keys.LLM.EMBEDDING_LENGTH.format(arch=arch))
+        heads = _field(reader, gguf.Keys.Attention.HEAD_COUNT.format(arch=arch))
+        if isinstance(heads, list):
+            heads = heads[0] if heads else None
+        key_len = emb // heads if emb and heads else None
+    if key_len is not None and int(key_len) != first.head_dim:
+        raise ExportError(f"{base}: the model's head size is {key_len}, the rotations are {first.head_dim}×{first.head_dim}")
+    return str(arch)
+
+
+def _merge_into_base(base: Path, out: Path, sets: Sets, tensors: list[tuple[str, Any]], model: str | None,
+                     tag: str | None, sha256: Mapping[str, str], gguf: Any) -> Path:
+    reader = _open_reader(base, gguf, "base GGUF")
+    arch = _check_base(base, reader, sets, gguf)
+    new_names = {n for n, _ in tensors}
+    with atomic_path(out) as tmp:
+        w = gguf.GGUFWriter(str(tmp), arch=arch, endianess=reader.endianess)
+        alignment = _field(reader, gguf.Keys.General.ALIGNMENT)
+        if alignment is not None:
+            w.data_alignment = alignment
+        for fld in reader.fields.values():
+            if fld.name == gguf.Keys.General.ARCHITECTURE or fld.name.startswith("GGUF.") \
+                    or fld.name.startswith(GGUF_KEY_PREFIX):
+                continue
+            vtype = fld.types[0]
+            sub = fld.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(fld.name, fld.contents(), vtype, sub_type=sub)
+        _add_metadata(w, sets, model, tag, sha256, gguf)
+        kept = [t for t in reader.tensors if t.name not in new_names and not is_rotation_tensor(t.name)]
+        for t in kept:
+            w.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+        for n, arr in tensors:
+            w.add_tensor_info(n, arr.shape, arr.dtype, arr.nbytes)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for t in kept:
+            w.write_tensor_data(t.data, tensor_endianess=reader.endianess)
+        for _, arr in tensors:
+            w.write_tensor_data(arr)
+        w.close()
+    return out
+
+
+def read_gguf(path: Path) -> tuple[dict[str, RotationSet], dict[str, str]]:
+    """Read ``blk.{i}.attn_{k,v}_rot.weight`` tensors and transpose them back to ``M`` (fp32).
+
+    Works on rotations-only files, on model GGUFs with rotations appended, and on files written by
+    other exporters with the same tensor names (objective then ``"unknown"``).
+
+    Raises:
+        ExportError: not a GGUF file, no rotation tensors, or a tensor that is not a square F32/F16 matrix.
+    """
+    gguf = gguf_module()
+    import numpy as np
+
+    reader = _open_reader(path, gguf, "file")
+    found: dict[str, dict[int, Any]] = {}
+    for t in reader.tensors:
+        if not is_rotation_tensor(t.name):
+            continue
+        s = "k" if t.name.endswith(".attn_k_rot.weight") else "v"
+        lid_s = t.name.split(".")[1]
+        if not lid_s.isdigit():
+            raise ExportError(f"{path}: tensor {t.name!r} has no layer number")
+        if t.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            raise ExportError(f"{path}: {t.name} is {t.tensor_type.name}; expected F32")
+        arr = np.asarray(t.data)
+        if arr.ndim != 2 or arr.shape[0] != arr.shape[1]:
+            raise ExportError(f"{path}: {t.name} has shape {tuple(int(x) for x in t.shape)}; expected a square matrix")
+        found.setdefault(s, {})[int(lid_s)] = arr.astype(np.float32).T.copy()  # stored Mᵀ -> M
+    if not found:
+        raise ExportError(f"{path}: no blk.<i>.attn_k_rot.weight / attn_v_rot.weight tensors")
+    meta: dict[str, str] = {}
+    for fld in reader.fields.values():
+        if fld.name.startswith(GGUF_KEY_PREFIX) or fld.name in ("general.architecture", "general.name"):
+            val = fld.contents()
+            meta[fld.name] = ",".join(map(str, val)) if isinstance(val, list) else str(val)
+    sets = {}
+    for s in SIDES:
+        if s not in found:
+            continue
+        ids = sorted(found[s])
+        sets[s] = RotationSet(rotations=torch.from_numpy(np.stack([found[s][i] for i in ids])), layer_ids=tuple(ids),
+                              objective=meta.get(f"{GGUF_KEY_PREFIX}{s}.objective", "unknown"),
+                              format_version=parse_version(meta.get(f"{GGUF_KEY_PREFIX}{s}.format_version", "1")),
+                              path=path)
+    # the same keys as a safetensors pair file, so callers read one vocabulary
+    for key in ("model", "tag") + tuple(f"{s}.{k}" for s in SIDES for k in ("objective", "format_version", "sha256")):
+        if GGUF_KEY_PREFIX + key in meta:
+            meta[key] = meta[GGUF_KEY_PREFIX + key]
+    return sets, meta

@@ -1,0 +1,130 @@
+"""rotationzoo's safetensors pair file: the K and V sides of a model in one file.
+
+Layout::
+
+    k.<layer>.rotation      fp32 [d, d]   R_K of model layer <layer>, applied as x_rot = x @ R
+    k.<layer>.eigenvalues   fp32 [d]      optional (present when the source file had them)
+    v.<layer>.rotation      fp32 [d, d]
+    v.<layer>.eigenvalues   fp32 [d]
+    metadata (strings): format="rotationzoo.rotations", export_format_version="1", model, tag,
+        sides="k,v", head_dim, layer_ids="0,1,…", k.objective, k.format_version,
+        k.source_grouping, k.sha256 (of the source file, when known), and the same for v.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from .._schema import MAX_LAYERS, inspect_safetensors, make_limits
+from .._version import __version__
+from ..errors import ExportError
+from ..format import RotationSet
+from ..registry.model import SIDES
+from .common import EXPORT_FORMAT_VERSION, Sets, atomic_path, parse_version, sides_of
+
+#: ``format`` metadata value of a pair file.
+SAFETENSORS_FORMAT = "rotationzoo.rotations"
+_LAYER = re.compile(r"0|[1-9][0-9]{0,8}")  # a plain decimal layer id
+
+
+def pair_metadata(sets: Sets, *, model: str | None, tag: str | None, sha256: Mapping[str, str]) -> dict[str, str]:
+    """The string metadata of a pair file (see the module docstring)."""
+    sides = sides_of(sets)
+    first = sets[sides[0]]
+    meta = {
+        "format": SAFETENSORS_FORMAT,
+        "export_format_version": str(EXPORT_FORMAT_VERSION),
+        "sides": ",".join(sides),
+        "head_dim": str(first.head_dim),
+        "layer_ids": ",".join(map(str, first.layer_ids)),
+        "rotationzoo_version": __version__,
+    }
+    if model:
+        meta["model"] = model
+    if tag:
+        meta["tag"] = tag
+    for s in sides:
+        rs = sets[s]
+        meta[f"{s}.objective"] = str(rs.objective)
+        meta[f"{s}.format_version"] = str(rs.format_version)
+        meta[f"{s}.source_grouping"] = str(rs.source_grouping)
+        if sha256.get(s):
+            meta[f"{s}.sha256"] = sha256[s]
+    return meta
+
+
+def write_pair_safetensors(sets: Sets, metadata: Mapping[str, str], out: Path) -> Path:
+    """Write ``sets`` (fp32 rotations and eigenvalues) with ``metadata`` to ``out``, atomically."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for s in sides_of(sets):
+        rs = sets[s]
+        rot = rs.rotations.detach().to("cpu", torch.float32)
+        for i, lid in enumerate(rs.layer_ids):
+            tensors[f"{s}.{lid}.rotation"] = rot[i].contiguous().clone()
+            if rs.eigenvalues is not None:
+                tensors[f"{s}.{lid}.eigenvalues"] = rs.eigenvalues[i].detach().to("cpu", torch.float32).contiguous().clone()
+    with atomic_path(out) as tmp:
+        save_file(tensors, str(tmp), metadata=dict(metadata))
+    return out
+
+
+def is_pair_safetensors(path: Path) -> bool:
+    """True when ``path`` is a safetensors file in this layout (its metadata or tensor names say so)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            keys = list(f.keys())
+    except Exception:  # noqa: BLE001 - not readable as safetensors: not a pair file
+        return False
+    return meta.get("format") == SAFETENSORS_FORMAT or any(k.startswith(("k.", "v.")) for k in keys)
+
+
+def read_pair_safetensors(path: Path) -> tuple[dict[str, RotationSet], dict[str, str]]:
+    """Read a pair file: fp32 ``rotations [L, d, d]`` per side (as written), eigenvalues, metadata.
+
+    Raises:
+        ExportError: not such a file, or tensors are missing or misnamed.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    if not path.is_file():
+        raise ExportError(f"{path}: no such file")
+    limits = make_limits(max_layers=2 * MAX_LAYERS)  # both sides in one file
+    meta, header = inspect_safetensors(path, limits)  # dtypes, shapes, offsets: before any tensor is read
+    for key in header:
+        parts = key.split(".")
+        if (len(parts) != 3 or parts[0] not in SIDES or not _LAYER.fullmatch(parts[1])
+                or parts[2] not in ("rotation", "eigenvalues")):
+            raise ExportError(
+                f"{path}: unexpected tensor {key[:80]!r}; a pair file holds k.<layer>.rotation, "
+                f"k.<layer>.eigenvalues, v.<layer>.rotation, v.<layer>.eigenvalues"
+            )
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in header}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ExportError(f"{path}: cannot read safetensors ({exc})") from None
+    layers: dict[str, dict[int, dict[str, Any]]] = {}
+    for key, t in tensors.items():
+        side, layer, kind = key.split(".")
+        layers.setdefault(side, {}).setdefault(int(layer), {"layer_id": int(layer)})[kind] = t
+    if not layers:
+        raise ExportError(f"{path}: no rotation tensors")
+    sets = {}
+    for s in sides_of(layers):
+        for lid, entry in layers[s].items():
+            if "rotation" not in entry:
+                raise ExportError(f"{path}: {s}.{lid}.eigenvalues without {s}.{lid}.rotation")
+        obj = {"format_version": parse_version(meta.get(f"{s}.format_version", "1")),
+               "objective": meta.get(f"{s}.objective", "unknown"),
+               "source_grouping": meta.get(f"{s}.source_grouping", "layer"), "layers": layers[s]}
+        sets[s] = RotationSet.from_dict(obj, path=path)
+    return sets, meta

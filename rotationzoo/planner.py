@@ -1,0 +1,355 @@
+"""Memory planning: KV-cache bytes of BF16, FP8 and OSCAR INT2, and what fits on one GPU.
+
+:func:`plan` answers "how much memory does INT2 KV save for my model and context, and how many
+sequences fit?" from a model's registry architecture and an :class:`~rotationzoo.int2kv.Int2KVConfig`
+(the entry's serving settings unless another is given). Pure arithmetic: no torch, no download.
+
+Per token, over every layer that holds a KV cache (only ``attention_layer_ids`` for hybrids), K and
+V: ``2 · layers_with_kv · num_kv_heads · head_dim · bits / 8`` bytes, with
+
+- ``bf16``: 16 bits; ``fp8``: 8 bits (no windows, scales not counted);
+- ``oscar_int2``: ``2 + 2 · bits(scale_dtype) / G`` bits for INT2 tokens (2-bit codes plus one
+  scale and one zero per group of ``G`` dims) and ``bits(hp_dtype)`` for the
+  ``min(L, prefix_tokens + recent_tokens)`` window tokens of each sequence.
+
+``sequence_bytes`` is exact (what :class:`~rotationzoo.integrations.transformers.OscarInt2Cache`
+holds for ``L`` tokens); ``sequence_bytes_paged`` rounds each tier (prefix window, INT2 history,
+recent window) up to whole pages of the engine. Capacity is computed on the paged figure within
+``gpu_memory · (1 − reserve) − weights``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .engines import check_engine, sglang_page_size
+from .errors import ConfigError
+from .int2kv import DTYPE_BITS, Int2KVConfig
+from .registry import Architecture, ModelEntry, TagEntry, get_model
+from .registry.model import split_model_tag
+
+#: KV-cache formats compared, in output order.
+KV_FORMATS: tuple[str, ...] = ("bf16", "fp8", "oscar_int2")
+#: Default fraction of GPU memory kept for activations, CUDA graphs and workspace (vLLM's default
+#: ``gpu_memory_utilization`` is 0.9; SGLang's ``mem_fraction_static`` is about 0.88).
+DEFAULT_RESERVE = 0.1
+#: Tokens per KV page (block) of each engine; SGLang's is the fork's quantised page ``4·itemsize(hp_dtype)``.
+VLLM_BLOCK_TOKENS = 16
+#: Bits per parameter of each ``architecture.weight_dtype``.
+WEIGHT_DTYPE_BITS: dict[str, int] = {"float32": 32, "bfloat16": 16, "float16": 16, "float8": 8}
+_HP_BYTES = {name: bits // 8 for name, bits in DTYPE_BITS.items()}
+
+
+#: Size suffixes: SI (powers of 1000) with or without ``B``, IEC (powers of 1024) with ``iB``.
+_SIZE_UNITS: dict[str, int] = {"": 1, "b": 1}
+for _i, _p in enumerate("kmgt", start=1):
+    _SIZE_UNITS.update({_p: 1000 ** _i, f"{_p}b": 1000 ** _i, f"{_p}ib": 1024 ** _i})
+_SIZE_RE = re.compile(r"^\s*(?P<num>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a size such as ``80GiB``, ``80GB``, ``141G``, ``80000MiB`` or ``1.5TB``.
+
+    ``KiB``/``MiB``/``GiB``/``TiB`` are binary (1 GiB = 1024³ bytes); ``K``/``M``/``G``/``T`` with or
+    without ``B`` are decimal (1 GB = 1 G = 10⁹ bytes); a bare number is bytes. Case is ignored.
+
+    Raises:
+        ConfigError: not a positive size with a known unit.
+    """
+    m = _SIZE_RE.match(str(text))
+    unit = m["unit"].lower() if m else None
+    if m is None or unit not in _SIZE_UNITS:
+        raise ConfigError(f"cannot read the size {text!r}; write e.g. 80GiB (binary), 80GB or 80G (decimal), "
+                          "80000MiB, or a byte count")
+    value = round(float(m["num"]) * _SIZE_UNITS[unit])
+    if value < 1:
+        raise ConfigError(f"size {text!r} must be at least one byte")
+    return value
+
+
+def engine_page_size(engine: str, hp_dtype: str = "bfloat16") -> int:
+    """Tokens per KV page: sglang ``4 · itemsize(hp_dtype)`` (8 for bfloat16), vllm 16, llamacpp 1."""
+    e = check_engine(engine)
+    if e == "sglang":
+        return sglang_page_size(hp_dtype)
+    return VLLM_BLOCK_TOKENS if e == "vllm" else 1
+
+
+@dataclass(frozen=True)
+class KVFormatPlan:
+    """KV-cache figures of one storage format at the plan's context and batch.
+
+    Attributes:
+        name: ``bf16``, ``fp8`` or ``oscar_int2``.
+        bytes_per_token: bytes of one token over all KV layers, K and V (INT2 tokens for
+            ``oscar_int2``; window tokens cost ``window_bytes_per_token``).
+        window_bytes_per_token: bytes of one ``hp_dtype`` window token (0 without windows).
+        window_tokens: tokens of one sequence kept in ``hp_dtype`` at this context.
+        bits_per_element: average stored bits per K/V element at this context (BPE).
+        sequence_bytes: exact bytes of one sequence of ``context`` tokens (no page rounding).
+        sequence_bytes_paged: the same with each tier rounded up to whole engine pages.
+        batch_bytes: ``batch · sequence_bytes``; batch_bytes_paged: ``batch · sequence_bytes_paged``.
+        saving_vs_bf16: ``bf16 sequence_bytes / sequence_bytes`` (1.0 for bf16).
+        max_context: longest context (a whole number of pages) for ``batch`` sequences, or None
+            without a GPU memory figure.
+        max_sequences: sequences of ``context`` tokens that fit, or None without a GPU memory figure.
+        fits: whether ``batch`` sequences of ``context`` tokens fit, or None.
+    """
+
+    name: str
+    bytes_per_token: int
+    window_bytes_per_token: int
+    window_tokens: int
+    bits_per_element: float
+    sequence_bytes: int
+    sequence_bytes_paged: int
+    batch_bytes: int
+    batch_bytes_paged: int
+    saving_vs_bf16: float
+    max_context: int | None
+    max_sequences: int | None
+    fits: bool | None
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The answer of :func:`plan`: the model's KV shape, the memory budget and one
+    :class:`KVFormatPlan` per format (``bf16``, ``fp8``, ``oscar_int2``)."""
+
+    model: str
+    tag: str | None
+    engine: str
+    page_size: int
+    context: int
+    batch: int
+    layers_with_kv: int
+    num_kv_heads: int
+    head_dim: int
+    group_size: int
+    config: Int2KVConfig
+    gpu_memory_bytes: int | None
+    reserve: float
+    weights_bytes: int | None
+    weights_source: str | None
+    kv_budget_bytes: int | None
+    formats: tuple[KVFormatPlan, ...]
+    notes: tuple[str, ...]
+
+    def format(self, name: str) -> KVFormatPlan:
+        """The figures of one format (``bf16``, ``fp8`` or ``oscar_int2``)."""
+        for f in self.formats:
+            if f.name == name:
+                return f
+        raise ConfigError(f"unknown KV format {name!r}; expected one of {', '.join(KV_FORMATS)}")
+
+    def to_json(self) -> dict[str, Any]:
+        out = {k: v for k, v in self.__dict__.items() if k not in ("config", "formats", "notes")}
+        out["config"] = self.config.to_json()
+        out["formats"] = {f.name: f.to_json() for f in self.formats}
+        out["notes"] = list(self.notes)
+        return out
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """Bytes per token of each tier and the window sizes of one format."""
+
+    name: str
+    per_token: int
+    window_per_token: int
+    prefix: int
+    recent: int
+
+    def tiers(self, tokens: int) -> tuple[int, int, int]:
+        """``(prefix, low-precision history, recent)`` token counts of a sequence (SGLang's split)."""
+        prefix = min(tokens, self.prefix)
+        recent = min(max(tokens - prefix, 0), self.recent)
+        return prefix, tokens - prefix - recent, recent
+
+    def nbytes(self, tokens: int, page: int = 1) -> int:
+        prefix, body, recent = (math.ceil(n / page) * page for n in self.tiers(tokens))
+        return body * self.per_token + (prefix + recent) * self.window_per_token
+
+
+def _resolve(model: Any) -> tuple[str, str | None, Architecture, Int2KVConfig | None]:
+    """``(model id, tag, architecture, serving config)`` of a name, an entry or a bare architecture."""
+    if isinstance(model, Architecture):
+        return "custom", None, model, None
+    if isinstance(model, TagEntry):
+        return model.model_id, model.name, model.architecture, model.serving
+    if isinstance(model, ModelEntry):
+        return model.id, model.default_tag, model.architecture, model.tag().serving
+    if isinstance(model, str):
+        name, tag_name = split_model_tag(model)
+        entry = get_model(name)
+        tag = entry.tag(tag_name)
+        return entry.id, tag.name, entry.architecture, tag.serving
+    raise ConfigError(f"plan needs a model name, a ModelEntry, a TagEntry or an Architecture, got {type(model).__name__}")
+
+
+def _kv_shape(name: str, arch: Architecture) -> tuple[int, int]:
+    """``(layers_with_kv, num_kv_heads)``; a missing field is a one-line error saying what to add."""
+    ids = arch.expected_layer_ids()
+    if not ids:
+        raise ConfigError(f"{name}: the registry gives neither num_layers nor attention_layer_ids; "
+                          "add them (a ROTATIONZOO_REGISTRY overlay) or plan with an Architecture")
+    if not arch.num_kv_heads:
+        raise ConfigError(f"{name}: the registry has no architecture.num_kv_heads; add it (a ROTATIONZOO_REGISTRY "
+                          "overlay) or plan with an Architecture")
+    return len(ids), int(arch.num_kv_heads)
+
+
+def _weights(name: str, arch: Architecture, weights_bytes: int | None) -> tuple[int | None, str | None]:
+    if weights_bytes is not None:
+        if isinstance(weights_bytes, bool) or not isinstance(weights_bytes, int) or weights_bytes < 0:
+            raise ConfigError(f"weights_bytes must be an integer >= 0, got {weights_bytes!r}")
+        return weights_bytes, "given"
+    if arch.num_parameters is None or arch.weight_dtype is None:
+        return None, None
+    nbytes = arch.num_parameters * WEIGHT_DTYPE_BITS[arch.weight_dtype] // 8
+    return nbytes, f"{_count(arch.num_parameters)} parameters × {arch.weight_dtype}"
+
+
+def _count(n: int) -> str:
+    """``8200000000`` → ``8.2B``; ``134515008`` → ``134.5M``."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.4g}{suffix}"
+    return str(n)
+
+
+def _largest(fits: Callable[[int], bool], step: int) -> int:
+    """The largest multiple ``n`` of ``step`` with ``fits(n)`` (``fits`` monotone; 0 if none)."""
+    if not fits(step):
+        return 0
+    lo, hi = 1, 2
+    while fits(hi * step):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:  # fits(lo·step), not fits(hi·step)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid * step) else (lo, mid)
+    return lo * step
+
+
+def _format_plan(s: _Shape, context: int, batch: int, page: int, budget: int | None, elems: int,
+                 bf16_bytes: int) -> KVFormatPlan:
+    """The figures of one format; capacities only with a ``budget`` (bytes for the KV cache)."""
+    exact, paged = s.nbytes(context), s.nbytes(context, page)
+    prefix, _, recent = s.tiers(context)
+    return KVFormatPlan(
+        name=s.name, bytes_per_token=s.per_token, window_bytes_per_token=s.window_per_token,
+        window_tokens=prefix + recent, bits_per_element=8.0 * exact / (elems * context),
+        sequence_bytes=exact, sequence_bytes_paged=paged, batch_bytes=batch * exact,
+        batch_bytes_paged=batch * paged, saving_vs_bf16=bf16_bytes / exact,
+        max_context=_largest(lambda n: batch * s.nbytes(n, page) <= budget, page) if budget is not None else None,
+        max_sequences=max(budget, 0) // paged if budget is not None else None,
+        fits=batch * paged <= budget if budget is not None else None,
+    )
+
+
+def _check_inputs(context: int, batch: int, gpu_memory_bytes: int | None, reserve: float) -> None:
+    for label, value in (("context", context), ("batch", batch)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{label} must be an integer >= 1, got {value!r}")
+    if gpu_memory_bytes is not None and (isinstance(gpu_memory_bytes, bool) or not isinstance(gpu_memory_bytes, int)
+                                         or gpu_memory_bytes < 1):
+        raise ConfigError(f"gpu_memory_bytes must be an integer >= 1, got {gpu_memory_bytes!r}")
+    if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or not 0 <= reserve < 1:
+        raise ConfigError(f"reserve must be a fraction in [0, 1), got {reserve!r}")
+
+
+def _engine_notes(engine: str, config: Int2KVConfig, page: int) -> list[str]:
+    notes = []
+    if engine == "sglang":
+        for name in ("prefix_tokens", "recent_tokens"):
+            if getattr(config, name) % page:
+                notes.append(f"{name}={getattr(config, name)} is not a multiple of the quantised page size {page}; "
+                             "the SGLang fork rejects it")
+    elif engine == "vllm":
+        notes.append("the vLLM port stores its own layout (fp16 scale/zero, no BF16 windows, first and last 2 layers "
+                     "unquantised); oscar_int2 here is the Int2KVConfig layout in 16-token blocks")
+    else:
+        notes.append("the llama.cpp branch stores q2_0 blocks (32 values, fp16 scale and min: 3.0 bits per element), "
+                     "not this layout; oscar_int2 here is the Int2KVConfig layout")
+    return notes
+
+
+def plan(
+    model_or_entry: Any,
+    *,
+    context: int,
+    batch: int | None = None,
+    gpu_memory_bytes: int | None = None,
+    engine: str = "sglang",
+    weights_bytes: int | None = None,
+    config: Int2KVConfig | None = None,
+    reserve: float = DEFAULT_RESERVE,
+) -> MemoryPlan:
+    """KV-cache memory of BF16, FP8 and OSCAR INT2 for a model, and what fits on one GPU.
+
+    Args:
+        model_or_entry: a registry name (``"Qwen3-8B"``, ``"MODEL@TAG"``), a
+            :class:`~rotationzoo.registry.ModelEntry` (its default tag), a
+            :class:`~rotationzoo.registry.TagEntry`, or a bare :class:`~rotationzoo.registry.Architecture`.
+        context: tokens per sequence.
+        batch: concurrent sequences for the totals and ``max_context`` (default 1).
+        gpu_memory_bytes: memory of the GPU (or of all GPUs holding one replica); without it no
+            capacity figures are computed.
+        engine: ``sglang``, ``vllm`` or ``llamacpp``: the page size capacities are rounded to.
+        weights_bytes: bytes of the weights; default ``num_parameters × bytes(weight_dtype)`` of
+            the registry architecture.
+        config: INT2-KV settings; default the entry's serving settings (``Int2KVConfig()`` for a
+            bare architecture). ``group_size=None`` means head_dim.
+        reserve: fraction of ``gpu_memory_bytes`` kept for activations and workspace (0.1).
+
+    Returns:
+        A :class:`MemoryPlan`.
+
+    Raises:
+        ConfigError: a bad input, a group size that does not divide head_dim, or a model whose
+            registry entry lacks what the arithmetic needs (layers, KV heads, weights with a GPU size).
+    """
+    name, tag, arch, serving = _resolve(model_or_entry)
+    batch = 1 if batch is None else batch
+    _check_inputs(context, batch, gpu_memory_bytes, reserve)
+    cfg = config if config is not None else (serving or Int2KVConfig())
+    layers, heads = _kv_shape(name, arch)
+    d = arch.head_dim
+    g = cfg.group_for(d)
+    if g > d or d % g:
+        raise ConfigError(f"group_size {g} does not divide head_dim {d}; use a power of two <= {d}")
+    e = check_engine(engine)
+    page = engine_page_size(e, cfg.hp_dtype)
+    elems = 2 * layers * heads * d  # K and V elements of one token
+    hp = elems * _HP_BYTES[cfg.hp_dtype]
+    int2 = elems // 4 + 2 * layers * heads * 2 * (d // g) * _HP_BYTES[cfg.scale_dtype]
+    shapes = (_Shape("bf16", elems * 2, 0, 0, 0), _Shape("fp8", elems, 0, 0, 0),
+              _Shape("oscar_int2", int2, hp, cfg.prefix_tokens, cfg.recent_tokens))
+    weights, source = _weights(name, arch, weights_bytes)
+    budget = None
+    if gpu_memory_bytes is not None:
+        if weights is None:
+            raise ConfigError(f"{name}: the registry has no num_parameters/weight_dtype; give the weights' size "
+                              "(weights_bytes, or --weights-gib on the command line)")
+        budget = int(gpu_memory_bytes * (1 - reserve)) - weights
+    notes = _engine_notes(e, cfg, page)
+    if budget is not None and budget <= 0:
+        notes.append("the weights alone exceed gpu_memory · (1 − reserve): nothing fits")
+    bf16_bytes = shapes[0].nbytes(context)
+    formats = tuple(_format_plan(s, context, batch, page, budget, elems, bf16_bytes) for s in shapes)
+    return MemoryPlan(
+        model=name, tag=tag, engine=e, page_size=page, context=context, batch=batch, layers_with_kv=layers,
+        num_kv_heads=heads, head_dim=d, group_size=g, config=cfg, gpu_memory_bytes=gpu_memory_bytes,
+        reserve=float(reserve), weights_bytes=weights, weights_source=source, kv_budget_bytes=budget,
+        formats=formats, notes=tuple(notes),
+    )
+
+
+__all__ = ["DEFAULT_RESERVE", "KV_FORMATS", "VLLM_BLOCK_TOKENS", "WEIGHT_DTYPE_BITS", "KVFormatPlan", "MemoryPlan",
+           "engine_page_size", "parse_size", "plan"]

@@ -1,0 +1,195 @@
+"""Local preparation of an upload (no network): find, read, validate and hash the pair and manifest."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from ..errors import (
+    ExportError,
+    InvalidRotationError,
+    PublishError,
+    RegistryError,
+    RotationZooError,
+    UnknownModelError,
+)
+from ..format import read_rotation, write_rotation
+from ..hashing import sha256_file
+from ..pair import MANIFEST_NAME, find_pair_files
+from ..registry import load_registry
+from ..registry.safety import MODEL_ID, check_tag
+from ..validation import validate
+from .results import UploadFile
+
+
+
+@dataclass
+class Plan:
+    directory: Path
+    model_id: str
+    model_folder: str
+    tag: str
+    known_model: Any  # ModelEntry | None
+    files: list[UploadFile]
+    layer_ids: tuple[int, ...]
+    head_dim: int
+    objectives: dict[str, str]
+    manifest: dict[str, Any] | None
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def folder(self) -> str:
+        return f"{self.model_folder}/{self.tag}"
+
+    def pair(self, side: str) -> UploadFile:
+        return next(f for f in self.files if f.role == side)
+
+
+def find_pair(directory: str | os.PathLike[str]) -> tuple[Path, Path, Path | None]:
+    """The K file, the V file and the manifest (or None) of a fitter output folder.
+
+    The pair is found by :func:`rotationzoo.pair.find_pair_files` (the rule every command uses).
+
+    Raises:
+        PublishError: the folder is missing, or the pair is missing or ambiguous.
+    """
+    d = Path(directory)
+    if not d.is_dir():
+        raise PublishError(f"{d}: not a folder; give the folder the fitter wrote (rotation files + {MANIFEST_NAME})")
+    try:
+        files = find_pair_files(d)
+    except ExportError as exc:
+        raise PublishError(f"{exc}; publish needs both the K and the V file") from None
+    manifest = d / MANIFEST_NAME
+    return files["k"], files["v"], manifest if manifest.is_file() else None
+
+
+def _resolve_model(model: str) -> tuple[str, Any]:
+    """(full model id, ModelEntry or None). Unknown models need a full ``NS/NAME`` id."""
+    try:
+        known = load_registry(skip_missing_overlays=True).resolve(model)
+    except UnknownModelError:
+        known = None
+    if known is not None:
+        return known.id, known
+    if not MODEL_ID.match(model.strip()):
+        raise PublishError(
+            f"unknown model '{model}': for a model that is not in the registry, give its full id "
+            f"NAMESPACE/NAME as on the Hugging Face Hub (e.g. Qwen/Qwen3-8B)"
+        )
+    return model.strip(), None
+
+
+def check_name(what: str, value: str) -> None:
+    """A tag, revision or tag name: one safe path component (the registry's tag rule)."""
+    try:
+        check_tag(value, what)
+    except RegistryError:
+        raise PublishError(f"{what} {value!r} must be one path component of letters, digits and . _ + -") from None
+
+
+def prepare(
+    directory: str | os.PathLike[str],
+    *,
+    model: str,
+    tag: str,
+    safetensors: bool,
+    atol: float,
+    staging: Path | None,
+) -> Plan:
+    """Read, validate and hash everything locally. Raises before any network access."""
+    check_name("tag", tag)
+    model_id, known = _resolve_model(model)
+    folder = model_id.split("/", 1)[1]
+    k_path, v_path, manifest_path = find_pair(directory)
+    warn: list[str] = []
+    arch = known.architecture if known is not None else None
+    expected_ids = arch.expected_layer_ids() if arch is not None else None
+    sets = {}
+    for side, p in (("k", k_path), ("v", v_path)):
+        try:
+            rs = read_rotation(p)
+        except RotationZooError as exc:
+            raise InvalidRotationError(f"refusing to publish: {exc}") from None
+        try:
+            validate(rs, atol=atol, layer_ids=expected_ids, head_dim=arch.head_dim if arch else None)
+        except InvalidRotationError as exc:
+            where = f" for {model_id}" if arch is not None else ""
+            raise InvalidRotationError(f"refusing to publish {p.name}{where}: {exc}", exc.problems) from None
+        sets[side] = rs
+    k, v = sets["k"], sets["v"]
+    if k.layer_ids != v.layer_ids or k.head_dim != v.head_dim:
+        raise InvalidRotationError(
+            f"refusing to publish: K and V files disagree: {k_path.name} has {len(k.layer_ids)} layers × "
+            f"d {k.head_dim} "
+            f"(ids {_short(k.layer_ids)}), {v_path.name} has {len(v.layer_ids)} layers × d {v.head_dim} "
+            f"(ids {_short(v.layer_ids)})"
+        )
+    files = [
+        UploadFile(side, p, f"{folder}/{tag}/{p.name}", p.stat().st_size, sha256_file(p))
+        for side, p in (("k", k_path), ("v", v_path))
+    ]
+    manifest = None
+    if manifest_path is not None:
+        manifest = _check_manifest(manifest_path, files, k, model_id, tag, warn)
+    if safetensors:
+        if k_path.suffix == ".safetensors":
+            warn.append("the rotation files are safetensors already; no extra copies made")
+        else:
+            assert staging is not None
+            for side, p in (("k", k_path), ("v", v_path)):
+                out = write_rotation(staging / "safetensors" / f"{p.stem}.safetensors", sets[side], fmt="safetensors")
+                files.append(UploadFile(f"{side}-safetensors", out, f"{folder}/{tag}/{out.name}",
+                                        out.stat().st_size, sha256_file(out)))
+    if manifest_path is not None:
+        files.append(UploadFile("manifest", manifest_path, f"{folder}/{tag}/{MANIFEST_NAME}",
+                                manifest_path.stat().st_size, sha256_file(manifest_path)))
+    return Plan(
+        directory=Path(directory), model_id=model_id, model_folder=folder, tag=tag, known_model=known,
+        files=files, layer_ids=k.layer_ids, head_dim=k.head_dim,
+        objectives={"k": k.objective, "v": v.objective}, manifest=manifest, warnings=warn,
+    )
+
+
+def _short(ids: Sequence[int]) -> str:
+    return ", ".join(map(str, list(ids)[:10])) + (" ..." if len(ids) > 10 else "")
+
+
+def _check_manifest(path: Path, files: list[UploadFile], rs: Any, model_id: str, tag: str,
+                    warn: list[str]) -> dict[str, Any]:
+    """The manifest must describe exactly these files; disagreements on names are warnings."""
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise PublishError(f"{path}: not valid JSON ({exc}); fix or remove the manifest") from None
+    if not isinstance(manifest, dict):
+        raise PublishError(f"{path}: expected a JSON object")
+    listed = manifest.get("files") or {}
+    for f in files:
+        entry = listed.get(f.role) if isinstance(listed, Mapping) else None
+        if not isinstance(entry, Mapping):
+            raise PublishError(f"{path}: no files.{f.role} entry; the manifest does not describe {f.local.name}")
+        if entry.get("name") not in (None, f.local.name):
+            raise PublishError(f"{path}: files.{f.role}.name is {entry.get('name')!r} but the {f.role.upper()} "
+                               f"file is {f.local.name}")
+        if entry.get("sha256") != f.sha256:
+            raise PublishError(
+                f"{path}: files.{f.role}.sha256 is {entry.get('sha256')} but {f.local.name} has sha256 {f.sha256}; "
+                f"the file changed after fitting (re-run the fitter, or fix the manifest)"
+            )
+        if entry.get("size") is not None and entry.get("size") != f.size:
+            raise PublishError(f"{path}: files.{f.role}.size is {entry.get('size')} but {f.local.name} has {f.size} B")
+    if manifest.get("head_dim") is not None and manifest["head_dim"] != rs.head_dim:
+        raise PublishError(f"{path}: head_dim {manifest['head_dim']} but the files have d = {rs.head_dim}")
+    ids = manifest.get("layer_ids")
+    if ids is not None and [int(i) for i in ids] != list(rs.layer_ids):
+        raise PublishError(f"{path}: layer_ids {_short(ids)} but the files cover {_short(rs.layer_ids)}")
+    m = manifest.get("model")
+    if m and str(m).lower() != model_id.lower() and str(m).split("/")[-1].lower() != model_id.split("/")[-1].lower():
+        warn.append(f"{MANIFEST_NAME} names model {m!r}, publishing as {model_id}")
+    if manifest.get("tag") and manifest["tag"] != tag:
+        warn.append(f"{MANIFEST_NAME} names tag {manifest['tag']!r}, publishing as {tag!r}")
+    return manifest

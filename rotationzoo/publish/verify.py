@@ -1,0 +1,126 @@
+"""Checking the published zoo: every registry entry's files present, pinned sha256, valid structure."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .. import config
+from ..errors import OfflineError, RotationZooError
+from ..hashing import sha256_file
+from ..hub import UnpinnedEntryWarning, cache_root, entry_dir, fetch_entry, offline_reason, warm_hit
+from ..registry import SIDES, TagEntry, get_model, load_registry
+from ..validation import verify_file
+
+log = logging.getLogger("rotationzoo")
+Reporter = Callable[[str], None]
+
+
+@dataclass
+class EntryCheck:
+    """Outcome of checking one registry tag.
+
+    ``status`` is ``"ok"`` (files present, sha256 as pinned, valid), ``"unpinned"`` (valid, but the
+    registry has no sha256 to compare with: the observed ones are in ``files``), ``"missing"``
+    (not in the cache and no download asked for) or ``"failed"``.
+    """
+
+    model: str
+    tag: str
+    status: str
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"model": self.model, "tag": self.tag, "status": self.status, "files": self.files,
+                "problems": list(self.problems)}
+
+
+def _changed_copies(entry: TagEntry, cache_dir: str | os.PathLike[str] | None) -> list[str]:
+    """Problems of cached copies that a cache hit refused (changed on disk since verification)."""
+    out = []
+    folder = entry_dir(cache_root(cache_dir), entry)
+    for side in SIDES:
+        f = entry.files[side]
+        p = folder / f.filename
+        if not p.is_file() or p.is_symlink() or warm_hit(p, f.sha256) is not None:
+            continue
+        sha = sha256_file(p)
+        pinned = f" the registry pins {f.sha256}" if f.sha256 else " its verification recorded another"
+        out.append(f"{side.upper()} file {p}: sha256 {sha} (changed on disk since it was verified);{pinned}")
+    return out
+
+
+def verify_registry(
+    *,
+    download: bool = False,
+    model: str | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    source: str = "auto",
+    atol: float = 1e-5,
+    report: Reporter | None = None,
+) -> list[EntryCheck]:
+    """Check every registry entry: files present (cached, bundled, or downloaded), sha256, structure.
+
+    Args:
+        download: fetch entries that are not cached (through :func:`rotationzoo.fetch`, which
+            verifies on download); otherwise only cached and bundled files are checked.
+            ``ROTATIONZOO_OFFLINE`` / ``HF_HUB_OFFLINE`` win: nothing is downloaded then.
+        model: only this model (id or alias).
+        cache_dir: cache root (default ``ROTATIONZOO_CACHE`` or the user cache dir).
+        source: as for :func:`rotationzoo.fetch`.
+        atol: orthogonality tolerance.
+        report: called with one line per entry.
+
+    Returns:
+        One :class:`EntryCheck` per tag, in registry order. Cached files are hashed again (a warm
+        cache hit alone would not notice a file changed on disk).
+    """
+    say: Reporter = report or (lambda msg: log.info(msg))
+    offline = not download or config.offline()  # ROTATIONZOO_OFFLINE wins over --download
+    models = [get_model(model)] if model is not None else list(load_registry())
+    checks: list[EntryCheck] = []
+    for m in models:
+        ids = m.architecture.expected_layer_ids()
+        for tname, entry in m.tags.items():
+            check = EntryCheck(m.id, tname, "failed")
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UnpinnedEntryWarning)
+                    got = fetch_entry(entry, source=source, cache_dir=cache_dir, offline=offline)
+            except OfflineError:
+                changed = _changed_copies(entry, cache_dir)
+                if changed:  # present but not served: the bytes changed after verification
+                    check.problems.extend(changed)
+                else:
+                    check.status = "missing"
+                    check.problems.append("not in the cache (pass --download to fetch it)" if not download else
+                                          f"not in the cache, and offline ({offline_reason()})")
+            except RotationZooError as exc:
+                check.problems.append(str(exc))
+            else:
+                layouts = {}
+                for side in SIDES:
+                    f = entry.files[side]
+                    p = got.files[side].path
+                    sha = sha256_file(p)
+                    rep = verify_file(p, atol=atol, layer_ids=ids, head_dim=m.architecture.head_dim, with_hash=False)
+                    check.files[side] = {"path": str(p), "sha256": sha, "registry_sha256": f.sha256,
+                                         "size": p.stat().st_size, "source": got.files[side].source}
+                    if f.sha256 is not None and sha != f.sha256:
+                        check.problems.append(f"{side.upper()} file {p}: sha256 {sha}, the registry pins {f.sha256}")
+                    if f.size is not None and p.stat().st_size != f.size:
+                        check.problems.append(
+                            f"{side.upper()} file {p}: {p.stat().st_size} B, the registry says {f.size} B")
+                    check.problems.extend(rep.problems)
+                    layouts[side] = (tuple(rep.layer_ids), rep.head_dim)
+                if not check.problems and layouts["k"] != layouts["v"]:
+                    check.problems.append("K and V files disagree on layers or head_dim")
+                if not check.problems:
+                    check.status = "ok" if entry.pinned else "unpinned"
+            say(f"{m.id}@{tname}: {check.status}" + (f" ({check.problems[0]})" if check.status == "failed" else ""))
+            checks.append(check)
+    return checks

@@ -1,0 +1,147 @@
+"""Integrity checks of a registry document beyond what parsing needs (``tools/check_registry.py``,
+``rotationzoo verify --registry`` and publishing use them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ..errors import RegistryError
+from . import safety
+from .model import HEX40, SHA256, SIDES
+
+
+def _safe(check: Any, value: Any, where: str, rep: "LintReport") -> bool:
+    """Run one :mod:`.safety` check; a refusal becomes a lint error."""
+    try:
+        check(value, where)
+    except RegistryError as exc:
+        rep.errors.append(str(exc))
+        return False
+    return True
+
+
+@dataclass
+class LintReport:
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    unpinned_files: int = 0
+    unpinned_sources: int = 0
+    files: int = 0
+    tags: int = 0
+    models: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+def lint_registry(data: Mapping[str, Any], *, schema: Mapping[str, Any] | None = None) -> LintReport:
+    """Check a registry document beyond what parsing needs.
+
+    Schema (when ``jsonschema`` and ``schema`` are available), unique ids and aliases across models,
+    default tag exists, sha256 format, sizes positive, sources well-formed, revisions either 40-hex
+    commits or counted as unpinned, and paths consistent with the tag they belong to.
+    """
+    rep = LintReport()
+    if schema is not None:
+        _lint_schema(data, schema, rep)
+    models = data.get("models") if isinstance(data, Mapping) else None
+    if not isinstance(models, list):
+        rep.errors.append("'models' must be a list")
+        return rep
+    seen: dict[str, str] = {}
+    for i, m in enumerate(models):
+        if not isinstance(m, Mapping):
+            rep.errors.append(f"models[{i}]: not an object")
+            continue
+        _lint_model(m, str(m.get("id", f"models[{i}]")), seen, rep)
+    return rep
+
+
+def _lint_schema(data: Any, schema: Mapping[str, Any], rep: LintReport) -> None:
+    try:
+        import jsonschema
+    except ImportError:  # pragma: no cover - dev extra
+        rep.warnings.append("jsonschema is not installed; schema not checked")
+        return
+    validator = jsonschema.Draft202012Validator(schema)
+    for err in sorted(validator.iter_errors(data), key=lambda e: list(e.absolute_path)):
+        where = "/".join(map(str, err.absolute_path)) or "(root)"
+        rep.errors.append(f"schema: {where}: {err.message}")
+
+
+def _lint_model(m: Mapping[str, Any], mid: str, seen: dict[str, str], rep: LintReport) -> None:
+    rep.models += 1
+    _safe(safety.check_model_id, m.get("id"), f"{mid}: id", rep)
+    for alias in m.get("aliases", []):
+        _safe(safety.check_alias, alias, f"{mid}: aliases", rep)
+    names = [mid, *m.get("aliases", []), mid.split("/", 1)[-1]]
+    for n in dict.fromkeys(x.lower() for x in names):
+        if n in seen and seen[n] != mid:
+            rep.errors.append(f"{mid}: name '{n}' is also used by {seen[n]} (ids and aliases must be unique)")
+        else:
+            seen[n] = mid
+    tags = m.get("tags") or {}
+    if m.get("default_tag") not in tags:
+        rep.errors.append(f"{mid}: default_tag '{m.get('default_tag')}' is not one of its tags ({', '.join(tags)})")
+    for tname, t in tags.items():
+        rep.tags += 1
+        _safe(safety.check_tag, tname, f"{mid}@{tname}", rep)
+        files = t.get("files") or {}
+        for side in SIDES:
+            f = files.get(side)
+            if not isinstance(f, Mapping):
+                rep.errors.append(f"{mid}@{tname}: missing files.{side}")
+                continue
+            _lint_file(f, side, tname, t.get("sources", []), f"{mid}@{tname}", rep)
+
+
+def _lint_file(f: Mapping[str, Any], side: str, tname: str, tag_sources: Any, where: str, rep: LintReport) -> None:
+    rep.files += 1
+    sha, size, path = f.get("sha256"), f.get("size"), str(f.get("path", ""))
+    if sha is None:
+        rep.unpinned_files += 1
+    elif not isinstance(sha, str) or not SHA256.match(sha):
+        rep.errors.append(f"{where}: files.{side}.sha256 {sha!r} is not 64 lowercase hex digits")
+    if size is not None and (not isinstance(size, int) or size <= 0):
+        rep.errors.append(f"{where}: files.{side}.size {size!r} must be a positive integer")
+    if (sha is None) != (size is None):
+        rep.warnings.append(f"{where}: files.{side} has {'size' if sha is None else 'sha256'} but not the other")
+    _safe(safety.check_relpath, path, f"{where}: files.{side}", rep)
+    srcs = f.get("sources", tag_sources)
+    if not srcs:
+        rep.errors.append(f"{where}: files.{side} has no sources")
+    hub_paths = [s for s in srcs if isinstance(s, Mapping) and s.get("type") in ("huggingface", "modelscope")
+                 and not s.get("path")]
+    if hub_paths and tname.split("/")[-1] not in path.split("/") and tname not in path:
+        rep.errors.append(f"{where}: files.{side}.path {path!r} is not under a folder named after the tag")
+    if path and not path.split("/")[-1].startswith(f"{side}_"):
+        rep.errors.append(f"{where}: files.{side}.path {path!r} does not name a {side.upper()} file ({side}_…)")
+    for j, s in enumerate(srcs):
+        _lint_source(s, f"{where}: files.{side}.sources[{j}]", rep)
+
+
+def _lint_source(s: Any, where: str, rep: LintReport) -> None:
+    if not isinstance(s, Mapping) or "type" not in s:
+        rep.errors.append(f"{where}: not a source object")
+        return
+    typ = s["type"]
+    if typ in ("huggingface", "modelscope"):
+        repo, rev = s.get("repo"), s.get("revision")
+        _safe(safety.check_model_id, repo, f"{where}: repo", rep)
+        if not rev:
+            rep.errors.append(f"{where}: no revision (always pin or name one)")
+        elif _safe(safety.check_revision, rev, where, rep) and not HEX40.match(str(rev)):
+            rep.unpinned_sources += 1
+        if s.get("path") is not None:
+            _safe(safety.check_relpath, s.get("path"), where, rep)
+    elif typ == "url":
+        _safe(safety.check_url, s.get("url"), where, rep)
+    elif typ == "bundled":
+        if not s.get("path"):
+            rep.errors.append(f"{where}: bundled source needs a path")
+        else:
+            _safe(safety.bundled_file, s.get("path"), where, rep)
+    else:
+        rep.errors.append(f"{where}: unknown source type {typ!r}")

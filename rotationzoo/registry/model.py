@@ -1,0 +1,236 @@
+"""Registry entry types: models, calibration tags, files and where to download them.
+
+Frozen dataclasses parsed from ``registry.json`` by :mod:`rotationzoo.registry.load`. Plain
+Python only (no torch), so listing and inspecting the zoo stays fast.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping
+
+from ..errors import UnknownTagError
+from ..int2kv import Int2KVConfig
+from ..vocab import SIDES, SOURCE_TYPES, Side, SourceType, WeightDtypeName  # noqa: F401 - re-exported by the package
+
+#: An entry's serving defaults are an INT2-KV configuration (one type for the concept).
+Serving = Int2KVConfig
+
+_TAG_RE = re.compile(r"seq(?P<tokens>\d+)_prompt(?P<prompts>\d+)_group(?P<group>\d+)")
+HEX40 = re.compile(r"^[0-9a-f]{40}$")
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def parse_tag_name(tag: str) -> dict[str, int] | None:
+    """Calibration numbers encoded in a tag: ``seq<T>_prompt<N>_group<G>`` → tokens, prompts, group_size.
+
+    >>> parse_tag_name("longbench-seq150000_prompt44_group128")
+    {'tokens': 150000, 'prompts': 44, 'group_size': 128}
+    """
+    m = _TAG_RE.search(tag)
+    if not m:
+        return None
+    return {"tokens": int(m["tokens"]), "prompts": int(m["prompts"]), "group_size": int(m["group"])}
+
+
+def split_model_tag(name: str) -> tuple[str, str | None]:
+    """``"Qwen3-8B@longbench-seq…"`` → ``("Qwen3-8B", "longbench-seq…")``; no ``@`` → tag ``None``."""
+    model, at, tag = name.partition("@")
+    return model, (tag or None) if at else None
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a file can be downloaded. ``type`` decides which fields matter.
+
+    - ``huggingface`` / ``modelscope``: ``repo`` (``ns/name``), ``revision`` (branch, tag or commit
+      sha), optional ``path`` inside the repo (defaults to the file's ``path``);
+    - ``url``: ``url``, a plain HTTP(S) GET;
+    - ``bundled``: ``path`` relative to the package's ``data/`` folder.
+    """
+
+    type: SourceType
+    repo: str | None = None
+    revision: str | None = None
+    path: str | None = None
+    url: str | None = None
+
+    @property
+    def pinned(self) -> bool:
+        """True when the source names immutable bytes (a commit sha, a url, or bundled data)."""
+        if self.type in ("huggingface", "modelscope"):
+            return bool(self.revision and HEX40.match(self.revision))
+        return True
+
+    @property
+    def is_hub(self) -> bool:
+        """A Hugging Face or ModelScope repository (downloaded through the hub's client)."""
+        return self.type in ("huggingface", "modelscope")
+
+    def describe(self) -> str:
+        if self.is_hub:
+            return f"{self.type}:{self.repo}@{self.revision}"
+        if self.type == "url":
+            return f"url:{self.url}"
+        return f"bundled:{self.path}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One rotation file (the K or the V side of a tag)."""
+
+    side: Side
+    path: str
+    sha256: str | None
+    size: int | None
+    sources: tuple[Source, ...]
+
+    @property
+    def filename(self) -> str:
+        return self.path.rsplit("/", 1)[-1]
+
+    @property
+    def pinned(self) -> bool:
+        return self.sha256 is not None
+
+    @property
+    def bundled(self) -> bool:
+        """True when the first source is data shipped with the package."""
+        return bool(self.sources) and self.sources[0].type == "bundled"
+
+    def source_path(self, source: Source) -> str:
+        """Path of this file inside ``source``'s repository."""
+        return source.path or self.path
+
+
+@dataclass(frozen=True)
+class Calibration:
+    dataset: str | None = None
+    tokens: int | None = None
+    prompts: int | None = None
+    group_size: int | None = None
+    notes: str | None = None
+
+
+@dataclass(frozen=True)
+class Result:
+    benchmark: str
+    bf16: float | None = None
+    oscar_int2: float | None = None
+    source: str | None = None
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What a model needs from a rotation pair (and what the memory planner needs from a model).
+
+    ``num_parameters`` and ``weight_dtype`` (``bfloat16``, ``float16``, ``float32`` or ``float8``)
+    give the planner the weights' size: ``num_parameters × bytes(weight_dtype)``.
+    """
+
+    head_dim: int
+    num_layers: int | None = None
+    attention_layer_ids: tuple[int, ...] | None = None
+    num_kv_heads: int | None = None
+    num_attention_heads: int | None = None
+    num_parameters: int | None = None
+    weight_dtype: WeightDtypeName | None = None
+
+    def expected_layer_ids(self) -> tuple[int, ...] | None:
+        """The layer ids a rotation file must cover (sparse for hybrids), or None if unknown."""
+        if self.attention_layer_ids:
+            return tuple(self.attention_layer_ids)
+        if self.num_layers:
+            return tuple(range(self.num_layers))
+        return None
+
+
+@dataclass(frozen=True)
+class TagEntry:
+    """One calibration of one model: the K/V files plus how they were made and are served."""
+
+    model_id: str
+    name: str
+    description: str
+    calibration: Calibration
+    objectives: Mapping[str, str]
+    serving: Int2KVConfig
+    results: tuple[Result, ...]
+    files: Mapping[str, FileEntry]
+    architecture: Architecture
+
+    @property
+    def key(self) -> str:
+        """``model@tag``, e.g. ``Qwen/Qwen3-8B@seq20000_prompt83_group128``."""
+        return f"{self.model_id}@{self.name}"
+
+    @property
+    def pinned(self) -> bool:
+        return all(f.pinned for f in self.files.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model_id,
+            "tag": self.name,
+            "description": self.description,
+            "calibration": asdict(self.calibration),
+            "objectives": dict(self.objectives),
+            "serving": self.serving.to_json(),
+            "results": [asdict(r) for r in self.results],
+            "files": {
+                side: {
+                    "path": f.path,
+                    "sha256": f.sha256,
+                    "size": f.size,
+                    "sources": [s.to_json() for s in f.sources],
+                }
+                for side, f in self.files.items()
+            },
+        }
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    id: str
+    aliases: tuple[str, ...]
+    description: str
+    architecture: Architecture
+    default_tag: str
+    tags: Mapping[str, TagEntry]
+    origin: str = "bundled"
+
+    def tag(self, name: str | None = None) -> TagEntry:
+        """The named tag (default tag when ``None``); matching is case-insensitive."""
+        if name is None:
+            return self.tags[self.default_tag]
+        if name in self.tags:
+            return self.tags[name]
+        lowered = {t.lower(): t for t in self.tags}
+        if name.lower() in lowered:
+            return self.tags[lowered[name.lower()]]
+        close = difflib.get_close_matches(name, list(self.tags), n=1, cutoff=0.6)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise UnknownTagError(f"{self.id} has no tag '{name}'{hint} (tags: {', '.join(self.tags)})")
+
+    def names(self) -> tuple[str, ...]:
+        """Every name this model answers to: id, aliases, and the id's last segment."""
+        return (self.id, *self.aliases, self.id.split("/", 1)[-1])
+
+    def to_json(self, *, full: bool = False) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": self.id,
+            "aliases": list(self.aliases),
+            "description": self.description,
+            "architecture": {k: v for k, v in asdict(self.architecture).items() if v is not None},
+            "default_tag": self.default_tag,
+            "tags": list(self.tags),
+            "origin": self.origin,
+        }
+        if full:
+            out["tags"] = {name: t.to_json() for name, t in self.tags.items()}
+        return out

@@ -1,0 +1,72 @@
+"""The vocabularies of rotationzoo's knobs: every accepted name, in one torch-free module.
+
+Library modules take their ``Literal`` types and tuples from here and the CLI offers exactly
+these choices, so a name means the same thing in Python, on the command line, in JSON and in the
+docs. Importing this module is cheap (no torch, no hub clients).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+Side = Literal["k", "v"]
+SIDES: tuple[str, str] = ("k", "v")
+
+#: Where a registry file can come from (``registry.json`` source ``type``).
+SourceType = Literal["huggingface", "modelscope", "url", "bundled"]
+SOURCE_TYPES: tuple[str, ...] = get_args(SourceType)
+#: What ``fetch(source=...)`` accepts: ``auto`` (the entry's order, with failover) or one type.
+SourceChoice = Literal["auto", "huggingface", "modelscope", "url", "bundled"]
+SOURCE_CHOICES: tuple[str, ...] = get_args(SourceChoice)
+
+#: Hubs ``publish`` writes to, in the order they are written.
+Hub = Literal["huggingface", "modelscope"]
+HUBS: tuple[str, ...] = get_args(Hub)
+
+#: Engines ``serve-args`` prepares a launch for.
+Engine = Literal["sglang", "vllm", "llamacpp"]
+ENGINES: tuple[str, ...] = get_args(Engine)
+#: Renderings of a launch.
+LaunchFormat = Literal["shell", "env", "json"]
+LAUNCH_FORMATS: tuple[str, ...] = get_args(LaunchFormat)
+
+#: File layouts ``export`` writes.
+ExportFormat = Literal["safetensors", "gguf"]
+EXPORT_FORMATS: tuple[str, ...] = get_args(ExportFormat)
+#: Layouts of one side's rotation file.
+FileFormat = Literal["pt", "safetensors"]
+FILE_FORMATS: tuple[str, ...] = get_args(FileFormat)
+
+#: dtypes of stored values, by name.
+DtypeName = Literal["bfloat16", "float16", "float32"]
+DTYPE_NAMES: tuple[str, ...] = get_args(DtypeName)
+#: dtypes of model weights (registry ``architecture.weight_dtype``): the KV/window dtypes plus
+#: ``float8`` (one byte per parameter, any FP8 variant such as e4m3 block-scaled checkpoints).
+WeightDtypeName = Literal["bfloat16", "float16", "float32", "float8"]
+WEIGHT_DTYPE_NAMES: tuple[str, ...] = get_args(WeightDtypeName)
+#: How a clip threshold is found (exact sort, or the decode flush's bisection).
+ClipSearch = Literal["exact", "bisect"]
+CLIP_SEARCHES: tuple[str, ...] = get_args(ClipSearch)
+
+#: Fitter objectives: covariance targets for K and V (``hadamard`` is data-free).
+Objective = Literal["qqt_sst", "ktk_vtv", "qqt", "sst", "ktk", "vtv", "hadamard"]
+OBJECTIVES: tuple[str, ...] = get_args(Objective)
+#: Compositions implemented exactly as in the authors' fitter.
+AuthorComposition = Literal["plain", "pbr", "br", "br_h128", "r_h", "h_pbr", "h_r_pbr", "h_pbr_r", "r_h_pbr"]
+AUTHOR_COMPOSITIONS: tuple[str, ...] = get_args(AuthorComposition)
+#: Every accepted composition (``r_pbr_hg`` needs a group size).
+Composition = Literal["plain", "pbr", "br", "br_h128", "r_h", "h_pbr", "h_r_pbr", "h_pbr_r", "r_h_pbr", "r_pbr_hg"]
+COMPOSITIONS: tuple[str, ...] = get_args(Composition)
+#: Eigenvector sign conventions.
+SignConvention = Literal["canonical", "lapack"]
+SIGN_CONVENTIONS: tuple[str, ...] = get_args(SignConvention)
+#: How many rotations a layer has: one shared by all KV heads, or one per KV head.
+Grouping = Literal["layer", "kv_head"]
+GROUPINGS: tuple[str, ...] = get_args(Grouping)
+#: Starting points of learned refinement.
+RefineInit = Literal["hadamard", "oscar", "r_pbr_hg"]
+REFINE_INITS: tuple[str, ...] = get_args(RefineInit)
+
+#: Kernel backends.
+Backend = Literal["auto", "torch", "triton"]
+BACKENDS: tuple[str, ...] = get_args(Backend)

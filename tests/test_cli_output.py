@@ -1,0 +1,203 @@
+"""The command line as a user meets it: filters and pipe-friendly tables, one-line errors (JSON with
+--json, tracebacks with --debug), one suggestion per typo, range-checked options."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from helpers import random_orthogonal
+
+from rotationzoo.cli.main import main
+from rotationzoo.format import RotationSet, write_rotation
+
+LONG_ID = "Qwen/Qwen3.5-35B-A3B"
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+# -- list ------------------------------------------------------------------------------------------
+
+
+def test_list_pattern_matches_ids_and_aliases_case_insensitively(capsys) -> None:
+    rc, out, _ = run(capsys, "list", "QWEN3*", "--json")
+    ids = {m["id"] for m in json.loads(out)}
+    assert rc == 0 and "Qwen/Qwen3-8B" in ids and LONG_ID in ids
+    assert not any(i.startswith(("HuggingFaceTB/", "zai-org/")) for i in ids)
+    rc, out, _ = run(capsys, "list", "smollm2*", "--json")  # an alias, lower case
+    assert [m["id"] for m in json.loads(out)] == ["HuggingFaceTB/SmolLM2-135M-Instruct"]
+    rc, out, _ = run(capsys, "list", "*/qwen3-8b", "--json")  # the full id
+    assert [m["id"] for m in json.loads(out)] == ["Qwen/Qwen3-8B"]
+    rc, out, err = run(capsys, "list", "qwen")  # no wildcard: an exact name, and a hint
+    assert rc == 0 and out == "" and "no model matches 'qwen'" in err and "'qwen*'" in err
+
+
+def test_list_plain_is_tab_separated_and_complete(capsys) -> None:
+    from rotationzoo.registry import list_models
+
+    rc, out, _ = run(capsys, "list", "--plain")
+    lines = out.splitlines()
+    assert rc == 0 and len(lines) == len(list_models())
+    rows = {line.split("\t")[0]: line.split("\t") for line in lines}
+    assert all(len(r) == 7 for r in rows.values())
+    smol = rows["HuggingFaceTB/SmolLM2-135M-Instruct"]
+    assert smol[2:5] == ["30", "64", "emma-seq20000_prompt10_group16-r_pbr_hg16"]
+    assert "hadamard" in smol[5].split(",")
+    assert "│" not in out and "…" not in out
+
+
+def test_list_in_a_pipe_never_cuts_ids_or_tags(capsys, monkeypatch) -> None:
+    """Captured stdout is not a terminal (as `rotationzoo list | cat`): even a narrow COLUMNS cuts nothing."""
+    from rotationzoo.registry import list_models
+
+    monkeypatch.setenv("COLUMNS", "60")
+    rc, out, _ = run(capsys, "list")
+    assert rc == 0 and "…" not in out
+    for m in list_models():
+        assert m.id in out and m.default_tag in out
+
+
+# -- errors ----------------------------------------------------------------------------------------
+
+
+def test_library_error_is_one_line_and_json_with_json(capsys) -> None:
+    rc, out, err = run(capsys, "info", "Qwen3-9B")
+    assert rc == 1 and out == "" and err.count("\n") == 1 and err.startswith("error: unknown model 'Qwen3-9B'")
+    rc, out, err = run(capsys, "info", "Qwen3-9B", "--json")
+    assert rc == 1 and err == ""
+    got = json.loads(out)["error"]
+    assert got["type"] == "UnknownModelError" and got["message"].startswith("unknown model 'Qwen3-9B'")
+    assert "attempts" not in got
+    # serve-args' documented --format json is --json too
+    rc, out, _ = run(capsys, "serve-args", "Qwen3-9B", "--engine", "vllm", "--format", "json")
+    assert rc == 1 and "unknown model" in json.loads(out)["error"]["message"]
+
+
+def test_json_error_carries_the_attempts_of_a_fetch_error(capsys, monkeypatch) -> None:
+    from rotationzoo import errors
+
+    attempts = [{"source": "huggingface:acme/x", "reason": "DNS failure"}]
+
+    def fail(*a, **k):
+        exc = errors.FetchError("could not fetch Qwen/Qwen3-8B: every source failed")
+        exc.attempts = attempts
+        raise exc
+
+    monkeypatch.setattr("rotationzoo.api.fetch", fail)
+    rc, out, _ = run(capsys, "fetch", "Qwen3-8B", "--json")
+    assert rc == 1
+    assert json.loads(out) == {"error": {"type": "FetchError", "message": "could not fetch Qwen/Qwen3-8B: every "
+                                         "source failed", "attempts": attempts}}
+
+
+def _boom(*a, **k):
+    raise TypeError("unsupported operand\nsecond line")
+
+
+def test_unexpected_error_is_one_line_asking_for_debug(capsys, monkeypatch) -> None:
+    monkeypatch.setattr("rotationzoo.registry.list_models", _boom)
+    rc, out, err = run(capsys, "list")
+    assert rc == 1 and out == ""
+    assert err == ("error: internal error (TypeError: unsupported operand); re-run with --debug and report it\n")
+    rc, out, err = run(capsys, "list", "--json")
+    assert rc == 1 and json.loads(out)["error"]["type"] == "TypeError" and err == ""
+
+
+def test_debug_shows_the_traceback(capsys, monkeypatch) -> None:
+    monkeypatch.setattr("rotationzoo.registry.list_models", _boom)
+    rc, _, err = run(capsys, "--debug", "list")
+    assert rc == 1 and "Traceback (most recent call last)" in err and "_boom" in err
+    assert err.rstrip().endswith("re-run with --debug and report it")
+    monkeypatch.setenv("ROTATIONZOO_DEBUG", "1")
+    rc, _, err = run(capsys, "info", "Qwen3-9B")
+    assert rc == 1 and "Traceback" in err and "UnknownModelError" in err
+    monkeypatch.delenv("ROTATIONZOO_DEBUG")
+    rc, _, err = run(capsys, "info", "Qwen3-9B")  # the mode does not stick to the next run
+    assert "Traceback" not in err
+
+
+def test_misspelt_command_is_suggested_once(capsys) -> None:
+    rc, _, err = run(capsys, "lst")
+    assert rc == 2 and err.count("Did you mean") == 1 and "'list'" in err
+    rc, _, err = run(capsys, "cache", "lss")
+    assert rc == 2 and err.count("Did you mean") == 1 and "'ls'" in err
+
+
+@pytest.mark.parametrize("argv", [
+    ("verify", "x.pt", "--num-layers", "-3"),
+    ("verify", "x.pt", "--head-dim", "0"),
+    ("demo", "--tokens", "-5"),
+    ("demo", "--tokens", "0"),
+])
+def test_out_of_range_numbers_are_usage_errors(capsys, argv) -> None:
+    rc, out, err = run(capsys, *argv)
+    assert rc == 2 and out == "" and "is not in the range" in err and "Traceback" not in err
+
+
+def test_every_command_takes_json() -> None:
+    import click
+    import typer.main
+
+    from rotationzoo.cli.main import app
+
+    root = typer.main.get_command(app)
+
+    def leaves(group: click.Group, prefix: str):
+        for name in group.list_commands(click.Context(group)):
+            cmd = group.get_command(click.Context(group), name)
+            if isinstance(cmd, click.Group):
+                yield from leaves(cmd, f"{prefix}{name} ")
+            else:
+                yield f"{prefix}{name}", cmd
+
+    missing = [name for name, cmd in leaves(root, "") if not any("--json" in p.opts for p in cmd.params)]
+    assert missing == []
+
+
+def test_help_of_demo_tag_and_cache_group(capsys) -> None:
+    rc, out, _ = run(capsys, "demo", "--help")
+    assert rc == 0 and re.search(r"--tag.*Calibration tag", out.replace("\n", " "))
+    rc, out, _ = run(capsys, "cache", "--help")
+    assert rc == 0 and "rotationzoo cache rm --model Qwen3-8B --dry-run" in out and "rotationzoo cache ls" in out
+
+
+# -- verify ----------------------------------------------------------------------------------------
+
+
+def _pair(folder, d: int = 8):
+    deep = folder / ("nested-" * 12) / "rotations"
+    for side, obj, seed in (("k", "qqt_r_h_pbr", 1), ("v", "sst_r_h_pbr", 2)):
+        write_rotation(deep / f"{side}_rotation_{obj}.pt",
+                       RotationSet(rotations=random_orthogonal(2, d, seed), layer_ids=(0, 1), objective=obj))
+    return deep / "k_rotation_qqt_r_h_pbr.pt", deep / "v_rotation_sst_r_h_pbr.pt"
+
+
+def test_verify_file_column_keeps_the_end_of_long_paths(tmp_path, capsys, monkeypatch) -> None:
+    from rotationzoo.cli import _output
+
+    k, v = _pair(tmp_path)
+    rc, out, _ = run(capsys, "verify", str(k), str(v))
+    assert rc == 0 and str(k) in out and str(v) in out  # a pipe: whole paths
+    monkeypatch.setattr(_output, "PIPE_WIDTH", 100)  # as a 100-column terminal
+    rc, out, _ = run(capsys, "verify", str(k), str(v))
+    assert rc == 0 and "…/k_rotation_qqt_r_h_pbr.pt" in out and "…/v_rotation_sst_r_h_pbr.pt" in out
+    assert max(len(line) for line in out.splitlines()) <= 100
+
+
+def test_verify_strips_ansi_codes_from_messages(tmp_path, capsys, monkeypatch) -> None:
+    k, _ = _pair(tmp_path)
+
+    def coloured(*a, **k):
+        raise RuntimeError("Weights only load failed. \x1b[1mdo those steps only if you trust it\x1b[0m.")
+
+    monkeypatch.setattr(torch, "load", coloured)
+    for extra in ((), ("--json",)):
+        rc, out, err = run(capsys, "verify", str(k), *extra)
+        assert rc == 1 and "do those steps only" in out
+        assert "\x1b" not in out and "\x1b" not in err

@@ -1,0 +1,349 @@
+"""The evaluation library and ``rotationzoo eval``: metrics, paired statistics, copy probe, CLI (tiny models)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from rotationzoo.errors import ConfigError, EvaluationError  # noqa: E402
+from rotationzoo.evaluate import (  # noqa: E402
+    CopyProbe, EvalProtocol, MethodSpec, evaluate, paired_difference, probe_sequences, sign_flip, tokenize_texts, windows,
+)
+from rotationzoo.evaluate.metrics import compare, hidden_states  # noqa: E402
+from rotationzoo.evaluate.protocol import int2_keys  # noqa: E402
+from rotationzoo.format import RotationSet  # noqa: E402
+from rotationzoo.int2kv import Int2KVConfig  # noqa: E402
+from rotationzoo.pair import RotationPair  # noqa: E402
+
+D = 64
+
+
+def tiny_llama(seed: int = 0, layers: int = 2, vocab: int = 96):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=128, intermediate_size=192, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=D, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def random_pair(layers: int = 2, seed: int = 1) -> RotationPair:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.linalg.qr(torch.randn(2, layers, D, D, generator=g, dtype=torch.float64))[0].float()
+    return RotationPair({"k": RotationSet(q[0], tuple(range(layers)), objective="qqt_test"),
+                         "v": RotationSet(q[1], tuple(range(layers)), objective="sst_test")}, source="random")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(3, 96, (700,), generator=torch.Generator().manual_seed(5)).tolist()
+
+
+# -- paired statistics -----------------------------------------------------------------------------
+
+
+def test_bootstrap_detects_a_planted_difference() -> None:
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(3, 4096, generator=g).abs()
+    better = base - 0.05 + 0.02 * torch.randn(3, 4096, generator=g)
+    d = paired_difference(better, base, block=128, resamples=500)
+    assert d.verdict == "better" and d.hi < 0 and d.lo < d.delta < d.hi
+    assert paired_difference(base, better, block=128, resamples=500).verdict == "worse"
+
+
+def test_bootstrap_says_no_detectable_difference_on_equal_methods() -> None:
+    """Two methods with the same distribution: 'no detectable difference' in >= 90 of 100 seeded trials."""
+    hits = 0
+    for trial in range(100):
+        g = torch.Generator().manual_seed(1000 + trial)
+        shared = torch.randn(4096, generator=g).abs()  # the same tokens: paired
+        a = shared + 0.3 * torch.randn(2, 4096, generator=g)
+        b = shared + 0.3 * torch.randn(2, 4096, generator=g)
+        hits += paired_difference(a, b, block=128, resamples=300, seed=trial).verdict == "no detectable difference"
+    assert hits >= 90, hits
+
+
+def test_bootstrap_resamples_draws() -> None:
+    """Draw-to-draw spread widens the interval even when every token agrees within a draw."""
+    tokens = torch.ones(4096)
+    tight = paired_difference(torch.stack([tokens * 1.0, tokens * 1.0]), torch.stack([tokens, tokens]), resamples=400)
+    wide = paired_difference(torch.stack([tokens * 0.9, tokens * 1.1]), torch.stack([tokens, tokens]), resamples=400)
+    assert tight.hi - tight.lo == 0.0 and wide.hi - wide.lo > 0.05 and wide.verdict == "no detectable difference"
+
+
+# -- metrics ---------------------------------------------------------------------------------------
+
+
+def test_kl_is_zero_for_fp_against_itself_and_matches_a_direct_computation(model, ids) -> None:
+    seq = ids[:120]
+    h_fp, _ = hidden_states(model, seq)
+    noisy = h_fp + 0.05 * torch.randn(h_fp.shape, generator=torch.Generator().manual_seed(3))
+    fp, got = compare(model, seq, 1, h_fp, {"same": h_fp, "noisy": noisy}, chunk=37)
+    assert torch.equal(got["same"].kl, torch.zeros(119)) and got["same"].agree.min() == 1
+    with torch.no_grad():
+        logits = model(torch.tensor([seq])).logits[0, :-1].float()
+        lq = torch.log_softmax(model.lm_head(noisy[:-1]).float(), -1)
+    lp = torch.log_softmax(logits, -1)
+    direct = (lp.exp() * (lp - lq)).sum(-1)
+    torch.testing.assert_close(got["noisy"].kl, direct, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(fp.nll, -lp.gather(1, torch.tensor(seq[1:])[:, None])[:, 0], atol=1e-4, rtol=1e-4)
+    assert got["noisy"].kl.mean() > 0
+
+
+@pytest.mark.parametrize("n,context,stride", [(10, 4, 4), (10, 4, 2), (9, 9, 9), (100, 32, 7)])
+def test_windows_score_every_target_once(n, context, stride) -> None:
+    targets = []
+    for begin, end, first in windows(n, context, stride):
+        assert end - begin <= context and begin < first <= end
+        targets.extend(range(first, end))
+    if stride == context:
+        assert targets == [t for t in range(1, n) if t % context]
+    else:
+        assert targets == list(range(1, n))
+
+
+def test_bits_per_element_definition() -> None:
+    c = Int2KVConfig(group_size=64, scale_dtype="float16")
+    assert c.bits_per_element(64, 2048) == pytest.approx((1728 * 2.5 + 320 * 16) / 2048)
+    assert Int2KVConfig(group_size=16, scale_dtype="float16", prefix_tokens=0, recent_tokens=0).bits_per_element(64, 2048) == 4.0
+    # the paper's 2.28: d = G = 128, 16-bit scale/zero, 64 + 256 windows, 128K tokens
+    assert Int2KVConfig(scale_dtype="bfloat16").bits_per_element(128, 131072) == pytest.approx(2.25 + 320 * 13.75 / 131072)
+    assert Int2KVConfig().int2_bits(128) == 2.5  # fp32 scale/zero, as served
+    assert Int2KVConfig(group_size=32).bits_per_element(64, 100) == 16.0
+
+
+# -- copy probe ------------------------------------------------------------------------------------
+
+
+def test_copy_probe_first_passage_is_int2() -> None:
+    """Every token of the first passage is read as INT2 by every scored query of the second."""
+    conf = Int2KVConfig(prefix_tokens=4, recent_tokens=8)
+    probe = CopyProbe(passage_tokens=10, probes=3)
+    seqs = probe_sequences(list(range(1000)), probe, conf)
+    assert len(seqs) == 3
+    for seq, first in seqs:
+        lead, length = conf.prefix_tokens, probe.passage_tokens
+        assert seq[lead:lead + length] == seq[first - 1:] and len(seq) == first - 1 + length
+        passage = torch.arange(lead, lead + length)
+        for q in range(first - 1, len(seq) - 1):  # queries predicting second-passage tokens 2..L
+            exact = (passage < conf.prefix_tokens) | (q - passage <= conf.recent_tokens)
+            assert not exact.any()
+            assert int2_keys(torch.tensor([q]), conf).item() >= length
+    with pytest.raises(ConfigError, match="copy probe needs"):
+        probe_sequences(list(range(50)), probe, conf)
+
+
+# -- evaluate() ------------------------------------------------------------------------------------
+
+
+def test_evaluate_reports_metrics_exposure_and_paired_ci(model, ids, tmp_path) -> None:
+    conf = Int2KVConfig(group_size=32, prefix_tokens=4, recent_tokens=8)
+    proto = EvalProtocol(draws=2, block_tokens=32, resamples=200, probe=CopyProbe(passage_tokens=12, probes=3))
+    methods = [MethodSpec.fp(), MethodSpec.none(), MethodSpec.hadamard(), MethodSpec.from_source("rand", random_pair())]
+    seen = []
+    report = evaluate(model, ids, methods, conf, proto, progress=lambda d, t, label: seen.append((d, t)))
+    assert report.context == 256 == report.stride and report.windows == 3  # the model's context length
+    fp, none, had, rand = report.results
+    assert (fp.kl, fp.top1, fp.bpe) == (0.0, 1.0, 32.0) and fp.vs_baseline is None and had.vs_baseline is None
+    assert none.draws == 1 and had.draws == rand.draws == 2 and fp.tokens_scored == none.tokens_scored == 699 - 2
+    assert none.kl > 0 and 0 < had.top1 < 1
+    assert rand.bpe == pytest.approx(conf.bits_per_element(D, 256))
+    ex = had.exposure
+    want_pairs = sum(max(0, i - 12) for b, e, f in windows(700, 256, 256) for i in range(f - b - 1, e - b - 1))
+    total_pairs = sum(i + 1 for b, e, f in windows(700, 256, 256) for i in range(f - b - 1, e - b - 1))
+    assert ex["pairs"] == pytest.approx(want_pairs / total_pairs) and 0.8 < ex["tokens"] < 1
+    assert set(rand.vs_baseline) == {"nll", "kl", "copy_nll"}
+    d = rand.vs_baseline["kl"]
+    assert d.lo <= d.delta <= d.hi and d.delta == pytest.approx(rand.kl - had.kl)
+    assert rand.copy is not None and rand.copy["tokens"] == 3 * 11
+    assert seen[0] == (0, (3 + 3) * (1 + 1 + 2 + 2))  # the total before the first forward: an ETA at once
+    assert seen[-1] == (report_units := (3 + 3) * (1 + 1 + 2 + 2), report_units)
+    data = json.loads(report.to_json(tmp_path / "r.json"))
+    assert data["results"][3]["vs_baseline"]["kl"]["verdict"] in ("better", "worse", "no detectable difference")
+    assert data["config"]["group_size"] == 32 and data["protocol"]["draws"] == 2
+
+
+def test_sign_draws_change_rounding_not_math(model, ids) -> None:
+    r = random_pair().k.rotations
+    flipped = sign_flip(r, 0, 0, "k")
+    assert torch.allclose(flipped.abs(), r.abs()) and not torch.equal(flipped, r)
+    assert torch.equal(sign_flip(r, 0, 0, "k"), flipped) and not torch.equal(sign_flip(r, 1, 0, "k"), flipped)
+    eye = torch.eye(D)
+    assert torch.allclose(flipped[0] @ flipped[0].T, eye, atol=1e-5)
+
+
+def test_mismatched_rotations_are_refused_before_running(model, ids) -> None:
+    calls = []
+    bad = MethodSpec.from_source("wrong", random_pair(layers=3))
+    with pytest.raises(EvaluationError, match="rotations cover 3 layers .* the model has 2"):
+        evaluate(model, ids, [MethodSpec.fp(), MethodSpec.hadamard(), bad], progress=lambda *a: calls.append(a))
+    assert calls == []
+    with pytest.raises(EvaluationError, match="baseline 'hadamard' is not one of the methods"):
+        evaluate(model, ids, [MethodSpec.fp(), MethodSpec.none()])
+    with pytest.raises(EvaluationError, match="lloyd_max needs one group per row"):
+        evaluate(model, ids, [MethodSpec.hadamard()], Int2KVConfig(group_size=16, lloyd_max=True))
+
+
+def test_min_int2_window_is_where_exposure_starts() -> None:
+    """A window of min_int2_window tokens is the shortest in which a scored token reads an INT2 key."""
+    from rotationzoo.evaluate import min_int2_window
+    from rotationzoo.evaluate.protocol import Exposure
+
+    for conf in (Int2KVConfig(), Int2KVConfig(prefix_tokens=4, recent_tokens=8), Int2KVConfig(prefix_tokens=0,
+                                                                                              recent_tokens=0)):
+        need = min_int2_window(conf)
+        for n, reads in ((need - 1, False), (need, True)):
+            ex = Exposure()
+            ex.add(torch.arange(0, n - 1), conf)  # the scored query positions of an n-token window
+            assert (ex.tokens_with_int2 > 0) is reads, (conf, n)
+
+
+def test_nothing_quantized_is_refused(model, ids) -> None:
+    calls = []
+    with pytest.raises(ConfigError, match="windows of 100 tokens: nothing would be quantized.*at least 323 tokens"):
+        evaluate(model, ids[:200], [MethodSpec.fp(), MethodSpec.hadamard()], Int2KVConfig(),
+                 EvalProtocol(context=100), progress=lambda *a: calls.append(a))
+    assert calls == []
+    report = evaluate(model, ids[:200], [MethodSpec.fp()], Int2KVConfig(), EvalProtocol(context=100))
+    assert report.results[0].method == "fp"  # nothing to quantize, nothing refused
+
+
+# -- CLI -------------------------------------------------------------------------------------------
+
+
+def _save_tiny(tmp_path):
+    """A tiny Llama folder with a word-level tokenizer, loadable offline by ``rotationzoo eval``."""
+    tokenizers = pytest.importorskip("tokenizers")
+    words = "the a of and to in was she he her it had be that not as for with his you i at by on".split()
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(words)}}
+    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>",
+                                                eos_token="</s>")
+    model = tiny_llama(seed=11)
+    folder = tmp_path / "tiny"
+    model.save_pretrained(folder)
+    fast.save_pretrained(folder)
+    text = tmp_path / "held_out.txt"
+    g = torch.Generator().manual_seed(2)
+    text.write_text(" ".join(words[int(i)] for i in torch.randint(0, len(words), (600,), generator=g)))
+    return folder, text
+
+
+def test_cli_eval(tmp_path, capsys) -> None:
+    pytest.importorskip("matplotlib")
+    from rotationzoo.cli.main import main
+    from rotationzoo.export import export_safetensors
+    from rotationzoo.fit import FitResult, hadamard_rotations, write_fitted
+
+    folder, text = _save_tiny(tmp_path)
+    h = hadamard_rotations((0, 1), D)
+    res = FitResult(k=h, v=h, objective="hadamard", composition="none", group_size=None,
+                    targets={"k": None, "v": None}, layer_ids=(0, 1), head_dim=D)
+    write_fitted(res, tmp_path / "rot")
+    # the same folder holding a .pt and a .safetensors copy of each file is one pair, as for export
+    write_fitted(res, tmp_path / "rot", fmt="safetensors")
+    export_safetensors(tmp_path / "rot", tmp_path / "pair.safetensors")
+    out_json, out_png = tmp_path / "e.json", tmp_path / "e.png"
+    rc = main(["eval", "--model", str(folder), "--rotations", str(tmp_path / "rot"), "--text", str(text),
+               "--context", "128", "--group-size", "32", "--prefix-tokens", "4", "--recent-tokens", "8", "--draws", "2",
+               "--methods", f"fp,none,hadamard,oscar,exported={tmp_path / 'pair.safetensors'}",
+               "--probe", "copy", "--probe-tokens", "8", "--probe-count", "2",
+               "--plot", str(out_png), "--json-out", str(out_json)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert "ΔKL vs hadamard" in captured.out and "exported" in captured.out
+    data = json.loads(out_json.read_text())
+    rows = {r["method"]: r for r in data["results"]}
+    assert set(rows) == {"fp", "none", "hadamard", "oscar", "exported"}
+    # the same Hadamard matrices through a folder, an exported file and the built-in method
+    for name in ("oscar", "exported"):
+        assert rows[name]["kl"] == pytest.approx(rows["hadamard"]["kl"], rel=1e-6)
+        assert rows[name]["vs_baseline"]["kl"]["verdict"] == "no detectable difference"
+    assert rows["oscar"]["copy"]["tokens"] == 2 * 7 and data["context"] == 128
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rc = main(["eval", "--model", str(folder), "--text", str(text), "--context", "64", "--methods", "fp,none",
+               "--prefix-tokens", "4", "--recent-tokens", "8", "--baseline", "none", "--json"])
+    assert rc == 0
+    assert json.loads(capsys.readouterr().out)["results"][1]["method"] == "none"
+
+
+def test_cli_eval_errors(tmp_path, capsys) -> None:
+    from rotationzoo.cli.main import main
+
+    folder, text = _save_tiny(tmp_path)
+    assert main(["eval", "--model", str(folder), "--text", str(text), "--methods", "fp,oscar"]) == 1
+    assert "--rotations" in capsys.readouterr().err
+    assert main(["eval", "--model", str(folder), "--text", str(text), "--methods", "fp,bogus"]) == 1
+    assert "unknown method" in capsys.readouterr().err
+    # a missing text is refused before the model is loaded (the model path does not even exist)
+    assert main(["eval", "--model", str(tmp_path / "nope"), "--text", str(tmp_path / "nope.txt")]) == 1
+    err = capsys.readouterr().err
+    assert f"--text {tmp_path / 'nope.txt'}: evaluation text file not found" in err and "calibration" not in err
+    assert main(["eval", "--model", str(folder), "--text", str(text), "--rotations", "SmolLM2-135M-Instruct"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "rotations cover 30 layers" in err
+
+
+def test_tokenize_texts(tmp_path) -> None:
+    folder, text = _save_tiny(tmp_path)
+    tok = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    ids = tokenize_texts(tok, [text, text], tokens=500)
+    assert len(ids) == 500 and tokenize_texts(tok, [text], tokens=10, skip=5) == ids[5:15]
+    assert math.isfinite(len(ids))
+
+
+@pytest.mark.parametrize("option, value", [("--tokens", "300"), ("--context", "100")])
+def test_cli_eval_refuses_windows_that_quantize_nothing_before_loading(tmp_path, capsys, option, value) -> None:
+    from rotationzoo.cli.main import main
+
+    text = tmp_path / "t.txt"
+    text.write_text("some text")
+    # the model path does not exist: the refusal comes before any loading
+    rc = main(["eval", "--model", str(tmp_path / "no-model"), "--text", str(text), "--methods", "fp,none",
+               "--baseline", "none", option, value])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.count("\n") == 1
+    assert f"error: {option} {value}: nothing would be quantized" in err and "at least 323 tokens" in err
+    rc = main(["eval", "--model", str(tmp_path / "no-model"), "--text", str(text), "--methods", "fp,none",
+               "--baseline", "none", option, value, "--prefix-tokens", "4", "--recent-tokens", "8"])
+    assert rc == 1 and "no-model" in capsys.readouterr().err  # now it gets as far as loading
+
+
+def test_cli_eval_takes_int2_settings_from_the_registry_entry(tmp_path, capsys, monkeypatch) -> None:
+    """The default model is evaluated at its entry's serving settings (G = 16), NAME=ENTRY methods
+    at theirs, and --group-size wins; a line says that the model is being loaded."""
+    import rotationzoo.evaluate as ev
+    from rotationzoo.cli.main import main
+
+    folder, text = _save_tiny(tmp_path)
+    seen = []
+
+    def stop(model, ids, specs, config, protocol, **kw):
+        seen.append(config)
+        raise EvaluationError("stopped by the test")
+
+    monkeypatch.setattr(ev, "find_smollm2_gguf", lambda: folder)
+    monkeypatch.setattr("rotationzoo.cli.eval_cmds.progress_enabled", lambda: True)  # as on a terminal
+    monkeypatch.setattr(ev, "evaluate", stop)
+    base = ["eval", "--text", str(text), "--methods", "fp,none", "--baseline", "none", "--context", "400"]
+    assert main(base) == 1
+    assert seen[-1].group_size == 16 and seen[-1].scale_dtype == "float16"
+    assert f"loading {folder}" in capsys.readouterr().err
+    assert main([*base, "--group-size", "32"]) == 1 and seen[-1].group_size == 32
+    assert main(["eval", "--model", str(folder), "--text", str(text), "--methods", "fp,none",
+                 "--baseline", "none", "--context", "400"]) == 1
+    assert seen[-1].group_size is None  # a local model without registry rotations: the library defaults
+    assert main(["eval", "--model", str(folder), "--text", str(text), "--context", "400", "--baseline", "none",
+                 "--methods", "none,had=SmolLM2-135M-Instruct@hadamard"]) == 1
+    assert seen[-1].group_size == 64

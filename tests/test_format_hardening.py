@@ -1,0 +1,460 @@
+"""Hostile rotation files: refused before anything is materialised, with typed errors only."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import zipfile
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+import rotationzoo.format as fmt
+from rotationzoo import RotationSet, read_rotation, validate, write_rotation
+from rotationzoo.errors import (
+    InvalidRotationError,
+    RotationFileError,
+    TorchVersionError,
+    UnsafeRotationFileError,
+)
+from rotationzoo.validation import verify_file
+
+from helpers import random_orthogonal
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# -- crafting files ------------------------------------------------------------------------------
+
+
+class FakeStorage:
+    """Pickled as torch.save does: a persistent id naming a ``data/<key>`` record."""
+
+    def __init__(self, key: str, numel: int, stype=torch.FloatStorage) -> None:
+        self.key, self.numel, self.stype = key, numel, stype
+
+
+class FakeTensor:
+    """Pickled as torch.save pickles a dense tensor, with any offset, shape and stride."""
+
+    def __init__(self, storage: FakeStorage, shape, stride, offset: int = 0) -> None:
+        self.args = (storage, offset, tuple(shape), tuple(stride), False, collections.OrderedDict())
+
+    def __reduce__(self):
+        return (torch._utils._rebuild_tensor_v2, self.args)
+
+
+class _TorchPickler(pickle.Pickler):
+    def persistent_id(self, obj):
+        if isinstance(obj, FakeStorage):
+            return ("storage", obj.stype, obj.key, "cpu", obj.numel)
+        return None
+
+
+def torch_pickle(obj) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    _TorchPickler(buf, protocol=2).dump(obj)
+    return buf.getvalue()
+
+
+def raw_zip(path: Path, members: list[tuple[str, int, int, int, bytes]], prefix: bytes = b"") -> Path:
+    """A zip from ``(name, method, crc, uncompressed size, payload)``: payloads are written as given.
+
+    ``prefix`` is written before the archive, whose offsets do not count it (a concatenated zip).
+    """
+    out, central = bytearray(), bytearray()
+    for name, method, crc, usize, payload in members:
+        n = name.encode()
+        central += struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 20, 20, 0, method, 0, 0x21, crc, len(payload),
+                               usize, len(n), 0, 0, 0, 0, 0, len(out)) + n
+        out += struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 0, method, 0, 0x21, crc, len(payload), usize, len(n), 0)
+        out += n + payload
+    eocd = struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, len(members), len(members), len(central), len(out), 0)
+    path.write_bytes(prefix + bytes(out + central + eocd))
+    return path
+
+
+def torch_zip(path: Path, obj, records: dict[str, bytes], extra: dict[str, bytes] | None = None) -> Path:
+    """A torch.save-style archive around ``obj`` (pickled with FakeStorage/FakeTensor) and records."""
+    files = {"archive/data.pkl": torch_pickle(obj), "archive/byteorder": b"little", "archive/version": b"3\n"}
+    files.update({f"archive/data/{k}": v for k, v in records.items()})
+    files.update(extra or {})
+    return raw_zip(path, [(n, 0, zlib.crc32(b), len(b), b) for n, b in files.items()])
+
+
+def rotation_dict(layers: dict) -> dict:
+    return {"format_version": 1, "objective": "qqt_r_h_pbr", "source_grouping": "layer", "layers": layers}
+
+
+def probe(path: Path, **kwargs) -> dict:
+    """Read ``path`` in a fresh process capped at 2 GiB of address space; time and peak RSS."""
+    code = f"""
+import json, resource, sys, time
+resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+from rotationzoo import read_rotation
+from rotationzoo.errors import RotationZooError
+t = time.perf_counter()
+try:
+    read_rotation({str(path)!r}, **{kwargs!r})
+    outcome = "loaded"
+except RotationZooError as exc:
+    outcome = "refused: " + str(exc)
+except BaseException as exc:
+    outcome = "raw " + type(exc).__name__ + ": " + str(exc)[:300]
+seconds = time.perf_counter() - t
+hwm = [int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")][0]
+print(json.dumps({{"outcome": outcome, "seconds": seconds, "rss_mib": hwm / 1024}}))
+"""
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def no_torch_load(monkeypatch):
+    """Fail the test if a refused file ever reaches torch.load."""
+
+    def boom(*a, **k):
+        raise AssertionError("torch.load reached")
+
+    monkeypatch.setattr(torch, "load", boom)
+
+
+# -- 1. nothing is allocated before the file is checked ------------------------------------------
+
+
+def test_stride0_view_refused_fast_and_small(tmp_path: Path) -> None:
+    bad = tmp_path / "k.pt"
+    torch.save(rotation_dict({0: {"layer_id": 0, "rotation": torch.ones(1).expand(16384, 16384)}}), bad)
+    assert bad.stat().st_size < 2048
+    r = probe(bad)
+    assert r["outcome"].startswith("refused: ") and "stride" in r["outcome"], r
+    assert r["seconds"] < 2.0 and r["rss_mib"] < 500, r
+
+
+def test_deflate_bomb_refused_fast_and_small(tmp_path: Path) -> None:
+    # a 1 MB member that inflates to a 1 GiB storage, viewed by one 4x4 "rotation"
+    numel = 1 << 28
+    comp = zlib.compressobj(9, zlib.DEFLATED, -15)
+    chunk = comp.compress(bytes(1 << 20)) + comp.flush(zlib.Z_FULL_FLUSH)
+    stream = chunk * 1024 + comp.flush()
+    crc = 0
+    for _ in range(1024):
+        crc = zlib.crc32(bytes(1 << 20), crc)
+    obj = rotation_dict({0: {"layer_id": 0, "rotation": FakeTensor(FakeStorage("0", numel), (4, 4), (4, 1))}})
+    members = [("archive/data.pkl", 0, zlib.crc32(p := torch_pickle(obj)), len(p), p),
+               ("archive/byteorder", 0, zlib.crc32(b"little"), 6, b"little"),
+               ("archive/version", 0, zlib.crc32(b"3\n"), 2, b"3\n"),
+               ("archive/data/0", 8, crc, numel * 4, stream)]
+    bad = raw_zip(tmp_path / "k.pt", members)
+    assert bad.stat().st_size < 2 << 20
+    r = probe(bad)
+    assert r["outcome"].startswith("refused: ") and "bytes" in r["outcome"], r
+    assert r["seconds"] < 2.0 and r["rss_mib"] < 500, r
+
+
+@pytest.mark.parametrize(
+    "tensor, pattern",
+    [
+        (torch.ones(1).expand(64, 64), "stride-0"),
+        (torch.arange(64.0).as_strided((16, 16), (1, 1)), "overlapping"),
+        (torch.zeros(1000, 1000)[:16, :16], "storage 0 holds 1000000 elements but its tensors use 256"),
+        (torch.zeros(0, 0), "empty tensor"),
+        (torch.zeros(4, 4, 4), r"shape \(4, 4, 4\)"),
+    ],
+)
+def test_bad_views_refused_before_loading(tmp_path: Path, no_torch_load, tensor, pattern) -> None:
+    bad = tmp_path / "k.pt"
+    torch.save(rotation_dict({0: {"layer_id": 0, "rotation": tensor}}), bad)
+    with pytest.raises(RotationFileError, match=pattern) as ei:
+        read_rotation(bad)
+    assert str(bad) in str(ei.value)
+
+
+def test_too_many_layers_refused_before_loading(tmp_path: Path, no_torch_load) -> None:
+    one = torch.ones(1, 1)
+    bad = tmp_path / "k.pt"
+    torch.save(rotation_dict({i: {"layer_id": i, "rotation": one} for i in range(3000)}), bad)
+    with pytest.raises(RotationFileError, match="max_layers=1024"):
+        read_rotation(bad)
+
+
+def test_one_stored_matrix_for_many_layers_is_bounded(tmp_path: Path, no_torch_load) -> None:
+    # 16 KiB stored, but 200 layers share it: loading stacks 3.3 MB
+    eye = torch.eye(64)
+    bad = tmp_path / "k.pt"
+    torch.save(rotation_dict({i: {"layer_id": i, "rotation": eye} for i in range(200)}), bad)
+    assert bad.stat().st_size < 64 * 64 * 4 * 2
+    with pytest.raises(RotationFileError, match="200 layers of d=64 need 3328000 bytes loaded, more than max_bytes=1000000"):
+        read_rotation(bad, max_bytes=1_000_000)
+
+
+def test_oversized_members_refused(tmp_path: Path, no_torch_load) -> None:
+    eye = torch.eye(4).flatten().numpy().tobytes()
+    obj = rotation_dict({0: {"layer_id": 0, "rotation": FakeTensor(FakeStorage("0", 16), (4, 4), (4, 1))}})
+    bad = torch_zip(tmp_path / "a.pt", obj, {"0": eye}, extra={"archive/notes": bytes(2 << 20)})
+    with pytest.raises(RotationFileError, match="'notes' declares 2097152 bytes"):
+        read_rotation(bad)
+    # a record larger than its storage declares, and one no tensor uses
+    bad = torch_zip(tmp_path / "b.pt", obj, {"0": eye + bytes(64)})
+    with pytest.raises(RotationFileError, match="storage 0 declares 64 bytes, its record is 128 bytes"):
+        read_rotation(bad)
+    bad = torch_zip(tmp_path / "c.pt", obj, {"0": eye, "1": bytes(64)})
+    with pytest.raises(RotationFileError, match="records no tensor uses"):
+        read_rotation(bad)
+
+
+def test_crafted_archive_within_limits_loads(tmp_path: Path) -> None:
+    eye = torch.eye(4).flatten().numpy().tobytes()
+    obj = rotation_dict({0: {"layer_id": 0, "rotation": FakeTensor(FakeStorage("0", 16), (4, 4), (4, 1))}})
+    ok = torch_zip(tmp_path / "ok.pt", obj, {"0": eye})
+    assert torch.equal(read_rotation(ok).rotations[0], torch.eye(4))
+
+
+def test_zip_layout_tricks_refused(tmp_path: Path, no_torch_load) -> None:
+    eye = torch.eye(4).flatten().numpy().tobytes()
+    obj = rotation_dict({0: {"layer_id": 0, "rotation": FakeTensor(FakeStorage("0", 16), (4, 4), (4, 1))}})
+    ok = torch_zip(tmp_path / "ok.pt", obj, {"0": eye})
+    files = {i.filename: zipfile.ZipFile(ok).read(i.filename) for i in zipfile.ZipFile(ok).infolist()}
+    members = [(n, 0, zlib.crc32(b), len(b), b) for n, b in files.items()]
+    bad = raw_zip(tmp_path / "prefixed.pt", members, prefix=b"PK\x03\x04" + bytes(60))
+    with pytest.raises(RotationFileError, match="data before its first member"):
+        read_rotation(bad)
+    bad = tmp_path / "comment.pt"
+    bad.write_bytes(ok.read_bytes()[:-2] + b"\x04\x00abcd")  # EOCD comment length 4
+    with pytest.raises(RotationFileError, match="a zip with a comment"):
+        read_rotation(bad)
+    bad = raw_zip(tmp_path / "dup.pt", members + members[-1:])
+    with pytest.raises(RotationFileError, match="twice"):
+        read_rotation(bad)
+    bad = raw_zip(tmp_path / "two.pt", members + [("other/x", 0, 0, 0, b"")])
+    with pytest.raises(RotationFileError, match="expected one folder with data.pkl"):
+        read_rotation(bad)
+
+
+def test_colliding_dict_keys_refused_fast(tmp_path: Path, no_torch_load) -> None:
+    # tuple hashes can be made to collide at will, which makes building a dict quadratic
+    layers = {(i, i): {"rotation": FakeTensor(FakeStorage("0", 16), (4, 4), (4, 1))} for i in range(3)}
+    bad = torch_zip(tmp_path / "k.pt", rotation_dict(layers), {"0": torch.eye(4).numpy().tobytes()})
+    with pytest.raises(RotationFileError, match="a dict key of type tuple"):
+        read_rotation(bad)
+    layers = {2**70: {"rotation": FakeTensor(FakeStorage("0", 16), (4, 4), (4, 1))}}  # collide modulo 2**61-1
+    bad = torch_zip(tmp_path / "k.pt", rotation_dict(layers), {"0": torch.eye(4).numpy().tobytes()})
+    with pytest.raises(RotationFileError, match="a dict key of type int"):
+        read_rotation(bad)
+
+
+def test_limits_and_expectations(tmp_path: Path) -> None:
+    rs = RotationSet(rotations=random_orthogonal(3, 64), layer_ids=(0, 1, 2), objective="x")
+    path = write_rotation(tmp_path / "k.pt", rs)
+    assert read_rotation(path).head_dim == 64
+    with pytest.raises(RotationFileError, match="exceeds max_head_dim=32"):
+        read_rotation(path, max_head_dim=32)
+    with pytest.raises(RotationFileError, match="max_layers=2"):
+        read_rotation(path, max_layers=2)
+    with pytest.raises(RotationFileError, match="max_bytes=1000"):
+        read_rotation(path, max_bytes=1000)
+    with pytest.raises(RotationFileError, match="head_dim 64, but the model needs 128"):
+        read_rotation(path, head_dim=128)
+    with pytest.raises(RotationFileError, match="the model's head_dim is 32"):
+        read_rotation(path, head_dim=32)
+    with pytest.raises(RotationFileError, match="the model has 2 layers"):
+        read_rotation(path, num_layers=2)
+    assert read_rotation(path, head_dim=64, num_layers=3).num_layers == 3
+    report = verify_file(path, head_dim=32)
+    assert not report.ok and "head_dim is 32" in report.problems[0]
+    assert fmt.make_limits(head_dim=128, num_layers=36).max_bytes == 36 * (128 * 128 + 128) * 8
+
+
+def test_views_of_a_stacked_tensor_still_load(tmp_path: Path) -> None:
+    rots, eig = random_orthogonal(4, 16), torch.rand(4, 16)
+    path = tmp_path / "k.pt"
+    torch.save(rotation_dict({i: {"layer_id": i, "rotation": rots[i], "eigenvalues": eig[i]} for i in range(4)}), path)
+    rs = read_rotation(path)
+    assert torch.equal(rs.rotations, rots) and torch.equal(rs.eigenvalues, eig)
+    torch.save(rotation_dict({i: {"layer_id": i, "rotation": rots[i].T} for i in range(4)}), path)
+    assert torch.equal(read_rotation(path).rotations, rots.transpose(1, 2))
+
+
+def _safetensors(path: Path, header: dict, data: bytes) -> Path:
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+    return path
+
+
+def test_safetensors_header_checked_before_reading(tmp_path: Path, monkeypatch) -> None:
+    import safetensors
+
+    def boom(*a, **k):
+        raise AssertionError("safe_open reached")
+
+    monkeypatch.setattr(safetensors, "safe_open", boom)
+    meta = {"__metadata__": {"format_version": "1"}}
+    cases = [
+        ({"rotation.0": {"dtype": "F32", "shape": [16384, 16384], "data_offsets": [0, 1 << 30]}}, "max_head_dim"),
+        ({"rotation.0": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 1 << 40]}}, "data_offsets"),
+        ({"rotation.0": {"dtype": "F32", "shape": [4, -4], "data_offsets": [0, 64]}}, "empty tensor"),
+        ({"rotation.0": {"dtype": "F32", "shape": [4, 4, 4], "data_offsets": [0, 64]}}, r"shape \(4, 4, 4\)"),
+        ({"rotation.0": {"dtype": "X9", "shape": [4, 4], "data_offsets": [0, 64]}}, "damaged safetensors entry"),
+        ({f"rotation.{i}": {"dtype": "F32", "shape": [1, 1], "data_offsets": [4 * i, 4 * i + 4]}
+          for i in range(3000)}, "max_layers=1024"),
+    ]
+    for i, (header, pattern) in enumerate(cases):
+        bad = _safetensors(tmp_path / f"{i}.safetensors", {**meta, **header}, bytes(64))
+        with pytest.raises(RotationFileError, match=pattern):
+            read_rotation(bad)
+    bad = tmp_path / "huge.safetensors"
+    bad.write_bytes((1 << 40).to_bytes(8, "little") + b"{}")
+    with pytest.raises(RotationFileError):
+        read_rotation(bad)
+
+
+# -- 2. only typed errors escape -----------------------------------------------------------------
+
+
+def _nested(depth: int):
+    x: list = []
+    for _ in range(depth):
+        x = [x]
+    return x
+
+
+@pytest.mark.parametrize(
+    "obj, pattern",
+    [
+        (rotation_dict({float("inf"): {"rotation": torch.eye(4)}}), "layer key inf is not an integer"),
+        ({**rotation_dict({0: {"rotation": torch.eye(4)}}), "objective": _nested(1000)}, "'objective' must be a string"),
+        ({"format_version": _nested(1000), "layers": {0: {"rotation": torch.eye(4)}}}, "unknown format_version"),
+        (rotation_dict({0: {"rotation": torch.zeros(0, 0)}}), "empty tensor"),
+        (rotation_dict({0: {"rotation": torch.eye(4).to_sparse()}}), "tensor kind rotation files do not use"),
+        (rotation_dict({0: {"rotation": torch.eye(4, dtype=torch.complex64)}}), "not floating point"),
+        ({"format_version": 2**2000, "layers": {0: {"rotation": torch.eye(4)}}}, "newer format version"),
+        ({"format_version": 10**5000, "layers": {0: {"rotation": torch.eye(4)}}}, "opcode LONG4"),
+    ],
+)
+def test_hostile_content_gives_typed_errors(tmp_path: Path, obj, pattern) -> None:
+    path = tmp_path / "x.pt"
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(20000)  # pickling the 1000-deep values recurses
+    try:
+        torch.save(obj, path)
+    finally:
+        sys.setrecursionlimit(limit)
+    with pytest.raises(RotationFileError, match=pattern):
+        read_rotation(path)
+    report = verify_file(path)
+    assert not report.ok and report.problems
+
+
+def test_validate_never_raises_raw() -> None:
+    rs = RotationSet(rotations=torch.zeros(2, 0, 0), layer_ids=(0, 1))
+    with pytest.raises(InvalidRotationError, match="empty"):
+        validate(rs)
+    rs = RotationSet(rotations=torch.eye(4).expand(2, 4, 4).to_sparse(), layer_ids=(0, 1))
+    with pytest.raises(InvalidRotationError, match="dense"):
+        validate(rs)
+    rs = RotationSet(rotations=random_orthogonal(2, 8), layer_ids=(0, 1), eigenvalues=torch.ones(2, 8).to_sparse())
+    assert not validate(rs, raise_on_error=False).ok
+    with pytest.raises(RotationFileError, match="layer ids must be integers"):
+        RotationSet(rotations=random_orthogonal(1, 8), layer_ids=(1.9,))
+
+
+def test_verify_file_reports_instead_of_raising(tmp_path: Path) -> None:
+    good = write_rotation(tmp_path / "k.pt", RotationSet(rotations=random_orthogonal(2, 16), layer_ids=(0, 1)))
+    data = bytearray(good.read_bytes())
+    for offset in range(0, len(data), max(1, len(data) // 50)):
+        bad = bytearray(data)
+        bad[offset] ^= 0xFF
+        path = tmp_path / "bad.pt"
+        path.write_bytes(bytes(bad))
+        report = verify_file(path)  # must not raise
+        assert report.ok or report.problems
+
+
+# -- 3. torch version ----------------------------------------------------------------------------
+
+
+def test_old_torch_is_refused(tmp_path: Path, monkeypatch) -> None:
+    path = write_rotation(tmp_path / "k.pt", RotationSet(rotations=random_orthogonal(1, 8), layer_ids=(0,)))
+    fmt.check_torch_version("2.6.0")
+    fmt.check_torch_version("2.13.0+cpu")
+    with pytest.raises(TorchVersionError, match=r"torch 2.5.1 is older than 2.6.*CVE-2025-32434"):
+        fmt.check_torch_version("2.5.1")
+    monkeypatch.setattr(torch, "__version__", "2.5.1+cu124")
+    with pytest.raises(TorchVersionError, match="torch>=2.6"):
+        read_rotation(path)
+    report = verify_file(path)
+    assert not report.ok and "CVE-2025-32434" in report.problems[0]
+    text = (REPO / "pyproject.toml").read_text()
+    assert '"torch>=2.6"' in text
+
+
+# -- 4. layer keys -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", [1.9, True, "١", " 1", "+1", "01", "1\n", -1, b"1", None])
+def test_loose_layer_keys_refused(tmp_path: Path, key) -> None:
+    path = tmp_path / "x.pt"
+    torch.save(rotation_dict({key: {"rotation": torch.eye(4)}}), path)
+    with pytest.raises(RotationFileError, match="layer key .* is not an integer layer index") as ei:
+        read_rotation(path)
+    assert repr(key)[:10] in str(ei.value)
+
+
+def test_layer_key_must_match_layer_id(tmp_path: Path) -> None:
+    path = tmp_path / "x.pt"
+    torch.save(rotation_dict({3: {"layer_id": 4, "rotation": torch.eye(4)}}), path)
+    with pytest.raises(RotationFileError, match="layer key 3 disagrees with its layer_id 4"):
+        read_rotation(path)
+    torch.save(rotation_dict({3: {"layer_id": 3, "rotation": torch.eye(4)}, "3": {"rotation": torch.eye(4)}}), path)
+    with pytest.raises(RotationFileError, match="layer 3 appears twice"):
+        read_rotation(path)
+    torch.save(rotation_dict({"12": {"layer_id": 12, "rotation": torch.eye(4)}, 0: {"rotation": torch.eye(4)}}), path)
+    assert read_rotation(path).layer_ids == (0, 12)
+
+
+def test_safetensors_layer_names_are_strict(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    for name in ("rotation.١", "rotation.-1", "rotation.01"):
+        path = tmp_path / "x.safetensors"
+        save_file({name: torch.eye(4)}, str(path))
+        with pytest.raises(RotationFileError, match="unexpected tensor"):
+            read_rotation(path)
+
+
+# -- 5. the unsafe-pickle message ----------------------------------------------------------------
+
+
+class _System:
+    def __reduce__(self):
+        return (os.system, ("true",))
+
+
+def test_pickle_protocol_torch_cannot_read_is_refused_plainly(tmp_path: Path, no_torch_load) -> None:
+    path = tmp_path / "k.pt"
+    torch.save(rotation_dict({0: {"rotation": torch.eye(4)}}), path, pickle_protocol=4)
+    with pytest.raises(RotationFileError, match="opcode FRAME, which torch.load.weights_only=True. does not read") as ei:
+        read_rotation(path)
+    assert not isinstance(ei.value, UnsafeRotationFileError)
+
+
+@pytest.mark.parametrize("protocol", [2, 4])
+def test_unsafe_message_names_the_global(tmp_path: Path, protocol: int) -> None:
+    path = tmp_path / "k.pt"
+    torch.save(rotation_dict({0: {"rotation": torch.eye(4), "x": _System()}}), path, pickle_protocol=protocol)
+    with pytest.raises(UnsafeRotationFileError) as ei:
+        read_rotation(path)
+    msg = str(ei.value)
+    assert f"'{os.system.__module__}.system'" in msg and "weights_only" not in msg and str(path) in msg
+    assert "\n" not in msg
