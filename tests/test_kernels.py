@@ -213,6 +213,11 @@ def test_clip_index_and_plan():
     assert layout.clip_plan(117, 128) == ("top", 11)
     assert layout.clip_plan(3, 128) == ("bottom", 4)
     assert layout.clip_plan(64, 128) == ("radix", 31)
+    assert layout.clip_plan(122, 128, search="bisect") == ("bisect", 7)
+    assert layout.clip_plan(61, 64, search="bisect") == ("bisect", 6)
+    assert layout.clip_plan(245, 256, search="bisect") == ("bisect", 8)
+    assert layout.clip_plan(-1, 128, search="bisect") == ("none", 0)
+    assert [layout.bisect_iters(d) for d in (16, 32, 64, 128, 256)] == [0, 0, 6, 7, 8]
 
 
 def test_group_sizes_and_launch_heuristics():

@@ -80,10 +80,18 @@ def clip_index(clip_ratio: float, d: int) -> int:
     return min(max(int(clip_ratio * d), 0), d - 1)
 
 
-def clip_plan(index: int, d: int) -> tuple[str, int]:
-    """How a kernel finds ``sort(|row|)[index]`` exactly, as ``(mode, passes)``.
+def bisect_iters(d: int) -> int:
+    """Passes of the decode-flush bisection: ``log2(d)`` for ``d >= 64``, else 0 (exact threshold)."""
+    return d.bit_length() - 1 if d >= 64 else 0
+
+
+def clip_plan(index: int, d: int, *, search: str = "exact") -> tuple[str, int]:
+    """How a kernel finds the clip threshold of a row, as ``(mode, passes)``.
 
     - ``("none", 0)`` when ``index < 0``;
+    - ``("bisect", log2(d))`` when ``search == "bisect"`` and ``d >= 64``: the decode flush's
+      bisection of ``[0, max|row|]`` (at or below ``sort(|row|)[index]``; ``d < 64`` is exact);
+    - otherwise ``sort(|row|)[index]`` exactly:
     - ``("top", d - index)``: repeated max-and-mask, when few values lie above the index
       (d=128, ratio 0.96 -> 6 passes; 0.92 -> 11 passes);
     - ``("bottom", index + 1)``: repeated min-and-mask, when few values lie below it;
@@ -91,6 +99,8 @@ def clip_plan(index: int, d: int) -> tuple[str, int]:
     """
     if index < 0:
         return "none", 0
+    if search == "bisect" and bisect_iters(d):
+        return "bisect", bisect_iters(d)
     above, below = d - index, index + 1
     if min(above, below) <= CLIP_SELECT_MAX_ITERS:
         return ("top", above) if above <= below else ("bottom", below)

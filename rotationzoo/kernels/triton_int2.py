@@ -24,7 +24,7 @@ import triton.language as tl
 
 from . import layout
 
-_CLIP_MODES = {"none": 0, "top": 1, "bottom": 2, "radix": 3}
+_CLIP_MODES = {"none": 0, "top": 1, "bottom": 2, "radix": 3, "bisect": 4}
 
 # Reductions go through tl.reduce with Triton's own combine functions (what tl.max/min/sum do
 # inside). The interpreter recognises these objects and reduces with numpy, whichever mode triton
@@ -79,7 +79,8 @@ def _int2_quant_kernel(
 
     Per row (fp32): rotation ``bf16(bf16(x) @ R)`` via ``tl.dot`` with fp32 accumulation; NaN row ->
     zeroed and flagged; clip at ``sort(|row|)[CLIP_INDEX]`` found exactly by ``CLIP_MODE``
-    (1 max-and-mask, 2 min-and-mask, 3 bit-pattern bisection); rows with ±inf left -> flagged; signed
+    (1 max-and-mask, 2 min-and-mask, 3 bit-pattern bisection) or at the decode flush's bisected
+    threshold (4, ``CLIP_ITERS`` halvings); rows with ±inf left -> flagged; signed
     zeros -> +0; uniform or Lloyd-Max levels; flagged rows store codes 0 and NaN scale/zero.
     """
     pid = tl.program_id(0)
@@ -150,7 +151,7 @@ def _int2_quant_kernel(
                     found = tl.where(hit, 1, found)
                     rem = rem - cnt
                     a = tl.where(eq, float("inf"), a)
-            else:
+            elif CLIP_MODE == 3:
                 # largest bit pattern t with #{|x| < t} <= CLIP_INDEX: exactly sort(|x|)[CLIP_INDEX]
                 u = a.to(tl.int32, bitcast=True)
                 prefix = tl.full([BT], 0, tl.int32)
@@ -159,6 +160,19 @@ def _int2_quant_kernel(
                     below = tl.reduce((u < cand[:, None]).to(tl.int32), 1, _SUM_FN)
                     prefix = tl.where(below <= CLIP_INDEX, cand, prefix)
                 thr = prefix.to(tl.float32, bitcast=True)
+            else:
+                # the decode flush's search (reference.bisect_clip_rows): CLIP_ITERS halvings of
+                # [0, max|x|] keeping at most D - CLIP_INDEX values above the upper end, which is
+                # the threshold (at or below the exact sort(|x|)[CLIP_INDEX])
+                lo = tl.full([BT], 0.0, tl.float32)
+                hi = tl.reduce(a, 1, _MAX_FN)
+                for _ in tl.static_range(CLIP_ITERS):
+                    mid = (lo + hi) * 0.5
+                    above = tl.reduce((a > mid[:, None]).to(tl.int32), 1, _SUM_FN)
+                    too_many = above > D - CLIP_INDEX
+                    lo = tl.where(too_many, mid, lo)
+                    hi = tl.where(too_many, hi, mid)
+                thr = hi
             v = tl.minimum(tl.maximum(v, -thr[:, None]), thr[:, None])
 
         inf_row = tl.reduce((tl.abs(v) == float("inf")).to(tl.int32), 1, _MAX_FN) > 0
@@ -362,6 +376,7 @@ def quant_launch(
     clip_index: int,
     group_size: int,
     lloyd_max: bool,
+    clip_search: str = "exact",
     block_rows: int | None = None,
     num_warps: int | None = None,
     programs: int | None = None,
@@ -380,7 +395,7 @@ def quant_launch(
     n, heads, d = x.shape
     interpret = interpret_mode() if interpret is None else interpret
     rotate = rotation is not None
-    if rotate:
+    if rotation is not None:
         # compiled: bf16 operand for tl.dot; interpreted: the same bf16 values held in fp32 (the
         # interpreter has no bf16 matmul)
         r = rotation.to(torch.bfloat16)
@@ -395,9 +410,12 @@ def quant_launch(
     warps = num_warps or layout.quant_num_warps(d, bt, rotate=rotate, capability=cap)
     tiles = triton.cdiv(n, bt)
     progs = programs or layout.persistent_programs(tiles, heads, num_sms or _num_sms(x.device))
-    mode, iters = layout.clip_plan(clip_index, d)
-    args = (x, r, loc if loc is not None else x, codes_out, sz_out, n, tiles, codes_out.shape[0])
-    args += (*x.stride(), *sr, *codes_out.stride(), *sz_out.stride())
+    mode, iters = layout.clip_plan(clip_index, d, search=clip_search)
+    args = (
+        (x, r, loc if loc is not None else x, codes_out, sz_out, n, tiles, codes_out.shape[0])
+        + (*x.stride(), *sr)
+        + (*codes_out.stride(), *sz_out.stride())
+    )
     kwargs = dict(
         D=d,
         Q=d // 4,
@@ -429,6 +447,7 @@ def quantize_triton(
     clip_index: int,
     group_size: int,
     lloyd_max: bool,
+    clip_search: str = "exact",
     block_rows: int | None = None,
     num_warps: int | None = None,
     programs: int | None = None,
@@ -445,6 +464,7 @@ def quantize_triton(
         clip_index: from :func:`layout.clip_index` (``-1``: off).
         group_size: contiguous dims per scale/zero pair (``d`` when ``lloyd_max``).
         lloyd_max: approximate Lloyd-Max levels.
+        clip_search: ``"exact"`` or ``"bisect"`` (the decode flush's threshold search).
         block_rows, num_warps, programs, num_stages: launch overrides (benchmark sweeps); default
             heuristics from :mod:`rotationzoo.kernels.layout`.
     """
@@ -453,7 +473,7 @@ def quantize_triton(
     interpret = interpret_mode()
     launch = quant_launch(
         x, rotation, loc, codes_out, sz_out, clip_index=clip_index, group_size=group_size, lloyd_max=lloyd_max,
-        block_rows=block_rows, num_warps=num_warps, programs=programs, num_stages=num_stages, interpret=interpret,
+        clip_search=clip_search, block_rows=block_rows, num_warps=num_warps, programs=programs, num_stages=num_stages, interpret=interpret,
     )  # fmt: skip
     _kernels(interpret).quant[launch.grid](*launch.args, **launch.kwargs)
 
