@@ -30,12 +30,14 @@ def quant(d, group, *, rotate, clip, lloyd_max=False, has_loc=True, scale="fp32"
 
 # The serving case and its grouped variant (the most registers at d = 128), the heaviest clip
 # (31-pass bisection) with the smallest groups at the largest head_dim, Lloyd-Max with a rotation,
-# and a grouped dequantize.
+# the decode flush's bisection into the paged store with a rotation at d = 256, and a grouped
+# dequantize.
 SUBSET = [
     quant(128, 128, rotate=True, clip="top"),
     quant(128, 16, rotate=True, clip="top", scale="bf16"),
     quant(256, 16, rotate=False, clip="radix", has_loc=False, scale="bf16"),
     quant(64, 64, rotate=True, clip="bottom", lloyd_max=True, scale="fp16"),
+    quant(256, 256, rotate=True, clip="bisect"),
     dict(kind="dequantize", d=128, group=32, scale="fp16", out="bf16", source="heuristic"),
 ]
 

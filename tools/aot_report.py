@@ -43,8 +43,13 @@ from rotationzoo.kernels import layout  # noqa: E402
 TOKENS, HEADS = 4096, 8
 """Shape the launch arguments are built for (only their strides, alignment and sizes matter)."""
 
-CLIP_RATIOS = {"none": 0.0, "top": 0.96, "bottom": 0.03, "radix": 0.5}
-"""A clip ratio that selects each clip mode at every head_dim (checked against ``layout.clip_plan``)."""
+CLIP_RATIOS = {"none": 0.0, "top": 0.96, "bottom": 0.03, "radix": 0.5, "bisect": 0.96}
+"""A clip ratio that selects each clip mode at every head_dim (checked against ``layout.clip_plan``):
+the exact searches (max-and-mask, min-and-mask, 31-pass bit-pattern bisection) and the decode
+flush's ``log2(d)``-pass bisection (``clip_search="bisect"``)."""
+
+CLIP_SEARCH = {"bisect": "bisect"}
+"""``clip_search`` of each clip mode (``"exact"`` unless listed)."""
 
 SCALE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OUT_DTYPES = ("bf16", "fp16", "fp32")
@@ -91,7 +96,8 @@ def _representative(v: dict) -> bool:
     grouped = not v["rotate"] and v["clip"] == "radix" and g == layout.MIN_GROUP_SIZE and v["scale"] == "bf16"
     lloyd = v["lloyd_max"] and v["rotate"] and v["clip"] == "bottom" and v["scale"] == "fp16"
     ablation = g == d and not v["lloyd_max"] and v["scale"] == "fp32" and v["has_loc"] and d == 128
-    return (goal and v["has_loc"]) or (grouped and not v["has_loc"]) or (lloyd and v["has_loc"]) or ablation
+    flush = v["rotate"] and v["clip"] == "bisect" and g == d and not v["lloyd_max"] and v["scale"] == "fp32"
+    return (goal or lloyd or flush) and v["has_loc"] or (grouped and not v["has_loc"]) or ablation
 
 
 def dequant_variants(head_dims, quick: bool) -> list[dict]:
@@ -168,9 +174,10 @@ def _launch(v: dict):
         )
     x, rot, loc, codes, sz = _tensors(v)
     ci = layout.clip_index(CLIP_RATIOS[v["clip"]], v["d"])
-    assert layout.clip_plan(ci, v["d"])[0] == v["clip"], (v, ci)
+    search = CLIP_SEARCH.get(v["clip"], "exact")
+    assert layout.clip_plan(ci, v["d"], search=search)[0] == v["clip"], (v, ci)
     launch = ti.quant_launch(
-        x, rot, loc, codes, sz, clip_index=ci, group_size=v["group"], lloyd_max=v["lloyd_max"],
+        x, rot, loc, codes, sz, clip_index=ci, group_size=v["group"], lloyd_max=v["lloyd_max"], clip_search=search,
         interpret=False, num_sms=sms, num_stages=v.get("num_stages"), capability=v["target"], **over,
     )  # fmt: skip
     return ti.aot_kernels().quant, launch
