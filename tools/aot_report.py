@@ -548,6 +548,32 @@ def variant_name(r: dict) -> str:
     return f"sm_{r['target']} {base}{launch}"
 
 
+def _verdict(records: list[dict]) -> dict:
+    """Failures, spilling variants and rotating variants without tensor cores; ``ok`` if none."""
+    ok = [r for r in records if r["ok"]]
+    verdict = {
+        "failures": len(records) - len(ok),
+        "spilling": sum(1 for r in ok if r["spills"]),
+        "rotate_without_tensor_cores": sum(1 for r in ok if r.get("rotate") and not r["tensor_core_ok"]),
+    }
+    verdict["ok"] = not any(verdict.values())
+    return verdict
+
+
+def _ptxas_versions(targets: list[int]) -> dict:
+    """The release of the ptxas Triton uses for each target (informative; ``?`` if unknown)."""
+    out = {}
+    for t in targets:
+        try:
+            from triton.backends.nvidia.compiler import get_ptxas_version
+
+            found = re.search(r"release ([\d.]+)", get_ptxas_version(t))
+            out[f"sm_{t}"] = found.group(1) if found else "?"
+        except Exception:  # noqa: BLE001 - informative only
+            out[f"sm_{t}"] = "?"
+    return out
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--targets", default="90,80", help="compute capabilities, comma-separated (default 90,80)")
@@ -603,26 +629,11 @@ def main(argv=None) -> int:
     goal_recs = []
     for g in goals:
         goal_recs.append(dict(by_key.get(_key(g)) or {**g, "ok": False, "error": "not compiled (--limit)"}))
-    ok = [r for r in records if r["ok"]]
-    verdict = {
-        "failures": len(records) - len(ok),
-        "spilling": sum(1 for r in ok if r["spills"]),
-        "rotate_without_tensor_cores": sum(1 for r in ok if r.get("rotate") and not r["tensor_core_ok"]),
-    }
-    verdict["ok"] = not any(verdict.values())
-    ptxas = {}
-    for t in targets:
-        try:
-            from triton.backends.nvidia.compiler import get_ptxas_version
-
-            found = re.search(r"release ([\d.]+)", get_ptxas_version(t))
-            ptxas[f"sm_{t}"] = found.group(1) if found else "?"
-        except Exception:  # noqa: BLE001 - informative only
-            ptxas[f"sm_{t}"] = "?"
+    verdict = _verdict(records)
     result = {
         "triton": triton.__version__,
         "torch": torch.__version__,
-        "ptxas": ptxas,
+        "ptxas": _ptxas_versions(targets),
         "targets": [f"sm_{t}" for t in targets],
         "head_dims": head_dims,
         "quick": args.quick,
