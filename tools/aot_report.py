@@ -389,26 +389,41 @@ def _key(rec: dict) -> tuple:
 
 
 def run(variants: list[dict], jobs: int, progress=None) -> list[dict]:
-    """Compile ``variants`` (``jobs`` worker processes; 1 = in this process), in input order."""
+    """Compile ``variants`` (``jobs`` worker processes; 1 = in this process), in input order.
+    ``progress(record)`` is called as each one finishes."""
     if jobs <= 1:
         out = []
         for v in variants:
             out.append(compile_variant(v))
             if progress:
-                progress()
+                progress(out[-1])
         return out
     ctx = multiprocessing.get_context("spawn")  # no inherited CUDA or interpreter state
+    results: dict[int, dict] = {}
     with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-        futures = [pool.submit(compile_variant, v) for v in variants]
-        for _ in cf.as_completed(futures):
+        futures = {pool.submit(compile_variant, v): i for i, v in enumerate(variants)}
+        for f in cf.as_completed(futures):
+            i = futures[f]
+            try:
+                results[i] = f.result()
+            except Exception as exc:  # noqa: BLE001 - a crashed worker (compile_variant itself never raises)
+                results[i] = dict(variants[i], ok=False, error=f"worker failed: {exc!r}"[:500], compile_s=0.0)
             if progress:
-                progress()
-    out = []
-    for v, f in zip(variants, futures):
+                progress(results[i])
+    return [results[i] for i in range(len(variants))]
+
+
+def load_records(path: Path | None) -> dict[tuple, dict]:
+    """Records a previous (possibly interrupted) run appended to ``path``, by variant key."""
+    if path is None or not path.exists():
+        return {}
+    out = {}
+    for line in path.read_text().splitlines():
         try:
-            out.append(f.result())
-        except Exception as exc:  # noqa: BLE001 - a crashed worker (compile_variant itself never raises)
-            out.append(dict(v, ok=False, error=f"worker failed: {exc!r}"[:500], compile_s=0.0))
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short when that run was stopped
+            continue
+        out[_key(rec)] = rec
     return out
 
 
@@ -585,6 +600,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="Triton cache to use (default: a fresh temporary one, so every variant really compiles)")
     p.add_argument("--limit", type=int, default=None, help="compile only the first N variants (debugging)")
+    p.add_argument("--records", type=Path, default=None,
+                   help="append each compiled variant to this JSON-lines file; variants already in it are not "
+                   "compiled again (resume an interrupted run)")
     return p.parse_args(argv)
 
 
@@ -615,15 +633,26 @@ def main(argv=None) -> int:
         variants = variants[: args.limit]
     print(f"aot_report: compiling {len(variants)} variants for {', '.join(f'sm_{t}' for t in targets)} "
           f"with {args.jobs} job(s)", flush=True)
+    earlier = load_records(args.records)
+    todo = [v for v in variants if _key(v) not in earlier]
+    if earlier:
+        print(f"  {len(variants) - len(todo)} reused from {args.records}", flush=True)
     t0 = time.perf_counter()
     done = [0]
+    sink = args.records.open("a") if args.records else None
 
-    def progress():
+    def progress(rec: dict) -> None:
         done[0] += 1
-        if done[0] % 50 == 0 or done[0] == len(variants):
-            print(f"  {done[0]}/{len(variants)} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        if sink:
+            sink.write(json.dumps(rec) + "\n")
+            sink.flush()
+        if done[0] % 50 == 0 or done[0] == len(todo):
+            print(f"  {done[0]}/{len(todo)} ({time.perf_counter() - t0:.0f} s)", flush=True)
 
-    records = run(variants, args.jobs, progress)
+    fresh = {_key(r): r for r in run(todo, args.jobs, progress)}
+    if sink:
+        sink.close()
+    records = [fresh.get(_key(v)) or earlier[_key(v)] for v in variants]
     wall = time.perf_counter() - t0
     by_key = {_key(r): r for r in records}
     goal_recs = []
@@ -639,6 +668,7 @@ def main(argv=None) -> int:
         "quick": args.quick,
         "jobs": args.jobs,
         "wall_s": round(wall, 1),
+        "reused_from_records": len(variants) - len(todo),
         "cpu_s": round(sum(r.get("cpu_s", 0.0) for r in records), 1),
         "launch_shape": {"tokens": TOKENS, "heads": HEADS, "input_dtype": "bf16", "loc_dtype": "int64"},
         "clip_ratios": CLIP_RATIOS,
