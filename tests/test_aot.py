@@ -10,6 +10,8 @@ anyway. A representative subset is compiled here at the launch parameters of
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -102,3 +104,18 @@ def test_bandwidth_estimate_arithmetic():
     assert est["issue_bound_pct_of_copy"] == round(issue * 100, 1)
     piped = aot_report.bandwidth_estimate(dict(rec, num_stages=3, ldgsts=4))
     assert piped["loads_overlap_compute"] and piped["outstanding_per_sm_bytes"] == 2 * 16896
+
+
+def test_an_interrupted_run_resumes_from_its_records(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "0"))  # main() drops it
+    records = tmp_path / "records.jsonl"
+    goal = aot_report.goal_variant(128, 90)
+    (done,) = aot_report.compile_todo([goal], 1, records)
+    with records.open("a") as f:
+        f.write('{"kind": "quantize", "d": 12')  # a line cut short when the run was stopped
+    assert aot_report.load_records(records) == {aot_report._key(goal): done}
+    out = tmp_path / "aot.json"
+    argv = ["--targets", "90", "--head-dims", "128", "--quick", "--no-sweep", "--records", str(records)]
+    assert aot_report.main([*argv, "--report-only", "--json-out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["records"] == [done] and result["reused_from_records"] == 1 and result["goal"][0]["ok"]

@@ -589,6 +589,40 @@ def _ptxas_versions(targets: list[int]) -> dict:
     return out
 
 
+def select_variants(args: argparse.Namespace, targets: list[int], head_dims: list[int]) -> tuple[list, list]:
+    """The variants the options ask for, and the serving-case goal variants (added if missing)."""
+    variants = all_variants(targets, head_dims, args.quick)
+    if args.no_sweep:
+        variants = [v for v in variants if v["source"] != "sweep"]
+    goals = [goal_variant(d, t) for t in targets for d in head_dims]
+    keys = {_key(v) for v in variants}
+    variants += [g for g in goals if _key(g) not in keys]
+    if args.limit:
+        variants = variants[: args.limit]
+    return variants, goals
+
+
+def compile_todo(todo: list[dict], jobs: int, records: Path | None) -> list[dict]:
+    """:func:`run` with progress lines, appending each record to ``records`` (JSON lines) if given."""
+    t0 = time.perf_counter()
+    done = [0]
+    sink = records.open("a") if records else None
+
+    def progress(rec: dict) -> None:
+        done[0] += 1
+        if sink:
+            sink.write(json.dumps(rec) + "\n")
+            sink.flush()
+        if done[0] % 50 == 0 or done[0] == len(todo):
+            print(f"  {done[0]}/{len(todo)} ({time.perf_counter() - t0:.0f} s)", flush=True)
+
+    try:
+        return run(todo, jobs, progress)
+    finally:
+        if sink:
+            sink.close()
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--targets", default="90,80", help="compute capabilities, comma-separated (default 90,80)")
@@ -603,6 +637,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--records", type=Path, default=None,
                    help="append each compiled variant to this JSON-lines file; variants already in it are not "
                    "compiled again (resume an interrupted run)")
+    p.add_argument("--report-only", action="store_true",
+                   help="compile nothing: report the variants already in --records (a partial run so far)")
     return p.parse_args(argv)
 
 
@@ -623,41 +659,21 @@ def main(argv=None) -> int:
         return 2
     targets = [int(t) for t in args.targets.split(",") if t.strip()]
     head_dims = [int(d) for d in args.head_dims.split(",") if d.strip()]
-    variants = all_variants(targets, head_dims, args.quick)
-    if args.no_sweep:
-        variants = [v for v in variants if v["source"] != "sweep"]
-    goals = [goal_variant(d, t) for t in targets for d in head_dims]
-    keys = {_key(v) for v in variants}
-    variants += [g for g in goals if _key(g) not in keys]
-    if args.limit:
-        variants = variants[: args.limit]
-    print(f"aot_report: compiling {len(variants)} variants for {', '.join(f'sm_{t}' for t in targets)} "
-          f"with {args.jobs} job(s)", flush=True)
+    variants, goals = select_variants(args, targets, head_dims)
     earlier = load_records(args.records)
+    if args.report_only:  # what an interrupted run has compiled so far
+        variants = [v for v in variants if _key(v) in earlier]
     todo = [v for v in variants if _key(v) not in earlier]
-    if earlier:
-        print(f"  {len(variants) - len(todo)} reused from {args.records}", flush=True)
+    print(f"aot_report: {len(variants)} variants for {', '.join(f'sm_{t}' for t in targets)}: compiling "
+          f"{len(todo)} with {args.jobs} job(s), {len(variants) - len(todo)} from {args.records}", flush=True)
     t0 = time.perf_counter()
-    done = [0]
-    sink = args.records.open("a") if args.records else None
-
-    def progress(rec: dict) -> None:
-        done[0] += 1
-        if sink:
-            sink.write(json.dumps(rec) + "\n")
-            sink.flush()
-        if done[0] % 50 == 0 or done[0] == len(todo):
-            print(f"  {done[0]}/{len(todo)} ({time.perf_counter() - t0:.0f} s)", flush=True)
-
-    fresh = {_key(r): r for r in run(todo, args.jobs, progress)}
-    if sink:
-        sink.close()
+    fresh = {_key(r): r for r in compile_todo(todo, args.jobs, args.records)}
     records = [fresh.get(_key(v)) or earlier[_key(v)] for v in variants]
     wall = time.perf_counter() - t0
     by_key = {_key(r): r for r in records}
     goal_recs = []
     for g in goals:
-        goal_recs.append(dict(by_key.get(_key(g)) or {**g, "ok": False, "error": "not compiled (--limit)"}))
+        goal_recs.append(dict(by_key.get(_key(g)) or {**g, "ok": False, "error": "not compiled (--limit or --report-only)"}))
     verdict = _verdict(records)
     result = {
         "triton": triton.__version__,
@@ -669,6 +685,7 @@ def main(argv=None) -> int:
         "jobs": args.jobs,
         "wall_s": round(wall, 1),
         "reused_from_records": len(variants) - len(todo),
+        "report_only": args.report_only,
         "cpu_s": round(sum(r.get("cpu_s", 0.0) for r in records), 1),
         "launch_shape": {"tokens": TOKENS, "heads": HEADS, "input_dtype": "bf16", "loc_dtype": "int64"},
         "clip_ratios": CLIP_RATIOS,
