@@ -229,6 +229,12 @@ def test_group_sizes_and_launch_heuristics():
     for d in (64, 128, 256):
         bt = layout.quant_block_rows(d, rotate=True)
         assert 4 <= layout.quant_num_warps(d, bt, rotate=True) <= 8
+    # an explicit register ceiling only at the launch table's own entry (a sweep sets its own)
+    bt = layout.quant_block_rows(128, rotate=False)
+    warps = layout.quant_num_warps(128, bt, rotate=False)
+    assert layout.quant_max_registers(128, bt, warps, rotate=False) == 255
+    assert layout.quant_max_registers(128, bt // 2, warps, rotate=False) is None
+    assert layout.quant_max_registers(64, 64, 8, rotate=False) is None
     assert layout.persistent_programs(0, 8, 132) == 1
     assert layout.persistent_programs(3, 8, 132) == 3
     assert layout.persistent_programs(10_000, 8, 132) == 66

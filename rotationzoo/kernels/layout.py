@@ -165,6 +165,21 @@ case that is 25 % (d = 128) and 42 % (d = 256) fewer instructions per row, witho
 on sm_80 the same tiles spill (255 registers), hence Hopper only."""
 
 
+_QUANT_MAXNREG: dict[tuple[int, bool], int] = {(128, False): 255}
+"""Explicit register ceilings (ptxas ``.maxnreg``) for some :data:`_QUANT_LAUNCH` entries. Without
+one, ptxas gave one d = 128 variant (min-and-mask clip, bf16 scale, paged store) 80 registers and
+8 bytes of spills on sm_90; with the explicit architectural ceiling it takes 96 and spills nothing."""
+
+
+def quant_max_registers(d: int, block_rows: int, num_warps: int, *, rotate: bool, capability: int | None = None
+                        ) -> int | None:
+    """Register ceiling for the compiler (``maxnreg``) at the launch table's own entry, else ``None``."""
+    rows, warps, _ = _quant_launch(d, rotate, capability)
+    if (block_rows, num_warps) != (rows, warps):
+        return None
+    return _QUANT_MAXNREG.get((d, bool(rotate)))
+
+
 def _quant_launch(d: int, rotate: bool, capability: int | None) -> tuple[int, int, int]:
     key = (d, bool(rotate))
     if capability is not None and capability // 10 == 9 and key in _QUANT_LAUNCH_SM90:

@@ -114,6 +114,9 @@ def quant_launch(
         num_stages=num_stages or layout.quant_num_stages(d, bt, rotate=rotate, capability=cap),
         enable_fp_fusion=False,
     )
+    maxnreg = None if interpret else layout.quant_max_registers(d, bt, warps, rotate=rotate, capability=cap)
+    if maxnreg is not None:
+        kwargs["maxnreg"] = maxnreg
     return Launch((progs, heads), args, kwargs)
 
 
