@@ -7,6 +7,8 @@ bundles; no driver or GPU is touched. Usage::
     python tools/aot_report.py                          # every variant, sm_90 and sm_80
     python tools/aot_report.py --quick --jobs 2         # a representative subset
     python tools/aot_report.py --targets 90 --head-dims 128 --json-out bench-out/aot.json
+    python tools/aot_report.py --records bench-out/aot.jsonl    # resumable: rerun to continue
+    python tools/aot_report.py --records bench-out/aot.jsonl --report-only   # what it has so far
 
 Each variant is specialized exactly as a real launch would be: the launch arguments come from
 ``rotationzoo.kernels.triton_int2.quant_launch`` / ``dequant_launch`` (compiled mode, CPU tensors of a
