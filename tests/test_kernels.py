@@ -213,6 +213,11 @@ def test_clip_index_and_plan():
     assert layout.clip_plan(117, 128) == ("top", 11)
     assert layout.clip_plan(3, 128) == ("bottom", 4)
     assert layout.clip_plan(64, 128) == ("radix", 31)
+    assert layout.clip_plan(122, 128, search="bisect") == ("bisect", 7)
+    assert layout.clip_plan(61, 64, search="bisect") == ("bisect", 6)
+    assert layout.clip_plan(245, 256, search="bisect") == ("bisect", 8)
+    assert layout.clip_plan(-1, 128, search="bisect") == ("none", 0)
+    assert [layout.bisect_iters(d) for d in (16, 32, 64, 128, 256)] == [0, 0, 6, 7, 8]
 
 
 def test_group_sizes_and_launch_heuristics():
@@ -224,6 +229,12 @@ def test_group_sizes_and_launch_heuristics():
     for d in (64, 128, 256):
         bt = layout.quant_block_rows(d, rotate=True)
         assert 4 <= layout.quant_num_warps(d, bt, rotate=True) <= 8
+    # an explicit register ceiling only at the launch table's own entry (a sweep sets its own)
+    bt = layout.quant_block_rows(128, rotate=False)
+    warps = layout.quant_num_warps(128, bt, rotate=False)
+    assert layout.quant_max_registers(128, bt, warps, rotate=False) == 255
+    assert layout.quant_max_registers(128, bt // 2, warps, rotate=False) is None
+    assert layout.quant_max_registers(64, 64, 8, rotate=False) is None
     assert layout.persistent_programs(0, 8, 132) == 1
     assert layout.persistent_programs(3, 8, 132) == 3
     assert layout.persistent_programs(10_000, 8, 132) == 66

@@ -88,6 +88,52 @@ def test_prerotated_bit_exact(case):
     assert_same_bytes(tri, ref)
 
 
+# (d, group, clip ratio, scale dtype): the decode flush's bisection at every head_dim, grouped and
+# not, with ratios that clip a few, half and nearly all values
+_BISECT_CASES = [
+    (64, 64, 0.96, torch.float32),
+    (128, 128, 0.92, torch.bfloat16),
+    (128, 16, 0.5, torch.float16),
+    (256, 32, 0.03, torch.float32),
+]
+
+
+@pytest.mark.parametrize("case", range(len(_BISECT_CASES)))
+def test_bisection_clip_bit_exact(case):
+    d, group, clip, sdt = _BISECT_CASES[case]
+    x = rand((70, 2, d), _DTYPES[case % 3], seed=40 + case, heavy=True)
+    x[1, 0] = 0.0
+    x[2, 1, 3] = float("nan")
+    x[4, 0, :5] = 7.0  # ties at the top
+    tri, ref = both(x, clip_ratio=clip, group_size=group, scale_dtype=sdt, clip_search="bisect")
+    assert torch.equal(tri[0], ref[0])
+    nan = torch.isnan(ref[1])  # the flagged row: NaN in both, payloads not compared
+    assert torch.equal(torch.isnan(tri[1]), nan) and nan.any()
+    assert torch.equal(bits(tri[1][~nan]), bits(ref[1][~nan]))
+    exact = quantize_int2(x, clip_ratio=clip, group_size=group, scale_dtype=sdt, backend="torch")
+    assert not torch.equal(bits(ref[1]), bits(exact[1])), "the bisection clips differently from the exact search"
+
+
+def test_bisection_clip_lloyd_max_rotation_and_paged_store():
+    d, t, h, slots = 128, 20, 2, 32
+    x = rand((t, h, d), torch.bfloat16, seed=77, heavy=True)
+    assert_same_bytes(*both(x, clip_ratio=0.96, lloyd_max=True, clip_search="bisect"))
+    r = orthogonal(d, seed=6)
+    loc = torch.randperm(slots, generator=torch.Generator().manual_seed(1))[:t].to(DEVICE)
+    bufs = {}
+    for backend in ("triton", "torch"):
+        codes_buf = torch.zeros(slots, h, d // 4, dtype=torch.uint8, device=DEVICE)
+        sz_buf = torch.zeros(slots, h, 2, dtype=torch.float32, device=DEVICE)
+        quantize_int2_into(x, loc, codes_buf, sz_buf, rotation=r, clip_ratio=0.92, clip_search="bisect",
+                           backend=backend)
+        bufs[backend] = (codes_buf, sz_buf)
+    if DEVICE.type == "cpu":  # the interpreter's fp32 matmul reproduces the reference exactly
+        assert_same_bytes(bufs["triton"], bufs["torch"])
+    else:
+        q_tri, q_ref = unpack_codes(bufs["triton"][0]).int(), unpack_codes(bufs["torch"][0]).int()
+        assert (q_tri != q_ref).float().mean() <= 1e-3
+
+
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_lloyd_max_bit_exact(d):
     x = rand((9, d), torch.bfloat16, seed=d, heavy=True)

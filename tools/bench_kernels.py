@@ -15,6 +15,11 @@ by default) it times, with ``triton.testing.do_bench`` (median, L2 flushed betwe
 - ``two-step``: a torch bf16 GEMM ``x @ R`` followed by the same kernel without rotation;
 - ``dequant``: INT2 -> bf16, materialised.
 
+It also checks, on the same device, that the triton kernels without a rotation give exactly the
+PyTorch reference's bytes (``torch.equal`` on codes, scale/zero bits and dequantized values), and
+``--sweep`` times the fused kernel at each ``rotationzoo.kernels.layout.quant_launch_candidates``
+(rows per tile x warps x pipeline stages).
+
 Bytes formulas (per row = one token of one head; ``s`` = bytes per scale/zero value):
 
 - copy:      ``2 * d * 2``                       (read x + write the copy, bf16)
@@ -41,6 +46,11 @@ from pathlib import Path
 if "--dry-run" in sys.argv:  # must precede any triton import
     os.environ["TRITON_INTERPRET"] = "1"
 
+_EQUAL_KEYS = (
+    "codes_equal_reference_no_rotation",
+    "scales_zeros_equal_reference_no_rotation",
+    "dequant_equal_reference",
+)
 TARGETS = {"fused_pct_copy": 80.0, "dequant_pct_copy": 85.0, "speedup": 2.5, "min_tokens": 65536}
 
 
@@ -173,6 +183,7 @@ def bench_one(t: int, args, device: str, timer, sdt, s_bytes: int) -> dict:
         )
         q3 = unpack_codes(ref_codes.view(rows, 1, d // 4)).int()
         row["codes_differ_fused_vs_reference"] = float((q1 != q3).float().mean())
+    row.update(byte_equality(x[: min(t, 65536)], args.clip, group, sdt))
 
     if args.cuda_graph and device == "cuda":
         graph_timer = make_timer(device, args.quick, cuda_graph=True)
@@ -186,25 +197,57 @@ def bench_one(t: int, args, device: str, timer, sdt, s_bytes: int) -> dict:
     if args.sweep:
         best = None
         sweep = []
-        for bt in (16, 32, 64, 128):
-            for warps in (4, 8):
-                try:
-                    t_ms = timer(lambda bt=bt, warps=warps: fused(block_rows=bt, num_warps=warps))
-                except Exception as exc:  # noqa: BLE001 - a config may not compile
-                    sweep.append({"block_rows": bt, "num_warps": warps, "error": repr(exc)})
-                    continue
-                entry = {"block_rows": bt, "num_warps": warps, "ms": t_ms, "gbps": b_q / t_ms / 1e6}
-                sweep.append(entry)
-                if best is None or t_ms < best["ms"]:
-                    best = entry
+        for bt, warps, stages in layout.quant_launch_candidates(d):
+            cfg = {"block_rows": bt, "num_warps": warps, "num_stages": stages}
+            try:
+                t_ms = timer(lambda cfg=cfg: fused(**cfg))
+            except Exception as exc:  # noqa: BLE001 - a config may not compile
+                sweep.append({**cfg, "error": repr(exc)})
+                continue
+            entry = {**cfg, "ms": t_ms, "gbps": b_q / t_ms / 1e6}
+            sweep.append(entry)
+            if best is None or t_ms < best["ms"]:
+                best = entry
         row["fused_sweep"] = sweep
         row["fused_sweep_best"] = best
     return row
 
 
+def byte_equality(x, clip: float, group: int, sdt) -> dict:
+    """Triton vs the PyTorch reference on the same device, byte for byte (``torch.equal``).
+
+    Without a rotation the kernels are bit-exact by design (codes, scale/zero bits, dequantized
+    values); with one, only the fp32 summation order inside ``tl.dot`` may differ, which the
+    ``codes_differ_*`` fractions report instead.
+    """
+    import torch
+
+    from rotationzoo.kernels import dequantize_int2, quantize_int2
+
+    def same(a, b) -> bool:
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        if a.is_floating_point():
+            view = {4: torch.int32, 2: torch.int16}[a.element_size()]
+            return torch.equal(a.contiguous().view(view), b.contiguous().view(view))
+        return torch.equal(a, b)
+
+    kw = dict(clip_ratio=clip, group_size=group, scale_dtype=sdt)
+    tri = quantize_int2(x, backend="triton", **kw)
+    ref = quantize_int2(x, backend="torch", **kw)
+    deq_t = dequantize_int2(*ref, backend="triton")
+    deq_r = dequantize_int2(*ref, backend="torch")
+    return {
+        "bytes_checked_rows": int(x.shape[0] * x.shape[1]),
+        "codes_equal_reference_no_rotation": same(tri[0], ref[0]),
+        "scales_zeros_equal_reference_no_rotation": same(tri[1], ref[1]),
+        "dequant_equal_reference": same(deq_t, deq_r),
+    }
+
+
 def print_table(result: dict) -> None:
     headers = ["T", "copy GB/s", "fused ms", "GB/s", "% copy", "2-step ms", "GB/s", "% copy", "speedup"]
-    headers += ["deq ms", "GB/s", "% copy", "codes≠"]
+    headers += ["deq ms", "GB/s", "% copy", "codes≠", "bytes=="]
     lines = []
     for r in result["rows"]:
         lines.append(
@@ -222,6 +265,7 @@ def print_table(result: dict) -> None:
                 f"{r['dequant_gbps']:.0f}",
                 f"{r['dequant_pct_copy']:.1f}",
                 f"{r['codes_differ_fused_vs_two_step']:.1e}",
+                "yes" if all(r.get(k) for k in _EQUAL_KEYS) else "NO",
             ]
         )
     title = (

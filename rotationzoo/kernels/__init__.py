@@ -240,7 +240,7 @@ def quantize_int2(
             computed from the unrounded fp32 scale and zero.
         clip_search: how the clip threshold is found: ``"exact"`` (the sorted value, as the
             SGLang prefill store) or ``"bisect"`` (the ``log2(d)``-step bisection of its decode
-            flush, which clips slightly more; exact for ``d < 64``). PyTorch backend only.
+            flush, which clips slightly more; exact for ``d < 64``).
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
 
     Returns:
@@ -264,11 +264,9 @@ def quantize_int2(
     sdt = _check_scale_dtype(scale_dtype)
     cs = _check_clip_search(clip_search)
     r = _check_rotation(rotation, tuple(x.shape), x.device)
-    if _backend(backend, x.device) == "torch" or (cs == "bisect" and backend == "auto"):
+    if _backend(backend, x.device) == "torch":
         return _ref.quantize_int2_torch(x, rotation=r, clip_index=ci, group_size=gs, lloyd_max=lm, scale_dtype=sdt,
                                         clip_search=cs)
-    if cs == "bisect":
-        raise BackendUnavailableError("clip_search='bisect' runs on the torch backend only; use backend='torch'")
 
     from .triton_int2 import quantize_triton
 
@@ -278,7 +276,7 @@ def quantize_int2(
     n = x3.shape[0]
     codes = torch.empty(n, heads, d // 4, dtype=torch.uint8, device=x.device)
     sz = torch.empty(n, heads, 2 * (d // gs), dtype=sdt, device=x.device)
-    quantize_triton(x3, r, None, codes, sz, clip_index=ci, group_size=gs, lloyd_max=lm)
+    quantize_triton(x3, r, None, codes, sz, clip_index=ci, group_size=gs, lloyd_max=lm, clip_search=cs)
     return codes.reshape(*lead, d // 4), sz.reshape(*lead, sz.shape[-1])
 
 
@@ -389,11 +387,12 @@ def fake_quantize_int2(
     out_dtype = dtype or x.dtype
     if out_dtype not in OUTPUT_DTYPES:
         raise KernelInputError(f"dtype {out_dtype} is not supported; expected one of {_names(OUTPUT_DTYPES)}")
-    if _backend(backend, x.device) == "torch" or cs == "bisect":
+    if _backend(backend, x.device) == "torch":
         out = _ref.fake_quantize_rows(x.reshape(-1, d), clip_index=ci, group_size=gs, lloyd_max=lm, scale_dtype=sdt,
                                       clip_search=cs, dtype=out_dtype)
         return out.reshape(x.shape)
-    codes, sz = quantize_int2(x, clip_ratio=clip_ratio, group_size=gs, lloyd_max=lm, scale_dtype=sdt, backend=backend)
+    codes, sz = quantize_int2(x, clip_ratio=clip_ratio, group_size=gs, lloyd_max=lm, scale_dtype=sdt, clip_search=clip_search,
+                              backend=backend)
     return dequantize_int2(codes, sz, group_size=gs, dtype=out_dtype, backend=backend)
 
 
@@ -407,6 +406,7 @@ def quantize_int2_into(
     clip_ratio: float = 0.0,
     group_size: int | None = None,
     lloyd_max: bool = False,
+    clip_search: ClipSearch = "exact",
     backend: Backend = "auto",
 ) -> None:
     """Quantize ``x`` and write row ``t`` into slot ``loc[t]`` of a paged INT2 cache (in place).
@@ -421,7 +421,8 @@ def quantize_int2_into(
         loc: ``[T]`` int32/int64 slot ids, on the same device.
         codes_buf: ``[slots, H, d/4]`` uint8.
         sz_buf: ``[slots, H, 2 * d / group_size]`` fp32/bf16/fp16.
-        rotation, clip_ratio, lloyd_max, backend: as in :func:`quantize_int2`.
+        rotation, clip_ratio, lloyd_max, clip_search, backend: as in :func:`quantize_int2`
+            (``clip_search="bisect"`` is what the decode flush writes).
         group_size: ``None`` infers it from ``sz_buf``; if given it must agree.
 
     Raises:
@@ -453,13 +454,15 @@ def quantize_int2_into(
     gs = _group_from_sz(d, sz_buf.shape[-1], group_size, "sz_buf")
     ci = _check_clip(clip_ratio, d)
     lm = _check_lloyd_max(lloyd_max, d, gs)
+    cs = _check_clip_search(clip_search)
     r = _check_rotation(rotation, tuple(x.shape), x.device)
     if t == 0:
         return
     if _backend(backend, x.device) == "torch":
-        _ref.quantize_int2_into_torch(x, loc, codes_buf, sz_buf, rotation=r, clip_index=ci, group_size=gs, lloyd_max=lm)
+        _ref.quantize_int2_into_torch(x, loc, codes_buf, sz_buf, rotation=r, clip_index=ci, group_size=gs, lloyd_max=lm,
+                                      clip_search=cs)
         return
 
     from .triton_int2 import quantize_triton
 
-    quantize_triton(x, r, loc, codes_buf, sz_buf, clip_index=ci, group_size=gs, lloyd_max=lm)
+    quantize_triton(x, r, loc, codes_buf, sz_buf, clip_index=ci, group_size=gs, lloyd_max=lm, clip_search=cs)

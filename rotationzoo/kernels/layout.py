@@ -80,10 +80,18 @@ def clip_index(clip_ratio: float, d: int) -> int:
     return min(max(int(clip_ratio * d), 0), d - 1)
 
 
-def clip_plan(index: int, d: int) -> tuple[str, int]:
-    """How a kernel finds ``sort(|row|)[index]`` exactly, as ``(mode, passes)``.
+def bisect_iters(d: int) -> int:
+    """Passes of the decode-flush bisection: ``log2(d)`` for ``d >= 64``, else 0 (exact threshold)."""
+    return d.bit_length() - 1 if d >= 64 else 0
+
+
+def clip_plan(index: int, d: int, *, search: str = "exact") -> tuple[str, int]:
+    """How a kernel finds the clip threshold of a row, as ``(mode, passes)``.
 
     - ``("none", 0)`` when ``index < 0``;
+    - ``("bisect", log2(d))`` when ``search == "bisect"`` and ``d >= 64``: the decode flush's
+      bisection of ``[0, max|row|]`` (at or below ``sort(|row|)[index]``; ``d < 64`` is exact);
+    - otherwise ``sort(|row|)[index]`` exactly:
     - ``("top", d - index)``: repeated max-and-mask, when few values lie above the index
       (d=128, ratio 0.96 -> 6 passes; 0.92 -> 11 passes);
     - ``("bottom", index + 1)``: repeated min-and-mask, when few values lie below it;
@@ -91,6 +99,8 @@ def clip_plan(index: int, d: int) -> tuple[str, int]:
     """
     if index < 0:
         return "none", 0
+    if search == "bisect" and bisect_iters(d):
+        return "bisect", bisect_iters(d)
     above, below = d - index, index + 1
     if min(above, below) <= CLIP_SELECT_MAX_ITERS:
         return ("top", above) if above <= below else ("bottom", below)
@@ -128,29 +138,93 @@ def resolve_group_size(d: int, group_size: int | None) -> int:
     return group_size
 
 
-# --- launch heuristics (GPU numbers are starting points, not tuned on hardware) -----------------
+# --- launch heuristics (from compiled resource reports, not yet timed on hardware) -------------
+
+_QUANT_LAUNCH: dict[tuple[int, bool], tuple[int, int, int]] = {
+    (64, True): (64, 4, 1),
+    (64, False): (64, 8, 1),
+    (128, True): (64, 8, 1),
+    (128, False): (64, 8, 1),
+    (256, True): (32, 8, 1),
+    (256, False): (16, 8, 1),
+}
+"""Compiled quantize launch per ``(head_dim, rotate)``: ``(rows per tile, warps, pipeline stages)``.
+
+Picked from ``tools/aot_report.py`` (docs/performance.md, "Ahead-of-time compilation report"): no
+register spills for any variant on sm_90 or sm_80, then the fewest SASS instructions per row (the
+kernel is issue-bound) with enough bytes in flight."""
+
+_QUANT_LAUNCH_SM90: dict[tuple[int, bool], tuple[int, int, int]] = {
+    (128, True): (128, 8, 2),
+    (256, True): (64, 8, 2),
+}
+"""Hopper (compute capability 9.x) entries that replace :data:`_QUANT_LAUNCH`'s, with a rotation:
+tiles of at least 64 rows feed wgmma (smaller ones fall back to mma.sync), and 2 stages let Triton
+prefetch the next tile with asynchronous copies while the product and the clip run. In the serving
+case that is 25 % (d = 128) and 42 % (d = 256) fewer instructions per row, without spills on sm_90;
+on sm_80 the same tiles spill (255 registers), hence Hopper only."""
 
 
-def quant_block_rows(d: int, *, rotate: bool, interpret: bool = False) -> int:
+_QUANT_MAXNREG: dict[tuple[int, bool], int] = {(128, False): 255}
+"""Explicit register ceilings (ptxas ``.maxnreg``) for some :data:`_QUANT_LAUNCH` entries. Without
+one, ptxas gave one d = 128 variant (min-and-mask clip, bf16 scale, paged store) 80 registers and
+8 bytes of spills on sm_90; with the explicit architectural ceiling it takes 96 and spills nothing."""
+
+
+def quant_max_registers(d: int, block_rows: int, num_warps: int, *, rotate: bool, capability: int | None = None
+                        ) -> int | None:
+    """Register ceiling for the compiler (``maxnreg``) at the launch table's own entry, else ``None``."""
+    rows, warps, _ = _quant_launch(d, rotate, capability)
+    if (block_rows, num_warps) != (rows, warps):
+        return None
+    return _QUANT_MAXNREG.get((d, bool(rotate)))
+
+
+def _quant_launch(d: int, rotate: bool, capability: int | None) -> tuple[int, int, int]:
+    key = (d, bool(rotate))
+    if capability is not None and capability // 10 == 9 and key in _QUANT_LAUNCH_SM90:
+        return _QUANT_LAUNCH_SM90[key]
+    return _QUANT_LAUNCH.get(key, (32 if d >= 256 else 64, 8, 1))
+
+
+def quant_block_rows(d: int, *, rotate: bool, interpret: bool = False, capability: int | None = None) -> int:
     """Rows per tile of the quantize kernel.
 
-    ``tl.dot`` needs at least 16 rows. Compiled: 64 rows at d<=128 (rotate or not), 32 at d=256,
-    so one tile moves 8-16 KB of bf16 input. Interpreted: 64 rows (fewer, larger numpy steps).
+    Compiled (``capability`` = 10 * major + minor of the GPU, ``None`` if unknown): from the launch
+    tables (``tl.dot`` needs at least 16 rows): 64 at d = 64 and d = 128 (128 with a rotation on
+    Hopper), 32 with a rotation (64 on Hopper) and 16 without at d = 256. Interpreted: 64 rows
+    (fewer, larger numpy steps).
     """
     if interpret:
         return 64
-    if d >= 256:
-        return 32
-    return 64
+    return _quant_launch(d, rotate, capability)[0]
 
 
-def quant_num_warps(d: int, block_rows: int, *, rotate: bool) -> int:
-    """Warps per program: one 128-bit (8 x bf16) load per thread per step, 4..8 warps."""
+def quant_num_warps(d: int, block_rows: int, *, rotate: bool, capability: int | None = None) -> int:
+    """Warps per program: the launch table's for its block size; otherwise one 128-bit (8 x bf16)
+    load per thread per step, 4..8 warps."""
+    rows, warps, _ = _quant_launch(d, rotate, capability)
+    if block_rows == rows:
+        return warps
     elems = block_rows * d
     warps = elems // (32 * 8 * 4)  # four 128-bit loads per thread
-    if rotate:
-        warps = max(warps, 4)
     return int(min(max(warps, 4), 8))
+
+
+def quant_num_stages(d: int, block_rows: int, *, rotate: bool, capability: int | None = None) -> int:
+    """Software-pipelining stages of the quantize kernel's tile loop (1: no prefetch): the launch
+    table's for its block size, else 1."""
+    rows, _, stages = _quant_launch(d, rotate, capability)
+    return stages if block_rows == rows else 1
+
+
+def quant_launch_candidates(d: int) -> tuple[tuple[int, int, int], ...]:
+    """``(rows per tile, warps, stages)`` tried by ``bench_kernels.py --sweep`` and ``aot_report.py``.
+
+    Rows 16..128 x 4 or 8 warps x 1 or 2 stages; 128-row tiles only below d = 256.
+    """
+    rows = (16, 32, 64, 128) if d < 256 else (16, 32, 64)
+    return tuple((bt, w, s) for bt in rows for w in (4, 8) for s in (1, 2))
 
 
 def dequant_block_rows(d: int, *, interpret: bool = False) -> int:
@@ -158,6 +232,12 @@ def dequant_block_rows(d: int, *, interpret: bool = False) -> int:
     if interpret:
         return 64
     return 32 if d >= 256 else 64
+
+
+def dequant_num_warps(d: int, block_rows: int) -> int:
+    """Warps per dequantize program (4)."""
+    del d, block_rows
+    return 4
 
 
 def persistent_programs(num_tiles: int, num_heads: int, num_sms: int, *, per_sm: int = 4) -> int:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from .layout import bisect_iters
+
 # Lloyd-Max (approximate, SGLANG_LLOYD_MAX=1) constants, all exactly representable in fp32.
 LM_THRESHOLD = 0.9810652732849121
 """Decision thresholds on the standardised row are ``-LM_THRESHOLD, 0, +LM_THRESHOLD``."""
@@ -89,15 +91,12 @@ def clip_rows(v: torch.Tensor, index: int) -> torch.Tensor:
     return torch.minimum(torch.maximum(v, -thr), thr)
 
 
-def bisect_iters(d: int) -> int:
-    """Passes of the decode-flush bisection: ``log2(d)`` for ``d >= 64``, else 0 (exact threshold)."""
-    return d.bit_length() - 1 if d >= 64 else 0
 
 
 def bisect_clip_rows(v: torch.Tensor, index: int) -> torch.Tensor:
     """The clip of the SGLang fork's decode-flush kernel (``gpu_flush_int2``) on rows ``v [n, d]``.
 
-    ``lo = 0``, ``hi = max|row|``; :func:`bisect_iters` times: ``mid = (lo + hi) * 0.5``, and if more
+    ``lo = 0``, ``hi = max|row|``; :func:`~rotationzoo.kernels.layout.bisect_iters` times: ``mid = (lo + hi) * 0.5``, and if more
     than ``d - index`` values have ``|x| > mid`` then ``lo = mid`` else ``hi = mid``; the threshold is
     the final ``hi`` (fp32 throughout). It clips at or below the exact ``sort(|row|)[index]``:
     slightly more values than :func:`clip_rows`. ``d < 64`` uses the exact threshold, as the fork does.
@@ -324,6 +323,7 @@ def quantize_int2_into_torch(
     clip_index: int,
     group_size: int,
     lloyd_max: bool,
+    clip_search: str = "exact",
 ) -> None:
     """Reference :func:`rotationzoo.kernels.quantize_int2_into` on validated inputs."""
     if x.shape[0] == 0:
@@ -335,6 +335,7 @@ def quantize_int2_into_torch(
         group_size=group_size,
         lloyd_max=lloyd_max,
         scale_dtype=sz_buf.dtype,
+        clip_search=clip_search,
     )
     loc = loc.to(torch.int64)
     keep = (loc >= 0) & (loc < codes_buf.shape[0])

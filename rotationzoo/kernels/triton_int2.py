@@ -14,16 +14,17 @@ Kernels are built on first use for the current Triton mode (compiled or interpre
 """
 
 import functools
-import os
 import types
 
 import torch
 import triton
 import triton.language as tl
 
-from . import layout
+from .triton_launch import Launch, dequant_launch, interpret_mode, quant_launch
 
-_CLIP_MODES = {"none": 0, "top": 1, "bottom": 2, "radix": 3}
+__all__ = [
+    "Launch", "aot_kernels", "dequant_launch", "dequantize_triton", "interpret_mode", "quant_launch", "quantize_triton",
+]
 
 # Reductions go through tl.reduce with Triton's own combine functions (what tl.max/min/sum do
 # inside). The interpreter recognises these objects and reduces with numpy, whichever mode triton
@@ -78,7 +79,8 @@ def _int2_quant_kernel(
 
     Per row (fp32): rotation ``bf16(bf16(x) @ R)`` via ``tl.dot`` with fp32 accumulation; NaN row ->
     zeroed and flagged; clip at ``sort(|row|)[CLIP_INDEX]`` found exactly by ``CLIP_MODE``
-    (1 max-and-mask, 2 min-and-mask, 3 bit-pattern bisection); rows with ±inf left -> flagged; signed
+    (1 max-and-mask, 2 min-and-mask, 3 bit-pattern bisection) or at the decode flush's bisected
+    threshold (4, ``CLIP_ITERS`` halvings); rows with ±inf left -> flagged; signed
     zeros -> +0; uniform or Lloyd-Max levels; flagged rows store codes 0 and NaN scale/zero.
     """
     pid = tl.program_id(0)
@@ -149,7 +151,7 @@ def _int2_quant_kernel(
                     found = tl.where(hit, 1, found)
                     rem = rem - cnt
                     a = tl.where(eq, float("inf"), a)
-            else:
+            elif CLIP_MODE == 3:
                 # largest bit pattern t with #{|x| < t} <= CLIP_INDEX: exactly sort(|x|)[CLIP_INDEX]
                 u = a.to(tl.int32, bitcast=True)
                 prefix = tl.full([BT], 0, tl.int32)
@@ -158,6 +160,19 @@ def _int2_quant_kernel(
                     below = tl.reduce((u < cand[:, None]).to(tl.int32), 1, _SUM_FN)
                     prefix = tl.where(below <= CLIP_INDEX, cand, prefix)
                 thr = prefix.to(tl.float32, bitcast=True)
+            else:
+                # the decode flush's search (reference.bisect_clip_rows): CLIP_ITERS halvings of
+                # [0, max|x|] keeping at most D - CLIP_INDEX values above the upper end, which is
+                # the threshold (at or below the exact sort(|x|)[CLIP_INDEX])
+                lo = tl.full([BT], 0.0, tl.float32)
+                hi = tl.reduce(a, 1, _MAX_FN)
+                for _ in tl.static_range(CLIP_ITERS):
+                    mid = (lo + hi) * 0.5
+                    above = tl.reduce((a > mid[:, None]).to(tl.int32), 1, _SUM_FN)
+                    too_many = above > D - CLIP_INDEX
+                    lo = tl.where(too_many, mid, lo)
+                    hi = tl.where(too_many, hi, mid)
+                thr = hi
             v = tl.minimum(tl.maximum(v, -thr[:, None]), thr[:, None])
 
         inf_row = tl.reduce((tl.abs(v) == float("inf")).to(tl.int32), 1, _MAX_FN) > 0
@@ -284,38 +299,43 @@ def _int2_dequant_kernel(
 # --- build (per Triton mode) --------------------------------------------------------------------
 
 
-def interpret_mode() -> bool:
-    """Whether ``@triton.jit`` currently yields interpreted kernels (``TRITON_INTERPRET=1``)."""
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        try:
-            return bool(knobs.runtime.interpret)
-        except AttributeError:  # pragma: no cover - older layouts
-            pass
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in {"1", "true", "yes", "on"}
-
-
-@functools.lru_cache(maxsize=2)
-def _kernels(interpret: bool) -> types.SimpleNamespace:
-    # Each mode decorates its own copies of the raw functions, in a private copy of the module
-    # namespace (the interpreter adds names to the globals of what it runs).
-    del interpret  # the cache key; triton.jit reads the same setting
-    namespace = dict(globals())
-
-    def jit(fn):
+def _copies(namespace: dict, wrap) -> types.SimpleNamespace:
+    # The raw kernel functions re-created in a private copy of the module namespace (the interpreter
+    # adds names to the globals of what it runs), each wrapped by ``wrap``.
+    def copy_of(fn):
         copy = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
         copy.__module__ = fn.__module__
         copy.__qualname__ = fn.__qualname__
         copy.__doc__ = fn.__doc__
-        return triton.jit(copy)
+        copy.__annotations__ = dict(fn.__annotations__)  # the tl.constexpr marks; FunctionType drops them
+        return wrap(copy)
 
-    return types.SimpleNamespace(quant=jit(_int2_quant_kernel), dequant=jit(_int2_dequant_kernel))
+    return types.SimpleNamespace(quant=copy_of(_int2_quant_kernel), dequant=copy_of(_int2_dequant_kernel))
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+@functools.lru_cache(maxsize=2)
+def _kernels(interpret: bool) -> types.SimpleNamespace:
+    del interpret  # the cache key; triton.jit reads the same setting
+    return _copies(dict(globals()), triton.jit)
+
+
+@functools.lru_cache(maxsize=1)
+def aot_kernels() -> types.SimpleNamespace:
+    """Compiled-mode (``JITFunction``) copies of both kernels, for ahead-of-time compilation.
+
+    Built whatever ``TRITON_INTERPRET`` says, so ``triton.compile`` works on a CPU-only machine even
+    in a process that runs the interpreter: Triton's combine functions, which are interpreted
+    objects when triton was imported under ``TRITON_INTERPRET=1``, are re-jitted for the copies.
+    Never launch these; use :func:`quantize_triton` / :func:`dequantize_triton`.
+    """
+    from triton.runtime.jit import JITFunction
+
+    namespace = dict(globals())
+    for name in ("_MAX_FN", "_MIN_FN", "_SUM_FN"):
+        fn = namespace[name]
+        if not isinstance(fn, JITFunction):  # an InterpretedFunction wrapping the same function
+            namespace[name] = JITFunction(fn.fn)
+    return _copies(namespace, JITFunction)
 
 
 def quantize_triton(
@@ -328,9 +348,11 @@ def quantize_triton(
     clip_index: int,
     group_size: int,
     lloyd_max: bool,
+    clip_search: str = "exact",
     block_rows: int | None = None,
     num_warps: int | None = None,
     programs: int | None = None,
+    num_stages: int | None = None,
 ) -> None:
     """Launch the fused quantize kernel.
 
@@ -343,69 +365,18 @@ def quantize_triton(
         clip_index: from :func:`layout.clip_index` (``-1``: off).
         group_size: contiguous dims per scale/zero pair (``d`` when ``lloyd_max``).
         lloyd_max: approximate Lloyd-Max levels.
-        block_rows, num_warps, programs: launch overrides (benchmark sweeps); default heuristics
-            from :mod:`rotationzoo.kernels.layout`.
+        clip_search: ``"exact"`` or ``"bisect"`` (the decode flush's threshold search).
+        block_rows, num_warps, programs, num_stages: launch overrides (benchmark sweeps); default
+            heuristics from :mod:`rotationzoo.kernels.layout`.
     """
-    n, heads, d = x.shape
-    if n == 0:
+    if x.shape[0] == 0:
         return
     interpret = interpret_mode()
-    k = _kernels(interpret)
-    rotate = rotation is not None
-    if rotate:
-        # compiled: bf16 operand for tl.dot; interpreted: the same bf16 values held in fp32 (the
-        # interpreter has no bf16 matmul)
-        r = rotation.to(torch.bfloat16)  # type: ignore[union-attr]
-        if interpret:
-            r = r.to(torch.float32)
-        if r.dim() == 2:
-            sr = (0, r.stride(0), r.stride(1))
-        else:
-            sr = (r.stride(0), r.stride(1), r.stride(2))
-    else:
-        r = x  # unused pointer
-        sr = (0, 0, 0)
-    bt = block_rows or layout.quant_block_rows(d, rotate=rotate, interpret=interpret)
-    warps = num_warps or layout.quant_num_warps(d, bt, rotate=rotate)
-    tiles = triton.cdiv(n, bt)
-    progs = programs or layout.persistent_programs(tiles, heads, _num_sms(x.device))
-    mode, iters = layout.clip_plan(clip_index, d)
-    k.quant[(progs, heads)](
-        x,
-        r,
-        loc if loc is not None else x,
-        codes_out,
-        sz_out,
-        n,
-        tiles,
-        codes_out.shape[0],
-        x.stride(0),
-        x.stride(1),
-        x.stride(2),
-        *sr,
-        codes_out.stride(0),
-        codes_out.stride(1),
-        codes_out.stride(2),
-        sz_out.stride(0),
-        sz_out.stride(1),
-        sz_out.stride(2),
-        D=d,
-        Q=d // 4,
-        NG=d // group_size,
-        G=group_size,
-        BT=bt,
-        ROTATE=rotate,
-        DOT_BF16=not interpret,
-        HAS_LOC=loc is not None,
-        CLIP_INDEX=clip_index,
-        CLIP_MODE=_CLIP_MODES[mode],
-        CLIP_ITERS=iters,
-        LLOYD_MAX=lloyd_max,
-        SZ_BF16=sz_out.dtype == torch.bfloat16,
-        num_warps=warps,
-        num_stages=1,
-        enable_fp_fusion=False,
-    )
+    launch = quant_launch(
+        x, rotation, loc, codes_out, sz_out, clip_index=clip_index, group_size=group_size, lloyd_max=lloyd_max,
+        clip_search=clip_search, block_rows=block_rows, num_warps=num_warps, programs=programs, num_stages=num_stages, interpret=interpret,
+    )  # fmt: skip
+    _kernels(interpret).quant[launch.grid](*launch.args, **launch.kwargs)
 
 
 def dequantize_triton(
@@ -419,35 +390,11 @@ def dequantize_triton(
     programs: int | None = None,
 ) -> None:
     """Launch the dequantize kernel on ``codes [N, d/4]``, ``sz [N, 2*groups]`` into ``out [N, d]``."""
-    n, quarter = codes.shape
-    if n == 0:
+    if codes.shape[0] == 0:
         return
-    d = 4 * quarter
     interpret = interpret_mode()
-    k = _kernels(interpret)
-    bt = block_rows or layout.dequant_block_rows(d, interpret=interpret)
-    warps = num_warps or 4
-    tiles = triton.cdiv(n, bt)
-    progs = programs or layout.persistent_programs(tiles, 1, _num_sms(codes.device))
-    k.dequant[(progs,)](
-        codes,
-        sz,
-        out,
-        n,
-        tiles,
-        codes.stride(0),
-        codes.stride(1),
-        sz.stride(0),
-        sz.stride(1),
-        out.stride(0),
-        out.stride(1),
-        D=d,
-        Q=quarter,
-        NG=d // group_size,
-        G=group_size,
-        BT=bt,
-        OUT_BF16=out.dtype == torch.bfloat16,
-        num_warps=warps,
-        num_stages=1,
-        enable_fp_fusion=False,
-    )
+    launch = dequant_launch(
+        codes, sz, out, group_size=group_size, block_rows=block_rows, num_warps=num_warps, programs=programs,
+        interpret=interpret,
+    )  # fmt: skip
+    _kernels(interpret).dequant[launch.grid](*launch.args, **launch.kwargs)
