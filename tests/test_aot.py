@@ -32,8 +32,8 @@ def quant(d, group, *, rotate, clip, lloyd_max=False, has_loc=True, scale="fp32"
 
 # The serving case and its grouped variant (the most registers at d = 128), the heaviest clip
 # (31-pass bisection) with the smallest groups at the largest head_dim, Lloyd-Max with a rotation,
-# the decode flush's bisection into the paged store with a rotation at d = 256, the one launch
-# ptxas spilled in without an explicit register ceiling, and a grouped dequantize.
+# the decode flush's bisection into the paged store with a rotation at d = 256, the launches
+# ptxas spilled in without an explicit register ceiling (sm_90, sm_80), and a grouped dequantize.
 SUBSET = [
     quant(128, 128, rotate=True, clip="top"),
     quant(128, 16, rotate=True, clip="top", scale="bf16"),
@@ -41,6 +41,7 @@ SUBSET = [
     quant(64, 64, rotate=True, clip="bottom", lloyd_max=True, scale="fp16"),
     quant(256, 256, rotate=True, clip="bisect"),
     quant(128, 128, rotate=False, clip="bottom", scale="bf16"),  # spilled 8 B on sm_90 without a maxnreg
+    quant(128, 16, rotate=True, clip="top", has_loc=False),  # spilled 8 B on sm_80 without a maxnreg
     dict(kind="dequantize", d=128, group=32, scale="fp16", out="bf16", source="heuristic"),
 ]
 

@@ -235,6 +235,12 @@ def test_group_sizes_and_launch_heuristics():
     assert layout.quant_max_registers(128, bt, warps, rotate=False) == 255
     assert layout.quant_max_registers(128, bt // 2, warps, rotate=False) is None
     assert layout.quant_max_registers(64, 64, 8, rotate=False) is None
+    rows = layout.quant_block_rows(128, rotate=True, capability=80)
+    warps = layout.quant_num_warps(128, rows, rotate=True, capability=80)
+    assert layout.quant_max_registers(128, rows, warps, rotate=True, capability=80) == 255  # sm_80 spilled without
+    hrows = layout.quant_block_rows(128, rotate=True, capability=90)
+    hwarps = layout.quant_num_warps(128, hrows, rotate=True, capability=90)
+    assert layout.quant_max_registers(128, hrows, hwarps, rotate=True, capability=90) is None
     assert layout.persistent_programs(0, 8, 132) == 1
     assert layout.persistent_programs(3, 8, 132) == 3
     assert layout.persistent_programs(10_000, 8, 132) == 66

@@ -150,9 +150,9 @@ _QUANT_LAUNCH: dict[tuple[int, bool], tuple[int, int, int]] = {
 }
 """Compiled quantize launch per ``(head_dim, rotate)``: ``(rows per tile, warps, pipeline stages)``.
 
-Picked from ``tools/aot_report.py`` (docs/performance.md, "Ahead-of-time compilation report"): the
-fewest register spills (none on sm_90; on sm_80 six d = 128 rotating G = 16 variants spill 8 bytes),
-then the fewest SASS instructions per row (the kernel is issue-bound) with enough bytes in flight."""
+Picked from ``tools/aot_report.py`` (docs/performance.md, "Ahead-of-time compilation report"): no
+register spills on sm_90 or sm_80 (with the ``maxnreg`` ceilings below), then the fewest SASS
+instructions per row (the kernel is issue-bound) with enough bytes in flight."""
 
 _QUANT_LAUNCH_SM90: dict[tuple[int, bool], tuple[int, int, int]] = {
     (128, True): (128, 8, 2),
@@ -171,13 +171,22 @@ one, ptxas gave one d = 128 variant (min-and-mask clip, bf16 scale, paged store)
 8 bytes of spills on sm_90; with the explicit architectural ceiling it takes 96 and spills nothing."""
 
 
+_QUANT_MAXNREG_SM80: dict[tuple[int, bool], int] = {(128, True): 255}
+"""Ampere (compute capability 8.x) ceilings: without one, ptxas held six d = 128 rotating G = 16
+variants (64 rows × 8 warps) to 128 registers with 8 bytes of spills; with it they take 167–173 and
+spill nothing (same residency: one 8-warp block per SM either way)."""
+
+
 def quant_max_registers(d: int, block_rows: int, num_warps: int, *, rotate: bool, capability: int | None = None
                         ) -> int | None:
     """Register ceiling for the compiler (``maxnreg``) at the launch table's own entry, else ``None``."""
     rows, warps, _ = _quant_launch(d, rotate, capability)
     if (block_rows, num_warps) != (rows, warps):
         return None
-    return _QUANT_MAXNREG.get((d, bool(rotate)))
+    key = (d, bool(rotate))
+    if capability is not None and capability // 10 == 8 and key in _QUANT_MAXNREG_SM80:
+        return _QUANT_MAXNREG_SM80[key]
+    return _QUANT_MAXNREG.get(key)
 
 
 def _quant_launch(d: int, rotate: bool, capability: int | None) -> tuple[int, int, int]:
