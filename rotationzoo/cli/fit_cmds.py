@@ -129,15 +129,15 @@ def _refine_from_dump(dump: Path, options: Any, group_size: Optional[int], keep_
                       layer_ids: Optional[list[int]], workers: Optional[int]) -> "FitResult":
     from ..fit import open_dump, refine_dump
 
-    ids = list(open_dump(dump, keep_first_chunk=keep_first_chunk, layers=layer_ids).layer_ids)
+    opened = open_dump(dump, keep_first_chunk=keep_first_chunk, layers=layer_ids)
+    ids = list(opened.layer_ids)
     done: dict[int, int] = {}
     with _LayerBars(progress_enabled(), ids, "refine") as bars:
         def progress(lid: int, side: str, record: dict) -> None:
             done[lid] = done.get(lid, 0) + 1
             bars.update(lid, done[lid], 2)
 
-        return refine_dump(dump, options, group_size=group_size, keep_first_chunk=keep_first_chunk, layers=layer_ids,
-                           num_workers=workers, progress=progress)
+        return refine_dump(opened, options, group_size=group_size, num_workers=workers, progress=progress)
 
 
 def _report(result: "FitResult", out: "FitOutput", as_json: bool) -> None:

@@ -44,6 +44,11 @@ DEFAULT_STEPS = 200
 INIT_COMPOSITIONS: dict[str, str | None] = {"hadamard": None, "oscar": "r_h_pbr", "r_pbr_hg": "r_pbr_hg"}
 
 
+def _check_init(init: str) -> None:
+    if init not in INIT_COMPOSITIONS:
+        raise FitError(f"unknown init {init!r}; expected one of {', '.join(REFINE_INITS)}")
+
+
 @dataclass(frozen=True)
 class RefineOptions:
     """What ``--refine STEPS --init NAME --seed S --sample-tokens N`` ask for.
@@ -61,8 +66,7 @@ class RefineOptions:
     sample_tokens: int = DEFAULT_MAX_TOKENS
 
     def __post_init__(self) -> None:
-        if self.init not in INIT_COMPOSITIONS:
-            raise FitError(f"unknown init {self.init!r}; expected one of {', '.join(REFINE_INITS)}")
+        _check_init(self.init)
         if self.steps < 0:
             raise FitError(f"refinement steps must be ≥ 0, got {self.steps}")
         if self.sample_tokens < DEFAULT_BLOCK_SIZE:
@@ -97,8 +101,7 @@ def samples_from_dump(
 def _init_source(init: str, samples: CalibrationSamples, statistics: Any, group_size: int | None,
                  layers: tuple[int, ...]) -> tuple[Any, str]:
     """What :func:`refine_rotations` starts from, and its label (``hadamard``, ``r_h_pbr``, ``r_pbr_hg64``)."""
-    if init not in INIT_COMPOSITIONS:
-        raise FitError(f"unknown init {init!r}; expected one of {', '.join(REFINE_INITS)}")
+    _check_init(init)
     comp = INIT_COMPOSITIONS[init]
     if comp is None:
         return "hadamard", "hadamard"
@@ -203,7 +206,7 @@ def refine_fit(
 
 
 def refine_dump(
-    dump: str | os.PathLike[str],
+    dump: str | os.PathLike[str] | Dump,
     options: RefineOptions,
     *,
     group_size: int | None = None,
@@ -214,8 +217,10 @@ def refine_dump(
     config: RefineConfig | None = None,
 ) -> FitResult:
     """``rotationzoo fit --dump D --refine STEPS``: a reservoir of the dump's blocks
-    (:func:`samples_from_dump`), the OSCAR inits fitted from the whole dump, then :func:`refine_fit`."""
-    d = open_dump(dump, keep_first_chunk=keep_first_chunk, layers=layers)
+    (:func:`samples_from_dump`), the OSCAR inits fitted from the whole dump, then :func:`refine_fit`.
+    ``dump`` may be an opened :class:`~rotationzoo.fit.dump.Dump` (``keep_first_chunk`` and
+    ``layers`` are then its own)."""
+    d = dump if isinstance(dump, Dump) else open_dump(dump, keep_first_chunk=keep_first_chunk, layers=layers)
     samples = samples_from_dump(d, max_tokens=options.sample_tokens, seed=options.seed)
     dump_info = d.info()
     info = {"kind": "dump", "path": str(d.root), "prompts": dump_info.get("prompts", d.prompt_count())}
