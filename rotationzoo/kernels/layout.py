@@ -15,6 +15,7 @@ dim 70 -> byte 6 bits 4-5; dim 127 -> byte 31 bits 6-7. If ``q[5] = 3``, ``q[37]
 from __future__ import annotations
 
 import math
+from typing import Any, Mapping
 
 HEAD_DIMS: tuple[int, ...] = (64, 128, 256)
 """Supported head dimensions."""
@@ -184,16 +185,23 @@ def quant_max_registers(d: int, block_rows: int, num_warps: int, *, rotate: bool
     if (block_rows, num_warps) != (rows, warps):
         return None
     key = (d, bool(rotate))
-    if capability is not None and capability // 10 == 8 and key in _QUANT_MAXNREG_SM80:
-        return _QUANT_MAXNREG_SM80[key]
-    return _QUANT_MAXNREG.get(key)
+    return _for_arch(_QUANT_MAXNREG_BY_ARCH, capability, key, _QUANT_MAXNREG.get(key))
 
 
 def _quant_launch(d: int, rotate: bool, capability: int | None) -> tuple[int, int, int]:
     key = (d, bool(rotate))
-    if capability is not None and capability // 10 == 9 and key in _QUANT_LAUNCH_SM90:
-        return _QUANT_LAUNCH_SM90[key]
-    return _QUANT_LAUNCH.get(key, (32 if d >= 256 else 64, 8, 1))
+    return _for_arch(_QUANT_LAUNCH_BY_ARCH, capability, key, _QUANT_LAUNCH.get(key, (32 if d >= 256 else 64, 8, 1)))
+
+
+_QUANT_LAUNCH_BY_ARCH = {9: _QUANT_LAUNCH_SM90}
+_QUANT_MAXNREG_BY_ARCH = {8: _QUANT_MAXNREG_SM80}
+
+
+def _for_arch(tables: Mapping[int, Mapping[Any, Any]], capability: int | None, key: Any, default: Any) -> Any:
+    """``tables[major][key]`` for the GPU's major compute capability when it has that entry, else ``default``."""
+    if capability is None:
+        return default
+    return tables.get(capability // 10, {}).get(key, default)
 
 
 def quant_block_rows(d: int, *, rotate: bool, interpret: bool = False, capability: int | None = None) -> int:
