@@ -21,6 +21,9 @@ one chunk of activations (converted into a reusable fp64 workspace) is held per 
 
 All sums are fp64 (bf16/fp16/fp32 inputs convert exactly); results agree with the authors'
 load-everything implementation to rounding (~1e-15 relative).
+
+Per KV head (``covariance(target, per_head=True)``) the targets are not averaged: ``A_h``, ``C_h``,
+and ``K_hᵀK_h / T`` / ``V_hᵀV_h / T`` (those Grams accumulated per head: ``per_head=True``).
 """
 
 from __future__ import annotations
@@ -94,6 +97,8 @@ class LayerAccumulator:
         workspace: scratch buffers to reuse (a private one by default).
         block_bytes: chunks are converted to fp64 in token slices of at most this many bytes,
             which bounds the workspace independently of the chunk size.
+        per_head: accumulate the ktk / vtv Grams per KV head (``[H_kv, d, d]``), not over all
+            heads together (qqt and sst are always kept per head).
     """
 
     def __init__(
@@ -107,6 +112,7 @@ class LayerAccumulator:
         device: torch.device | str = "cpu",
         workspace: Workspace | None = None,
         block_bytes: int = DEFAULT_BLOCK_BYTES,
+        per_head: bool = False,
     ) -> None:
         self.layer_id = int(layer_id)
         self.block_bytes = int(block_bytes)
@@ -132,9 +138,11 @@ class LayerAccumulator:
         def zeros(*shape: int) -> torch.Tensor:
             return torch.zeros(shape, dtype=torch.float64, device=self.device)
 
+        self.per_head = bool(per_head)
+        self_shape = (hkv, d, d) if self.per_head else (d, d)
         self.qgram = zeros(hkv, d, d) if self.needs_q else None  # Σ Q_hᵀQ_h per group
-        self.kgram = zeros(d, d) if "ktk" in self.targets else None
-        self.vgram = zeros(d, d) if "vtv" in self.targets else None
+        self.kgram = zeros(*self_shape) if "ktk" in self.targets else None  # Σ K_flatᵀK_flat (or per head)
+        self.vgram = zeros(*self_shape) if "vtv" in self.targets else None
         self.wsum = zeros(hkv) if "sst" in self.targets else None  # Σ_t w_{t,h}
         self.vwgram = zeros(hkv, d, d) if "sst" in self.targets else None  # Σ_t w v vᵀ
         self._a: torch.Tensor | None = None
@@ -210,6 +218,11 @@ class LayerAccumulator:
         n, heads, d = x.shape
         for sl in self._slices(n, heads * d * 8):
             m = sl.stop - sl.start
+            if self.per_head:  # buf[h, t] = x[t, h]
+                buf = self.ws.get(name, (heads, m, d))
+                buf.copy_(x[sl].to(self.device, non_blocking=True).permute(1, 0, 2))
+                self._grams_into(gram, buf)
+                continue
             buf = self.ws.get(name, (1, m * heads, d))
             buf.copy_(x[sl].to(self.device, non_blocking=True).reshape(1, m * heads, d))
             self._grams_into(gram.unsqueeze(0), buf)
@@ -276,12 +289,13 @@ class LayerAccumulator:
         self.tokens_second_pass += n
 
     # -- results ----------------------------------------------------------------------------------
-    def covariance(self, target: str) -> torch.Tensor:
-        """The finished target, fp64 ``[d, d]`` (not yet symmetrised).
+    def covariance(self, target: str, *, per_head: bool = False) -> torch.Tensor:
+        """The finished target, fp64 ``[d, d]``, or ``[H_kv, d, d]`` (one per KV head) with
+        ``per_head`` (not yet symmetrised).
 
         Raises:
-            FitError: the target was not requested, no tokens were seen, or pass 2 saw a
-                different number of tokens than pass 1.
+            FitError: the target was not requested, no tokens were seen, pass 2 saw a different
+                number of tokens than pass 1, or ktk / vtv per head were not accumulated per head.
         """
         if target not in self.targets:
             raise FitError(f"layer {self.layer_id}: target {target!r} was not accumulated (have {self.targets})")
@@ -289,11 +303,10 @@ class LayerAccumulator:
         if t == 0:
             raise FitError(f"layer {self.layer_id}: no tokens were accumulated")
         if target == "qqt":
-            return self.query_covariances().mean(dim=0)
-        if target == "ktk":
-            return _mirror_blocks(self.kgram) / (self.tokens["k"] * self.num_kv_heads)  # type: ignore[arg-type]
-        if target == "vtv":
-            return _mirror_blocks(self.vgram) / (self.tokens["v"] * self.num_kv_heads)  # type: ignore[arg-type]
+            a = self.query_covariances()
+            return a if per_head else a.mean(dim=0)
+        if target in ("ktk", "vtv"):
+            return self._self_covariance(target, per_head)
         # sst
         if self.tokens_second_pass != self.tokens["q"]:
             raise FitError(
@@ -302,8 +315,20 @@ class LayerAccumulator:
             )
         tq = float(self.tokens["q"])
         scale = tq / self.wsum.clamp(min=1e-12)  # type: ignore[union-attr]  # w ← w·T/max(Σw, 1e-12)
-        per_head = _mirror_blocks(self.vwgram) * scale.view(-1, 1, 1) / tq  # type: ignore[arg-type]
-        return per_head.mean(dim=0)
+        heads = _mirror_blocks(self.vwgram) * scale.view(-1, 1, 1) / tq  # type: ignore[arg-type]
+        return heads if per_head else heads.mean(dim=0)
+
+    def _self_covariance(self, target: str, per_head: bool) -> torch.Tensor:
+        """ktk / vtv: ``X_flatᵀX_flat / (T·H_kv)``, or ``X_hᵀX_h / T`` per head."""
+        gram, t = (self.kgram, self.tokens["k"]) if target == "ktk" else (self.vgram, self.tokens["v"])
+        assert gram is not None
+        if not self.per_head:
+            if per_head:
+                raise FitError(f"layer {self.layer_id}: {target} was accumulated over all KV heads together; "
+                               f"per-head rotations need it per head (LayerAccumulator(per_head=True))")
+            return _mirror_blocks(gram) / (t * self.num_kv_heads)
+        c = _mirror_blocks(gram) / t
+        return c if per_head else c.mean(dim=0)
 
 
 def _block_width(d: int) -> int:
@@ -355,6 +380,7 @@ def accumulate_dump_layer(
     device: torch.device | str = "cpu",
     workspace: Workspace | None = None,
     progress: ProgressFn | None = None,
+    per_head: bool = False,
 ) -> tuple[LayerAccumulator, dict[str, int]]:
     """Stream one layer of a dump through a :class:`LayerAccumulator`.
 
@@ -369,6 +395,7 @@ def accumulate_dump_layer(
         device: accumulation device.
         workspace: scratch buffers (default: the calling thread's).
         progress: ``progress(layer_id, done, total)`` after each chunk.
+        per_head: accumulate ktk / vtv per KV head (see :class:`LayerAccumulator`).
 
     Returns:
         ``(accumulator, io)`` with ``io = {"bytes_read": ..., "chunks_read": ...}``.
@@ -385,6 +412,7 @@ def accumulate_dump_layer(
         targets=targets,
         device=device,
         workspace=ws,
+        per_head=per_head,
     )
     kinds1 = acc.pass1_kinds
     kinds2 = ("k", "v") if acc.needs_second_pass else ()
