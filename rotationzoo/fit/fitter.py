@@ -17,7 +17,7 @@ import torch
 from ..errors import FitError
 from ..format import RotationSet
 from ..validation import validate
-from ..vocab import SignConvention
+from ..vocab import GROUPINGS, Grouping, SignConvention
 from .accumulate import LayerAccumulator, ProgressFn, accumulate_dump_layer, thread_workspace
 from .compose import check_composition, composition_label, hadamard_rotations, rotation_from_covariance
 from .dump import Dump, DumpShape, open_dump
@@ -40,6 +40,15 @@ def _as_dump(source: Any, keep_first_chunk: bool, layers: Iterable[int] | None) 
             return source
         return open_dump(source.root, keep_first_chunk=source.keep_first_chunk, layers=layers)
     return open_dump(source, keep_first_chunk=keep_first_chunk, layers=layers)
+
+
+def _check_grouping(grouping: str, objective: str) -> bool:
+    """Whether ``grouping`` asks for one rotation per KV head (refusing what cannot be fitted so)."""
+    if grouping not in GROUPINGS:
+        raise FitError(f"unknown grouping {grouping!r}; expected one of {', '.join(GROUPINGS)}")
+    if grouping == "kv_head" and objective == "hadamard":
+        raise FitError("objective 'hadamard' is data-free and the same for every KV head; use grouping='layer'")
+    return grouping == "kv_head"
 
 
 def _resolve_workers(num_workers: int | None, n_layers: int) -> int:
@@ -108,7 +117,8 @@ def _from_statistics(source: Mapping[int, LayerAccumulator], layers: Iterable[in
 
 
 def _from_dump(dump: Dump, shape: DumpShape, targets: tuple[str, ...], *, num_workers: int | None,
-               device: torch.device | str, progress: ProgressFn | None, stats: FitStats) -> dict[int, LayerAccumulator]:
+               device: torch.device | str, progress: ProgressFn | None, stats: FitStats,
+               per_head: bool = False) -> dict[int, LayerAccumulator]:
     """Stream every layer of a dump through the accumulators (layers on a thread pool)."""
     n_workers = _resolve_workers(num_workers, len(dump.layer_ids))
     stats.num_workers = n_workers
@@ -118,7 +128,8 @@ def _from_dump(dump: Dump, shape: DumpShape, targets: tuple[str, ...], *, num_wo
         ws = thread_workspace(device)
         if ws not in workspaces:
             workspaces.append(ws)
-        acc, io = accumulate_dump_layer(dump, layer_id, shape, targets, device=device, workspace=ws, progress=progress)
+        acc, io = accumulate_dump_layer(dump, layer_id, shape, targets, device=device, workspace=ws, progress=progress,
+                                        per_head=per_head)
         return layer_id, acc, io
 
     if n_workers == 1:
@@ -143,10 +154,25 @@ def _from_dump(dump: Dump, shape: DumpShape, targets: tuple[str, ...], *, num_wo
     return accs
 
 
+def _layer_rotation(acc: LayerAccumulator, lid: int, target: str, composition: str, group_size: int | None,
+                    signs: SignConvention, per_head: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One layer's symmetrised covariance, rotation and eigenvalues (each with a leading ``H_kv``
+    axis when ``per_head``: every KV head's own covariance, eigendecomposed on its own)."""
+    c = acc.covariance(target, per_head=per_head).to("cpu", torch.float64)
+    c = (c + c.transpose(-1, -2)) / 2
+    if not per_head:
+        r, lam = rotation_from_covariance(c, composition, group_size=group_size, signs=signs,
+                                          what=f"layer {lid} {target}")
+        return r, lam, c
+    pairs = [rotation_from_covariance(c[h], composition, group_size=group_size, signs=signs,
+                                      what=f"layer {lid} KV head {h} {target}") for h in range(c.shape[0])]
+    return torch.stack([r for r, _ in pairs]), torch.stack([lam for _, lam in pairs]), c
+
+
 def _rotations(accs: Mapping[int, LayerAccumulator], side_targets: Mapping[str, str | None], composition: str,
-               group_size: int | None, signs: SignConvention, d: int
+               group_size: int | None, signs: SignConvention, d: int, per_head: bool = False
                ) -> tuple[dict[str, RotationSet | None], dict[str, torch.Tensor]]:
-    """Per side: eigendecompose each layer's symmetrised covariance and compose its rotation."""
+    """Per side: eigendecompose each layer's (or each KV head's) symmetrised covariance and compose its rotation."""
     ids = tuple(accs)
     sides: dict[str, RotationSet | None] = {"k": None, "v": None}
     covs: dict[str, torch.Tensor] = {}
@@ -154,21 +180,29 @@ def _rotations(accs: Mapping[int, LayerAccumulator], side_targets: Mapping[str, 
     for side, target in side_targets.items():
         if target is None:
             continue
-        rots, eigs, cs = [], [], []
-        for lid, acc in accs.items():
-            c = acc.covariance(target).to("cpu", torch.float64)
-            c = (c + c.T) / 2
-            r, lam = rotation_from_covariance(c, composition, group_size=group_size, signs=signs,
-                                              what=f"layer {lid} {target}")
-            rots.append(r)
-            eigs.append(lam)
-            cs.append(c)
-        rs = RotationSet(rotations=torch.stack(rots).to(torch.float32).contiguous(), layer_ids=ids,
-                         objective=f"{target}_{label}", eigenvalues=torch.stack(eigs).to(torch.float32).contiguous())
+        done = [_layer_rotation(acc, lid, target, composition, group_size, signs, per_head) for lid, acc in accs.items()]
+        rs = RotationSet(rotations=torch.stack([r for r, _, _ in done]).to(torch.float32).contiguous(), layer_ids=ids,
+                         objective=f"{target}_{label}",
+                         eigenvalues=torch.stack([lam for _, lam, _ in done]).to(torch.float32).contiguous(),
+                         source_grouping="kv_head" if per_head else "layer")
         validate(rs, head_dim=d, layer_ids=ids)
         sides[side] = rs
-        covs[side] = torch.stack(cs)
+        covs[side] = torch.stack([c for _, _, c in done])
     return sides, covs
+
+
+def _open_source(source: Any, layers: Iterable[int] | None, targets: tuple[str, ...], objective: str,
+                 keep_first_chunk: bool, info: dict[str, Any]) -> tuple[Any, Any]:
+    """``(accumulators, None)`` for finished statistics, else ``(dump, shape)`` of an opened dump."""
+    if isinstance(source, Mapping):
+        info.setdefault("kind", "statistics")
+        return _from_statistics(source, layers, targets, objective), None
+    if source is None:
+        raise FitError(f"objective {objective!r} needs a dump or captured statistics")
+    dump = _as_dump(source, keep_first_chunk, layers)
+    info.setdefault("kind", "dump")
+    info.setdefault("path", str(dump.root))
+    return dump, dump.shape(("q", "k") if any(t in ("qqt", "sst") for t in targets) else ("k", "v"))
 
 
 def fit_rotations(
@@ -186,8 +220,9 @@ def fit_rotations(
     num_layers: int | None = None,
     head_dim: int | None = None,
     source_info: Mapping[str, Any] | None = None,
+    grouping: Grouping = "layer",
 ) -> FitResult:
-    """Fit per-layer K and V rotations.
+    """Fit per-layer (or per-KV-head) K and V rotations.
 
     Args:
         source: a dump folder (SGLang layout) or an opened :class:`Dump`; or finished
@@ -209,6 +244,10 @@ def fit_rotations(
         num_layers: layer count for ``hadamard`` without a dump (ids ``0 … num_layers−1``).
         head_dim: ``d`` for ``hadamard`` without a dump.
         source_info: extra facts recorded in :attr:`FitResult.source`.
+        grouping: ``"layer"`` (one rotation per layer, the authors' files) or ``"kv_head"`` (one per
+            layer and KV head, each from that head's own covariance: ``[L, H_kv, d, d]`` sets with
+            ``source_grouping = "kv_head"``; not for ``hadamard``). Finished statistics fit ktk /
+            vtv per head only when accumulated per head (``LayerAccumulator(per_head=True)``).
 
     Returns:
         A :class:`FitResult` with fp32 rotation sets (fp64-accurate, validated to 1e-5).
@@ -219,6 +258,7 @@ def fit_rotations(
     """
     t0 = time.perf_counter()
     k_target, v_target = _parse_objective(objective)
+    per_head = _check_grouping(grouping, objective)
     stats = FitStats(device=str(torch.device(device)))
     info: dict[str, Any] = dict(source_info or {})
     if objective == "hadamard":
@@ -227,25 +267,20 @@ def fit_rotations(
     check_composition(composition, group_size)
     targets = tuple(t for t in (k_target, v_target) if t is not None)
     model, prompts = info.get("model"), info.get("prompts")
-    if isinstance(source, Mapping):
-        accs = _from_statistics(source, layers, targets, objective)
+    opened, shape = _open_source(source, layers, targets, objective, keep_first_chunk, info)
+    if shape is None:
+        accs = opened
         first = next(iter(accs.values()))
         d, hq, hkv = first.head_dim, first.num_q_heads, first.num_kv_heads
-        info.setdefault("kind", "statistics")
-    elif source is None:
-        raise FitError(f"objective {objective!r} needs a dump or captured statistics")
     else:
-        dump = _as_dump(source, keep_first_chunk, layers)
-        keep_first_chunk = dump.keep_first_chunk
-        shape = dump.shape(("q", "k") if any(t in ("qqt", "sst") for t in targets) else ("k", "v"))
+        keep_first_chunk = opened.keep_first_chunk
         d, hq, hkv = shape.head_dim, shape.num_q_heads, shape.num_kv_heads
-        info.setdefault("kind", "dump")
-        info.setdefault("path", str(dump.root))
-        dump_info = dump.info()
+        dump_info = opened.info()
         model = model or dump_info.get("model")
-        prompts = prompts if prompts is not None else dump_info.get("prompts", dump.prompt_count())
-        accs = _from_dump(dump, shape, targets, num_workers=num_workers, device=device, progress=progress, stats=stats)
-    sides, covs = _rotations(accs, {"k": k_target, "v": v_target}, composition, group_size, signs, d)
+        prompts = prompts if prompts is not None else dump_info.get("prompts", opened.prompt_count())
+        accs = _from_dump(opened, shape, targets, num_workers=num_workers, device=device, progress=progress,
+                          stats=stats, per_head=per_head)
+    sides, covs = _rotations(accs, {"k": k_target, "v": v_target}, composition, group_size, signs, d, per_head)
     stats.wall_s = time.perf_counter() - t0
     stats.peak_rss_bytes = peak_rss_bytes()
     return FitResult(
@@ -253,5 +288,5 @@ def fit_rotations(
         group_size=int(group_size) if composition == "r_pbr_hg" and group_size is not None else None,
         targets={"k": k_target, "v": v_target}, layer_ids=tuple(accs), head_dim=d, num_q_heads=hq, num_kv_heads=hkv,
         tokens={lid: acc.num_tokens for lid, acc in accs.items()}, prompts=prompts, covariances=covs, stats=stats,
-        source=info, model=model, keep_first_chunk=keep_first_chunk, signs=signs,
+        source=info, model=model, keep_first_chunk=keep_first_chunk, signs=signs, grouping=grouping,
     )

@@ -27,13 +27,15 @@ def output_file_names(result: FitResult, *, fmt: str = "pt") -> dict[str, str]:
     """The authors' file names: ``{"k": "k_rotation_qqt_r_h_pbr.pt", "v": "v_rotation_sst_r_h_pbr.pt"}``.
 
     ``hadamard`` gives ``k_rotation_hadamard.pt`` / ``v_rotation_hadamard.pt``; ``fmt="safetensors"``
-    swaps the suffix.
+    swaps the suffix. Per-KV-head rotations (``grouping="kv_head"``) carry a ``-kv_head`` marker:
+    ``k_rotation_qqt_r_h_pbr-kv_head.pt``.
     """
     suffix = ".safetensors" if fmt == "safetensors" else ".pt"
+    marker = "" if result.grouping == "layer" else f"-{result.grouping}"
     names = {}
     for side in ("k", "v"):
         if getattr(result, side) is not None:
-            names[side] = f"{side}_rotation_{result.side_objective(side)}{suffix}"
+            names[side] = f"{side}_rotation_{result.side_objective(side)}{marker}{suffix}"
     return names
 
 
@@ -71,6 +73,7 @@ def build_manifest(result: FitResult, files: Mapping[str, Mapping[str, Any]], *,
         "objective": result.objective,
         "objectives": {side: files[side]["objective"] for side in files},
         "composition": result.composition_label,
+        "grouping": result.grouping,
         "group_size": result.group_size,
         "signs": result.signs,
         "keep_first_chunk": result.keep_first_chunk,

@@ -81,7 +81,8 @@ class FitResult:
         num_kv_heads: ``H_kv`` (``None`` if unknown).
         tokens: tokens fitted per layer (chunk 0 excluded unless kept).
         prompts: the dump's ``prompt<N>`` count, or the number of calibration sequences.
-        covariances: ``{"k": fp64 [L, d, d], "v": ...}``, the symmetrised targets.
+        covariances: ``{"k": fp64 [L, d, d], "v": ...}`` (``[L, H_kv, d, d]`` per KV head), the
+            symmetrised targets.
         stats: cost of the fit.
         source: where the activations came from (``{"kind": "dump", "path": ...}``, ...).
         model: model id recorded by the source, if any.
@@ -90,6 +91,8 @@ class FitResult:
         refinement: for learned rotations (``objective = "refined"``, see
             :func:`rotationzoo.fit.refine_fit`): init, losses, steps, seed and the per-layer held-out
             losses, written to the manifest's ``refinement``; ``None`` otherwise.
+        grouping: ``"layer"`` (``k``/``v`` hold ``[L, d, d]``) or ``"kv_head"`` (``[L, H_kv, d, d]``,
+            one rotation per layer and KV head; the sets' ``source_grouping``).
     """
 
     k: RotationSet | None
@@ -111,6 +114,7 @@ class FitResult:
     keep_first_chunk: bool = False
     signs: str = "canonical"
     refinement: dict[str, Any] | None = None
+    grouping: str = "layer"
 
     @property
     def composition_label(self) -> str:
@@ -143,6 +147,7 @@ class FitResult:
         return {
             "objective": self.objective,
             "composition": self.composition_label,
+            "grouping": self.grouping,
             "group_size": self.group_size,
             "targets": self.targets,
             "layer_ids": list(self.layer_ids),
