@@ -177,13 +177,15 @@ def refine_layer(
         keep_layer = a_tot < b_tot
         rotation = (refined if keep_layer else r_init)[0]
         kept = "refined" if keep_layer else "init"
-    final = total_loss(heldout_loss(rotation if cfg.per_head else rotation[None], data, hold, cfg), data, hold)
+    final_heads = heldout_loss(rotation if cfg.per_head else rotation[None], data, hold, cfg)
+    final = total_loss(final_heads, data, hold)
     record = {
         "layer_id": samples.layer_id, "side": side, "init": init_name, "loss": LOSS_NAMES[side],
         "per_head": cfg.per_head, "steps": steps, "lr": cfg.lr, "param": cfg.param, "seed": cfg.seed,
         "batch_blocks": cfg.batch_blocks, "train_blocks": len(train), "heldout_blocks": len(hold),
         "block_size": samples.block_size, "heldout_init": b_tot, "heldout_refined": a_tot, "heldout_final": final,
-        "heldout_init_per_head": before.tolist(), "heldout_refined_per_head": after.tolist(), "kept": kept,
+        "heldout_init_per_head": before.tolist(), "heldout_refined_per_head": after.tolist(),
+        "heldout_final_per_head": final_heads.tolist(), "kept": kept,
         "train_loss_first": trace[0] if trace else None, "train_loss_last": trace[-1] if trace else None,
         "wall_s": time.perf_counter() - t0,
     }
@@ -206,9 +208,12 @@ def _check_init(init: torch.Tensor, d: int, hkv: int, layer_id: int, side: str) 
 # -- inits ----------------------------------------------------------------------------------------
 
 
-def init_rotation(samples: LayerSamples, side: str, init: str, *, group_size: int | None = None) -> torch.Tensor:
+def init_rotation(samples: LayerSamples, side: str, init: str, *, group_size: int | None = None,
+                  per_head: bool = False) -> torch.Tensor:
     """An init computed for one layer: ``"hadamard"`` (``H_d``), or ``"r_h_pbr"`` / ``"r_pbr_hg"``
-    fitted (qqt for K, sst for V) from the samples' own q/k/v with :mod:`rotationzoo.fit`."""
+    fitted (qqt for K, sst for V) from the samples' own q/k/v with :mod:`rotationzoo.fit`; with
+    ``per_head`` these are fitted per KV head (``[H_kv, d, d]``; ``H_d`` stays ``[d, d]``, the
+    same for every head)."""
     shape = samples.shape
     if shape is None:
         raise FitError(f"layer {samples.layer_id}: no calibration samples")
@@ -227,9 +232,14 @@ def init_rotation(samples: LayerSamples, side: str, init: str, *, group_size: in
     if target == "sst":
         for i in range(k.shape[0]):
             acc.add_kv(k[i], v[i])
+    g = group_size if init == "r_pbr_hg" else None
+    if per_head:
+        cov = acc.covariance(target, per_head=True)
+        cov = (cov + cov.transpose(-1, -2)) / 2
+        return torch.stack([rotation_from_covariance(c, init, group_size=g, what=f"layer {samples.layer_id} KV head "
+                                                     f"{h} {target}")[0] for h, c in enumerate(cov)])
     cov = acc.covariance(target)
-    r, _ = rotation_from_covariance((cov + cov.T) / 2, init, group_size=group_size if init == "r_pbr_hg" else None,
-                                    what=f"layer {samples.layer_id} {target}")
+    r, _ = rotation_from_covariance((cov + cov.T) / 2, init, group_size=g, what=f"layer {samples.layer_id} {target}")
     return r
 
 
@@ -266,16 +276,12 @@ class RefineResult:
         return torch.stack([self.rotations[side][i] for i in self.layer_ids]).to(torch.float32).contiguous()
 
     def rotation_set(self, side: str, objective: str | None = None) -> RotationSet:
-        """A format-version-1 :class:`~rotationzoo.format.RotationSet` (one matrix per layer).
-
-        Raises:
-            FitError: per-head rotations (format version 1 holds one matrix per layer).
-        """
-        if self.config.per_head:
-            raise FitError("per-head rotations ([H_kv, d, d] per layer) do not fit format version 1; refine per layer")
+        """A :class:`~rotationzoo.format.RotationSet`: one matrix per layer, or ``[L, H_kv, d, d]``
+        with ``source_grouping = "kv_head"`` when refined per head."""
         init = self.records[0]["init"] if self.records else "given"
         return RotationSet(rotations=self.stacked(side), layer_ids=self.layer_ids,
-                           objective=objective or f"refined_{LOSS_NAMES[side]}_from_{init}")
+                           objective=objective or f"refined_{LOSS_NAMES[side]}_from_{init}",
+                           source_grouping="kv_head" if self.config.per_head else "layer")
 
     def summary(self) -> dict[str, Any]:
         """JSON-friendly records and settings (for a manifest)."""
@@ -353,7 +359,7 @@ def refine_rotations(
 def _resolve_init(init: Any, samples: LayerSamples, side: str, lid: int, ids: tuple[int, ...],
                   cfg: RefineConfig) -> tuple[torch.Tensor, str]:
     if isinstance(init, str):
-        return init_rotation(samples, side, init, group_size=cfg.group_size), init
+        return init_rotation(samples, side, init, group_size=cfg.group_size, per_head=cfg.per_head), init
     src = init.get(side) if isinstance(init, Mapping) else getattr(init, side, None)
     if src is None:
         raise FitError(f"init has no {side.upper()} rotations; give {{'k': ..., 'v': ...}} or a name of {INITS}")

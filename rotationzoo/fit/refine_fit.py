@@ -16,7 +16,9 @@ layer's held-out loss before and after::
 
 The OSCAR inits are fitted from the full covariance statistics when ``statistics`` (a dump or the
 accumulators of :func:`~rotationzoo.integrations.transformers.collect_statistics`) is given, else
-from the samples themselves.
+from the samples themselves. ``grouping="kv_head"`` learns one rotation per (layer, KV head),
+each kept only where it lowers that head's held-out loss, from per-head OSCAR inits (or ``H_d`` for
+every head).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from ..errors import FitError
-from ..vocab import REFINE_INITS
+from ..vocab import GROUPINGS, REFINE_INITS, Grouping
 from .compose import composition_label
 from .dump import Dump, open_dump
 from .fitter import fit_rotations
@@ -99,7 +101,7 @@ def samples_from_dump(
 
 
 def _init_source(init: str, samples: CalibrationSamples, statistics: Any, group_size: int | None,
-                 layers: tuple[int, ...]) -> tuple[Any, str]:
+                 layers: tuple[int, ...], grouping: Grouping = "layer") -> tuple[Any, str]:
     """What :func:`refine_rotations` starts from, and its label (``hadamard``, ``r_h_pbr``, ``r_pbr_hg64``)."""
     _check_init(init)
     comp = INIT_COMPOSITIONS[init]
@@ -111,12 +113,16 @@ def _init_source(init: str, samples: CalibrationSamples, statistics: Any, group_
     label = composition_label(comp, g)
     if statistics is None:
         return comp, label  # fitted per layer from the samples' own q/k/v
-    fit = fit_rotations(statistics, "qqt_sst", comp, group_size=g if comp == "r_pbr_hg" else None, layers=layers)
+    fit = fit_rotations(statistics, "qqt_sst", comp, group_size=g if comp == "r_pbr_hg" else None, layers=layers,
+                        grouping=grouping)
     return fit, label
 
 
 def _layer_losses(res: RefineResult) -> dict[str, list[dict[str, Any]]]:
-    keys = ("layer_id", "heldout_init", "heldout_refined", "heldout_final", "kept", "train_blocks", "heldout_blocks")
+    keys: tuple[str, ...] = ("layer_id", "heldout_init", "heldout_refined", "heldout_final", "kept", "train_blocks",
+                             "heldout_blocks")
+    if res.config.per_head:  # one loss per KV head (``kept`` is then a list too)
+        keys += ("heldout_init_per_head", "heldout_refined_per_head", "heldout_final_per_head")
     out: dict[str, list[dict[str, Any]]] = {side: [] for side in res.config.sides}
     for rec in sorted(res.records, key=lambda r: (r["side"], r["layer_id"])):
         out[rec["side"]].append({k: rec[k] for k in keys})
@@ -124,7 +130,8 @@ def _layer_losses(res: RefineResult) -> dict[str, list[dict[str, Any]]]:
 
 
 def refinement_summary(res: RefineResult, init: str, init_label: str, samples: CalibrationSamples) -> dict[str, Any]:
-    """The manifest's ``refinement``: init, losses, optimizer, steps, seed, per-layer held-out losses."""
+    """The manifest's ``refinement``: init, losses, optimizer, steps, seed, per-layer (and, refined per
+    KV head, per-head) held-out losses."""
     cfg = res.config
     return {
         "init": init,
@@ -157,6 +164,7 @@ def refine_fit(
     progress: ProgressFn | None = None,
     source_info: Mapping[str, Any] | None = None,
     model: str | None = None,
+    grouping: Grouping = "layer",
 ) -> FitResult:
     """Learn every layer's K and V rotation against the INT2 store's error; a fit result to write.
 
@@ -175,20 +183,27 @@ def refine_fit(
         progress: ``progress(layer_id, side, record)`` after each (layer, side).
         source_info: what the samples came from (recorded as the result's ``source``).
         model: model id recorded in the result.
+        grouping: ``"layer"``, or ``"kv_head"``: one rotation per layer and KV head, each kept only
+            where it lowers that head's held-out loss (``[L, H_kv, d, d]`` sets; the OSCAR inits
+            are fitted per head, ``hadamard`` is ``H_d`` for every head).
 
     Returns:
         A :class:`~rotationzoo.fit.FitResult` with ``objective = "refined"`` and ``refinement`` set.
     """
     t0 = time.perf_counter()
     base = config or RefineConfig()
+    if grouping not in GROUPINGS:
+        raise FitError(f"unknown grouping {grouping!r}; expected one of {', '.join(GROUPINGS)}")
+    if base.per_head and grouping != "kv_head":
+        raise FitError("config.per_head=True learns one rotation per KV head; pass grouping='kv_head'")
     cfg = RefineConfig(**{**vars(base), "steps_k": int(steps), "steps_v": int(steps), "group_size": group_size,
-                          "seed": int(seed)})
-    if cfg.per_head or tuple(cfg.sides) != ("k", "v"):
-        raise FitError("refine_fit writes a format-version-1 pair: per-layer rotations for both K and V")
+                          "seed": int(seed), "per_head": grouping == "kv_head"})
+    if tuple(cfg.sides) != ("k", "v"):
+        raise FitError("refine_fit writes a pair: rotations for both K and V")
     ids = tuple(sorted(int(i) for i in layers)) if layers is not None else samples.layer_ids()
     if not ids:
         raise FitError("no calibration samples to refine on")
-    src, label = _init_source(init, samples, statistics, group_size, ids)
+    src, label = _init_source(init, samples, statistics, group_size, ids, grouping)
     res = refine_rotations(samples, src, cfg, layers=ids, num_workers=num_workers, progress=progress)
     first = samples.layers[ids[0]].shape
     assert first is not None
@@ -199,7 +214,7 @@ def refine_fit(
         layer_ids=ids, head_dim=first.head_dim, num_q_heads=first.num_q_heads, num_kv_heads=first.num_kv_heads,
         tokens={lid: samples.layers[lid].tokens_seen for lid in ids}, prompts=info.get("prompts"),
         source=info, model=model if model is not None else info.get("model"),
-        refinement=refinement_summary(res, init, label, samples),
+        refinement=refinement_summary(res, init, label, samples), grouping=grouping,
     )
     result.stats = FitStats(wall_s=time.perf_counter() - t0, peak_rss_bytes=peak_rss_bytes(), num_workers=res.workers)
     return result
@@ -215,18 +230,19 @@ def refine_dump(
     num_workers: int | None = None,
     progress: ProgressFn | None = None,
     config: RefineConfig | None = None,
+    grouping: Grouping = "layer",
 ) -> FitResult:
-    """``rotationzoo fit --dump D --refine STEPS``: a reservoir of the dump's blocks
-    (:func:`samples_from_dump`), the OSCAR inits fitted from the whole dump, then :func:`refine_fit`.
-    ``dump`` may be an opened :class:`~rotationzoo.fit.dump.Dump` (``keep_first_chunk`` and
-    ``layers`` are then its own)."""
+    """``rotationzoo fit --dump D --refine STEPS [--grouping kv_head]``: a reservoir of the dump's
+    blocks (:func:`samples_from_dump`), the OSCAR inits fitted from the whole dump, then
+    :func:`refine_fit`. ``dump`` may be an opened :class:`~rotationzoo.fit.dump.Dump`
+    (``keep_first_chunk`` and ``layers`` are then its own)."""
     d = dump if isinstance(dump, Dump) else open_dump(dump, keep_first_chunk=keep_first_chunk, layers=layers)
     samples = samples_from_dump(d, max_tokens=options.sample_tokens, seed=options.seed)
     dump_info = d.info()
     info = {"kind": "dump", "path": str(d.root), "prompts": dump_info.get("prompts", d.prompt_count())}
     result = refine_fit(samples, options.init, steps=options.steps, group_size=group_size, seed=options.seed,
                         statistics=d, config=config, num_workers=num_workers, progress=progress, source_info=info,
-                        model=dump_info.get("model"))
+                        model=dump_info.get("model"), grouping=grouping)
     result.keep_first_chunk = d.keep_first_chunk
     return result
 
