@@ -14,6 +14,9 @@ Examples::
     # learned rotations: 200 steps per layer from OSCAR, against the INT2 error at G = 64
     rotationzoo fit --dump qkv_dumps/gpqa --out rot-refined/ --refine 200 --init oscar --group-size 64
 
+    # one rotation per (layer, KV head), each from that head's own covariance
+    rotationzoo fit --dump qkv_dumps/gpqa --out rot-kvhead/ --grouping kv_head
+
     # capture from a local transformers model (folder or .gguf), no SGLang needed
     rotationzoo calibrate --model ./Qwen3-8B --text calib.txt --tokens 20000 --out rotations/ --dump-out qkv/
 
@@ -48,6 +51,10 @@ SignsOpt = Annotated[str, typer.Option("--signs", click_type=choice(vocab.SIGN_C
 TagOpt = Annotated[Optional[str], typer.Option("--tag", help="Calibration tag recorded in rotationzoo.json.")]
 FormatOpt = Annotated[str, typer.Option("--format", click_type=choice(vocab.FILE_FORMATS),
                                         help="Output format: pt (the authors') or safetensors.")]
+GroupingOpt = Annotated[str, typer.Option(
+    "--grouping", click_type=choice(vocab.GROUPINGS),
+    help="layer: one rotation per layer (the authors' files); kv_head: one per layer and KV head, each from "
+         "that head's own statistics (files [L, H_kv, d, d], named *-kv_head.pt; not with hadamard).")]
 
 
 def _parse_layers(text: Optional[str]) -> Optional[list[int]]:
@@ -126,7 +133,7 @@ def _refine_options(steps: int, init: str, seed: int, sample_tokens: Optional[in
 
 
 def _refine_from_dump(dump: Path, options: Any, group_size: Optional[int], keep_first_chunk: bool,
-                      layer_ids: Optional[list[int]], workers: Optional[int]) -> "FitResult":
+                      layer_ids: Optional[list[int]], workers: Optional[int], grouping: str) -> "FitResult":
     from ..fit import open_dump, refine_dump
 
     opened = open_dump(dump, keep_first_chunk=keep_first_chunk, layers=layer_ids)
@@ -137,7 +144,8 @@ def _refine_from_dump(dump: Path, options: Any, group_size: Optional[int], keep_
             done[lid] = done.get(lid, 0) + 1
             bars.update(lid, done[lid], 2)
 
-        return refine_dump(opened, options, group_size=group_size, num_workers=workers, progress=progress)
+        return refine_dump(opened, options, group_size=group_size, num_workers=workers, progress=progress,
+                           grouping=grouping)  # type: ignore[arg-type]
 
 
 def _report(result: "FitResult", out: "FitOutput", as_json: bool) -> None:
@@ -154,16 +162,19 @@ def _report(result: "FitResult", out: "FitOutput", as_json: bool) -> None:
         con.print(f"[bold]{side.upper()}[/] {f['objective']:<16} sha256 {f['sha256'][:12]}…  {p}")
     s = result.stats
     tokens = f"{result.token_count} tokens/layer, " if result.tokens else ""
+    heads = f" × {result.num_kv_heads} KV heads (grouping kv_head)" if result.grouping == "kv_head" else ""
     con.print(
-        f"{len(result.layer_ids)} layers, head_dim {result.head_dim}, {tokens}"
+        f"{len(result.layer_ids)} layers{heads}, head_dim {result.head_dim}, {tokens}"
         f"{s.wall_s:.2f} s, {s.bytes_read / 1e6:.1f} MB read, peak RSS {s.peak_rss_bytes / 2**20:.0f} MiB"
     )
     if result.refinement is not None:
         ref = result.refinement
         for side, rows in ref["layers"].items():
-            kept = sum(r["kept"] == "refined" for r in rows)
+            kept_flags = [k for r in rows for k in (r["kept"] if isinstance(r["kept"], list) else [r["kept"]])]
+            unit = "KV heads" if result.grouping == "kv_head" else "layers"
             con.print(f"{side.upper()} {ref['loss'][side]}: held-out loss {-ref['mean_relative_improvement'][side]:+.1%} "
-                      f"mean vs {ref['init']}, refined rotation kept in {kept}/{len(rows)} layers")
+                      f"mean vs {ref['init']}, refined rotation kept in "
+                      f"{kept_flags.count('refined')}/{len(kept_flags)} {unit}")
     con.print(f"manifest: {out.manifest_path}")
 
 
@@ -191,6 +202,7 @@ def fit_command(
     init: InitOpt = "hadamard",
     seed: SeedOpt = 0,
     sample_tokens: SampleTokensOpt = None,
+    grouping: GroupingOpt = "layer",
     fmt: FormatOpt = "pt",
     as_json: JsonOpt = False,
 ) -> None:
@@ -212,6 +224,12 @@ def fit_command(
 
       rotationzoo fit --dump qkv/ --out rot-refined/ --refine 200 --init oscar -g 64
 
+      rotationzoo fit --dump qkv/ --out rot-kvhead/ --grouping kv_head
+
+    With --grouping kv_head every KV head gets its own rotation (from its own covariance, or
+    refined on its own held-out loss with --refine); the files hold [layers, KV heads, d, d] and
+    are named k_rotation_<target>_<composition>-kv_head.pt.
+
     With --refine, each layer's rotation starts from --init and is learned against the INT2
     store's error (K: attention logits, V: attention outputs) on a reservoir of --sample-tokens
     tokens per layer; a layer keeps the learned rotation only if it lowers the loss on held-out
@@ -227,7 +245,7 @@ def fit_command(
         if dump is None:
             raise CLIError("--refine needs --dump DIR (the calibration samples)")
         result = _refine_from_dump(dump, _refine_options(refine, init, seed, sample_tokens), group_size,
-                                   keep_first_chunk, layer_ids, workers)
+                                   keep_first_chunk, layer_ids, workers, grouping)
         _report(result, write_fitted(result, out, model=model, tag=tag, fmt=fmt), as_json)
         return
     show = progress_enabled() and dump is not None and objective != "hadamard"
@@ -249,6 +267,7 @@ def fit_command(
             signs=signs,  # type: ignore[arg-type]
             num_layers=num_layers,
             head_dim=head_dim,
+            grouping=grouping,  # type: ignore[arg-type]
         )
     written = write_fitted(result, out, model=model, tag=tag, fmt=fmt)
     _report(result, written, as_json)
@@ -282,6 +301,7 @@ def calibrate_command(
     init: InitOpt = "hadamard",
     seed: SeedOpt = 0,
     sample_tokens: SampleTokensOpt = None,
+    grouping: GroupingOpt = "layer",
     fmt: FormatOpt = "pt",
     as_json: JsonOpt = False,
 ) -> None:
@@ -298,6 +318,8 @@ def calibrate_command(
 
       rotationzoo calibrate -m model.gguf -t calib.txt -n 20000 --out rot/ --refine 200 --init oscar -g 64
 
+      rotationzoo calibrate -m ./Qwen3-8B -t calib.txt -n 20000 --out rot-kvhead/ --grouping kv_head
+
     --refine learns the rotations as `rotationzoo fit --refine` does, on samples kept during the capture.
     """
     from ..fit import write_fitted
@@ -312,7 +334,7 @@ def calibrate_command(
         result = calibrate(
             lm, tokenizer, text, tokens=tokens, seq_len=seq_len, objective=objective, composition=composition,
             group_size=group_size, dump_out=dump_out, overwrite_dump=overwrite_dump, signs=signs,
-            model_id=mid, progress=cb, refine=options,
+            model_id=mid, progress=cb, refine=options, grouping=grouping,  # type: ignore[arg-type]
         )
     written = write_fitted(result, out, model=mid, tag=tag, fmt=fmt)
     _report(result, written, as_json)

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 import torch
 
 from ...errors import ConfigError, FitError
+from ...vocab import GROUPINGS, Grouping
 from ...fit import OBJECTIVE_TARGETS, RefineOptions, fit_rotations, refine_fit
 from ...fit.accumulate import LayerAccumulator, Workspace, second_pass_from_dump
 from ...fit.compose import check_composition
@@ -93,6 +94,7 @@ def calibrate(
     texts_are_paths: bool = True,
     progress: CalibrationProgress | None = None,
     refine: RefineOptions | None = None,
+    grouping: Grouping = "layer",
 ) -> Any:
     """Fit rotations from a live ``transformers`` model: :func:`collect_statistics`, then one fit.
 
@@ -118,10 +120,14 @@ def calibrate(
         refine: learn the rotations instead (:func:`rotationzoo.fit.refine_fit` on a reservoir of
             ``refine.sample_tokens`` tokens per layer, the OSCAR inits fitted from the full
             statistics; ``composition`` is not used then, ``group_size`` is the loss's INT2 group).
+        grouping: ``"layer"`` or ``"kv_head"`` (one rotation per layer and KV head; see
+            :func:`rotationzoo.fit.fit_rotations`).
 
     Returns:
         A :class:`rotationzoo.fit.FitResult` (``prompts`` = number of sequences run).
     """
+    if grouping not in GROUPINGS:
+        raise FitError(f"unknown grouping {grouping!r}; expected one of {', '.join(GROUPINGS)}")
     if refine is None:
         check_composition(composition, group_size)  # before the model runs
     elif objective != "qqt_sst":
@@ -130,15 +136,16 @@ def calibrate(
         model, tokenizer, texts, tokens=tokens, seq_len=seq_len, objective=objective, model_id=model_id,
         texts_are_paths=texts_are_paths, progress=progress, dump_out=dump_out, overwrite_dump=overwrite_dump,
         sample_tokens=refine.sample_tokens if refine is not None else 0,
-        sample_seed=refine.seed if refine is not None else 0,
+        sample_seed=refine.seed if refine is not None else 0, grouping=grouping,
     )
     if refine is not None:
         assert stats.samples is not None
         return refine_fit(stats.samples, refine.init, steps=refine.steps, group_size=group_size, seed=refine.seed,
-                          statistics=stats.accumulators, source_info=stats.info, model=model_id)
+                          statistics=stats.accumulators, source_info=stats.info, model=model_id,
+                          grouping=grouping)
     return fit_rotations(
         stats.accumulators, objective, composition, group_size=group_size, signs=signs,  # type: ignore[arg-type]
-        source_info=stats.info,
+        source_info=stats.info, grouping=grouping,
     )
 
 
@@ -231,6 +238,7 @@ def collect_statistics(
     overwrite_dump: bool = False,
     sample_tokens: int = DEFAULT_MAX_TOKENS,
     sample_seed: int = 0,
+    grouping: str = "layer",
 ) -> CapturedStatistics:
     """Run ``model`` once over calibration text and return the finished fp64 statistics.
 
@@ -262,6 +270,8 @@ def collect_statistics(
             for SmolLM2-135M, 5.91 GiB for 36 layers of 32 + 8 heads at ``d = 128``; see
             :mod:`rotationzoo.fit.samples`). ``0`` keeps none.
         sample_seed: reservoir seed.
+        grouping: ``"kv_head"`` accumulates ktk / vtv per KV head, so that per-head rotations can
+            be fitted from them (qqt and sst statistics serve both groupings).
 
     Returns:
         :class:`CapturedStatistics`.
@@ -284,7 +294,7 @@ def collect_statistics(
     writer = (DumpWriter(dump_out, overwrite=overwrite_dump) if dump_out is not None
               else DumpWriter(tmp.name, kinds=("k", "v")) if tmp is not None else None)
     samples = CalibrationSamples(max_tokens=sample_tokens, seed=sample_seed) if sample_tokens > 0 else None
-    collector = _Collector(targets, writer, samples)
+    collector = _Collector(targets, writer, samples, per_head=grouping == "kv_head")
     try:
         _forward_windows(model, windows, collector, warmup=dump_out is not None, progress=progress)
         if not collector.accs:
@@ -313,8 +323,8 @@ class _Collector:
     while ``warmup`` is set)."""
 
     def __init__(self, targets: tuple[str, ...], writer: DumpWriter | None,
-                 samples: CalibrationSamples | None = None) -> None:
-        self.targets, self.writer, self.samples = targets, writer, samples
+                 samples: CalibrationSamples | None = None, per_head: bool = False) -> None:
+        self.targets, self.writer, self.samples, self.per_head = targets, writer, samples, per_head
         self.accs: dict[int, LayerAccumulator] = {}
         self.workspace = Workspace("cpu")
         self.warmup = False
@@ -329,7 +339,7 @@ class _Collector:
         if acc is None:
             acc = self.accs[layer_id] = LayerAccumulator(
                 layer_id, num_q_heads=q.shape[1], num_kv_heads=k.shape[1], head_dim=q.shape[2],
-                targets=self.targets, workspace=self.workspace,
+                targets=self.targets, workspace=self.workspace, per_head=self.per_head,
             )
         for kind in acc.pass1_kinds:
             {"q": acc.add_q, "k": acc.add_k, "v": acc.add_v}[kind]({"q": q, "k": k, "v": v}[kind])
