@@ -170,6 +170,20 @@ def test_calibrate_other_objectives(tiny, tiny_model_dir):
         calibrate(model, tokenizer, [tiny_model_dir / "calib_a.txt"], tokens=10, objective="hadamard")
 
 
+def test_calibrate_kv_head_matches_the_dump_fit(tiny, tiny_model_dir, tmp_path):
+    model, tokenizer = tiny
+    texts = [tiny_model_dir / "calib_a.txt", tiny_model_dir / "calib_b.txt"]
+    for objective in ("qqt_sst", "ktk_vtv"):  # ktk/vtv are accumulated per KV head for this grouping
+        dump = tmp_path / f"dump-{objective}"
+        res = calibrate(model, tokenizer, texts, tokens=600, seq_len=256, objective=objective, dump_out=dump,
+                        grouping="kv_head")
+        again = fit_rotations(dump, objective, grouping="kv_head")
+        assert res.grouping == "kv_head" and res.k.rotations.shape == (LAYERS, HKV, D, D)
+        assert torch.equal(again.k.rotations, res.k.rotations) and torch.equal(again.v.rotations, res.v.rotations)
+    with pytest.raises(FitError, match="unknown grouping"):
+        calibrate(model, tokenizer, texts, tokens=10, grouping="head")
+
+
 def test_capture_to_dump_budget(tiny, tmp_path):
     model, _ = tiny
     seqs = [[1, 5, 6, 7, 8, 9], [3 + i % 30 for i in range(37)], [3 + i % 30 for i in range(57)]]
