@@ -274,7 +274,7 @@ def test_given_and_fitted_inits() -> None:
         refine_rotations(samples, {"k": good}, cfg)
 
 
-def test_per_head_results_need_per_head_storage() -> None:
+def test_per_head_results_are_per_head_sets() -> None:
     samples = CalibrationSamples(block_size=64, max_tokens=4 * 64, dtype=torch.float32)
     s = _planted(blocks=4)
     q, k, v, _ = s.blocks()
@@ -282,7 +282,7 @@ def test_per_head_results_need_per_head_storage() -> None:
         samples.on_qkv(0, q[i], k[i], v[i])
     res = refine_rotations(samples, "hadamard", RefineConfig(**{**CFG, "steps_k": 2, "steps_v": 2, "per_head": True}))
     assert res.stacked("k").shape == (1, 1, D, D)
-    with pytest.raises(FitError, match="format version 1"):
-        res.rotation_set("k")
+    rs = res.rotation_set("k")  # one matrix per (layer, KV head)
+    assert rs.source_grouping == "kv_head" and rs.rotations.shape == (1, 1, D, D)
     with pytest.raises(FitError, match="needs ≥ 2"):
         refine_layer(_planted(blocks=1), "k", torch.eye(D), RefineConfig(**CFG))
