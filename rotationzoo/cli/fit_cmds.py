@@ -206,7 +206,7 @@ def fit_command(
     fmt: FormatOpt = "pt",
     as_json: JsonOpt = False,
 ) -> None:
-    """Fit per-layer K/V rotations from a Q/K/V dump (or write the data-free Hadamard baseline).
+    """Fit per-layer (or per-KV-head) K/V rotations from a Q/K/V dump, or write the Hadamard baseline.
 
     Streams every chunk once per pass in fp64 with the authors' exact normalisations, writes
     k_rotation_<target>_<composition>.pt / v_rotation_<target>_<composition>.pt (validated) and

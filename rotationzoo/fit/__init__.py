@@ -7,6 +7,7 @@ Quick use::
     result = fit_rotations("qkv_dumps/gpqa")                 # qqt_sst, r_h_pbr, chunk 0 skipped
     write_fitted(result, "rotations/", model="Qwen/Qwen3-8B", tag="gpqa-seq20000")
     # -> rotations/k_rotation_qqt_r_h_pbr.pt, rotations/v_rotation_sst_r_h_pbr.pt, rotations/rotationzoo.json
+    per_head = fit_rotations("qkv_dumps/gpqa", grouping="kv_head")   # [L, H_kv, d, d]: one per KV head
 
 Modules: :mod:`~.accumulate` (streaming fp64 covariances), :mod:`~.compose` (eigendecomposition and
 the authors' compositions), :mod:`~.dump` (the SGLang Q/K/V dump layout), :mod:`~.fitter`
