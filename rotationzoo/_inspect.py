@@ -40,6 +40,8 @@ MAX_LAYERS = 1024
 #: ``min(max_bytes, max_layers * (max_head_dim**2 + max_head_dim) * 8)``, so expectations passed to
 #: :func:`read_rotation` tighten it (36 layers of d=128: 4.8 MB).
 MAX_BYTES = 256 << 20
+#: Most KV heads a per-KV-head file (``source_grouping: "kv_head"``) may hold per layer.
+MAX_KV_HEADS = 256
 
 #: Element type and size of each storage class a ``torch.save`` pickle names.
 STORAGE_TYPES: dict[str, tuple[str, int]] = {
@@ -112,6 +114,13 @@ class Limits:
     max_layers: int
     max_bytes: int
     note: str = ""  # appended to refusals, e.g. "; the model's head_dim is 128"
+    max_kv_heads: int = MAX_KV_HEADS  # first dim of a per-KV-head [H, d, d] rotation
+    max_bytes_kv_head: int = MAX_BYTES  # the byte cap of a per-KV-head file
+
+    @property
+    def max_bytes_any(self) -> int:
+        """The byte cap before the grouping is known (the schema check then applies the exact one)."""
+        return max(self.max_bytes, self.max_bytes_kv_head)
 
     @property
     def max_tensors(self) -> int:
@@ -165,10 +174,12 @@ def refuse(name: str, what: str) -> RotationFileError:
 
 
 def check_view(name: str, t: TensorMeta, limits: Limits) -> None:
-    """Refuse empty, over-large, >2-D, stride-0, negative-stride or overlapping views."""
+    """Refuse empty, over-large, >3-D, stride-0, negative-stride or overlapping views."""
     shape, stride = t.shape, t.stride
-    if len(shape) > 2:
-        raise refuse(name, f"a tensor of shape {shape}; rotation files hold [d, d] and [d] tensors")
+    if len(shape) > 3:
+        raise refuse(name, f"a tensor of shape {shape}; rotation files hold [d, d], [H, d, d], [d] and [H, d] tensors")
+    if len(shape) == 3 and shape[0] > limits.max_kv_heads:
+        raise refuse(name, f"a tensor of shape {shape}: {shape[0]} KV heads exceeds max_kv_heads={limits.max_kv_heads}{limits.note}")
     if any(n < 1 for n in shape):
         raise refuse(name, f"an empty tensor of shape {shape}")
     dims = sorted((s, n) for s, n in zip(stride, shape) if n > 1)
@@ -234,8 +245,8 @@ class _Recorder:
         dtype, itemsize = STORAGE_TYPES[storage_type.name]
         if parse_index(key) is None or not isinstance(location, str) or type(numel) is not int or not 0 <= numel < BIG_INT:
             raise refuse(self.name, f"a malformed storage reference {safe_repr(pid)}")
-        if numel * itemsize > self.limits.max_bytes:
-            raise refuse(self.name, f"a storage of {numel * itemsize} bytes exceeds max_bytes={self.limits.max_bytes}{self.limits.note}")
+        if numel * itemsize > self.limits.max_bytes_any:
+            raise refuse(self.name, f"a storage of {numel * itemsize} bytes exceeds max_bytes={self.limits.max_bytes_any}{self.limits.note}")
         seen = self.storages.get(key)
         if seen is None:
             seen = self.storages[key] = StorageRef(key, dtype, itemsize, numel)
@@ -392,8 +403,8 @@ def check_storage_use(name: str, rec: _Recorder, limits: Limits) -> None:
             raise refuse(name, f"storage {key} holds {s.numel} elements but its tensors use {used}")
         total += s.numel * s.itemsize
     out = sum(t.numel for t in rec.tensors) * 4  # what loading materialises as fp32
-    if max(total, out) > limits.max_bytes:
-        raise refuse(name, f"its tensors need {max(total, out)} bytes, more than max_bytes={limits.max_bytes}{limits.note}")
+    if max(total, out) > limits.max_bytes_any:
+        raise refuse(name, f"its tensors need {max(total, out)} bytes, more than max_bytes={limits.max_bytes_any}{limits.note}")
 
 
 def _member_kind(rest: str) -> str:
@@ -421,7 +432,7 @@ def check_members(name: str, infos: list[zipfile.ZipInfo], limits: Limits) -> tu
             raise refuse(name, f"member {safe_repr(rest)} is encrypted or uses compression {info.compress_type}")
         kind = _member_kind(rest)
         cap, label = {"pickle": (limits.max_pickle_bytes, f"limit for max_layers={limits.max_layers}"),
-                      "record": (limits.max_bytes, "max_bytes"), "other": (SMALL_MEMBER_BYTES, "limit")}[kind]
+                      "record": (limits.max_bytes_any, "max_bytes"), "other": (SMALL_MEMBER_BYTES, "limit")}[kind]
         if info.file_size > cap:
             raise refuse(name, f"member {safe_repr(rest)} declares {info.file_size} bytes ({label}={cap}{limits.note})")
         if kind == "record":
@@ -431,8 +442,8 @@ def check_members(name: str, infos: list[zipfile.ZipInfo], limits: Limits) -> tu
             pkl = info.filename
     if len(prefixes) != 1 or pkl is None:
         raise RotationFileError(f"{name}: not a torch archive (expected one folder with data.pkl); re-save it with torch.save")
-    if total > limits.max_bytes:
-        raise refuse(name, f"its tensor records declare {total} bytes, more than max_bytes={limits.max_bytes}{limits.note}")
+    if total > limits.max_bytes_any:
+        raise refuse(name, f"its tensor records declare {total} bytes, more than max_bytes={limits.max_bytes_any}{limits.note}")
     return pkl, records
 
 

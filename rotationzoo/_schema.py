@@ -18,6 +18,7 @@ from ._inspect import (
     BIG_INT,
     MAX_BYTES,
     MAX_HEAD_DIM,
+    MAX_KV_HEADS,
     MAX_LAYERS,
     FLOAT_DTYPES,
     Limits,
@@ -48,8 +49,16 @@ SAFETENSORS_DTYPES: dict[str, tuple[str, int]] = {
 _MAX_TEXT = 1024  # objective, source_grouping
 
 
+#: ``source_grouping`` of a file holding one rotation per (layer, KV head): ``[H_kv, d, d]`` per layer.
+KV_HEAD = "kv_head"
+
+
 def parse(obj: Any, name: str, limits: Limits) -> tuple[Any, list[tuple[int, Any, Any]], str, str]:
     """Check the dict's structure; works on tensors and on :class:`TensorMeta` records alike.
+
+    Per-layer files hold a ``[d, d]`` rotation (and ``[d]`` eigenvalues) per layer; files with
+    ``source_grouping: "kv_head"`` hold ``[H_kv, d, d]`` (and ``[H_kv, d]``), the same ``H_kv`` in
+    every layer.
 
     Returns:
         ``(format_version, [(layer_id, rotation, eigenvalues or None)] sorted by id, objective,
@@ -59,6 +68,7 @@ def parse(obj: Any, name: str, limits: Limits) -> tuple[Any, list[tuple[int, Any
         raise RotationFileError(f"{name}: expected a dict with 'format_version' and 'layers', got {type(obj).__name__}")
     version = obj.get("format_version", FORMAT_VERSION)
     check_format_version(version, name)
+    grouping = _text(obj, "source_grouping", "layer", name)
     if "layers" not in obj:
         keys = ", ".join(safe_repr(k) for k in list(obj)[:8]) or "none"
         raise RotationFileError(f"{name}: no 'layers' entry (keys: {keys}); not a rotation file")
@@ -79,26 +89,50 @@ def parse(obj: Any, name: str, limits: Limits) -> tuple[Any, list[tuple[int, Any
         else:
             raise RotationFileError(f"{name}: layer {lid}: expected a dict with a 'rotation' tensor")
         _check_tensor(rot, "rotation", lid, name, limits)
-        shape = tuple(rot.shape)
-        if len(shape) != 2 or shape[0] != shape[1]:
-            raise RotationFileError(f"{name}: layer {lid}: rotation must be a square [d, d] matrix, got {shape}")
+        _check_rotation_shape(tuple(rot.shape), grouping, lid, name)
         if eig is not None:
             _check_tensor(eig, "eigenvalues", lid, name, limits)
         parsed[lid] = (lid, rot, eig)
     rows = sorted(parsed.values(), key=lambda t: t[0])
-    dims = {p[1].shape[0] for p in rows}
-    if len(dims) != 1:
-        detail = ", ".join(f"layer {lid}: {rot.shape[0]}" for lid, rot, _ in rows[:6])
-        raise RotationFileError(f"{name}: layers have different head_dims ({detail})")
-    d = dims.pop()
-    loaded = len(rows) * (d * d + d) * 4  # fp32 after stacking; layers may share one stored tensor
-    if loaded > limits.max_bytes:
-        raise RotationFileError(f"{name}: {len(rows)} layers of d={d} need {loaded} bytes loaded, more than "
-                                f"max_bytes={limits.max_bytes}{limits.note}")
+    _check_same_shape(rows, name)
+    _check_loaded_bytes(rows, grouping, name, limits)
+    lead = tuple(rows[0][1].shape[:-1])  # (d,) or (H_kv, d)
     for lid, _, eig in rows:
-        if eig is not None and tuple(eig.shape) != (d,):
-            raise RotationFileError(f"{name}: layer {lid}: eigenvalues must have shape [{d}], got {tuple(eig.shape)}")
-    return version, rows, _text(obj, "objective", "unknown", name), _text(obj, "source_grouping", "layer", name)
+        if eig is not None and tuple(eig.shape) != lead:
+            raise RotationFileError(f"{name}: layer {lid}: eigenvalues must have shape {list(lead)}, "
+                                    f"got {list(eig.shape)}")
+    return version, rows, _text(obj, "objective", "unknown", name), grouping
+
+
+def _check_rotation_shape(shape: tuple[int, ...], grouping: str, lid: int, name: str) -> None:
+    if grouping == KV_HEAD:
+        if len(shape) != 3 or shape[1] != shape[2]:
+            raise RotationFileError(f"{name}: layer {lid}: source_grouping 'kv_head' needs a [H_kv, d, d] rotation "
+                                    f"per layer, got {list(shape)}")
+    elif len(shape) != 2 or shape[0] != shape[1]:
+        hint = " (a per-KV-head [H_kv, d, d] rotation needs source_grouping 'kv_head')" if len(shape) == 3 else ""
+        raise RotationFileError(f"{name}: layer {lid}: rotation must be a square [d, d] matrix, got {shape}{hint}")
+
+
+def _check_same_shape(rows: list[tuple[int, Any, Any]], name: str) -> None:
+    dims = {p[1].shape[-1] for p in rows}
+    if len(dims) != 1:
+        detail = ", ".join(f"layer {lid}: {rot.shape[-1]}" for lid, rot, _ in rows[:6])
+        raise RotationFileError(f"{name}: layers have different head_dims ({detail})")
+    heads = {tuple(p[1].shape[:-2]) for p in rows}
+    if len(heads) != 1:
+        detail = ", ".join(f"layer {lid}: {rot.shape[0]}" for lid, rot, _ in rows[:6])
+        raise RotationFileError(f"{name}: layers have different numbers of KV heads ({detail})")
+
+
+def _check_loaded_bytes(rows: list[tuple[int, Any, Any]], grouping: str, name: str, limits: Limits) -> None:
+    shape = tuple(rows[0][1].shape)
+    d, h = shape[-1], (shape[0] if len(shape) == 3 else 1)
+    loaded = len(rows) * h * (d * d + d) * 4  # fp32 after stacking; layers may share one stored tensor
+    cap = limits.max_bytes_kv_head if grouping == KV_HEAD else limits.max_bytes
+    if loaded > cap:
+        what = f"{len(rows)} layers of d={d}" + (f" and {h} KV heads" if grouping == KV_HEAD else "")
+        raise RotationFileError(f"{name}: {what} need {loaded} bytes loaded, more than max_bytes={cap}{limits.note}")
 
 
 def _is_tensor(x: Any) -> bool:
@@ -131,8 +165,12 @@ def _check_tensor(t: Any, what: str, lid: int, name: str, limits: Limits) -> Non
     if not floating:
         raise RotationFileError(f"{name}: layer {lid}: {what} dtype {dtype} is not floating point")
     shape = tuple(t.shape)
-    if not shape or len(shape) > 2 or min(shape) < 1:
-        raise RotationFileError(f"{name}: layer {lid}: {what} has shape {shape}; expected [d, d] or [d] with d >= 1")
+    if not shape or len(shape) > 3 or min(shape) < 1:
+        raise RotationFileError(f"{name}: layer {lid}: {what} has shape {shape}; expected [d, d] or [d] "
+                                "(per KV head: [H, d, d] or [H, d]) with d >= 1")
+    if len(shape) == 3 and shape[0] > limits.max_kv_heads:
+        raise RotationFileError(f"{name}: layer {lid}: {what} of shape {shape} has more than "
+                                f"max_kv_heads={limits.max_kv_heads} KV heads{limits.note}")
     if max(shape) > limits.max_head_dim:
         raise RotationFileError(
             f"{name}: layer {lid}: {what} of shape {shape} exceeds max_head_dim={limits.max_head_dim}{limits.note}"
@@ -167,8 +205,13 @@ def check_format_version(version: Any, name: str) -> None:
 
 
 def make_limits(max_head_dim: int = MAX_HEAD_DIM, max_layers: int = MAX_LAYERS, max_bytes: int = MAX_BYTES,
-                *, head_dim: int | None = None, num_layers: int | None = None) -> Limits:
-    """The :class:`~rotationzoo._inspect.Limits` in force: the maxima, tightened by expectations."""
+                *, head_dim: int | None = None, num_layers: int | None = None,
+                num_kv_heads: int | None = None) -> Limits:
+    """The :class:`~rotationzoo._inspect.Limits` in force: the maxima, tightened by expectations.
+
+    Per-layer files get ``min(max_bytes, max_layers * (d² + d) * 8)``; per-KV-head files that
+    bound times ``num_kv_heads`` when it is known, else ``max_bytes``.
+    """
     note = ""
     if head_dim is not None:
         max_head_dim = min(max_head_dim, int(head_dim))
@@ -176,11 +219,18 @@ def make_limits(max_head_dim: int = MAX_HEAD_DIM, max_layers: int = MAX_LAYERS, 
     if num_layers is not None:
         max_layers = min(max_layers, int(num_layers))
         note += f"; the model has {num_layers} layers"
-    if min(max_head_dim, max_layers, max_bytes) < 1:
+    max_kv_heads, kv_bytes = MAX_KV_HEADS, max_bytes
+    if num_kv_heads is not None:
+        max_kv_heads = min(max_kv_heads, int(num_kv_heads))
+        note += f"; the model has {num_kv_heads} KV heads"
+    if min(max_head_dim, max_layers, max_bytes, max_kv_heads) < 1:
         raise RotationFileError(f"limits must be positive: max_head_dim={max_head_dim}, max_layers={max_layers}, "
-                                f"max_bytes={max_bytes}")
+                                f"max_bytes={max_bytes}, max_kv_heads={max_kv_heads}")
     derived = max_layers * (max_head_dim * max_head_dim + max_head_dim) * 8
-    return Limits(max_head_dim=max_head_dim, max_layers=max_layers, max_bytes=min(max_bytes, derived), note=note)
+    if num_kv_heads is not None:
+        kv_bytes = min(max_bytes, derived * max_kv_heads)
+    return Limits(max_head_dim=max_head_dim, max_layers=max_layers, max_bytes=min(max_bytes, derived), note=note,
+                  max_kv_heads=max_kv_heads, max_bytes_kv_head=kv_bytes)
 
 
 # -- safetensors header ----------------------------------------------------------------------------
@@ -229,8 +279,8 @@ def inspect_safetensors(path: Path, limits: Limits) -> tuple[dict[str, str], dic
         if start < end:
             raise refuse(name, "safetensors tensors overlap")
     total = sum(e - s for s, e in spans)
-    if max(total, sum(t.numel for t in tensors.values()) * 4) > limits.max_bytes:
-        raise refuse(name, f"its tensors need more than max_bytes={limits.max_bytes}{limits.note}")
+    if max(total, sum(t.numel for t in tensors.values()) * 4) > limits.max_bytes_any:
+        raise refuse(name, f"its tensors need more than max_bytes={limits.max_bytes_any}{limits.note}")
     return meta, tensors
 
 

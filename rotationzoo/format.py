@@ -20,6 +20,10 @@ it holds only dense tensors within the limits below; only then is it read with
 The safetensors layout holds tensors ``rotation.<layer_id>`` ``[d, d]`` and optionally
 ``eigenvalues.<layer_id>`` ``[d]``, with string metadata ``format_version``, ``objective``,
 ``source_grouping`` and ``layer_ids`` (comma-separated).
+
+Per-KV-head rotations (a rotationzoo extension, ``docs/format.md``): ``"source_grouping":
+"kv_head"`` and a ``[H_kv, d, d]`` rotation (``[H_kv, d]`` eigenvalues) per layer; head ``h`` of
+the layer is rotated as ``x[..., h, :] @ R[h]``. Engines that read only per-layer files refuse them.
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ from ._inspect import (
 )
 from ._schema import (  # noqa: F401  (public names of this module)
     FORMAT_VERSION,
+    KV_HEAD,
+    MAX_KV_HEADS,
     MAX_BYTES,
     MAX_HEAD_DIM,
     MAX_LAYERS,
@@ -66,12 +72,15 @@ class RotationSet:
 
     Attributes:
         rotations: ``[L, d, d]`` float tensor; ``rotations[i]`` belongs to ``layer_ids[i]`` and is
-            applied as ``x_rot = x @ R`` (``x[..., d]``).
+            applied as ``x_rot = x @ R`` (``x[..., d]``). Per-KV-head sets
+            (``source_grouping="kv_head"``) are ``[L, H_kv, d, d]``: head ``h`` of layer ``i`` is
+            rotated by ``rotations[i, h]``.
         layer_ids: model layer index of each matrix, ascending (sparse for hybrid models).
         objective: ``"<target>_<composition>"`` such as ``"qqt_r_h_pbr"``, or ``"hadamard"``.
-        eigenvalues: ``[L, d]`` raw ascending eigenvalues of the fitted covariance, or ``None``.
+        eigenvalues: ``[L, d]`` (per KV head ``[L, H_kv, d]``) raw ascending eigenvalues of the
+            fitted covariance, or ``None``.
         format_version: ``1`` or ``"identity-v1"``.
-        source_grouping: ``"layer"`` for the published files.
+        source_grouping: ``"layer"`` for the published files; ``"kv_head"`` for per-KV-head sets.
         path: the file it was read from, if any.
     """
 
@@ -94,8 +103,12 @@ class RotationSet:
             self.layer_ids = tuple(operator.index(i) for i in ids)
         except TypeError:
             raise RotationFileError(f"{self._name()}: layer ids must be integers, got {safe_repr(self.layer_ids)}") from None
-        if self.rotations.dim() != 3:
-            raise RotationFileError(f"{self._name()}: rotations must be [L, d, d], got {tuple(self.rotations.shape)}")
+        per_head = self.source_grouping == KV_HEAD
+        if self.rotations.dim() != (4 if per_head else 3):
+            want = "[L, H_kv, d, d] (source_grouping 'kv_head')" if per_head else "[L, d, d]"
+            hint = "; per-KV-head rotations need source_grouping='kv_head'" if self.rotations.dim() == 4 else ""
+            raise RotationFileError(f"{self._name()}: rotations must be {want}, got {tuple(self.rotations.shape)}"
+                                    f"{hint}")
         if self.rotations.shape[0] != len(self.layer_ids):
             raise RotationFileError(
                 f"{self._name()}: {self.rotations.shape[0]} matrices but {len(self.layer_ids)} layer ids"
@@ -116,6 +129,16 @@ class RotationSet:
     def num_layers(self) -> int:
         return len(self.layer_ids)
 
+    @property
+    def per_head(self) -> bool:
+        """Whether this set holds one rotation per (layer, KV head) (``source_grouping="kv_head"``)."""
+        return self.source_grouping == KV_HEAD
+
+    @property
+    def num_kv_heads(self) -> int | None:
+        """``H_kv`` of a per-KV-head set; ``None`` for one rotation per layer."""
+        return int(self.rotations.shape[1]) if self.per_head else None
+
     def __len__(self) -> int:
         return len(self.layer_ids)
 
@@ -127,7 +150,7 @@ class RotationSet:
             raise KeyError(f"{self._name()} has no layer {layer_id}; layers: {_fmt_ids(self.layer_ids)}") from None
 
     def __getitem__(self, layer_id: int) -> torch.Tensor:
-        """The ``[d, d]`` rotation of model layer ``layer_id``."""
+        """The ``[d, d]`` rotation of model layer ``layer_id`` (``[H_kv, d, d]`` per KV head)."""
         return self.rotations[self.index_of(layer_id)]
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "RotationSet":
@@ -164,7 +187,8 @@ class RotationSet:
 
     @classmethod
     def from_dict(cls, obj: Any, *, path: Path | None = None, max_head_dim: int = MAX_HEAD_DIM,
-                  max_layers: int = MAX_LAYERS, max_bytes: int = MAX_BYTES) -> "RotationSet":
+                  max_layers: int = MAX_LAYERS, max_bytes: int = MAX_BYTES,
+                  limits: Limits | None = None) -> "RotationSet":
         """Parse the authors' dict (see module docstring); raises typed errors on anything else.
 
         Args:
@@ -173,9 +197,10 @@ class RotationSet:
             max_head_dim: largest accepted ``d``.
             max_layers: most accepted layers.
             max_bytes: most bytes the stacked fp32 rotations and eigenvalues may take.
+            limits: the :class:`~rotationzoo._inspect.Limits` to apply instead of the three above.
         """
         name = str(path) if path else "rotation data"
-        limits = make_limits(max_head_dim, max_layers, max_bytes)
+        limits = limits or make_limits(max_head_dim, max_layers, max_bytes)
         version, parsed, objective, grouping = _schema.parse(obj, name, limits)
         # stack copies: layers that shared one storage in the file become independent tensors
         eigs = [p[2] for p in parsed]
@@ -231,6 +256,7 @@ def read_rotation(
     max_bytes: int = MAX_BYTES,
     head_dim: int | None = None,
     num_layers: int | None = None,
+    num_kv_heads: int | None = None,
 ) -> RotationSet:
     """Read a rotation file (``.pt`` or ``.safetensors``) without running any code from it.
 
@@ -248,6 +274,8 @@ def read_rotation(
         head_dim: the model's head dimension when known: a file with another ``d`` is refused
             before loading, and the limits tighten to it.
         num_layers: how many layers the model has when known: a file with more is refused.
+        num_kv_heads: the model's KV heads when known: a per-KV-head file with another count is
+            refused before loading.
 
     Returns:
         A :class:`RotationSet` with fp32 ``rotations [L, d, d]`` (not yet validated; see
@@ -266,18 +294,19 @@ def read_rotation(
         raise RotationFileError(f"{p}: no such file")
     if p.stat().st_size == 0:
         raise RotationFileError(f"{p}: file is empty")
-    limits = make_limits(max_head_dim, max_layers, max_bytes, head_dim=head_dim, num_layers=num_layers)
+    limits = make_limits(max_head_dim, max_layers, max_bytes, head_dim=head_dim, num_layers=num_layers,
+                         num_kv_heads=num_kv_heads)
+    expect = (head_dim, num_layers, num_kv_heads)
     kind = detect_kind(p)
     if kind == "safetensors":
-        rs = _read_safetensors(p, limits, head_dim, num_layers)
+        rs = _read_safetensors(p, limits, expect)
     else:
         check_torch_version()
         if not _is_zip(p):
             refuse_legacy_pickle(p, limits)
         plan, _ = inspect_torch_zip(p, limits)
-        _check_expected(_schema.parse(plan, str(p), limits), str(p), head_dim, num_layers)
-        rs = RotationSet.from_dict(_torch_load_safe(p), path=p, max_head_dim=limits.max_head_dim,
-                                   max_layers=limits.max_layers, max_bytes=limits.max_bytes)
+        _check_expected(_schema.parse(plan, str(p), limits), str(p), expect)
+        rs = RotationSet.from_dict(_torch_load_safe(p), path=p, limits=limits)
     if str(map_location) != "cpu":
         rs = rs.to(device=map_location)
     return rs
@@ -300,13 +329,19 @@ def _is_zip(p: Path) -> bool:
         return f.read(4) == b"PK\x03\x04"
 
 
-def _check_expected(parsed: tuple, name: str, head_dim: int | None, num_layers: int | None) -> None:
-    rows = parsed[1]
-    d = int(rows[0][1].shape[0])
+def _check_expected(parsed: tuple, name: str, expect: tuple[int | None, int | None, int | None]) -> None:
+    """The model's ``(head_dim, num_layers, num_kv_heads)``, where known, against the parsed file."""
+    head_dim, num_layers, num_kv_heads = expect
+    rows, grouping = parsed[1], parsed[3]
+    shape = tuple(rows[0][1].shape)
+    d = int(shape[-1])
     if head_dim is not None and d != head_dim:
         raise RotationFileError(f"{name}: head_dim {d}, but the model needs {head_dim}")
     if num_layers is not None and len(rows) > num_layers:
         raise RotationFileError(f"{name}: has {len(rows)} layers, the model needs {num_layers}")
+    if grouping == KV_HEAD and num_kv_heads is not None and shape[0] != num_kv_heads:
+        raise RotationFileError(f"{name}: per-KV-head rotations for {shape[0]} KV heads, but the model has "
+                                f"{num_kv_heads}")
 
 
 def _torch_load_safe(p: Path) -> Any:
@@ -323,12 +358,12 @@ def _torch_load_safe(p: Path) -> Any:
         ) from None
 
 
-def _read_safetensors(p: Path, limits: Limits, head_dim: int | None, num_layers: int | None) -> RotationSet:
+def _read_safetensors(p: Path, limits: Limits, expect: tuple[int | None, int | None, int | None]) -> RotationSet:
     from safetensors import safe_open
 
     meta, metas = inspect_safetensors(p, limits)
     plan = _safetensors_dict(p, meta, metas)
-    _check_expected(_schema.parse(plan, str(p), limits), str(p), head_dim, num_layers)
+    _check_expected(_schema.parse(plan, str(p), limits), str(p), expect)
     try:
         with safe_open(str(p), framework="pt") as f:
             tensors = {k: f.get_tensor(k) for k in metas}
@@ -336,8 +371,7 @@ def _read_safetensors(p: Path, limits: Limits, head_dim: int | None, num_layers:
         raise RotationFileError(
             f"{p}: cannot read safetensors ({type(exc).__name__}: {exc_line(exc)}); the file is truncated or damaged"
         ) from None
-    return RotationSet.from_dict(_safetensors_dict(p, meta, tensors), path=p, max_head_dim=limits.max_head_dim,
-                                 max_layers=limits.max_layers, max_bytes=limits.max_bytes)
+    return RotationSet.from_dict(_safetensors_dict(p, meta, tensors), path=p, limits=limits)
 
 
 def _safetensors_dict(p: Path, meta: Mapping[str, str], tensors: Mapping[str, Any]) -> dict[str, Any]:

@@ -98,6 +98,11 @@ class RotationPair:
         return self.sets[self.sides[0]].head_dim
 
     @property
+    def per_head(self) -> bool:
+        """Whether a side holds per-KV-head rotations (``[L, H_kv, d, d]``, ``source_grouping="kv_head"``)."""
+        return any(rs.per_head for _, rs in self)
+
+    @property
     def model(self) -> str | None:
         """The registry model id (or the one recorded in a pair file)."""
         return self.entry.model_id if self.entry is not None else self.metadata.get("model")
@@ -156,6 +161,9 @@ class RotationPair:
                     f"{self.source or 'rotation pair'}: K and V disagree: K has {len(k.layer_ids)} layers × "
                     f"d {k.head_dim}, V has {len(v.layer_ids)} layers × d {v.head_dim}"
                 )
+            if k.per_head and v.per_head and k.num_kv_heads != v.num_kv_heads:
+                raise InvalidRotationError(f"{self.source or 'rotation pair'}: K and V disagree: K has "
+                                           f"{k.num_kv_heads} KV heads, V has {v.num_kv_heads}")
         return self
 
     def serve_env(self, engine: str) -> dict[str, str]:
@@ -397,8 +405,9 @@ def load_registered(
     ids = arch.expected_layer_ids()
     sets = {}
     for s in SIDES:
-        rs = read_rotation(got.files[s].path, head_dim=arch.head_dim, num_layers=len(ids) if ids else None)
-        validate(rs, atol=atol, layer_ids=ids, head_dim=arch.head_dim)
+        rs = read_rotation(got.files[s].path, head_dim=arch.head_dim, num_layers=len(ids) if ids else None,
+                           num_kv_heads=arch.num_kv_heads)
+        validate(rs, atol=atol, layer_ids=ids, head_dim=arch.head_dim, num_kv_heads=arch.num_kv_heads)
         if dtype is not None or str(device) != "cpu":
             rs = rs.to(device=device, dtype=dtype)
         sets[s] = rs
@@ -408,7 +417,8 @@ def load_registered(
 
 
 def verify_path(path: str | os.PathLike[str], *, atol: float = DEFAULT_ATOL, layer_ids: Sequence[int] | None = None,
-                num_layers: int | None = None, head_dim: int | None = None) -> list[ValidationReport]:
+                num_layers: int | None = None, head_dim: int | None = None,
+                num_kv_heads: int | None = None) -> list[ValidationReport]:
     """Validation reports of a rotation file: one for a single-side file, one per side for a pair
     file (exported safetensors or GGUF) or a pair folder (found as :func:`find_pair_files` finds it).
     Never raises for a bad file (the report says why)."""
@@ -420,10 +430,11 @@ def verify_path(path: str | os.PathLike[str], *, atol: float = DEFAULT_ATOL, lay
             return [ValidationReport(path=str(p), ok=False, problems=[str(exc)])]
         return [r for s in SIDES if s in files
                 for r in verify_path(files[s], atol=atol, layer_ids=layer_ids, num_layers=num_layers,
-                                     head_dim=head_dim)]
+                                     head_dim=head_dim, num_kv_heads=num_kv_heads)]
     kind = file_kind(p) if p.is_file() else None
     if kind is None:
-        return [verify_file(p, atol=atol, layer_ids=layer_ids, num_layers=num_layers, head_dim=head_dim)]
+        return [verify_file(p, atol=atol, layer_ids=layer_ids, num_layers=num_layers, head_dim=head_dim,
+                            num_kv_heads=num_kv_heads)]
     try:
         sets, _ = read_pair_file(p)
     except RotationZooError as exc:
@@ -433,7 +444,7 @@ def verify_path(path: str | os.PathLike[str], *, atol: float = DEFAULT_ATOL, lay
     for s in SIDES:
         if s in sets:
             rep = validate(sets[s], atol=atol, layer_ids=layer_ids, num_layers=num_layers, head_dim=head_dim,
-                           raise_on_error=False)
+                           num_kv_heads=num_kv_heads, raise_on_error=False)
             rep.path, rep.sha256, rep.size = f"{p} [{s}]", sha, size
             out.append(rep)
     return out

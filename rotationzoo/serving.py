@@ -180,6 +180,10 @@ def launch_spec(
     if e == "llamacpp" and model_path and Path(model_path).suffix.lower() != ".gguf":
         raise ServingError(f"--model-path for llamacpp is the model's GGUF file, got {model_path!r}")
     pair = resolve_pair(model, tag, cache_dir=cache_dir, offline=offline, hub_source=source, revision=revision)
+    if pair.per_head:
+        raise ServingError(f"{pair.source}: per-KV-head rotations ([L, H_kv, d, d]) cannot be served by {e}, which reads "
+                           "one [d, d] rotation per layer; serve them with rotationzoo.integrations.transformers, or "
+                           "fit with --grouping layer")
     missing = [s for s in ("k", "v") if s not in pair.sets or s not in pair.paths]
     if missing:
         raise ServingError(f"{pair.source}: a launch needs local K and V rotation files (missing {', '.join(missing)})")

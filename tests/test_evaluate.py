@@ -347,3 +347,32 @@ def test_cli_eval_takes_int2_settings_from_the_registry_entry(tmp_path, capsys, 
     assert main(["eval", "--model", str(folder), "--text", str(text), "--context", "400", "--baseline", "none",
                  "--methods", "none,had=SmolLM2-135M-Instruct@hadamard"]) == 1
     assert seen[-1].group_size == 64
+
+
+def test_per_kv_head_rotations_evaluate_head_by_head(model, ids, monkeypatch) -> None:
+    """Identical heads score exactly like the per-layer pair; other heads change the result; a
+    per-head pair for another head count is refused before anything runs."""
+    import rotationzoo.evaluate.methods as methods_mod
+
+    monkeypatch.setattr(methods_mod, "sign_flip", lambda r, *a: r)  # per-head draws flip each head on its own
+    conf = Int2KVConfig(group_size=32, prefix_tokens=4, recent_tokens=8)
+    proto = EvalProtocol(draws=1, block_tokens=32, resamples=50)
+    layer = random_pair()
+
+    def per_head(pair: RotationPair, heads: int, other: RotationPair | None = None) -> RotationPair:
+        sets = {}
+        for s, rs in pair:
+            r = rs.rotations[:, None].repeat(1, heads, 1, 1)
+            if other is not None:
+                r[:, 1] = other[s].rotations
+            sets[s] = RotationSet(r, rs.layer_ids, objective=rs.objective, source_grouping="kv_head")
+        return RotationPair(sets, source=f"{pair.source}-per-head")
+
+    methods = [MethodSpec.fp(), MethodSpec.hadamard(), MethodSpec.from_source("layer", layer),
+               MethodSpec.from_source("same", per_head(layer, 2)),
+               MethodSpec.from_source("mixed", per_head(layer, 2, random_pair(seed=9)))]
+    _, _, lay, same, mixed = evaluate(model, ids[:300], methods, conf, proto).results
+    assert (same.nll, same.kl, same.top1) == (lay.nll, lay.kl, lay.top1)
+    assert mixed.kl != lay.kl
+    with pytest.raises(EvaluationError, match="per-KV-head K rotations for 3 heads, the model has 2"):
+        evaluate(model, ids, [MethodSpec.hadamard(), MethodSpec.from_source("x", per_head(layer, 3))])

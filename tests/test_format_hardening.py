@@ -170,7 +170,8 @@ def test_deflate_bomb_refused_fast_and_small(tmp_path: Path) -> None:
         (torch.arange(64.0).as_strided((16, 16), (1, 1)), "overlapping"),
         (torch.zeros(1000, 1000)[:16, :16], "storage 0 holds 1000000 elements but its tensors use 256"),
         (torch.zeros(0, 0), "empty tensor"),
-        (torch.zeros(4, 4, 4), r"shape \(4, 4, 4\)"),
+        (torch.zeros(2, 4, 4, 4), r"shape \(2, 4, 4, 4\)"),
+        (torch.zeros(4, 4, 4), r"got \(4, 4, 4\) \(a per-KV-head \[H_kv, d, d\] rotation needs source_grouping 'kv_head'\)"),
     ],
 )
 def test_bad_views_refused_before_loading(tmp_path: Path, no_torch_load, tensor, pattern) -> None:
@@ -304,7 +305,7 @@ def test_safetensors_header_checked_before_reading(tmp_path: Path, monkeypatch) 
         ({"rotation.0": {"dtype": "F32", "shape": [16384, 16384], "data_offsets": [0, 1 << 30]}}, "max_head_dim"),
         ({"rotation.0": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 1 << 40]}}, "data_offsets"),
         ({"rotation.0": {"dtype": "F32", "shape": [4, -4], "data_offsets": [0, 64]}}, "empty tensor"),
-        ({"rotation.0": {"dtype": "F32", "shape": [4, 4, 4], "data_offsets": [0, 64]}}, r"shape \(4, 4, 4\)"),
+        ({"rotation.0": {"dtype": "F32", "shape": [2, 4, 4, 4], "data_offsets": [0, 512]}}, r"shape \(2, 4, 4, 4\)"),
         ({"rotation.0": {"dtype": "X9", "shape": [4, 4], "data_offsets": [0, 64]}}, "damaged safetensors entry"),
         ({f"rotation.{i}": {"dtype": "F32", "shape": [1, 1], "data_offsets": [4 * i, 4 * i + 4]}
           for i in range(3000)}, "max_layers=1024"),

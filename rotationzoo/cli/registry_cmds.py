@@ -210,15 +210,16 @@ def cmd_verify(
         raise CLIError("give one or more rotation files to check, or --registry to check the registry entries")
     from ..pair import verify_path
 
-    layer_ids = None
+    layer_ids, num_kv_heads = None, None
     if model is not None:
         from ..registry import get_model
 
         arch = get_model(model).architecture
-        layer_ids = arch.expected_layer_ids()
+        layer_ids, num_kv_heads = arch.expected_layer_ids(), arch.num_kv_heads
         head_dim = head_dim or arch.head_dim
     reports = [r for p in paths
-               for r in verify_path(p, atol=atol, layer_ids=layer_ids, num_layers=num_layers, head_dim=head_dim)]
+               for r in verify_path(p, atol=atol, layer_ids=layer_ids, num_layers=num_layers, head_dim=head_dim,
+                                    num_kv_heads=num_kv_heads)]
     for r in reports:  # torch and other libraries colour their messages: never let ANSI codes through
         r.problems = [plain(p) for p in r.problems]
     if json_out:

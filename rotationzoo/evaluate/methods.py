@@ -116,7 +116,8 @@ def _ids(ids: tuple[int, ...]) -> str:
 def sign_flip(rotations: torch.Tensor, draw: int, seed: int, side: str) -> torch.Tensor:
     """``R·D``: the columns of every matrix of ``rotations [..., d, d]`` multiplied by seeded ±1.
 
-    The signs depend on ``(seed, draw, side)`` only, so draw ``k`` flips every method the same way.
+    The signs depend on ``(seed, draw, side)`` and the shape only, so draw ``k`` flips every
+    per-layer method the same way; per-KV-head rotations ``[L, H_kv, d, d]`` get a sign vector per head.
     """
     g = torch.Generator().manual_seed((int(seed) * 1_000_003 + int(draw) * 2 + (side == "v")) % (2**63))
     signs = torch.randint(0, 2, rotations.shape[:-2] + (1, rotations.shape[-1]), generator=g).float() * 2 - 1

@@ -99,6 +99,10 @@ def write_gguf(sets: Sets, out: Path, *, model: str | None = None, tag: str | No
         ExportError: the base is not a model GGUF, or its layers / head size do not fit the rotations.
         MissingDependencyError: the ``gguf`` package is not installed.
     """
+    per_head = [s for s in sides_of(sets) if sets[s].per_head]
+    if per_head:
+        raise ExportError(f"{out}: {'/'.join(per_head).upper()} rotations are per KV head ([L, H_kv, d, d]); the "
+                          "llama.cpp GGUF layout holds one [d, d] rotation per layer; export to safetensors instead")
     gguf = gguf_module()
     sha = dict(sha256 or {})
     if base_gguf is not None and base_gguf.resolve() == out.resolve():
