@@ -33,7 +33,8 @@ def quant(d, group, *, rotate, clip, lloyd_max=False, has_loc=True, scale="fp32"
 # The serving case and its grouped variant (the most registers at d = 128), the heaviest clip
 # (31-pass bisection) with the smallest groups at the largest head_dim, Lloyd-Max with a rotation,
 # the decode flush's bisection into the paged store with a rotation at d = 256, the launches
-# ptxas spilled in without an explicit register ceiling (sm_90, sm_80), and a grouped dequantize.
+# ptxas spilled in without an explicit register ceiling (sm_90, sm_80), a grouped dequantize, and
+# the d = 256 dequantize that spilled on sm_80 with 4 warps.
 SUBSET = [
     quant(128, 128, rotate=True, clip="top"),
     quant(128, 16, rotate=True, clip="top", scale="bf16"),
@@ -43,6 +44,7 @@ SUBSET = [
     quant(128, 128, rotate=False, clip="bottom", scale="bf16"),  # spilled 8 B on sm_90 without a maxnreg
     quant(128, 16, rotate=True, clip="top", has_loc=False),  # spilled 8 B on sm_80 without a maxnreg
     dict(kind="dequantize", d=128, group=32, scale="fp16", out="bf16", source="heuristic"),
+    dict(kind="dequantize", d=256, group=128, scale="fp16", out="fp16", source="heuristic"),  # 8 B on sm_80, 4 warps
 ]
 
 

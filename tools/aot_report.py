@@ -173,7 +173,7 @@ def _launch(v: dict):
     if v["kind"] == "dequantize":
         codes, sz, out = _tensors(v)
         return ti.aot_kernels().dequant, ti.dequant_launch(
-            codes, sz, out, group_size=v["group"], interpret=False, num_sms=sms, **over
+            codes, sz, out, group_size=v["group"], interpret=False, num_sms=sms, capability=v["target"], **over
         )
     x, rot, loc, codes, sz = _tensors(v)
     ci = layout.clip_index(CLIP_RATIOS[v["clip"]], v["d"])

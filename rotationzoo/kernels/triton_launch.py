@@ -131,13 +131,16 @@ def dequant_launch(
     programs: int | None = None,
     interpret: bool | None = None,
     num_sms: int | None = None,
+    capability: int | None = None,
 ) -> Launch:
-    """The launch :func:`dequantize_triton` makes (same arguments), without running it."""
+    """The launch :func:`dequantize_triton` makes (same arguments), without running it;
+    ``capability`` as for :func:`quant_launch`."""
     n, quarter = codes.shape
     d = 4 * quarter
     interpret = interpret_mode() if interpret is None else interpret
+    cap = capability if capability is not None else _capability(codes.device)
     bt = block_rows or layout.dequant_block_rows(d, interpret=interpret)
-    warps = num_warps or layout.dequant_num_warps(d, bt)
+    warps = num_warps or layout.dequant_num_warps(d, bt, capability=cap)
     tiles = triton.cdiv(n, bt)
     progs = programs or layout.persistent_programs(tiles, 1, num_sms or _num_sms(codes.device))
     args = (codes, sz, out, n, tiles, *codes.stride(), *sz.stride(), *out.stride())
