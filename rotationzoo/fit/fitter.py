@@ -42,8 +42,9 @@ def _as_dump(source: Any, keep_first_chunk: bool, layers: Iterable[int] | None) 
     return open_dump(source, keep_first_chunk=keep_first_chunk, layers=layers)
 
 
-def _check_grouping(grouping: str, objective: str) -> bool:
-    """Whether ``grouping`` asks for one rotation per KV head (refusing what cannot be fitted so)."""
+def check_grouping(grouping: str, objective: str | None = None) -> bool:
+    """Whether ``grouping`` asks for one rotation per KV head (refusing an unknown grouping, and
+    ``kv_head`` with the data-free ``hadamard`` objective)."""
     if grouping not in GROUPINGS:
         raise FitError(f"unknown grouping {grouping!r}; expected one of {', '.join(GROUPINGS)}")
     if grouping == "kv_head" and objective == "hadamard":
@@ -258,7 +259,7 @@ def fit_rotations(
     """
     t0 = time.perf_counter()
     k_target, v_target = _parse_objective(objective)
-    per_head = _check_grouping(grouping, objective)
+    per_head = check_grouping(grouping, objective)
     stats = FitStats(device=str(torch.device(device)))
     info: dict[str, Any] = dict(source_info or {})
     if objective == "hadamard":
@@ -288,5 +289,5 @@ def fit_rotations(
         group_size=int(group_size) if composition == "r_pbr_hg" and group_size is not None else None,
         targets={"k": k_target, "v": v_target}, layer_ids=tuple(accs), head_dim=d, num_q_heads=hq, num_kv_heads=hkv,
         tokens={lid: acc.num_tokens for lid, acc in accs.items()}, prompts=prompts, covariances=covs, stats=stats,
-        source=info, model=model, keep_first_chunk=keep_first_chunk, signs=signs, grouping=grouping,
+        source=info, model=model, keep_first_chunk=keep_first_chunk, signs=signs,
     )

@@ -31,10 +31,10 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from ..errors import FitError
-from ..vocab import GROUPINGS, REFINE_INITS, Grouping
+from ..vocab import REFINE_INITS, Grouping
 from .compose import composition_label
 from .dump import Dump, open_dump
-from .fitter import fit_rotations
+from .fitter import check_grouping, fit_rotations
 from .refine import ProgressFn, RefineResult, refine_rotations, relative_improvement
 from .refine_loss import LOSS_NAMES, RefineConfig
 from .result import FitResult, FitStats, peak_rss_bytes
@@ -192,12 +192,11 @@ def refine_fit(
     """
     t0 = time.perf_counter()
     base = config or RefineConfig()
-    if grouping not in GROUPINGS:
-        raise FitError(f"unknown grouping {grouping!r}; expected one of {', '.join(GROUPINGS)}")
-    if base.per_head and grouping != "kv_head":
+    per_head = check_grouping(grouping)
+    if base.per_head and not per_head:
         raise FitError("config.per_head=True learns one rotation per KV head; pass grouping='kv_head'")
     cfg = RefineConfig(**{**vars(base), "steps_k": int(steps), "steps_v": int(steps), "group_size": group_size,
-                          "seed": int(seed), "per_head": grouping == "kv_head"})
+                          "seed": int(seed), "per_head": per_head})
     if tuple(cfg.sides) != ("k", "v"):
         raise FitError("refine_fit writes a pair: rotations for both K and V")
     ids = tuple(sorted(int(i) for i in layers)) if layers is not None else samples.layer_ids()
@@ -214,7 +213,7 @@ def refine_fit(
         layer_ids=ids, head_dim=first.head_dim, num_q_heads=first.num_q_heads, num_kv_heads=first.num_kv_heads,
         tokens={lid: samples.layers[lid].tokens_seen for lid in ids}, prompts=info.get("prompts"),
         source=info, model=model if model is not None else info.get("model"),
-        refinement=refinement_summary(res, init, label, samples), grouping=grouping,
+        refinement=refinement_summary(res, init, label, samples),
     )
     result.stats = FitStats(wall_s=time.perf_counter() - t0, peak_rss_bytes=peak_rss_bytes(), num_workers=res.workers)
     return result

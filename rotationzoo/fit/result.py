@@ -91,8 +91,6 @@ class FitResult:
         refinement: for learned rotations (``objective = "refined"``, see
             :func:`rotationzoo.fit.refine_fit`): init, losses, steps, seed and the per-layer held-out
             losses, written to the manifest's ``refinement``; ``None`` otherwise.
-        grouping: ``"layer"`` (``k``/``v`` hold ``[L, d, d]``) or ``"kv_head"`` (``[L, H_kv, d, d]``,
-            one rotation per layer and KV head; the sets' ``source_grouping``).
     """
 
     k: RotationSet | None
@@ -114,7 +112,12 @@ class FitResult:
     keep_first_chunk: bool = False
     signs: str = "canonical"
     refinement: dict[str, Any] | None = None
-    grouping: str = "layer"
+
+    @property
+    def grouping(self) -> str:
+        """``"kv_head"`` when the sets hold one rotation per layer and KV head (``[L, H_kv, d, d]``),
+        else ``"layer"`` (``[L, d, d]``)."""
+        return "kv_head" if any(rs is not None and rs.per_head for rs in (self.k, self.v)) else "layer"
 
     @property
     def composition_label(self) -> str:

@@ -18,10 +18,11 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 import torch
 
 from ...errors import ConfigError, FitError
-from ...vocab import GROUPINGS, Grouping
+from ...vocab import Grouping
 from ...fit import OBJECTIVE_TARGETS, RefineOptions, fit_rotations, refine_fit
 from ...fit.accumulate import LayerAccumulator, Workspace, second_pass_from_dump
 from ...fit.compose import check_composition
+from ...fit.fitter import check_grouping
 from ...fit.dump import Dump, DumpWriter
 from ...fit.samples import DEFAULT_MAX_TOKENS, CalibrationSamples
 from .capture import QKVCapture
@@ -126,8 +127,7 @@ def calibrate(
     Returns:
         A :class:`rotationzoo.fit.FitResult` (``prompts`` = number of sequences run).
     """
-    if grouping not in GROUPINGS:
-        raise FitError(f"unknown grouping {grouping!r}; expected one of {', '.join(GROUPINGS)}")
+    check_grouping(grouping)
     if refine is None:
         check_composition(composition, group_size)  # before the model runs
     elif objective != "qqt_sst":
