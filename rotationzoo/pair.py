@@ -124,13 +124,18 @@ class RotationPair:
         g = self.metadata.get("group_size", "")
         return int(g) if g.isdigit() and int(g) > 0 else None
 
-    def config(self) -> Int2KVConfig:
-        """The INT2-KV settings to use: the entry's serving defaults; else :class:`Int2KVConfig`'s at
-        the group size the rotations were fitted for, when recorded; else :class:`Int2KVConfig`'s."""
+    @property
+    def recorded_config(self) -> Int2KVConfig | None:
+        """The INT2-KV settings the rotations come with: the entry's serving defaults, else
+        :class:`Int2KVConfig`'s at the group size they were fitted for; ``None`` when neither is known."""
         if self.serving is not None:
             return self.serving
         g = self.fitted_group_size
-        return Int2KVConfig(group_size=g) if g is not None else Int2KVConfig()
+        return Int2KVConfig(group_size=g) if g is not None else None
+
+    def config(self) -> Int2KVConfig:
+        """The INT2-KV settings to use: :attr:`recorded_config`, else :class:`Int2KVConfig`'s."""
+        return self.recorded_config or Int2KVConfig()
 
     @property
     def objectives(self) -> dict[str, str]:
@@ -230,8 +235,6 @@ def _manifest_metadata(d: Path) -> dict[str, str]:
 
 
 def _manifest_files(d: Path) -> dict[str, Path]:
-    if not (d / MANIFEST_NAME).is_file():
-        return {}
     try:
         named = _manifest(d).get("files") or {}
         picked = {s: d / str(named[s]["name"]) for s in SIDES

@@ -74,11 +74,12 @@ def _specs(wanted: list[tuple[str, str | None]], rotations: str | None) -> tuple
         if src is None and rotations is None:
             raise CLIError(f"the {name!r} method needs --rotations ({RotationsHelp})")
         spec = MethodSpec.from_source(name, src if src is not None else rotations)
-        if spec.pair is not None and (spec.pair.serving is not None or spec.pair.fitted_group_size is not None):
+        own = spec.pair.recorded_config if spec.pair is not None else None
+        if own is not None:
             if src is None:
-                serving = spec.pair.config()
+                serving = own
             elif other is None:
-                other = spec.pair.config()
+                other = own
         specs.append(spec)
     return specs, serving or other
 
