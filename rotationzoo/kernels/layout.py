@@ -255,12 +255,13 @@ _DEQUANT_WARPS_SM80: dict[int, int] = {256: 8}
 """Ampere (8.x): at d = 256 (32 rows) with 4 warps ptxas held one variant (G = 128, fp16 scale and
 output) to 80 registers with 8 bytes of spills; with 8 warps all 45 d = 256 variants take 48–66
 registers and spill nothing. Hopper keeps 4 (with 8, three d = 256 variants spill there)."""
+_DEQUANT_WARPS_BY_ARCH = {8: _DEQUANT_WARPS_SM80}
 
 
 def dequant_num_warps(d: int, block_rows: int, *, capability: int | None = None) -> int:
     """Warps per dequantize program (4; 8 at d = 256 on sm_8x)."""
     del block_rows
-    return _for_arch({8: _DEQUANT_WARPS_SM80}, capability, d, 4)
+    return _for_arch(_DEQUANT_WARPS_BY_ARCH, capability, d, 4)
 
 
 def persistent_programs(num_tiles: int, num_heads: int, num_sms: int, *, per_sm: int = 4) -> int:
