@@ -24,7 +24,7 @@ from rotationzoo.cli.main import main
 from rotationzoo import RotationSet, write_rotation
 from rotationzoo.errors import CacheError, ConfigError, FetchError, IntegrityError
 from rotationzoo.hub import cache_records, entry_dir, network, verify_cache
-from rotationzoo.hub.pins import pin_state, read_pins
+from rotationzoo.hub.pins import local_pins, pin_state, read_pins
 from rotationzoo.registry import get_entry
 
 
@@ -187,8 +187,9 @@ def test_unpinned_files_are_pinned_on_first_use_and_changes_refused(zoo, tmp_pat
     with pytest.warns(UserWarning):
         first = rotationzoo.fetch(MODEL, source="modelscope")
     assert pin_state(entry, "k") == "pinned locally"
-    pin = read_pins()[f"{MODEL}:{TAG}:k"]
-    assert pin["sha256"] == first.sha256["k"] and pin["source"].startswith("modelscope:")
+    (label, pin), = local_pins(entry, "k").items()
+    assert label == f"modelscope:{REPO_ID}@master" and pin["source"] == label
+    assert pin["sha256"] == first.sha256["k"]
     assert pin["commit"] and len(pin["commit"]) == 40
 
     # the repository changes the file under the same name, and the cache is cleared
@@ -203,7 +204,7 @@ def test_unpinned_files_are_pinned_on_first_use_and_changes_refused(zoo, tmp_pat
     assert rotationzoo.fetch(MODEL, source="modelscope").from_cache  # the first copy is still good
     again = rotationzoo.fetch(MODEL, source="modelscope", cache_dir=fresh, accept_new=True)
     assert again.sha256["k"] == hashlib.sha256(other.read_bytes()).hexdigest()
-    assert read_pins()[f"{MODEL}:{TAG}:k"]["sha256"] == again.sha256["k"]
+    assert local_pins(entry, "k")[label]["sha256"] == again.sha256["k"]
 
 
 def test_cli_shows_pin_states_and_accepts_new(zoo, tmp_path, capsys) -> None:
@@ -214,7 +215,8 @@ def test_cli_shows_pin_states_and_accepts_new(zoo, tmp_path, capsys) -> None:
     sha = json.loads(capsys.readouterr().out)["k"]["sha256"]
     assert main(["info", MODEL, "--json"]) == 0
     pin = json.loads(capsys.readouterr().out)["tag"]["files"]["k"]["pin"]
-    assert pin["state"] == "pinned locally" and pin["local"]["sha256"] == sha
+    assert pin["state"] == "pinned locally" and [p["sha256"] for p in pin["local"]] == [sha]
+    assert pin["local"][0]["source"] == f"modelscope:{REPO_ID}@master"
     assert main(["info", MODEL]) == 0
     assert f"sha256 {sha} (pinned locally" in capsys.readouterr().out
     assert main(["fetch", MODEL, "--source", "modelscope", "--accept-new", "--timeout", "5", "--json"]) == 0

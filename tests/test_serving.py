@@ -56,13 +56,14 @@ def write_pair(folder: Path, entry, *, seed: int = 0) -> dict[str, Path]:
     return paths
 
 
-def seed_cache(root: Path, entry, *, seed: int = 0) -> dict[str, Path]:
-    """Put a verified copy of ``entry``'s files into the cache at ``root`` (as hub.fetch_file does)."""
+def seed_cache(root: Path, entry, *, seed: int = 0, source: str = "url:https://example.invalid/seeded") -> dict[str, Path]:
+    """Put a verified copy of ``entry``'s files into the cache at ``root`` (as hub.fetch_file does), as if
+    downloaded from ``source`` (unpinned entries are pinned per source on first use)."""
     folder = hub.entry_dir(root, entry)
     folder.mkdir(parents=True, exist_ok=True)
     paths = write_pair(folder, entry, seed=seed)
     for side, p in paths.items():
-        hub.record_verified(p, entry, side, sha=sha256_file(p), source="url:https://example.invalid/seeded")
+        hub.record_verified(p, entry, side, sha=sha256_file(p), source=source)
     return paths
 
 
@@ -250,7 +251,7 @@ def test_llamacpp_gguf_is_rebuilt_for_other_files(qwen_cache, cache_dir):
     spec = launch_spec(QWEN, engine="llamacpp")
     gguf_path = Path(spec.files["gguf"])
     entry = get_entry(QWEN)
-    seed_cache(cache_dir, entry, seed=99)  # new bytes, new sha256 for the same entry
+    seed_cache(cache_dir, entry, seed=99, source="url:https://example.invalid/other")  # new bytes, new sha256
     spec2 = launch_spec(QWEN, engine="llamacpp")
     from rotationzoo.export import read_exported_gguf
 

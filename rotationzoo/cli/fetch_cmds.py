@@ -182,30 +182,6 @@ def cmd_cache_verify(
         raise typer.Exit(1)
 
 
-def _to_remove(model: str | None, tag: str | None, cache_dir: Any) -> tuple[list[Any], int]:
-    """The cached files ``remove_cached(model, tag)`` deletes (as :func:`cache_records` lists them),
-    and with ``model=None`` the bytes of the hub clients' caches that go too."""
-    from ..hub import cache_records, cache_root
-    from ..hub.layout import HUB_AREA, model_folder
-
-    root = cache_root(cache_dir)
-    records = cache_records(cache_dir)
-    if model is None:
-        hub = root / HUB_AREA
-        extra = sum(p.stat().st_size for p in hub.rglob("*") if p.is_file()) if hub.is_dir() else 0
-        return records, extra
-    from ..registry import get_model
-
-    m = get_model(model)
-    folder, want = model_folder(m.id), None if tag is None else m.tag(tag).name
-    picked = []
-    for r in records:
-        parts = r.path.relative_to(root).parts
-        if len(parts) > 2 and parts[1] == folder and (want is None or parts[2].split("@")[0] == want):
-            picked.append(r)
-    return picked, 0
-
-
 @cache_app.command("rm")
 def cmd_cache_rm(
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Only this model.")] = None,
@@ -226,7 +202,7 @@ def cmd_cache_rm(
     """
     from rich.markup import escape
 
-    from ..hub import remove_cached
+    from ..hub import removal_plan, remove_cached
 
     if model is None and not all_:
         raise CLIError("say what to remove: --model M [--tag T], or --all")
@@ -234,7 +210,7 @@ def cmd_cache_rm(
         raise CLIError("give --model M [--tag T] or --all, not both")
     if tag is not None and model is None:
         raise CLIError("--tag needs --model")
-    records, hub_bytes = _to_remove(model, tag, cache_dir)
+    records, hub_bytes = removal_plan(model, tag, cache_dir)
     total = sum(r.size for r in records) + hub_bytes
     what = f"{len(records)} file{'' if len(records) == 1 else 's'}, {human_size(total)} ({total:,} bytes)" + (
         f", of which {human_size(hub_bytes)} in the hub clients' caches" if hub_bytes else "")

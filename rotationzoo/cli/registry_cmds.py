@@ -101,18 +101,18 @@ def cmd_info(
     Examples:  rotationzoo info Qwen3-8B  |  rotationzoo info qwen3-8b --json  |
     rotationzoo info Qwen3-8B --tag longbench-seq150000_prompt44_group128
     """
-    from ..hub.pins import pin_for, pin_state
+    from ..hub.pins import local_pins, pin_state
     from ..registry import get_model, split_model_tag
 
     name, at_tag = split_model_tag(model)
     m = get_model(name)
     entry = m.tag(tag or at_tag)
-    pins = {side: (pin_state(entry, side), pin_for(entry, side)) for side in entry.files}
+    pins = {side: (pin_state(entry, side), local_pins(entry, side)) for side in entry.files}
     if json_out:
         out = m.to_json()
         out["tag"] = entry.to_json()
-        for side, (state, pin) in pins.items():
-            out["tag"]["files"][side]["pin"] = {"state": state, **({"local": pin} if pin else {})}
+        for side, (state, local) in pins.items():
+            out["tag"]["files"][side]["pin"] = {"state": state, **({"local": list(local.values())} if local else {})}
         emit_json(out)
         return
     c = console()
@@ -139,14 +139,16 @@ def cmd_info(
     for r in entry.results:
         c.print(f"result: {r.benchmark} BF16 {r.bf16} → OSCAR INT2 {r.oscar_int2} ({r.source})")
     for side, f in entry.files.items():
-        state, pin = pins[side]
+        state, local = pins[side]
         if f.sha256:
             sha = f"sha256 {f.sha256} (pinned)"
-        elif pin:
-            sha = f"sha256 {pin['sha256']} (pinned locally {pin.get('pinned_at', '')}, from {pin.get('source', '?')})"
+        elif local:
+            sha = "pinned locally"
         else:
             sha = "sha256 unpinned (pinned on first fetch)"
         c.print(f"{side.upper()} file: {f.path}  {sha}  size {f.size or '?'}", markup=False)
+        for label, pin in local.items():
+            c.print(f"    sha256 {pin['sha256']} (pinned locally {pin.get('pinned_at') or ''}, from {label})", markup=False)
         for src in f.sources:
             c.print(f"    from {src.describe()}{'' if src.pinned else '  (revision not pinned)'}")
 

@@ -9,7 +9,16 @@ the package. Modules: :mod:`~rotationzoo.hub.layout` (where things live, markers
 
 from __future__ import annotations
 
-from .cache import CacheRecord, cache_records, derived_hit, derived_path, record_derived, remove_cached, verify_cache
+from .cache import (
+    CacheRecord,
+    cache_records,
+    derived_hit,
+    derived_path,
+    record_derived,
+    removal_plan,
+    remove_cached,
+    verify_cache,
+)
 from .fetch import (
     SOURCE_CHOICES,
     CachedFile,
@@ -50,6 +59,7 @@ __all__ = [
     "read_marker",
     "record_derived",
     "record_verified",
+    "removal_plan",
     "remove_cached",
     "verify_cache",
     "warm_hit",

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..errors import RotationZooError
+from ..errors import CacheError, RotationZooError
 from ..hashing import sha256_file
 from ..registry import TagEntry, get_model, load_registry
 from .layout import (
@@ -27,14 +28,16 @@ from .layout import (
     HUB_AREA,
     LOCKS_AREA,
     MARKER_SUFFIX,
+    area_dir,
     cache_root,
     derived_dir,
     inside,
     is_orphan_name,
     marker_path,
     model_folder,
-    purge,
     read_marker,
+    remove_inside,
+    walk_area,
     write_marker,
 )
 
@@ -70,23 +73,28 @@ class CacheRecord:
 
 
 def _records(root: Path, area: str) -> list[CacheRecord]:
-    base = root / area
     out: list[CacheRecord] = []
-    if not base.is_dir():
-        return out
-    for p in sorted(base.rglob("*")):
+    for p in walk_area(root, area):
         if p.is_symlink():
-            out.append(CacheRecord(p, area, None, None, None, 0, None, None, problem="a symlink (never served)"))
+            out.append(CacheRecord(p, area, None, None, None, 0, None, None,
+                                   problem=f"a symlink (to {os.readlink(p)}; never served or followed)"))
             continue
-        if not p.is_file() or p.name.endswith(MARKER_SUFFIX):
+        if p.name.endswith(MARKER_SUFFIX):
+            continue
+        try:
+            st = p.stat()
+        except OSError:
+            continue  # removed while we walked
+        if not stat.S_ISREG(st.st_mode):
+            out.append(CacheRecord(p, area, None, None, None, 0, None, None, problem="not a regular file"))
             continue
         if p.name.startswith("."):
             if is_orphan_name(p.name):
-                out.append(CacheRecord(p, PARTIAL_AREA, None, None, None, p.stat().st_size, None, None,
+                out.append(CacheRecord(p, PARTIAL_AREA, None, None, None, st.st_size, None, None,
                                        problem="download in progress or left by a killed process"))
             continue
         m = read_marker(p) or {}
-        out.append(CacheRecord(p, area, m.get("model"), m.get("tag"), m.get("side"), p.stat().st_size,
+        out.append(CacheRecord(p, area, m.get("model"), m.get("tag"), m.get("side"), st.st_size,
                                m.get("sha256"), m.get("source"), m.get("inputs")))
     return out
 
@@ -97,10 +105,12 @@ def cache_records(cache_dir: str | os.PathLike[str] | None = None) -> list[Cache
     return _records(root, FILES_AREA) + _records(root, DERIVED_AREA)
 
 
-def _verified_inputs(root: Path) -> dict[tuple[str | None, str | None], dict[str, str]]:
+def _verified_inputs(records: list[CacheRecord]) -> dict[tuple[str | None, str | None], dict[str, str]]:
     """``{(model, tag): {side: sha256}}`` of the downloads whose markers are present."""
     out: dict[tuple[str | None, str | None], dict[str, str]] = {}
-    for r in _records(root, FILES_AREA):
+    for r in records:
+        if r.area != FILES_AREA:
+            continue
         if r.side and r.sha256:
             out.setdefault((r.model, r.tag), {})[r.side] = r.sha256
     return out
@@ -122,22 +132,29 @@ def _problem(r: CacheRecord, sha: str, registry_sha: str | None, inputs_now: Map
 
 def verify_cache(cache_dir: str | os.PathLike[str] | None = None, *, remove_bad: bool = True) -> list[CacheRecord]:
     """Re-hash every cached file against its marker (downloads also against the registry, derived
-    files against the verified inputs they were built from); remove the bad ones."""
+    files against the verified inputs they were built from); remove the bad ones.
+
+    Only entries inside the cache root are removed: a symlink is removed as a link (never its target),
+    and an area or folder that is a link leaving the root stops the check before anything is removed.
+
+    Raises:
+        CacheError: an area is a symlink or a folder in it leads outside the cache root.
+    """
     root = cache_root(cache_dir)
     reg = load_registry()
-    inputs = _verified_inputs(root)
-    records = cache_records(root)
+    records = cache_records(root)  # walks (and checks) both areas before anything is removed
+    inputs = _verified_inputs(records)
     for r in records:
         if r.area == PARTIAL_AREA:
             r.ok = False
             if remove_bad and _unlocked(root, r.path):
-                purge([r.path])
+                remove_inside(root, [r.path])
                 r.problem = "left by a killed download (removed)"
             continue
-        if r.path.is_symlink():
+        if r.path.is_symlink() or r.sha256 is None and r.problem is not None:
             r.ok = False
             if remove_bad:
-                purge([r.path, marker_path(r.path)])
+                remove_inside(root, [r.path, marker_path(r.path)])
             continue
         registry_sha = None
         if r.area == FILES_AREA and r.model and r.tag and r.side:
@@ -145,10 +162,15 @@ def verify_cache(cache_dir: str | os.PathLike[str] | None = None, *, remove_bad:
                 registry_sha = reg.entry(r.model, r.tag).files[r.side].sha256
             except RotationZooError:
                 registry_sha = None
-        problem = _problem(r, sha256_file(r.path), registry_sha, inputs.get((r.model, r.tag)))
+        try:
+            sha = sha256_file(r.path)
+        except OSError as exc:
+            r.ok, r.problem = False, f"cannot be read ({exc.strerror or exc})"
+            continue
+        problem = _problem(r, sha, registry_sha, inputs.get((r.model, r.tag)))
         r.ok, r.problem = problem is None, problem
         if not r.ok and remove_bad:
-            purge([r.path, marker_path(r.path)])
+            remove_inside(root, [r.path, marker_path(r.path)])
     return records
 
 
@@ -167,26 +189,79 @@ def _unlocked(root: Path, path: Path) -> bool:
         return False
 
 
+def _tree_bytes(root: Path, area: str) -> int:
+    total = 0
+    for p in walk_area(root, area):
+        try:
+            st = os.lstat(p)
+        except OSError:
+            continue
+        total += st.st_size if stat.S_ISREG(st.st_mode) else 0
+    return total
+
+
+def removal_plan(model: str | None = None, tag: str | None = None,
+                 cache_dir: str | os.PathLike[str] | None = None) -> tuple[list[CacheRecord], int]:
+    """What :func:`remove_cached` with the same arguments removes: the cached files (as
+    :func:`cache_records` lists them) and, with ``model=None``, the bytes of the hub clients' caches.
+
+    Raises:
+        CacheError: an area is a symlink or a folder in it leads outside the cache root.
+    """
+    root = cache_root(cache_dir)
+    records = cache_records(root)
+    if model is None:
+        return records, _tree_bytes(root, HUB_AREA)
+    m = get_model(model)
+    folder, want = model_folder(m.id), None if tag is None else m.tag(tag).name
+    picked = []
+    for r in records:
+        parts = r.path.relative_to(root).parts
+        if len(parts) > 2 and parts[1] == folder and (want is None or parts[2].split("@")[0] == want):
+            picked.append(r)
+    return picked, 0
+
+
+def _rmtree(root: Path, folder: Path) -> list[Path]:
+    """Remove ``folder`` (inside ``root``, not a link); links in it are removed as links."""
+    inside(root, folder)
+    if folder.is_symlink() or not folder.is_dir():
+        return []
+    gone = [p for p in walk_area(root, str(folder.relative_to(root))) if not p.is_symlink() and p.is_file()]
+    shutil.rmtree(folder)
+    return gone
+
+
 def remove_cached(model: str | None = None, tag: str | None = None,
                   cache_dir: str | os.PathLike[str] | None = None) -> list[Path]:
-    """Delete cached files (all, one model, or one model+tag), derived files included; returns what was removed."""
-    removed: list[Path] = []
+    """Delete cached files (all, one model, or one model+tag), derived files included; returns what was removed.
+
+    Every area and folder is checked before anything is removed: an area that is a symlink, or a folder
+    that leads outside the cache root, raises :class:`~rotationzoo.errors.CacheError` with nothing removed.
+    """
     root = cache_root(cache_dir)
     if model is None:
+        areas = [area_dir(root, sub) for sub in (FILES_AREA, DERIVED_AREA, HUB_AREA)]
         for sub in (FILES_AREA, DERIVED_AREA, HUB_AREA):
-            d = root / sub
-            if d.exists():
-                removed.extend(p for p in d.rglob("*") if p.is_file())
-                shutil.rmtree(d)
+            walk_area(root, sub)  # refuses links that leave the root, before anything goes
+        removed: list[Path] = []
+        for d in areas:
+            removed.extend(_rmtree(root, d))
         return removed
     m = get_model(model)
     want = None if tag is None else m.tag(tag).name
+    folders = []
     for area in (FILES_AREA, DERIVED_AREA):
-        base = inside(root, root / area / model_folder(m.id))
-        for d in [base] if want is None else [d for d in base.glob("*") if d.name.split("@")[0] == want]:
-            if d.exists() and not d.is_symlink():
-                removed.extend(p for p in d.rglob("*") if p.is_file())
-                shutil.rmtree(d)
+        base = inside(root, area_dir(root, area) / model_folder(m.id))
+        if base.is_dir():
+            folders += [base] if want is None else [d for d in sorted(base.iterdir()) if d.name.split("@")[0] == want]
+    for d in folders:
+        if d.is_symlink():
+            raise CacheError(f"{d} is a symlink (to {os.readlink(d)}); nothing was removed; remove the link")
+        walk_area(root, str(d.relative_to(root)))
+    removed = []
+    for d in folders:
+        removed.extend(_rmtree(root, d))
     return removed
 
 

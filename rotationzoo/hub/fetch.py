@@ -33,14 +33,17 @@ from ..registry.safety import check_revision
 from ..vocab import SOURCE_CHOICES
 from . import network, pins
 from .layout import (
+    HUB_AREA,
     cache_root,
+    check_links,
     entry_dir,
+    inside,
     lock_path,
     marker_path,
     partial_files,
-    purge,
     read_marker,
     regular_file,
+    remove_inside,
     write_marker,
 )
 from .sources import DOWNLOADERS, MAX_DOWNLOAD_BYTES, Download, bundled_path, describe_exc, hf_endpoint, ms_endpoint
@@ -94,18 +97,44 @@ def warm_hit(path: Path, expected_sha256: str | None) -> dict | None:
     return marker
 
 
-def _expected_sha(entry: TagEntry, side: str) -> str | None:
-    """The sha256 a cached file must have: the registry's, else the local pin's (if any)."""
-    f = entry.files[side]
-    if f.sha256 is not None:
-        return f.sha256
-    pin = pins.pin_for(entry, side)
-    return pin["sha256"] if pin else None
-
-
 def _hit(side: str, path: Path, marker: dict) -> CachedFile:
     return CachedFile(side, path, marker["sha256"], marker["size"], marker.get("source", "cache"),
                       marker.get("revision"), from_cache=True)
+
+
+def cached_copy(entry: TagEntry, side: str, root: Path, revision: str | None = None) -> CachedFile | None:
+    """The verified cached copy of one file, or ``None`` when there is none to serve.
+
+    A pinned file must hash to the registry's sha256. An unpinned one must hash to the local pin of the
+    source and revision its marker names; a copy no pin covers yet (a shared cache, another pin file) is
+    validated as a rotation file and pinned now, like a first download.
+
+    A copy that differs from its pin is not a hit: the download that follows is compared with the pin.
+
+    Raises:
+        ConfigError: the pin file is malformed or cannot be written.
+    """
+    f = entry.files[side]
+    target = entry_dir(root, entry, revision) / f.filename
+    if f.sha256 is not None:
+        marker = warm_hit(target, f.sha256)
+        return _hit(side, target, marker) if marker is not None else None
+    marker = read_marker(target)
+    label = marker.get("source") if marker is not None else None
+    if not label:
+        return None
+    pin = pins.pin_for(entry, side, label)
+    marker = warm_hit(target, pin["sha256"] if pin is not None else None)
+    if marker is None:
+        return None
+    if pin is None:
+        problem, sha = _check(target, f, entry)
+        if problem is not None or sha != marker["sha256"]:
+            return None
+        if pins.check_or_pin(entry, side, sha, source=label, revision=marker.get("revision"),
+                             commit=marker.get("commit")) == "new":
+            _warn_unpinned(entry, side, sha)
+    return _hit(side, target, marker)
 
 
 def _check(path: Path, f: FileEntry, entry: TagEntry) -> tuple[str | None, str]:
@@ -168,8 +197,20 @@ def _fetch_bundled(entry: TagEntry, side: str, src: Source) -> CachedFile:
     return CachedFile(side, p, sha, p.stat().st_size, src.describe(), None, from_cache=True)
 
 
-def _accept(got: Download, target: Path, f: FileEntry, entry: TagEntry) -> tuple[str | None, str]:
+def _inside_download(root: Path, got: Download) -> None:
+    """Refuse a download whose file (or what it links to) lies outside the cache root: a link planted
+    in a hub client's cache is never read, and what it points to is never removed."""
+    for p in [got.path, *got.purge]:
+        try:
+            inside(root, p)
+        except CacheError:
+            raise CacheError(f"the downloaded file {got.path} resolves to {p.resolve()}, outside the cache root "
+                             f"{root.resolve()}; refusing to read or remove it; remove the link") from None
+
+
+def _accept(got: Download, target: Path, f: FileEntry, entry: TagEntry, root: Path) -> tuple[str | None, str]:
     """Copy a download out of the client's cache, check the copy, and move it into place if good."""
+    _inside_download(root, got)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{f.filename}.", suffix=".tmp", dir=target.parent)
     os.close(fd)
     tmp = Path(tmp_name)
@@ -181,7 +222,7 @@ def _accept(got: Download, target: Path, f: FileEntry, entry: TagEntry) -> tuple
             os.replace(tmp, target)
         return problem, sha
     finally:
-        purge([tmp])
+        remove_inside(root, [tmp])
 
 
 def _preflight(src: Source, f: FileEntry, rev: str | None, say: Reporter) -> str | None:
@@ -228,25 +269,27 @@ def _from_source(entry: TagEntry, side: str, src: Source, *, root: Path, revisio
     listed_commit = _preflight(src, f, rev, say)
     for attempt in (1, 2):
         got: Download | None = None
+        if src.is_hub:  # the client writes there: no link in it may lead out of the cache
+            check_links(root, HUB_AREA, src.type)
         try:
             with network.quiet_clients():
-                got = DOWNLOADERS[src.type](src, f, hub_cache=root / "hub", dest_dir=target.parent, revision=rev,
+                got = DOWNLOADERS[src.type](src, f, hub_cache=root / HUB_AREA, dest_dir=target.parent, revision=rev,
                                             force=force or attempt > 1)
-            problem, sha = _accept(got, target, f, entry)
+            problem, sha = _accept(got, target, f, entry, root)
         except BaseException:
             if got is not None and src.type == "url":
-                purge(got.purge)
+                remove_inside(root, got.purge)
             raise
         if problem is None:
             if src.type == "url":
-                purge(got.purge)
+                remove_inside(root, got.purge)
             commit = got.commit or listed_commit
             if f.sha256 is None:
                 try:
                     state = pins.check_or_pin(entry, side, sha, source=label, revision=rev, commit=commit,
                                               accept_new=accept_new)
                 except IntegrityError:
-                    purge([target, marker_path(target)])
+                    remove_inside(root, [target, marker_path(target)])
                     raise
                 if state == "new":
                     _warn_unpinned(entry, side, sha)
@@ -254,8 +297,7 @@ def _from_source(entry: TagEntry, side: str, src: Source, *, root: Path, revisio
             say(f"{side.upper()} {f.filename}: verified from {label}")
             return CachedFile(side, target, sha, marker["size"], label, rev)
         # bad bytes: remove them from every cache involved, then try once more
-        purge(got.purge)
-        purge([target, marker_path(target)])
+        remove_inside(root, [*got.purge, target, marker_path(target)])
         bad_hashes.append(sha)
         if attempt == 1:
             say(f"{label}: {f.filename}: {problem}; removed the bad copy, downloading again")
@@ -287,9 +329,9 @@ def _writable(folder: Path) -> None:
                          f"or --cache-dir to a writable folder") from None
 
 
-def _sweep(folder: Path) -> None:
+def _sweep(root: Path, folder: Path) -> None:
     """Remove the download-in-progress files a killed process left (call with the entry's lock held)."""
-    purge(partial_files(folder))
+    remove_inside(root, partial_files(folder))
 
 
 def fetch_file(
@@ -315,16 +357,16 @@ def fetch_file(
         return _fetch_bundled(entry, side, sources[0])
     target = entry_dir(root, entry, revision) / f.filename
     if not (force or accept_new):
-        marker = warm_hit(target, _expected_sha(entry, side))
-        if marker is not None:
-            return _hit(side, target, marker)
+        hit = cached_copy(entry, side, root, revision)
+        if hit is not None:
+            return hit
     if offline:
         raise OfflineError(
             f"offline mode: {entry.key} {side.upper()} file {f.filename} is not in the cache ({target.parent}); "
             f"run `rotationzoo fetch --model {entry.model_id} --tag {entry.name}` with network access"
         )
     _writable(target.parent)
-    _sweep(target.parent)
+    _sweep(root, target.parent)
     usable = [s for s in sources if s.type != "bundled"]
     attempts: list[dict[str, str]] = []
     for i, src in enumerate(usable):
@@ -369,11 +411,10 @@ def _warm_files(entry: TagEntry, root: Path, source: str, revision: str | None) 
         f = entry.files[side]
         if f.bundled and source in ("auto", "bundled"):
             continue
-        target = entry_dir(root, entry, revision) / f.filename
-        marker = warm_hit(target, _expected_sha(entry, side))
-        if marker is None:
+        hit = cached_copy(entry, side, root, revision)
+        if hit is None:
             break
-        out[side] = _hit(side, target, marker)
+        out[side] = hit
     return out
 
 

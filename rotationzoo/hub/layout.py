@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -67,22 +68,22 @@ def _tag_folder(entry: TagEntry, revision: str | None) -> str:
 
 def entry_dir(root: Path, entry: TagEntry, revision: str | None = None) -> Path:
     """Folder of an entry's verified files."""
-    return inside(root, root / FILES_AREA / model_folder(entry.model_id) / _tag_folder(entry, revision))
+    return inside(root, area_dir(root, FILES_AREA) / model_folder(entry.model_id) / _tag_folder(entry, revision))
 
 
 def derived_dir(root: Path, entry: TagEntry | None = None, local_id: str | None = None) -> Path:
     """Folder of files built from an entry's verified files (or from local files, by ``local_id``)."""
     if entry is not None:
-        return inside(root, root / DERIVED_AREA / model_folder(entry.model_id) / _tag_folder(entry, None))
+        return inside(root, area_dir(root, DERIVED_AREA) / model_folder(entry.model_id) / _tag_folder(entry, None))
     if not local_id or not re.fullmatch(r"[0-9a-f]{1,64}", local_id):
         raise ValueError("derived_dir needs an entry or a hex local_id")
-    return inside(root, root / DERIVED_AREA / "local" / local_id)
+    return inside(root, area_dir(root, DERIVED_AREA) / "local" / local_id)
 
 
 def lock_path(root: Path, entry: TagEntry, revision: str | None = None) -> Path:
     """The lock held while an entry's files are downloaded."""
     name = f"{model_folder(entry.model_id)}--{entry.name}" + (f"@{revision}" if revision else "")
-    return inside(root, root / LOCKS_AREA / (name.replace("/", "--") + ".lock"))
+    return inside(root, area_dir(root, LOCKS_AREA) / (name.replace("/", "--") + ".lock"))
 
 
 def marker_path(path: Path) -> Path:
@@ -161,11 +162,112 @@ def write_marker(path: Path, marker: dict[str, Any]) -> dict[str, Any]:
     return marker
 
 
-def purge(paths: Iterable[Path]) -> None:
-    """Remove files (and symlinks), ignoring those already gone."""
+def remove_inside(root: Path, paths: Iterable[Path]) -> None:
+    """Unlink files and symlinks (never what a link points to) whose folder resolves inside ``root``;
+    paths already gone are skipped.
+
+    Raises:
+        CacheError: a path is a folder, or lies in a folder that resolves outside the cache root
+            (nothing more is removed).
+    """
+    base = root.resolve()
     for p in paths:
         try:
-            if p.is_symlink() or p.exists():
-                p.unlink()
+            st = os.lstat(p)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            raise CacheError(f"refusing to remove {p}: a folder where a file was expected")
+        folder = p.parent.resolve()
+        if folder != base and not folder.is_relative_to(base):
+            raise CacheError(f"refusing to remove {p}: its folder resolves to {folder}, outside the cache root {base}")
+        try:
+            os.unlink(p)
         except OSError:
             pass
+
+
+def _link_target(p: Path) -> str:
+    try:
+        return os.readlink(p)
+    except OSError:
+        return "?"
+
+
+def area_dir(root: Path, area: str) -> Path:
+    """``root/area`` (it need not exist yet), refused when it is a symlink or not a folder.
+
+    Every area is a real folder inside the root, so nothing in it is ever read, written or removed
+    through a link that leads elsewhere.
+
+    Raises:
+        CacheError: the area is a symlink, or a file.
+    """
+    p = root / area
+    if p.is_symlink():
+        raise CacheError(f"cache area {p} is a symlink (to {_link_target(p)}); cache areas must be real folders "
+                         f"inside the cache root, so nothing was read, written or removed through it; remove the link")
+    if p.exists() and not p.is_dir():
+        raise CacheError(f"cache area {p} is not a folder; move it away")
+    return inside(root, p)
+
+
+def walk_area(root: Path, area: str) -> list[Path]:
+    """Every entry below an area that is not a folder (files, symlinks, anything else), sorted.
+
+    Links are never followed: every folder is checked to resolve inside ``root`` before it is listed, and a
+    link (to a file or a folder) that resolves outside ``root`` stops the walk, so that a caller that
+    removes what it found never starts.
+
+    Raises:
+        CacheError: the area is a symlink (see :func:`area_dir`), or a link under it leads outside the root.
+    """
+    base = area_dir(root, area)
+    if not base.is_dir():
+        return []
+    resolved_root = root.resolve()
+    out: list[Path] = []
+    stack = [base]
+    while stack:
+        folder = stack.pop()
+        if folder.is_symlink():  # swapped for a link while we walked
+            raise CacheError(f"{folder} became a symlink (to {_link_target(folder)}) while the cache was walked; "
+                             f"nothing in it was touched")
+        inside(root, folder)
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        for e in entries:
+            p = Path(e.path)
+            if e.is_dir(follow_symlinks=False):
+                stack.append(p)
+                continue
+            if e.is_symlink():
+                target = p.resolve()
+                if target != resolved_root and not target.is_relative_to(resolved_root):
+                    raise CacheError(f"{p} is a symlink to {target}, outside the cache root {resolved_root}; nothing "
+                                     f"was read or removed through it; remove the link")
+            out.append(p)
+    return sorted(out)
+
+
+def check_links(root: Path, area: str, sub: str | None = None) -> Path:
+    """Create ``root/area[/sub]`` and refuse any symlink under it that resolves outside ``root``.
+
+    Used before a hub client writes into its own cache (``hub/huggingface``, ``hub/modelscope``): a link
+    planted there would make the client write, or rotationzoo read and later remove, files elsewhere.
+
+    Raises:
+        CacheError: naming the first such link.
+    """
+    folder = area_dir(root, area)
+    folder.mkdir(parents=True, exist_ok=True)
+    if sub is not None:
+        folder = folder / sub
+        if folder.is_symlink():
+            raise CacheError(f"{folder} is a symlink (to {_link_target(folder)}); the hub client's cache must be a "
+                             f"real folder inside the cache root; remove the link")
+        folder.mkdir(exist_ok=True)
+    walk_area(root, str(folder.relative_to(root)))  # refuses links that leave the root
+    return folder
