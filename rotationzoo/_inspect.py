@@ -124,7 +124,7 @@ class Limits:
 
     @property
     def max_tensors(self) -> int:
-        return 2 * self.max_layers  # one rotation and one eigenvalue vector per layer
+        return 6 * self.max_layers  # per layer: rotation, eigenvalues, 2 companion matrices, 2 means
 
     @property
     def max_pickle_bytes(self) -> int:

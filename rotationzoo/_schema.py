@@ -9,6 +9,7 @@ written once here, for both. The safetensors header check lives here too.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -30,9 +31,14 @@ from ._inspect import (
     safe_repr,
 )
 from .errors import RotationFileError, UnsupportedFormatError
+from .headdims import HeadDims
 
+#: Integer ``format_version`` values this release reads: 1 (one rotation per layer, optionally with a
+#: ``calibration`` dict or per-layer head_dims), 2 (per KV head), 3 (the OSCAR-2 family: companions,
+#: ``transform``). :func:`layout_version` says which one a set is written as.
+FORMAT_VERSIONS = (1, 2, 3)
 #: The newest integer ``format_version`` this release reads and writes.
-FORMAT_VERSION = 1
+FORMAT_VERSION = max(FORMAT_VERSIONS)
 #: String format versions also understood (the authors' VL branch identity files).
 STRING_FORMAT_VERSIONS = ("identity-v1",)
 
@@ -46,92 +52,196 @@ SAFETENSORS_DTYPES: dict[str, tuple[str, int]] = {
     "U8": ("uint8", 1), "I8": ("int8", 1), "I16": ("int16", 2), "I32": ("int32", 4), "I64": ("int64", 8),
     "BOOL": ("bool", 1),
 }
-_MAX_TEXT = 1024  # objective, source_grouping
+_MAX_TEXT = 1024  # objective, source_grouping, metadata strings
+_MAX_META_KEYS = 64
+_MAX_META_LIST = 64
+
+#: The two kinds of set, decided by the shape of each layer's rotation (as the authors' server does):
+#: ``[d, d]`` is one rotation per layer, ``[H_kv, d, d]`` one per (layer, KV head).
+LAYER, KV_HEAD = "layer", "kv_head"
+#: ``source_grouping`` labels of per-KV-head files: V2 writes ``per_kv_head``, V3 ``head``, and files of
+#: earlier rotationzoo releases ``kv_head``.
+KV_HEAD_LABELS = ("per_kv_head", "head", "kv_head")
+#: ``source_grouping`` labels of files with one rotation per layer (``identity``: the VL branch's
+#: ``identity-v1`` files).
+LAYER_LABELS = ("layer", "identity")
+#: Per-layer fields beside ``rotation`` and ``eigenvalues`` (V3 companions, plus ``v_mean``: value
+#: centering, an extension the authors' engine does not read).
+MATRIX_FIELDS = ("q_rotation", "o_rotation")
+VECTOR_FIELDS = ("k_mean", "v_mean")
+LAYER_FIELDS = ("rotation", "eigenvalues", *MATRIX_FIELDS, *VECTOR_FIELDS)
+#: Tensors one layer may hold (the archive limits count them).
+MAX_FIELDS_PER_LAYER = len(LAYER_FIELDS)
+
+_MOMENTS_KEYS = frozenset({"M_q", "k_sum", "M_k", "S_v"})
+_ROWS_KEYS = frozenset({"q_samples", "positions"})
 
 
-#: ``source_grouping`` of a file holding one rotation per (layer, KV head): ``[H_kv, d, d]`` per layer.
-KV_HEAD = "kv_head"
+@dataclass
+class Parsed:
+    """A checked rotation dict: what :func:`parse` returns (tensors or :class:`TensorMeta` records).
+
+    Attributes:
+        version: ``format_version`` as written.
+        kind: :data:`LAYER` or :data:`KV_HEAD`, from the rotations' shapes.
+        label: ``source_grouping`` as written.
+        layers: ``[(layer_id, {field: tensor})]`` sorted by id (fields of :data:`LAYER_FIELDS`).
+        calibration, transform: the top-level metadata dicts, or ``None``.
+    """
+
+    version: int | str
+    kind: str
+    label: str
+    objective: str
+    layers: list[tuple[int, dict[str, Any]]]
+    calibration: dict[str, Any] | None = None
+    transform: dict[str, Any] | None = None
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The fields present (on every layer: a field on some layers only is refused)."""
+        return tuple(f for f in LAYER_FIELDS if f in self.layers[0][1])
+
+    @property
+    def label_mismatch(self) -> str | None:
+        """A one-line note when ``source_grouping`` disagrees with the shapes, else ``None``."""
+        per_head_label = self.label in KV_HEAD_LABELS
+        if (self.kind == KV_HEAD) == per_head_label and (per_head_label or self.label in LAYER_LABELS):
+            return None
+        shape = "[H_kv, d, d] (per KV head)" if self.kind == KV_HEAD else "[d, d] (one per layer)"
+        return f"source_grouping {self.label!r} disagrees with the rotations' shape {shape}; the shape decides"
 
 
-def parse(obj: Any, name: str, limits: Limits) -> tuple[Any, list[tuple[int, Any, Any]], str, str]:
-    """Check the dict's structure; works on tensors and on :class:`TensorMeta` records alike.
+def parse(obj: Any, name: str, limits: Limits) -> Parsed:
+    """Check a rotation dict's structure; works on tensors and on :class:`TensorMeta` records alike.
 
-    Per-layer files hold a ``[d, d]`` rotation (and ``[d]`` eigenvalues) per layer; files with
-    ``source_grouping: "kv_head"`` hold ``[H_kv, d, d]`` (and ``[H_kv, d]``), the same ``H_kv`` in
-    every layer.
-
-    Returns:
-        ``(format_version, [(layer_id, rotation, eigenvalues or None)] sorted by id, objective,
-        source_grouping)``.
+    Each layer holds a ``rotation``: ``[d, d]``, or ``[H_kv, d, d]`` for one rotation per KV head (every
+    layer the same kind; ``d`` and ``H_kv`` may differ between layers); optionally ``eigenvalues``
+    (``rotation.shape[:-1]``), ``q_rotation`` / ``o_rotation`` (the rotation's shape) and ``k_mean`` /
+    ``v_mean`` (``[d]``, or ``[H_kv, d]`` for per-KV-head rotations). A field is on every layer or on none.
+    Files that are something else the authors write (calibration moments or rows, MLA latent rotations)
+    are refused with what they are.
     """
     if not isinstance(obj, Mapping):
         raise RotationFileError(f"{name}: expected a dict with 'format_version' and 'layers', got {type(obj).__name__}")
-    version = obj.get("format_version", FORMAT_VERSION)
-    check_format_version(version, name)
-    grouping = _text(obj, "source_grouping", "layer", name)
     if "layers" not in obj:
+        _refuse_other_artefacts(obj, name)
         keys = ", ".join(safe_repr(k) for k in list(obj)[:8]) or "none"
         raise RotationFileError(f"{name}: no 'layers' entry (keys: {keys}); not a rotation file")
+    version = obj.get("format_version", 1)
+    check_format_version(version, name)
+    label = _text(obj, "source_grouping", LAYER, name)
     layers = obj["layers"]
     if not isinstance(layers, Mapping) or not layers:
         raise RotationFileError(f"{name}: 'layers' must be a non-empty dict of layer id -> entry")
     if len(layers) > limits.max_layers:
         raise RotationFileError(f"{name}: {len(layers)} layers, more than max_layers={limits.max_layers}{limits.note}")
-    parsed: dict[int, tuple[int, Any, Any]] = {}
+    parsed: dict[int, dict[str, Any]] = {}
     for key, entry in layers.items():
         lid = _layer_key(key, entry, name)
         if lid in parsed:
             raise RotationFileError(f"{name}: layer {lid} appears twice (key {safe_repr(key)})")
-        if _is_tensor(entry):  # flat {layer: matrix} variant
-            rot, eig = entry, None
-        elif isinstance(entry, Mapping) and "rotation" in entry:
-            rot, eig = entry["rotation"], entry.get("eigenvalues")
+        parsed[lid] = _layer_fields(entry, lid, name, limits)
+    rows = sorted(parsed.items())
+    kind = KV_HEAD if len(rows[0][1]["rotation"].shape) == 3 else LAYER
+    _check_layers(rows, kind, name)
+    _check_loaded_bytes(rows, kind, name, limits)
+    return Parsed(version, kind, label, _text(obj, "objective", "unknown", name), rows,
+                  _meta(obj, "calibration", name), _meta(obj, "transform", name))
+
+
+def _refuse_other_artefacts(obj: Mapping, name: str) -> None:
+    transform = obj.get("transform")
+    if "rotation" in obj and (isinstance(transform, Mapping) and "latent" in transform or "mean" in obj):
+        latent = safe_repr(transform.get("latent")) if isinstance(transform, Mapping) else "?"
+        raise RotationFileError(f"{name}: an MLA latent rotation (one layer_<id>.pt of a latent-rotation folder, "
+                                f"latent {latent}), not a K/V rotation file; rotationzoo does not load MLA latent "
+                                f"rotations")
+
+
+def _layer_fields(entry: Any, lid: int, name: str, limits: Limits) -> dict[str, Any]:
+    if _is_tensor(entry):  # flat {layer: matrix} variant
+        fields = {"rotation": entry}
+    elif isinstance(entry, Mapping) and "rotation" in entry:
+        fields = {}
+        for key, value in entry.items():
+            if key in LAYER_FIELDS:
+                if value is not None:
+                    fields[key] = value
+            elif _is_tensor(value):  # a tensor we do not know may change what the rotation means
+                raise RotationFileError(f"{name}: layer {lid} holds a tensor {safe_repr(key)} this rotationzoo does "
+                                        f"not know (known: {', '.join(LAYER_FIELDS)}); refusing to load it without it")
+    elif isinstance(entry, Mapping) and _MOMENTS_KEYS & set(entry):
+        raise RotationFileError(f"{name}: a calibration moments file (oscar_moments_rank*.pt: M_q, k_sum, M_k, S_v "
+                                f"per layer), not a rotation file; it holds statistics to fit rotations from")
+    elif isinstance(entry, Mapping) and _ROWS_KEYS & set(entry) or isinstance(entry, Mapping) and {"k", "v"} <= set(entry):
+        raise RotationFileError(f"{name}: a calibration rows file (oscar_rows_rank*.pt: sampled q/k/v rows per layer), "
+                                f"not a rotation file")
+    else:
+        raise RotationFileError(f"{name}: layer {lid}: expected a dict with a 'rotation' tensor")
+    for key, t in fields.items():
+        _check_tensor(t, key, lid, name, limits)
+    return fields
+
+
+def _check_layers(rows: list[tuple[int, dict[str, Any]]], kind: str, name: str) -> None:
+    """Shapes within each layer, the same kind and the same fields on every layer."""
+    present = set(rows[0][1])
+    for lid, fields in rows:
+        shape = tuple(fields["rotation"].shape)
+        if len(shape) == 2 and shape[0] == shape[1]:
+            this = LAYER
+        elif len(shape) == 3 and shape[1] == shape[2]:
+            this = KV_HEAD
         else:
-            raise RotationFileError(f"{name}: layer {lid}: expected a dict with a 'rotation' tensor")
-        _check_tensor(rot, "rotation", lid, name, limits)
-        _check_rotation_shape(tuple(rot.shape), grouping, lid, name)
-        if eig is not None:
-            _check_tensor(eig, "eigenvalues", lid, name, limits)
-        parsed[lid] = (lid, rot, eig)
-    rows = sorted(parsed.values(), key=lambda t: t[0])
-    _check_same_shape(rows, name)
-    _check_loaded_bytes(rows, grouping, name, limits)
-    lead = tuple(rows[0][1].shape[:-1])  # (d,) or (H_kv, d)
-    for lid, _, eig in rows:
-        if eig is not None and tuple(eig.shape) != lead:
-            raise RotationFileError(f"{name}: layer {lid}: eigenvalues must have shape {list(lead)}, "
-                                    f"got {list(eig.shape)}")
-    return version, rows, _text(obj, "objective", "unknown", name), grouping
+            raise RotationFileError(f"{name}: layer {lid}: rotation must be [d, d], or [H_kv, d, d] per KV head; "
+                                    f"got {list(shape)}")
+        if this != kind:
+            raise RotationFileError(f"{name}: layer {lid}: rotation {list(shape)} mixes per-KV-head and per-layer "
+                                    f"rotations in one file")
+    for lid, fields in rows:
+        if set(fields) != present:
+            odd = sorted(present ^ set(fields))[0]
+            have = [i for i, f in rows if odd in f]
+            raise RotationFileError(f"{name}: '{odd}' is on layers {_ids(have)} but not on every layer; a field is "
+                                    f"on all layers or on none")
+        shape = tuple(fields["rotation"].shape)
+        for f, t in fields.items():
+            got = tuple(t.shape)
+            if f == "eigenvalues" and got != shape[:-1]:
+                raise RotationFileError(f"{name}: layer {lid}: eigenvalues must have shape {list(shape[:-1])}, "
+                                        f"got {list(got)}")
+            if f in MATRIX_FIELDS and got != shape:
+                raise RotationFileError(f"{name}: layer {lid}: {f} must have the rotation's shape {list(shape)}, "
+                                        f"got {list(got)}")
+            if f in VECTOR_FIELDS and got not in {shape[-1:], shape[:-1]}:
+                want = f"[{shape[-1]}]" + (f" or {list(shape[:-1])}" if kind == KV_HEAD else "")
+                raise RotationFileError(f"{name}: layer {lid}: {f} must be {want} (the rotation's head axis), "
+                                        f"got {list(got)}")
 
 
-def _check_rotation_shape(shape: tuple[int, ...], grouping: str, lid: int, name: str) -> None:
-    if grouping == KV_HEAD:
-        if len(shape) != 3 or shape[1] != shape[2]:
-            raise RotationFileError(f"{name}: layer {lid}: source_grouping 'kv_head' needs a [H_kv, d, d] rotation "
-                                    f"per layer, got {list(shape)}")
-    elif len(shape) != 2 or shape[0] != shape[1]:
-        hint = " (a per-KV-head [H_kv, d, d] rotation needs source_grouping 'kv_head')" if len(shape) == 3 else ""
-        raise RotationFileError(f"{name}: layer {lid}: rotation must be a square [d, d] matrix, got {shape}{hint}")
+def _ids(ids: list[int]) -> str:
+    return ", ".join(map(str, ids[:8])) + (" ..." if len(ids) > 8 else "")
 
 
-def _check_same_shape(rows: list[tuple[int, Any, Any]], name: str) -> None:
-    dims = {p[1].shape[-1] for p in rows}
-    if len(dims) != 1:
-        detail = ", ".join(f"layer {lid}: {rot.shape[-1]}" for lid, rot, _ in rows[:6])
-        raise RotationFileError(f"{name}: layers have different head_dims ({detail})")
-    heads = {tuple(p[1].shape[:-2]) for p in rows}
-    if len(heads) != 1:
-        detail = ", ".join(f"layer {lid}: {rot.shape[0]}" for lid, rot, _ in rows[:6])
-        raise RotationFileError(f"{name}: layers have different numbers of KV heads ({detail})")
+def loaded_bytes(rows: list[tuple[int, dict[str, Any]]]) -> int:
+    """Bytes the layers take once stacked in fp32 (layers may share one stored tensor in the file)."""
+    total = 0
+    for _, fields in rows:
+        for t in fields.values():
+            n = 1
+            for s in t.shape:
+                n *= int(s)
+            total += 4 * n
+    return total
 
 
-def _check_loaded_bytes(rows: list[tuple[int, Any, Any]], grouping: str, name: str, limits: Limits) -> None:
-    shape = tuple(rows[0][1].shape)
-    d, h = shape[-1], (shape[0] if len(shape) == 3 else 1)
-    loaded = len(rows) * h * (d * d + d) * 4  # fp32 after stacking; layers may share one stored tensor
-    cap = limits.max_bytes_kv_head if grouping == KV_HEAD else limits.max_bytes
+def _check_loaded_bytes(rows: list[tuple[int, dict[str, Any]]], kind: str, name: str, limits: Limits) -> None:
+    loaded = loaded_bytes(rows)
+    cap = limits.max_bytes_kv_head if kind == KV_HEAD else limits.max_bytes
     if loaded > cap:
-        what = f"{len(rows)} layers of d={d}" + (f" and {h} KV heads" if grouping == KV_HEAD else "")
+        shape = tuple(rows[0][1]["rotation"].shape)
+        what = f"{len(rows)} layers of {list(shape)}"
         raise RotationFileError(f"{name}: {what} need {loaded} bytes loaded, more than max_bytes={cap}{limits.note}")
 
 
@@ -168,10 +278,12 @@ def _check_tensor(t: Any, what: str, lid: int, name: str, limits: Limits) -> Non
     if not shape or len(shape) > 3 or min(shape) < 1:
         raise RotationFileError(f"{name}: layer {lid}: {what} has shape {shape}; expected [d, d] or [d] "
                                 "(per KV head: [H, d, d] or [H, d]) with d >= 1")
-    if len(shape) == 3 and shape[0] > limits.max_kv_heads:
-        raise RotationFileError(f"{name}: layer {lid}: {what} of shape {shape} has more than "
-                                f"max_kv_heads={limits.max_kv_heads} KV heads{limits.note}")
-    if max(shape) > limits.max_head_dim:
+    matrix = what == "rotation" or what in MATRIX_FIELDS
+    if len(shape) == 3 or (not matrix and len(shape) == 2):
+        if shape[0] > limits.max_kv_heads:
+            raise RotationFileError(f"{name}: layer {lid}: {what} of shape {shape} has more than "
+                                    f"max_kv_heads={limits.max_kv_heads} KV heads{limits.note}")
+    if max(shape[-2:] if matrix else shape[-1:]) > limits.max_head_dim:
         raise RotationFileError(
             f"{name}: layer {lid}: {what} of shape {shape} exceeds max_head_dim={limits.max_head_dim}{limits.note}"
         )
@@ -185,37 +297,88 @@ def _text(obj: Mapping, key: str, default: str, name: str) -> str:
     return value
 
 
+def _scalar(v: Any) -> bool:
+    if v is None or isinstance(v, (bool, float)):
+        return True
+    if type(v) is int:
+        return abs(v) < BIG_INT
+    return isinstance(v, str) and len(v) <= _MAX_TEXT
+
+
+def _meta(obj: Mapping, key: str, name: str) -> dict[str, Any] | None:
+    """A top-level metadata dict (``calibration``, ``transform``): string keys, scalar or short-list values."""
+    value = obj.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or len(value) > _MAX_META_KEYS:
+        raise RotationFileError(f"{name}: '{key}' must be a dict of at most {_MAX_META_KEYS} entries, got "
+                                f"{safe_repr(value)}")
+    out: dict[str, Any] = {}
+    for k, v in value.items():
+        if not isinstance(k, str) or len(k) > 128:
+            raise RotationFileError(f"{name}: '{key}' has a key {safe_repr(k)} that is not a short string")
+        if isinstance(v, (list, tuple)) and len(v) <= _MAX_META_LIST and all(_scalar(x) for x in v):
+            out[k] = list(v)
+        elif _scalar(v):
+            out[k] = v
+        else:
+            raise RotationFileError(f"{name}: {key}[{k!r}] is {safe_repr(v)}; expected a number, a string, a bool, "
+                                    f"None or a short list of them")
+    if key == "transform" and "orthogonal" in out and not isinstance(out["orthogonal"], bool):
+        raise RotationFileError(f"{name}: transform['orthogonal'] must be true or false, got {safe_repr(out['orthogonal'])}")
+    return out
+
+
 def check_format_version(version: Any, name: str) -> None:
     if isinstance(version, bool):
         raise UnsupportedFormatError(f"{name}: format_version {version!r} is not a version")
     if isinstance(version, int):
         if version > FORMAT_VERSION:
             raise UnsupportedFormatError(
-                f"{name}: written by a newer format version ({safe_repr(version)}); this rotationzoo reads up to "
-                f"{FORMAT_VERSION}; upgrade rotationzoo (pip install -U rotationzoo)"
+                f"{name}: written by a newer format version ({safe_repr(version)}); this rotationzoo reads "
+                f"{', '.join(map(str, FORMAT_VERSIONS))}; upgrade rotationzoo (pip install -U rotationzoo)"
             )
-        if version < 1:
-            raise UnsupportedFormatError(f"{name}: format_version {safe_repr(version)} is not valid (expected 1)")
+        if version not in FORMAT_VERSIONS:
+            raise UnsupportedFormatError(f"{name}: format_version {safe_repr(version)} is not valid (expected "
+                                         f"{', '.join(map(str, FORMAT_VERSIONS))})")
         return
     if isinstance(version, str) and version in STRING_FORMAT_VERSIONS:
         return
     raise UnsupportedFormatError(
-        f"{name}: unknown format_version {safe_repr(version)}; expected 1 or one of {', '.join(STRING_FORMAT_VERSIONS)}"
+        f"{name}: unknown format_version {safe_repr(version)}; expected {', '.join(map(str, FORMAT_VERSIONS))} or one "
+        f"of {', '.join(STRING_FORMAT_VERSIONS)}"
     )
 
 
+def layout_version(kind: str, fields: tuple[str, ...], transform: Mapping[str, Any] | None) -> int:
+    """The ``format_version`` a set is written as, in the authors' layouts: 3 when it carries companions
+    (``k_mean``, ``q_rotation``, ...) or a ``transform``; else 2 per KV head, 1 per layer."""
+    if transform is not None or set(fields) & {*MATRIX_FIELDS, *VECTOR_FIELDS}:
+        return 3
+    return 2 if kind == KV_HEAD else 1
+
+
+def layout_label(kind: str, version: int) -> str:
+    """``source_grouping`` the authors write for that layout: ``layer``; ``per_kv_head`` (V2); ``head`` (V3)."""
+    if kind != KV_HEAD:
+        return LAYER
+    return "per_kv_head" if version == 2 else "head"
+
+
 def make_limits(max_head_dim: int = MAX_HEAD_DIM, max_layers: int = MAX_LAYERS, max_bytes: int = MAX_BYTES,
-                *, head_dim: int | None = None, num_layers: int | None = None,
+                *, head_dim: "int | HeadDims | None" = None, num_layers: int | None = None,
                 num_kv_heads: int | None = None) -> Limits:
     """The :class:`~rotationzoo._inspect.Limits` in force: the maxima, tightened by expectations.
 
-    Per-layer files get ``min(max_bytes, max_layers * (d² + d) * 8)``; per-KV-head files that
-    bound times ``num_kv_heads`` when it is known, else ``max_bytes``.
+    Per-layer files get ``min(max_bytes, max_layers * (d² + d) * 12)`` (room for the rotation, one
+    companion matrix and the vectors of each layer in fp32); per-KV-head files that bound times
+    ``num_kv_heads`` when it is known, else ``max_bytes``. With per-layer head_dims the largest applies.
     """
     note = ""
-    if head_dim is not None:
-        max_head_dim = min(max_head_dim, int(head_dim))
-        note += f"; the model's head_dim is {head_dim}"
+    dims = HeadDims.of(head_dim)
+    if dims is not None:
+        max_head_dim = min(max_head_dim, dims.max)
+        note += f"; the model's head_dim is {dims}"
     if num_layers is not None:
         max_layers = min(max_layers, int(num_layers))
         note += f"; the model has {num_layers} layers"
@@ -226,7 +389,7 @@ def make_limits(max_head_dim: int = MAX_HEAD_DIM, max_layers: int = MAX_LAYERS, 
     if min(max_head_dim, max_layers, max_bytes, max_kv_heads) < 1:
         raise RotationFileError(f"limits must be positive: max_head_dim={max_head_dim}, max_layers={max_layers}, "
                                 f"max_bytes={max_bytes}, max_kv_heads={max_kv_heads}")
-    derived = max_layers * (max_head_dim * max_head_dim + max_head_dim) * 8
+    derived = max_layers * (max_head_dim * max_head_dim + max_head_dim) * 12
     if num_kv_heads is not None:
         kv_bytes = min(max_bytes, derived * max_kv_heads)
     return Limits(max_head_dim=max_head_dim, max_layers=max_layers, max_bytes=min(max_bytes, derived), note=note,

@@ -21,20 +21,23 @@ The safetensors layout holds tensors ``rotation.<layer_id>`` ``[d, d]`` and opti
 ``eigenvalues.<layer_id>`` ``[d]``, with string metadata ``format_version``, ``objective``,
 ``source_grouping`` and ``layer_ids`` (comma-separated).
 
-Per-KV-head rotations (a rotationzoo extension, ``docs/format.md``): ``"source_grouping":
-"kv_head"`` and a ``[H_kv, d, d]`` rotation (``[H_kv, d]`` eigenvalues) per layer; head ``h`` of
-the layer is rotated as ``x[..., h, :] @ R[h]``. Engines that read only per-layer files refuse them.
+The authors' later layouts are read too (``docs/format.md``): V2 (``format_version 2``, one
+``[H_kv, d, d]`` rotation per layer and KV head), V3 (``format_version 3``, the OSCAR-2 family with
+``k_mean`` / ``q_rotation`` / ``o_rotation`` companions and ``calibration`` / ``transform`` metadata),
+V1 with a ``calibration`` dict, and ragged V1 (per-layer head_dims). The kind of a set is decided by
+its rotations' shapes; :class:`~rotationzoo.rotation_set.RotationSet` holds all of them, and
+:func:`write_rotation` writes each in the authors' layout for what it holds.
 """
 
 from __future__ import annotations
 
-import operator
+import json
 import os
 import pickle
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass, field, replace
+import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -51,179 +54,63 @@ from ._inspect import (
 )
 from ._schema import (  # noqa: F401  (public names of this module)
     FORMAT_VERSION,
+    FORMAT_VERSIONS,
     KV_HEAD,
+    LAYER,
+    LAYER_FIELDS,
     MAX_KV_HEADS,
     MAX_BYTES,
     MAX_HEAD_DIM,
     MAX_LAYERS,
     MIN_TORCH,
     STRING_FORMAT_VERSIONS,
+    Parsed,
     inspect_safetensors,
     make_limits,
 )
 from .errors import RotationFileError, TorchVersionError, UnsafeRotationFileError
+from .headdims import HeadDims
+from .rotation_set import RotationSet, stack_layers
 
 _SAFETENSORS_MAGIC_MAX_HEADER = 100 * 1024 * 1024
 
 
-@dataclass(eq=False)
-class RotationSet:
-    """One side (K or V) of a model's rotations: one orthogonal ``[d, d]`` matrix per layer.
-
-    Attributes:
-        rotations: ``[L, d, d]`` float tensor; ``rotations[i]`` belongs to ``layer_ids[i]`` and is
-            applied as ``x_rot = x @ R`` (``x[..., d]``). Per-KV-head sets
-            (``source_grouping="kv_head"``) are ``[L, H_kv, d, d]``: head ``h`` of layer ``i`` is
-            rotated by ``rotations[i, h]``.
-        layer_ids: model layer index of each matrix, ascending (sparse for hybrid models).
-        objective: ``"<target>_<composition>"`` such as ``"qqt_r_h_pbr"``, or ``"hadamard"``.
-        eigenvalues: ``[L, d]`` (per KV head ``[L, H_kv, d]``) raw ascending eigenvalues of the
-            fitted covariance, or ``None``.
-        format_version: ``1`` or ``"identity-v1"``.
-        source_grouping: ``"layer"`` for the published files; ``"kv_head"`` for per-KV-head sets.
-        path: the file it was read from, if any.
-    """
-
-    rotations: torch.Tensor
-    layer_ids: tuple[int, ...]
-    objective: str = "unknown"
-    eigenvalues: torch.Tensor | None = None
-    format_version: int | str = FORMAT_VERSION
-    source_grouping: str = "layer"
-    path: Path | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.rotations, torch.Tensor):
-            raise RotationFileError(f"{self._name()}: rotations must be a tensor, got {type(self.rotations).__name__}")
-        try:
-            ids = tuple(self.layer_ids)
-            if any(isinstance(i, bool) for i in ids):
-                raise TypeError("bool")
-            self.layer_ids = tuple(operator.index(i) for i in ids)
-        except TypeError:
-            raise RotationFileError(f"{self._name()}: layer ids must be integers, got {safe_repr(self.layer_ids)}") from None
-        per_head = self.source_grouping == KV_HEAD
-        if self.rotations.dim() != (4 if per_head else 3):
-            want = "[L, H_kv, d, d] (source_grouping 'kv_head')" if per_head else "[L, d, d]"
-            hint = "; per-KV-head rotations need source_grouping='kv_head'" if self.rotations.dim() == 4 else ""
-            raise RotationFileError(f"{self._name()}: rotations must be {want}, got {tuple(self.rotations.shape)}"
-                                    f"{hint}")
-        if self.rotations.shape[0] != len(self.layer_ids):
-            raise RotationFileError(
-                f"{self._name()}: {self.rotations.shape[0]} matrices but {len(self.layer_ids)} layer ids"
-            )
-        if len(set(self.layer_ids)) != len(self.layer_ids):
-            raise RotationFileError(f"{self._name()}: duplicate layer ids {self.layer_ids}")
-
-    def _name(self) -> str:
-        return str(self.path) if self.path else "rotation set"
-
-    # -- shape helpers ---------------------------------------------------------------------------
-    @property
-    def head_dim(self) -> int:
-        """``d``, the size of each rotation."""
-        return int(self.rotations.shape[-1])
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layer_ids)
-
-    @property
-    def per_head(self) -> bool:
-        """Whether this set holds one rotation per (layer, KV head) (``source_grouping="kv_head"``)."""
-        return self.source_grouping == KV_HEAD
-
-    @property
-    def num_kv_heads(self) -> int | None:
-        """``H_kv`` of a per-KV-head set; ``None`` for one rotation per layer."""
-        return int(self.rotations.shape[1]) if self.per_head else None
-
-    def __len__(self) -> int:
-        return len(self.layer_ids)
-
-    def index_of(self, layer_id: int) -> int:
-        """Position of ``layer_id`` in :attr:`rotations` (``KeyError`` if absent)."""
-        try:
-            return self.layer_ids.index(int(layer_id))
-        except ValueError:
-            raise KeyError(f"{self._name()} has no layer {layer_id}; layers: {_fmt_ids(self.layer_ids)}") from None
-
-    def __getitem__(self, layer_id: int) -> torch.Tensor:
-        """The ``[d, d]`` rotation of model layer ``layer_id`` (``[H_kv, d, d]`` per KV head)."""
-        return self.rotations[self.index_of(layer_id)]
-
-    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "RotationSet":
-        """A copy with rotations (and eigenvalues) moved/cast; eigenvalues keep fp32."""
-        rot = self.rotations.to(device=device, dtype=dtype)
-        eig = self.eigenvalues.to(device=device) if self.eigenvalues is not None else None
-        return replace(self, rotations=rot, eigenvalues=eig)
-
-    # -- conversions -----------------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        """The authors' ``.pt`` dict (int layer keys, fp32 contiguous tensors).
-
-        Each layer gets its own storage (no views of the stacked tensor); identical matrices
-        (e.g. a data-free Hadamard set) share one tensor, as the authors' writer does, which keeps
-        such files small.
-        """
-        layers: dict[int, dict[str, Any]] = {}
-        seen: list[torch.Tensor] = []
-        seen_eig: list[torch.Tensor] = []
-        for i, lid in enumerate(self.layer_ids):
-            rot = _dedupe(self.rotations[i].detach().to("cpu", torch.float32).contiguous().clone(), seen)
-            entry: dict[str, Any] = {"layer_id": lid, "rotation": rot}
-            if self.eigenvalues is not None:
-                entry["eigenvalues"] = _dedupe(
-                    self.eigenvalues[i].detach().to("cpu", torch.float32).contiguous().clone(), seen_eig
-                )
-            layers[lid] = entry
-        return {
-            "format_version": self.format_version,
-            "objective": self.objective,
-            "source_grouping": self.source_grouping,
-            "layers": layers,
-        }
-
-    @classmethod
-    def from_dict(cls, obj: Any, *, path: Path | None = None, max_head_dim: int = MAX_HEAD_DIM,
+def set_from_dict(obj: Any, *, path: Path | None = None, max_head_dim: int = MAX_HEAD_DIM,
                   max_layers: int = MAX_LAYERS, max_bytes: int = MAX_BYTES,
-                  limits: Limits | None = None) -> "RotationSet":
-        """Parse the authors' dict (see module docstring); raises typed errors on anything else.
+                  limits: Limits | None = None) -> RotationSet:
+    """Parse the authors' dict (any layout of ``docs/format.md``); typed errors on anything else.
 
-        Args:
-            obj: the dict, as ``torch.load`` returns it.
-            path: the file it came from (named in messages).
-            max_head_dim: largest accepted ``d``.
-            max_layers: most accepted layers.
-            max_bytes: most bytes the stacked fp32 rotations and eigenvalues may take.
-            limits: the :class:`~rotationzoo._inspect.Limits` to apply instead of the three above.
-        """
-        name = str(path) if path else "rotation data"
-        limits = limits or make_limits(max_head_dim, max_layers, max_bytes)
-        version, parsed, objective, grouping = _schema.parse(obj, name, limits)
-        # stack copies: layers that shared one storage in the file become independent tensors
-        eigs = [p[2] for p in parsed]
-        try:
-            rotations = torch.stack([p[1].detach().to(torch.float32) for p in parsed]).contiguous()
-            eigenvalues = (torch.stack([e.detach().to(torch.float32) for e in eigs]).contiguous()
-                           if all(e is not None for e in eigs) else None)
-        except RuntimeError as exc:  # e.g. tensors on different devices in a dict built in memory
-            raise RotationFileError(f"{name}: cannot stack the layers ({exc_line(exc)})") from None
-        return cls(rotations=rotations, layer_ids=tuple(p[0] for p in parsed), objective=objective,
-                   eigenvalues=eigenvalues, format_version=version, source_grouping=grouping, path=path)
+    Args:
+        obj: the dict, as ``torch.load`` returns it.
+        path: the file it came from (named in messages).
+        max_head_dim: largest accepted ``d``.
+        max_layers: most accepted layers.
+        max_bytes: most bytes the stacked fp32 tensors may take.
+        limits: the :class:`~rotationzoo._inspect.Limits` to apply instead of the three above.
 
-
-def _dedupe(t: torch.Tensor, seen: list[torch.Tensor]) -> torch.Tensor:
-    for s in seen:
-        if s.shape == t.shape and torch.equal(s, t):
-            return s
-    seen.append(t)
-    return t
+    A ``source_grouping`` label that disagrees with the rotations' shape gives one
+    :class:`RotationFormatWarning`; the shape decides, as in the authors' server.
+    """
+    name = str(path) if path else "rotation data"
+    limits = limits or make_limits(max_head_dim, max_layers, max_bytes)
+    parsed = _schema.parse(obj, name, limits)
+    if parsed.label_mismatch:
+        warnings.warn(f"{name}: {parsed.label_mismatch}", RotationFormatWarning, stacklevel=3)
+    present = parsed.fields
+    # stack copies: layers that shared one storage in the file become independent tensors
+    try:
+        stacks: dict[str, Any] = {f: stack_layers([fields[f] for _, fields in parsed.layers]) for f in present}
+    except RuntimeError as exc:  # e.g. tensors on different devices in a dict built in memory
+        raise RotationFileError(f"{name}: cannot stack the layers ({exc_line(exc)})") from None
+    return RotationSet(
+        rotations=stacks.pop("rotation"), layer_ids=tuple(lid for lid, _ in parsed.layers), objective=parsed.objective,
+        format_version=parsed.version, source_grouping=parsed.kind, path=path,
+        calibration=parsed.calibration, transform=parsed.transform, **stacks,
+    )
 
 
-def _fmt_ids(ids: tuple[int, ...]) -> str:
-    return ", ".join(map(str, ids[:12])) + (" ..." if len(ids) > 12 else "")
+class RotationFormatWarning(UserWarning):
+    """A rotation file is readable but labelled inconsistently (e.g. ``source_grouping`` vs the shapes)."""
 
 
 # -- reading -------------------------------------------------------------------------------------
@@ -254,7 +141,7 @@ def read_rotation(
     max_head_dim: int = MAX_HEAD_DIM,
     max_layers: int = MAX_LAYERS,
     max_bytes: int = MAX_BYTES,
-    head_dim: int | None = None,
+    head_dim: int | HeadDims | None = None,
     num_layers: int | None = None,
     num_kv_heads: int | None = None,
 ) -> RotationSet:
@@ -271,15 +158,16 @@ def read_rotation(
         max_head_dim: largest ``d`` accepted (default :data:`MAX_HEAD_DIM`).
         max_layers: most layers accepted (default :data:`MAX_LAYERS`).
         max_bytes: most bytes of tensor data accepted (default :data:`MAX_BYTES`).
-        head_dim: the model's head dimension when known: a file with another ``d`` is refused
-            before loading, and the limits tighten to it.
+        head_dim: the model's head dimension when known (an int, or :class:`~rotationzoo.headdims.HeadDims`
+            for per-layer head_dims): a file with another ``d`` is refused before loading, and the
+            limits tighten to it.
         num_layers: how many layers the model has when known: a file with more is refused.
         num_kv_heads: the model's KV heads when known: a per-KV-head file with another count is
             refused before loading.
 
     Returns:
-        A :class:`RotationSet` with fp32 ``rotations [L, d, d]`` (not yet validated; see
-        :func:`rotationzoo.validate`).
+        A :class:`RotationSet` with fp32 ``rotations [L, d, d]`` (``[L, H_kv, d, d]`` per KV head, a
+        tuple for ragged files) and any companions (not yet validated; see :func:`rotationzoo.validate`).
 
     Raises:
         RotationFileError: missing, truncated, not a rotation file, or beyond the limits (message
@@ -296,7 +184,7 @@ def read_rotation(
         raise RotationFileError(f"{p}: file is empty")
     limits = make_limits(max_head_dim, max_layers, max_bytes, head_dim=head_dim, num_layers=num_layers,
                          num_kv_heads=num_kv_heads)
-    expect = (head_dim, num_layers, num_kv_heads)
+    expect = (HeadDims.of(head_dim), num_layers, num_kv_heads)
     kind = detect_kind(p)
     if kind == "safetensors":
         rs = _read_safetensors(p, limits, expect)
@@ -306,7 +194,7 @@ def read_rotation(
             refuse_legacy_pickle(p, limits)
         plan, _ = inspect_torch_zip(p, limits)
         _check_expected(_schema.parse(plan, str(p), limits), str(p), expect)
-        rs = RotationSet.from_dict(_torch_load_safe(p), path=p, limits=limits)
+        rs = set_from_dict(_torch_load_safe(p), path=p, limits=limits)
     if str(map_location) != "cpu":
         rs = rs.to(device=map_location)
     return rs
@@ -329,19 +217,20 @@ def _is_zip(p: Path) -> bool:
         return f.read(4) == b"PK\x03\x04"
 
 
-def _check_expected(parsed: tuple, name: str, expect: tuple[int | None, int | None, int | None]) -> None:
-    """The model's ``(head_dim, num_layers, num_kv_heads)``, where known, against the parsed file."""
-    head_dim, num_layers, num_kv_heads = expect
-    rows, grouping = parsed[1], parsed[3]
-    shape = tuple(rows[0][1].shape)
-    d = int(shape[-1])
-    if head_dim is not None and d != head_dim:
-        raise RotationFileError(f"{name}: head_dim {d}, but the model needs {head_dim}")
+def _check_expected(parsed: Parsed, name: str, expect: tuple[HeadDims | None, int | None, int | None]) -> None:
+    """The model's ``(head_dims, num_layers, num_kv_heads)``, where known, against the parsed file."""
+    head_dims, num_layers, num_kv_heads = expect
+    rows = parsed.layers
     if num_layers is not None and len(rows) > num_layers:
         raise RotationFileError(f"{name}: has {len(rows)} layers, the model needs {num_layers}")
-    if grouping == KV_HEAD and num_kv_heads is not None and shape[0] != num_kv_heads:
-        raise RotationFileError(f"{name}: per-KV-head rotations for {shape[0]} KV heads, but the model has "
-                                f"{num_kv_heads}")
+    for lid, fields in rows:
+        shape = tuple(fields["rotation"].shape)
+        if head_dims is not None and shape[-1] != head_dims(lid):
+            where = "" if head_dims.uniform else f"layer {lid}: "
+            raise RotationFileError(f"{name}: {where}head_dim {shape[-1]}, but the model needs {head_dims(lid)}")
+        if parsed.kind == KV_HEAD and num_kv_heads is not None and shape[0] != num_kv_heads:
+            raise RotationFileError(f"{name}: per-KV-head rotations for {shape[0]} KV heads, but the model has "
+                                    f"{num_kv_heads}")
 
 
 def _torch_load_safe(p: Path) -> Any:
@@ -358,7 +247,11 @@ def _torch_load_safe(p: Path) -> Any:
         ) from None
 
 
-def _read_safetensors(p: Path, limits: Limits, expect: tuple[int | None, int | None, int | None]) -> RotationSet:
+#: Top-level metadata of a safetensors rotation file stored as JSON strings.
+_JSON_META = ("calibration", "transform")
+
+
+def _read_safetensors(p: Path, limits: Limits, expect: tuple[HeadDims | None, int | None, int | None]) -> RotationSet:
     from safetensors import safe_open
 
     meta, metas = inspect_safetensors(p, limits)
@@ -371,32 +264,41 @@ def _read_safetensors(p: Path, limits: Limits, expect: tuple[int | None, int | N
         raise RotationFileError(
             f"{p}: cannot read safetensors ({type(exc).__name__}: {exc_line(exc)}); the file is truncated or damaged"
         ) from None
-    return RotationSet.from_dict(_safetensors_dict(p, meta, tensors), path=p, limits=limits)
+    return set_from_dict(_safetensors_dict(p, meta, tensors), path=p, limits=limits)
 
 
 def _safetensors_dict(p: Path, meta: Mapping[str, str], tensors: Mapping[str, Any]) -> dict[str, Any]:
-    """The authors' dict from safetensors names ``rotation.<layer>`` / ``eigenvalues.<layer>``."""
+    """The authors' dict from safetensors names ``<field>.<layer>`` (``rotation.3``, ``k_mean.3``, …)."""
     layers: dict[int, dict[str, Any]] = {}
     for key, t in tensors.items():
         kind, _, lid_text = key.partition(".")
         lid = parse_index(lid_text)
-        if kind not in ("rotation", "eigenvalues") or lid is None:
+        if kind not in LAYER_FIELDS or lid is None:
             raise RotationFileError(
-                f"{p}: unexpected tensor {safe_repr(key)} (expected rotation.<layer>, eigenvalues.<layer>)"
+                f"{p}: unexpected tensor {safe_repr(key)} (expected <field>.<layer> with field one of "
+                f"{', '.join(LAYER_FIELDS)})"
             )
         layers.setdefault(lid, {"layer_id": lid})[kind] = t
     for lid, entry in layers.items():
         if "rotation" not in entry:
-            raise RotationFileError(f"{p}: layer {lid} has eigenvalues but no rotation")
-    version: Any = meta.get("format_version", str(FORMAT_VERSION))
+            raise RotationFileError(f"{p}: layer {lid} has {', '.join(k for k in entry if k != 'layer_id')} but no "
+                                    f"rotation")
+    version: Any = meta.get("format_version", "1")
     if parse_index(version) is not None:
         version = int(version)
-    return {
+    out: dict[str, Any] = {
         "format_version": version,
         "objective": meta.get("objective", "unknown"),
-        "source_grouping": meta.get("source_grouping", "layer"),
+        "source_grouping": meta.get("source_grouping", LAYER),
         "layers": layers,
     }
+    for key in _JSON_META:
+        if key in meta:
+            try:
+                out[key] = json.loads(meta[key])
+            except (ValueError, RecursionError):
+                raise RotationFileError(f"{p}: safetensors metadata {key!r} is not JSON") from None
+    return out
 
 
 # -- writing -------------------------------------------------------------------------------------
@@ -408,8 +310,9 @@ def write_rotation(path: str | os.PathLike[str], rotation_set: RotationSet, *, f
     Args:
         path: destination; the format follows the suffix (``.safetensors`` or anything else = ``.pt``)
             unless ``fmt`` is given.
-        rotation_set: what to write; rotations and eigenvalues are stored as fp32 contiguous tensors
-            with int layer keys, exactly as the authors' fitter writes them.
+        rotation_set: what to write, in the authors' layout for what it holds (V1 per layer, V2 per KV
+            head, V3 with companions or a ``transform``: :attr:`RotationSet.layout_version`); tensors are
+            stored fp32 contiguous with int layer keys, as the authors' fitters write them.
         fmt: ``"pt"`` or ``"safetensors"``.
 
     Returns:
@@ -433,15 +336,18 @@ def write_rotation(path: str | os.PathLike[str], rotation_set: RotationSet, *, f
             d = rotation_set.to_dict()
             tensors = {}
             for lid, entry in d["layers"].items():
-                tensors[f"rotation.{lid}"] = entry["rotation"].clone()
-                if "eigenvalues" in entry:
-                    tensors[f"eigenvalues.{lid}"] = entry["eigenvalues"].clone()
+                for f in LAYER_FIELDS:
+                    if f in entry:
+                        tensors[f"{f}.{lid}"] = entry[f].clone()
             meta = {
                 "format_version": str(d["format_version"]),
                 "objective": str(d["objective"]),
                 "source_grouping": str(d["source_grouping"]),
                 "layer_ids": ",".join(map(str, rotation_set.layer_ids)),
             }
+            for key in _JSON_META:
+                if key in d:
+                    meta[key] = json.dumps(d[key], sort_keys=True)
             save_file(tensors, str(tmp), metadata=meta)
         os.replace(tmp, p)
     finally:

@@ -24,27 +24,32 @@ Example::
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
-from .errors import ExportError, InvalidRotationError, RotationFileError, RotationZooError, UnknownModelError
-from .fit.output import MANIFEST_NAME
+from .errors import ExportError, InvalidRotationError, RotationFileError, UnknownModelError
+from .fit.output import MANIFEST_NAME  # noqa: F401  (re-exported)
 from .format import RotationSet, read_rotation
 from .hashing import sha256_file
+from .headdims import HeadDims
 from .hub import fetch_entry
 from .int2kv import Int2KVConfig
 from .pairfile import file_kind, read_pair_file
 from .registry import SIDES, TagEntry, get_entry, load_registry, split_model_tag
-from .validation import DEFAULT_ATOL, ValidationReport, validate, verify_file
+from .localpair import (  # noqa: F401  (public names of this module)
+    ROTATION_SUFFIXES,
+    _manifest_metadata,
+    find_pair_files,
+    infer_side,
+    verify_path,
+)
+from .validation import DEFAULT_ATOL, validate
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-#: Suffixes of single-side rotation files.
-ROTATION_SUFFIXES: tuple[str, ...] = (".pt", ".pth", ".safetensors")
 
 
 @dataclass(eq=False)
@@ -96,7 +101,23 @@ class RotationPair:
 
     @property
     def head_dim(self) -> int:
+        """``d`` (refused for a ragged pair: see :attr:`head_dims`)."""
         return self.sets[self.sides[0]].head_dim
+
+    @property
+    def head_dims(self) -> HeadDims:
+        """``d`` per layer."""
+        return self.sets[self.sides[0]].head_dims
+
+    @property
+    def centered(self) -> bool:
+        """Whether keys or values are centered (``k_mean`` / ``v_mean``)."""
+        return any(rs.centered for _, rs in self)
+
+    @property
+    def orthogonal(self) -> bool:
+        """Whether every side's transform is orthogonal (no ``q_rotation`` / ``o_rotation`` needed)."""
+        return all(rs.orthogonal for _, rs in self)
 
     @property
     def per_head(self) -> bool:
@@ -161,26 +182,34 @@ class RotationPair:
         return RotationPair(sets, self.entry, dict(self.paths), dict(self.sha256), dict(self.metadata), self.source)
 
     def validate(self, *, atol: float = DEFAULT_ATOL, layer_ids: Sequence[int] | None = None,
-                 head_dim: int | None = None) -> "RotationPair":
+                 head_dim: int | HeadDims | None = None) -> "RotationPair":
         """Check every side (orthogonality, finiteness, expected layers / ``d``) and K/V agreement.
 
         Raises:
-            InvalidRotationError: a side fails, or K and V cover different layers or ``d``.
+            InvalidRotationError: a side fails, a companion is on the wrong side (``k_mean`` /
+                ``q_rotation`` belong to K, ``o_rotation`` / ``v_mean`` to V), or K and V cover different
+                layers, ``d`` or KV heads.
         """
+        name = self.source or "rotation pair"
         if not self.sets:
-            raise InvalidRotationError(f"{self.source or 'rotation pair'}: no K or V rotations")
-        for _, rs in self:
+            raise InvalidRotationError(f"{name}: no K or V rotations")
+        for side, rs in self:
             validate(rs, atol=atol, layer_ids=layer_ids, head_dim=head_dim)
+            wrong = [f for f in _OTHER_SIDE[side] if getattr(rs, f) is not None]
+            if wrong:
+                raise InvalidRotationError(f"{name}: the {side.upper()} rotations carry {', '.join(wrong)}, which "
+                                           f"belongs to the other side; check which file is K and which is V")
         if len(self.sets) == 2:
             k, v = self.sets["k"], self.sets["v"]
-            if k.layer_ids != v.layer_ids or k.head_dim != v.head_dim:
+            if k.layer_ids != v.layer_ids or k.head_dims != v.head_dims:
                 raise InvalidRotationError(
-                    f"{self.source or 'rotation pair'}: K and V disagree: K has {len(k.layer_ids)} layers × "
-                    f"d {k.head_dim}, V has {len(v.layer_ids)} layers × d {v.head_dim}"
+                    f"{name}: K and V disagree: K has {len(k.layer_ids)} layers × d {k.head_dims}, V has "
+                    f"{len(v.layer_ids)} layers × d {v.head_dims}"
                 )
-            if k.per_head and v.per_head and k.num_kv_heads != v.num_kv_heads:
-                raise InvalidRotationError(f"{self.source or 'rotation pair'}: K and V disagree: K has "
-                                           f"{k.num_kv_heads} KV heads, V has {v.num_kv_heads}")
+            heads = {s: [int(r.shape[0]) for r in _per_layer(rs)] for s, rs in self if rs.per_head}
+            if len(heads) == 2 and heads["k"] != heads["v"]:
+                raise InvalidRotationError(f"{name}: K and V disagree: K has {sorted(set(heads['k']))} KV heads, "
+                                           f"V has {sorted(set(heads['v']))}")
         return self
 
     def serve_env(self, engine: str) -> dict[str, str]:
@@ -199,91 +228,15 @@ class RotationPair:
         return f"RotationPair({what}, layers={len(self.layer_ids)}, d={self.head_dim}, {objs})"
 
 
+#: Companions that belong to the other side of the pair.
+_OTHER_SIDE = {"k": ("o_rotation", "v_mean"), "v": ("q_rotation", "k_mean")}
+
+
+def _per_layer(rs: RotationSet) -> list["torch.Tensor"]:
+    return list(rs.rotations) if isinstance(rs.rotations, tuple) else list(rs.rotations.unbind(0))
+
+
 # -- local files ---------------------------------------------------------------------------------
-
-
-def infer_side(path: Path | None, objective: str | None) -> str | None:
-    """``"k"`` / ``"v"`` from a file name (``k_…``, ``v.…``) or an objective (``qqt…`` / ``sst…``)."""
-    if path is not None:
-        name = Path(path).name.lower()
-        for s in SIDES:
-            if name.startswith((f"{s}_", f"{s}.", f"{s}-")):
-                return s
-    obj = (objective or "").lower()
-    if obj.startswith(("qqt", "ktk")) or obj == "identity-k":
-        return "k"
-    if obj.startswith(("sst", "vtv")) or obj == "identity-v":
-        return "v"
-    return None
-
-
-def _manifest(d: Path) -> dict[str, Any]:
-    try:
-        data = json.loads((d / MANIFEST_NAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _manifest_metadata(d: Path) -> dict[str, str]:
-    """What a fitted folder's manifest says about serving the pair: the fitted group size (strings)."""
-    out: dict[str, str] = {}
-    g = _manifest(d).get("group_size")
-    if isinstance(g, int) and not isinstance(g, bool) and g > 0:
-        out["group_size"] = str(g)
-    return out
-
-
-def _manifest_files(d: Path) -> dict[str, Path]:
-    try:
-        named = _manifest(d).get("files") or {}
-        picked = {s: d / str(named[s]["name"]) for s in SIDES
-                  if isinstance(named.get(s), Mapping) and named[s].get("name")}
-    except (OSError, ValueError, AttributeError, TypeError):
-        return {}
-    return picked if all(p.is_file() for p in picked.values()) else {}
-
-
-def _pick(d: Path, side: str, files: list[Path]) -> Path | None:
-    cands = [f for f in files if f.name.startswith(f"{side}_rotation")]
-    by_stem: dict[str, Path] = {}
-    for f in sorted(cands, key=lambda f: ROTATION_SUFFIXES.index(f.suffix)):
-        by_stem.setdefault(f.stem, f)  # the same stem in several formats: copies; prefer .pt
-    if len(by_stem) > 1:
-        raise ExportError(
-            f"{d}: several {side.upper()} rotation files ({', '.join(p.name for p in by_stem.values())}); "
-            f"keep one pair in the folder, name them in {MANIFEST_NAME}, or give 'k.pt,v.pt'"
-        )
-    return next(iter(by_stem.values()), None)
-
-
-def find_pair_files(directory: str | os.PathLike[str]) -> dict[str, Path]:
-    """The rotation files of a folder, by side.
-
-    The manifest's ``files`` names win when they name files that exist. Otherwise each side needs
-    exactly one ``{side}_rotation*`` file (``.pt``, ``.pth`` or ``.safetensors``; one stem in
-    several formats counts once, ``.pt`` preferred): an ambiguous folder is refused, never guessed.
-
-    Raises:
-        ExportError: not a folder, no rotation file, a side missing, or several candidates for a side.
-    """
-    d = Path(directory)
-    if not d.is_dir():
-        raise ExportError(f"{d}: not a folder")
-    picked = _manifest_files(d)
-    if picked:
-        return picked
-    files = sorted(f for f in d.iterdir() if f.is_file() and f.suffix in ROTATION_SUFFIXES)
-    chosen = {s: p for s in SIDES if (p := _pick(d, s, files)) is not None}
-    if not chosen:
-        names = ", ".join(f.name for f in files[:8]) or "no .pt/.safetensors files"
-        raise ExportError(f"{d}: no rotation pair found (expected k_rotation*.pt and v_rotation*.pt; found {names})")
-    missing = [s for s in SIDES if s not in chosen]
-    if missing:
-        have = next(iter(chosen.values()))
-        raise ExportError(f"{d}: found {have.name} but no {missing[0]}_rotation*.pt; give the single file instead, "
-                          f"or add its partner")
-    return chosen
 
 
 def _read_sides(files: Mapping[str, Path], source: str, metadata: Mapping[str, str] | None = None) -> RotationPair:
@@ -446,37 +399,3 @@ def load_registered(
     pair = RotationPair(sets, entry=entry, paths={s: got.files[s].path for s in SIDES},
                         sha256={s: got.files[s].sha256 for s in SIDES}, source=entry.key)
     return pair.validate(atol=atol)
-
-
-def verify_path(path: str | os.PathLike[str], *, atol: float = DEFAULT_ATOL, layer_ids: Sequence[int] | None = None,
-                num_layers: int | None = None, head_dim: int | None = None,
-                num_kv_heads: int | None = None) -> list[ValidationReport]:
-    """Validation reports of a rotation file: one for a single-side file, one per side for a pair
-    file (exported safetensors or GGUF) or a pair folder (found as :func:`find_pair_files` finds it).
-    Never raises for a bad file (the report says why)."""
-    p = Path(path)
-    if p.is_dir():
-        try:
-            files = find_pair_files(p)
-        except RotationZooError as exc:
-            return [ValidationReport(path=str(p), ok=False, problems=[str(exc)])]
-        return [r for s in SIDES if s in files
-                for r in verify_path(files[s], atol=atol, layer_ids=layer_ids, num_layers=num_layers,
-                                     head_dim=head_dim, num_kv_heads=num_kv_heads)]
-    kind = file_kind(p) if p.is_file() else None
-    if kind is None:
-        return [verify_file(p, atol=atol, layer_ids=layer_ids, num_layers=num_layers, head_dim=head_dim,
-                            num_kv_heads=num_kv_heads)]
-    try:
-        sets, _ = read_pair_file(p)
-    except RotationZooError as exc:
-        return [ValidationReport(path=str(p), ok=False, problems=[str(exc)])]
-    sha, size = sha256_file(p), p.stat().st_size
-    out = []
-    for s in SIDES:
-        if s in sets:
-            rep = validate(sets[s], atol=atol, layer_ids=layer_ids, num_layers=num_layers, head_dim=head_dim,
-                           num_kv_heads=num_kv_heads, raise_on_error=False)
-            rep.path, rep.sha256, rep.size = f"{p} [{s}]", sha, size
-            out.append(rep)
-    return out

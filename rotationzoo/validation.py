@@ -1,15 +1,18 @@
 """Validation of rotation sets: structure, numerics, and expectations from the model.
 
 A set is valid when it has at least one layer, every matrix is square, floating point and finite,
-``max|R Rᵀ − I| ≤ atol`` (default 1e-5, computed in fp64), eigenvalues (when present) have length
-``d``, and it matches what is expected of the model (layer ids or count, head_dim, and for
-per-KV-head sets the number of KV heads). Per-KV-head sets are checked matrix by matrix; messages
-name the layer and the head.
+``max|R Rᵀ − I| ≤ atol`` (default 1e-5, computed in fp64) unless the set says its transform is not
+orthogonal, every companion is finite, ``q_rotation`` / ``o_rotation`` are the inverse transpose of the
+rotation (``max|Qᵀ R − I| ≤ inverse_atol``, default 1e-4), eigenvalues (when present) have the
+rotation's leading shape, and it matches what is expected of the model (layer ids or count, head_dim
+per layer, and for per-KV-head sets the number of KV heads). Checks run layer by layer (the working
+set is one layer in fp64); messages name the layer and, per KV head, the head.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -18,16 +21,25 @@ import torch
 
 from ._inspect import exc_line
 from .errors import InvalidRotationError, RotationZooError
-from .format import RotationSet, read_rotation
+from .format import RotationFormatWarning, RotationSet, read_rotation
 from .hashing import sha256_file
+from .headdims import HeadDims
 
 #: Default orthogonality tolerance: published files measure 3.6e-7 … 7.2e-7.
 DEFAULT_ATOL = 1e-5
+#: Default tolerance on ``max|Qᵀ R − I|`` for ``q_rotation`` / ``o_rotation`` (``Q = R^{-T}``): fp32
+#: inverses of transforms with condition numbers up to about 100 stay well below it.
+DEFAULT_INVERSE_ATOL = 1e-4
 
 
 @dataclass
 class ValidationReport:
-    """Outcome of :func:`validate` / :func:`verify_file`. ``ok`` is ``not problems``."""
+    """Outcome of :func:`validate` / :func:`verify_file`. ``ok`` is ``not problems``.
+
+    ``head_dim`` is ``None`` for a ragged set; ``head_dims`` then gives ``d`` per layer
+    (``{"default": d, "layers": {...}}``). ``source_grouping`` is ``layer`` or ``kv_head`` (from the
+    shapes); ``format_version`` is the file's, ``layout_version`` the one it would be written as.
+    """
 
     path: str | None
     ok: bool
@@ -44,6 +56,14 @@ class ValidationReport:
     problems: list[str] = field(default_factory=list)
     sha256: str | None = None
     size: int | None = None
+    head_dims: Any = None
+    layout_version: int | str | None = None
+    companions: list[str] = field(default_factory=list)
+    orthogonal: bool | None = None
+    max_inverse_error: float | None = None
+    calibration: dict[str, Any] | None = None
+    transform: dict[str, Any] | None = None
+    warnings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -56,72 +76,93 @@ def orthogonality_errors(rotations: torch.Tensor) -> torch.Tensor:
     return (r @ r.transpose(-1, -2) - eye).abs().amax(dim=(-1, -2))
 
 
+def inverse_errors(rotation: torch.Tensor, inverse_t: torch.Tensor) -> torch.Tensor:
+    """``max|Qᵀ R − I|`` per matrix, in fp64, for ``Q = R^{-T}`` (``q_rotation`` / ``o_rotation``)."""
+    r, q = rotation.detach().to(torch.float64), inverse_t.detach().to(torch.float64)
+    eye = torch.eye(r.shape[-1], dtype=torch.float64, device=r.device)
+    return (q.transpose(-1, -2) @ r - eye).abs().amax(dim=(-1, -2))
+
+
 def validate(
     rotation_set: RotationSet,
     *,
     atol: float = DEFAULT_ATOL,
+    inverse_atol: float = DEFAULT_INVERSE_ATOL,
     layer_ids: Iterable[int] | None = None,
     num_layers: int | None = None,
-    head_dim: int | None = None,
+    head_dim: int | HeadDims | None = None,
     num_kv_heads: int | None = None,
     raise_on_error: bool = True,
 ) -> ValidationReport:
     """Check a rotation set; raise :class:`InvalidRotationError` (or return a failing report).
 
     Args:
-        rotation_set: the set to check (``rotations [L, d, d]``, per KV head ``[L, H_kv, d, d]``).
-        atol: tolerance on ``max|R Rᵀ − I|``.
+        rotation_set: the set to check (any layout: per layer, per KV head, ragged, with companions).
+        atol: tolerance on ``max|R Rᵀ − I|`` (orthogonal sets).
+        inverse_atol: tolerance on ``max|Qᵀ R − I|`` of ``q_rotation`` / ``o_rotation``.
         layer_ids: the exact layer ids the model needs (e.g. sparse ids of a hybrid model).
         num_layers: the number of layers the model needs (ids ``0 … num_layers-1``) when
             ``layer_ids`` is not given.
-        head_dim: the model's head dimension ``d``.
+        head_dim: the model's head dimension ``d`` (or :class:`~rotationzoo.headdims.HeadDims` per layer).
         num_kv_heads: the model's KV heads; checked for per-KV-head sets only.
         raise_on_error: raise on the first failing report (default) instead of returning it.
 
     Returns:
         A :class:`ValidationReport`; messages name the file, the layer and the measured error.
     """
-    name = str(rotation_set.path) if rotation_set.path else "rotation set"
-    rot = rotation_set.rotations
-    ids = list(rotation_set.layer_ids)
-    per_head = rotation_set.per_head
-    want = "[L, H_kv, d, d]" if per_head else "[L, d, d]"
-    is_3d = isinstance(rot, torch.Tensor) and rot.dim() == (4 if per_head else 3)
+    rs = rotation_set
+    name = str(rs.path) if rs.path else "rotation set"
+    ids = list(rs.layer_ids)
+    try:
+        dims: HeadDims | None = rs.head_dims
+    except RotationZooError:  # empty matrices: reported below
+        dims = None
     report = ValidationReport(
-        path=str(rotation_set.path) if rotation_set.path else None,
-        ok=False,
-        num_layers=len(ids),
-        head_dim=int(rot.shape[-1]) if is_3d else None,
-        layer_ids=ids,
-        objective=rotation_set.objective,
-        format_version=rotation_set.format_version,
-        has_eigenvalues=rotation_set.eigenvalues is not None,
-        source_grouping=rotation_set.source_grouping,
-        num_kv_heads=int(rot.shape[1]) if is_3d and per_head else None,
+        path=str(rs.path) if rs.path else None, ok=False, num_layers=len(ids),
+        head_dim=dims.default if dims is not None and dims.uniform else None,
+        head_dims=dims.to_json() if dims is not None else None, layer_ids=ids,
+        objective=rs.objective, format_version=rs.format_version, layout_version=rs.layout_version,
+        has_eigenvalues=rs.eigenvalues is not None, source_grouping=rs.source_grouping,
+        companions=list(rs.companions), orthogonal=rs.orthogonal, calibration=rs.calibration, transform=rs.transform,
     )
+    heads = {int(r.shape[0]) for r in _layer_rotations(rs)} if rs.per_head else set()
+    report.num_kv_heads = next(iter(heads)) if len(heads) == 1 else None
     problems = report.problems
     if not ids:
         problems.append(f"{name}: no layers")
-    elif not is_3d or rot.shape[-1] != rot.shape[-2] or rot.shape[0] != len(ids):
-        shape = tuple(rot.shape) if isinstance(rot, torch.Tensor) else type(rot).__name__
-        problems.append(f"{name}: rotations must be {want} with L = {len(ids)} layers, got {shape}")
-    elif rot.layout != torch.strided:
-        problems.append(f"{name}: rotations are a {rot.layout} tensor, expected a dense (strided) one")
-    elif rot.shape[-1] < 1:
-        problems.append(f"{name}: rotations are empty {list(rot.shape)} matrices")
-    elif not rot.is_floating_point():
-        problems.append(f"{name}: rotations have dtype {rot.dtype}, expected a floating point dtype")
     else:
         try:
-            _check_numerics(rotation_set, name, atol, report)
+            _check_numerics(rs, name, atol, inverse_atol, report)
         except Exception as exc:  # a tensor subclass or device that cannot be checked
             problems.append(f"{name}: cannot check the rotations ({type(exc).__name__}: {exc_line(exc)})")
-    # expectations from the model
-    if head_dim is not None and report.head_dim is not None and report.head_dim != head_dim:
-        problems.append(f"{name}: head_dim {report.head_dim}, but the model needs {head_dim}")
-    if num_kv_heads is not None and report.num_kv_heads is not None and report.num_kv_heads != num_kv_heads:
-        problems.append(f"{name}: per-KV-head rotations for {report.num_kv_heads} KV heads, but the model has "
-                        f"{num_kv_heads}")
+    _check_expectations(rs, name, report, layer_ids, num_layers, dims, HeadDims.of(head_dim), num_kv_heads)
+    report.ok = not problems
+    if problems and raise_on_error:
+        raise InvalidRotationError("; ".join(problems) if len(problems) <= 3 else
+                                   "; ".join(problems[:3]) + f"; and {len(problems) - 3} more problems",
+                                   problems)
+    return report
+
+
+def _layer_rotations(rs: RotationSet) -> list[torch.Tensor]:
+    return list(rs.rotations) if isinstance(rs.rotations, tuple) else list(rs.rotations.unbind(0))
+
+
+def _check_expectations(rs: RotationSet, name: str, report: ValidationReport, layer_ids: Iterable[int] | None,
+                        num_layers: int | None, have: HeadDims | None, dims: HeadDims | None,
+                        num_kv_heads: int | None) -> None:
+    problems, ids = report.problems, list(rs.layer_ids)
+    if dims is not None and have is not None:
+        wrong = [lid for lid in ids if have(lid) != dims(lid)]
+        if wrong and dims.uniform and have.uniform:
+            problems.append(f"{name}: head_dim {have.default}, but the model needs {dims.default}")
+        elif wrong:
+            problems.append(f"{name}: layers {_short(wrong)} have head_dim {have(wrong[0])}{' …' if len(wrong) > 1 else ''}"
+                            f", but the model needs {dims(wrong[0])} there (head_dims {dims})")
+    if num_kv_heads is not None and rs.per_head:
+        counts = sorted({int(r.shape[0]) for r in _layer_rotations(rs)} - {num_kv_heads})
+        if counts:
+            problems.append(f"{name}: per-KV-head rotations for {counts[0]} KV heads, but the model has {num_kv_heads}")
     expected_ids = sorted(int(i) for i in layer_ids) if layer_ids is not None else (
         list(range(num_layers)) if num_layers is not None else None
     )
@@ -133,49 +174,70 @@ def validate(
             parts.append(f"missing layers {_short(missing)}")
         if extra:
             parts.append(f"unexpected layers {_short(extra)}")
-        problems.append(
-            f"{name}: has {len(ids)} layers, the model needs {len(expected_ids)} ({'; '.join(parts)})"
-        )
-    report.ok = not problems
-    if problems and raise_on_error:
-        raise InvalidRotationError("; ".join(problems) if len(problems) <= 3 else
-                                   "; ".join(problems[:3]) + f"; and {len(problems) - 3} more problems",
-                                   problems)
-    return report
+        problems.append(f"{name}: has {len(ids)} layers, the model needs {len(expected_ids)} ({'; '.join(parts)})")
 
 
-def _check_numerics(rotation_set: RotationSet, name: str, atol: float, report: ValidationReport) -> None:
-    """Finiteness and orthogonality of every matrix, shape and finiteness of the eigenvalues."""
-    rot, ids, problems = rotation_set.rotations, list(rotation_set.layer_ids), report.problems
-    mats = rot.reshape(-1, rot.shape[-2], rot.shape[-1])  # [L·H, d, d]; matrix m is layer m // H, head m % H
-    heads = mats.shape[0] // len(ids)
+def _dense_float(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.layout == torch.strided and t.is_floating_point()
 
-    def where(m: int) -> str:
-        return f"layer {ids[m // heads]}, head {m % heads}" if rotation_set.per_head else f"layer {ids[m]}"
 
-    finite = torch.isfinite(mats).flatten(1).all(dim=1)
-    for m in (~finite).nonzero().flatten().tolist():
-        n_bad = int((~torch.isfinite(mats[m])).sum())
-        problems.append(f"{name}: {where(m)}: {n_bad} non-finite values (NaN or inf)")
-    if bool(finite.any()):
-        errs = orthogonality_errors(mats)
-        errs = torch.where(finite, errs, torch.zeros_like(errs))
-        worst = int(errs.argmax())
-        report.max_orthogonality_error = float(errs[worst])
-        report.worst_layer = ids[worst // heads]
-        for m in (errs > atol).nonzero().flatten().tolist():
-            problems.append(f"{name}: {where(m)}: not orthogonal, max|RRᵀ−I| = {float(errs[m]):.3e} > {atol:.0e}")
-    ev = rotation_set.eigenvalues
-    if ev is None:
-        return
-    lead = tuple(rot.shape[:-1])  # (L, d) or (L, H_kv, d)
-    if not isinstance(ev, torch.Tensor) or ev.layout != torch.strided or not ev.is_floating_point():
-        problems.append(f"{name}: eigenvalues must be a dense floating point tensor")
-    elif tuple(ev.shape) != lead:
-        problems.append(f"{name}: eigenvalues shape {tuple(ev.shape)}, expected {list(lead)}")
-    elif not bool(torch.isfinite(ev).all()):
-        bad = [ids[i] for i in (~torch.isfinite(ev).flatten(1).all(dim=1)).nonzero().flatten().tolist()]
-        problems.append(f"{name}: eigenvalues of layers {bad[:8]} are not finite")
+def _check_numerics(rs: RotationSet, name: str, atol: float, inverse_atol: float, report: ValidationReport) -> None:
+    """Per layer: finiteness, orthogonality (or the companions' inverse), shapes of the other fields."""
+    problems = report.problems
+    orthogonal = rs.orthogonal
+    if not orthogonal and rs.q_rotation is None and rs.o_rotation is None:
+        problems.append(f"{name}: its transform is not orthogonal, but it carries no q_rotation / o_rotation (the "
+                        f"inverse transpose needed to apply it)")
+    worst: tuple[float, int] | None = None
+    worst_inv = 0.0
+    for lid, fields in rs.layers():
+        rot = fields["rotation"]
+        if isinstance(rot, torch.Tensor) and rot.dim() in (2, 3) and rot.shape[-1] < 1:
+            problems.append(f"{name}: layer {lid}: rotations are empty {list(rot.shape)} matrices")
+            continue
+        if not _dense_float(rot) or rot.dim() not in (2, 3) or rot.shape[-1] != rot.shape[-2]:
+            shape = list(rot.shape) if isinstance(rot, torch.Tensor) else type(rot).__name__
+            problems.append(f"{name}: layer {lid}: rotation must be a dense floating point [d, d] or [H_kv, d, d] "
+                            f"matrix, got {shape} {getattr(rot, 'dtype', '')}".rstrip())
+            continue
+        mats = rot.reshape(-1, rot.shape[-2], rot.shape[-1])
+
+        def where(m: int) -> str:
+            return f"layer {lid}, head {m}" if rs.per_head else f"layer {lid}"
+
+        finite = torch.isfinite(mats).flatten(1).all(dim=1)
+        for m in (~finite).nonzero().flatten().tolist():
+            n_bad = int((~torch.isfinite(mats[m])).sum())
+            problems.append(f"{name}: {where(m)}: {n_bad} non-finite values (NaN or inf)")
+        if orthogonal and bool(finite.any()):
+            errs = torch.where(finite, orthogonality_errors(mats), torch.zeros(mats.shape[0], dtype=torch.float64))
+            top = int(errs.argmax())
+            if worst is None or float(errs[top]) > worst[0]:
+                worst = (float(errs[top]), lid)
+            for m in (errs > atol).nonzero().flatten().tolist():
+                problems.append(f"{name}: {where(m)}: not orthogonal, max|RRᵀ−I| = {float(errs[m]):.3e} > {atol:.0e}")
+        for f, t in fields.items():
+            if f == "rotation":
+                continue
+            want = tuple(rot.shape) if f in ("q_rotation", "o_rotation") else tuple(rot.shape[:-1])
+            ok_shapes = {want} | ({tuple(rot.shape[-1:])} if f in ("k_mean", "v_mean") else set())
+            if not _dense_float(t) or tuple(t.shape) not in ok_shapes:
+                problems.append(f"{name}: layer {lid}: {f} must be a dense floating point tensor of shape {list(want)}, "
+                                f"got {list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+                continue
+            if not bool(torch.isfinite(t).all()):
+                problems.append(f"{name}: layer {lid}: {f} is not finite (NaN or inf)")
+                continue
+            if f in ("q_rotation", "o_rotation") and bool(finite.all()):
+                inv = inverse_errors(mats, t.reshape(mats.shape))
+                worst_inv = max(worst_inv, float(inv.max()))
+                for m in (inv > inverse_atol).nonzero().flatten().tolist():
+                    problems.append(f"{name}: {where(m)}: {f} is not the rotation's inverse transpose, "
+                                    f"max|QᵀR−I| = {float(inv[m]):.3e} > {inverse_atol:.0e}")
+    if worst is not None:
+        report.max_orthogonality_error, report.worst_layer = worst
+    if rs.q_rotation is not None or rs.o_rotation is not None:
+        report.max_inverse_error = worst_inv
 
 
 def _short(ids: list[int]) -> str:
@@ -188,22 +250,27 @@ def verify_file(
     atol: float = DEFAULT_ATOL,
     layer_ids: Iterable[int] | None = None,
     num_layers: int | None = None,
-    head_dim: int | None = None,
+    head_dim: int | HeadDims | None = None,
     num_kv_heads: int | None = None,
     with_hash: bool = True,
 ) -> ValidationReport:
     """Read and validate one file; never raises for a bad file (the report says why).
 
     The model's expectations (``head_dim``, the number of layers) also bound what is read: a file
-    declaring a larger ``d`` or more layers is refused before it is loaded.
+    declaring a larger ``d`` or more layers is refused before it is loaded. Warnings while reading
+    (e.g. a ``source_grouping`` label that disagrees with the shapes) go to ``report.warnings``.
     """
     p = Path(path)
     ids = sorted({int(i) for i in layer_ids}) if layer_ids is not None else None
     expected_layers = len(ids) if ids is not None else num_layers
+    seen: list[warnings.WarningMessage] = []
     try:
-        rs = read_rotation(p, head_dim=head_dim, num_layers=expected_layers, num_kv_heads=num_kv_heads)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always", RotationFormatWarning)
+            rs = read_rotation(p, head_dim=head_dim, num_layers=expected_layers, num_kv_heads=num_kv_heads)
         report = validate(rs, atol=atol, layer_ids=ids, num_layers=num_layers, head_dim=head_dim,
                           num_kv_heads=num_kv_heads, raise_on_error=False)
+        report.warnings = [str(w.message) for w in seen if issubclass(w.category, RotationFormatWarning)]
     except RotationZooError as exc:
         report = ValidationReport(path=str(p), ok=False, problems=[str(exc)])
     except Exception as exc:  # documented never to raise: report anything unforeseen, typed by name

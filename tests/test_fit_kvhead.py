@@ -226,6 +226,11 @@ def test_cli_fit_kv_head_writes_a_verified_pair(tmp_path, capsys):
     api = fit_rotations(root, grouping="kv_head")
     assert torch.equal(read_rotation(k).rotations, api.k.rotations)
     assert json.loads((out / "rotationzoo.json").read_text())["grouping"] == "kv_head"
+    for path, rs in ((k, api.k), (v, api.v)):  # the authors' V2 layout, read as their server reads it
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+        assert obj["format_version"] == 2 and obj["source_grouping"] == "per_kv_head"
+        assert sorted(obj["layers"]) == [0, 1] and all(obj["layers"][i]["rotation"].dim() == 3 for i in (0, 1))
+        assert torch.equal(torch.stack([obj["layers"][i]["rotation"] for i in (0, 1)]), rs.rotations)
     assert _cli(["fit", "--objective", "hadamard", "--num-layers", "2", "--head-dim", "16", "--out",
                  str(tmp_path / "h"), "--grouping", "kv_head"]) == 1
     assert "data-free" in capsys.readouterr().err

@@ -171,7 +171,7 @@ def test_deflate_bomb_refused_fast_and_small(tmp_path: Path) -> None:
         (torch.zeros(1000, 1000)[:16, :16], "storage 0 holds 1000000 elements but its tensors use 256"),
         (torch.zeros(0, 0), "empty tensor"),
         (torch.zeros(2, 4, 4, 4), r"shape \(2, 4, 4, 4\)"),
-        (torch.zeros(4, 4, 4), r"got \(4, 4, 4\) \(a per-KV-head \[H_kv, d, d\] rotation needs source_grouping 'kv_head'\)"),
+        (torch.zeros(4, 4, 3), r"rotation must be \[d, d\], or \[H_kv, d, d\] per KV head; got \[4, 4, 3\]"),
     ],
 )
 def test_bad_views_refused_before_loading(tmp_path: Path, no_torch_load, tensor, pattern) -> None:
@@ -191,12 +191,12 @@ def test_too_many_layers_refused_before_loading(tmp_path: Path, no_torch_load) -
 
 
 def test_one_stored_matrix_for_many_layers_is_bounded(tmp_path: Path, no_torch_load) -> None:
-    # 16 KiB stored, but 200 layers share it: loading stacks 3.3 MB
+    # 16 KiB stored, but 200 layers share it: loading stacks 3.3 MB (3276800 bytes)
     eye = torch.eye(64)
     bad = tmp_path / "k.pt"
     torch.save(rotation_dict({i: {"layer_id": i, "rotation": eye} for i in range(200)}), bad)
     assert bad.stat().st_size < 64 * 64 * 4 * 2
-    with pytest.raises(RotationFileError, match="200 layers of d=64 need 3328000 bytes loaded, more than max_bytes=1000000"):
+    with pytest.raises(RotationFileError, match=r"200 layers of \[64, 64\] need 3276800 bytes loaded, more than max_bytes=1000000"):
         read_rotation(bad, max_bytes=1_000_000)
 
 
@@ -274,7 +274,7 @@ def test_limits_and_expectations(tmp_path: Path) -> None:
     assert read_rotation(path, head_dim=64, num_layers=3).num_layers == 3
     report = verify_file(path, head_dim=32)
     assert not report.ok and "head_dim is 32" in report.problems[0]
-    assert fmt.make_limits(head_dim=128, num_layers=36).max_bytes == 36 * (128 * 128 + 128) * 8
+    assert fmt.make_limits(head_dim=128, num_layers=36).max_bytes == 36 * (128 * 128 + 128) * 12
 
 
 def test_views_of_a_stacked_tensor_still_load(tmp_path: Path) -> None:
@@ -308,7 +308,7 @@ def test_safetensors_header_checked_before_reading(tmp_path: Path, monkeypatch) 
         ({"rotation.0": {"dtype": "F32", "shape": [2, 4, 4, 4], "data_offsets": [0, 512]}}, r"shape \(2, 4, 4, 4\)"),
         ({"rotation.0": {"dtype": "X9", "shape": [4, 4], "data_offsets": [0, 64]}}, "damaged safetensors entry"),
         ({f"rotation.{i}": {"dtype": "F32", "shape": [1, 1], "data_offsets": [4 * i, 4 * i + 4]}
-          for i in range(3000)}, "max_layers=1024"),
+          for i in range(7000)}, "max_layers=1024"),
     ]
     for i, (header, pattern) in enumerate(cases):
         bad = _safetensors(tmp_path / f"{i}.safetensors", {**meta, **header}, bytes(64))

@@ -1,6 +1,7 @@
 """Seeded fuzzing of the reader: mutated files either load or raise a RotationZooError, never more.
 
-Mutants come from small valid files (``.pt`` with separate and shared storages, safetensors): byte
+Mutants come from small valid files (``.pt`` with separate and shared storages, V2 per KV head, V3
+with ``k_mean`` / ``q_rotation`` and metadata, ragged V1, safetensors): byte
 flips, interesting values, truncation, splices, mutations of ``data.pkl`` at the pickle-opcode
 level re-zipped with valid CRCs (so they reach the unpickler), and mutations of the safetensors
 JSON header. A larger campaign: ``ROTATIONZOO_FUZZ_MUTANTS=20000 ROTATIONZOO_FUZZ_SEED=7 pytest
@@ -41,10 +42,28 @@ def seed_files(tmp: Path) -> dict[str, bytes]:
                      eigenvalues=torch.rand(2, 16))
     shared = RotationSet(rotations=random_orthogonal(1, 16).expand(2, 16, 16).clone(), layer_ids=(3, 7),
                          objective="hadamard")
+    g = torch.Generator().manual_seed(1)
+    per_head = RotationSet(rotations=random_orthogonal(4, 16).reshape(2, 2, 16, 16), layer_ids=(0, 1),
+                           objective="cov_eig_hadamard_perhead")  # V2
+    centered = RotationSet(rotations=random_orthogonal(4, 16).reshape(2, 2, 16, 16), layer_ids=(0, 1),
+                           objective="oscar2_center", eigenvalues=torch.rand(2, 2, 16, generator=g),
+                           k_mean=torch.randn(2, 2, 16, generator=g), calibration={"tokens": 64, "tp_size": 1},
+                           transform={"key": "center", "centered": True, "orthogonal": True})  # V3
+    r = random_orthogonal(2, 16) * (0.5 + torch.rand(2, 1, 16, generator=g))
+    whitened = RotationSet(rotations=r, layer_ids=(0, 1), objective="oscar2_whiten",
+                           q_rotation=torch.linalg.inv(r.double()).transpose(-1, -2).float(),
+                           transform={"key": "whiten", "orthogonal": False})  # V3, non-orthogonal
+    ragged = RotationSet(rotations=(random_orthogonal(1, 8)[0], random_orthogonal(1, 16)[0]), layer_ids=(0, 5),
+                         objective="qqt_r_h_pbr", calibration={"prompt_sha256": "ab" * 32})  # ragged V1
     out = {
         "pt": write_rotation(tmp / "k.pt", rs).read_bytes(),
         "pt-shared": write_rotation(tmp / "h.pt", shared).read_bytes(),
         "safetensors": write_rotation(tmp / "k.safetensors", rs).read_bytes(),
+        "pt-v2": write_rotation(tmp / "k2.pt", per_head).read_bytes(),
+        "pt-v3": write_rotation(tmp / "k3.pt", centered).read_bytes(),
+        "pt-v3-inverse": write_rotation(tmp / "k3i.pt", whitened).read_bytes(),
+        "pt-ragged": write_rotation(tmp / "kr.pt", ragged).read_bytes(),
+        "safetensors-v3": write_rotation(tmp / "k3.safetensors", centered).read_bytes(),
     }
     for name, data in out.items():  # the seeds themselves are valid
         path = tmp / f"seed-{name}"
@@ -179,12 +198,12 @@ def run_campaign(tmp: Path, n: int, seed: int) -> tuple[collections.Counter, lis
         data = seeds[kind]
         if kind.startswith("pt") and rng.random() < 0.4:
             how, mutant = "pickle", pickle_mutant(rng, data)
-        elif kind == "safetensors" and rng.random() < 0.3:
+        elif kind.startswith("safetensors") and rng.random() < 0.3:
             how, mutant = "header", header_mutant(rng, data)
         else:
             mutator = rng.choice(BYTE_MUTATORS)
             how, mutant = mutator.__name__, bytes(mutator(rng, bytearray(data)))
-        path = tmp / f"m{i % 4}.{'safetensors' if kind == 'safetensors' else 'pt'}"
+        path = tmp / f"m{i % 4}.{'safetensors' if kind.startswith('safetensors') else 'pt'}"
         path.write_bytes(mutant)
         try:
             rs = read_rotation(path)
@@ -206,6 +225,7 @@ def run_campaign(tmp: Path, n: int, seed: int) -> tuple[collections.Counter, lis
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # pickletools decoding mutated text opcodes
+@pytest.mark.filterwarnings("ignore::rotationzoo.format.RotationFormatWarning")  # mutated labels
 def test_fuzz_reader_raises_only_typed_errors(tmp_path: Path) -> None:
     t0 = time.perf_counter()
     counts, raw = run_campaign(tmp_path, N_MUTANTS, SEED)

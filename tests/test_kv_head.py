@@ -12,7 +12,7 @@ import torch
 from rotationzoo.cli.main import main
 from rotationzoo.errors import ExportError, InvalidRotationError, RotationFileError
 from rotationzoo.export import export, read_exported
-from rotationzoo.format import RotationSet, read_rotation, write_rotation
+from rotationzoo.format import RotationFormatWarning, RotationSet, read_rotation, write_rotation
 from rotationzoo.pair import resolve_pair
 from rotationzoo.serving import ServingError, launch_spec
 from rotationzoo.validation import validate, verify_file
@@ -54,7 +54,7 @@ def test_round_trip_keeps_every_head(tmp_path: Path, suffix: str) -> None:
 
 def test_the_file_holds_one_h_d_d_tensor_per_layer(tmp_path: Path) -> None:
     obj = torch.load(write_rotation(tmp_path / "k.pt", per_head_set()), weights_only=True)
-    assert obj["source_grouping"] == "kv_head" and obj["format_version"] == 1
+    assert obj["source_grouping"] == "per_kv_head" and obj["format_version"] == 2  # the authors' V2 layout
     assert obj["layers"][3]["rotation"].shape == (H, D, D) and obj["layers"][3]["eigenvalues"].shape == (H, D)
 
 
@@ -80,26 +80,30 @@ def test_head_count_must_match_the_model(tmp_path: Path) -> None:
                     num_kv_heads=8).ok  # one rotation per layer fits any head count
 
 
-def test_grouping_and_shape_must_agree(tmp_path: Path) -> None:
+def test_the_shape_decides_the_grouping(tmp_path: Path) -> None:
     rs = per_head_set(layers=2)
-    with pytest.raises(RotationFileError, match="per-KV-head rotations need source_grouping='kv_head'"):
-        RotationSet(rotations=rs.rotations, layer_ids=(0, 1))
-    with pytest.raises(RotationFileError, match=r"must be \[L, H_kv, d, d\]"):
+    assert RotationSet(rotations=rs.rotations, layer_ids=(0, 1)).per_head  # no label needed
+    with pytest.raises(RotationFileError, match="does not match the rotations' shape"):
+        RotationSet(rotations=rs.rotations, layer_ids=(0, 1), source_grouping="layer")
+    with pytest.raises(RotationFileError, match="does not match the rotations' shape"):
         RotationSet(rotations=rs.rotations[:, 0], layer_ids=(0, 1), source_grouping="kv_head")
     obj = rs.to_dict()
-    obj["source_grouping"] = "layer"
+    obj["source_grouping"] = "layer"  # mislabelled: read by shape, with one warning
     torch.save(obj, tmp_path / "a.pt")
-    with pytest.raises(RotationFileError, match="needs source_grouping 'kv_head'"):
-        read_rotation(tmp_path / "a.pt")
+    with pytest.warns(RotationFormatWarning, match="disagrees with the rotations' shape"):
+        assert read_rotation(tmp_path / "a.pt").per_head
     obj = rs.to_dict()
-    obj["layers"][1]["rotation"] = obj["layers"][1]["rotation"][:2].clone()
+    for f in ("rotation", "eigenvalues"):  # ragged head counts are read
+        obj["layers"][1][f] = obj["layers"][1][f][:2].clone()
     torch.save(obj, tmp_path / "b.pt")
+    got = read_rotation(tmp_path / "b.pt")
+    assert got.ragged and [t.shape[0] for t in got.rotations] == [H, 2]
     with pytest.raises(RotationFileError, match="different numbers of KV heads"):
-        read_rotation(tmp_path / "b.pt")
+        _ = got.num_kv_heads
     obj = rs.to_dict()
     obj["layers"][0]["rotation"] = obj["layers"][0]["rotation"][0].clone()
     torch.save(obj, tmp_path / "c.pt")
-    with pytest.raises(RotationFileError, match=r"needs a \[H_kv, d, d\] rotation per layer"):
+    with pytest.raises(RotationFileError, match="mixes per-KV-head and per-layer"):
         read_rotation(tmp_path / "c.pt")
 
 

@@ -30,6 +30,20 @@ class Group(TyperGroup):
             raise
 
 
+def head_dims_option(value: Optional[str]) -> Optional[str]:
+    """``--head-dim D[,LAYER:D...]``: a bad spec is a usage error (exit 2) that shows the accepted form."""
+    if value is None:
+        return None
+    from ..errors import ConfigError
+    from ..headdims import HeadDims
+
+    try:
+        HeadDims.parse(value)
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    return value
+
+
 def choice(values: tuple[str, ...]) -> click.Choice:
     return click.Choice(list(values))
 

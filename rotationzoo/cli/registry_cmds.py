@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from ._options import CacheDirOpt, JsonOpt, TagOpt
+from ._options import CacheDirOpt, JsonOpt, TagOpt, head_dims_option
 from ._output import console, emit_json, plain, print_warning, tail
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -156,7 +156,9 @@ def cmd_info(
 def cmd_verify(
     paths: Annotated[Optional[list[Path]], typer.Argument(help="Rotation files (.pt, .safetensors, or exported pair files .safetensors / .gguf) or pair folders.")] = None,
     num_layers: Annotated[Optional[int], typer.Option(min=1, help="Expect layers 0..N-1.")] = None,
-    head_dim: Annotated[Optional[int], typer.Option(min=1, help="Expect [d, d] matrices with this d.")] = None,
+    head_dim: Annotated[Optional[str], typer.Option(
+        metavar="D[,LAYER:D...]", callback=head_dims_option,
+        help="Expect this d (matrices [d, d] or [H_kv, d, d]); per-layer head_dims as 256,5:512,11-13:512.")] = None,
     model: Annotated[Optional[str], typer.Option(help="Take layer ids and head_dim from this registry model (with --registry: check only this model).")] = None,
     atol: Annotated[float, typer.Option(help="Tolerance on max|RRᵀ−I|.")] = 1e-5,
     registry: Annotated[bool, typer.Option("--registry", help="Check every registry entry instead of files: cached (or bundled) files, or all with --download.")] = False,
@@ -210,17 +212,19 @@ def cmd_verify(
         raise CLIError("--download and --cache-dir go with --registry")
     if not paths:
         raise CLIError("give one or more rotation files to check, or --registry to check the registry entries")
+    from ..headdims import HeadDims
     from ..pair import verify_path
 
     layer_ids, num_kv_heads = None, None
+    dims = HeadDims.parse(head_dim) if head_dim is not None else None  # checked by head_dims_option
     if model is not None:
         from ..registry import get_model
 
         arch = get_model(model).architecture
         layer_ids, num_kv_heads = arch.expected_layer_ids(), arch.num_kv_heads
-        head_dim = head_dim or arch.head_dim
+        dims = dims or arch.head_dims
     reports = [r for p in paths
-               for r in verify_path(p, atol=atol, layer_ids=layer_ids, num_layers=num_layers, head_dim=head_dim,
+               for r in verify_path(p, atol=atol, layer_ids=layer_ids, num_layers=num_layers, head_dim=dims,
                                     num_kv_heads=num_kv_heads)]
     for r in reports:  # torch and other libraries colour their messages: never let ANSI codes through
         r.problems = [plain(p) for p in r.problems]
@@ -241,9 +245,9 @@ def _print_reports(reports: list[ValidationReport]) -> None:
     rows = []
     for r in reports:
         err = f"{r.max_orthogonality_error:.1e}" if r.max_orthogonality_error is not None else "-"
-        rows.append((r.path or "-", "yes" if r.ok else "NO", str(r.num_layers or "-"), str(r.head_dim or "-"),
-                     r.objective or "-", err, (r.sha256 or "-")[:12]))
-    heads = ("file", "ok", "layers", "d", "objective", "max|RRᵀ−I|", "sha256")
+        rows.append((r.path or "-", "yes" if r.ok else "NO", str(r.num_layers or "-"), _dims(r),
+                     _layout(r), r.objective or "-", err, (r.sha256 or "-")[:12]))
+    heads = ("file", "ok", "layers", "d", "layout", "objective", "max|RRᵀ−I|", "sha256")
     # what the other columns take (content, padding, borders); in a pipe (PIPE_WIDTH) nothing is cut
     others = sum(max(len(h), *(len(row[i]) for row in rows)) + 3 for i, h in enumerate(heads) if i) + 4
     room = max(20, c.width - others)
@@ -256,8 +260,30 @@ def _print_reports(reports: list[ValidationReport]) -> None:
                       *map(escape, rest))
     c.print(table)
     for r in reports:
+        for w in r.warnings:
+            c.print(f"[yellow]![/] {escape(w)}")
         for p in r.problems:
             c.print(f"[red]✗[/] {escape(p)}")
+
+
+def _dims(r: ValidationReport) -> str:
+    if r.head_dim is not None:
+        return str(r.head_dim)
+    dims = r.head_dims
+    if isinstance(dims, dict):
+        return ",".join([str(dims["default"]), *(f"{k}:{v}" for k, v in dims["layers"].items())])
+    return "-"
+
+
+def _layout(r: ValidationReport) -> str:
+    """``V2 per KV head ×8``, ``V3 per layer +k_mean``, …: what kind of file it is."""
+    if r.layout_version is None or r.source_grouping is None:
+        return "-"
+    kind = "per KV head" + (f" ×{r.num_kv_heads}" if r.num_kv_heads else "") if r.source_grouping == "kv_head" \
+        else "per layer"
+    extra = "".join(f" +{c}" for c in r.companions) + ("" if r.orthogonal is not False else " (not orthogonal)")
+    version = r.format_version if r.format_version is not None else r.layout_version
+    return f"V{version} {kind}{extra}"
 
 
 def register(app: typer.Typer) -> None:

@@ -80,6 +80,10 @@ class MethodSpec:
         if self.pair is None:
             return
         p = self.pair
+        for side, rs in p:
+            if rs.ragged:
+                raise EvaluationError(f"method {self.name!r}: {side.upper()} layers differ in head_dim or KV heads "
+                                      f"({rs.head_dims}); eval needs one shape per layer ({p.source})")
         if p.head_dim != shape.head_dim:
             raise EvaluationError(f"method {self.name!r}: rotations are {p.head_dim}×{p.head_dim}, "
                                   f"the model's head_dim is {shape.head_dim} ({p.source})")
@@ -87,9 +91,9 @@ class MethodSpec:
             raise EvaluationError(f"method {self.name!r}: rotations cover {len(p.layer_ids)} layers "
                                   f"({_ids(p.layer_ids)}), the model has {len(shape.layer_ids)} ({p.source})")
         for side, rs in p:
-            if rs.rotations.dim() == 4 and rs.rotations.shape[1] != shape.num_kv_heads:
+            if rs.per_head and rs.num_kv_heads != shape.num_kv_heads:
                 raise EvaluationError(f"method {self.name!r}: per-KV-head {side.upper()} rotations for "
-                                      f"{rs.rotations.shape[1]} heads, the model has {shape.num_kv_heads}")
+                                      f"{rs.num_kv_heads} heads, the model has {shape.num_kv_heads}")
 
     def oscar(self, shape: ModelShape, config: Int2KVConfig, *, draw: int | None = None, seed: int = 0,
               backend: str = "auto") -> OscarKV | None:
@@ -100,13 +104,17 @@ class MethodSpec:
             return OscarKV(None, None, config=config, backend=backend)
         if self.kind == "hadamard":
             h = hadamard_matrix(shape.head_dim, dtype=torch.float32).expand(len(shape.layer_ids), -1, -1)
-            k = v = h.contiguous()
+            base = OscarKV(h.contiguous(), h.contiguous(), layer_ids=shape.layer_ids, config=config, backend=backend)
         else:
             assert self.pair is not None
-            k, v = self.pair.k.rotations, self.pair.v.rotations
-        if draw is not None:
-            k, v = sign_flip(k, draw, seed, "k"), sign_flip(v, draw, seed, "v")
-        return OscarKV(k, v, layer_ids=shape.layer_ids, config=config, backend=backend)
+            base = OscarKV.from_rotations(self.pair, config, backend=backend)
+        if draw is None:
+            return base
+        # R·D is as valid as R; its inverse transpose is R^{-T}·D (D = D^{-1}), so companions flip alike
+        flip = (lambda t, side: sign_flip(t, draw, seed, side) if t is not None else None)
+        return OscarKV(flip(base.k_rotations, "k"), flip(base.v_rotations, "v"), layer_ids=base.layer_ids,
+                       config=config, backend=backend, k_mean=base.k_mean, v_mean=base.v_mean,
+                       q_rotations=flip(base.q_rotations, "k"), o_rotations=flip(base.o_rotations, "v"))
 
 
 def _ids(ids: tuple[int, ...]) -> str:

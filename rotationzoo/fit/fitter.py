@@ -88,8 +88,8 @@ def _fit_hadamard(source: Any, *, layers: Iterable[int] | None, num_layers: int 
     h = hadamard_rotations(ids, d)
     stats.wall_s = time.perf_counter() - t0
     stats.peak_rss_bytes = peak_rss_bytes()
-    v = RotationSet(rotations=h.rotations.clone(), layer_ids=h.layer_ids, objective="hadamard",
-                    eigenvalues=h.eigenvalues.clone() if h.eigenvalues is not None else None)
+    v = RotationSet(rotations=h.stacked().clone(), layer_ids=h.layer_ids, objective="hadamard",
+                    eigenvalues=h.stacked("eigenvalues").clone() if h.eigenvalues is not None else None)
     return FitResult(
         k=h, v=v, objective="hadamard", composition="none", group_size=None, targets={"k": None, "v": None},
         layer_ids=ids, head_dim=d, num_q_heads=shape.num_q_heads if shape else None,

@@ -58,13 +58,36 @@ def is_rotation_tensor(name: str) -> bool:
     return name.startswith("blk.") and (name.endswith(".attn_k_rot.weight") or name.endswith(".attn_v_rot.weight"))
 
 
+def check_gguf_exportable(sets: Sets, out: Path | str) -> None:
+    """Refuse, in one line, what the llama.cpp branch cannot apply: it reads one orthogonal ``[d, d]``
+    rotation per layer, nothing else (no head axis, no centering, no inverse companions).
+
+    Raises:
+        ExportError: naming the side and what it holds.
+    """
+    for s in sides_of(sets):
+        rs, side = sets[s], s.upper()
+        if rs.per_head:
+            raise ExportError(f"{out}: {side} rotations are per KV head ([L, H_kv, d, d]); the llama.cpp GGUF "
+                              f"layout holds one [d, d] rotation per layer; export to safetensors instead")
+        if rs.centered:
+            raise ExportError(f"{out}: {side} rotations are centered ({', '.join(f for f in rs.companions if f.endswith('_mean'))}); "
+                              f"the llama.cpp branch does not subtract a mean; export to safetensors instead")
+        if not rs.orthogonal or rs.q_rotation is not None or rs.o_rotation is not None:
+            raise ExportError(f"{out}: {side} rotations are not orthogonal (they need q_rotation / o_rotation); the "
+                              f"llama.cpp branch applies Rᵀ as the inverse; export to safetensors instead")
+        if rs.ragged:
+            raise ExportError(f"{out}: {side} layers differ in head_dim ({rs.head_dims}); the llama.cpp GGUF layout "
+                              f"needs one head_dim; export to safetensors instead")
+
+
 def _transposed_tensors(sets: Sets) -> list[tuple[str, Any]]:
     import numpy as np
 
     out = []
     for s in sides_of(sets):
         rs = sets[s]
-        rot = rs.rotations.detach().to("cpu").double()
+        rot = rs.stacked(what="a GGUF export").detach().to("cpu").double()
         for i, lid in enumerate(rs.layer_ids):
             out.append((GGUF_TENSOR.format(layer=lid, side=s), np.ascontiguousarray(rot[i].numpy().T, dtype=np.float32)))
     return out
@@ -99,10 +122,7 @@ def write_gguf(sets: Sets, out: Path, *, model: str | None = None, tag: str | No
         ExportError: the base is not a model GGUF, or its layers / head size do not fit the rotations.
         MissingDependencyError: the ``gguf`` package is not installed.
     """
-    per_head = [s for s in sides_of(sets) if sets[s].per_head]
-    if per_head:
-        raise ExportError(f"{out}: {'/'.join(per_head).upper()} rotations are per KV head ([L, H_kv, d, d]); the "
-                          "llama.cpp GGUF layout holds one [d, d] rotation per layer; export to safetensors instead")
+    check_gguf_exportable(sets, out)
     gguf = gguf_module()
     sha = dict(sha256 or {})
     if base_gguf is not None and base_gguf.resolve() == out.resolve():

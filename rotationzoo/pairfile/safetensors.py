@@ -3,23 +3,27 @@
 Layout::
 
     k.<layer>.rotation      fp32 [d, d]   R_K of model layer <layer>, applied as x_rot = x @ R
-    k.<layer>.eigenvalues   fp32 [d]      optional (present when the source file had them)
-    v.<layer>.rotation      fp32 [d, d]
-    v.<layer>.eigenvalues   fp32 [d]
+                                 [H_kv, d, d] for per-KV-head rotations (the head axis is kept)
+    k.<layer>.eigenvalues   fp32 the rotation's leading shape; optional
+    k.<layer>.k_mean        fp32 [d] or [H_kv, d]; optional (key centering, V3)
+    k.<layer>.q_rotation    fp32 the rotation's shape; optional (= R^{-T}, V3)
+    v.<layer>.rotation, v.<layer>.eigenvalues, v.<layer>.o_rotation, v.<layer>.v_mean   likewise
     metadata (strings): format="rotationzoo.rotations", export_format_version="1", model, tag,
-        sides="k,v", head_dim, layer_ids="0,1,…", k.objective, k.format_version,
-        k.source_grouping, k.sha256 (of the source file, when known), and the same for v.
+        sides="k,v", head_dim (a number, or "256,5:512,…" for per-layer head_dims), layer_ids="0,1,…",
+        k.objective, k.format_version, k.source_grouping, k.sha256 (of the source file, when known),
+        k.calibration and k.transform (JSON, when the set has them), and the same for v.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
-from .._schema import MAX_LAYERS, inspect_safetensors, make_limits
+from .._schema import LAYER_FIELDS, MAX_LAYERS, inspect_safetensors, make_limits
 from .._version import __version__
 from ..errors import ExportError
 from ..format import RotationSet
@@ -39,7 +43,7 @@ def pair_metadata(sets: Sets, *, model: str | None, tag: str | None, sha256: Map
         "format": SAFETENSORS_FORMAT,
         "export_format_version": str(EXPORT_FORMAT_VERSION),
         "sides": ",".join(sides),
-        "head_dim": str(first.head_dim),
+        "head_dim": str(first.head_dims),
         "layer_ids": ",".join(map(str, first.layer_ids)),
         "rotationzoo_version": __version__,
     }
@@ -52,23 +56,23 @@ def pair_metadata(sets: Sets, *, model: str | None, tag: str | None, sha256: Map
         meta[f"{s}.objective"] = str(rs.objective)
         meta[f"{s}.format_version"] = str(rs.format_version)
         meta[f"{s}.source_grouping"] = str(rs.source_grouping)
+        for key in ("calibration", "transform"):
+            if getattr(rs, key) is not None:
+                meta[f"{s}.{key}"] = json.dumps(getattr(rs, key), sort_keys=True)
         if sha256.get(s):
             meta[f"{s}.sha256"] = sha256[s]
     return meta
 
 
 def write_pair_safetensors(sets: Sets, metadata: Mapping[str, str], out: Path) -> Path:
-    """Write ``sets`` (fp32 rotations and eigenvalues) with ``metadata`` to ``out``, atomically."""
+    """Write ``sets`` (fp32 rotations, eigenvalues and companions) with ``metadata`` to ``out``, atomically."""
     from safetensors.torch import save_file
 
     tensors: dict[str, torch.Tensor] = {}
     for s in sides_of(sets):
-        rs = sets[s]
-        rot = rs.rotations.detach().to("cpu", torch.float32)
-        for i, lid in enumerate(rs.layer_ids):
-            tensors[f"{s}.{lid}.rotation"] = rot[i].contiguous().clone()
-            if rs.eigenvalues is not None:
-                tensors[f"{s}.{lid}.eigenvalues"] = rs.eigenvalues[i].detach().to("cpu", torch.float32).contiguous().clone()
+        for lid, fields in sets[s].layers():
+            for name, t in fields.items():
+                tensors[f"{s}.{lid}.{name}"] = t.detach().to("cpu", torch.float32).contiguous().clone()
     with atomic_path(out) as tmp:
         save_file(tensors, str(tmp), metadata=dict(metadata))
     return out
@@ -88,7 +92,8 @@ def is_pair_safetensors(path: Path) -> bool:
 
 
 def read_pair_safetensors(path: Path) -> tuple[dict[str, RotationSet], dict[str, str]]:
-    """Read a pair file: fp32 ``rotations [L, d, d]`` per side (as written), eigenvalues, metadata.
+    """Read a pair file: each side's rotations (as written: per layer, per KV head, ragged), eigenvalues,
+    companions and metadata.
 
     Raises:
         ExportError: not such a file, or tensors are missing or misnamed.
@@ -102,10 +107,10 @@ def read_pair_safetensors(path: Path) -> tuple[dict[str, RotationSet], dict[str,
     for key in header:
         parts = key.split(".")
         if (len(parts) != 3 or parts[0] not in SIDES or not _LAYER.fullmatch(parts[1])
-                or parts[2] not in ("rotation", "eigenvalues")):
+                or parts[2] not in LAYER_FIELDS):
             raise ExportError(
-                f"{path}: unexpected tensor {key[:80]!r}; a pair file holds k.<layer>.rotation, "
-                f"k.<layer>.eigenvalues, v.<layer>.rotation, v.<layer>.eigenvalues"
+                f"{path}: unexpected tensor {key[:80]!r}; a pair file holds <side>.<layer>.<field> with side k or v "
+                f"and field one of {', '.join(LAYER_FIELDS)}"
             )
     try:
         with safe_open(str(path), framework="pt") as f:
@@ -122,9 +127,16 @@ def read_pair_safetensors(path: Path) -> tuple[dict[str, RotationSet], dict[str,
     for s in sides_of(layers):
         for lid, entry in layers[s].items():
             if "rotation" not in entry:
-                raise ExportError(f"{path}: {s}.{lid}.eigenvalues without {s}.{lid}.rotation")
-        obj = {"format_version": parse_version(meta.get(f"{s}.format_version", "1")),
-               "objective": meta.get(f"{s}.objective", "unknown"),
-               "source_grouping": meta.get(f"{s}.source_grouping", "layer"), "layers": layers[s]}
+                other = next(k for k in entry if k != "layer_id")
+                raise ExportError(f"{path}: {s}.{lid}.{other} without {s}.{lid}.rotation")
+        obj: dict[str, Any] = {"format_version": parse_version(meta.get(f"{s}.format_version", "1")),
+                               "objective": meta.get(f"{s}.objective", "unknown"),
+                               "source_grouping": meta.get(f"{s}.source_grouping", "layer"), "layers": layers[s]}
+        for key in ("calibration", "transform"):
+            if f"{s}.{key}" in meta:
+                try:
+                    obj[key] = json.loads(meta[f"{s}.{key}"])
+                except (ValueError, RecursionError):
+                    raise ExportError(f"{path}: metadata {s}.{key} is not JSON") from None
         sets[s] = RotationSet.from_dict(obj, path=path)
     return sets, meta

@@ -66,8 +66,10 @@ def _parse_weights(raw: Mapping[str, Any], where: str) -> tuple[int | None, Any]
 def _parse_architecture(raw: Mapping[str, Any], where: str) -> Architecture:
     ids = raw.get("attention_layer_ids")
     num_parameters, weight_dtype = _parse_weights(raw, where)
+    layer_dims = raw.get("layer_head_dims")
     return Architecture(
         head_dim=int(raw["head_dim"]),
+        layer_head_dims={int(k): int(v) for k, v in layer_dims.items()} if layer_dims else None,
         num_layers=raw.get("num_layers"),
         attention_layer_ids=tuple(ids) if ids else None,
         num_kv_heads=raw.get("num_kv_heads"),

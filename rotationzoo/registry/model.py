@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
 from ..errors import UnknownTagError
+from ..headdims import HeadDims
 from ..int2kv import Int2KVConfig
 from ..vocab import SIDES, SOURCE_TYPES, Side, SourceType, WeightDtypeName  # noqa: F401 - re-exported by the package
 
@@ -140,6 +141,13 @@ class Architecture:
     num_attention_heads: int | None = None
     num_parameters: int | None = None
     weight_dtype: WeightDtypeName | None = None
+    #: layers whose head_dim differs from ``head_dim`` (Gemma-4: the full-attention layers' 512).
+    layer_head_dims: Mapping[int, int] | None = None
+
+    @property
+    def head_dims(self) -> HeadDims:
+        """``d`` per layer: :attr:`head_dim`, except where :attr:`layer_head_dims` says otherwise."""
+        return HeadDims(self.head_dim, dict(self.layer_head_dims or {}))
 
     def expected_layer_ids(self) -> tuple[int, ...] | None:
         """The layer ids a rotation file must cover (sparse for hybrids), or None if unknown."""

@@ -19,7 +19,7 @@ import torch
 from ...errors import EvaluationError
 from .common import base_attention, base_implementation, register_attention, require_transformers, switch_attention
 from .cache import cache_classes
-from .oscar import OSCAR_TAG, OscarKV, fake_quantize, rotate, unrotate
+from .oscar import OSCAR_TAG, OscarKV, fake_quantize
 
 #: Prefix of the attention implementations registered for the OSCAR path.
 OSCAR_IMPL_PREFIX = "rotationzoo_oscar"
@@ -343,19 +343,18 @@ def _simulate(session: OscarSession, module: torch.nn.Module, query: torch.Tenso
     lid = int(getattr(module, "layer_idx", 0))
     dtype = query.dtype
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    rk = oscar.rotation("k", lid, query.device)
-    rv = oscar.rotation("v", lid, query.device)
-    kr = rotate(key, rk, oscar.hp_dtype)
-    vr = rotate(value, rv, oscar.hp_dtype)
+    tr = oscar.layer(lid, query.device)
+    kr = tr.keys(key, oscar.hp_dtype)
+    vr = tr.values(value, oscar.hp_dtype)
     k_exact, v_exact = kr.to(dtype), vr.to(dtype)
     needs_int2 = key.shape[2] > cfg.prefix_tokens + cfg.recent_tokens + 1
     k_q = fake_quantize(kr, oscar, "k", dtype) if needs_int2 and oscar.quantize_k else k_exact
     v_q = fake_quantize(vr, oscar, "v", dtype) if needs_int2 and oscar.quantize_v else v_exact
     out_r = simulated_int2_attention(
-        rotate(query, rk, dtype), k_exact, v_exact, k_q, v_q, prefix=cfg.prefix_tokens, recent=cfg.recent_tokens,
+        tr.queries(query, dtype), k_exact, v_exact, k_q, v_q, prefix=cfg.prefix_tokens, recent=cfg.recent_tokens,
         scale=scale, attention_mask=attention_mask,
     )
-    out = unrotate(out_r, rv)
+    out = tr.output(out_r)
     if session.collect_errors:
         ref = _exact_attention(query, key, value, scale, attention_mask)
         session.errors.add(lid, out, ref)
@@ -382,11 +381,10 @@ def oscar_attention_name(base: str = "sdpa") -> str:
         layer = getattr(key, OSCAR_TAG, None)
         if layer is not None:  # real INT2 cache: keys/values are in the rotated basis
             layer.consumed = True
-            rk, rv = layer.r_k, layer.r_v
-            q = rotate(query, rk, query.dtype)
+            q = layer.transform.queries(query, query.dtype)
             out, weights = base_attention(module, base)(module, q, key.to(query.dtype), value.to(query.dtype),
                                                         attention_mask, **kwargs)
-            return unrotate(out.transpose(1, 2), rv).transpose(1, 2), weights
+            return layer.transform.output(out.transpose(1, 2)).transpose(1, 2), weights
         session = _ACTIVE_OSCAR.get()
         if session is None:
             return base_attention(module, base)(module, query, key, value, attention_mask, **kwargs)

@@ -13,7 +13,7 @@ import torch
 
 from ...errors import EvaluationError
 from .common import require_transformers
-from .oscar import OSCAR_TAG, OscarKV, dequantize_rows, quantize_rows, rotate
+from .oscar import OSCAR_TAG, LayerTransform, OscarKV, dequantize_rows, quantize_rows
 
 
 class _LayerBody:
@@ -38,6 +38,7 @@ class _LayerBody:
         self.cumulative_length = 0
         self.r_k: torch.Tensor | None = None
         self.r_v: torch.Tensor | None = None
+        self.transform = LayerTransform(None, None)
         self.consumed = True
         self._clear()
 
@@ -59,8 +60,8 @@ class _LayerBody:
         wdt = self.oscar.hp_dtype
         b, h, _, d = key_states.shape
         dv = value_states.shape[-1]
-        self.r_k = self.oscar.rotation("k", self.layer_idx, self.device)
-        self.r_v = self.oscar.rotation("v", self.layer_idx, self.device)
+        self.transform = self.oscar.layer(self.layer_idx, self.device)
+        self.r_k, self.r_v = self.transform.r_k, self.transform.r_v
         empty = lambda n: key_states.new_zeros((b, h, 0, n), dtype=wdt)  # noqa: E731
         self.sink_k, self.recent_k = empty(d), empty(d)
         self.sink_v, self.recent_v = empty(dv), empty(dv)
@@ -118,8 +119,8 @@ class _LayerBody:
                 "inside rotationzoo.integrations.transformers.oscar_kv(model, ...)"
             )
         wdt = self.oscar.hp_dtype
-        kr = rotate(key_states, self.r_k, wdt)
-        vr = rotate(value_states, self.r_v, wdt)
+        kr = self.transform.keys(key_states, wdt)
+        vr = self.transform.values(value_states, wdt)
         keys = torch.cat([self._history("k"), kr.to(self.dtype)], dim=2)
         values = torch.cat([self._history("v"), vr.to(self.dtype)], dim=2)
         self._store("k", kr)

@@ -1,14 +1,19 @@
 """The rotations and INT2-KV settings of the OSCAR path, and the row operations it applies.
 
-Keys and values are stored rotated (``k @ R_K``, ``v @ R_V``), the window tokens rounded to
-``hp_dtype`` and every other token clipped and INT2-quantized by :mod:`rotationzoo.kernels` with
-the :class:`~rotationzoo.int2kv.Int2KVConfig` knobs (group size, clip ratios, scale dtype,
-Lloyd-Max, clip search). Queries are rotated with ``R_K``; attention outputs are un-rotated with
-``R_Vᵀ``. A rotation is ``[d, d]`` per layer, or ``[H_kv, d, d]`` per layer for per-KV-head sets.
+Keys and values are stored rotated (``(k − μ_K) @ R_K``, ``(v − μ_V) @ R_V``), the window tokens
+rounded to ``hp_dtype`` and every other token clipped and INT2-quantized by :mod:`rotationzoo.kernels`
+with the :class:`~rotationzoo.int2kv.Int2KVConfig` knobs (group size, clip ratios, scale dtype,
+Lloyd-Max, clip search). Queries are rotated with ``R_K`` (or the set's ``q_rotation`` = ``R_K^{-T}``
+when the key transform is not orthogonal); attention outputs are un-rotated with ``R_Vᵀ`` (or
+``o_rotationᵀ``) and ``μ_V`` is added back. A rotation is ``[d, d]`` per layer, or ``[H_kv, d, d]`` per
+layer for per-KV-head sets; the means are ``[d]`` or ``[H_kv, d]``. Key centering is exact for
+attention (softmax ignores a constant added to every score of a query), and so is value centering
+(each query's weights sum to one).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -51,11 +56,22 @@ class OscarKV:
         quantize_k: bool = True,
         quantize_v: bool = True,
         backend: str = "auto",
+        k_mean: torch.Tensor | None = None,
+        v_mean: torch.Tensor | None = None,
+        q_rotations: torch.Tensor | None = None,
+        o_rotations: torch.Tensor | None = None,
     ) -> None:
         sizes = {int(r.shape[0]) for r in (k_rotations, v_rotations) if r is not None}
         for name, r in (("k_rotations", k_rotations), ("v_rotations", v_rotations)):
             if r is not None and (r.dim() not in (3, 4) or r.shape[-1] != r.shape[-2]):
                 raise EvaluationError(f"{name} must be [L, d, d] or [L, H_kv, d, d], got {list(r.shape)}")
+        for name, r, base in (("q_rotations", q_rotations, k_rotations), ("o_rotations", o_rotations, v_rotations)):
+            if r is not None and (base is None or r.shape != base.shape):
+                raise EvaluationError(f"{name} must have the rotations' shape "
+                                      f"{list(base.shape) if base is not None else '(no rotations given)'}")
+        for name, m in (("k_mean", k_mean), ("v_mean", v_mean)):
+            if m is not None and (m.dim() not in (2, 3) or (sizes and m.shape[0] not in sizes)):
+                raise EvaluationError(f"{name} must be [L, d] or [L, H_kv, d], got {list(m.shape)}")
         if len(sizes) > 1:
             raise EvaluationError(f"k_rotations and v_rotations hold different layer counts: {sorted(sizes)}")
         if layer_ids is not None:
@@ -64,8 +80,10 @@ class OscarKV:
                 raise EvaluationError(f"{len(ids)} layer ids for {next(iter(sizes))} rotations")
         else:
             ids = tuple(range(next(iter(sizes)))) if sizes else ()
-        self.k_rotations = k_rotations.float() if k_rotations is not None else None
-        self.v_rotations = v_rotations.float() if v_rotations is not None else None
+        f32 = (lambda t: t.float() if t is not None else None)
+        self.k_rotations, self.v_rotations = f32(k_rotations), f32(v_rotations)
+        self.q_rotations, self.o_rotations = f32(q_rotations), f32(o_rotations)
+        self.k_mean, self.v_mean = f32(k_mean), f32(v_mean)
         self.layer_ids = ids
         self._index = {lid: i for i, lid in enumerate(ids)}
         self.config = config if config is not None else Int2KVConfig()
@@ -77,7 +95,8 @@ class OscarKV:
     @classmethod
     def from_rotations(cls, rotations: Any, config: Int2KVConfig | None = None, **kwargs: Any) -> "OscarKV":
         """Build from ``None``, a :class:`~rotationzoo.pair.RotationPair` (or anything with ``.k``/``.v``
-        rotation sets, e.g. a ``FitResult``), or a ``(k_set, v_set)`` tuple."""
+        rotation sets, e.g. a ``FitResult``), or a ``(k_set, v_set)`` tuple; the sets' companions
+        (``k_mean`` and ``q_rotation`` of K, ``o_rotation`` and ``v_mean`` of V) are applied."""
         if rotations is None:
             return cls(None, None, config=config, **kwargs)
         if isinstance(rotations, tuple) and len(rotations) == 2:
@@ -85,13 +104,25 @@ class OscarKV:
         else:
             k, v = getattr(rotations, "k", None), getattr(rotations, "v", None)
         ids = None
-        for s in (k, v):
-            if s is not None:
-                if ids is not None and tuple(s.layer_ids) != ids:
-                    raise EvaluationError("K and V rotation sets cover different layers")
-                ids = tuple(s.layer_ids)
-        return cls(k.rotations if k is not None else None, v.rotations if v is not None else None,
-                   layer_ids=ids, config=config, **kwargs)
+        for side, s, wrong in (("K", k, ("o_rotation", "v_mean")), ("V", v, ("q_rotation", "k_mean"))):
+            if s is None:
+                continue
+            if ids is not None and tuple(s.layer_ids) != ids:
+                raise EvaluationError("K and V rotation sets cover different layers")
+            ids = tuple(s.layer_ids)
+            odd = [f for f in wrong if getattr(s, f, None) is not None]
+            if odd:
+                raise EvaluationError(f"the {side} rotation set carries {', '.join(odd)}, which belongs to the other "
+                                      f"side; check which file is K and which is V")
+
+        def stack(s: Any, name: str) -> torch.Tensor | None:
+            if s is None or getattr(s, name, None) is None:
+                return None
+            return s.stacked(name, what="the OSCAR attention") if hasattr(s, "stacked") else getattr(s, name)
+
+        return cls(stack(k, "rotations"), stack(v, "rotations"), layer_ids=ids, config=config,
+                   k_mean=stack(k, "k_mean"), q_rotations=stack(k, "q_rotation"),
+                   o_rotations=stack(v, "o_rotation"), v_mean=stack(v, "v_mean"), **kwargs)
 
     def replace(self, **changes: Any) -> "OscarKV":
         """A copy with ``config`` knobs (``k_clip_ratio=…``) or ``quantize_k/quantize_v/backend``
@@ -100,21 +131,35 @@ class OscarKV:
         return OscarKV(self.k_rotations, self.v_rotations, layer_ids=self.layer_ids or None,
                        config=self.config.replace(**changes),
                        quantize_k=own.get("quantize_k", self.quantize_k), quantize_v=own.get("quantize_v", self.quantize_v),
-                       backend=own.get("backend", self.backend))
+                       backend=own.get("backend", self.backend), k_mean=self.k_mean, v_mean=self.v_mean,
+                       q_rotations=self.q_rotations, o_rotations=self.o_rotations)
+
+    def _per_layer(self, name: str, table: torch.Tensor | None, layer_id: int,
+                   device: torch.device | str) -> torch.Tensor | None:
+        if table is None:
+            return None
+        key = (name, int(layer_id), str(device))
+        if key not in self._device_cache:
+            if int(layer_id) not in self._index:
+                raise EvaluationError(f"no {name} for layer {layer_id}; rotations cover layers {self.layer_ids}")
+            self._device_cache[key] = table[self._index[int(layer_id)]].to(device)
+        return self._device_cache[key]
 
     def rotation(self, side: str, layer_id: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
         """Layer ``layer_id``'s fp32 rotation (``[d, d]`` or ``[H_kv, d, d]``) for ``side`` on
         ``device``, or ``None`` when this side is not rotated."""
-        rots = self.k_rotations if side == "k" else self.v_rotations
-        if rots is None:
-            return None
-        key = (side, int(layer_id), str(device))
-        if key not in self._device_cache:
-            if int(layer_id) not in self._index:
-                raise EvaluationError(f"no {side.upper()} rotation for layer {layer_id}; "
-                                      f"rotations cover layers {self.layer_ids}")
-            self._device_cache[key] = rots[self._index[int(layer_id)]].to(device)
-        return self._device_cache[key]
+        return self._per_layer(f"{side.upper()} rotation", self.k_rotations if side == "k" else self.v_rotations,
+                               layer_id, device)
+
+    def layer(self, layer_id: int, device: torch.device | str = "cpu") -> "LayerTransform":
+        """Everything layer ``layer_id`` applies: rotations, query / output transforms, means."""
+        return LayerTransform(
+            r_k=self.rotation("k", layer_id, device), r_v=self.rotation("v", layer_id, device),
+            q_rot=self._per_layer("q_rotation", self.q_rotations, layer_id, device),
+            o_rot=self._per_layer("o_rotation", self.o_rotations, layer_id, device),
+            k_mean=self._per_layer("k_mean", self.k_mean, layer_id, device),
+            v_mean=self._per_layer("v_mean", self.v_mean, layer_id, device),
+        )
 
     @property
     def hp_dtype(self) -> torch.dtype:
@@ -128,7 +173,44 @@ class OscarKV:
             "quantize_v": self.quantize_v,
             "rotated": {"k": self.k_rotations is not None, "v": self.v_rotations is not None},
             "per_kv_head": any(r is not None and r.dim() == 4 for r in (self.k_rotations, self.v_rotations)),
+            "centered": {"k": self.k_mean is not None, "v": self.v_mean is not None},
+            "inverse_companions": {"q_rotation": self.q_rotations is not None, "o_rotation": self.o_rotations is not None},
         }
+
+
+@dataclass(frozen=True)
+class LayerTransform:
+    """What one layer applies (fp32 tensors on the layer's device; ``None`` = identity / no mean)."""
+
+    r_k: torch.Tensor | None
+    r_v: torch.Tensor | None
+    q_rot: torch.Tensor | None = None
+    o_rot: torch.Tensor | None = None
+    k_mean: torch.Tensor | None = None
+    v_mean: torch.Tensor | None = None
+
+    def keys(self, k: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """``(k − μ_K) @ R_K`` for ``k [B, H_kv, S, d]``."""
+        return rotate(k, self.r_k, out_dtype, mean=self.k_mean)
+
+    def values(self, v: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """``(v − μ_V) @ R_V``."""
+        return rotate(v, self.r_v, out_dtype, mean=self.v_mean)
+
+    def queries(self, q: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """``q @ Q`` with ``Q = q_rotation`` (``R_K^{-T}``) when the set has one, else ``R_K``."""
+        return rotate(q, self.q_rot if self.q_rot is not None else self.r_k, out_dtype)
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        """The attention output ``o [B, H_q, S, d]`` back in the model's basis: ``o @ R_Vᵀ`` (or
+        ``o @ o_rotationᵀ = o @ R_V^{-1}``), plus ``μ_V``."""
+        out = unrotate(o, self.o_rot if self.o_rot is not None else self.r_v)
+        if self.v_mean is None:
+            return out
+        mean = self.v_mean.float()
+        if mean.dim() == 2:  # [H_kv, d] -> the query heads that read each KV head
+            mean = _per_head(mean, o.shape[1])[:, None, :]
+        return (out.float() + mean).to(out.dtype)
 
 
 def _per_head(r: torch.Tensor, heads: int) -> torch.Tensor:
@@ -140,8 +222,13 @@ def _per_head(r: torch.Tensor, heads: int) -> torch.Tensor:
     return r.repeat_interleave(heads // r.shape[0], dim=0)
 
 
-def rotate(x: torch.Tensor, r: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """``x @ R`` in fp32 for ``x [B, H, S, d]``, cast to ``out_dtype``; ``R = None`` only casts."""
+def rotate(x: torch.Tensor, r: torch.Tensor | None, out_dtype: torch.dtype,
+           mean: torch.Tensor | None = None) -> torch.Tensor:
+    """``(x − mean) @ R`` in fp32 for ``x [B, H, S, d]``, cast to ``out_dtype``; ``R = None`` does not
+    rotate; ``mean`` is ``[d]`` or ``[H, d]`` (one per head of ``x``)."""
+    if mean is not None:
+        m = mean.float()
+        x = x.float() - (m[None, :, None, :] if m.dim() == 2 else m)
     if r is None:
         return x.to(out_dtype)
     if r.dim() == 2:
