@@ -103,7 +103,7 @@ def fetch(
 
 
 def load(
-    model: str,
+    model: "str | os.PathLike[str]",
     tag: str | None = None,
     *,
     device: "str | torch.device" = "cpu",
@@ -116,11 +116,13 @@ def load(
     accept_new: bool = False,
     atol: float = 1e-5,
 ) -> RotationPair:
-    """Fetch (if needed), read and validate a model's rotation pair.
+    """Fetch (if needed), read and validate a model's rotation pair, or read a local one.
 
     Args:
         model, tag, source, revision, cache_dir, offline, force, accept_new: as for :func:`fetch`
-            (``model`` may also be ``"MODEL@TAG"``).
+            (``model`` may also be ``"MODEL@TAG"``). A path instead of a model (a pair folder, such as a
+            start-up calibration folder of the authors' server, ``"K.pt,V.pt"``, a pair file) is read
+            and validated locally; ``tag`` and the fetch options do not apply to it.
         device: device of the returned tensors.
         dtype: dtype of the returned rotations (default fp32, as stored; serving engines use bf16).
         atol: orthogonality tolerance for validation.
@@ -130,9 +132,13 @@ def load(
         ``[L, d, d]`` tensors for the model's attention layers ``pair.layer_ids``, with
         ``pair.entry`` and ``pair.serving`` from the registry.
     """
-    from .pair import load_registered  # torch is imported only by what needs tensors
+    from .pair import load_registered, looks_like_path, resolve_pair  # torch only when tensors are needed
 
-    name, at_tag = split_model_tag(model)
+    text = os.fspath(model)
+    if isinstance(model, os.PathLike) or Path(text).expanduser().exists() or looks_like_path(text):
+        pair = resolve_pair(text, tag, atol=atol)
+        return pair.to(device=device, dtype=dtype) if dtype is not None or str(device) != "cpu" else pair
+    name, at_tag = split_model_tag(text)
     return load_registered(name, tag or at_tag, device=device, dtype=dtype, source=source, revision=revision,
                            cache_dir=cache_dir, offline=offline, force=force, accept_new=accept_new, atol=atol)
 

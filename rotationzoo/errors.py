@@ -158,6 +158,10 @@ class ExportError(RotationFileError):
     """An export cannot be made or read back: ``out.gguf: base GGUF has head_dim 64, rotations 128``."""
 
 
+class PairError(RotationFileError):
+    """What names rotations cannot be turned into a K/V pair: ``rot/: several K rotation files (…); give 'K.pt,V.pt'``."""
+
+
 # --- publishing ---------------------------------------------------------------------------------
 
 

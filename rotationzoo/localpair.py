@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from .errors import ExportError, RotationZooError
+from .errors import ExportError, PairError, RotationZooError
 from .fit.output import MANIFEST_NAME
 from .hashing import sha256_file
 from .headdims import HeadDims
@@ -76,6 +76,24 @@ def _pick(d: Path, side: str, files: list[Path]) -> Path | None:
     return next(iter(by_stem.values()), None)
 
 
+#: Manifests the authors' server writes beside a pair it publishes (start-up calibration):
+#: ``.oscar_<pair_id>.pending.json`` while it writes, ``.complete.json`` once done.
+PENDING_GLOB, COMPLETE_GLOB = ".oscar_*.pending.json", ".oscar_*.complete.json"
+
+
+def check_not_pending(folder: Path) -> None:
+    """Refuse a folder whose pair the authors' server is still publishing (or was interrupted publishing).
+
+    Raises:
+        PairError: a ``.oscar_*.pending.json`` manifest is in ``folder``.
+    """
+    pending = sorted(folder.glob(PENDING_GLOB)) if folder.is_dir() else []
+    if pending:
+        raise PairError(f"{folder}: {pending[0].name} is present: a publication of this pair is in progress or was "
+                        f"interrupted, so its files may be incomplete; wait for the server (or re-run its calibration) "
+                        f"until only a .complete.json remains")
+
+
 def find_pair_files(directory: str | os.PathLike[str]) -> dict[str, Path]:
     """The rotation files of a folder, by side.
 
@@ -85,10 +103,12 @@ def find_pair_files(directory: str | os.PathLike[str]) -> dict[str, Path]:
 
     Raises:
         ExportError: not a folder, no rotation file, a side missing, or several candidates for a side.
+        PairError: the authors' server is publishing the pair (a ``.oscar_*.pending.json`` is there).
     """
     d = Path(directory)
     if not d.is_dir():
         raise ExportError(f"{d}: not a folder")
+    check_not_pending(d)
     picked = _manifest_files(d)
     if picked:
         return picked

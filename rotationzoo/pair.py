@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
-from .errors import ExportError, InvalidRotationError, RotationFileError, UnknownModelError
+from .errors import ExportError, InvalidRotationError, RotationFileError, RotationZooError, UnknownModelError
 from .fit.output import MANIFEST_NAME  # noqa: F401  (re-exported)
 from .format import RotationSet, read_rotation
 from .hashing import sha256_file
@@ -41,6 +41,7 @@ from .registry import SIDES, TagEntry, get_entry, load_registry, split_model_tag
 from .localpair import (  # noqa: F401  (public names of this module)
     ROTATION_SUFFIXES,
     _manifest_metadata,
+    check_not_pending,
     find_pair_files,
     infer_side,
     verify_path,
@@ -260,6 +261,8 @@ def read_pair(path: str | os.PathLike[str], *, side: str | None = None) -> Rotat
         parts = [Path(x.strip()).expanduser() for x in text.split(",")]
         if len(parts) != 2 or not all(q.is_file() for q in parts):
             raise ExportError(f"{text}: expected two existing rotation files 'K_FILE,V_FILE'")
+        for folder in {q.parent for q in parts}:
+            check_not_pending(folder)
         return _read_sides({"k": parts[0], "v": parts[1]}, text)
     if not p.is_file():
         raise ExportError(f"{p}: no such file or folder")
@@ -267,6 +270,7 @@ def read_pair(path: str | os.PathLike[str], *, side: str | None = None) -> Rotat
         sets, meta = read_pair_file(p)
         sha = {s: meta[f"{s}.sha256"] for s in SIDES if f"{s}.sha256" in meta}
         return RotationPair(sets, paths={s: p for s in sets}, sha256=sha, metadata=meta, source=str(p))
+    check_not_pending(p.parent)
     rs = read_rotation(p)
     s = side or infer_side(p, rs.objective)
     if s is None:
@@ -368,6 +372,34 @@ def _resolve_text(text: str, tag: str | None, *, side: str | None, atol: float, 
                            source=hub_source, revision=revision)
 
 
+def cached_details(entry: TagEntry, cache_dir: str | os.PathLike[str] | None = None) -> dict[str, dict[str, Any]]:
+    """What the verified cached (or bundled) files of ``entry`` hold, per side, without the network:
+    path, format and layout versions, grouping, companions, ``calibration`` and ``transform``. Sides
+    not cached are absent; a file that cannot be read says why under ``"problem"``."""
+    from .hub import cache_root
+    from .hub.fetch import cached_copy
+    from .hub.sources import bundled_path
+
+    out: dict[str, dict[str, Any]] = {}
+    for s in SIDES:
+        f = entry.files[s]
+        try:
+            path = bundled_path(f.sources[0]) if f.bundled else None
+            if path is None:
+                hit = cached_copy(entry, s, cache_root(cache_dir))
+                path = hit.path if hit is not None else None
+            if path is None or not path.is_file():
+                continue
+            rs = read_rotation(path)
+        except RotationZooError as exc:
+            out[s] = {"problem": str(exc)}
+            continue
+        out[s] = {"path": str(path), "format_version": rs.format_version, "layout_version": rs.layout_version,
+                  "source_grouping": rs.source_grouping, "companions": list(rs.companions),
+                  "calibration": rs.calibration, "transform": rs.transform}
+    return out
+
+
 def load_registered(
     model: str,
     tag: str | None = None,
@@ -390,9 +422,9 @@ def load_registered(
     ids = arch.expected_layer_ids()
     sets = {}
     for s in SIDES:
-        rs = read_rotation(got.files[s].path, head_dim=arch.head_dim, num_layers=len(ids) if ids else None,
+        rs = read_rotation(got.files[s].path, head_dim=arch.head_dims, num_layers=len(ids) if ids else None,
                            num_kv_heads=arch.num_kv_heads)
-        validate(rs, atol=atol, layer_ids=ids, head_dim=arch.head_dim, num_kv_heads=arch.num_kv_heads)
+        validate(rs, atol=atol, layer_ids=ids, head_dim=arch.head_dims, num_kv_heads=arch.num_kv_heads)
         if dtype is not None or str(device) != "cpu":
             rs = rs.to(device=device, dtype=dtype)
         sets[s] = rs

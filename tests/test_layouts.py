@@ -288,3 +288,21 @@ def test_gguf_export_refuses_what_llamacpp_cannot_apply(tmp_path, capsys, kind, 
     code, _, err = cli(capsys, "export", f"{kp},{vp}", "--to", "gguf", "--out", str(tmp_path / "r.gguf"))
     assert code == 1 and pattern in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "r.gguf").exists()
+
+
+def test_info_shows_what_the_cached_files_hold(cache_dir, capsys) -> None:
+    from rotationzoo import hub
+    from rotationzoo.hashing import sha256_file
+    from rotationzoo.registry import get_entry
+
+    entry = get_entry("Qwen3-8B")
+    folder = hub.entry_dir(cache_dir, entry)
+    folder.mkdir(parents=True)
+    for side, seed in (("k", 0), ("v", 1)):
+        p = save(folder, entry.files[side].filename, layouts.v1(layers=36, d=128, seed=seed, with_calibration=True))
+        hub.record_verified(p, entry, side, sha=sha256_file(p), source="url:https://example.invalid/x")
+    code, out, _ = cli(capsys, "info", "Qwen3-8B", "--json")
+    cached = json.loads(out)["tag"]["files"]["k"]["cached"]
+    assert code == 0 and cached["calibration"]["prompt_sha256"] == "ab" * 32 and cached["format_version"] == 1
+    code, out, _ = cli(capsys, "info", "Qwen3-8B")
+    assert code == 0 and "calibration: generation_id g-0001" in out

@@ -1,4 +1,4 @@
-"""Fetching and the cache: ``fetch``, ``cache ls|rm|verify``, ``demo``.
+"""Fetching and the cache: ``fetch``, ``cache ls|rm|verify|import``, ``demo``.
 
 Examples::
 
@@ -9,10 +9,12 @@ Examples::
     rotationzoo cache verify
     rotationzoo cache rm --model Qwen3-8B --dry-run
     rotationzoo cache rm --model Qwen3-8B --yes
+    rotationzoo cache import ~/.cache/huggingface/oscar-rotations/Qwen3-8B-0123456789ab
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -180,6 +182,42 @@ def cmd_cache_verify(
         c.print(f"{len(records)} files checked, {len(bad)} bad")
     if bad:
         raise typer.Exit(1)
+
+
+@cache_app.command("import")
+def cmd_cache_import(
+    folder: Annotated[Path, typer.Argument(help="A start-up calibration folder of the authors' server "
+                                                  "($HF_HOME/oscar-rotations/<model>-<digest12>/), or any pair folder.")],
+    name: Annotated[Optional[str], typer.Option("--name", help="Name under imported/ (default: the folder's name).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace another pair imported under the same name.")] = False,
+    cache_dir: CacheDirOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Copy a rotation pair the authors' server calibrated at start-up into the cache, with its provenance.
+
+    Refused while the folder holds a .oscar_*.pending.json (the server is still writing it, or was
+    interrupted); the files are validated, copied to <cache>/imported/NAME/ with markers (cache ls,
+    verify and rm know them), and the calibration they record is printed (generation id, prompt
+    sha256, tokens, model revision). Serve, evaluate or publish the imported folder like any pair.
+
+    Examples:  rotationzoo cache import ~/.cache/huggingface/oscar-rotations/Qwen3-8B-0123456789ab  |
+    rotationzoo cache import ./calib --name qwen3-8b-gpqa --json
+    """
+    from ..calibrated import import_calibrated
+
+    got = import_calibrated(folder, name=name, cache_dir=cache_dir, force=force)
+    if json_out:
+        emit_json(got.to_json())
+        return
+    typer.echo(f"imported {got.name}: {got.folder}")
+    for s, p in got.paths.items():
+        typer.echo(f"  {s.upper()} {p.name}  sha256 {got.sha256[s]}")
+    cal = got.calibration or {}
+    if cal:
+        keys = ("generation_id", "model_path", "model_revision", "prompt_sha256", "tokens", "tp_size")
+        typer.echo("  calibration: " + ", ".join(f"{k} {cal[k]}" for k in keys if k in cal))
+    else:
+        typer.echo("  calibration: not recorded in the files")
 
 
 @cache_app.command("rm")

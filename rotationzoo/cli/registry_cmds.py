@@ -102,17 +102,20 @@ def cmd_info(
     rotationzoo info Qwen3-8B --tag longbench-seq150000_prompt44_group128
     """
     from ..hub.pins import local_pins, pin_state
+    from ..pair import cached_details
     from ..registry import get_model, split_model_tag
 
     name, at_tag = split_model_tag(model)
     m = get_model(name)
     entry = m.tag(tag or at_tag)
     pins = {side: (pin_state(entry, side), local_pins(entry, side)) for side in entry.files}
+    cached = cached_details(entry)
     if json_out:
         out = m.to_json()
         out["tag"] = entry.to_json()
         for side, (state, local) in pins.items():
             out["tag"]["files"][side]["pin"] = {"state": state, **({"local": list(local.values())} if local else {})}
+            out["tag"]["files"][side]["cached"] = cached.get(side)
         emit_json(out)
         return
     c = console()
@@ -124,7 +127,7 @@ def cmd_info(
     c.print(
         f"architecture: {len(ids) if ids else '?'} attention layers"
         + (f" (ids {', '.join(map(str, ids or ()))})" if arch.attention_layer_ids else "")
-        + f", head_dim {arch.head_dim}, kv heads {arch.num_kv_heads or '?'}"
+        + f", head_dim {arch.head_dims}, kv heads {arch.num_kv_heads or '?'}"
     )
     c.print(f"tags: {', '.join(('*' + t if t == m.default_tag else t) for t in m.tags)}  (* = default)")
     c.print(f"\n[bold]tag {entry.name}[/]: {entry.description}")
@@ -151,6 +154,15 @@ def cmd_info(
             c.print(f"    sha256 {pin['sha256']} (pinned locally {pin.get('pinned_at') or ''}, from {label})", markup=False)
         for src in f.sources:
             c.print(f"    from {src.describe()}{'' if src.pinned else '  (revision not pinned)'}")
+        got = cached.get(side)
+        if got and "problem" in got:
+            c.print(f"    cached copy unreadable: {got['problem']}", markup=False)
+        elif got:
+            extra = "".join(f" +{x}" for x in got["companions"])
+            c.print(f"    holds: format_version {got['format_version']}, {got['source_grouping']}{extra}", markup=False)
+            if got["calibration"]:
+                recorded = ", ".join(f"{k} {v}" for k, v in got["calibration"].items())
+                c.print(f"    calibration: {recorded}", markup=False)
 
 
 def cmd_verify(

@@ -26,6 +26,7 @@ from .layout import (
     DERIVED_AREA,
     FILES_AREA,
     HUB_AREA,
+    IMPORTED_AREA,
     LOCKS_AREA,
     MARKER_SUFFIX,
     area_dir,
@@ -50,8 +51,9 @@ class CacheRecord:
     """One file in the cache, as its marker describes it.
 
     Attributes:
-        area: ``"files"`` (a verified download), ``"derived"`` (built from verified files) or
-            ``"partial"`` (a download in progress, or left by a killed process).
+        area: ``"files"`` (a verified download), ``"derived"`` (built from verified files),
+            ``"imported"`` (``cache import``) or ``"partial"`` (a download in progress, or left by a
+            killed process).
         side: ``"k"`` / ``"v"`` for downloads; ``None`` for derived files.
         inputs: for derived files, the sha256 of each input side it was built from.
     """
@@ -100,9 +102,9 @@ def _records(root: Path, area: str) -> list[CacheRecord]:
 
 
 def cache_records(cache_dir: str | os.PathLike[str] | None = None) -> list[CacheRecord]:
-    """Every file in the verified-files and derived areas of the cache, with its marker if any."""
+    """Every file in the verified-files, derived and imported areas of the cache, with its marker if any."""
     root = cache_root(cache_dir)
-    return _records(root, FILES_AREA) + _records(root, DERIVED_AREA)
+    return _records(root, FILES_AREA) + _records(root, DERIVED_AREA) + _records(root, IMPORTED_AREA)
 
 
 def _verified_inputs(records: list[CacheRecord]) -> dict[tuple[str | None, str | None], dict[str, str]]:
@@ -241,8 +243,8 @@ def remove_cached(model: str | None = None, tag: str | None = None,
     """
     root = cache_root(cache_dir)
     if model is None:
-        areas = [area_dir(root, sub) for sub in (FILES_AREA, DERIVED_AREA, HUB_AREA)]
-        for sub in (FILES_AREA, DERIVED_AREA, HUB_AREA):
+        areas = [area_dir(root, sub) for sub in (FILES_AREA, DERIVED_AREA, IMPORTED_AREA, HUB_AREA)]
+        for sub in (FILES_AREA, DERIVED_AREA, IMPORTED_AREA, HUB_AREA):
             walk_area(root, sub)  # refuses links that leave the root, before anything goes
         removed: list[Path] = []
         for d in areas:

@@ -151,9 +151,9 @@ def _check(path: Path, f: FileEntry, entry: TagEntry) -> tuple[str | None, str]:
     arch = entry.architecture
     ids = arch.expected_layer_ids()
     try:
-        rs = read_rotation(path, head_dim=arch.head_dim, num_layers=len(ids) if ids else None,
+        rs = read_rotation(path, head_dim=arch.head_dims, num_layers=len(ids) if ids else None,
                            num_kv_heads=arch.num_kv_heads)
-        validate(rs, layer_ids=ids, head_dim=arch.head_dim, num_kv_heads=arch.num_kv_heads)
+        validate(rs, layer_ids=ids, head_dim=arch.head_dims, num_kv_heads=arch.num_kv_heads)
     except RotationZooError as exc:
         return f"not a valid rotation file for {entry.model_id}: {exc}", sha
     return None, sha

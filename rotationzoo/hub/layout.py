@@ -7,6 +7,7 @@ Layout under ``ROTATIONZOO_CACHE`` (default: the platform user cache dir)::
     derived/models--Qwen--Qwen3-8B/<tag>/oscar-rot-kv.gguf                 built from verified files
     derived/models--Qwen--Qwen3-8B/<tag>/oscar-rot-kv.gguf.verified        marker (sha256, size, inputs)
     derived/local/<id>/oscar-rot-kv.gguf                                   built from local files
+    imported/<name>/k_rotation_qqt_r_h_pbr.pt (+ .verified)                 imported (``cache import``)
     hub/huggingface/ , hub/modelscope/                                     the clients' own caches
     locks/models--Qwen--Qwen3-8B--<tag>.lock                               one lock per entry
 
@@ -37,6 +38,8 @@ FILES_AREA = "files"
 DERIVED_AREA = "derived"
 HUB_AREA = "hub"
 LOCKS_AREA = "locks"
+#: Pairs imported from outside the registry (``rotationzoo cache import``): ``imported/<name>/``.
+IMPORTED_AREA = "imported"
 
 
 def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:

@@ -115,7 +115,7 @@ def prepare(
         except RotationZooError as exc:
             raise InvalidRotationError(f"refusing to publish: {exc}") from None
         try:
-            validate(rs, atol=atol, layer_ids=expected_ids, head_dim=arch.head_dim if arch else None,
+            validate(rs, atol=atol, layer_ids=expected_ids, head_dim=arch.head_dims if arch else None,
                      num_kv_heads=arch.num_kv_heads if arch else None)
         except InvalidRotationError as exc:
             where = f" for {model_id}" if arch is not None else ""

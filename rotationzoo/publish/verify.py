@@ -107,7 +107,7 @@ def verify_registry(
                     f = entry.files[side]
                     p = got.files[side].path
                     sha = sha256_file(p)
-                    rep = verify_file(p, atol=atol, layer_ids=ids, head_dim=m.architecture.head_dim,
+                    rep = verify_file(p, atol=atol, layer_ids=ids, head_dim=m.architecture.head_dims,
                                       num_kv_heads=m.architecture.num_kv_heads, with_hash=False)
                     check.files[side] = {"path": str(p), "sha256": sha, "registry_sha256": f.sha256,
                                          "size": p.stat().st_size, "source": got.files[side].source}

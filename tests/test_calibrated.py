@@ -1,0 +1,95 @@
+"""Start-up calibration folders of the authors' server: refused while a publication is pending,
+imported into the cache with their provenance, loaded, verified and removed like other cached files."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import layouts
+import rotationzoo
+from rotationzoo.calibrated import import_calibrated
+from rotationzoo.cli.main import main
+from rotationzoo.errors import PairError
+from rotationzoo.hub import cache_records, verify_cache
+
+
+def calibration_folder(root: Path, *, pending: bool = False, generation: str = "g-0001") -> Path:
+    d = root / "oscar-rotations" / "Qwen3-8B-0123456789ab"
+    d.mkdir(parents=True)
+    names = {"k": "k_rotation_qqt_r_h_pbr.pt", "v": "v_rotation_sst_r_h_pbr.pt"}
+    for side, seed in (("k", 0), ("v", 1)):
+        obj = layouts.v1(seed=seed, objective="qqt_r_h_pbr" if side == "k" else "sst_r_h_pbr", with_calibration=True)
+        obj["calibration"]["generation_id"] = generation
+        torch.save(obj, d / names[side])
+    pair_id = hashlib.sha256(f"K={d / names['k']}\0V={d / names['v']}".encode()).hexdigest()[:16]
+    manifest = {"generation_id": "g-0001", "k_path": str(d / names["k"]), "v_path": str(d / names["v"]),
+                "prompt_sha256": "ab" * 32, "tokens": 4096}
+    (d / f".oscar_{pair_id}.{'pending' if pending else 'complete'}.json").write_text(json.dumps(manifest))
+    return d
+
+
+def cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_a_pending_publication_is_refused_and_nothing_imported(tmp_path, cache_dir, capsys) -> None:
+    d = calibration_folder(tmp_path, pending=True)
+    code, _, err = cli(capsys, "cache", "import", str(d))
+    assert code == 1 and "pending.json is present" in err and len(err.strip().splitlines()) == 1
+    assert not (cache_dir / "imported").exists() or not any((cache_dir / "imported").iterdir())
+    with pytest.raises(PairError, match="publication of this pair is in progress or was interrupted"):
+        rotationzoo.load(d)
+    with pytest.raises(PairError):
+        rotationzoo.load(f"{d / 'k_rotation_qqt_r_h_pbr.pt'},{d / 'v_rotation_sst_r_h_pbr.pt'}")
+
+
+def test_a_complete_pair_is_imported_with_its_provenance(tmp_path, cache_dir, capsys) -> None:
+    d = calibration_folder(tmp_path)
+    pair = rotationzoo.load(d)  # the folder itself loads, calibration kept
+    assert pair.k.calibration["prompt_sha256"] == "ab" * 32
+    code, out, _ = cli(capsys, "cache", "import", str(d), "--json")
+    got = json.loads(out)
+    assert code == 0 and got["name"] == "Qwen3-8B-0123456789ab" and got["calibration"]["tokens"] == 4096
+    imported = Path(got["folder"])
+    assert imported.parent == cache_dir / "imported"
+    assert rotationzoo.load(imported).k.calibration == pair.k.calibration
+    recs = [r for r in cache_records(cache_dir) if r.area == "imported"]
+    assert sorted(r.side for r in recs) == ["k", "v"] and all(r.sha256 for r in recs)
+    assert all(r.ok for r in verify_cache(cache_dir))
+    code, out, _ = cli(capsys, "cache", "import", str(d))  # the same pair again: fine
+    assert code == 0 and "calibration: generation_id g-0001" in out
+    code, _, _ = cli(capsys, "cache", "rm", "--all", "--yes")
+    assert code == 0 and not any((cache_dir / "imported").glob("*")) if (cache_dir / "imported").exists() else True
+
+
+def test_a_folder_mixing_two_calibrations_is_refused(tmp_path, cache_dir) -> None:
+    d = calibration_folder(tmp_path, generation="g-0002")
+    with pytest.raises(PairError, match="mixes two calibrations"):
+        import_calibrated(d)
+
+
+def test_a_manifest_naming_other_files_is_refused(tmp_path, cache_dir) -> None:
+    d = calibration_folder(tmp_path)
+    m = next(d.glob(".oscar_*.complete.json"))
+    data = json.loads(m.read_text())
+    data["k_path"] = str(d / "k_rotation_other.pt")
+    m.write_text(json.dumps(data))
+    with pytest.raises(PairError, match="refusing to guess"):
+        import_calibrated(d)
+
+
+def test_another_pair_under_the_same_name_needs_force(tmp_path, cache_dir) -> None:
+    import_calibrated(calibration_folder(tmp_path / "a"))
+    other = calibration_folder(tmp_path / "b")
+    torch.save(layouts.v1(seed=9, with_calibration=True), other / "k_rotation_qqt_r_h_pbr.pt")
+    with pytest.raises(PairError, match="another pair is imported under the name"):
+        import_calibrated(other)
+    assert import_calibrated(other, force=True).sha256["k"] == hashlib.sha256(
+        (other / "k_rotation_qqt_r_h_pbr.pt").read_bytes()).hexdigest()
