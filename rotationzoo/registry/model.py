@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
 from ..errors import UnknownTagError
+from .bounds import check_architecture
 from ..int2kv import Int2KVConfig
 from ..vocab import SIDES, SOURCE_TYPES, Side, SourceType, WeightDtypeName  # noqa: F401 - re-exported by the package
 
@@ -131,6 +132,10 @@ class Architecture:
 
     ``num_parameters`` and ``weight_dtype`` (``bfloat16``, ``float16``, ``float32`` or ``float8``)
     give the planner the weights' size: ``num_parameters × bytes(weight_dtype)``.
+
+    Every number is checked on construction against the bounds of :mod:`rotationzoo.registry.bounds`
+    (``head_dim`` 16 … 512, at most 1024 layers and 256 KV heads, layer ids distinct, increasing and
+    below ``num_layers``); a bad one raises :class:`~rotationzoo.errors.RegistryError`.
     """
 
     head_dim: int
@@ -140,6 +145,11 @@ class Architecture:
     num_attention_heads: int | None = None
     num_parameters: int | None = None
     weight_dtype: WeightDtypeName | None = None
+
+    def __post_init__(self) -> None:
+        ids = check_architecture(self.head_dim, self.num_layers, self.attention_layer_ids, self.num_kv_heads,
+                                 self.num_attention_heads, self.num_parameters, self.weight_dtype)
+        object.__setattr__(self, "attention_layer_ids", ids)
 
     def expected_layer_ids(self) -> tuple[int, ...] | None:
         """The layer ids a rotation file must cover (sparse for hybrids), or None if unknown."""
