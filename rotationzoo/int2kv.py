@@ -186,17 +186,6 @@ class Int2KVConfig:
         assert g is not None
         return g
 
-    def check_for(self, head_dim: int) -> int:
-        """The effective group size, after checking that a kernel runs these settings at ``head_dim``
-        (:func:`check_group_size` with ``lloyd_max``): what the planner and the launch settings use.
-
-        Raises:
-            ConfigError: a head_dim, group size or Lloyd-Max setting no INT2 kernel runs.
-        """
-        g = check_group_size(self.group_size, head_dim, lloyd_max=self.lloyd_max)
-        assert g is not None
-        return g
-
     @property
     def window_tokens(self) -> int:
         """``prefix_tokens + recent_tokens``."""
