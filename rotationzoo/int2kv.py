@@ -25,7 +25,7 @@ Bounds: clip ratios are finite numbers in ``[0, 1]``; window sizes integers from
 :data:`MAX_CONTEXT_TOKENS` (2^30). The group size follows one rule, :func:`check_group_size`,
 which the configuration, the kernels and the memory planner all call: ``head_dim`` one of
 :data:`HEAD_DIMS` (64, 128, 256) and ``group_size`` one of ``head_dim, head_dim/2, ...`` down to
-16 (``None`` = ``head_dim``), with one group per row under Lloyd-Max.
+16 (``None`` = ``head_dim``); the kernels also need one group per row for Lloyd-Max levels.
 
 This module imports nothing heavy (no torch): dtypes are names (``"bfloat16"``, ...).
 """
@@ -155,7 +155,8 @@ class Int2KVConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; expected {', '.join(sorted(known))}")
+            raise ConfigError(f"{where}: unknown key(s) {', '.join(k if len(k) <= 40 else shown(k) for k in unknown[:5])}; expected "
+                              f"{', '.join(sorted(known))}")
         try:
             return cls(**dict(data))
         except ConfigError as exc:

@@ -41,12 +41,12 @@ from .engines import (
     vllm_args,
     vllm_env,
 )
-from .errors import ServingError
+from .errors import RegistryError, ServingError
 from .export import export_gguf
 from .hub import derived_hit, derived_path, record_derived
 from .numbers import shown
 from .pair import RotationPair, resolve_pair
-from .registry.safety import MODEL_ID
+from .registry.safety import check_model_id
 
 OutputFormat = Literal["shell", "env", "json"]
 OUTPUT_FORMATS: tuple[str, ...] = get_args(OutputFormat)
@@ -212,8 +212,10 @@ def _engine_model(pair: RotationPair, model_path: str | None) -> tuple[str, str 
                                "option; write ./ before a relative path")
         return _check_printable(str(model_path), "--model-path"), None
     recorded = pair.model
-    if isinstance(recorded, str) and MODEL_ID.match(recorded) and len(recorded) <= 96 and ".." not in recorded:
-        return recorded, None
+    try:
+        return check_model_id(recorded, "model"), None  # the registry's rule for model ids
+    except RegistryError:
+        pass
     why = (f"the rotations record the model as {shown(recorded)}, which is not a NAMESPACE/NAME model id"
            if recorded else "the rotations do not name their model")
     return MODEL_PLACEHOLDER, f"{why}: replace {MODEL_PLACEHOLDER} with the model's id or checkpoint folder (or pass --model-path)"

@@ -12,9 +12,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
 from ..errors import UnknownTagError
-from .bounds import check_architecture
 from ..int2kv import Int2KVConfig
 from ..vocab import SIDES, SOURCE_TYPES, Side, SourceType, WeightDtypeName  # noqa: F401 - re-exported by the package
+from .bounds import check_architecture
 
 #: An entry's serving defaults are an INT2-KV configuration (one type for the concept).
 Serving = Int2KVConfig
