@@ -11,7 +11,17 @@ Accessors are functions (not import-time constants) so tests and long-lived proc
 ``ROTATIONZOO_RETRIES``       extra attempts of a source after a 5xx or a timeout (default 2)
 ``ROTATIONZOO_PINS``          the file of sha256 pinned on first use (default: user config dir)
 ``ROTATIONZOO_ALLOW_HTTP_LOOPBACK``  ``1``: accept ``http://`` URLs to a loopback host (tests)
+``ROTATIONZOO_DEBUG``         ``1``: the CLI prints tracebacks (as ``--debug``)
 ===========================  ===============================================================
+
+Boolean variables (``ROTATIONZOO_OFFLINE``, ``HF_HUB_OFFLINE``, ``ROTATIONZOO_ALLOW_HTTP_LOOPBACK``,
+``ROTATIONZOO_DEBUG``) take ``1``, ``true``, ``yes`` or ``on`` for true and ``0``, ``false``,
+``no`` or ``off`` for false, in any case; unset, empty or blank is the default. Anything else
+(``Y``, ``2``, ``offline``, `` 1``) is refused with one :class:`~rotationzoo.errors.ConfigError`
+line naming the variable, rather than silently read as false. The true spellings are exactly
+those ``huggingface_hub`` reads as true for ``HF_HUB_OFFLINE`` (``1``/``ON``/``YES``/``TRUE``,
+any case, nothing around them), so the two never disagree on a value rotationzoo accepts; a
+value ``huggingface_hub`` would quietly read as online (``HF_HUB_OFFLINE=Y``) is refused here.
 """
 
 from __future__ import annotations
@@ -19,14 +29,31 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-_TRUE = {"1", "true", "yes", "on"}
+#: Spellings of a true boolean variable (any case); the same as huggingface_hub's.
+TRUE_VALUES: tuple[str, ...] = ("1", "true", "yes", "on")
+#: Spellings of a false boolean variable (any case).
+FALSE_VALUES: tuple[str, ...] = ("0", "false", "no", "off")
 
 
 def env_bool(name: str, default: bool = False) -> bool:
+    """The boolean environment variable ``name`` (``default`` when unset or empty).
+
+    Raises:
+        ConfigError: a value that is none of :data:`TRUE_VALUES` or :data:`FALSE_VALUES`.
+    """
     value = os.environ.get(name)
     if value is None or value.strip() == "":
         return default
-    return value.strip().lower() in _TRUE
+    word = value.lower()  # not stripped: huggingface_hub reads " 1" as false, so " 1" is refused
+    if word in TRUE_VALUES:
+        return True
+    if word in FALSE_VALUES:
+        return False
+    from .errors import ConfigError
+    from .numbers import shown
+
+    raise ConfigError(f"{name}={shown(value)} is not a boolean; use one of {'/'.join(TRUE_VALUES)} (true) or "
+                      f"{'/'.join(FALSE_VALUES)} (false), any case, or leave it unset")
 
 
 def registry_overlays() -> list[Path]:
@@ -46,8 +73,12 @@ def cache_dir() -> Path:
 
 
 def offline() -> bool:
-    """True when ``ROTATIONZOO_OFFLINE`` or ``HF_HUB_OFFLINE`` is set to a true value."""
-    return env_bool("ROTATIONZOO_OFFLINE") or env_bool("HF_HUB_OFFLINE")
+    """True when ``ROTATIONZOO_OFFLINE`` or ``HF_HUB_OFFLINE`` is set to a true value.
+
+    Both are read (a bad spelling of either is a :class:`~rotationzoo.errors.ConfigError`).
+    """
+    ours, hubs = env_bool("ROTATIONZOO_OFFLINE"), env_bool("HF_HUB_OFFLINE")
+    return ours or hubs
 
 
 def package_data_dir() -> Path:
@@ -95,3 +126,8 @@ def pins_file() -> Path:
 def allow_http_loopback() -> bool:
     """``ROTATIONZOO_ALLOW_HTTP_LOOPBACK``: accept ``http://`` URLs to a loopback host (the test hub)."""
     return env_bool("ROTATIONZOO_ALLOW_HTTP_LOOPBACK")
+
+
+def debug() -> bool:
+    """``ROTATIONZOO_DEBUG``: the CLI prints tracebacks (the default of ``--debug``)."""
+    return env_bool("ROTATIONZOO_DEBUG")

@@ -9,7 +9,7 @@ attribute / JSON key  CLI flag                   meaning
 ====================  =========================  ===========================================================
 ``k_clip_ratio``      ``--k-clip-ratio``         per-row clip of keys at ``sort(|row|)[int(r·d)]``; 0 disables
 ``v_clip_ratio``      ``--v-clip-ratio``         the same for values
-``group_size``        ``--group-size``           dims sharing one (scale, zero); ``None`` = head_dim
+``group_size``        ``--group-size``           dims sharing one (scale, zero); ``None`` = head_dim (rule below)
 ``prefix_tokens``     ``--prefix-tokens``        first tokens kept in ``hp_dtype`` (the sink)
 ``recent_tokens``     ``--recent-tokens``        most recent tokens kept in ``hp_dtype``
 ``hp_dtype``          ``--hp-dtype``             dtype of the window tokens (SGLang's ``HP_DTYPE``)
@@ -21,6 +21,12 @@ attribute / JSON key  CLI flag                   meaning
 Defaults are the authors' serving recipe with SGLang's fp32 scale/zero: clip 0.96 / 0.92, one
 group per row, 64 + 256 BF16 window tokens, exact clip thresholds.
 
+Bounds: clip ratios are finite numbers in ``[0, 1]``; window sizes integers from 0 to
+:data:`MAX_CONTEXT_TOKENS` (2^30). The group size follows one rule, :func:`check_group_size`,
+which the configuration, the kernels and the memory planner all call: ``head_dim`` one of
+:data:`HEAD_DIMS` (64, 128, 256) and ``group_size`` one of ``head_dim, head_dim/2, ...`` down to
+16 (``None`` = ``head_dim``); the kernels also need one group per row for Lloyd-Max levels.
+
 This module imports nothing heavy (no torch): dtypes are names (``"bfloat16"``, ...).
 """
 
@@ -30,9 +36,67 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Mapping
 
 from .errors import ConfigError
+from .numbers import check_int, check_real, shown
 from .vocab import CLIP_SEARCHES, DTYPE_NAMES, ClipSearch, DtypeName
+
 #: Bits of one stored value of each dtype.
 DTYPE_BITS: dict[str, int] = {"bfloat16": 16, "float16": 16, "float32": 32}
+#: The head dimensions the INT2 kernels run (``rotationzoo.kernels`` re-exports them).
+HEAD_DIMS: tuple[int, ...] = (64, 128, 256)
+#: Smallest quantization group (contiguous dims sharing one scale/zero pair).
+MIN_GROUP_SIZE = 16
+#: Most tokens of one sequence any setting may name (window sizes here, ``context`` in the planner):
+#: 2^30 = 1,073,741,824, a hundred times the longest context served today.
+MAX_CONTEXT_TOKENS = 2**30
+
+
+def allowed_group_sizes(head_dim: int) -> tuple[int, ...]:
+    """``head_dim, head_dim/2, head_dim/4, ...`` down to :data:`MIN_GROUP_SIZE` (``128`` → ``128, 64, 32, 16``)."""
+    out = []
+    g = head_dim
+    while g >= MIN_GROUP_SIZE:
+        out.append(g)
+        g //= 2
+    return tuple(out)
+
+
+def check_group_size(group_size: object, head_dim: int | None = None, *, lloyd_max: bool = False) -> int | None:
+    """The one group-size rule: which ``group_size`` an INT2 kernel can run at ``head_dim``.
+
+    ``head_dim`` must be one of :data:`HEAD_DIMS`; ``group_size`` is ``None`` (one group per row,
+    i.e. ``head_dim``) or one of :func:`allowed_group_sizes` (``head_dim, head_dim/2, ...``, at
+    least :data:`MIN_GROUP_SIZE`); Lloyd-Max levels need one group per row. Without ``head_dim``
+    (a configuration not yet tied to a model), ``group_size`` must be allowed for some head_dim: a
+    power of two from 16 to 256. :class:`Int2KVConfig`, the kernels
+    (:func:`rotationzoo.kernels.quantize_int2` …) and the memory planner all call this.
+
+    Returns:
+        The effective group size (``head_dim`` for ``None``); ``None`` when both are ``None``.
+
+    Raises:
+        ConfigError: a head_dim or group size no kernel runs (the message lists the allowed ones).
+    """
+    if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)):
+        raise ConfigError(f"group_size must be an integer (or None for head_dim), got {shown(group_size)}")
+    if head_dim is None:
+        anywhere = sorted({g for d in HEAD_DIMS for g in allowed_group_sizes(d)}, reverse=True)
+        if group_size is not None and group_size not in anywhere:
+            raise ConfigError(f"group_size {shown(group_size)} is not one the INT2 kernels run; expected one of "
+                              f"{', '.join(map(str, anywhere))} (or None for head_dim)")
+        return group_size
+    if isinstance(head_dim, bool) or head_dim not in HEAD_DIMS:
+        raise ConfigError(f"head_dim {shown(head_dim)} is not one the INT2 kernels run; expected one of "
+                          f"{', '.join(map(str, HEAD_DIMS))}")
+    if group_size is None:
+        return head_dim
+    allowed = allowed_group_sizes(head_dim)
+    if group_size not in allowed:
+        raise ConfigError(f"group_size {shown(group_size)} is not valid for head_dim {head_dim}; expected one of "
+                          f"{', '.join(map(str, allowed))} (or None for head_dim)")
+    if lloyd_max and group_size != head_dim:
+        raise ConfigError(f"lloyd_max uses one (scale, zero) per row: group_size must be head_dim ({head_dim}), "
+                          f"got {group_size}")
+    return group_size
 
 
 @dataclass(frozen=True)
@@ -66,23 +130,17 @@ class Int2KVConfig:
     def __post_init__(self) -> None:
         for name in ("k_clip_ratio", "v_clip_ratio"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value <= 1.0 or value != value:
-                raise ConfigError(f"{name} must be a number <= 1 (0 disables clipping), got {value!r}")
-            object.__setattr__(self, name, float(value))
+            object.__setattr__(self, name, check_real(value, name, low=0.0, high=1.0, hint=" (0 disables clipping)"))
         for name in ("prefix_tokens", "recent_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
-        g = self.group_size
-        if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 1 or g & (g - 1)):
-            raise ConfigError(f"group_size must be a power of two (or None for head_dim), got {g!r}")
+            check_int(getattr(self, name), name, low=0, high=MAX_CONTEXT_TOKENS)
+        check_group_size(self.group_size)
         for name in ("hp_dtype", "scale_dtype"):
             if getattr(self, name) not in DTYPE_NAMES:
-                raise ConfigError(f"{name} must be one of {', '.join(DTYPE_NAMES)}, got {getattr(self, name)!r}")
+                raise ConfigError(f"{name} must be one of {', '.join(DTYPE_NAMES)}, got {shown(getattr(self, name))}")
         if not isinstance(self.lloyd_max, bool):
-            raise ConfigError(f"lloyd_max must be true or false, got {self.lloyd_max!r}")
+            raise ConfigError(f"lloyd_max must be true or false, got {shown(self.lloyd_max)}")
         if self.clip_search not in CLIP_SEARCHES:
-            raise ConfigError(f"clip_search must be one of {', '.join(CLIP_SEARCHES)}, got {self.clip_search!r}")
+            raise ConfigError(f"clip_search must be one of {', '.join(CLIP_SEARCHES)}, got {shown(self.clip_search)}")
 
     # -- construction ------------------------------------------------------------------------------
     @classmethod
@@ -92,10 +150,13 @@ class Int2KVConfig:
         Raises:
             ConfigError: an unknown key or a bad value (the message names ``where``).
         """
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{where}: expected an object of INT2-KV settings, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; expected {', '.join(sorted(known))}")
+            raise ConfigError(f"{where}: unknown key(s) {', '.join(k if len(k) <= 40 else shown(k) for k in unknown[:5])}; expected "
+                              f"{', '.join(sorted(known))}")
         try:
             return cls(**dict(data))
         except ConfigError as exc:
@@ -117,8 +178,14 @@ class Int2KVConfig:
         return self.k_clip_ratio if side == "k" else self.v_clip_ratio
 
     def group_for(self, head_dim: int) -> int:
-        """The effective group size for ``head_dim`` (``group_size`` or ``head_dim``)."""
-        return head_dim if self.group_size is None else self.group_size
+        """The effective group size for ``head_dim`` (``group_size`` or ``head_dim``).
+
+        Raises:
+            ConfigError: no INT2 kernel runs this group size at ``head_dim`` (:func:`check_group_size`).
+        """
+        g = check_group_size(self.group_size, head_dim)
+        assert g is not None
+        return g
 
     @property
     def window_tokens(self) -> int:
@@ -156,4 +223,5 @@ class Int2KVConfig:
         return " ".join(parts)
 
 
-__all__ = ["CLIP_SEARCHES", "DTYPE_BITS", "DTYPE_NAMES", "ClipSearch", "DtypeName", "Int2KVConfig"]
+__all__ = ["CLIP_SEARCHES", "DTYPE_BITS", "DTYPE_NAMES", "HEAD_DIMS", "MAX_CONTEXT_TOKENS", "MIN_GROUP_SIZE",
+           "ClipSearch", "DtypeName", "Int2KVConfig", "allowed_group_sizes", "check_group_size"]

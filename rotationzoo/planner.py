@@ -23,11 +23,13 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any, Callable
 
 from .engines import check_engine, sglang_page_size
 from .errors import ConfigError
-from .int2kv import DTYPE_BITS, Int2KVConfig
+from .int2kv import DTYPE_BITS, MAX_CONTEXT_TOKENS, Int2KVConfig
+from .numbers import check_int, check_real, shown
 from .registry import Architecture, ModelEntry, TagEntry, get_model
 from .registry.model import split_model_tag
 
@@ -40,6 +42,11 @@ DEFAULT_RESERVE = 0.1
 VLLM_BLOCK_TOKENS = 16
 #: Bits per parameter of each ``architecture.weight_dtype``.
 WEIGHT_DTYPE_BITS: dict[str, int] = {"float32": 32, "bfloat16": 16, "float16": 16, "float8": 8}
+#: Most concurrent sequences a plan may ask for (``batch``): 2^20 = 1,048,576.
+MAX_BATCH = 2**20
+#: Largest memory a plan may name (``gpu_memory_bytes``, ``weights_bytes``): 2^50 bytes = 1 PiB,
+#: far beyond one model replica today (8 × 141 GB is 1.1 TB).
+MAX_MEMORY_BYTES = 2**50
 _HP_BYTES = {name: bits // 8 for name, bits in DTYPE_BITS.items()}
 
 
@@ -48,6 +55,8 @@ _SIZE_UNITS: dict[str, int] = {"": 1, "b": 1}
 for _i, _p in enumerate("kmgt", start=1):
     _SIZE_UNITS.update({_p: 1000 ** _i, f"{_p}b": 1000 ** _i, f"{_p}ib": 1024 ** _i})
 _SIZE_RE = re.compile(r"^\s*(?P<num>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[a-z]*)\s*$", re.IGNORECASE)
+#: Longest size text :func:`parse_size` reads (``1125899906842624`` is 16 characters).
+_SIZE_CHARS = 40
 
 
 def parse_size(text: str) -> int:
@@ -57,17 +66,27 @@ def parse_size(text: str) -> int:
     without ``B`` are decimal (1 GB = 1 G = 10⁹ bytes); a bare number is bytes. Case is ignored.
 
     Raises:
-        ConfigError: not a positive size with a known unit.
+        ConfigError: not a size with a known unit, or not from one byte to :data:`MAX_MEMORY_BYTES` (1 PiB).
     """
-    m = _SIZE_RE.match(str(text))
+    text = str(text)
+    m = _SIZE_RE.match(text) if len(text) <= _SIZE_CHARS else None
     unit = m["unit"].lower() if m else None
     if m is None or unit not in _SIZE_UNITS:
-        raise ConfigError(f"cannot read the size {text!r}; write e.g. 80GiB (binary), 80GB or 80G (decimal), "
-                          "80000MiB, or a byte count")
-    value = round(float(m["num"]) * _SIZE_UNITS[unit])
-    if value < 1:
-        raise ConfigError(f"size {text!r} must be at least one byte")
-    return value
+        raise ConfigError(f"cannot read the size {shown(text)}; write e.g. 80GiB (binary), 80GB or 80G (decimal), "
+                          f"80000MiB, or a byte count (at most {_SIZE_CHARS} characters)")
+    exact = Decimal(m["num"]) * _SIZE_UNITS[unit]  # exact: no float overflow or rounding of long numbers
+    if not 1 <= exact <= MAX_MEMORY_BYTES:
+        raise ConfigError(f"size {shown(text)} must be from one byte to {MAX_MEMORY_BYTES:,} bytes (1 PiB)")
+    return round(exact)
+
+
+def gib_bytes(gib: float, what: str = "weights_gib") -> int:
+    """Bytes of ``gib`` GiB (``--weights-gib``): a finite number from 0 to 2^20 GiB (1 PiB).
+
+    Raises:
+        ConfigError: NaN, infinite, negative or beyond 1 PiB.
+    """
+    return round(check_real(gib, what, low=0.0, high=MAX_MEMORY_BYTES / 2**30) * 2**30)
 
 
 def engine_page_size(engine: str, hp_dtype: str = "bfloat16") -> int:
@@ -207,9 +226,7 @@ def _kv_shape(name: str, arch: Architecture) -> tuple[int, int]:
 
 def _weights(name: str, arch: Architecture, weights_bytes: int | None) -> tuple[int | None, str | None]:
     if weights_bytes is not None:
-        if isinstance(weights_bytes, bool) or not isinstance(weights_bytes, int) or weights_bytes < 0:
-            raise ConfigError(f"weights_bytes must be an integer >= 0, got {weights_bytes!r}")
-        return weights_bytes, "given"
+        return check_int(weights_bytes, "weights_bytes", low=0, high=MAX_MEMORY_BYTES, hint=" (1 PiB)"), "given"
     if arch.num_parameters is None or arch.weight_dtype is None:
         return None, None
     nbytes = arch.num_parameters * WEIGHT_DTYPE_BITS[arch.weight_dtype] // 8
@@ -253,15 +270,13 @@ def _format_plan(s: _Shape, context: int, batch: int, page: int, budget: int | N
     )
 
 
-def _check_inputs(context: int, batch: int, gpu_memory_bytes: int | None, reserve: float) -> None:
-    for label, value in (("context", context), ("batch", batch)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{label} must be an integer >= 1, got {value!r}")
-    if gpu_memory_bytes is not None and (isinstance(gpu_memory_bytes, bool) or not isinstance(gpu_memory_bytes, int)
-                                         or gpu_memory_bytes < 1):
-        raise ConfigError(f"gpu_memory_bytes must be an integer >= 1, got {gpu_memory_bytes!r}")
-    if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or not 0 <= reserve < 1:
-        raise ConfigError(f"reserve must be a fraction in [0, 1), got {reserve!r}")
+def _check_inputs(context: int, batch: int, gpu_memory_bytes: int | None, reserve: float) -> float:
+    """Every number of a plan within its documented bound (docs/plan.md); the reserve as a float."""
+    check_int(context, "context", low=1, high=MAX_CONTEXT_TOKENS, hint=" tokens (2^30)")
+    check_int(batch, "batch", low=1, high=MAX_BATCH, hint=" sequences (2^20)")
+    if gpu_memory_bytes is not None:
+        check_int(gpu_memory_bytes, "gpu_memory_bytes", low=1, high=MAX_MEMORY_BYTES, hint=" (1 PiB)")
+    return check_real(reserve, "reserve", low=0.0, high=1.0, high_open=True)
 
 
 def _engine_notes(engine: str, config: Int2KVConfig, page: int) -> list[str]:
@@ -312,18 +327,23 @@ def plan(
         A :class:`MemoryPlan`.
 
     Raises:
-        ConfigError: a bad input, a group size that does not divide head_dim, or a model whose
-            registry entry lacks what the arithmetic needs (layers, KV heads, weights with a GPU size).
+        ConfigError: a number outside its bound (``context`` 1 … 2^30, ``batch`` 1 … 2^20, memory
+            sizes up to 1 PiB, ``reserve`` in [0, 1)), a head_dim or group size no INT2 kernel runs
+            (:func:`rotationzoo.int2kv.check_group_size`), or a model whose registry entry lacks what
+            the arithmetic needs (layers, KV heads, weights with a GPU size).
     """
     name, tag, arch, serving = _resolve(model_or_entry)
     batch = 1 if batch is None else batch
-    _check_inputs(context, batch, gpu_memory_bytes, reserve)
+    reserve = _check_inputs(context, batch, gpu_memory_bytes, reserve)
     cfg = config if config is not None else (serving or Int2KVConfig())
+    if not isinstance(cfg, Int2KVConfig):
+        raise ConfigError(f"config must be an Int2KVConfig, got {type(cfg).__name__}")
     layers, heads = _kv_shape(name, arch)
     d = arch.head_dim
-    g = cfg.group_for(d)
-    if g > d or d % g:
-        raise ConfigError(f"group_size {g} does not divide head_dim {d}; use a power of two <= {d}")
+    try:
+        g = cfg.group_for(d)  # the one group-size rule (rotationzoo.int2kv.check_group_size)
+    except ConfigError as exc:
+        raise ConfigError(f"{name}: {exc}") from None
     e = check_engine(engine)
     page = engine_page_size(e, cfg.hp_dtype)
     elems = 2 * layers * heads * d  # K and V elements of one token
@@ -339,6 +359,9 @@ def plan(
                               "(weights_bytes, or --weights-gib on the command line)")
         budget = int(gpu_memory_bytes * (1 - reserve)) - weights
     notes = _engine_notes(e, cfg, page)
+    if cfg.lloyd_max and g != d:
+        notes.append(f"lloyd_max with group_size {g} < head_dim {d}: rotationzoo's kernels and transformers cache "
+                     "need one group per row for Lloyd-Max levels (the bytes planned are the same)")
     if budget is not None and budget <= 0:
         notes.append("the weights alone exceed gpu_memory · (1 − reserve): nothing fits")
     bf16_bytes = shapes[0].nbytes(context)
@@ -351,5 +374,5 @@ def plan(
     )
 
 
-__all__ = ["DEFAULT_RESERVE", "KV_FORMATS", "VLLM_BLOCK_TOKENS", "WEIGHT_DTYPE_BITS", "KVFormatPlan", "MemoryPlan",
-           "engine_page_size", "parse_size", "plan"]
+__all__ = ["DEFAULT_RESERVE", "KV_FORMATS", "MAX_BATCH", "MAX_MEMORY_BYTES", "VLLM_BLOCK_TOKENS", "WEIGHT_DTYPE_BITS",
+           "KVFormatPlan", "MemoryPlan", "engine_page_size", "gib_bytes", "parse_size", "plan"]

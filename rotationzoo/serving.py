@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,15 +41,38 @@ from .engines import (
     vllm_args,
     vllm_env,
 )
-from .errors import ServingError
+from .errors import RegistryError, ServingError
 from .export import export_gguf
 from .hub import derived_hit, derived_path, record_derived
+from .numbers import shown
 from .pair import RotationPair, resolve_pair
+from .registry.safety import check_model_id
 
 OutputFormat = Literal["shell", "env", "json"]
 OUTPUT_FORMATS: tuple[str, ...] = get_args(OutputFormat)
 #: Name of the rotations GGUF kept in the cache's derived area (this project's choice).
 ROTATIONS_GGUF_NAME = "oscar-rot-kv.gguf"
+#: What the launch loads when the rotations name no usable model id and no ``--model-path`` is given.
+MODEL_PLACEHOLDER = "MODEL"
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _check_printable(value: str, what: str) -> str:
+    """``value`` unless it holds a control character (a newline would start a new line of a
+    pasted command or of an env file); the launch is then refused rather than printed."""
+    if not isinstance(value, str):
+        raise ServingError(f"{what} must be a string, got {type(value).__name__}")
+    if _CONTROL.search(value):
+        raise ServingError(f"{what} {shown(value)} holds a control character (newline, tab, escape …); a launch line "
+                           "cannot carry it safely: rename the file or folder, or pass a plain --model-path")
+    return value
+
+
+def _arg_path(path: str | os.PathLike[str]) -> str:
+    """A path as a command-line argument: a relative one starting with ``-`` gets ``./`` (never read as an option)."""
+    text = str(path)
+    return f"./{text}" if text.startswith("-") else text
 
 
 @dataclass
@@ -76,9 +100,27 @@ class LaunchSpec:
     prepare: list[list[str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
+    def check(self) -> None:
+        """Refuse what cannot be printed into a shell line or an env file safely: variable names
+        that are not shell identifiers, and values or arguments holding control characters.
+
+        Raises:
+            ServingError: one line naming the bad name or value.
+        """
+        for k, v in self.env.items():
+            if not isinstance(k, str) or not _ENV_NAME.match(k):
+                raise ServingError(f"environment variable name {shown(k)} is not a shell identifier ([A-Za-z_][A-Za-z0-9_]*)")
+            _check_printable(v, k)
+        for i, a in enumerate(self.args):
+            _check_printable(a, f"argument {i}")
+        for c in self.prepare:
+            for a in c:
+                _check_printable(a, "preparation argument")
+
     @property
     def command(self) -> str:
-        """The launch as one shell line: ``K=V … argv`` (shell-quoted)."""
+        """The launch as one shell line: ``K=V … argv`` (every value shell-quoted)."""
+        self.check()
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
         return (env + " " if env else "") + shlex.join(self.args)
 
@@ -99,9 +141,14 @@ class LaunchSpec:
         """Text for ``fmt``:
 
         - ``shell``: copy-pasteable; preparation commands joined with ``&&``, one variable per line;
-        - ``env``: ``KEY=VALUE`` lines (values shell-quoted only when needed), for ``set -a; source``;
+        - ``env``: ``KEY=VALUE`` lines (values shell-quoted with :func:`shlex.quote` when needed),
+          safe to ``set -a; source``: names are shell identifiers, values one line each;
         - ``json``: :meth:`to_json`, indented.
+
+        Every value and argument is quoted with :func:`shlex.quote`; a name that is not a shell
+        identifier or a value with a control character is refused (:meth:`check`).
         """
+        self.check()
         if fmt == "json":
             return json.dumps(self.to_json(), indent=2)
         if fmt == "env":
@@ -111,7 +158,7 @@ class LaunchSpec:
             lines += [f"{k}={shlex.quote(v)} \\" for k, v in self.env.items()]
             lines.append(shlex.join(self.args))
             return "\n".join(lines)
-        raise ServingError(f"unknown output format {fmt!r}; expected one of {', '.join(OUTPUT_FORMATS)}")
+        raise ServingError(f"unknown output format {shown(fmt)}; expected one of {', '.join(OUTPUT_FORMATS)}")
 
 
 def rotations_gguf_path(pair: RotationPair, cache_dir: str | os.PathLike[str] | None = None) -> Path:
@@ -146,8 +193,32 @@ def _llamacpp_launch(pair: RotationPair, model_path: str | None, cache_dir: Any,
     else:
         base, merged = Path("MODEL.gguf"), "MODEL-rot-kv.gguf"
     files["model_gguf"] = merged
-    prepare = [["rotationzoo", "export", str(gguf_path), "--to", "gguf", "--base-gguf", str(base), "--out", merged]]
-    return llamacpp_env(pair.config()), llamacpp_args(merged), prepare
+    prepare = [["rotationzoo", "export", _arg_path(gguf_path), "--to", "gguf", "--base-gguf", _arg_path(base),
+                "--out", _arg_path(merged)]]
+    return llamacpp_env(pair.config()), llamacpp_args(_arg_path(merged)), prepare
+
+
+def _engine_model(pair: RotationPair, model_path: str | None) -> tuple[str, str | None]:
+    """What the engine loads, and a note when that is :data:`MODEL_PLACEHOLDER`.
+
+    ``--model-path`` when given (refused if it starts with ``-``, which an engine would read as an
+    option); else the registry id; else a ``NAMESPACE/NAME`` model id recorded in the pair file.
+    Anything else a file records (a path, ``--model-path /etc; rm -rf ~`` …) never reaches the
+    command line: the placeholder does, with a note saying what to put there.
+    """
+    if model_path is not None:
+        if str(model_path).startswith("-"):
+            raise ServingError(f"--model-path {shown(model_path)} starts with '-', which the engine would read as an "
+                               "option; write ./ before a relative path")
+        return _check_printable(str(model_path), "--model-path"), None
+    recorded = pair.model
+    try:
+        return check_model_id(recorded, "model"), None  # the registry's rule for model ids
+    except RegistryError:
+        pass
+    why = (f"the rotations record the model as {shown(recorded)}, which is not a NAMESPACE/NAME model id"
+           if recorded else "the rotations do not name their model")
+    return MODEL_PLACEHOLDER, f"{why}: replace {MODEL_PLACEHOLDER} with the model's id or checkpoint folder (or pass --model-path)"
 
 
 def launch_spec(
@@ -190,11 +261,12 @@ def launch_spec(
     files = {s: str(pair.paths[s]) for s in ("k", "v")}
     cfg = pair.config()
     name = pair.model or pair.source
+    loads, unnamed = _engine_model(pair, model_path)
     prepare: list[list[str]] = []
     if e == "sglang":
-        env, args = sglang_env(cfg, files["k"], files["v"]), sglang_args(cfg, model_path or name, pair.head_dim)
+        env, args = sglang_env(cfg, files["k"], files["v"]), sglang_args(cfg, loads, pair.head_dim)
     elif e == "vllm":
-        env, args = vllm_env(cfg, files["k"], files["v"], pair.head_dim), vllm_args(model_path or name)
+        env, args = vllm_env(cfg, files["k"], files["v"], pair.head_dim), vllm_args(loads)
     else:
         env, args, prepare = _llamacpp_launch(pair, model_path, cache_dir, files)
     notes = engine_notes(e, cfg, pair.head_dim)
@@ -203,11 +275,14 @@ def launch_spec(
                         f"({cfg.label(pair.head_dim)}) were used")
     if e == "llamacpp" and not model_path:
         notes.insert(0, "replace MODEL.gguf with the model's GGUF file (or pass --model-path)")
+    elif unnamed:
+        notes.insert(0, unnamed)
     return LaunchSpec(engine=e, model=name, tag=pair.tag, env=env, args=args, files=files, prepare=prepare, notes=notes)
 
 
 __all__ = [
     "ENGINES",
+    "MODEL_PLACEHOLDER",
     "OUTPUT_FORMATS",
     "LaunchSpec",
     "ServingError",

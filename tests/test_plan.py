@@ -66,7 +66,7 @@ def test_hybrid_models_count_only_attention_layers() -> None:
 
 
 def test_group_size_must_divide_head_dim() -> None:
-    with pytest.raises(ConfigError, match="does not divide head_dim 64"):
+    with pytest.raises(ConfigError, match="not valid for head_dim 64; expected one of 64, 32, 16"):
         plan("SmolLM2-135M-Instruct", context=100, config=Int2KVConfig(group_size=128))
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import sys
 from dataclasses import dataclass
@@ -27,13 +26,17 @@ class OutputMode:
 #: The mode of the command being run (reset by :func:`reset_mode` at the start of every run).
 MODE = OutputMode()
 
-_TRUE = ("1", "true", "yes", "on")
-
-
 def reset_mode() -> None:
-    """Back to plain output; ``--debug`` defaults to ``ROTATIONZOO_DEBUG``."""
+    """Back to plain output; ``--debug`` defaults to ``ROTATIONZOO_DEBUG``.
+
+    Raises:
+        ConfigError: ``ROTATIONZOO_DEBUG`` is not a boolean (see :func:`rotationzoo.config.env_bool`).
+    """
+    from .. import config
+
     MODE.json = False
-    MODE.debug = os.environ.get("ROTATIONZOO_DEBUG", "").strip().lower() in _TRUE
+    MODE.debug = False
+    MODE.debug = config.debug()
 
 
 def json_requested(value: bool) -> bool:

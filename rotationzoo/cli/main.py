@@ -78,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     """
     from ._output import print_error, report_exception, reset_mode
 
-    reset_mode()
     try:
+        reset_mode()
         rc = app(args=argv, prog_name="rotationzoo", standalone_mode=False)
     except SystemExit as exc:  # pragma: no cover - typer exits
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)

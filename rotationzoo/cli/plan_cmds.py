@@ -71,17 +71,18 @@ def cmd_plan(
     model_arg: Annotated[Optional[str], typer.Argument(metavar="MODEL", help="Model id or alias (e.g. Qwen3-8B; "
                          "MODEL@TAG works too).")] = None,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="The same as MODEL.")] = None,
-    context: Annotated[Optional[int], typer.Option("--context", "-c", min=1, help="Tokens per sequence.")] = None,
-    batch: Annotated[Optional[int], typer.Option("--batch", "-b", min=1, help="Concurrent sequences for the totals "
-                     "and for max context (default 1).")] = None,
+    context: Annotated[Optional[int], typer.Option("--context", "-c", help="Tokens per sequence (1 to 2^30).")] = None,
+    batch: Annotated[Optional[int], typer.Option("--batch", "-b", help="Concurrent sequences for the totals "
+                     "and for max context (default 1; at most 2^20).")] = None,
     gpu_memory: Annotated[Optional[str], typer.Option("--gpu-memory", help="GPU memory for one model replica: 80GiB "
-                          "(binary, 1024³), 80GB or 80G (decimal, 10⁹), 80000MiB. Without it no capacities.")] = None,
+                          "(binary, 1024³), 80GB or 80G (decimal, 10⁹), 80000MiB; at most 1 PiB. Without it no "
+                          "capacities.")] = None,
     engine: Annotated[str, typer.Option("--engine", "-e", help="sglang (pages of 4·itemsize(hp_dtype) tokens) | "
                       "vllm (16-token blocks) | llamacpp (1).")] = "sglang",
-    weights_gib: Annotated[Optional[float], typer.Option("--weights-gib", min=0.0, help="Weights in GiB (default: "
+    weights_gib: Annotated[Optional[float], typer.Option("--weights-gib", help="Weights in GiB, 0 to 2^20 (default: "
                            "the registry's num_parameters × bytes(weight_dtype)).")] = None,
-    reserve: Annotated[float, typer.Option("--reserve", min=0.0, max=0.99, help="Fraction of GPU memory kept for "
-                       "activations and workspace.")] = 0.1,
+    reserve: Annotated[float, typer.Option("--reserve", help="Fraction of GPU memory kept for activations and "
+                       "workspace, in [0, 1).")] = 0.1,
     tag: TagOpt = None,
     group_size: GroupOpt = None,
     scale_dtype: ScaleDtypeOpt = None,
@@ -101,7 +102,7 @@ def cmd_plan(
     rotationzoo plan -m Qwen3-8B -c 131072 --gpu-memory 80GiB --batch 8  |
     rotationzoo plan -m Qwen3-32B -c 65536 --gpu-memory 141GB --scale-dtype bfloat16 --json
     """
-    from ..planner import parse_size, plan
+    from ..planner import gib_bytes, parse_size, plan
     from ..registry import get_model
     from ..registry.model import split_model_tag
 
@@ -121,7 +122,7 @@ def cmd_plan(
                                                     hp_dtype=hp_dtype))
     result = plan(entry, context=context, batch=batch, engine=engine, config=config, reserve=reserve,
                   gpu_memory_bytes=parse_size(gpu_memory) if gpu_memory is not None else None,
-                  weights_bytes=round(weights_gib * 2**30) if weights_gib is not None else None)
+                  weights_bytes=gib_bytes(weights_gib, "--weights-gib") if weights_gib is not None else None)
     if json_out:
         emit_json(result.to_json())
         return

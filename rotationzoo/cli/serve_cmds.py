@@ -21,7 +21,7 @@ import typer
 from .. import vocab
 from ..errors import CLIError
 from ._options import CacheDirOpt, JsonOpt, OfflineOpt, RotationsHelp, SideOpt, TagOpt, choice
-from ._output import console, emit_json, json_requested, print_warning
+from ._output import console, emit_json, json_requested, plain, print_warning
 
 
 def _format_callback(value: str) -> str:
@@ -63,12 +63,14 @@ def cmd_serve_args(
         emit_json(spec.to_json())
         return
     typer.echo(spec.render(fmt))
+    from rich.text import Text
+
     err = console(stderr=True)
     for note in spec.notes:
-        if note.startswith("replace "):
+        if note.startswith("replace ") or "replace MODEL" in note:
             print_warning(note)
         else:
-            err.print(f"[dim]note: {note}[/]")
+            err.print(Text(f"note: {plain(note)}", style="dim"))  # literally: a note may quote file metadata
 
 
 def cmd_export(

@@ -127,9 +127,10 @@ def _check_values(x: object, name: str = "x") -> torch.Tensor:
     return x
 
 
-def _check_group(d: int, group_size: int | None) -> int:
+def _check_group(d: int, group_size: int | None, lloyd_max: bool = False) -> int:
+    """The one group-size rule (:func:`rotationzoo.int2kv.check_group_size`), as a kernel input error."""
     try:
-        return layout.resolve_group_size(d, group_size)
+        return layout.resolve_group_size(d, group_size, lloyd_max=lloyd_max)
     except ValueError as exc:
         raise KernelInputError(str(exc)) from None
 
@@ -146,10 +147,7 @@ def _check_clip(clip_ratio: float, d: int) -> int:
 def _check_lloyd_max(lloyd_max: bool, d: int, group_size: int) -> bool:
     if not isinstance(lloyd_max, bool):
         raise KernelInputError(f"lloyd_max must be a bool, got {lloyd_max!r}")
-    if lloyd_max and group_size != d:
-        raise KernelInputError(
-            f"lloyd_max=True uses one (scale, zero) per row: group_size must be head_dim ({d}), got {group_size}"
-        )
+    _check_group(d, group_size, lloyd_max)
     return lloyd_max
 
 

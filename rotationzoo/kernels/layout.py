@@ -17,11 +17,10 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-HEAD_DIMS: tuple[int, ...] = (64, 128, 256)
-"""Supported head dimensions."""
+from ..int2kv import HEAD_DIMS, MIN_GROUP_SIZE, allowed_group_sizes, check_group_size
 
-MIN_GROUP_SIZE = 16
-"""Smallest supported quantization group (contiguous dims sharing one scale/zero pair)."""
+# HEAD_DIMS (64, 128, 256), MIN_GROUP_SIZE (16) and allowed_group_sizes come from the one
+# group-size rule, rotationzoo.int2kv.check_group_size, which the config and the planner call too.
 
 QVALUE_BOUNDS: dict[str, tuple[int, int]] = {"uint2": (0, 3)}
 """Code range of each stored integer type (only uint2 here)."""
@@ -32,10 +31,6 @@ others use a 31-step bisection on the float bit pattern. Both return the exact s
 
 RADIX_ITERS = 31
 """Passes of the bit-pattern bisection (bits 30..0 of a non-negative fp32)."""
-
-
-def _is_pow2(n: int) -> bool:
-    return isinstance(n, int) and n > 0 and (n & (n - 1)) == 0
 
 
 def packed_dim(d: int) -> int:
@@ -109,34 +104,16 @@ def clip_plan(index: int, d: int, *, search: str = "exact") -> tuple[str, int]:
 
 
 def check_head_dim(d: int) -> None:
-    """Raise ``ValueError`` unless ``d`` is one of :data:`HEAD_DIMS`."""
-    if d not in HEAD_DIMS:
-        raise ValueError(f"head_dim {d} is not one of {', '.join(map(str, HEAD_DIMS))}")
+    """Raise ``ValueError`` (a ``ConfigError``) unless ``d`` is one of :data:`HEAD_DIMS`."""
+    check_group_size(None, d)
 
 
-def allowed_group_sizes(d: int) -> tuple[int, ...]:
-    """``d, d/2, d/4, ...`` down to :data:`MIN_GROUP_SIZE`."""
-    out = []
-    g = d
-    while g >= MIN_GROUP_SIZE:
-        out.append(g)
-        g //= 2
-    return tuple(out)
-
-
-def resolve_group_size(d: int, group_size: int | None) -> int:
-    """``group_size`` (``None`` means ``d``) after checking it is in :func:`allowed_group_sizes`."""
-    if group_size is None:
-        return d
-    if isinstance(group_size, bool) or not isinstance(group_size, int):
-        raise ValueError(f"group_size must be an int or None, got {group_size!r}")
-    allowed = allowed_group_sizes(d)
-    if group_size not in allowed:
-        raise ValueError(
-            f"group_size {group_size} is not valid for head_dim {d}; expected one of "
-            f"{', '.join(map(str, allowed))}"
-        )
-    return group_size
+def resolve_group_size(d: int, group_size: int | None, *, lloyd_max: bool = False) -> int:
+    """``group_size`` (``None`` means ``d``) after the one group-size rule
+    (:func:`rotationzoo.int2kv.check_group_size`); raises ``ValueError`` (a ``ConfigError``)."""
+    g = check_group_size(group_size, d, lloyd_max=lloyd_max)
+    assert g is not None
+    return g
 
 
 # --- launch heuristics (from compiled resource reports, not yet timed on hardware) -------------

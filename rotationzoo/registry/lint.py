@@ -6,19 +6,39 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..errors import RegistryError
-from . import safety
-from .model import HEX40, SHA256, SIDES
+from ..errors import ConfigError, RegistryError
+from ..int2kv import Int2KVConfig
+from . import bounds, safety
+from .model import HEX40, SIDES
 
 
 def _safe(check: Any, value: Any, where: str, rep: "LintReport") -> bool:
-    """Run one :mod:`.safety` check; a refusal becomes a lint error."""
+    """Run one :mod:`.safety` or :mod:`.bounds` check; a refusal becomes a lint error."""
     try:
         check(value, where)
-    except RegistryError as exc:
+    except (RegistryError, ConfigError) as exc:
         rep.errors.append(str(exc))
         return False
     return True
+
+
+def _architecture(raw: Any, where: str) -> None:
+    """The numbers of an ``architecture`` object, by the rule loading applies (:mod:`.bounds`)."""
+    from .load import parse_architecture
+
+    parse_architecture(raw, where)
+
+
+def _serving(raw: Any, arch: Any, where: str) -> None:
+    """A ``serving`` block, by the rule loading applies (against the architecture when it is valid)."""
+    from .load import parse_architecture, parse_serving
+
+    try:
+        model_arch = parse_architecture(arch, where)
+    except RegistryError:  # reported once, by _architecture
+        Int2KVConfig.from_json(raw if raw is not None else {}, where=where)
+        return
+    parse_serving(raw, model_arch, where)
 
 
 @dataclass
@@ -40,8 +60,9 @@ def lint_registry(data: Mapping[str, Any], *, schema: Mapping[str, Any] | None =
     """Check a registry document beyond what parsing needs.
 
     Schema (when ``jsonschema`` and ``schema`` are available), unique ids and aliases across models,
-    default tag exists, sha256 format, sizes positive, sources well-formed, revisions either 40-hex
-    commits or counted as unpinned, and paths consistent with the tag they belong to.
+    default tag exists, every number within :mod:`.bounds` (architecture, serving, calibration,
+    results, sha256 and sizes: the rules loading applies), sources well-formed, revisions either
+    40-hex commits or counted as unpinned, and paths consistent with the tag they belong to.
     """
     rep = LintReport()
     if schema is not None:
@@ -82,12 +103,21 @@ def _lint_model(m: Mapping[str, Any], mid: str, seen: dict[str, str], rep: LintR
             rep.errors.append(f"{mid}: name '{n}' is also used by {seen[n]} (ids and aliases must be unique)")
         else:
             seen[n] = mid
+    _safe(_architecture, m.get("architecture"), mid, rep)
     tags = m.get("tags") or {}
     if m.get("default_tag") not in tags:
         rep.errors.append(f"{mid}: default_tag '{m.get('default_tag')}' is not one of its tags ({', '.join(tags)})")
     for tname, t in tags.items():
         rep.tags += 1
         _safe(safety.check_tag, tname, f"{mid}@{tname}", rep)
+        if not isinstance(t, Mapping):
+            rep.errors.append(f"{mid}@{tname}: not an object")
+            continue
+        _safe(lambda raw, at: _serving(raw, m.get("architecture"), at), t.get("serving"), f"{mid}@{tname}: serving",
+              rep)
+        if isinstance(t.get("calibration"), Mapping):
+            _safe(bounds.check_calibration, t["calibration"], f"{mid}@{tname}: calibration", rep)
+        _safe(bounds.check_results, t.get("results", []), f"{mid}@{tname}: results", rep)
         files = t.get("files") or {}
         for side in SIDES:
             f = files.get(side)
@@ -102,10 +132,7 @@ def _lint_file(f: Mapping[str, Any], side: str, tname: str, tag_sources: Any, wh
     sha, size, path = f.get("sha256"), f.get("size"), str(f.get("path", ""))
     if sha is None:
         rep.unpinned_files += 1
-    elif not isinstance(sha, str) or not SHA256.match(sha):
-        rep.errors.append(f"{where}: files.{side}.sha256 {sha!r} is not 64 lowercase hex digits")
-    if size is not None and (not isinstance(size, int) or size <= 0):
-        rep.errors.append(f"{where}: files.{side}.size {size!r} must be a positive integer")
+    _safe(lambda value, at: bounds.check_file_numbers(value, size, at), sha, f"{where}: files.{side}", rep)
     if (sha is None) != (size is None):
         rep.warnings.append(f"{where}: files.{side} has {'size' if sha is None else 'sha256'} but not the other")
     _safe(safety.check_relpath, path, f"{where}: files.{side}", rep)

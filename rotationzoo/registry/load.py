@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
 from .. import config
-from ..errors import RegistryError, UnknownModelError
-from ..int2kv import Int2KVConfig
-from ..vocab import WEIGHT_DTYPE_NAMES
-from . import safety
+from ..errors import ConfigError, RegistryError, UnknownModelError
+from ..int2kv import HEAD_DIMS, Int2KVConfig
+from ..numbers import shown
+from . import bounds, safety
 from .model import (
     SIDES,
     SOURCE_TYPES,
@@ -51,32 +52,38 @@ def schema_path() -> Path:
 # -- parsing -------------------------------------------------------------------------------------
 
 
-def _parse_weights(raw: Mapping[str, Any], where: str) -> tuple[int | None, Any]:
-    """``(num_parameters, weight_dtype)`` of an architecture, checked (they come together)."""
-    n, dtype = raw.get("num_parameters"), raw.get("weight_dtype")
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-        raise RegistryError(f"{where}.architecture.num_parameters must be an integer >= 1, got {n!r}")
-    if dtype is not None and dtype not in WEIGHT_DTYPE_NAMES:
-        raise RegistryError(f"{where}.architecture.weight_dtype must be one of {', '.join(WEIGHT_DTYPE_NAMES)}, got {dtype!r}")
-    if n is not None and dtype is None:
-        raise RegistryError(f"{where}.architecture: num_parameters needs weight_dtype too (e.g. \"bfloat16\")")
-    return n, dtype
+_ARCHITECTURE_KEYS = ("head_dim", "num_layers", "attention_layer_ids", "num_kv_heads", "num_attention_heads",
+                      "num_parameters", "weight_dtype", "layer_head_dims")
 
 
-def _parse_architecture(raw: Mapping[str, Any], where: str) -> Architecture:
-    ids = raw.get("attention_layer_ids")
-    num_parameters, weight_dtype = _parse_weights(raw, where)
-    layer_dims = raw.get("layer_head_dims")
-    return Architecture(
-        head_dim=int(raw["head_dim"]),
-        layer_head_dims={int(k): int(v) for k, v in layer_dims.items()} if layer_dims else None,
-        num_layers=raw.get("num_layers"),
-        attention_layer_ids=tuple(ids) if ids else None,
-        num_kv_heads=raw.get("num_kv_heads"),
-        num_attention_heads=raw.get("num_attention_heads"),
-        num_parameters=num_parameters,
-        weight_dtype=weight_dtype,
-    )
+def parse_architecture(raw: Any, where: str) -> Architecture:
+    """A model's ``architecture`` object, every number within :mod:`.bounds` (one-line :class:`RegistryError`)."""
+    if not isinstance(raw, Mapping):
+        raise RegistryError(f"{where}.architecture must be an object, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(_ARCHITECTURE_KEYS))
+    if unknown:
+        raise RegistryError(f"{where}.architecture: unknown key(s) {', '.join(map(shown, unknown))}; expected "
+                            f"{', '.join(_ARCHITECTURE_KEYS)}")
+    if "head_dim" not in raw:
+        raise RegistryError(f"{where}.architecture: head_dim is required")
+    try:
+        fields: dict[str, Any] = {k: raw.get(k) for k in _ARCHITECTURE_KEYS}
+        return Architecture(**fields)
+    except RegistryError as exc:
+        raise RegistryError(f"{where}.{exc}") from None
+
+
+def parse_serving(raw: Any, arch: Architecture, where: str) -> Int2KVConfig:
+    """A tag's ``serving`` block; at a head_dim the INT2 kernels run, its group size checked against
+    it by the one group-size rule (:func:`~rotationzoo.int2kv.check_group_size`)."""
+    try:
+        cfg = Int2KVConfig.from_json(raw if raw is not None else {}, where=where)
+        if arch.head_dim in HEAD_DIMS:
+            cfg.group_for(arch.head_dim)
+    except ConfigError as exc:
+        text = str(exc)
+        raise RegistryError(text if text.startswith(where) else f"{where}: {text}") from None
+    return cfg
 
 
 def _parse_source(raw: Mapping[str, Any], where: str) -> Source:
@@ -109,6 +116,7 @@ def _parse_files(t: Mapping[str, Any], where: str) -> dict[str, FileEntry]:
         path = safety.check_relpath(f["path"], f"{fw}.path")
         if path.endswith(".verified"):
             raise RegistryError(f"{fw}.path: {path!r} ends like a cache verification marker")
+        bounds.check_file_numbers(f.get("sha256"), f.get("size"), fw)
         files[side] = FileEntry(side=side, path=path, sha256=f.get("sha256"), size=f.get("size"),  # type: ignore[arg-type]
                                 sources=srcs)
     return files
@@ -120,13 +128,15 @@ def _parse_tag(mid: str, tname: str, t: Mapping[str, Any], arch: Architecture, w
     for k, v in (parse_tag_name(tname) or {}).items():
         if calib_raw.get(k) is None:
             calib_raw[k] = v
+    bounds.check_calibration(calib_raw, f"{where}.calibration")
+    bounds.check_results(t.get("results", []), f"{where}.results")
     return TagEntry(
         model_id=mid,
         name=tname,
         description=t.get("description", ""),
         calibration=Calibration(**calib_raw),
         objectives=dict(t["objectives"]),
-        serving=Int2KVConfig.from_json(t.get("serving") or {}, where=f"{where}.serving"),
+        serving=parse_serving(t.get("serving"), arch, f"{where}.serving"),
         results=tuple(Result(**r) for r in t.get("results", [])),
         files=_parse_files(t, where),
         architecture=arch,
@@ -139,7 +149,7 @@ def parse_model(raw: Mapping[str, Any], where: str, origin: str) -> ModelEntry:
         mid = safety.check_model_id(raw["id"], f"{where}.id")
         for i, alias in enumerate(raw.get("aliases", [])):
             safety.check_alias(alias, f"{where}.aliases[{i}]")
-        arch = _parse_architecture(raw["architecture"], where)
+        arch = parse_architecture(raw["architecture"], where)
         tags = {tname: _parse_tag(mid, tname, t, arch, f"{where}.tags[{tname!r}]") for tname, t in raw["tags"].items()}
         model = ModelEntry(
             id=mid,
@@ -152,6 +162,8 @@ def parse_model(raw: Mapping[str, Any], where: str, origin: str) -> ModelEntry:
         )
     except RegistryError:
         raise
+    except ConfigError as exc:  # a serving block (Int2KVConfig); the message names where
+        raise RegistryError(str(exc)) from None
     except (KeyError, TypeError, ValueError) as exc:
         raise RegistryError(f"{where}: malformed model entry ({type(exc).__name__}: {exc})") from None
     if model.default_tag not in model.tags:
@@ -163,15 +175,17 @@ def parse_model(raw: Mapping[str, Any], where: str, origin: str) -> ModelEntry:
 
 def read_registry_json(path: Path) -> dict[str, Any]:
     """The JSON document of a registry file, checked for its top-level shape and version."""
+    text = _read_bounded(path)
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise RegistryError(f"{path}: registry file not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise RegistryError(f"{path}: cannot read the registry file ({exc})") from None
+        data = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
     except json.JSONDecodeError as exc:
         raise RegistryError(f"{path}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise RegistryError(f"{path}: JSON nested too deeply (at most {bounds.MAX_JSON_DEPTH} levels)") from None
+    except ValueError as exc:  # NaN / Infinity, or an integer of thousands of digits
+        raise RegistryError(f"{path}: not valid registry JSON ({exc})") from None
+    if _depth(data) > bounds.MAX_JSON_DEPTH:
+        raise RegistryError(f"{path}: JSON nested too deeply (at most {bounds.MAX_JSON_DEPTH} levels)")
     if not isinstance(data, dict) or not isinstance(data.get("models"), list):
         raise RegistryError(f"{path}: expected an object with a 'models' list")
     version = data.get("registry_version", REGISTRY_VERSION)
@@ -180,6 +194,56 @@ def read_registry_json(path: Path) -> dict[str, Any]:
             f"{path}: registry_version {version!r} is not supported (expected {REGISTRY_VERSION}); upgrade rotationzoo"
         )
     return data
+
+
+def _read_bounded(path: Path) -> str:
+    """The text of a registry file: a regular file of at most ``MAX_REGISTRY_BYTES``, UTF-8."""
+    import os
+    import stat
+
+    limit = bounds.MAX_REGISTRY_BYTES
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO does not block the open
+    except FileNotFoundError:
+        raise RegistryError(f"{path}: registry file not found") from None
+    except OSError as exc:
+        raise RegistryError(f"{path}: cannot read the registry file ({exc.strerror or exc})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise RegistryError(f"{path}: a registry must be a regular file (this is a device, folder or pipe)")
+    with os.fdopen(fd, "rb") as f:
+        if st.st_size > limit:
+            raise RegistryError(f"{path}: registry file of {st.st_size:,} bytes is over the {limit:,}-byte limit")
+        try:
+            raw = f.read(limit + 1)
+        except OSError as exc:
+            raise RegistryError(f"{path}: cannot read the registry file ({exc.strerror or exc})") from None
+    if len(raw) > limit:
+        raise RegistryError(f"{path}: registry file is over the {limit:,}-byte limit")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RegistryError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number a registry may hold")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:40]} is too large for a number a registry may hold")
+    return value
+
+
+def _depth(value: Any, level: int = 1) -> int:
+    """Nesting depth of a JSON value (stops counting past ``MAX_JSON_DEPTH``)."""
+    if level > bounds.MAX_JSON_DEPTH or not isinstance(value, (dict, list)):
+        return level
+    items = value.values() if isinstance(value, dict) else value
+    return max((_depth(v, level + 1) for v in items), default=level)
 
 
 # -- the registry ----------------------------------------------------------------------------------

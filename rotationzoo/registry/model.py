@@ -15,6 +15,7 @@ from ..errors import UnknownTagError
 from ..headdims import HeadDims
 from ..int2kv import Int2KVConfig
 from ..vocab import SIDES, SOURCE_TYPES, Side, SourceType, WeightDtypeName  # noqa: F401 - re-exported by the package
+from .bounds import check_architecture, check_layer_head_dims
 
 #: An entry's serving defaults are an INT2-KV configuration (one type for the concept).
 Serving = Int2KVConfig
@@ -132,6 +133,10 @@ class Architecture:
 
     ``num_parameters`` and ``weight_dtype`` (``bfloat16``, ``float16``, ``float32`` or ``float8``)
     give the planner the weights' size: ``num_parameters × bytes(weight_dtype)``.
+
+    Every number is checked on construction against the bounds of :mod:`rotationzoo.registry.bounds`
+    (``head_dim`` 16 … 512, at most 1024 layers and 256 KV heads, layer ids distinct, increasing and
+    below ``num_layers``); a bad one raises :class:`~rotationzoo.errors.RegistryError`.
     """
 
     head_dim: int
@@ -148,6 +153,12 @@ class Architecture:
     def head_dims(self) -> HeadDims:
         """``d`` per layer: :attr:`head_dim`, except where :attr:`layer_head_dims` says otherwise."""
         return HeadDims(self.head_dim, dict(self.layer_head_dims or {}))
+
+    def __post_init__(self) -> None:
+        ids = check_architecture(self.head_dim, self.num_layers, self.attention_layer_ids, self.num_kv_heads,
+                                 self.num_attention_heads, self.num_parameters, self.weight_dtype)
+        object.__setattr__(self, "attention_layer_ids", ids)
+        object.__setattr__(self, "layer_head_dims", check_layer_head_dims(self.layer_head_dims, ids, self.num_layers))
 
     def expected_layer_ids(self) -> tuple[int, ...] | None:
         """The layer ids a rotation file must cover (sparse for hybrids), or None if unknown."""

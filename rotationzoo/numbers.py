@@ -1,0 +1,70 @@
+"""Numbers from users, registry files and the environment, checked against documented bounds.
+
+Every count, size or ratio that a command line, a Python call or a registry file gives is checked
+here before any arithmetic uses it: of the right kind (an integer where a count is meant; ``bool``
+is never a number), finite (no NaN or infinity) and within a stated range. A refusal is one line
+naming the value, the range and what to do, raised as the caller's error type
+(:class:`~rotationzoo.errors.ConfigError` for settings, :class:`~rotationzoo.errors.RegistryError`
+for registry files). Values are echoed cut to 60 characters, so that a 400-digit number does not
+flood the terminal. Plain Python (no torch).
+"""
+
+from __future__ import annotations
+
+import math
+
+from .errors import ConfigError, RotationZooError
+
+#: Longest echo of a bad value in an error message.
+SHOWN_CHARS = 60
+
+
+def shown(value: object) -> str:
+    """``repr(value)``, cut to :data:`SHOWN_CHARS` characters with the full length said."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's str-digits limit
+        text = f"<an integer of about {int(value.bit_length() * 0.30103) + 1} digits>" if isinstance(value, int) else "?"
+    if len(text) <= SHOWN_CHARS:
+        return text
+    half = (SHOWN_CHARS - 10) // 2
+    return f"{text[:half]}…{text[-half:]} ({len(text)} characters)"
+
+
+def check_int(value: object, what: str, *, low: int, high: int, hint: str = "",
+              error: type[RotationZooError] = ConfigError) -> int:
+    """``value`` when it is an integer with ``low <= value <= high``; otherwise ``error``.
+
+    Args:
+        value: the number given.
+        what: its name in the message (``"context"``, ``"models[0].architecture.num_layers"``).
+        low, high: the inclusive bounds.
+        hint: appended to the message (``"; 0 disables"``).
+        error: the exception type raised.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise error(f"{what} must be an integer from {low:,} to {high:,}{hint}, got {shown(value)}")
+    return value
+
+
+def check_real(value: object, what: str, *, low: float, high: float, high_open: bool = False, hint: str = "",
+               error: type[RotationZooError] = ConfigError) -> float:
+    """``float(value)`` when it is a finite number in ``[low, high]`` (``[low, high)`` with
+    ``high_open``); otherwise ``error``. Integers are accepted (huge ones are refused, not rounded)."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float))
+    if ok and isinstance(value, int):
+        ok = abs(value) <= 2**64  # beyond any bound here; float() of a longer int would overflow
+    number = float(value) if ok else math.nan  # type: ignore[arg-type]
+    inside = low <= number < high if high_open else low <= number <= high
+    if not ok or not math.isfinite(number) or not inside:
+        span = f"[{_bound(low)}, {_bound(high)}{')' if high_open else ']'}"
+        raise error(f"{what} must be a finite number in {span}{hint}, got {shown(value)}")
+    return number
+
+
+def _bound(x: float) -> str:
+    """``1048576.0`` → ``1,048,576``; ``0.5`` → ``0.5``."""
+    return f"{int(x):,}" if float(x).is_integer() else f"{x:g}"
+
+
+__all__ = ["SHOWN_CHARS", "check_int", "check_real", "shown"]
