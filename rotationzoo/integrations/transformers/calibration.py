@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from ...errors import ConfigError, FitError
+from ...errors import FitError
 from ...vocab import Grouping
 from ...fit import OBJECTIVE_TARGETS, RefineOptions, fit_rotations, refine_fit
 from ...fit.accumulate import LayerAccumulator, Workspace, second_pass_from_dump
@@ -26,6 +26,7 @@ from ...fit.fitter import check_grouping
 from ...fit.dump import Dump, DumpWriter
 from ...fit.samples import DEFAULT_MAX_TOKENS, CalibrationSamples
 from .capture import QKVCapture
+from .texts import check_text_files, read_token_ids
 
 #: Tokens of the warm-up forward written as chunk 0 of a dump (mirrors SGLang's warm-up batch).
 WARMUP_TOKENS = 6
@@ -33,49 +34,24 @@ WARMUP_TOKENS = 6
 CalibrationProgress = Callable[[str, int, int], None]
 
 
-def read_texts(paths: Sequence[str | os.PathLike[str]], *, what: str = "calibration text") -> list[str]:
-    """Read UTF-8 text files (errors name the file and what it was for)."""
-    texts = []
-    for p in paths:
-        path = Path(p)
-        try:
-            texts.append(path.read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise ConfigError(f"{path}: cannot read the {what} ({exc.strerror or exc})") from None
-        except UnicodeDecodeError:
-            raise ConfigError(f"{path}: the {what} is not UTF-8 text") from None
-    if not any(t.strip() for t in texts):
-        raise ConfigError(f"the {what} files are empty")
-    return texts
-
-
-def token_windows(tokenizer: Any, texts: Iterable[str], *, tokens: int, seq_len: int) -> Iterator[list[int]]:
+def token_windows(tokenizer: Any, texts: Iterable[str | os.PathLike[str]], *, tokens: int, seq_len: int,
+                  texts_are_paths: bool = False) -> Iterator[list[int]]:
     """Token id windows for calibration.
 
     Each text is tokenized once (with the tokenizer's special tokens, e.g. a leading BOS) and cut
     into consecutive windows of ``seq_len`` tokens; each window is one independent sequence. The
     last window is truncated so that exactly ``tokens`` tokens are produced in total (fewer if
-    the texts run out).
+    the texts run out). Files (``texts_are_paths=True``, checked with :func:`check_text_files`)
+    are read in bounded pieces and only as far as ``tokens`` (:func:`read_token_ids`).
     """
     if tokens < 1:
         raise FitError(f"tokens must be ≥ 1, got {tokens}")
     if seq_len < 1:
         raise FitError(f"seq_len must be ≥ 1, got {seq_len}")
-    left = int(tokens)
-    for text in texts:
-        if not text.strip():
-            continue
-        ids = tokenizer(text)["input_ids"]
-        if ids and isinstance(ids[0], list):
-            ids = ids[0]
+    for ids in read_token_ids(tokenizer, list(texts), limit=int(tokens), texts_are_paths=texts_are_paths,
+                              what="calibration text"):
         for start in range(0, len(ids), seq_len):
-            window = list(ids[start:start + seq_len])[:left]
-            if not window:
-                break
-            yield window
-            left -= len(window)
-            if left <= 0:
-                return
+            yield ids[start:start + seq_len]
 
 
 def calibrate(
@@ -279,14 +255,14 @@ def collect_statistics(
     if objective not in OBJECTIVE_TARGETS or objective == "hadamard":
         raise FitError(f"objective must be one of {', '.join(o for o in OBJECTIVE_TARGETS if o != 'hadamard')}")
     targets = tuple(t for t in OBJECTIVE_TARGETS[objective] if t is not None)
-    raw_texts = read_texts(texts) if texts_are_paths else [str(t) for t in texts]
-    windows = list(token_windows(tokenizer, raw_texts, tokens=tokens, seq_len=seq_len))
+    sources = check_text_files(texts, what="calibration text") if texts_are_paths else [str(t) for t in texts]
+    windows = list(token_windows(tokenizer, sources, tokens=tokens, seq_len=seq_len, texts_are_paths=texts_are_paths))
     if not windows:
         raise FitError("the calibration texts produced no tokens")
     total = sum(len(w) for w in windows)
     info: dict[str, Any] = {
         "kind": "transformers", "model": model_id,
-        "texts": [str(t) for t in texts] if texts_are_paths else len(raw_texts),
+        "texts": [str(t) for t in texts] if texts_are_paths else len(sources),
         "seq_len": seq_len, "token_budget": int(tokens), "tokens": total, "prompts": len(windows),
     }
     spill = "sst" in targets  # sst needs K/V again once the query statistics are final
