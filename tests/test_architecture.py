@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "rotationzoo"
-LOWER = ("errors", "config", "hashing", "hadamard", "vocab", "int2kv", "registry", "format", "validation",
+LOWER = ("errors", "config", "hashing", "hadamard", "vocab", "int2kv", "progress", "registry", "format", "validation",
          "_inspect", "_schema", "hub", "kernels", "fit")
 HIGHER = ("api", "pair", "pairfile", "engines", "planner", "serving", "export", "publish", "evaluate", "demo",
           "integrations", "cli")

@@ -31,7 +31,7 @@ from ._options import (
     choice,
     config_changes,
 )
-from ._output import console, emit_json, print_warning, progress_bar, progress_enabled
+from ._output import console, emit_json, print_note, print_warning, progress_reporter
 
 
 def parse_methods(text: str) -> list[tuple[str, Optional[str]]]:
@@ -152,7 +152,7 @@ def eval_command(
     (the project's kernels): what a decode step at that position reads from the OSCAR cache. Every
     method is compared with --baseline on the same tokens: ΔNLL and ΔKL with a 95% block-bootstrap
     CI that also resamples the --draws sign draws; "no detectable difference" when the CI holds 0.
-    Nothing is downloaded.
+    The model is never downloaded. Progress goes to stderr (a bar on a terminal, else a few lines).
 
     INT2-KV settings (group size, clip ratios, windows, dtypes): those of the rotations (--rotations,
     else the first NAME=ROTATIONS method that has any): a registry entry's serving settings, or the
@@ -184,16 +184,12 @@ def eval_command(
                             error_windows=error_windows,
                             probe=CopyProbe(probe_tokens, probe_filler, probe_count) if probe == "copy" else None)
     model = _model_path(model)
-    show = progress_enabled() and not as_json  # a terminal: say what takes time, then a bar with an ETA
-    if show:
-        from rich.markup import escape
-
-        console(stderr=True).print(escape(f"loading {model} ({dtype}, {device}); INT2 KV: {config.label()}"))
+    print_note(f"loading {model} ({dtype}, {device}); INT2 KV: {config.label()}")  # stderr: what takes time
     lm, tokenizer = load_model(model, dtype=dtype, device=device)
     ids = tokenize_texts(tokenizer, texts, tokens=tokens, skip=skip)
-    with progress_bar(show, "eval") as update:
+    with progress_reporter("eval") as progress:  # stderr: a bar on a terminal, else a few lines
         report = evaluate(lm, ids, specs, config, protocol, model_name=model, texts=[str(t) for t in texts],
-                          progress=update)
+                          progress=progress)
     _write_outputs(report, json_out, plot)
     if as_json:
         emit_json(report.to_dict())

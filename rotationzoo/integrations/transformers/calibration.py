@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -25,13 +25,15 @@ from ...fit.compose import check_composition
 from ...fit.fitter import check_grouping
 from ...fit.dump import Dump, DumpWriter
 from ...fit.samples import DEFAULT_MAX_TOKENS, CalibrationSamples
+from ...progress import Progress, Tally
 from .capture import QKVCapture
 from .texts import check_text_files, read_token_ids
 
 #: Tokens of the warm-up forward written as chunk 0 of a dump (mirrors SGLang's warm-up batch).
 WARMUP_TOKENS = 6
-#: ``progress(stage, done, total)``; stage is ``"tokens"`` during capture, ``"layer <L>"`` in pass 2.
-CalibrationProgress = Callable[[str, int, int], None]
+#: ``progress(done, total, what)`` (:mod:`rotationzoo.progress`): tokens captured (``"capture"``),
+#: then the chunk reads of the second pass over K/V (``"K/V pass 2: layer <L>"``), then refinement.
+CalibrationProgress = Progress
 
 
 def token_windows(tokenizer: Any, texts: Iterable[str | os.PathLike[str]], *, tokens: int, seq_len: int,
@@ -93,7 +95,8 @@ def calibrate(
         signs: eigenvector sign convention.
         model_id: model name recorded in the result/manifest.
         texts_are_paths: whether ``texts`` are file paths.
-        progress: ``progress(stage, done, total)``.
+        progress: ``progress(done, total, what)`` (:data:`CalibrationProgress`): the capture, the
+            second pass over K/V, and refinement if asked for.
         refine: learn the rotations instead (:func:`rotationzoo.fit.refine_fit` on a reservoir of
             ``refine.sample_tokens`` tokens per layer, the OSCAR inits fitted from the full
             statistics; ``composition`` is not used then, ``group_size`` is the loss's INT2 group).
@@ -118,7 +121,7 @@ def calibrate(
         assert stats.samples is not None
         return refine_fit(stats.samples, refine.init, steps=refine.steps, group_size=group_size, seed=refine.seed,
                           statistics=stats.accumulators, source_info=stats.info, model=model_id,
-                          grouping=grouping)
+                          grouping=grouping, progress=progress)
     return fit_rotations(
         stats.accumulators, objective, composition, group_size=group_size, signs=signs,  # type: ignore[arg-type]
         source_info=stats.info, grouping=grouping,
@@ -238,7 +241,8 @@ def collect_statistics(
         objective: see :func:`rotationzoo.fit.fit_rotations` (not ``"hadamard"``).
         model_id: model name recorded in ``info``.
         texts_are_paths: whether ``texts`` are file paths.
-        progress: ``progress(stage, done, total)``.
+        progress: ``progress(done, total, what)`` (:data:`CalibrationProgress`): the capture, the
+            second pass over K/V, and refinement if asked for.
         dump_out: also write an SGLang-layout dump here.
         overwrite_dump: replace an existing dump in ``dump_out``.
         sample_tokens: also keep a reservoir of up to this many tokens per layer (whole blocks of
@@ -278,11 +282,10 @@ def collect_statistics(
         if writer is not None and spill:
             # a dump written for the user keeps its warm-up chunk 0 on disk; skip it here
             kv = Dump(writer.root, keep_first_chunk=dump_out is None)
+            tally = Tally(progress, sum(len(kv.chunk_ids(lid, ("k", "v"))) for lid in collector.accs), "K/V pass 2")
+            tally.start()
             for lid, acc in collector.accs.items():
-                second_pass_from_dump(
-                    acc, kv, lid,
-                    progress=(lambda l, d, t: progress(f"layer {l}", d, t)) if progress is not None else None,
-                )
+                second_pass_from_dump(acc, kv, lid, progress=lambda i, d, t: tally.set(i, d, f"K/V pass 2: layer {i}"))
         if dump_out is not None and writer is not None:
             info["dump"] = str(dump_out)
             writer.write_info({"model": model_id, "prompts": len(windows), "tokens": total, "seq_len": seq_len,
@@ -335,8 +338,10 @@ def _forward_windows(model: Any, windows: list[list[int]], collector: _Collector
             model(input_ids=torch.tensor([windows[0][:WARMUP_TOKENS]], device=device), use_cache=False)
             collector.warmup = False
         done = 0
+        if progress is not None:
+            progress(0, total, "capture")
         for window in windows:
             model(input_ids=torch.tensor([window], device=device), use_cache=False)
             done += len(window)
             if progress is not None:
-                progress("tokens", done, total)
+                progress(done, total, "capture")
