@@ -4,6 +4,7 @@ bounded pieces only as far as the tokens asked for, with the ids of whole-text t
 from __future__ import annotations
 
 import codecs
+import functools
 import os
 import time
 from pathlib import Path
@@ -38,6 +39,7 @@ def smollm2_tokenizer():
     return transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
 
 
+@functools.lru_cache(maxsize=None)
 def _trained(kind: str):
     """A small tokenizer trained on the Austen fixtures: byte-level BPE with BOS/EOS, or a
     SentencePiece-style one (Metaspace: a word-start marker on every word, none after a line break)."""
