@@ -63,7 +63,6 @@ from .ste import fake_quantize_int2
 INITS: tuple[str, ...] = ("hadamard", "r_h_pbr", "r_pbr_hg")
 
 
-
 # -- optimisation ---------------------------------------------------------------------------------
 
 

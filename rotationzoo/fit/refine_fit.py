@@ -31,11 +31,11 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from ..errors import FitError
+from ..progress import Progress, prefixed
 from ..vocab import REFINE_INITS, Grouping
 from .compose import composition_label
 from .dump import Dump, open_dump
 from .fitter import check_grouping, fit_rotations
-from ..progress import Progress, prefixed
 from .refine import RefineResult, refine_rotations, relative_improvement
 from .refine_loss import LOSS_NAMES, RefineConfig
 from .result import FitResult, FitStats, peak_rss_bytes
