@@ -169,6 +169,47 @@ def test_help_of_demo_tag_and_cache_group(capsys) -> None:
     assert rc == 0 and "rotationzoo cache rm --model Qwen3-8B --dry-run" in out and "rotationzoo cache ls" in out
 
 
+def _commands(group, path=()):
+    """``(path, command)`` of the root group, every sub-group and every command, read from the click tree."""
+    import click
+
+    yield path, group
+    for name in group.list_commands(click.Context(group)):
+        cmd = group.get_command(click.Context(group), name)
+        if isinstance(cmd, click.Group):
+            yield from _commands(cmd, (*path, name))
+        else:
+            yield (*path, name), cmd
+
+
+def test_help_shows_every_bracketed_text_literally(capsys, monkeypatch) -> None:
+    """Every ``[...]`` of every declared help text (commands, groups, options, arguments) is in the
+    rendered --help, not eaten as rich markup; the declared texts stay as written."""
+    import click
+    import typer.main
+
+    from rotationzoo.cli.main import app
+
+    monkeypatch.setenv("COLUMNS", "4000")  # no wrapping inside the panels
+    flat = lambda text: " ".join(re.sub(r"[│╭╮╰╯─]", " ", text).split())  # noqa: E731
+    checked, lost = 0, []
+    for path, cmd in _commands(typer.main.get_command(app)):
+        declared = [t for obj in (cmd, *cmd.params) for t in (getattr(obj, "help", None), cmd.short_help) if t]
+        wanted = {flat(m) for t in declared for m in re.findall(r"\[[^\[\]]*\]", t)}
+        rc, out, _ = run(capsys, *path, "--help")
+        assert rc == 0
+        lost += [(" ".join(path), w) for w in sorted(wanted) if w not in flat(out)]
+        checked += len(wanted)
+        cmd.get_help(click.Context(cmd, info_name=path[-1] if path else "rotationzoo"))  # rendered from this tree
+        capsys.readouterr()
+        assert [t for obj in (cmd, *cmd.params) for t in (getattr(obj, "help", None), cmd.short_help) if t] == declared
+    assert lost == [] and checked >= 8
+    rc, out, _ = run(capsys, "fit", "--help")
+    assert "the files hold [layers, KV heads, d, d] and" in flat(out) and "[L, H_kv, d, d]" in flat(out)
+    rc, out, _ = run(capsys, "verify", "--help")
+    assert "(matrices [d, d] or [H_kv, d, d])" in flat(out)
+
+
 # -- verify ----------------------------------------------------------------------------------------
 
 

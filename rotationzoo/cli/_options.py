@@ -6,20 +6,56 @@ names (``--k-clip-ratio`` is ``k_clip_ratio``), and every choice list is the lib
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Iterable, Iterator, Optional
 
 import click
 import typer
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 from .. import vocab
 from ._output import json_requested
 
 
+@contextlib.contextmanager
+def literal_help(commands: Iterable[click.Command]) -> Iterator[None]:
+    """While help is rendered, the help texts of ``commands`` and of their parameters escaped for
+    rich markup, so that square brackets (``[H_kv, d, d]``) show literally; restored afterwards
+    (the declared texts stay as written, e.g. for ``tools/gen_docs.py``)."""
+    from rich.markup import escape
+
+    saved: list[tuple[Any, str, str]] = []
+    for cmd in commands:
+        for obj in (cmd, *cmd.params):
+            for attr in ("help", "short_help", "epilog"):
+                value = getattr(obj, attr, None)
+                if isinstance(value, str) and value:
+                    saved.append((obj, attr, value))
+                    setattr(obj, attr, escape(value))
+    try:
+        yield
+    finally:
+        for obj, attr, value in reversed(saved):
+            setattr(obj, attr, value)
+
+
+class Command(TyperCommand):
+    """typer's command, its help text shown literally (:func:`literal_help`)."""
+
+    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        with literal_help([self]):
+            super().format_help(ctx, formatter)
+
+
 class Group(TyperGroup):
-    """typer's group, suggesting a misspelt command once (click >= 8.4 already adds the suggestion
-    that typer appends again)."""
+    """typer's group, its help and its commands' summaries shown literally (:func:`literal_help`),
+    suggesting a misspelt command once (click >= 8.4 already adds the suggestion that typer
+    appends again)."""
+
+    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        with literal_help([self, *self.commands.values()]):
+            super().format_help(ctx, formatter)
 
     def resolve_command(self, ctx: click.Context, args: list[str]) -> Any:
         try:
@@ -42,6 +78,16 @@ def head_dims_option(value: Optional[str]) -> Optional[str]:
     except ConfigError as exc:
         raise typer.BadParameter(str(exc)) from None
     return value
+
+
+def use_literal_help(app: typer.Typer) -> None:
+    """Every command of ``app`` (and of its sub-apps) a :class:`Command` unless it names its own class."""
+    for info in app.registered_commands:
+        if info.cls in (None, TyperCommand):
+            info.cls = Command
+    for group in app.registered_groups:
+        if group.typer_instance is not None:
+            use_literal_help(group.typer_instance)
 
 
 def choice(values: tuple[str, ...]) -> click.Choice:

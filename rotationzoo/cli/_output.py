@@ -109,6 +109,13 @@ def print_warning(message: str) -> None:
     console(stderr=True).print(Text("warning: ", style="yellow") + Text(plain(message)))
 
 
+def print_note(message: str) -> None:
+    """One line of what the command is doing on stderr, literally (never on stdout)."""
+    from rich.text import Text
+
+    console(stderr=True).print(Text(plain(message), style="dim"))
+
+
 def _first_line(exc: BaseException) -> str:
     text = plain(exc).strip()
     return text.splitlines()[0][:300] if text else ""
@@ -147,25 +154,105 @@ def report_exception(exc: BaseException, *, internal: bool = False) -> None:
 
 
 def progress_enabled() -> bool:
-    """Progress bars only on an interactive terminal."""
+    """Whether stderr is an interactive terminal (progress is then a bar, else plain lines)."""
     return is_tty(sys.stderr)
 
 
+#: Least seconds between two plain progress lines of one stage (its first and last lines always show).
+LINE_INTERVAL_S = 10.0
+#: Plain progress lines report at most every this share of a stage.
+LINE_STEP = 0.1
+
+
+def duration(seconds: float) -> str:
+    """``42 s``, ``3 min 05 s``, ``1 h 02 min``."""
+    s = int(round(max(0.0, seconds)))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
+
+
+class ProgressLines:
+    """``progress(done, total, what)`` (:mod:`rotationzoo.progress`) as a few plain lines on a
+    stream: one when a stage starts, then at most one per :data:`LINE_STEP` of it and no more often
+    than every ``interval`` seconds (with elapsed time and an ETA), and one when it ends.
+    Thread-safe."""
+
+    def __init__(self, label: str, stream: Any = None, *, interval: float = LINE_INTERVAL_S,
+                 clock: Callable[[], float] | None = None) -> None:
+        import threading
+        import time
+
+        self.label, self.stream, self.interval = label, stream, interval
+        self.clock = clock or time.monotonic
+        self._lock = threading.Lock()
+        self._total: int | None = None
+        self._done = 0
+        self._t0 = self._last = 0.0
+        self._mark = 0
+        self._ended = False
+
+    def _write(self, line: str) -> None:
+        stream = self.stream if self.stream is not None else sys.stderr
+        stream.write(plain(line) + "\n")
+        stream.flush()
+
+    def __call__(self, done: int, total: int, what: str) -> None:
+        with self._lock:
+            now = self.clock()
+            if self._total is None or total != self._total or done < self._done:  # a new stage
+                self._total, self._t0, self._mark, self._ended = total, now, 0, False
+                self._done, self._last = done, now
+                self._write(f"{self.label}: {done:,}/{total:,}" + (f" · {what}" if what else ""))
+                return
+            self._done = done
+            if self._ended:
+                return
+            elapsed = now - self._t0
+            if done >= total:
+                self._ended = True
+                self._write(f"{self.label}: {done:,}/{total:,} (100%) in {duration(elapsed)}")
+                return
+            mark = int(done / total / LINE_STEP) if total else 0
+            if mark > self._mark and now - self._last >= self.interval:
+                self._mark, self._last = mark, now
+                eta = elapsed * (total - done) / done if done else 0.0
+                self._write(f"{self.label}: {done:,}/{total:,} ({100 * done // total}%), {duration(elapsed)} elapsed, "
+                            f"eta {duration(eta)}" + (f" · {what}" if what else ""))
+
+
 @contextlib.contextmanager
-def progress_bar(enabled: bool, label: str) -> Iterator[Callable[[int, int, str], None]]:
-    """A rich bar with an ETA on stderr; yields ``update(done, total, description)`` (a no-op when
-    ``enabled`` is false, e.g. with ``--json`` or when stderr is not a terminal)."""
+def progress_reporter(label: str, *, enabled: bool = True) -> Iterator[Callable[[int, int, str], None]]:
+    """Progress of a long command on stderr, never stdout (``--json`` output stays clean): a rich
+    bar with an ETA on a terminal, else :class:`ProgressLines`. Yields the ``progress(done, total,
+    what)`` callable to hand to the library (a no-op when ``enabled`` is false)."""
     if not enabled:
         yield lambda done, total, what: None
         return
+    if not progress_enabled():
+        yield ProgressLines(label)
+        return
+    import threading
+
+    from rich.markup import escape
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                                TimeRemainingColumn)
 
-    with Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+    lock = threading.Lock()
+    with Progress(TextColumn("{task.description:<32}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("eta"), TimeRemainingColumn(), console=console(stderr=True), transient=True) as bar:
         task = bar.add_task(label, total=None)
+        stage: list[int | None] = [None, 0]  # total, done
 
         def update(done: int, total: int, what: str) -> None:
-            bar.update(task, completed=done, total=total, description=f"{label}: {what}"[:28])
+            text = escape(f"{label}: {what}"[:32] if what else label)
+            with lock:
+                if total != stage[0] or done < (stage[1] or 0):  # a new stage: its own elapsed time and ETA
+                    bar.reset(task, total=total, completed=done, description=text)
+                else:
+                    bar.update(task, completed=done, total=total, description=text)
+                stage[0], stage[1] = total, done
 
         yield update

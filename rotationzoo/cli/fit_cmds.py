@@ -26,13 +26,13 @@ This module imports torch and the library only inside the commands, so other com
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Callable, List, Optional
+from typing import TYPE_CHECKING, Annotated, Any, List, Optional
 
 import typer
 
 from .. import vocab
 from ._options import InitOpt, JsonOpt, RefineOpt, SampleTokensOpt, SeedOpt, choice
-from ._output import console, emit_json, progress_enabled
+from ._output import console, emit_json, print_note, progress_reporter
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..fit import FitOutput, FitResult
@@ -78,53 +78,6 @@ def _parse_layers(text: Optional[str]) -> Optional[list[int]]:
     return ids
 
 
-class _LayerBars:
-    """Rich progress (elapsed time and ETA): one bar for the whole fit and one per layer being read."""
-
-    def __init__(self, enabled: bool, layer_ids: list[int] | None = None, overall_label: str = "fit") -> None:
-        self.enabled = enabled
-        self._tasks: dict[Any, Any] = {}
-        self._progress: Any = None
-        self._overall: Any = None
-        self._n_layers = len(layer_ids) if layer_ids else 0
-        self._done_layers: set[Any] = set()
-        self._overall_label = overall_label
-
-    def __enter__(self) -> "_LayerBars":
-        if self.enabled:
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                       TimeRemainingColumn)
-
-            self._progress = Progress(
-                TextColumn("{task.description:>12}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                TextColumn("eta"), TimeRemainingColumn(), console=console(stderr=True), transient=True,
-            )
-            self._progress.__enter__()
-            if self._n_layers:
-                self._overall = self._progress.add_task(self._overall_label, total=self._n_layers)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._progress is not None:
-            self._progress.__exit__(*exc)
-
-    def update(self, key: Any, done: int, total: int, label: str | None = None) -> None:
-        if self._progress is None:
-            return
-        task = self._tasks.get(key)
-        if task is None:
-            task = self._tasks[key] = self._progress.add_task(label or f"layer {key}", total=total)
-        self._progress.update(task, completed=done, total=total)
-        if done >= total and isinstance(key, int) and key not in self._done_layers:
-            self._done_layers.add(key)
-            self._progress.remove_task(task)
-            if self._overall is not None:
-                self._progress.update(self._overall, completed=len(self._done_layers))
-
-    def layer_callback(self) -> Optional[Callable[[int, int, int], None]]:
-        return (lambda lid, done, total: self.update(lid, done, total)) if self.enabled else None
-
-
 def _refine_options(steps: int, init: str, seed: int, sample_tokens: Optional[int]) -> Any:
     from ..fit import RefineOptions
 
@@ -137,13 +90,7 @@ def _refine_from_dump(dump: Path, options: Any, group_size: Optional[int], keep_
     from ..fit import open_dump, refine_dump
 
     opened = open_dump(dump, keep_first_chunk=keep_first_chunk, layers=layer_ids)
-    ids = list(opened.layer_ids)
-    done: dict[int, int] = {}
-    with _LayerBars(progress_enabled(), ids, "refine") as bars:
-        def progress(lid: int, side: str, record: dict) -> None:
-            done[lid] = done.get(lid, 0) + 1
-            bars.update(lid, done[lid], 2)
-
+    with progress_reporter("refine") as progress:
         return refine_dump(opened, options, group_size=group_size, num_workers=workers, progress=progress,
                            grouping=grouping)  # type: ignore[arg-type]
 
@@ -248,13 +195,7 @@ def fit_command(
                                    keep_first_chunk, layer_ids, workers, grouping)
         _report(result, write_fitted(result, out, model=model, tag=tag, fmt=fmt), as_json)
         return
-    show = progress_enabled() and dump is not None and objective != "hadamard"
-    n_bar = None
-    if show:
-        from ..fit import open_dump
-
-        n_bar = list(open_dump(dump, keep_first_chunk=keep_first_chunk, layers=layer_ids).layer_ids)  # type: ignore[arg-type]
-    with _LayerBars(show, n_bar) as bars:
+    with progress_reporter("fit", enabled=dump is not None and objective != "hadamard") as progress:
         result = fit_rotations(
             dump,
             objective,
@@ -263,7 +204,7 @@ def fit_command(
             keep_first_chunk=keep_first_chunk,
             layers=layer_ids,
             num_workers=workers,
-            progress=bars.layer_callback(),
+            progress=progress,
             signs=signs,  # type: ignore[arg-type]
             num_layers=num_layers,
             head_dim=head_dim,
@@ -276,7 +217,8 @@ def fit_command(
 def calibrate_command(
     model: Annotated[str, typer.Option("--model", "-m", help="Local transformers model folder or .gguf file.")],
     text: Annotated[
-        List[Path], typer.Option("--text", "-t", help="Calibration text file (UTF-8); repeat for more files.")
+        List[Path], typer.Option("--text", "-t", help="Calibration text file (UTF-8); repeat for more files. "
+                                 "Checked before the model loads; read only as far as --tokens tokens.")
     ],
     tokens: Annotated[int, typer.Option("--tokens", "-n", help="Tokens per layer to fit on (T).")],
     out: Annotated[Path, typer.Option("--out", help="Output folder for the rotation files and rotationzoo.json.")],
@@ -309,6 +251,7 @@ def calibrate_command(
 
     Each text file is tokenized and cut into --seq-len windows, run as independent sequences until
     --tokens tokens; Q/K/V stream straight into the fp64 accumulators. Nothing is downloaded.
+    Progress goes to stderr (a bar on a terminal, else a few lines).
 
     Examples:
 
@@ -323,18 +266,18 @@ def calibrate_command(
     --refine learns the rotations as `rotationzoo fit --refine` does, on samples kept during the capture.
     """
     from ..fit import write_fitted
-    from ..integrations.transformers import calibrate, load_model
+    from ..integrations.transformers import calibrate, check_text_files, load_model
 
     options = _refine_options(refine, init, seed, sample_tokens) if refine is not None else None
+    texts = check_text_files(text, what="calibration text", option="--text")  # before the model is loaded
+    print_note(f"loading {model} ({dtype}, {device})")
     lm, tokenizer = load_model(model, dtype=dtype, device=device)
     mid = model_id or Path(model).name
-    show = progress_enabled()
-    with _LayerBars(show) as bars:
-        cb = (lambda stage, done, total: bars.update(stage, done, total, label=stage)) if show else None
+    with progress_reporter("calibrate") as progress:  # stderr: a bar on a terminal, else a few lines
         result = calibrate(
-            lm, tokenizer, text, tokens=tokens, seq_len=seq_len, objective=objective, composition=composition,
+            lm, tokenizer, texts, tokens=tokens, seq_len=seq_len, objective=objective, composition=composition,
             group_size=group_size, dump_out=dump_out, overwrite_dump=overwrite_dump, signs=signs,
-            model_id=mid, progress=cb, refine=options, grouping=grouping,  # type: ignore[arg-type]
+            model_id=mid, progress=progress, refine=options, grouping=grouping,  # type: ignore[arg-type]
         )
     written = write_fitted(result, out, model=mid, tag=tag, fmt=fmt)
     _report(result, written, as_json)

@@ -18,7 +18,7 @@ import typer
 
 from .._version import __version__
 from ..errors import RotationZooError
-from ._options import Group
+from ._options import Group, use_literal_help
 
 app = typer.Typer(
     name="rotationzoo",
@@ -67,6 +67,7 @@ def _root(
 
 for _name in COMMAND_MODULES:
     importlib.import_module(f".{_name}", __package__).register(app)
+use_literal_help(app)  # square brackets in help texts are text, not rich markup
 
 
 def main(argv: list[str] | None = None) -> int:

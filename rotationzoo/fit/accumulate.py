@@ -156,14 +156,7 @@ class LayerAccumulator:
     @property
     def pass1_kinds(self) -> tuple[str, ...]:
         """Kinds read in pass 1: ``q`` for qqt/sst, ``k`` for ktk, ``v`` for vtv."""
-        kinds = []
-        if self.needs_q:
-            kinds.append("q")
-        if "ktk" in self.targets:
-            kinds.append("k")
-        if "vtv" in self.targets:
-            kinds.append("v")
-        return tuple(kinds)
+        return pass1_kinds(self.targets)
 
     @property
     def num_tokens(self) -> int:
@@ -371,6 +364,18 @@ def thread_workspace(device: torch.device | str = "cpu") -> Workspace:
     return spaces[key]
 
 
+def pass1_kinds(targets: Iterable[str]) -> tuple[str, ...]:
+    """Kinds read in pass 1 for ``targets``: ``q`` for qqt/sst, ``k`` for ktk, ``v`` for vtv."""
+    t = set(targets)
+    return tuple(kind for kind, need in (("q", bool(t & {"qqt", "sst"})), ("k", "ktk" in t), ("v", "vtv" in t)) if need)
+
+
+def layer_reads(dump: Dump, layer_id: int, targets: Sequence[str]) -> int:
+    """Chunk reads :func:`accumulate_dump_layer` makes for one layer (the ``total`` of its progress)."""
+    second = ("k", "v") if "sst" in targets else ()
+    return len(dump.chunk_ids(layer_id, tuple(dict.fromkeys(pass1_kinds(targets) + second)))) * (2 if second else 1)
+
+
 def accumulate_dump_layer(
     dump: Dump,
     layer_id: int,
@@ -404,21 +409,12 @@ def accumulate_dump_layer(
         DumpError: a chunk with the wrong shape, or K/V chunk sizes that differ from Q's.
     """
     ws = workspace if workspace is not None else thread_workspace(device)
-    acc = LayerAccumulator(
-        layer_id,
-        num_q_heads=shape.num_q_heads,
-        num_kv_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        targets=targets,
-        device=device,
-        workspace=ws,
-        per_head=per_head,
-    )
+    acc = LayerAccumulator(layer_id, num_q_heads=shape.num_q_heads, num_kv_heads=shape.num_kv_heads,
+                           head_dim=shape.head_dim, targets=targets, device=device, workspace=ws, per_head=per_head)
     kinds1 = acc.pass1_kinds
     kinds2 = ("k", "v") if acc.needs_second_pass else ()
-    needed = tuple(dict.fromkeys(kinds1 + kinds2))
-    chunks = dump.chunk_ids(layer_id, needed)
-    total = len(chunks) * (1 + (1 if kinds2 else 0))
+    chunks = dump.chunk_ids(layer_id, tuple(dict.fromkeys(kinds1 + kinds2)))
+    total = layer_reads(dump, layer_id, targets)
     done = 0
     io = {"bytes_read": 0, "chunks_read": 0}
     sizes: dict[int, int] = {}

@@ -16,9 +16,10 @@ import torch
 
 from ..errors import FitError
 from ..format import RotationSet
+from ..progress import Progress, Tally
 from ..validation import validate
 from ..vocab import GROUPINGS, Grouping, SignConvention
-from .accumulate import LayerAccumulator, ProgressFn, accumulate_dump_layer, thread_workspace
+from .accumulate import LayerAccumulator, accumulate_dump_layer, layer_reads, thread_workspace
 from .compose import check_composition, composition_label, hadamard_rotations, rotation_from_covariance
 from .dump import Dump, DumpShape, open_dump
 from .result import OBJECTIVE_TARGETS, FitResult, FitStats, peak_rss_bytes
@@ -118,19 +119,24 @@ def _from_statistics(source: Mapping[int, LayerAccumulator], layers: Iterable[in
 
 
 def _from_dump(dump: Dump, shape: DumpShape, targets: tuple[str, ...], *, num_workers: int | None,
-               device: torch.device | str, progress: ProgressFn | None, stats: FitStats,
+               device: torch.device | str, progress: Progress | None, stats: FitStats,
                per_head: bool = False) -> dict[int, LayerAccumulator]:
-    """Stream every layer of a dump through the accumulators (layers on a thread pool)."""
+    """Stream every layer of a dump through the accumulators (layers on a thread pool); progress
+    counts the chunk reads of all layers."""
     n_workers = _resolve_workers(num_workers, len(dump.layer_ids))
     stats.num_workers = n_workers
     workspaces: list[Any] = []
+    tally = Tally(progress, sum(layer_reads(dump, lid, targets) for lid in dump.layer_ids) if progress else 0,
+                  "reading the dump")
+    tally.start()
+    layer_progress = (lambda lid, done, total: tally.set(lid, done, f"layer {lid}")) if progress else None
 
     def run(layer_id: int) -> tuple[int, LayerAccumulator, dict[str, int]]:
         ws = thread_workspace(device)
         if ws not in workspaces:
             workspaces.append(ws)
-        acc, io = accumulate_dump_layer(dump, layer_id, shape, targets, device=device, workspace=ws, progress=progress,
-                                        per_head=per_head)
+        acc, io = accumulate_dump_layer(dump, layer_id, shape, targets, device=device, workspace=ws,
+                                        progress=layer_progress, per_head=per_head)
         return layer_id, acc, io
 
     if n_workers == 1:
@@ -215,7 +221,7 @@ def fit_rotations(
     keep_first_chunk: bool = False,
     layers: Iterable[int] | None = None,
     num_workers: int | None = None,
-    progress: ProgressFn | None = None,
+    progress: Progress | None = None,
     signs: SignConvention = "canonical",
     device: torch.device | str = "cpu",
     num_layers: int | None = None,
@@ -239,7 +245,8 @@ def fit_rotations(
         num_workers: layers processed concurrently (threads), each with
             ``torch.get_num_threads() // num_workers`` intra-op threads while the fit runs.
             Default: ``min(8, torch.get_num_threads(), number of layers)``.
-        progress: ``progress(layer_id, done, total)`` after each chunk read.
+        progress: ``progress(done, total, what)`` (:mod:`rotationzoo.progress`): chunk reads of
+            every layer (``what``: ``"layer <L>"``), from the worker threads.
         signs: eigenvector signs, ``"canonical"`` (default) or ``"lapack"`` (as ``eigh`` returns).
         device: accumulation device (fp64 everywhere; ``eigh`` always runs on CPU).
         num_layers: layer count for ``hadamard`` without a dump (ids ``0 … num_layers−1``).

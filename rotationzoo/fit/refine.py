@@ -52,6 +52,7 @@ import torch
 from ..errors import FitError
 from ..format import RotationSet
 from ..hadamard import hadamard_matrix
+from ..progress import Progress, Tally
 from .accumulate import LayerAccumulator
 from .compose import rotation_from_covariance
 from .refine_loss import LOSS_NAMES, LayerData, RefineConfig, heldout_loss, layer_data, numerators, total_loss
@@ -60,8 +61,6 @@ from .ste import fake_quantize_int2
 
 #: Init rotations computed from the samples themselves (besides a given matrix).
 INITS: tuple[str, ...] = ("hadamard", "r_h_pbr", "r_pbr_hg")
-
-ProgressFn = Callable[[int, str, dict], None]
 
 
 # -- optimisation ---------------------------------------------------------------------------------
@@ -82,7 +81,7 @@ def polar(r: torch.Tensor) -> torch.Tensor:
 
 
 def _optimize(r0: torch.Tensor, data: LayerData, train: torch.Tensor, steps: int, cfg: RefineConfig,
-              gen: torch.Generator) -> tuple[torch.Tensor, list[float]]:
+              gen: torch.Generator, on_step: Callable[[int], None] | None = None) -> tuple[torch.Tensor, list[float]]:
     """Adam (β = 0.9, 0.999, ε = 1e-8) on the skew parameter; returns the fp64 rotation ``[P, d, d]``
     and the minibatch loss trace. Adam is spelled out here (a few lines) rather than taken from
     ``torch.optim``, whose import costs seconds."""
@@ -107,6 +106,8 @@ def _optimize(r0: torch.Tensor, data: LayerData, train: torch.Tensor, steps: int
                 base = _retract(base, a, cfg.param)
                 a.zero_()
         trace.append(float(loss.detach()))
+        if on_step is not None:
+            on_step(step)
     with torch.no_grad():
         return polar(_retract(base, a, cfg.param)), trace
 
@@ -142,9 +143,13 @@ def _split(num_blocks: int, cfg: RefineConfig, layer_id: int) -> tuple[torch.Ten
 
 
 def refine_layer(
-    samples: LayerSamples, side: str, init: torch.Tensor, cfg: RefineConfig, *, init_name: str = "given"
+    samples: LayerSamples, side: str, init: torch.Tensor, cfg: RefineConfig, *, init_name: str = "given",
+    progress: Progress | None = None,
 ) -> LayerRefinement:
     """Refine one layer's K or V rotation from ``init`` (``[d, d]``, or ``[H_kv, d, d]``).
+
+    ``progress(done, total, what)`` (:mod:`rotationzoo.progress`) counts the optimizer steps and
+    one more unit for the held-out comparison (``what``: ``"layer <L> K"``).
 
     Returns:
         A :class:`LayerRefinement`; its rotation is the refined one where it lowers the held-out
@@ -163,8 +168,10 @@ def refine_layer(
     data = layer_data(samples, side, cfg)
     train, hold = _split(data.x.shape[0], cfg, samples.layer_id)
     steps = cfg.steps_k if side == "k" else cfg.steps_v
+    what = f"layer {samples.layer_id} {side.upper()}"
+    on_step = (lambda step: progress(step, steps + 1, what)) if progress is not None else None
     gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + samples.layer_id * 2 + (side == "v"))
-    refined, trace = _optimize(r_init, data, train, steps, cfg, gen) if steps else (r_init.clone(), [])
+    refined, trace = _optimize(r_init, data, train, steps, cfg, gen, on_step) if steps else (r_init.clone(), [])
     before = heldout_loss(r_init, data, hold, cfg)
     after = heldout_loss(refined, data, hold, cfg)
     kept: str | list[str]
@@ -189,6 +196,8 @@ def refine_layer(
         "train_loss_first": trace[0] if trace else None, "train_loss_last": trace[-1] if trace else None,
         "wall_s": time.perf_counter() - t0,
     }
+    if progress is not None:
+        progress(steps + 1, steps + 1, what)
     return LayerRefinement(samples.layer_id, side, rotation, record)
 
 
@@ -296,7 +305,7 @@ def refine_rotations(
     *,
     layers: Any = None,
     num_workers: int | None = None,
-    progress: ProgressFn | None = None,
+    progress: Progress | None = None,
 ) -> RefineResult:
     """Refine every layer's K and/or V rotation.
 
@@ -312,7 +321,9 @@ def refine_rotations(
         num_workers: (layer, side) jobs run concurrently, each single-threaded (intra-op threads
             are set to 1 while refining, so the result does not depend on this number).
             Default: ``torch.get_num_threads()``.
-        progress: ``progress(layer_id, side, record)`` after each (layer, side), from a worker thread.
+        progress: ``progress(done, total, what)`` (:mod:`rotationzoo.progress`): optimizer steps
+            (and one held-out comparison) of every (layer, side), from the worker threads
+            (``what``: ``"layer <L> K"``).
 
     Returns:
         A :class:`RefineResult`.
@@ -328,14 +339,14 @@ def refine_rotations(
     first = samples.layers[ids[0]].shape
     assert first is not None
     jobs = [(lid, side) for lid in ids for side in cfg.sides]
+    tally = Tally(progress, sum((cfg.steps_k if side == "k" else cfg.steps_v) + 1 for _, side in jobs), "refining")
+    tally.start()
 
     def run(job: tuple[int, str]) -> LayerRefinement:
         lid, side = job
         r0, name = _resolve_init(init, samples.layers[lid], side, lid, ids, cfg)
-        res = refine_layer(samples.layers[lid], side, r0, cfg, init_name=name)
-        if progress is not None:
-            progress(lid, side, res.record)
-        return res
+        return refine_layer(samples.layers[lid], side, r0, cfg, init_name=name,
+                            progress=(lambda done, total, what: tally.set(job, done, what)) if progress else None)
 
     workers = max(1, min(int(num_workers or torch.get_num_threads()), len(jobs)))
     threads_before = torch.get_num_threads()

@@ -31,11 +31,12 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from ..errors import FitError
+from ..progress import Progress, prefixed
 from ..vocab import REFINE_INITS, Grouping
 from .compose import composition_label
 from .dump import Dump, open_dump
 from .fitter import check_grouping, fit_rotations
-from .refine import ProgressFn, RefineResult, refine_rotations, relative_improvement
+from .refine import RefineResult, refine_rotations, relative_improvement
 from .refine_loss import LOSS_NAMES, RefineConfig
 from .result import FitResult, FitStats, peak_rss_bytes
 from .samples import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_TOKENS, CalibrationSamples
@@ -83,6 +84,7 @@ def samples_from_dump(
     seed: int = 0,
     keep_first_chunk: bool = False,
     layers: Iterable[int] | None = None,
+    progress: Progress | None = None,
 ) -> CalibrationSamples:
     """A bounded reservoir of whole token blocks per layer, read from a Q/K/V dump.
 
@@ -93,15 +95,17 @@ def samples_from_dump(
         seed: reservoir seed.
         keep_first_chunk: also read chunk 0 (skipped by default, as the fitter does).
         layers: only these layers.
+        progress: ``progress(done, total, what)`` (:mod:`rotationzoo.progress`): chunks read.
     """
     d = dump if isinstance(dump, Dump) else open_dump(dump, keep_first_chunk=keep_first_chunk, layers=layers)
     samples = CalibrationSamples(block_size=block_size, max_tokens=max_tokens, seed=seed)
-    samples.add_dump(d, layers=layers)
+    samples.add_dump(d, layers=layers, progress=progress)
     return samples
 
 
 def _init_source(init: str, samples: CalibrationSamples, statistics: Any, group_size: int | None,
-                 layers: tuple[int, ...], grouping: Grouping = "layer") -> tuple[Any, str]:
+                 layers: tuple[int, ...], grouping: Grouping = "layer",
+                 progress: Progress | None = None) -> tuple[Any, str]:
     """What :func:`refine_rotations` starts from, and its label (``hadamard``, ``r_h_pbr``, ``r_pbr_hg64``)."""
     _check_init(init)
     comp = INIT_COMPOSITIONS[init]
@@ -114,7 +118,7 @@ def _init_source(init: str, samples: CalibrationSamples, statistics: Any, group_
     if statistics is None:
         return comp, label  # fitted per layer from the samples' own q/k/v
     fit = fit_rotations(statistics, "qqt_sst", comp, group_size=g if comp == "r_pbr_hg" else None, layers=layers,
-                        grouping=grouping)
+                        grouping=grouping, progress=prefixed(progress, f"{label} init"))
     return fit, label
 
 
@@ -161,7 +165,7 @@ def refine_fit(
     config: RefineConfig | None = None,
     layers: Iterable[int] | None = None,
     num_workers: int | None = None,
-    progress: ProgressFn | None = None,
+    progress: Progress | None = None,
     source_info: Mapping[str, Any] | None = None,
     model: str | None = None,
     grouping: Grouping = "layer",
@@ -180,7 +184,9 @@ def refine_fit(
             ``seed`` override its fields.
         layers: only these layers (default: all with samples).
         num_workers: concurrent (layer, side) jobs (the result does not depend on it).
-        progress: ``progress(layer_id, side, record)`` after each (layer, side).
+        progress: ``progress(done, total, what)`` (:mod:`rotationzoo.progress`): the OSCAR inits'
+            fit from a dump (``what``: ``"r_h_pbr init: layer <L>"``), then the optimizer steps of
+            every (layer, side) (``"layer <L> K"``).
         source_info: what the samples came from (recorded as the result's ``source``).
         model: model id recorded in the result.
         grouping: ``"layer"``, or ``"kv_head"``: one rotation per layer and KV head, each kept only
@@ -202,7 +208,7 @@ def refine_fit(
     ids = tuple(sorted(int(i) for i in layers)) if layers is not None else samples.layer_ids()
     if not ids:
         raise FitError("no calibration samples to refine on")
-    src, label = _init_source(init, samples, statistics, group_size, ids, grouping)
+    src, label = _init_source(init, samples, statistics, group_size, ids, grouping, progress)
     res = refine_rotations(samples, src, cfg, layers=ids, num_workers=num_workers, progress=progress)
     first = samples.layers[ids[0]].shape
     assert first is not None
@@ -227,16 +233,19 @@ def refine_dump(
     keep_first_chunk: bool = False,
     layers: Iterable[int] | None = None,
     num_workers: int | None = None,
-    progress: ProgressFn | None = None,
+    progress: Progress | None = None,
     config: RefineConfig | None = None,
     grouping: Grouping = "layer",
 ) -> FitResult:
     """``rotationzoo fit --dump D --refine STEPS [--grouping kv_head]``: a reservoir of the dump's
     blocks (:func:`samples_from_dump`), the OSCAR inits fitted from the whole dump, then
     :func:`refine_fit`. ``dump`` may be an opened :class:`~rotationzoo.fit.dump.Dump`
-    (``keep_first_chunk`` and ``layers`` are then its own)."""
+    (``keep_first_chunk`` and ``layers`` are then its own). ``progress(done, total, what)``
+    (:mod:`rotationzoo.progress`) reports the three stages: the samples read (``"samples: layer
+    <L>"``), the inits' fit, the refinement."""
     d = dump if isinstance(dump, Dump) else open_dump(dump, keep_first_chunk=keep_first_chunk, layers=layers)
-    samples = samples_from_dump(d, max_tokens=options.sample_tokens, seed=options.seed)
+    samples = samples_from_dump(d, max_tokens=options.sample_tokens, seed=options.seed,
+                                progress=prefixed(progress, "samples"))
     dump_info = d.info()
     info = {"kind": "dump", "path": str(d.root), "prompts": dump_info.get("prompts", d.prompt_count())}
     result = refine_fit(samples, options.init, steps=options.steps, group_size=group_size, seed=options.seed,

@@ -48,6 +48,7 @@ from typing import Iterable, Sequence
 import torch
 
 from ..errors import FitError
+from ..progress import Progress, Tally
 from .dump import Dump
 
 #: Tokens per block (consecutive positions of one sequence).
@@ -286,19 +287,24 @@ class CalibrationSamples:
         """:meth:`LayerSamples.add_chunk` for ``layer_id``."""
         return self.layer(layer_id).add_chunk(q, k, v, seq_lens)
 
-    def add_dump(self, dump: Dump, layers: Iterable[int] | None = None) -> None:
+    def add_dump(self, dump: Dump, layers: Iterable[int] | None = None, progress: Progress | None = None) -> None:
         """Offer every used chunk of a dump (chunk 0 per the dump's own rule), split by ``seq_lens``.
 
         Args:
             dump: an opened :class:`~rotationzoo.fit.dump.Dump` (needs ``q``, ``k`` and ``v``).
             layers: only these layers (default: all of the dump's).
+            progress: ``progress(done, total, what)`` (:mod:`rotationzoo.progress`): chunks read.
         """
         ids = dump.layer_ids if layers is None else tuple(int(i) for i in layers)
+        chunks = {lid: dump.chunk_ids(lid, ("q", "k", "v")) for lid in ids}
+        tally = Tally(progress, sum(len(c) for c in chunks.values()), "reading the dump")
+        tally.start()
         for lid in ids:
-            for chunk in dump.chunk_ids(lid, ("q", "k", "v")):
+            for i, chunk in enumerate(chunks[lid]):
                 q, k, v = (dump.load(lid, kind, chunk) for kind in ("q", "k", "v"))
                 self.add_chunk(lid, q, k, v, dump.seq_lens(lid, chunk))
                 del q, k, v
+                tally.set(lid, i + 1, f"layer {lid}")
 
     def summary(self) -> dict[str, object]:
         """JSON-friendly counts."""

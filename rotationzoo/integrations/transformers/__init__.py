@@ -2,7 +2,8 @@
 a model with an OSCAR INT2 KV cache.
 
 Modules: :mod:`~.loading` (``load_model``, ``model_shape``), :mod:`~.capture` (``QKVCapture``),
-:mod:`~.calibration` (``calibrate``, ``collect_statistics``, ``capture_to_dump``), :mod:`~.oscar`
+:mod:`~.calibration` (``calibrate``, ``collect_statistics``, ``capture_to_dump``), :mod:`~.texts`
+(``check_text_files``, ``read_token_ids``: texts checked up front, read in bounded pieces), :mod:`~.oscar`
 (``OscarKV``: rotations + :class:`~rotationzoo.int2kv.Int2KVConfig`), :mod:`~.attention`
 (``oscar_kv``: the decode-time simulation), :mod:`~.cache` (``OscarInt2Cache`` for ``generate()``).
 
@@ -37,12 +38,12 @@ from .calibration import (
     calibrate,
     capture_to_dump,
     collect_statistics,
-    read_texts,
     token_windows,
 )
 from .capture import CAPTURE_IMPL_PREFIX, QKVCallback, QKVCapture, capture_attention_name
 from .loading import ModelShape, load_model, model_shape
 from .oscar import OscarKV
+from .texts import check_text_files, read_token_ids
 
 __all__ = [
     "CAPTURE_IMPL_PREFIX",
@@ -60,12 +61,13 @@ __all__ = [
     "calibrate",
     "capture_attention_name",
     "capture_to_dump",
+    "check_text_files",
     "collect_statistics",
     "load_model",
     "model_shape",
     "oscar_attention_name",
     "oscar_kv",
-    "read_texts",
+    "read_token_ids",
     "simulated_int2_attention",
     "token_windows",
 ]

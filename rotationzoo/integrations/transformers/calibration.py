@@ -13,11 +13,11 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from ...errors import ConfigError, FitError
+from ...errors import FitError
 from ...vocab import Grouping
 from ...fit import OBJECTIVE_TARGETS, RefineOptions, fit_rotations, refine_fit
 from ...fit.accumulate import LayerAccumulator, Workspace, second_pass_from_dump
@@ -25,57 +25,35 @@ from ...fit.compose import check_composition
 from ...fit.fitter import check_grouping
 from ...fit.dump import Dump, DumpWriter
 from ...fit.samples import DEFAULT_MAX_TOKENS, CalibrationSamples
+from ...progress import Progress, Tally
 from .capture import QKVCapture
+from .texts import check_text_files, read_token_ids
 
 #: Tokens of the warm-up forward written as chunk 0 of a dump (mirrors SGLang's warm-up batch).
 WARMUP_TOKENS = 6
-#: ``progress(stage, done, total)``; stage is ``"tokens"`` during capture, ``"layer <L>"`` in pass 2.
-CalibrationProgress = Callable[[str, int, int], None]
+#: ``progress(done, total, what)`` (:mod:`rotationzoo.progress`): tokens captured (``"capture"``),
+#: then the chunk reads of the second pass over K/V (``"K/V pass 2: layer <L>"``), then refinement.
+CalibrationProgress = Progress
 
 
-def read_texts(paths: Sequence[str | os.PathLike[str]], *, what: str = "calibration text") -> list[str]:
-    """Read UTF-8 text files (errors name the file and what it was for)."""
-    texts = []
-    for p in paths:
-        path = Path(p)
-        try:
-            texts.append(path.read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise ConfigError(f"{path}: cannot read the {what} ({exc.strerror or exc})") from None
-        except UnicodeDecodeError:
-            raise ConfigError(f"{path}: the {what} is not UTF-8 text") from None
-    if not any(t.strip() for t in texts):
-        raise ConfigError(f"the {what} files are empty")
-    return texts
-
-
-def token_windows(tokenizer: Any, texts: Iterable[str], *, tokens: int, seq_len: int) -> Iterator[list[int]]:
+def token_windows(tokenizer: Any, texts: Iterable[str | os.PathLike[str]], *, tokens: int, seq_len: int,
+                  texts_are_paths: bool = False) -> Iterator[list[int]]:
     """Token id windows for calibration.
 
     Each text is tokenized once (with the tokenizer's special tokens, e.g. a leading BOS) and cut
     into consecutive windows of ``seq_len`` tokens; each window is one independent sequence. The
     last window is truncated so that exactly ``tokens`` tokens are produced in total (fewer if
-    the texts run out).
+    the texts run out). Files (``texts_are_paths=True``, checked with :func:`check_text_files`)
+    are read in bounded pieces and only as far as ``tokens`` (:func:`read_token_ids`).
     """
     if tokens < 1:
         raise FitError(f"tokens must be ≥ 1, got {tokens}")
     if seq_len < 1:
         raise FitError(f"seq_len must be ≥ 1, got {seq_len}")
-    left = int(tokens)
-    for text in texts:
-        if not text.strip():
-            continue
-        ids = tokenizer(text)["input_ids"]
-        if ids and isinstance(ids[0], list):
-            ids = ids[0]
+    for ids in read_token_ids(tokenizer, list(texts), limit=int(tokens), texts_are_paths=texts_are_paths,
+                              what="calibration text"):
         for start in range(0, len(ids), seq_len):
-            window = list(ids[start:start + seq_len])[:left]
-            if not window:
-                break
-            yield window
-            left -= len(window)
-            if left <= 0:
-                return
+            yield ids[start:start + seq_len]
 
 
 def calibrate(
@@ -117,7 +95,8 @@ def calibrate(
         signs: eigenvector sign convention.
         model_id: model name recorded in the result/manifest.
         texts_are_paths: whether ``texts`` are file paths.
-        progress: ``progress(stage, done, total)``.
+        progress: ``progress(done, total, what)`` (:data:`CalibrationProgress`): the capture, the
+            second pass over K/V, and refinement if asked for.
         refine: learn the rotations instead (:func:`rotationzoo.fit.refine_fit` on a reservoir of
             ``refine.sample_tokens`` tokens per layer, the OSCAR inits fitted from the full
             statistics; ``composition`` is not used then, ``group_size`` is the loss's INT2 group).
@@ -142,7 +121,7 @@ def calibrate(
         assert stats.samples is not None
         return refine_fit(stats.samples, refine.init, steps=refine.steps, group_size=group_size, seed=refine.seed,
                           statistics=stats.accumulators, source_info=stats.info, model=model_id,
-                          grouping=grouping)
+                          grouping=grouping, progress=progress)
     return fit_rotations(
         stats.accumulators, objective, composition, group_size=group_size, signs=signs,  # type: ignore[arg-type]
         source_info=stats.info, grouping=grouping,
@@ -262,7 +241,8 @@ def collect_statistics(
         objective: see :func:`rotationzoo.fit.fit_rotations` (not ``"hadamard"``).
         model_id: model name recorded in ``info``.
         texts_are_paths: whether ``texts`` are file paths.
-        progress: ``progress(stage, done, total)``.
+        progress: ``progress(done, total, what)`` (:data:`CalibrationProgress`): the capture, the
+            second pass over K/V, and refinement if asked for.
         dump_out: also write an SGLang-layout dump here.
         overwrite_dump: replace an existing dump in ``dump_out``.
         sample_tokens: also keep a reservoir of up to this many tokens per layer (whole blocks of
@@ -279,14 +259,14 @@ def collect_statistics(
     if objective not in OBJECTIVE_TARGETS or objective == "hadamard":
         raise FitError(f"objective must be one of {', '.join(o for o in OBJECTIVE_TARGETS if o != 'hadamard')}")
     targets = tuple(t for t in OBJECTIVE_TARGETS[objective] if t is not None)
-    raw_texts = read_texts(texts) if texts_are_paths else [str(t) for t in texts]
-    windows = list(token_windows(tokenizer, raw_texts, tokens=tokens, seq_len=seq_len))
+    sources = check_text_files(texts, what="calibration text") if texts_are_paths else [str(t) for t in texts]
+    windows = list(token_windows(tokenizer, sources, tokens=tokens, seq_len=seq_len, texts_are_paths=texts_are_paths))
     if not windows:
         raise FitError("the calibration texts produced no tokens")
     total = sum(len(w) for w in windows)
     info: dict[str, Any] = {
         "kind": "transformers", "model": model_id,
-        "texts": [str(t) for t in texts] if texts_are_paths else len(raw_texts),
+        "texts": [str(t) for t in texts] if texts_are_paths else len(sources),
         "seq_len": seq_len, "token_budget": int(tokens), "tokens": total, "prompts": len(windows),
     }
     spill = "sst" in targets  # sst needs K/V again once the query statistics are final
@@ -302,11 +282,10 @@ def collect_statistics(
         if writer is not None and spill:
             # a dump written for the user keeps its warm-up chunk 0 on disk; skip it here
             kv = Dump(writer.root, keep_first_chunk=dump_out is None)
+            tally = Tally(progress, sum(len(kv.chunk_ids(lid, ("k", "v"))) for lid in collector.accs), "K/V pass 2")
+            tally.start()
             for lid, acc in collector.accs.items():
-                second_pass_from_dump(
-                    acc, kv, lid,
-                    progress=(lambda l, d, t: progress(f"layer {l}", d, t)) if progress is not None else None,
-                )
+                second_pass_from_dump(acc, kv, lid, progress=lambda i, d, t: tally.set(i, d, f"K/V pass 2: layer {i}"))
         if dump_out is not None and writer is not None:
             info["dump"] = str(dump_out)
             writer.write_info({"model": model_id, "prompts": len(windows), "tokens": total, "seq_len": seq_len,
@@ -359,8 +338,10 @@ def _forward_windows(model: Any, windows: list[list[int]], collector: _Collector
             model(input_ids=torch.tensor([windows[0][:WARMUP_TOKENS]], device=device), use_cache=False)
             collector.warmup = False
         done = 0
+        if progress is not None:
+            progress(0, total, "capture")
         for window in windows:
             model(input_ids=torch.tensor([window], device=device), use_cache=False)
             done += len(window)
             if progress is not None:
-                progress("tokens", done, total)
+                progress(done, total, "capture")
