@@ -255,11 +255,13 @@ def _print_reports(reports: list[ValidationReport]) -> None:
 
     c = console()
     rows = []
-    for r in reports:
+    layouts = [_layout(r) for r in reports]
+    show_layout = any(x not in ("V1", "-") for x in layouts)  # only when a file is not a plain V1 one
+    for r, layout in zip(reports, layouts):
         err = f"{r.max_orthogonality_error:.1e}" if r.max_orthogonality_error is not None else "-"
         rows.append((r.path or "-", "yes" if r.ok else "NO", str(r.num_layers or "-"), _dims(r),
-                     _layout(r), r.objective or "-", err, (r.sha256 or "-")[:12]))
-    heads = ("file", "ok", "layers", "d", "layout", "objective", "max|RRᵀ−I|", "sha256")
+                     *((layout,) if show_layout else ()), r.objective or "-", err, (r.sha256 or "-")[:12]))
+    heads = ("file", "ok", "layers", "d", *(("layout",) if show_layout else ()), "objective", "max|RRᵀ−I|", "sha256")
     # what the other columns take (content, padding, borders); in a pipe (PIPE_WIDTH) nothing is cut
     others = sum(max(len(h), *(len(row[i]) for row in rows)) + 3 for i, h in enumerate(heads) if i) + 4
     room = max(20, c.width - others)
@@ -288,14 +290,13 @@ def _dims(r: ValidationReport) -> str:
 
 
 def _layout(r: ValidationReport) -> str:
-    """``V2 per KV head ×8``, ``V3 per layer +k_mean``, …: what kind of file it is."""
+    """``V1``, ``V2 ×8`` (per KV head, 8 heads), ``V3 ×2 +k_mean``, ``V3 (non-orth.)``: what kind of file it is."""
     if r.layout_version is None or r.source_grouping is None:
         return "-"
-    kind = "per KV head" + (f" ×{r.num_kv_heads}" if r.num_kv_heads else "") if r.source_grouping == "kv_head" \
-        else "per layer"
-    extra = "".join(f" +{c}" for c in r.companions) + ("" if r.orthogonal is not False else " (not orthogonal)")
     version = r.format_version if r.format_version is not None else r.layout_version
-    return f"V{version} {kind}{extra}"
+    heads = f" ×{r.num_kv_heads or '?'}" if r.source_grouping == "kv_head" else ""
+    extra = "".join(f" +{c}" for c in r.companions) + ("" if r.orthogonal is not False else " (non-orth.)")
+    return f"V{version}{heads}{extra}"
 
 
 def register(app: typer.Typer) -> None:
