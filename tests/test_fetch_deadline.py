@@ -164,6 +164,50 @@ def test_a_hub_client_told_to_wait_fails_over_at_once(zoo, short_timeout, source
     assert any(m.startswith(source) and f"HTTP {status}" in m for m in messages), messages
 
 
+def test_the_client_hooks_do_nothing_outside_a_download(hub_server, monkeypatch) -> None:
+    """Other code using the hub clients' HTTP libraries in the same process is not put under the
+    deadlines: a body taking 2.5 times ROTATIONZOO_TIMEOUT still arrives, in this thread while no
+    download runs (on a kept-alive connection a download used, too), and in this thread while
+    another thread's download runs."""
+    import threading
+
+    import httpx2
+    import requests
+
+    from rotationzoo.hub import transfer
+
+    monkeypatch.setenv("ROTATIONZOO_TIMEOUT", "0.2")
+    transfer.hook_clients()
+    url = hub_server.put_raw("slow.bin", b"x" * 10)
+    session, client = requests.Session(), httpx2.Client()
+    with transfer.transfer(network.limits(), client=True):  # both keep a connection a download used
+        assert session.get(url, timeout=10).content == client.get(url, timeout=10).content == b"x" * 10
+    gets = [lambda: session.get(url, timeout=10).content, lambda: client.get(url, timeout=10).content,
+            lambda: requests.get(url, timeout=10).content, lambda: httpx2.get(url, timeout=10).content]
+    for get in gets:
+        hub_server.arm_fault("slow.bin", "drip_body", interval=0.05)  # 0.5 s in all
+        assert get() == b"x" * 10
+    hold, release = threading.Event(), threading.Event()
+
+    def elsewhere() -> None:
+        with transfer.transfer(network.limits(), client=True):
+            hold.set()
+            release.wait(10)
+
+    other = threading.Thread(target=elsewhere)
+    other.start()
+    try:
+        hold.wait(10)
+        for get in gets:
+            hub_server.arm_fault("slow.bin", "drip_body", interval=0.05)
+            assert get() == b"x" * 10
+    finally:
+        release.set()
+        other.join()
+        session.close()
+        client.close()
+
+
 def test_limits_come_from_the_environment_or_the_library(monkeypatch) -> None:
     monkeypatch.setenv("ROTATIONZOO_TIMEOUT", "4")
     monkeypatch.setenv("ROTATIONZOO_MIN_RATE", "1000")
