@@ -7,7 +7,11 @@ Accessors are functions (not import-time constants) so tests and long-lived proc
                               override bundled models with the same id
 ``ROTATIONZOO_CACHE``         cache root (default: the platform user cache dir)
 ``ROTATIONZOO_OFFLINE``       ``1``: never touch the network (also honoured: ``HF_HUB_OFFLINE``)
-``ROTATIONZOO_TIMEOUT``       seconds a network request may take (default 10)
+``ROTATIONZOO_TIMEOUT``       seconds for each step of a request: DNS lookup, connect, TLS
+                              handshake, an answer's headers, a silent read (default 10)
+``ROTATIONZOO_MIN_RATE``      bytes per second a download's body must keep up with: a body of
+                              S bytes ends within TIMEOUT + S / MIN_RATE seconds (default 32768;
+                              0: no rate rule, only the silent-read timeout)
 ``ROTATIONZOO_RETRIES``       extra attempts of a source after a 5xx or a timeout (default 2)
 ``ROTATIONZOO_PINS``          the file of sha256 pinned on first use (default: user config dir)
 ``ROTATIONZOO_ALLOW_HTTP_LOOPBACK``  ``1``: accept ``http://`` URLs to a loopback host (tests)
@@ -26,6 +30,7 @@ value ``huggingface_hub`` would quietly read as online (``HF_HUB_OFFLINE=Y``) is
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -96,6 +101,10 @@ def _number(name: str, default: float, kind: type) -> float:
         from .errors import ConfigError
 
         raise ConfigError(f"{name}={raw!r} is not a number") from None
+    if not math.isfinite(value):
+        from .errors import ConfigError
+
+        raise ConfigError(f"{name} must be a finite number, got {raw}")
     if value < 0:
         from .errors import ConfigError
 
@@ -103,9 +112,26 @@ def _number(name: str, default: float, kind: type) -> float:
     return value
 
 
+#: Defaults of ``ROTATIONZOO_TIMEOUT`` (seconds) and ``ROTATIONZOO_MIN_RATE`` (bytes per second).
+DEFAULT_TIMEOUT = 10.0
+DEFAULT_MIN_RATE = 32768.0
+
+
 def timeout() -> float:
-    """Seconds one network request may take: ``ROTATIONZOO_TIMEOUT`` (default 10)."""
-    return float(_number("ROTATIONZOO_TIMEOUT", 10.0, float))
+    """Seconds for each step of a network request (DNS lookup, connect, TLS handshake, an answer's
+    headers, a silent read): ``ROTATIONZOO_TIMEOUT`` (default 10)."""
+    value = float(_number("ROTATIONZOO_TIMEOUT", DEFAULT_TIMEOUT, float))
+    if value == 0:
+        from .errors import ConfigError
+
+        raise ConfigError("ROTATIONZOO_TIMEOUT must be > 0 seconds, got 0")
+    return value
+
+
+def min_rate() -> float:
+    """Bytes per second a download's body must keep up with: ``ROTATIONZOO_MIN_RATE`` (default
+    32768; 0 turns the rate rule off). See :class:`rotationzoo.hub.network.Limits`."""
+    return float(_number("ROTATIONZOO_MIN_RATE", DEFAULT_MIN_RATE, float))
 
 
 def retries() -> int:

@@ -16,7 +16,8 @@ In-process mode::
         HfApi(endpoint=hub.url, token=hub.token).create_repo("acme/demo")
 
 Test hooks (Python methods and HTTP endpoints under ``/_test/``): a request log, one-shot
-fault injection (``corrupt``, ``truncate``, ``http500``, ``reset``, ``slow``) and plain raw
+fault injection (``corrupt``, ``truncate``, ``http500``, ``reset``, ``slow``, ``drip_headers``,
+``drip_body``) and plain raw
 files served under ``/raw/<path>``. See ``docs/test-hub-server.md``.
 
 When pytest is importable, this module also defines the fixtures ``hub_server``,
@@ -79,9 +80,9 @@ TEST_TOKEN = "hub-test-token"
 TEST_USER = "testuser"
 """User name reported by whoami endpoints."""
 
-FAULT_KINDS = ("corrupt", "truncate", "http500", "reset", "slow")
+FAULT_KINDS = ("corrupt", "truncate", "http500", "reset", "slow", "drip_headers", "drip_body")
 
-_BODY_FAULTS = ("corrupt", "truncate")
+_BODY_FAULTS = ("corrupt", "truncate", "drip_body")
 
 _REPO_TYPES = ("model", "dataset", "space")
 
@@ -524,12 +525,14 @@ class HubServer:
         self._httpd: _ThreadingServer | None = None
         self._thread: threading.Thread | None = None
         self._connections: set[socket.socket] = set()
+        self._stopping = threading.Event()  # wakes dripping answers when the server stops
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> HubServer:
         """Bind and serve in a daemon thread. Returns self."""
         if self._httpd is not None:
             return self
+        self._stopping.clear()
         cls = _ThreadingServer6 if ":" in self.host else _ThreadingServer
         httpd = cls((self.host, self.port), _Handler)
         httpd.hub = self
@@ -546,6 +549,7 @@ class HubServer:
         httpd, self._httpd = self._httpd, None
         if httpd is None:
             return
+        self._stopping.set()
         httpd.shutdown()
         with self._meta_lock:
             conns = list(self._connections)
@@ -609,8 +613,9 @@ class HubServer:
         """Make the next ``count`` requests whose path matches ``match`` misbehave.
 
         ``match`` is an exact path or a substring of the request path + query (decoded or raw).
-        ``corrupt`` and ``truncate`` apply to GET requests only (unless ``method`` is given);
-        ``http500``, ``reset`` and ``slow`` apply to any method. Kinds and parameters:
+        ``corrupt``, ``truncate`` and ``drip_body`` apply to GET requests only (unless ``method`` is
+        given); ``http500``, ``reset``, ``slow`` and ``drip_headers`` apply to any method. Kinds and
+        parameters:
 
         * ``corrupt``: same-size body with every byte flipped (``status`` unchanged).
         * ``truncate``: full ``Content-Length`` announced, then only ``keep`` bytes (default: half)
@@ -618,6 +623,12 @@ class HubServer:
         * ``http500``: answer ``status`` (default 500) with a JSON error body.
         * ``reset``: close the connection with a TCP reset before answering.
         * ``slow``: wait ``delay`` seconds (default 1.0) before answering normally.
+        * ``drip_headers``: send the status line and headers ``chunk`` bytes (default 1) every
+          ``interval`` seconds (default 1.0), then the body at once.
+        * ``drip_body``: send the headers at once, then the body ``chunk`` bytes (default 1) every
+          ``interval`` seconds (default 1.0).
+
+        A drip ends when the client closes the connection or the server stops.
         """
         if kind not in FAULT_KINDS:
             raise ValueError(f"unknown fault kind {kind!r}; expected one of {FAULT_KINDS}")
@@ -948,7 +959,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             response = self._error_response(err, path)
         except Exception as exc:  # pragma: no cover - a bug in the server shows up as a 500 with details
             response = _json({"error": f"{type(exc).__name__}: {exc}"}, status=500)
-        self._send(method, response, fault=fault if fault is not None and fault.kind in _BODY_FAULTS else None)
+        sent = _BODY_FAULTS + ("drip_headers",)
+        self._send(method, response, fault=fault if fault is not None and fault.kind in sent else None)
 
     def _error_response(self, err: HubError, path: str) -> Response:
         headers = dict(err.headers)
@@ -975,16 +987,17 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _send(self, method: str, response: Response, fault: Fault | None) -> None:
         body = response.body
         entry = getattr(self, "_entry", None) if not self.path.startswith("/_test/") else None
-        if fault is not None and (response.status not in (200, 206) or not body):
-            fault = None  # nothing to corrupt or cut; the fault is spent anyway
+        if fault is not None and fault.kind in _BODY_FAULTS and (response.status not in (200, 206) or not body):
+            fault = None  # nothing to corrupt, cut or drip; the fault is spent anyway
         if fault is not None and fault.kind == "corrupt":
             body = bytes(b ^ 0xFF for b in body) if len(body) < 1 << 20 else _xor_large(body)
         keep = len(body)
         if fault is not None and fault.kind == "truncate":
             keep = max(0, min(int(fault.params.get("keep", len(body) // 2)), len(body) - 1))
+        drip_body = fault is not None and fault.kind == "drip_body"
         if entry is not None:  # filled in before the client can see the response
             entry["status"] = response.status
-            entry["bytes"] = 0 if method == "HEAD" else keep
+            entry["bytes"] = 0 if method == "HEAD" or drip_body else keep
         self.send_response(response.status)
         headers = {"Content-Type": response.content_type, **response.headers}
         headers["Content-Length"] = str(len(body))
@@ -992,10 +1005,19 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.send_header(name, value)
         if self.close_connection:
             self.send_header("Connection", "close")
-        self.end_headers()
+        if fault is not None and fault.kind == "drip_headers":
+            self._headers_buffer.append(b"\r\n")  # what end_headers() would send at once
+            head, self._headers_buffer = b"".join(self._headers_buffer), []
+            if not self._drip(head, fault, None):
+                return
+        else:
+            self.end_headers()
         try:
             if method != "HEAD" and body:
-                if keep < len(body):
+                if drip_body:
+                    assert fault is not None
+                    self._drip(body, fault, entry)
+                elif keep < len(body):
                     self.wfile.write(body[:keep])
                     self.wfile.flush()
                     self.close_connection = True
@@ -1006,6 +1028,24 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.wfile.flush()
         except OSError:
             self.close_connection = True
+
+    def _drip(self, data: bytes, fault: Fault, entry: dict[str, Any] | None) -> bool:
+        """Send ``data`` ``chunk`` bytes every ``interval`` seconds. False (and the connection marked
+        for closing) when the client went away or the server stops first."""
+        chunk = max(1, int(fault.params.get("chunk", 1)))
+        interval = float(fault.params.get("interval", 1.0))
+        try:
+            for start in range(0, len(data), chunk):
+                if start and self.hub._stopping.wait(interval):
+                    raise ConnectionAbortedError("server stopping")
+                self.wfile.write(data[start:start + chunk])
+                self.wfile.flush()
+                if entry is not None:
+                    entry["bytes"] += len(data[start:start + chunk])
+        except OSError:
+            self.close_connection = True
+            return False
+        return True
 
     # -- test hooks ----------------------------------------------------------------------------
     def _handle_test_hook(self, method: str, path: str) -> Response:

@@ -21,6 +21,7 @@ import threading
 import time
 import types
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -484,6 +485,75 @@ def test_fault_slow_delays_the_answer(hub_server: HubServer) -> None:
     start = time.perf_counter()
     request("GET", url)
     assert time.perf_counter() - start < 0.4
+
+
+def _timed_read(url: str, method: str = "GET") -> tuple[float, float, bytes]:
+    """(seconds to the end of the headers, seconds to the end of the body, body) of one request."""
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+    start = time.perf_counter()
+    try:
+        conn.request(method, parts.path)
+        resp = conn.getresponse()
+        headers_done = time.perf_counter() - start
+        body = resp.read()
+        return headers_done, time.perf_counter() - start, body
+    finally:
+        conn.close()
+
+
+def test_fault_drip_headers_sends_the_head_byte_by_byte(hub_server: HubServer) -> None:
+    url = hub_server.put_raw("dh.bin", b"abc")
+    hub_server.arm_fault("dh.bin", "drip_headers", interval=0.01, chunk=8)
+    headers_done, _, body = _timed_read(url)
+    head = hub_server.requests()[-1]
+    assert body == b"abc" and head["fault"] == "drip_headers"
+    # about 160 header bytes in 8-byte pieces 10 ms apart
+    assert headers_done >= 0.1
+    assert _timed_read(url)[0] < 0.1  # one-shot
+    hub_server.arm_fault("dh.bin", "drip_headers", interval=0.01, chunk=8)
+    assert _timed_read(url, "HEAD")[0] >= 0.1  # any method
+
+
+def test_fault_drip_body_sends_the_body_byte_by_byte(hub_server: HubServer) -> None:
+    data = os.urandom(40)
+    url = hub_server.put_raw("db.bin", data)
+    hub_server.arm_fault("db.bin", "drip_body", interval=0.01)
+    headers_done, body_done, body = _timed_read(url)
+    assert body == data and headers_done < 0.1 and body_done >= 0.39  # 39 pauses of 10 ms
+    deadline = time.monotonic() + 2  # the log counts a piece just after sending it
+    while hub_server.requests()[-1]["bytes"] < len(data) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert hub_server.requests()[-1]["bytes"] == len(data)
+    assert _timed_read(url)[1] < 0.1  # one-shot
+
+
+def test_fault_drip_stops_when_the_client_leaves_or_the_server_stops(hub_server_factory: Any) -> None:
+    server = hub_server_factory()
+    url = server.put_raw("dl.bin", os.urandom(1000))
+    parts = urllib.parse.urlsplit(url)
+
+    def dripping_answer(kind: str, interval: float) -> tuple[http.client.HTTPConnection, threading.Thread]:
+        server.arm_fault("dl.bin", kind, interval=interval)
+        before = set(threading.enumerate())
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+        conn.request("GET", parts.path)
+        time.sleep(0.2)
+        (thread,) = [t for t in set(threading.enumerate()) - before if "process_request" in t.name]
+        return conn, thread
+
+    conn, thread = dripping_answer("drip_body", 0.05)
+    resp = conn.getresponse()
+    assert resp.read(3) and resp.status == 200
+    conn.close()  # the client gives up: the server notices within a piece or two
+    thread.join(timeout=3)
+    assert not thread.is_alive() and server.requests()[-1]["bytes"] < 200
+
+    conn, thread = dripping_answer("drip_headers", 30)
+    server.stop()  # the 30 s pause is cut short
+    thread.join(timeout=3)
+    assert not thread.is_alive()
+    conn.close()
 
 
 def test_fault_method_filter_and_bad_kind(hub_server: HubServer) -> None:

@@ -10,19 +10,28 @@ reach it:
    that other sources and files on it fail at once too;
 2. **ask** for the file: ``HEAD`` (Hugging Face) or the folder listing (ModelScope, which also gives
    the file's size, sha256 and commit), without following redirects. ``404`` / ``401`` / ``403`` fail the source at once; ``5xx``, ``408``, ``429`` and
-   timeouts are retried ``ROTATIONZOO_RETRIES`` times (0.5 s, 1 s, 2 s … apart); a declared size that
-   differs from the registry's, or exceeds the download cap, fails it too.
+   silent timeouts are retried ``ROTATIONZOO_RETRIES`` times (0.5 s, 1 s, 2 s … apart); a dripping
+   answer, a declared size that differs from the registry's or exceeds the download cap fail it.
 
 Only then does the client download, with its log records captured by :func:`quiet_clients` (they are
 kept for ``--debug`` / the ``rotationzoo`` logger at DEBUG level, never printed).
+
+Every download — a pre-flight request, a ``url`` stream, everything a hub client sends for one file —
+runs as a :class:`~.transfer.Transfer` with two deadlines, checked on each socket read (see
+:class:`Limits` and :mod:`.transfer`): an answer's headers within ``timeout`` seconds of its request,
+and a body that keeps up with ``min_rate`` bytes per second (a body of ``S`` bytes ends within
+``timeout + S / min_rate`` seconds). A source that misses one is given up at once, so a server
+dripping a byte every few seconds costs about ``timeout`` seconds, not hours.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import http.client
 import json
 import logging
+import math
 import socket
 import ssl
 import threading
@@ -32,6 +41,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from .. import config
+from ..errors import ConfigError
+from .transfer import GuardedHTTPConnection, GuardedHTTPSConnection, TransferStopped, transfer
 
 log = logging.getLogger("rotationzoo")
 
@@ -80,6 +91,66 @@ def shorten(text: str, limit: int = 120) -> str:
     return (cut if len(cut) > limit // 2 else line[: limit - 1]) + "…"
 
 
+# -- deadlines ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Limits:
+    """How long a download may take.
+
+    ``timeout``: seconds for each step of a request — DNS lookup, connect, TLS handshake, the
+    answer's status line and headers, any silent read. ``min_rate``: bytes per second the body must
+    keep up with — ``t`` seconds after it was first asked for, at least ``(t - timeout) * min_rate``
+    bytes have arrived — so a body of ``size`` bytes ends within :meth:`body_seconds` (0: no rate
+    rule, only the silent-read timeout). Environment: ``ROTATIONZOO_TIMEOUT``,
+    ``ROTATIONZOO_MIN_RATE``; in code: :func:`using`.
+    """
+
+    timeout: float = config.DEFAULT_TIMEOUT
+    min_rate: float = config.DEFAULT_MIN_RATE
+
+    def __post_init__(self) -> None:
+        def number(x: object) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+        if not (number(self.timeout) and self.timeout > 0):
+            raise ConfigError(f"timeout must be a finite number of seconds > 0, got {self.timeout!r}")
+        if not (number(self.min_rate) and self.min_rate >= 0):
+            raise ConfigError(f"min_rate must be a finite number of bytes per second >= 0, got {self.min_rate!r}")
+
+    def body_seconds(self, size: int) -> float:
+        """The longest a body of ``size`` bytes may take (``inf`` without a rate rule)."""
+        return self.timeout + size / self.min_rate if self.min_rate else math.inf
+
+
+_limits: contextvars.ContextVar[Limits | None] = contextvars.ContextVar("rotationzoo_limits", default=None)
+
+
+def limits() -> Limits:
+    """The limits in force: the innermost :func:`using` block's, else the environment's."""
+    return _limits.get() or Limits(config.timeout(), config.min_rate())
+
+
+@contextlib.contextmanager
+def using(*, timeout: float | None = None, min_rate: float | None = None) -> Iterator[Limits]:
+    """Downloads made in this block (this thread or task only) use these limits; a knob not given
+    keeps its current value::
+
+        with network.using(timeout=5, min_rate=100_000):
+            rotationzoo.fetch("Qwen3-8B")
+
+    Raises:
+        ConfigError: a value is not a finite number > 0 (``timeout``) or >= 0 (``min_rate``).
+    """
+    base = limits()
+    chosen = Limits(base.timeout if timeout is None else timeout, base.min_rate if min_rate is None else min_rate)
+    token = _limits.set(chosen)
+    try:
+        yield chosen
+    finally:
+        _limits.reset(token)
+
+
 def _resolve(host: str, port: int, timeout: float) -> list[tuple]:
     """``getaddrinfo`` with a deadline (it has none of its own)."""
     result: list = []
@@ -104,7 +175,7 @@ def _resolve(host: str, port: int, timeout: float) -> list[tuple]:
 def reach(url: str, timeout: float | None = None) -> None:
     """Raise :class:`Unavailable` unless ``url``'s host resolves, accepts a TCP connection and (https)
     completes a TLS handshake. A failure is remembered for a minute."""
-    timeout = config.timeout() if timeout is None else timeout
+    timeout = limits().timeout if timeout is None else timeout
     parts = urllib.parse.urlsplit(url)
     host = parts.hostname or ""
     port = parts.port or (443 if parts.scheme == "https" else 80)
@@ -158,18 +229,21 @@ def forget_unreachable() -> None:
 
 def _request(url: str, method: str, headers: dict[str, str], timeout: float, read_body: bool) -> Preflight:
     parts = urllib.parse.urlsplit(url)
-    conn_cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn_cls = GuardedHTTPSConnection if parts.scheme == "https" else GuardedHTTPConnection
     conn = conn_cls(parts.hostname or "", parts.port, timeout=timeout)
     target = parts.path + (f"?{parts.query}" if parts.query else "")
     try:
-        conn.request(method, target or "/", headers={"User-Agent": "rotationzoo", **headers})
-        resp = conn.getresponse()
-        body = resp.read(MAX_BODY) if read_body and resp.status < 300 else b""
+        with transfer(Limits(timeout, limits().min_rate)):
+            conn.request(method, target or "/", headers={"User-Agent": "rotationzoo", **headers})
+            resp = conn.getresponse()
+            body = resp.read(MAX_BODY) if read_body and resp.status < 300 else b""
         size = _declared_size(resp) if resp.status in (200, 206) and not read_body else None
         linked = resp.getheader("X-Linked-Size")
         if linked and linked.strip().isdigit():  # an LFS file behind a redirect: its real size
             size = int(linked)
         return Preflight(resp.status, size, body)
+    except TransferStopped as exc:  # a silent answer is retried like a timeout; a dripping one is not
+        raise Unavailable(exc.reason, "timeout", retryable=exc.silent) from None
     except TimeoutError:
         raise Unavailable(f"no answer within {timeout:g} s", "timeout", retryable=True) from None
     except (OSError, http.client.HTTPException) as exc:
@@ -197,7 +271,7 @@ def ask(url: str, *, method: str = "HEAD", headers: dict[str, str] | None = None
     Raises:
         Unavailable: the host is unreachable, the file is missing or refused, or retries ran out.
     """
-    timeout = config.timeout() if timeout is None else timeout
+    timeout = limits().timeout if timeout is None else timeout
     retries = config.retries() if retries is None else retries
     reach(url, timeout)
     for attempt in range(retries + 1):
@@ -205,6 +279,8 @@ def ask(url: str, *, method: str = "HEAD", headers: dict[str, str] | None = None
             answer = _request(url, method, headers or {}, timeout, read_body)
         except Unavailable as exc:
             failure = exc
+            if not failure.retryable:  # a dripping answer: the next source, not another try
+                raise
         else:
             status = answer.status
             if status < 400:

@@ -8,9 +8,11 @@ Each returns the downloaded file and every path that must be removed if its byte
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 import re
+import stat
 import sys
 import tempfile
 import time
@@ -22,7 +24,8 @@ from .. import config
 from .._inspect import MAX_BYTES
 from ..registry import FileEntry, Source
 from ..registry.safety import bundled_file
-from .network import Unavailable, reach, shorten
+from . import transfer
+from .network import Unavailable, limits, reach, shorten
 
 
 @dataclass
@@ -79,21 +82,70 @@ def _hf_bars() -> Iterator[None]:
             enable_progress_bars()
 
 
+def _bounded(call: Callable[[], str], error: type[transfer.TransferStopped] = transfer.TransferStopped) -> str:
+    """Run a hub client's download under the deadlines (:mod:`.transfer`); a missed one is the
+    source's failure (``Unavailable``, kind ``timeout``), whatever the client made of it."""
+    transfer.hook_clients()
+    with transfer.transfer(limits(), client=True, error=error) as t:
+        try:
+            return call()
+        except Exception:
+            if t.stopped is not None:
+                raise Unavailable(t.stopped.reason, t.stopped.kind) from None
+            raise
+
+
 def download_huggingface(src: Source, f: FileEntry, *, hub_cache: Path, dest_dir: Path, revision: str | None,
                          force: bool) -> Download:
     from huggingface_hub import hf_hub_download
 
     assert src.repo is not None
-    with _hf_bars():
-        return _with_blob(hf_hub_download(
-            repo_id=src.repo,
+    repo = src.repo
+    with _hf_bars():  # a stopped download's ``.incomplete`` file is removed by the client itself
+        return _with_blob(_bounded(lambda: hf_hub_download(
+            repo_id=repo,
             filename=f.source_path(src),
             revision=revision,
             cache_dir=str(hub_cache / "huggingface"),
             endpoint=hf_endpoint(),
             force_download=force,
-            etag_timeout=config.timeout(),
-        ))
+            etag_timeout=limits().timeout,
+        )))
+
+
+@functools.lru_cache(maxsize=1)
+def _modelscope_stop() -> type[transfer.TransferStopped]:
+    """The exception a stopped transfer raises into ModelScope: one of its own non-retryable errors,
+    so that it does not sleep and retry (it retries anything else)."""
+    try:
+        from modelscope_hub.errors import HubError
+    except ImportError:  # older modelscope: no retry layer of its own
+        return transfer.TransferStopped
+
+    class ModelScopeTransferStopped(transfer.TransferStopped, HubError):
+        retryable = False
+
+    return ModelScopeTransferStopped
+
+
+def _modelscope_partials(hub_cache: Path, repo: str, revision: str | None, path: str) -> list[Path]:
+    """Where ModelScope keeps a partial download (``<file>.incomplete``, to resume it later): the
+    snapshot layout, and the two older layouts it still reuses."""
+    base = hub_cache / "modelscope" / "models"
+    owner, _, name = repo.partition("/")
+    legacy = name.replace(".", "___")
+    folders = [base / repo.replace("/", "--") / "snapshots" / (revision or "master"), base / owner / legacy,
+               hub_cache / "modelscope" / "hub" / "models" / owner / legacy]
+    return [folder / f"{path}.incomplete" for folder in folders]
+
+
+def _remove_partials(paths: list[Path], root: Path) -> None:
+    """Remove regular files (never a link's target) that lie inside ``root``."""
+    top = os.path.realpath(root)
+    for p in paths:
+        with contextlib.suppress(OSError):
+            if os.path.commonpath([os.path.realpath(p.parent), top]) == top and stat.S_ISREG(p.lstat().st_mode):
+                p.unlink()
 
 
 def download_modelscope(src: Source, f: FileEntry, *, hub_cache: Path, dest_dir: Path, revision: str | None,
@@ -101,16 +153,22 @@ def download_modelscope(src: Source, f: FileEntry, *, hub_cache: Path, dest_dir:
     from modelscope.hub.file_download import model_file_download
 
     assert src.repo is not None
+    repo = src.repo
     # its tqdm bars cannot be switched off; keep them for terminals, drop them from logs and pipes
     quiet = contextlib.nullcontext() if _show_progress() else contextlib.redirect_stderr(io.StringIO())
-    with quiet:
-        path = model_file_download(
-            model_id=src.repo,
-            file_path=f.source_path(src),
-            revision=revision,  # always explicit: None would mean "newest tag"
-            cache_dir=str(hub_cache / "modelscope"),
-            endpoint=ms_endpoint(),
-        )
+    try:
+        with quiet:
+            path = _bounded(lambda: model_file_download(
+                model_id=repo,
+                file_path=f.source_path(src),
+                revision=revision,  # always explicit: None would mean "newest tag"
+                cache_dir=str(hub_cache / "modelscope"),
+                endpoint=ms_endpoint(),
+            ), _modelscope_stop())
+    except BaseException:
+        # ModelScope keeps what it got to resume it another time: nothing partial stays in the cache
+        _remove_partials(_modelscope_partials(hub_cache, repo, revision, f.source_path(src)), hub_cache)
+        raise
     return _with_blob(path)
 
 
@@ -134,14 +192,21 @@ def download_url(src: Source, f: FileEntry, *, hub_cache: Path, dest_dir: Path, 
 
 
 def _stream_url(url: str, name: str, dest_dir: Path, limit: int) -> Download:
+    lim = limits()
+    with transfer.transfer(lim):
+        return _stream_url_in(url, name, dest_dir, limit, lim.timeout)
+
+
+def _stream_url_in(url: str, name: str, dest_dir: Path, limit: int, timeout: float) -> Download:
     import urllib.error
     import urllib.request
 
-    timeout = config.timeout()
     reach(url, timeout)
     req = urllib.request.Request(url, headers={"User-Agent": "rotationzoo"})
     try:
-        resp = urllib.request.urlopen(req, timeout=timeout)
+        resp = transfer.opener().open(req, timeout=timeout)
+    except transfer.TransferStopped as exc:  # a silent server is retried like a timeout, a dripping one is not
+        raise Unavailable(exc.reason, "timeout", retryable=exc.silent) from None
     except urllib.error.HTTPError as exc:
         exc.close()
         kind = {404: "not_found", 401: "denied", 403: "denied"}.get(exc.code, "http")
@@ -168,6 +233,9 @@ def _stream_url(url: str, name: str, dest_dir: Path, limit: int) -> Download:
                         raise Unavailable(f"sent more than the expected {limit} B; stopped", "too_large")
                     out.write(block)
                     bar(len(block))
+        except transfer.TransferStopped as exc:
+            os.unlink(tmp)
+            raise Unavailable(exc.reason, "timeout") from None
         except TimeoutError:
             os.unlink(tmp)
             raise Unavailable(f"stalled for {timeout:g} s mid-download", "timeout", retryable=True) from None

@@ -1,0 +1,339 @@
+"""Deadlines on the byte stream: every socket read of a download is bounded by its transfer's
+deadlines, whoever makes it — rotationzoo's own requests, ``huggingface_hub`` (httpx over httpcore)
+or ``modelscope`` (requests over urllib3).
+
+A download runs inside :func:`transfer`; the :class:`Transfer` it yields lives in a context
+variable, so only reads made by that thread or task, while the block runs, are affected. The hub
+clients' reads are reached through three small hooks (:func:`hook_clients`), installed once, that do
+nothing outside a transfer:
+
+* httpcore's ``SyncStream.read`` / ``TLSinTLSStream.read``: each read's timeout is cut to the time
+  left (and a read past a deadline raises);
+* httpx's ``HTTPTransport.handle_request``: marks where a request starts and its headers end;
+* urllib3's ``HTTPConnection.getresponse``: the same, and its socket is wrapped in a
+  :class:`GuardedSocket` so that ``http.client``'s reads are cut the same way.
+
+The clients run in the calling thread, so when a download returns or raises, nothing of it is left
+running. A stopped transfer raises into the client an exception it does not retry on (for
+ModelScope, one of its own non-retryable errors), and every later request of the transfer raises at
+once; what the client wrote so far is its own partial file, which it removes (huggingface_hub) or
+the downloader removes (ModelScope, see :mod:`.sources`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import http.client
+import io
+import logging
+import socket
+import sys
+import threading
+import time
+import urllib.request
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
+
+if TYPE_CHECKING:
+    from .network import Limits
+
+log = logging.getLogger("rotationzoo")
+
+
+class TransferStopped(Exception):
+    """A transfer missed a deadline (``kind`` ``"timeout"``), or a hub client got an answer it would
+    sleep and retry on (``kind`` ``"http"``). ``silent``: nothing at all arrived in time."""
+
+    def __init__(self, reason: str, kind: str = "timeout", silent: bool = False) -> None:
+        super().__init__(reason)
+        self.reason, self.kind, self.silent = reason, kind, silent
+
+
+class Transfer:
+    """The deadlines of one download (every request made for one file from one source), checked on
+    each socket read made while it is active (:func:`transfer`). Once a deadline is missed the
+    transfer stays stopped: every later read or request of it raises ``error`` at once, so a client
+    that retries or swallows the error cannot go on."""
+
+    def __init__(self, lim: Limits, *, client: bool = False, error: type[TransferStopped] = TransferStopped) -> None:
+        self.limits, self.client, self.error = lim, client, error
+        self.stopped: TransferStopped | None = None
+        self._headers_due: float | None = None
+        self._in_body = False
+        self._body_start: float | None = None
+        self._body_bytes = 0
+        self._phase_bytes = 0
+
+    def request(self) -> None:
+        """A request was sent: its answer's headers are due within ``timeout``."""
+        self._check()
+        self._headers_due, self._in_body, self._phase_bytes = time.monotonic() + self.limits.timeout, False, 0
+
+    def answered(self, status: int) -> None:
+        """The answer's headers arrived. A hub client's 408 / 429 / 5xx ends the transfer: the client
+        would sleep (as long as a ``Retry-After`` says) and retry, while rotationzoo fails over."""
+        self._check()
+        self._headers_due, self._in_body, self._phase_bytes = None, True, 0
+        if self.client and (status in (408, 429) or status >= 500):
+            self._stop(f"HTTP {status} on the download request", "http")
+
+    def read_timeout(self, timeout: float | None) -> float:
+        """Socket timeout for the next read: ``timeout`` (the caller's), at most ``limits.timeout``,
+        never past a deadline. Raises ``error`` when a deadline has passed."""
+        self._check()
+        now = time.monotonic()
+        if self._in_body and self._body_start is None:
+            self._body_start = now  # the body's budget runs from its first read
+        limit = self.limits.timeout if timeout is None else min(timeout, self.limits.timeout)
+        due = self._due()
+        if due is not None:
+            if due <= now:
+                self._expire()
+            limit = min(limit, due - now)
+        return max(limit, 1e-3)
+
+    def received(self, n: int) -> None:
+        self._phase_bytes += n
+        if self._in_body:
+            self._body_bytes += n
+
+    def timed_out(self) -> None:
+        """A read timed out: raise ``error`` if that was a deadline (else it was a silent read, for
+        the caller to handle as before)."""
+        due = self._due()
+        if due is not None and time.monotonic() >= due - 0.01:
+            self._expire()
+
+    def _due(self) -> float | None:
+        dues = [] if self._headers_due is None else [self._headers_due]
+        if self._body_start is not None and self.limits.min_rate:
+            dues.append(self._body_start + self.limits.timeout + self._body_bytes / self.limits.min_rate)
+        return min(dues, default=None)
+
+    def _expire(self) -> None:
+        lim, silent = self.limits, self._phase_bytes == 0
+        if not self._in_body:
+            reason = (f"no answer within {lim.timeout:g} s" if silent else
+                      f"headers not complete {lim.timeout:g} s after the request ({self._phase_bytes} B: dripping)")
+        else:
+            elapsed = time.monotonic() - (self._body_start or time.monotonic())
+            reason = (f"body too slow: {self._body_bytes} B in {elapsed:.1f} s, under the minimum "
+                      f"{lim.min_rate:g} B/s (ROTATIONZOO_MIN_RATE)")
+        self._stop(reason, "timeout", silent)
+
+    def _stop(self, reason: str, kind: str, silent: bool = False) -> None:
+        if self.stopped is None:
+            self.stopped = self.error(reason, kind, silent)
+        raise self.stopped
+
+    def _check(self) -> None:
+        if self.stopped is not None:
+            raise self.error(self.stopped.reason, self.stopped.kind, self.stopped.silent)
+
+
+_active: contextvars.ContextVar[Transfer | None] = contextvars.ContextVar("rotationzoo_transfer", default=None)
+
+
+def active() -> Transfer | None:
+    """The transfer of this thread or task, if one is running."""
+    return _active.get()
+
+
+@contextlib.contextmanager
+def transfer(lim: Limits, *, client: bool = False, error: type[TransferStopped] = TransferStopped
+             ) -> Iterator[Transfer]:
+    """Run a download under ``lim``: socket reads in this block (this thread or task) report to the
+    yielded :class:`Transfer`. ``client``: the requests are a hub client's (see
+    :meth:`Transfer.answered`); ``error``: the exception type raised into the client."""
+    t = Transfer(lim, client=client, error=error)
+    token = _active.set(t)
+    try:
+        yield t
+    finally:
+        _active.reset(token)
+
+
+class GuardedSocket:
+    """A connected socket (plain or TLS) whose reads through :meth:`makefile` — how ``http.client``
+    and ``urllib3`` read answers — honour the active transfer's deadlines; the rest is the socket's."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._timeout = sock.gettimeout()
+
+    def settimeout(self, value: float | None) -> None:
+        self._timeout = value
+        self._sock.settimeout(value)
+
+    def gettimeout(self) -> float | None:
+        return self._timeout
+
+    def makefile(self, mode: str = "r", buffering: int | None = None, **kwargs: Any) -> Any:
+        if mode != "rb":
+            return self._sock.makefile(mode, buffering, **kwargs)  # type: ignore[call-overload]
+        reader = _GuardedReader(self._sock.makefile("rb", buffering=0), self)
+        return reader if buffering == 0 else io.BufferedReader(reader, buffering or io.DEFAULT_BUFFER_SIZE)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+class _GuardedReader(io.RawIOBase):
+    def __init__(self, raw: Any, owner: GuardedSocket) -> None:
+        self._raw, self._owner = raw, owner
+
+    def readable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    def readinto(self, buffer: Any) -> int | None:
+        t = _active.get()
+        if t is None:
+            return self._raw.readinto(buffer)
+        sock, base = self._owner._sock, self._owner._timeout
+        sock.settimeout(t.read_timeout(base))
+        try:
+            n = self._raw.readinto(buffer)
+        except TimeoutError:
+            t.timed_out()
+            raise
+        finally:
+            with contextlib.suppress(OSError):
+                sock.settimeout(base)
+        t.received(n or 0)
+        return n
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
+
+
+_R = TypeVar("_R")
+
+
+def guarded_getresponse(conn: Any, getresponse: Callable[[], _R]) -> _R:
+    """``conn.getresponse()`` (an ``http.client`` or ``urllib3`` connection) as a step of the active
+    transfer: the socket's reads are guarded, the headers are due within ``timeout``."""
+    t = _active.get()
+    if t is None:
+        return getresponse()
+    if conn.sock is not None and not isinstance(conn.sock, GuardedSocket):
+        conn.sock = GuardedSocket(conn.sock)
+    t.request()
+    response = getresponse()
+    try:
+        t.answered(int(getattr(response, "status", 0)))
+    except BaseException:
+        response.close()  # type: ignore[attr-defined]
+        raise
+    return response
+
+
+class GuardedHTTPConnection(http.client.HTTPConnection):
+    """``http.client.HTTPConnection`` whose answers are read under the active transfer."""
+
+    def getresponse(self) -> http.client.HTTPResponse:
+        return guarded_getresponse(self, super().getresponse)
+
+
+class GuardedHTTPSConnection(http.client.HTTPSConnection):
+    """``http.client.HTTPSConnection`` whose answers are read under the active transfer."""
+
+    def getresponse(self) -> http.client.HTTPResponse:
+        return guarded_getresponse(self, super().getresponse)
+
+
+class _HTTPHandler(urllib.request.HTTPHandler):
+    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(GuardedHTTPConnection, req)
+
+
+class _HTTPSHandler(urllib.request.HTTPSHandler):
+    def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(GuardedHTTPSConnection, req)  # the default TLS context, as urlopen's
+
+
+def opener() -> urllib.request.OpenerDirector:
+    """A ``urllib`` opener (redirects, proxies from the environment) whose connections honour the
+    active transfer's deadlines."""
+    return urllib.request.build_opener(_HTTPHandler, _HTTPSHandler)
+
+
+_hook_lock = threading.Lock()
+_hooked: set[str] = set()
+
+
+def hook_clients() -> None:
+    """Put the hub clients' HTTP stacks that are loaded (httpx2/httpcore2 or httpx/httpcore,
+    urllib3) under the active transfer's deadlines. Idempotent; no effect outside a transfer."""
+    with _hook_lock:
+        for httpx_name, core_name in (("httpx2", "httpcore2"), ("httpx", "httpcore")):
+            if httpx_name in sys.modules and httpx_name not in _hooked:
+                _hook_httpx(httpx_name, core_name)
+                _hooked.add(httpx_name)
+        if "urllib3" in sys.modules and "urllib3" not in _hooked:
+            _hook_urllib3()
+            _hooked.add("urllib3")
+
+
+def _hook_httpx(httpx_name: str, core_name: str) -> None:
+    import importlib
+
+    httpx = importlib.import_module(httpx_name)
+    core = importlib.import_module(core_name)
+    sync = importlib.import_module(f"{core_name}._backends.sync")
+    streams = [getattr(sync, n) for n in ("SyncStream", "TLSinTLSStream") if hasattr(sync, n)]
+    transport = getattr(httpx, "HTTPTransport", None)
+    if not streams or transport is None or not hasattr(core, "ReadTimeout"):
+        log.warning("rotationzoo: %s %s has no stream reads to bound; its downloads are not under the "
+                    "ROTATIONZOO_TIMEOUT / ROTATIONZOO_MIN_RATE deadlines", core_name,
+                    getattr(core, "__version__", "?"))
+        return
+    read_timeout = core.ReadTimeout
+    for cls in streams:
+        original_read = cls.read
+
+        def read(self: Any, max_bytes: int, timeout: float | None = None, _read: Any = original_read) -> bytes:
+            t = _active.get()
+            if t is None:
+                return _read(self, max_bytes, timeout)
+            try:
+                data = _read(self, max_bytes, t.read_timeout(timeout))
+            except read_timeout:
+                t.timed_out()
+                raise
+            t.received(len(data))
+            return data
+
+        cls.read = read
+
+    original_handle = transport.handle_request
+
+    def handle_request(self: Any, request: Any) -> Any:
+        t = _active.get()
+        if t is None:
+            return original_handle(self, request)
+        t.request()
+        response = original_handle(self, request)
+        try:
+            t.answered(response.status_code)
+        except BaseException:
+            response.close()
+            raise
+        return response
+
+    transport.handle_request = handle_request
+
+
+def _hook_urllib3() -> None:
+    import urllib3.connection
+
+    cls = urllib3.connection.HTTPConnection
+    original = cls.getresponse
+
+    def getresponse(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return guarded_getresponse(self, lambda: original(self, *args, **kwargs))
+
+    cls.getresponse = getresponse  # type: ignore[method-assign]
