@@ -21,6 +21,7 @@ from ._inspect import (
     MAX_KV_HEADS,
     MAX_LAYERS,
     FLOAT_DTYPES,
+    STORAGE_TYPES,
     Limits,
     TensorMeta,
     check_view,
@@ -47,6 +48,12 @@ SAFETENSORS_DTYPES: dict[str, tuple[str, int]] = {
     "BOOL": ("bool", 1),
 }
 _MAX_TEXT = 1024  # objective, source_grouping
+#: Bytes of each element type, by the names :class:`~rotationzoo._inspect.TensorMeta` uses.
+ITEMSIZE: dict[str, int] = {**dict(SAFETENSORS_DTYPES.values()), **dict(STORAGE_TYPES.values())}
+
+#: Most bytes the orthogonality check of :func:`rotationzoo.validate` works in at a time: it measures
+#: ``max|R Rᵀ − I|`` in fp64 on chunks of matrices (row blocks of one matrix when ``d`` is large).
+VALIDATION_CHUNK_BYTES = 16 << 20
 
 
 #: ``source_grouping`` of a file holding one rotation per (layer, KV head): ``[H_kv, d, d]`` per layer.
@@ -125,14 +132,62 @@ def _check_same_shape(rows: list[tuple[int, Any, Any]], name: str) -> None:
         raise RotationFileError(f"{name}: layers have different numbers of KV heads ({detail})")
 
 
-def _check_loaded_bytes(rows: list[tuple[int, Any, Any]], grouping: str, name: str, limits: Limits) -> None:
+def validation_chunks(d: int, count: int) -> tuple[int, int]:
+    """``(matrices per chunk, rows per block)`` of the fp64 orthogonality check of ``count`` ``[d, d]``
+    matrices: whole matrices while 17·d² bytes each fit :data:`VALIDATION_CHUNK_BYTES`, else one
+    matrix at a time in blocks of rows."""
+    per = 17 * d * d  # an fp64 copy, its fp64 product and a bool finiteness mask
+    if per <= VALIDATION_CHUNK_BYTES:
+        return max(1, min(count, VALIDATION_CHUNK_BYTES // per)), d
+    return 1, max(1, VALIDATION_CHUNK_BYTES // (25 * d))
+
+
+def validation_work_bytes(d: int, count: int) -> int:
+    """The most bytes :func:`rotationzoo.validate` allocates at once to check ``count`` ``[d, d]`` matrices."""
+    n, b = validation_chunks(d, count)
+    return n * 17 * d * d if b == d else 17 * b * d + 8 * b * b  # two fp64 row blocks, their product, a mask
+
+
+def _stored_bytes(rows: list[tuple[int, Any, Any]]) -> int:
+    """Bytes the tensors of ``rows`` occupy as stored (each storage once), as records or as tensors."""
+    seen: dict[Any, int] = {}
+    for _, rot, eig in rows:
+        for t in (rot, eig):
+            if t is None:
+                continue
+            if isinstance(t, TensorMeta):
+                key: Any = ("record", t.storage.key) if t.storage is not None else id(t)
+                size = (t.storage.numel * t.storage.itemsize if t.storage is not None
+                        else t.numel * ITEMSIZE.get(t.dtype, 8))
+            else:
+                try:
+                    st = t.untyped_storage()
+                    key, size = ("tensor", st.data_ptr(), t.device), int(st.nbytes())
+                except Exception:  # a tensor kind without a plain storage
+                    key, size = id(t), t.numel() * t.element_size()
+            seen[key] = max(seen.get(key, 0), size)
+    return sum(seen.values())
+
+
+def memory_need(rows: list[tuple[int, Any, Any]]) -> tuple[int, int, int]:
+    """``(stored, loaded, validation)`` bytes of reading and validating ``rows``: the tensors as stored
+    (what ``torch.load`` / safetensors materialise), as stacked in fp32 (layers that share one stored
+    tensor count once per layer), and the fp64 working set of :func:`rotationzoo.validate`."""
     shape = tuple(rows[0][1].shape)
-    d, h = shape[-1], (shape[0] if len(shape) == 3 else 1)
-    loaded = len(rows) * h * (d * d + d) * 4  # fp32 after stacking; layers may share one stored tensor
+    d, h = int(shape[-1]), (int(shape[0]) if len(shape) == 3 else 1)
+    loaded = len(rows) * h * (d * d + d) * 4
+    return _stored_bytes(rows), loaded, validation_work_bytes(d, len(rows) * h)
+
+
+def _check_loaded_bytes(rows: list[tuple[int, Any, Any]], grouping: str, name: str, limits: Limits) -> None:
+    stored, loaded, work = memory_need(rows)
     cap = limits.max_bytes_kv_head if grouping == KV_HEAD else limits.max_bytes
-    if loaded > cap:
-        what = f"{len(rows)} layers of d={d}" + (f" and {h} KV heads" if grouping == KV_HEAD else "")
-        raise RotationFileError(f"{name}: {what} need {loaded} bytes loaded, more than max_bytes={cap}{limits.note}")
+    if stored + loaded + work > cap:
+        shape = tuple(rows[0][1].shape)
+        what = f"{len(rows)} layers of d={shape[-1]}" + (f" and {shape[0]} KV heads" if grouping == KV_HEAD else "")
+        raise RotationFileError(f"{name}: {what} need {stored + loaded + work} bytes to read and validate ({stored} "
+                                f"stored, {loaded} loaded in fp32, {work} to validate), more than max_bytes={cap}"
+                                f"{limits.note}")
 
 
 def _is_tensor(x: Any) -> bool:
@@ -209,8 +264,10 @@ def make_limits(max_head_dim: int = MAX_HEAD_DIM, max_layers: int = MAX_LAYERS, 
                 num_kv_heads: int | None = None) -> Limits:
     """The :class:`~rotationzoo._inspect.Limits` in force: the maxima, tightened by expectations.
 
-    Per-layer files get ``min(max_bytes, max_layers * (d² + d) * 8)``; per-KV-head files that
-    bound times ``num_kv_heads`` when it is known, else ``max_bytes``.
+    Per-layer files get ``min(max_bytes, max_layers·(d² + d)·12 + validation_work_bytes(d,
+    max_layers))``: fp64 as stored plus fp32 as loaded, plus validation's working set; per-KV-head
+    files the same for ``max_layers·num_kv_heads`` matrices when ``num_kv_heads`` is known, else
+    ``max_bytes``.
     """
     note = ""
     if head_dim is not None:
@@ -226,10 +283,12 @@ def make_limits(max_head_dim: int = MAX_HEAD_DIM, max_layers: int = MAX_LAYERS, 
     if min(max_head_dim, max_layers, max_bytes, max_kv_heads) < 1:
         raise RotationFileError(f"limits must be positive: max_head_dim={max_head_dim}, max_layers={max_layers}, "
                                 f"max_bytes={max_bytes}, max_kv_heads={max_kv_heads}")
-    derived = max_layers * (max_head_dim * max_head_dim + max_head_dim) * 8
+    def derived(count: int) -> int:  # `count` matrices of max_head_dim: fp64 stored + fp32 loaded + validation
+        return count * (max_head_dim * max_head_dim + max_head_dim) * 12 + validation_work_bytes(max_head_dim, count)
+
     if num_kv_heads is not None:
-        kv_bytes = min(max_bytes, derived * max_kv_heads)
-    return Limits(max_head_dim=max_head_dim, max_layers=max_layers, max_bytes=min(max_bytes, derived), note=note,
+        kv_bytes = min(max_bytes, derived(max_layers * max_kv_heads))
+    return Limits(max_head_dim=max_head_dim, max_layers=max_layers, max_bytes=min(max_bytes, derived(max_layers)), note=note,
                   max_kv_heads=max_kv_heads, max_bytes_kv_head=kv_bytes)
 
 

@@ -202,16 +202,24 @@ class RotationSet:
         name = str(path) if path else "rotation data"
         limits = limits or make_limits(max_head_dim, max_layers, max_bytes)
         version, parsed, objective, grouping = _schema.parse(obj, name, limits)
-        # stack copies: layers that shared one storage in the file become independent tensors
+        # copied layer by layer into one fp32 tensor (no per-layer intermediates: the loaded size
+        # is what max_bytes counts); layers that shared one storage become independent matrices
         eigs = [p[2] for p in parsed]
         try:
-            rotations = torch.stack([p[1].detach().to(torch.float32) for p in parsed]).contiguous()
-            eigenvalues = (torch.stack([e.detach().to(torch.float32) for e in eigs]).contiguous()
-                           if all(e is not None for e in eigs) else None)
+            rotations = _stack_fp32([p[1] for p in parsed])
+            eigenvalues = _stack_fp32(eigs) if all(e is not None for e in eigs) else None
         except RuntimeError as exc:  # e.g. tensors on different devices in a dict built in memory
             raise RotationFileError(f"{name}: cannot stack the layers ({exc_line(exc)})") from None
         return cls(rotations=rotations, layer_ids=tuple(p[0] for p in parsed), objective=objective,
                    eigenvalues=eigenvalues, format_version=version, source_grouping=grouping, path=path)
+
+
+def _stack_fp32(tensors: list[Any]) -> torch.Tensor:
+    """``torch.stack(tensors)`` as fp32, on the first tensor's device, without per-tensor copies."""
+    out = torch.empty((len(tensors), *tensors[0].shape), dtype=torch.float32, device=tensors[0].device)
+    for i, t in enumerate(tensors):
+        out[i].copy_(t.detach())
+    return out
 
 
 def _dedupe(t: torch.Tensor, seen: list[torch.Tensor]) -> torch.Tensor:

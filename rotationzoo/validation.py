@@ -4,7 +4,10 @@ A set is valid when it has at least one layer, every matrix is square, floating 
 ``max|R Rᵀ − I| ≤ atol`` (default 1e-5, computed in fp64), eigenvalues (when present) have length
 ``d``, and it matches what is expected of the model (layer ids or count, head_dim, and for
 per-KV-head sets the number of KV heads). Per-KV-head sets are checked matrix by matrix; messages
-name the layer and the head.
+name the layer and the head. The fp64 work is done in chunks: :func:`validate` never allocates
+more than :func:`~rotationzoo._schema.validation_work_bytes` at once (at most 8 MiB), which the
+readers' ``max_bytes`` counts. :func:`pair_disagreement` is the one K/V agreement rule (export,
+serving and ``rotationzoo verify`` apply it).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any, Iterable
 import torch
 
 from ._inspect import exc_line
+from ._schema import validation_chunks
 from .errors import InvalidRotationError, RotationZooError
 from .format import RotationSet, read_rotation
 from .hashing import sha256_file
@@ -50,10 +54,72 @@ class ValidationReport:
 
 
 def orthogonality_errors(rotations: torch.Tensor) -> torch.Tensor:
-    """``max|R Rᵀ − I|`` per matrix, in fp64. ``rotations [..., d, d]`` → ``[...]`` fp64."""
-    r = rotations.detach().to(torch.float64)
-    eye = torch.eye(r.shape[-1], dtype=torch.float64, device=r.device)
-    return (r @ r.transpose(-1, -2) - eye).abs().amax(dim=(-1, -2))
+    """``max|R Rᵀ − I|`` per matrix, in fp64 (NaN for a matrix with non-finite values).
+
+    ``rotations [..., d, d]`` → ``[...]`` fp64. Works chunk by chunk
+    (:func:`~rotationzoo._schema.validation_chunks`): whole matrices while they fit, else blocks of
+    rows of one matrix, so it never holds more than
+    :func:`~rotationzoo._schema.validation_work_bytes` of fp64 at once.
+    """
+    r = rotations.detach()
+    d = int(r.shape[-1])
+    mats = r.reshape(-1, d, d)
+    out = torch.empty(mats.shape[0], dtype=torch.float64, device=r.device)
+    n, b = validation_chunks(d, mats.shape[0])
+    for c in range(0, mats.shape[0], n):
+        if b < d:
+            out[c] = _blocked_error(mats[c], b)
+            continue
+        a = mats[c:c + n].to(torch.float64)
+        prod = a @ a.transpose(-1, -2)
+        del a
+        prod.diagonal(dim1=-2, dim2=-1).sub_(1)
+        out[c:c + n] = prod.abs_().amax(dim=(-1, -2))
+    return out.reshape(r.shape[:-2])
+
+
+def _blocked_error(m: torch.Tensor, b: int) -> torch.Tensor:
+    """``max|M Mᵀ − I|`` of one ``[d, d]`` matrix from ``b``-row blocks (``M Mᵀ`` is symmetric: j ≥ i)."""
+    d = int(m.shape[-1])
+    worst = torch.zeros((), dtype=torch.float64, device=m.device)
+    for i in range(0, d, b):
+        a = m[i:i + b].to(torch.float64)
+        for j in range(i, d, b):
+            prod = a @ (a if j == i else m[j:j + b].to(torch.float64)).T
+            if j == i:
+                prod.diagonal().sub_(1)
+            worst = torch.maximum(worst, prod.abs_().amax())
+    return worst
+
+
+def nonfinite_counts(rotations: torch.Tensor) -> torch.Tensor:
+    """How many NaN / inf values each ``[d, d]`` matrix holds (``[...]`` int64), chunk by chunk."""
+    r = rotations.detach()
+    d = int(r.shape[-1])
+    mats = r.reshape(-1, d, d)
+    out = torch.zeros(mats.shape[0], dtype=torch.int64, device=r.device)
+    n, b = validation_chunks(d, mats.shape[0])
+    for c in range(0, mats.shape[0], n):
+        for i in range(0, d, b):
+            out[c:c + n] += d * min(b, d - i) - torch.isfinite(mats[c:c + n, i:i + b]).sum(dim=(-1, -2))
+    return out.reshape(r.shape[:-2])
+
+
+def pair_disagreement(k: Any, v: Any) -> str | None:
+    """What the K and the V side of one pair disagree on, or ``None``: the rule export, serving and
+    ``rotationzoo verify`` apply. ``k`` and ``v`` are :class:`RotationSet` s or :class:`ValidationReport` s
+    (anything with ``layer_ids``, ``head_dim`` and ``num_kv_heads``, ``None`` for per-layer sets).
+
+    K and V must cover the same layer ids with the same ``d``; two per-KV-head sides must also
+    have the same number of KV heads.
+    """
+    k_ids, v_ids = tuple(k.layer_ids), tuple(v.layer_ids)
+    if k_ids != v_ids or k.head_dim != v.head_dim:
+        return (f"K and V disagree: K has {len(k_ids)} layers ({_short(list(k_ids))}) × d {k.head_dim}, "
+                f"V has {len(v_ids)} layers ({_short(list(v_ids))}) × d {v.head_dim}")
+    if k.num_kv_heads is not None and v.num_kv_heads is not None and k.num_kv_heads != v.num_kv_heads:
+        return f"K and V disagree: K has {k.num_kv_heads} KV heads, V has {v.num_kv_heads}"
+    return None
 
 
 def validate(
@@ -153,10 +219,10 @@ def _check_numerics(rotation_set: RotationSet, name: str, atol: float, report: V
     def where(m: int) -> str:
         return f"layer {ids[m // heads]}, head {m % heads}" if rotation_set.per_head else f"layer {ids[m]}"
 
-    finite = torch.isfinite(mats).flatten(1).all(dim=1)
+    nonfinite = nonfinite_counts(mats)
+    finite = nonfinite == 0
     for m in (~finite).nonzero().flatten().tolist():
-        n_bad = int((~torch.isfinite(mats[m])).sum())
-        problems.append(f"{name}: {where(m)}: {n_bad} non-finite values (NaN or inf)")
+        problems.append(f"{name}: {where(m)}: {int(nonfinite[m])} non-finite values (NaN or inf)")
     if bool(finite.any()):
         errs = orthogonality_errors(mats)
         errs = torch.where(finite, errs, torch.zeros_like(errs))
