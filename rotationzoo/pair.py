@@ -30,15 +30,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
-from .errors import ExportError, InvalidRotationError, RotationFileError, RotationZooError, UnknownModelError
+from ._inspect import parse_index
+from .errors import ExportError, IntegrityError, InvalidRotationError, RotationFileError, RotationZooError
+from .errors import UnknownModelError
 from .fit.output import MANIFEST_NAME
 from .format import RotationSet, read_rotation
-from .hashing import sha256_file
+from .hashing import read_hashed
 from .hub import fetch_entry
 from .int2kv import Int2KVConfig
 from .pairfile import file_kind, read_pair_file
 from .registry import SIDES, TagEntry, get_entry, load_registry, split_model_tag
-from .validation import DEFAULT_ATOL, ValidationReport, validate, verify_file
+from .validation import DEFAULT_ATOL, ValidationReport, pair_disagreement, validate, verify_file
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -56,9 +58,11 @@ class RotationPair:
             exported side); each holds ``rotations [L, d, d]`` applied as ``x_rot = x @ R``.
         entry: the registry entry when resolved from the registry, else ``None``.
         paths: local files per side (the same file for both sides of a pair file).
-        sha256: sha256 of each side's source file, when known.
-        metadata: metadata of a pair file (strings); for a fitted folder, the ``group_size`` its
-            ``rotationzoo.json`` records; else empty.
+        sha256: sha256 of the bytes each side was read from (a pair file's own; a registry entry's
+            verified file), computed while reading, never taken from metadata; derived files are
+            keyed by it and exports record it as ``k.sha256`` / ``v.sha256``.
+        metadata: metadata of a pair file (strings, checked against its tensors); for a fitted
+            folder, the ``group_size`` its ``rotationzoo.json`` records; else empty.
         source: what it was resolved from (``"Qwen/Qwen3-8B@tag"``, a path, ``"k.pt,v.pt"``).
     """
 
@@ -121,8 +125,8 @@ class RotationPair:
     def fitted_group_size(self) -> int | None:
         """The INT2 group size the rotations were fitted for (``r_pbr_hg<G>``, ``--refine -g G``), from
         a fitted folder's ``rotationzoo.json``; ``None`` when not recorded (or group-independent)."""
-        g = self.metadata.get("group_size", "")
-        return int(g) if g.isdigit() and int(g) > 0 else None
+        g = parse_index(self.metadata.get("group_size"))
+        return g if g is not None and g > 0 else None
 
     @property
     def recorded_config(self) -> Int2KVConfig | None:
@@ -172,15 +176,9 @@ class RotationPair:
         for _, rs in self:
             validate(rs, atol=atol, layer_ids=layer_ids, head_dim=head_dim)
         if len(self.sets) == 2:
-            k, v = self.sets["k"], self.sets["v"]
-            if k.layer_ids != v.layer_ids or k.head_dim != v.head_dim:
-                raise InvalidRotationError(
-                    f"{self.source or 'rotation pair'}: K and V disagree: K has {len(k.layer_ids)} layers × "
-                    f"d {k.head_dim}, V has {len(v.layer_ids)} layers × d {v.head_dim}"
-                )
-            if k.per_head and v.per_head and k.num_kv_heads != v.num_kv_heads:
-                raise InvalidRotationError(f"{self.source or 'rotation pair'}: K and V disagree: K has "
-                                           f"{k.num_kv_heads} KV heads, V has {v.num_kv_heads}")
+            problem = pair_disagreement(self.sets["k"], self.sets["v"])
+            if problem is not None:
+                raise InvalidRotationError(f"{self.source or 'rotation pair'}: {problem}", [problem])
         return self
 
     def serve_env(self, engine: str) -> dict[str, str]:
@@ -287,8 +285,9 @@ def find_pair_files(directory: str | os.PathLike[str]) -> dict[str, Path]:
 
 
 def _read_sides(files: Mapping[str, Path], source: str, metadata: Mapping[str, str] | None = None) -> RotationPair:
-    return RotationPair({s: read_rotation(p) for s, p in files.items()}, paths=dict(files),
-                        sha256={s: sha256_file(p) for s, p in files.items()}, metadata=dict(metadata or {}),
+    read = {s: read_hashed(p, read_rotation) for s, p in files.items()}
+    return RotationPair({s: rs for s, (rs, _) in read.items()}, paths=dict(files),
+                        sha256={s: sha for s, (_, sha) in read.items()}, metadata=dict(metadata or {}),
                         source=source)
 
 
@@ -311,17 +310,17 @@ def read_pair(path: str | os.PathLike[str], *, side: str | None = None) -> Rotat
     if not p.is_file():
         raise ExportError(f"{p}: no such file or folder")
     if file_kind(p) is not None:
-        sets, meta = read_pair_file(p)
-        sha = {s: meta[f"{s}.sha256"] for s in SIDES if f"{s}.sha256" in meta}
-        return RotationPair(sets, paths={s: p for s in sets}, sha256=sha, metadata=meta, source=str(p))
-    rs = read_rotation(p)
+        (sets, meta), sha = read_hashed(p, read_pair_file)  # the file's own k.sha256 / v.sha256 are provenance only
+        return RotationPair(sets, paths={s: p for s in sets}, sha256={s: sha for s in sets}, metadata=meta,
+                            source=str(p))
+    rs, sha = read_hashed(p, read_rotation)
     s = side or infer_side(p, rs.objective)
     if s is None:
         raise ExportError(
             f"{p}: cannot tell whether this is the K or the V rotation (name does not start with k_/v_, "
             f"objective {rs.objective!r}); pass side='k' or side='v' (--side)"
         )
-    return RotationPair({s: rs}, paths={s: p}, sha256={s: sha256_file(p)}, source=str(p))
+    return RotationPair({s: rs}, paths={s: p}, sha256={s: sha}, source=str(p))
 
 
 # -- the resolver ----------------------------------------------------------------------------------
@@ -437,8 +436,11 @@ def load_registered(
     ids = arch.expected_layer_ids()
     sets = {}
     for s in SIDES:
-        rs = read_rotation(got.files[s].path, head_dim=arch.head_dim, num_layers=len(ids) if ids else None,
-                           num_kv_heads=arch.num_kv_heads)
+        rs, sha = read_hashed(got.files[s].path, lambda p: read_rotation(
+            p, head_dim=arch.head_dim, num_layers=len(ids) if ids else None, num_kv_heads=arch.num_kv_heads))
+        if sha != got.files[s].sha256:
+            raise IntegrityError(f"{got.files[s].path}: sha256 {sha} is no longer the verified {got.files[s].sha256} "
+                                 f"(changed after verification); fetch again (rotationzoo fetch {entry.key} --force)")
         validate(rs, atol=atol, layer_ids=ids, head_dim=arch.head_dim, num_kv_heads=arch.num_kv_heads)
         if dtype is not None or str(device) != "cpu":
             rs = rs.to(device=device, dtype=dtype)
@@ -453,30 +455,44 @@ def verify_path(path: str | os.PathLike[str], *, atol: float = DEFAULT_ATOL, lay
                 num_kv_heads: int | None = None) -> list[ValidationReport]:
     """Validation reports of a rotation file: one for a single-side file, one per side for a pair
     file (exported safetensors or GGUF) or a pair folder (found as :func:`find_pair_files` finds it).
-    Never raises for a bad file (the report says why)."""
+
+    K and V of a pair must agree as ``export`` requires (:func:`~rotationzoo.validation.pair_disagreement`),
+    else both reports fail. Never raises for a bad file (the report says why)."""
     p = Path(path)
+    expect = dict(atol=atol, layer_ids=layer_ids, num_layers=num_layers, head_dim=head_dim, num_kv_heads=num_kv_heads)
     if p.is_dir():
         try:
             files = find_pair_files(p)
         except RotationZooError as exc:
             return [ValidationReport(path=str(p), ok=False, problems=[str(exc)])]
-        return [r for s in SIDES if s in files
-                for r in verify_path(files[s], atol=atol, layer_ids=layer_ids, num_layers=num_layers,
-                                     head_dim=head_dim, num_kv_heads=num_kv_heads)]
+        by_side = {s: verify_path(files[s], **expect) for s in SIDES if s in files}  # type: ignore[arg-type]
+        if all(len(r) == 1 for r in by_side.values()):
+            _check_agreement(p, {s: r[0] for s, r in by_side.items()})
+        return [r for reps in by_side.values() for r in reps]
     kind = file_kind(p) if p.is_file() else None
     if kind is None:
-        return [verify_file(p, atol=atol, layer_ids=layer_ids, num_layers=num_layers, head_dim=head_dim,
-                            num_kv_heads=num_kv_heads)]
+        return [verify_file(p, **expect)]  # type: ignore[arg-type]
     try:
-        sets, _ = read_pair_file(p)
+        (sets, _), sha = read_hashed(p, read_pair_file)
     except RotationZooError as exc:
         return [ValidationReport(path=str(p), ok=False, problems=[str(exc)])]
-    sha, size = sha256_file(p), p.stat().st_size
-    out = []
+    size = p.stat().st_size
+    reports = {}
     for s in SIDES:
         if s in sets:
-            rep = validate(sets[s], atol=atol, layer_ids=layer_ids, num_layers=num_layers, head_dim=head_dim,
-                           num_kv_heads=num_kv_heads, raise_on_error=False)
+            rep = validate(sets[s], raise_on_error=False, **expect)  # type: ignore[arg-type]
             rep.path, rep.sha256, rep.size = f"{p} [{s}]", sha, size
-            out.append(rep)
-    return out
+            reports[s] = rep
+    _check_agreement(p, reports)
+    return list(reports.values())
+
+
+def _check_agreement(where: Path, reports: Mapping[str, ValidationReport]) -> None:
+    """Fail both reports of a pair whose K and V disagree (only when both could be read)."""
+    if len(reports) != 2 or any(r.head_dim is None or not r.layer_ids for r in reports.values()):
+        return
+    problem = pair_disagreement(reports["k"], reports["v"])
+    if problem is not None:
+        for r in reports.values():
+            r.problems.append(f"{where}: {problem}")
+            r.ok = False
