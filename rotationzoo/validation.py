@@ -12,6 +12,7 @@ serving and ``rotationzoo verify`` apply it).
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -56,26 +57,68 @@ class ValidationReport:
 def orthogonality_errors(rotations: torch.Tensor) -> torch.Tensor:
     """``max|R Rᵀ − I|`` per matrix, in fp64 (NaN for a matrix with non-finite values).
 
-    ``rotations [..., d, d]`` → ``[...]`` fp64. Works chunk by chunk
+    ``rotations [..., d, d]`` → ``[...]`` fp64; see :func:`measure_matrices`.
+    """
+    return measure_matrices(rotations)[1]
+
+
+def nonfinite_counts(rotations: torch.Tensor) -> torch.Tensor:
+    """How many NaN / inf values each ``[d, d]`` matrix holds (``[...]`` int64); see :func:`measure_matrices`."""
+    return measure_matrices(rotations)[0]
+
+
+def measure_matrices(rotations: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(non-finite value counts, max|R Rᵀ − I| in fp64)`` of every ``[d, d]`` matrix of ``rotations``.
+
+    Identical matrices (layers that shared one stored tensor, as in a data-free Hadamard file) are
+    measured once, so the time is that of the distinct matrices. The work is done chunk by chunk
     (:func:`~rotationzoo._schema.validation_chunks`): whole matrices while they fit, else blocks of
-    rows of one matrix, so it never holds more than
-    :func:`~rotationzoo._schema.validation_work_bytes` of fp64 at once.
+    rows of one matrix, so it never holds more than :func:`~rotationzoo._schema.validation_work_bytes`
+    at once.
     """
     r = rotations.detach()
     d = int(r.shape[-1])
     mats = r.reshape(-1, d, d)
-    out = torch.empty(mats.shape[0], dtype=torch.float64, device=r.device)
-    n, b = validation_chunks(d, mats.shape[0])
-    for c in range(0, mats.shape[0], n):
-        if b < d:
-            out[c] = _blocked_error(mats[c], b)
+    reps, group = _distinct(mats)
+    bad = torch.zeros(len(reps), dtype=torch.int64, device=r.device)
+    err = torch.empty(len(reps), dtype=torch.float64, device=r.device)
+    n, b = validation_chunks(d, len(reps))
+    for c in range(0, len(reps), n):
+        idx = reps[c:c + n]
+        if b < d:  # one large matrix, in blocks of b rows
+            m = mats[idx[0]]
+            bad[c] = sum(d * min(b, d - i) - int(torch.isfinite(m[i:i + b]).sum()) for i in range(0, d, b))
+            err[c] = _blocked_error(m, b)
             continue
-        a = mats[c:c + n].to(torch.float64)
+        chunk = mats[idx[0]:idx[-1] + 1] if idx[-1] - idx[0] == len(idx) - 1 else mats[idx]
+        bad[c:c + len(idx)] = d * d - torch.isfinite(chunk).sum(dim=(-1, -2))
+        a = chunk.to(torch.float64)
+        del chunk
         prod = a @ a.transpose(-1, -2)
         del a
         prod.diagonal(dim1=-2, dim2=-1).sub_(1)
-        out[c:c + n] = prod.abs_().amax(dim=(-1, -2))
-    return out.reshape(r.shape[:-2])
+        err[c:c + len(idx)] = prod.abs_().amax(dim=(-1, -2))
+    where = torch.tensor(group, dtype=torch.int64, device=r.device)
+    return bad[where].reshape(r.shape[:-2]), err[where].reshape(r.shape[:-2])
+
+
+def _distinct(mats: torch.Tensor) -> tuple[list[int], list[int]]:
+    """``(representatives, group of each matrix)``: identical matrices (equal 256-bit BLAKE2b digests
+    of their bytes) are measured once, through the first of them."""
+    count = int(mats.shape[0])
+    if mats.device.type != "cpu" or not mats.is_contiguous() or count < 2:
+        return list(range(count)), list(range(count))
+    raw = mats.view(torch.uint8).numpy()  # the bytes, without a copy
+    first: dict[bytes, int] = {}
+    reps: list[int] = []
+    group: list[int] = []
+    for m in range(count):
+        key = hashlib.blake2b(raw[m].data, digest_size=32).digest()
+        if key not in first:
+            first[key] = len(reps)
+            reps.append(m)
+        group.append(first[key])
+    return reps, group
 
 
 def _blocked_error(m: torch.Tensor, b: int) -> torch.Tensor:
@@ -90,19 +133,6 @@ def _blocked_error(m: torch.Tensor, b: int) -> torch.Tensor:
                 prod.diagonal().sub_(1)
             worst = torch.maximum(worst, prod.abs_().amax())
     return worst
-
-
-def nonfinite_counts(rotations: torch.Tensor) -> torch.Tensor:
-    """How many NaN / inf values each ``[d, d]`` matrix holds (``[...]`` int64), chunk by chunk."""
-    r = rotations.detach()
-    d = int(r.shape[-1])
-    mats = r.reshape(-1, d, d)
-    out = torch.zeros(mats.shape[0], dtype=torch.int64, device=r.device)
-    n, b = validation_chunks(d, mats.shape[0])
-    for c in range(0, mats.shape[0], n):
-        for i in range(0, d, b):
-            out[c:c + n] += d * min(b, d - i) - torch.isfinite(mats[c:c + n, i:i + b]).sum(dim=(-1, -2))
-    return out.reshape(r.shape[:-2])
 
 
 def pair_disagreement(k: Any, v: Any) -> str | None:
@@ -219,12 +249,11 @@ def _check_numerics(rotation_set: RotationSet, name: str, atol: float, report: V
     def where(m: int) -> str:
         return f"layer {ids[m // heads]}, head {m % heads}" if rotation_set.per_head else f"layer {ids[m]}"
 
-    nonfinite = nonfinite_counts(mats)
+    nonfinite, errs = measure_matrices(mats)
     finite = nonfinite == 0
     for m in (~finite).nonzero().flatten().tolist():
         problems.append(f"{name}: {where(m)}: {int(nonfinite[m])} non-finite values (NaN or inf)")
     if bool(finite.any()):
-        errs = orthogonality_errors(mats)
         errs = torch.where(finite, errs, torch.zeros_like(errs))
         worst = int(errs.argmax())
         report.max_orthogonality_error = float(errs[worst])

@@ -87,6 +87,29 @@ def test_chunked_errors_equal_the_plain_computation() -> None:
     assert "layer 41: 1 non-finite values" in " ".join(report.problems)
 
 
+def test_identical_matrices_are_measured_once() -> None:
+    """Layers that share one stored matrix (as in a data-free Hadamard file, or a small hostile
+    file declaring a thousand layers) cost one measurement; every layer still gets its result."""
+    from rotationzoo.validation import _distinct, measure_matrices
+
+    base = random_orthogonal(6, 32, 8)
+    base[4] += 1e-3  # not orthogonal
+    base[5, 1, 2] = float("inf")
+    pattern = [i % 6 for i in range(40)]
+    rot = base[pattern].contiguous()
+    reps, group = _distinct(rot)
+    assert len(reps) == 6 and [pattern[r] for r in reps] == list(range(6)) and [reps[g] % 6 for g in group] == pattern
+    bad, err = measure_matrices(rot)
+    want = reference_errors(rot)
+    assert bad.tolist() == [int(p == 5) for p in pattern]
+    assert all(abs(e - w) <= 1e-15 for e, w, p in zip(err.tolist(), want, pattern) if p != 5)
+    report = validate(RotationSet(rotations=rot, layer_ids=tuple(range(40))), raise_on_error=False)
+    not_orthogonal = sorted(int(x.split("layer ")[1].split(":")[0]) for x in report.problems if "not orthogonal" in x)
+    non_finite = sorted(int(x.split("layer ")[1].split(":")[0]) for x in report.problems if "non-finite" in x)
+    assert not_orthogonal == [i for i, p in enumerate(pattern) if p == 4]
+    assert non_finite == [i for i, p in enumerate(pattern) if p == 5]
+
+
 def test_validation_working_set_is_bounded(clear_refs_works) -> None:
     # 32 matrices of d = 512 (32 MiB): a whole-set fp64 check would take 4 × 64 MiB more
     setup = """
