@@ -37,7 +37,7 @@ MAX_HEAD_DIM = 4096
 MAX_LAYERS = 1024
 #: Most bytes reading and validating one file may take: its tensors as stored, plus as loaded in fp32,
 #: plus the fp64 working set of validation (``rotationzoo._schema.memory_need``); the largest
-#: published file (2.6 MB) needs 5.7 MB. Expectations passed to :func:`read_rotation` tighten it.
+#: published file (2.6 MB) needs 16.4 MB. Expectations passed to :func:`read_rotation` tighten it.
 MAX_BYTES = 256 << 20
 #: Most KV heads a per-KV-head file (``source_grouping: "kv_head"``) may hold per layer.
 MAX_KV_HEADS = 256
