@@ -35,10 +35,9 @@ from .errors import RotationFileError, UnsafeRotationFileError
 MAX_HEAD_DIM = 4096
 #: Most layers a file may hold; published files hold 8 … 36.
 MAX_LAYERS = 1024
-#: Most bytes a file's tensors may occupy, as stored or as loaded in fp32: 256 MiB, i.e. 1024
-#: layers of d=256 (the largest published file is 2.6 MB). The cap in force is
-#: ``min(max_bytes, max_layers * (max_head_dim**2 + max_head_dim) * 8)``, so expectations passed to
-#: :func:`read_rotation` tighten it (36 layers of d=128: 4.8 MB).
+#: Most bytes reading and validating one file may take: its tensors as stored, plus as loaded in fp32,
+#: plus the fp64 working set of validation (``rotationzoo._schema.memory_need``); the largest
+#: published file (2.6 MB) needs 16.4 MB. Expectations passed to :func:`read_rotation` tighten it.
 MAX_BYTES = 256 << 20
 #: Most KV heads a per-KV-head file (``source_grouping: "kv_head"``) may hold per layer.
 MAX_KV_HEADS = 256
@@ -428,8 +427,9 @@ def check_members(name: str, infos: list[zipfile.ZipInfo], limits: Limits) -> tu
             raise refuse(name, f"the archive holds {safe_repr(info.filename)} twice")
         names.add(info.filename)
         prefixes.add(prefix)
-        if info.flag_bits & 0x1 or info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
-            raise refuse(name, f"member {safe_repr(rest)} is encrypted or uses compression {info.compress_type}")
+        if info.flag_bits & 0x1 or info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+            raise refuse(name, f"member {safe_repr(rest)} is encrypted or compressed (method {info.compress_type}); torch.save "
+                               "stores every member, so a file holds no more than its size; re-save it with torch.save")
         kind = _member_kind(rest)
         cap, label = {"pickle": (limits.max_pickle_bytes, f"limit for max_layers={limits.max_layers}"),
                       "record": (limits.max_bytes_any, "max_bytes"), "other": (SMALL_MEMBER_BYTES, "limit")}[kind]

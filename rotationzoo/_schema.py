@@ -3,14 +3,12 @@
 The checks of the authors' dict (see :mod:`rotationzoo.format`) run twice on every file: first on
 the :class:`~rotationzoo._inspect.TensorMeta` records rebuilt from a ``.pt`` pickle or a
 safetensors header (before anything is loaded), then on the tensors actually read. They are
-written once here, for both. The safetensors header check lives here too.
+written once here, for both. The safetensors header is checked in :mod:`rotationzoo._stheader`.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Mapping
 
 import torch
@@ -22,16 +20,15 @@ from ._inspect import (
     MAX_KV_HEADS,
     MAX_LAYERS,
     FLOAT_DTYPES,
+    STORAGE_TYPES,
     Limits,
     TensorMeta,
-    check_view,
-    exc_line,
     parse_index,
-    refuse,
     safe_repr,
 )
 from .errors import RotationFileError, UnsupportedFormatError
 from .headdims import HeadDims
+from ._stheader import SAFETENSORS_DTYPES, inspect_safetensors  # noqa: F401  (re-exported)
 
 #: Integer ``format_version`` values this release reads: 1 (one rotation per layer, optionally with a
 #: ``calibration`` dict or per-layer head_dims), 2 (per KV head), 3 (the OSCAR-2 family: companions,
@@ -46,13 +43,13 @@ STRING_FORMAT_VERSIONS = ("identity-v1",)
 #: (CVE-2025-32434).
 MIN_TORCH = (2, 6)
 
-#: safetensors dtype codes, mapped to the same names.
-SAFETENSORS_DTYPES: dict[str, tuple[str, int]] = {
-    "F16": ("float16", 2), "BF16": ("bfloat16", 2), "F32": ("float32", 4), "F64": ("float64", 8),
-    "U8": ("uint8", 1), "I8": ("int8", 1), "I16": ("int16", 2), "I32": ("int32", 4), "I64": ("int64", 8),
-    "BOOL": ("bool", 1),
-}
 _MAX_TEXT = 1024  # objective, source_grouping, metadata strings
+#: Bytes of each element type, by the names :class:`~rotationzoo._inspect.TensorMeta` uses.
+ITEMSIZE: dict[str, int] = {**dict(SAFETENSORS_DTYPES.values()), **dict(STORAGE_TYPES.values())}
+
+#: Most bytes the orthogonality check of :func:`rotationzoo.validate` works in at a time: it measures
+#: ``max|R Rᵀ − I|`` in fp64 on chunks of matrices (row blocks of one matrix when ``d`` is large).
+VALIDATION_CHUNK_BYTES = 16 << 20
 _MAX_META_KEYS = 64
 _MAX_META_LIST = 64
 
@@ -224,25 +221,69 @@ def _ids(ids: list[int]) -> str:
     return ", ".join(map(str, ids[:8])) + (" ..." if len(ids) > 8 else "")
 
 
-def loaded_bytes(rows: list[tuple[int, dict[str, Any]]]) -> int:
-    """Bytes the layers take once stacked in fp32 (layers may share one stored tensor in the file)."""
-    total = 0
+def validation_chunks(d: int, count: int) -> tuple[int, int]:
+    """``(matrices per chunk, rows per block)`` of the fp64 orthogonality check of ``count`` ``[d, d]``
+    matrices: whole matrices while 17·d² bytes each fit :data:`VALIDATION_CHUNK_BYTES`, else one
+    matrix at a time in blocks of rows."""
+    per = 17 * d * d  # an fp64 copy, its fp64 product and a bool finiteness mask
+    if per <= VALIDATION_CHUNK_BYTES:
+        return max(1, min(count, VALIDATION_CHUNK_BYTES // per)), d
+    return 1, max(1, VALIDATION_CHUNK_BYTES // (25 * d))
+
+
+def validation_work_bytes(d: int, count: int) -> int:
+    """The most bytes :func:`rotationzoo.validate` allocates at once to check ``count`` ``[d, d]`` matrices."""
+    n, b = validation_chunks(d, count)
+    return n * 17 * d * d if b == d else 17 * b * d + 8 * b * b  # two fp64 row blocks, their product, a mask
+
+
+def _numel(t: Any) -> int:
+    n = 1
+    for s in t.shape:
+        n *= int(s)
+    return n
+
+
+def _stored_bytes(rows: list[tuple[int, dict[str, Any]]]) -> int:
+    """Bytes the tensors of ``rows`` occupy as stored (each storage once), as records or as tensors."""
+    seen: dict[Any, int] = {}
     for _, fields in rows:
         for t in fields.values():
-            n = 1
-            for s in t.shape:
-                n *= int(s)
-            total += 4 * n
-    return total
+            if isinstance(t, TensorMeta):
+                key: Any = ("record", t.storage.key) if t.storage is not None else id(t)
+                size = (t.storage.numel * t.storage.itemsize if t.storage is not None
+                        else t.numel * ITEMSIZE.get(t.dtype, 8))
+            else:
+                try:
+                    st = t.untyped_storage()
+                    key, size = ("tensor", st.data_ptr(), t.device), int(st.nbytes())
+                except Exception:  # a tensor kind without a plain storage
+                    key, size = id(t), t.numel() * t.element_size()
+            seen[key] = max(seen.get(key, 0), size)
+    return sum(seen.values())
+
+
+def memory_need(rows: list[tuple[int, dict[str, Any]]]) -> tuple[int, int, int]:
+    """``(stored, loaded, validation)`` bytes of reading and validating ``rows``: the tensors as stored
+    (what ``torch.load`` / safetensors materialise), as stacked in fp32 (layers that share one stored
+    tensor count once per layer), and the fp64 working set of :func:`rotationzoo.validate` (for the
+    largest ``d``, over every matrix: rotations and inverse companions)."""
+    loaded = 4 * sum(_numel(t) for _, fields in rows for t in fields.values())
+    d = max(int(fields["rotation"].shape[-1]) for _, fields in rows)
+    count = sum(_numel(t) // (int(t.shape[-1]) ** 2) for _, fields in rows
+                for f, t in fields.items() if f == "rotation" or f in MATRIX_FIELDS)
+    return _stored_bytes(rows), loaded, validation_work_bytes(d, max(1, count))
 
 
 def _check_loaded_bytes(rows: list[tuple[int, dict[str, Any]]], kind: str, name: str, limits: Limits) -> None:
-    loaded = loaded_bytes(rows)
+    stored, loaded, work = memory_need(rows)
     cap = limits.max_bytes_kv_head if kind == KV_HEAD else limits.max_bytes
-    if loaded > cap:
+    if stored + loaded + work > cap:
         shape = tuple(rows[0][1]["rotation"].shape)
         what = f"{len(rows)} layers of {list(shape)}"
-        raise RotationFileError(f"{name}: {what} need {loaded} bytes loaded, more than max_bytes={cap}{limits.note}")
+        raise RotationFileError(f"{name}: {what} need {stored + loaded + work} bytes to read and validate ({stored} "
+                                f"stored, {loaded} loaded in fp32, {work} to validate), more than max_bytes={cap}"
+                                f"{limits.note}")
 
 
 def _is_tensor(x: Any) -> bool:
@@ -370,9 +411,11 @@ def make_limits(max_head_dim: int = MAX_HEAD_DIM, max_layers: int = MAX_LAYERS, 
                 num_kv_heads: int | None = None) -> Limits:
     """The :class:`~rotationzoo._inspect.Limits` in force: the maxima, tightened by expectations.
 
-    Per-layer files get ``min(max_bytes, max_layers * (d² + d) * 12)`` (room for the rotation, one
-    companion matrix and the vectors of each layer in fp32); per-KV-head files that bound times
-    ``num_kv_heads`` when it is known, else ``max_bytes``. With per-layer head_dims the largest applies.
+    Per-layer files get ``min(max_bytes, max_layers·(d² + d)·16 + validation_work_bytes(d,
+    max_layers))``: fp64 as stored plus fp32 as loaded plus room for a companion matrix and the
+    vectors of each layer, plus validation's working set; per-KV-head files the same for
+    ``max_layers·num_kv_heads`` matrices when ``num_kv_heads`` is known, else ``max_bytes``. With
+    per-layer head_dims the largest applies.
     """
     note = ""
     dims = HeadDims.of(head_dim)
@@ -389,87 +432,11 @@ def make_limits(max_head_dim: int = MAX_HEAD_DIM, max_layers: int = MAX_LAYERS, 
     if min(max_head_dim, max_layers, max_bytes, max_kv_heads) < 1:
         raise RotationFileError(f"limits must be positive: max_head_dim={max_head_dim}, max_layers={max_layers}, "
                                 f"max_bytes={max_bytes}, max_kv_heads={max_kv_heads}")
-    derived = max_layers * (max_head_dim * max_head_dim + max_head_dim) * 12
+
+    def derived(count: int) -> int:  # `count` matrices of max_head_dim: stored + loaded + companions + validation
+        return count * (max_head_dim * max_head_dim + max_head_dim) * 16 + validation_work_bytes(max_head_dim, count)
+
     if num_kv_heads is not None:
-        kv_bytes = min(max_bytes, derived * max_kv_heads)
-    return Limits(max_head_dim=max_head_dim, max_layers=max_layers, max_bytes=min(max_bytes, derived), note=note,
-                  max_kv_heads=max_kv_heads, max_bytes_kv_head=kv_bytes)
-
-
-# -- safetensors header ----------------------------------------------------------------------------
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {safe_repr(k)}")
-        out[k] = v
-    return out
-
-
-def inspect_safetensors(path: Path, limits: Limits) -> tuple[dict[str, str], dict[str, TensorMeta]]:
-    """Check a safetensors header (dtypes, shapes, data_offsets) before any tensor is read.
-
-    Returns:
-        The string metadata and a :class:`TensorMeta` per tensor name.
-    """
-    name = str(path)
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        if n > limits.max_header_bytes or 8 + n > size:
-            raise refuse(name, f"its safetensors header declares {n} bytes (file {size}, limit {limits.max_header_bytes})")
-        raw = f.read(n)
-    try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except (ValueError, RecursionError) as exc:
-        raise RotationFileError(f"{name}: damaged safetensors header ({exc_line(exc)}); re-download the file") from None
-    if not isinstance(header, dict):
-        raise RotationFileError(f"{name}: damaged safetensors header (not a JSON object)")
-    meta = header.pop("__metadata__", {})
-    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
-        raise RotationFileError(f"{name}: safetensors __metadata__ must map strings to strings")
-    if len(header) > limits.max_tensors:
-        raise refuse(name, f"{len(header)} tensors (max_layers={limits.max_layers})")
-    data_len, tensors, spans = size - 8 - n, {}, []
-    for key, entry in header.items():
-        t, span = _safetensors_entry(name, key, entry, limits, data_len)
-        tensors[key] = t
-        spans.append(span)
-    spans.sort()
-    for (_, end), (start, _) in zip(spans, spans[1:]):
-        if start < end:
-            raise refuse(name, "safetensors tensors overlap")
-    total = sum(e - s for s, e in spans)
-    if max(total, sum(t.numel for t in tensors.values()) * 4) > limits.max_bytes_any:
-        raise refuse(name, f"its tensors need more than max_bytes={limits.max_bytes_any}{limits.note}")
-    return meta, tensors
-
-
-def _safetensors_entry(name: str, key: str, entry: Any, limits: Limits, data_len: int) -> tuple[TensorMeta, tuple[int, int]]:
-    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-        raise RotationFileError(f"{name}: damaged safetensors entry {safe_repr(key)}")
-    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-    ints = (lambda v: isinstance(v, list) and all(type(i) is int and abs(i) < BIG_INT for i in v))
-    if dtype not in SAFETENSORS_DTYPES or not ints(shape) or not ints(offsets) or len(offsets) != 2:
-        raise RotationFileError(f"{name}: damaged safetensors entry {safe_repr(key)} "
-                                f"(dtype {safe_repr(dtype)}, shape {safe_repr(shape)})")
-    dname, itemsize = SAFETENSORS_DTYPES[dtype]
-    shape_t = tuple(shape)
-    stride = tuple(_contiguous_strides(shape_t))
-    t = TensorMeta(dname, shape_t, stride)
-    check_view(f"{name}: tensor {safe_repr(key)}", t, limits)
-    start, end = offsets
-    if not 0 <= start <= end <= data_len or end - start != t.numel * itemsize:
-        raise refuse(name, f"tensor {safe_repr(key)} has data_offsets {offsets} for {t.numel} elements "
-                            f"of {dtype} in {data_len} bytes of data")
-    return t, (start, end)
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> list[int]:
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= max(n, 1)
-    return strides[::-1]
+        kv_bytes = min(max_bytes, derived(max_layers * max_kv_heads))
+    return Limits(max_head_dim=max_head_dim, max_layers=max_layers, max_bytes=min(max_bytes, derived(max_layers)),
+                  note=note, max_kv_heads=max_kv_heads, max_bytes_kv_head=kv_bytes)

@@ -14,8 +14,9 @@ Layer keys are non-negative ``int`` or their plain ASCII decimal ``str`` and equ
 ``layer_id`` when it has one. The ``identity-v1`` variant (``format_version`` is that string, no
 eigenvalues) is accepted too. Loading never unpickles code: a ``.pt`` archive's directory, declared
 sizes and pickle are inspected first (:mod:`rotationzoo._inspect`) and the file is refused unless
-it holds only dense tensors within the limits below; only then is it read with
-``torch.load(weights_only=True)`` (torch >= 2.6). Safetensors headers are checked the same way.
+it holds only dense tensors within the limits below, in stored (uncompressed) members as
+``torch.save`` writes them; only then is it read with ``torch.load(weights_only=True)`` (torch >=
+2.6). Safetensors headers are checked the same way.
 
 The safetensors layout holds tensors ``rotation.<layer_id>`` ``[d, d]`` and optionally
 ``eigenvalues.<layer_id>`` ``[d]``, with string metadata ``format_version``, ``objective``,
@@ -85,7 +86,8 @@ def set_from_dict(obj: Any, *, path: Path | None = None, max_head_dim: int = MAX
         path: the file it came from (named in messages).
         max_head_dim: largest accepted ``d``.
         max_layers: most accepted layers.
-        max_bytes: most bytes the stacked fp32 tensors may take.
+        max_bytes: most bytes reading and validating may take: the tensors as given, as stacked in fp32,
+            and validation's working set.
         limits: the :class:`~rotationzoo._inspect.Limits` to apply instead of the three above.
 
     A ``source_grouping`` label that disagrees with the rotations' shape gives one
@@ -149,15 +151,18 @@ def read_rotation(
 
     Before anything is materialised the file is inspected (archive directory, declared sizes, the
     pickle's tensor records or the safetensors header) and refused if it exceeds the limits, holds
-    stride-0 or overlapping views, storages larger than its tensors, or references any global but
-    torch's dense-tensor rebuild. Only then is it loaded with ``torch.load(weights_only=True)``.
+    compressed members, stride-0 or overlapping views, storages larger than its tensors, or
+    references any global but torch's dense-tensor rebuild. Only then is it loaded with
+    ``torch.load(weights_only=True)``.
 
     Args:
         path: the file.
         map_location: device for the returned tensors.
         max_head_dim: largest ``d`` accepted (default :data:`MAX_HEAD_DIM`).
         max_layers: most layers accepted (default :data:`MAX_LAYERS`).
-        max_bytes: most bytes of tensor data accepted (default :data:`MAX_BYTES`).
+        max_bytes: most bytes reading and validating the file may take: its tensors as stored,
+            as loaded in fp32, and :func:`~rotationzoo.validate`'s working set (default
+            :data:`MAX_BYTES`).
         head_dim: the model's head dimension when known (an int, or :class:`~rotationzoo.headdims.HeadDims`
             for per-layer head_dims): a file with another ``d`` is refused before loading, and the
             limits tighten to it.

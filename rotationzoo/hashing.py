@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+from pathlib import Path
+from typing import Callable, TypeVar
+
+from .errors import RotationFileError
+
+_T = TypeVar("_T")
 
 
 def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
@@ -13,3 +19,27 @@ def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
         for block in iter(lambda: f.read(chunk), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def _stat_key(path: Path) -> tuple[int, ...]:
+    st = path.stat()
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def read_hashed(path: str | os.PathLike[str], read: Callable[[Path], _T]) -> tuple[_T, str]:
+    """``read(path)`` and the sha256 of the bytes it read.
+
+    The file is hashed once; its identity, size and modification and change times are compared
+    before the hash and after the read, so a file written to in between is refused instead of
+    being described by bytes it no longer holds.
+
+    Raises:
+        RotationFileError: the file changed while it was read.
+    """
+    p = Path(path)
+    before = _stat_key(p)
+    sha = sha256_file(p)
+    out = read(p)
+    if _stat_key(p) != before:
+        raise RotationFileError(f"{p}: changed while it was read; read it again once nothing writes to it")
+    return out, sha

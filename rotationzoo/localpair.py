@@ -11,11 +11,11 @@ from typing import Any, Mapping, Sequence
 
 from .errors import ExportError, PairError, RotationZooError
 from .fit.output import MANIFEST_NAME
-from .hashing import sha256_file
+from .hashing import read_hashed
 from .headdims import HeadDims
 from .pairfile import file_kind, read_pair_file
 from .registry import SIDES
-from .validation import DEFAULT_ATOL, ValidationReport, validate, verify_file
+from .validation import DEFAULT_ATOL, ValidationReport, pair_disagreement, validate, verify_file
 
 #: Suffixes of single-side rotation files.
 ROTATION_SUFFIXES: tuple[str, ...] = (".pt", ".pth", ".safetensors")
@@ -133,30 +133,46 @@ def verify_path(path: str | os.PathLike[str], *, atol: float = DEFAULT_ATOL, lay
                 num_kv_heads: int | None = None) -> list[ValidationReport]:
     """Validation reports of a rotation file: one for a single-side file, one per side for a pair
     file (exported safetensors or GGUF) or a pair folder (found as :func:`find_pair_files` finds it).
-    Never raises for a bad file (the report says why)."""
+
+    K and V of a pair must agree as ``export`` requires (:func:`~rotationzoo.validation.pair_disagreement`),
+    else both reports fail. Never raises for a bad file (the report says why)."""
     p = Path(path)
+    expect: dict[str, Any] = dict(atol=atol, layer_ids=layer_ids, num_layers=num_layers, head_dim=head_dim,
+                                  num_kv_heads=num_kv_heads)
     if p.is_dir():
         try:
             files = find_pair_files(p)
         except RotationZooError as exc:
             return [ValidationReport(path=str(p), ok=False, problems=[str(exc)])]
-        return [r for s in SIDES if s in files
-                for r in verify_path(files[s], atol=atol, layer_ids=layer_ids, num_layers=num_layers,
-                                     head_dim=head_dim, num_kv_heads=num_kv_heads)]
+        by_side = {s: verify_path(files[s], **expect) for s in SIDES if s in files}
+        if all(len(r) == 1 for r in by_side.values()):
+            _check_agreement(p, {s: r[0] for s, r in by_side.items()})
+        return [r for reps in by_side.values() for r in reps]
     kind = file_kind(p) if p.is_file() else None
     if kind is None:
-        return [verify_file(p, atol=atol, layer_ids=layer_ids, num_layers=num_layers, head_dim=head_dim,
-                            num_kv_heads=num_kv_heads)]
+        return [verify_file(p, **expect)]
     try:
-        sets, _ = read_pair_file(p)
+        (sets, _), sha = read_hashed(p, read_pair_file)
     except RotationZooError as exc:
         return [ValidationReport(path=str(p), ok=False, problems=[str(exc)])]
-    sha, size = sha256_file(p), p.stat().st_size
-    out = []
+    size = p.stat().st_size
+    reports = {}
     for s in SIDES:
         if s in sets:
-            rep = validate(sets[s], atol=atol, layer_ids=layer_ids, num_layers=num_layers, head_dim=head_dim,
-                           num_kv_heads=num_kv_heads, raise_on_error=False)
+            rep = validate(sets[s], raise_on_error=False, **expect)
             rep.path, rep.sha256, rep.size = f"{p} [{s}]", sha, size
-            out.append(rep)
-    return out
+            reports[s] = rep
+    _check_agreement(p, reports)
+    return list(reports.values())
+
+
+def _check_agreement(where: Path, reports: Mapping[str, ValidationReport]) -> None:
+    """Fail both reports of a pair whose K and V disagree (only when both could be read)."""
+    if len(reports) != 2 or any((r.head_dim is None and r.head_dims is None) or not r.layer_ids
+                                for r in reports.values()):
+        return
+    problem = pair_disagreement(reports["k"], reports["v"])
+    if problem is not None:
+        for r in reports.values():
+            r.problems.append(f"{where}: {problem}")
+            r.ok = False

@@ -29,10 +29,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
-from .errors import ExportError, InvalidRotationError, RotationFileError, RotationZooError, UnknownModelError
+from ._inspect import parse_index
+from .errors import ExportError, IntegrityError, InvalidRotationError, RotationFileError, RotationZooError
+from .errors import UnknownModelError
 from .fit.output import MANIFEST_NAME  # noqa: F401  (re-exported)
 from .format import RotationSet, read_rotation
-from .hashing import sha256_file
+from .hashing import read_hashed
 from .headdims import HeadDims
 from .hub import fetch_entry
 from .int2kv import Int2KVConfig
@@ -46,7 +48,7 @@ from .localpair import (  # noqa: F401  (public names of this module)
     infer_side,
     verify_path,
 )
-from .validation import DEFAULT_ATOL, validate
+from .validation import DEFAULT_ATOL, pair_disagreement, validate
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -62,9 +64,11 @@ class RotationPair:
             exported side); each holds ``rotations [L, d, d]`` applied as ``x_rot = x @ R``.
         entry: the registry entry when resolved from the registry, else ``None``.
         paths: local files per side (the same file for both sides of a pair file).
-        sha256: sha256 of each side's source file, when known.
-        metadata: metadata of a pair file (strings); for a fitted folder, the ``group_size`` its
-            ``rotationzoo.json`` records; else empty.
+        sha256: sha256 of the bytes each side was read from (a pair file's own; a registry entry's
+            verified file), computed while reading, never taken from metadata; derived files are
+            keyed by it and exports record it as ``k.sha256`` / ``v.sha256``.
+        metadata: metadata of a pair file (strings, checked against its tensors); for a fitted
+            folder, the ``group_size`` its ``rotationzoo.json`` records; else empty.
         source: what it was resolved from (``"Qwen/Qwen3-8B@tag"``, a path, ``"k.pt,v.pt"``).
     """
 
@@ -143,8 +147,8 @@ class RotationPair:
     def fitted_group_size(self) -> int | None:
         """The INT2 group size the rotations were fitted for (``r_pbr_hg<G>``, ``--refine -g G``), from
         a fitted folder's ``rotationzoo.json``; ``None`` when not recorded (or group-independent)."""
-        g = self.metadata.get("group_size", "")
-        return int(g) if g.isdigit() and int(g) > 0 else None
+        g = parse_index(self.metadata.get("group_size"))
+        return g if g is not None and g > 0 else None
 
     @property
     def recorded_config(self) -> Int2KVConfig | None:
@@ -201,16 +205,9 @@ class RotationPair:
                 raise InvalidRotationError(f"{name}: the {side.upper()} rotations carry {', '.join(wrong)}, which "
                                            f"belongs to the other side; check which file is K and which is V")
         if len(self.sets) == 2:
-            k, v = self.sets["k"], self.sets["v"]
-            if k.layer_ids != v.layer_ids or k.head_dims != v.head_dims:
-                raise InvalidRotationError(
-                    f"{name}: K and V disagree: K has {len(k.layer_ids)} layers × d {k.head_dims}, V has "
-                    f"{len(v.layer_ids)} layers × d {v.head_dims}"
-                )
-            heads = {s: [int(r.shape[0]) for r in _per_layer(rs)] for s, rs in self if rs.per_head}
-            if len(heads) == 2 and heads["k"] != heads["v"]:
-                raise InvalidRotationError(f"{name}: K and V disagree: K has {sorted(set(heads['k']))} KV heads, "
-                                           f"V has {sorted(set(heads['v']))}")
+            problem = pair_disagreement(self.sets["k"], self.sets["v"])
+            if problem is not None:
+                raise InvalidRotationError(f"{name}: {problem}", [problem])
         return self
 
     def serve_env(self, engine: str) -> dict[str, str]:
@@ -233,16 +230,13 @@ class RotationPair:
 _OTHER_SIDE = {"k": ("o_rotation", "v_mean"), "v": ("q_rotation", "k_mean")}
 
 
-def _per_layer(rs: RotationSet) -> list["torch.Tensor"]:
-    return list(rs.rotations) if isinstance(rs.rotations, tuple) else list(rs.rotations.unbind(0))
-
-
 # -- local files ---------------------------------------------------------------------------------
 
 
 def _read_sides(files: Mapping[str, Path], source: str, metadata: Mapping[str, str] | None = None) -> RotationPair:
-    return RotationPair({s: read_rotation(p) for s, p in files.items()}, paths=dict(files),
-                        sha256={s: sha256_file(p) for s, p in files.items()}, metadata=dict(metadata or {}),
+    read = {s: read_hashed(p, read_rotation) for s, p in files.items()}
+    return RotationPair({s: rs for s, (rs, _) in read.items()}, paths=dict(files),
+                        sha256={s: sha for s, (_, sha) in read.items()}, metadata=dict(metadata or {}),
                         source=source)
 
 
@@ -267,18 +261,18 @@ def read_pair(path: str | os.PathLike[str], *, side: str | None = None) -> Rotat
     if not p.is_file():
         raise ExportError(f"{p}: no such file or folder")
     if file_kind(p) is not None:
-        sets, meta = read_pair_file(p)
-        sha = {s: meta[f"{s}.sha256"] for s in SIDES if f"{s}.sha256" in meta}
-        return RotationPair(sets, paths={s: p for s in sets}, sha256=sha, metadata=meta, source=str(p))
+        (sets, meta), sha = read_hashed(p, read_pair_file)  # the file's own k.sha256 / v.sha256 are provenance only
+        return RotationPair(sets, paths={s: p for s in sets}, sha256={s: sha for s in sets}, metadata=meta,
+                            source=str(p))
     check_not_pending(p.parent)
-    rs = read_rotation(p)
+    rs, sha = read_hashed(p, read_rotation)
     s = side or infer_side(p, rs.objective)
     if s is None:
         raise ExportError(
             f"{p}: cannot tell whether this is the K or the V rotation (name does not start with k_/v_, "
             f"objective {rs.objective!r}); pass side='k' or side='v' (--side)"
         )
-    return RotationPair({s: rs}, paths={s: p}, sha256={s: sha256_file(p)}, source=str(p))
+    return RotationPair({s: rs}, paths={s: p}, sha256={s: sha}, source=str(p))
 
 
 # -- the resolver ----------------------------------------------------------------------------------
@@ -422,8 +416,11 @@ def load_registered(
     ids = arch.expected_layer_ids()
     sets = {}
     for s in SIDES:
-        rs = read_rotation(got.files[s].path, head_dim=arch.head_dims, num_layers=len(ids) if ids else None,
-                           num_kv_heads=arch.num_kv_heads)
+        rs, sha = read_hashed(got.files[s].path, lambda p: read_rotation(
+            p, head_dim=arch.head_dims, num_layers=len(ids) if ids else None, num_kv_heads=arch.num_kv_heads))
+        if sha != got.files[s].sha256:
+            raise IntegrityError(f"{got.files[s].path}: sha256 {sha} is no longer the verified {got.files[s].sha256} "
+                                 f"(changed after verification); fetch again (rotationzoo fetch {entry.key} --force)")
         validate(rs, atol=atol, layer_ids=ids, head_dim=arch.head_dims, num_kv_heads=arch.num_kv_heads)
         if dtype is not None or str(device) != "cpu":
             rs = rs.to(device=device, dtype=dtype)

@@ -47,11 +47,17 @@ COMPANIONS: tuple[str, ...] = (*MATRIX_FIELDS, *VECTOR_FIELDS)
 
 
 def stack_layers(tensors: Sequence[torch.Tensor]) -> Stack:
-    """One fp32 ``[L, ...]`` tensor when every layer has the same shape, else a tuple of fp32 tensors."""
-    ts = [t.detach().to(torch.float32) for t in tensors]
-    if len({tuple(t.shape) for t in ts}) == 1:
-        return torch.stack(ts).contiguous()
-    return tuple(t.contiguous() for t in ts)
+    """One fp32 ``[L, ...]`` tensor when every layer has the same shape, else a tuple of fp32 tensors.
+
+    Layers are copied one by one into the result (no per-layer fp32 intermediates: the loaded size is
+    what the readers' ``max_bytes`` counts); layers that shared one storage become independent.
+    """
+    if len({tuple(t.shape) for t in tensors}) == 1:
+        out = torch.empty((len(tensors), *tensors[0].shape), dtype=torch.float32, device=tensors[0].device)
+        for i, t in enumerate(tensors):
+            out[i].copy_(t.detach())
+        return out
+    return tuple(t.detach().to(torch.float32).contiguous() for t in tensors)
 
 
 def _layer_count(x: Stack) -> int:

@@ -41,7 +41,7 @@ from .engines import (
     vllm_args,
     vllm_env,
 )
-from .errors import RegistryError, ServingError
+from .errors import RegistryError, RotationZooError, ServingError
 from .export import export_gguf
 from .hub import derived_hit, derived_path, record_derived
 from .numbers import shown
@@ -163,23 +163,48 @@ class LaunchSpec:
 
 def rotations_gguf_path(pair: RotationPair, cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """Where the rotations GGUF of ``pair`` is kept: the cache's derived area, under the entry (or,
-    for local files, under an id made from their sha256)."""
+    for local files, under an id made from the sha256 of the bytes they were read from)."""
     return derived_path(ROTATIONS_GGUF_NAME, entry=pair.entry, inputs=pair.sha256, cache_dir=cache_dir)
 
 
 def ensure_rotations_gguf(pair: RotationPair, *, cache_dir: str | os.PathLike[str] | None = None,
                           force: bool = False) -> Path:
-    """The rotations GGUF of ``pair`` in the derived area, exported unless one built from the same
-    verified K/V bytes is already there (its marker records their sha256)."""
+    """The rotations GGUF of ``pair`` in the derived area, exported unless one is already there that
+    was built from the same bytes (its marker records the sha256 of the K and V files read,
+    :attr:`RotationPair.sha256`) and holds exactly ``pair``'s rotations (read back and compared).
+
+    Raises:
+        ServingError: the pair has no K or V file read from disk, or the GGUF just written does
+            not hold its rotations.
+    """
     if not all(pair.sha256.get(s) for s in ("k", "v")):
         raise ServingError(f"{pair.source}: the llama.cpp launch needs both rotation files with known sha256")
     out = rotations_gguf_path(pair, cache_dir)
     inputs = {s: pair.sha256[s] for s in ("k", "v")}
-    if not force and derived_hit(out, inputs):
+    if not force and derived_hit(out, inputs) and _holds(out, pair):
         return out
     export_gguf(pair, out)
+    if not _holds(out, pair):
+        raise ServingError(f"{out}: the rotations GGUF just written does not read back as {pair.source}; "
+                           "check the disk and the cache (rotationzoo cache verify)")
     record_derived(out, inputs=inputs, entry=pair.entry)
     return out
+
+
+def _holds(path: Path, pair: RotationPair) -> bool:
+    """Whether the GGUF at ``path`` holds exactly ``pair``'s K and V rotations (as exported: fp32)."""
+    import torch
+
+    from .pairfile import read_gguf
+
+    try:
+        sets, _ = read_gguf(path)
+    except RotationZooError:
+        return False
+    return sets.keys() == {"k", "v"} and all(
+        sets[s].layer_ids == rs.layer_ids
+        and torch.equal(sets[s].stacked(), rs.stacked(what="a GGUF").detach().to("cpu", torch.float64).to(torch.float32))
+        for s, rs in pair)
 
 
 def _llamacpp_launch(pair: RotationPair, model_path: str | None, cache_dir: Any,

@@ -19,7 +19,10 @@ from typing import Any, Iterable
 
 import torch
 
+import hashlib
+
 from ._inspect import exc_line
+from ._schema import validation_chunks
 from .errors import InvalidRotationError, RotationZooError
 from .format import RotationFormatWarning, RotationSet, read_rotation
 from .hashing import sha256_file
@@ -70,10 +73,125 @@ class ValidationReport:
 
 
 def orthogonality_errors(rotations: torch.Tensor) -> torch.Tensor:
-    """``max|R Rᵀ − I|`` per matrix, in fp64. ``rotations [..., d, d]`` → ``[...]`` fp64."""
-    r = rotations.detach().to(torch.float64)
-    eye = torch.eye(r.shape[-1], dtype=torch.float64, device=r.device)
-    return (r @ r.transpose(-1, -2) - eye).abs().amax(dim=(-1, -2))
+    """``max|R Rᵀ − I|`` per matrix, in fp64 (NaN for a matrix with non-finite values).
+
+    ``rotations [..., d, d]`` → ``[...]`` fp64; see :func:`measure_matrices`.
+    """
+    return measure_matrices(rotations)[1]
+
+
+def nonfinite_counts(rotations: torch.Tensor) -> torch.Tensor:
+    """How many NaN / inf values each ``[d, d]`` matrix holds (``[...]`` int64); see :func:`measure_matrices`."""
+    return measure_matrices(rotations)[0]
+
+
+def measure_matrices(rotations: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(non-finite value counts, max|R Rᵀ − I| in fp64)`` of every ``[d, d]`` matrix of ``rotations``.
+
+    Identical matrices (layers that shared one stored tensor, as in a data-free Hadamard file) are
+    measured once, so the time is that of the distinct matrices. The work is done chunk by chunk
+    (:func:`~rotationzoo._schema.validation_chunks`): whole matrices while they fit, else blocks of
+    rows of one matrix, so it never holds more than :func:`~rotationzoo._schema.validation_work_bytes`
+    at once.
+    """
+    r = rotations.detach()
+    d = int(r.shape[-1])
+    mats = r.reshape(-1, d, d)
+    reps, group = _distinct(mats)
+    bad = torch.zeros(len(reps), dtype=torch.int64, device=r.device)
+    err = torch.empty(len(reps), dtype=torch.float64, device=r.device)
+    n, b = validation_chunks(d, len(reps))
+    for c in range(0, len(reps), n):
+        idx = reps[c:c + n]
+        if b < d:  # one large matrix, in blocks of b rows
+            m = mats[idx[0]]
+            bad[c] = sum(d * min(b, d - i) - int(torch.isfinite(m[i:i + b]).sum()) for i in range(0, d, b))
+            err[c] = _blocked_error(m, b)
+            continue
+        chunk = mats[idx[0]:idx[-1] + 1] if idx[-1] - idx[0] == len(idx) - 1 else mats[idx]
+        bad[c:c + len(idx)] = d * d - torch.isfinite(chunk).sum(dim=(-1, -2))
+        a = chunk.to(torch.float64)
+        del chunk
+        prod = a @ a.transpose(-1, -2)
+        del a
+        prod.diagonal(dim1=-2, dim2=-1).sub_(1)
+        err[c:c + len(idx)] = prod.abs_().amax(dim=(-1, -2))
+    where = torch.tensor(group, dtype=torch.int64, device=r.device)
+    return bad[where].reshape(r.shape[:-2]), err[where].reshape(r.shape[:-2])
+
+
+def _distinct(mats: torch.Tensor) -> tuple[list[int], list[int]]:
+    """``(representatives, group of each matrix)``: identical matrices (equal 256-bit BLAKE2b digests
+    of their bytes) are measured once, through the first of them."""
+    count = int(mats.shape[0])
+    if mats.device.type != "cpu" or not mats.is_contiguous() or count < 2:
+        return list(range(count)), list(range(count))
+    raw = mats.view(torch.uint8).numpy()  # the bytes, without a copy
+    first: dict[bytes, int] = {}
+    reps: list[int] = []
+    group: list[int] = []
+    for m in range(count):
+        key = hashlib.blake2b(raw[m].data, digest_size=32).digest()
+        if key not in first:
+            first[key] = len(reps)
+            reps.append(m)
+        group.append(first[key])
+    return reps, group
+
+
+def _blocked_error(m: torch.Tensor, b: int) -> torch.Tensor:
+    """``max|M Mᵀ − I|`` of one ``[d, d]`` matrix from ``b``-row blocks (``M Mᵀ`` is symmetric: j ≥ i)."""
+    d = int(m.shape[-1])
+    worst = torch.zeros((), dtype=torch.float64, device=m.device)
+    for i in range(0, d, b):
+        a = m[i:i + b].to(torch.float64)
+        for j in range(i, d, b):
+            prod = a @ (a if j == i else m[j:j + b].to(torch.float64)).T
+            if j == i:
+                prod.diagonal().sub_(1)
+            worst = torch.maximum(worst, prod.abs_().amax())
+    return worst
+
+
+def _dims_of(x: Any) -> Any:
+    """``d`` per layer of a :class:`RotationSet` or a :class:`ValidationReport` (comparable values)."""
+    if isinstance(x, RotationSet):
+        try:
+            return x.head_dims.to_json()
+        except RotationZooError:
+            return None
+    return x.head_dims if x.head_dims is not None else x.head_dim
+
+
+def _heads_of(x: Any) -> Any:
+    if isinstance(x, RotationSet):
+        if not x.per_head:
+            return None
+        return tuple(int(r.shape[0]) for r in (x.rotations if isinstance(x.rotations, tuple) else x.rotations.unbind(0)))
+    return x.num_kv_heads
+
+
+def pair_disagreement(k: Any, v: Any) -> str | None:
+    """What the K and the V side of one pair disagree on, or ``None``: the rule export, serving and
+    ``rotationzoo verify`` apply. ``k`` and ``v`` are :class:`RotationSet` s or :class:`ValidationReport` s.
+
+    K and V must cover the same layer ids with the same ``d`` per layer; two per-KV-head sides must
+    also have the same number of KV heads per layer.
+    """
+    k_ids, v_ids = tuple(k.layer_ids), tuple(v.layer_ids)
+    kd, vd = _dims_of(k), _dims_of(v)
+    show = (lambda dims: dims if not isinstance(dims, dict) else
+            ",".join([str(dims["default"]), *(f"{a}:{b}" for a, b in dims["layers"].items())]))
+    if k_ids != v_ids or kd != vd:
+        return (f"K and V disagree: K has {len(k_ids)} layers ({_short(list(k_ids))}) × d {show(kd)}, "
+                f"V has {len(v_ids)} layers ({_short(list(v_ids))}) × d {show(vd)}")
+    kh, vh = _heads_of(k), _heads_of(v)
+    if kh is not None and vh is not None and kh != vh:
+        counts = (lambda h: h if not isinstance(h, tuple) else (h[0] if len(set(h)) == 1 else sorted(set(h))))
+        return f"K and V disagree: K has {counts(kh)} KV heads, V has {counts(vh)}"
+    return None
+
+
 
 
 def inverse_errors(rotation: torch.Tensor, inverse_t: torch.Tensor) -> torch.Tensor:
@@ -181,6 +299,26 @@ def _dense_float(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.layout == torch.strided and t.is_floating_point()
 
 
+def _measure_all(rs: RotationSet) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """``(non-finite counts, orthogonality errors)`` per layer, each ``[H]`` (``[1]`` per layer), measured
+    over the whole set at once when it is stacked (identical matrices once, in bounded chunks); per
+    layer for a ragged set. ``None`` when the rotations cannot be measured here (then per layer)."""
+    rot = rs.rotations
+    try:
+        if isinstance(rot, tuple):
+            out = []
+            for r in rot:
+                bad, err = measure_matrices(r.reshape(-1, r.shape[-2], r.shape[-1]))
+                out.append((bad, err))
+            return out
+        if not _dense_float(rot) or rot.dim() not in (3, 4) or rot.shape[-1] != rot.shape[-2] or rot.shape[-1] < 1:
+            return None
+        bad, err = measure_matrices(rot.reshape(rot.shape[0], -1, rot.shape[-2], rot.shape[-1]))
+        return [(bad[i], err[i]) for i in range(rot.shape[0])]
+    except (RuntimeError, TypeError, ValueError):
+        return None
+
+
 def _check_numerics(rs: RotationSet, name: str, atol: float, inverse_atol: float, report: ValidationReport) -> None:
     """Per layer: finiteness, orthogonality (or the companions' inverse), shapes of the other fields."""
     problems = report.problems
@@ -190,7 +328,8 @@ def _check_numerics(rs: RotationSet, name: str, atol: float, inverse_atol: float
                         f"inverse transpose needed to apply it)")
     worst: tuple[float, int] | None = None
     worst_inv = 0.0
-    for lid, fields in rs.layers():
+    measured = _measure_all(rs) if orthogonal else None
+    for i, (lid, fields) in enumerate(rs.layers()):
         rot = fields["rotation"]
         if isinstance(rot, torch.Tensor) and rot.dim() in (2, 3) and rot.shape[-1] < 1:
             problems.append(f"{name}: layer {lid}: rotations are empty {list(rot.shape)} matrices")
@@ -205,12 +344,17 @@ def _check_numerics(rs: RotationSet, name: str, atol: float, inverse_atol: float
         def where(m: int) -> str:
             return f"layer {lid}, head {m}" if rs.per_head else f"layer {lid}"
 
-        finite = torch.isfinite(mats).flatten(1).all(dim=1)
+        errs: torch.Tensor | None
+        if measured is not None:
+            nonfinite, errs = measured[i]
+        else:
+            nonfinite, errs = measure_matrices(mats)
+            errs = errs if orthogonal else None
+        finite = nonfinite == 0
         for m in (~finite).nonzero().flatten().tolist():
-            n_bad = int((~torch.isfinite(mats[m])).sum())
-            problems.append(f"{name}: {where(m)}: {n_bad} non-finite values (NaN or inf)")
-        if orthogonal and bool(finite.any()):
-            errs = torch.where(finite, orthogonality_errors(mats), torch.zeros(mats.shape[0], dtype=torch.float64))
+            problems.append(f"{name}: {where(m)}: {int(nonfinite[m])} non-finite values (NaN or inf)")
+        if errs is not None and bool(finite.any()):
+            errs = torch.where(finite, errs, torch.zeros_like(errs))
             top = int(errs.argmax())
             if worst is None or float(errs[top]) > worst[0]:
                 worst = (float(errs[top]), lid)

@@ -15,7 +15,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "rotationzoo"
 LOWER = ("errors", "config", "hashing", "hadamard", "vocab", "numbers", "int2kv", "progress", "headdims", "registry",
          "format", "rotation_set", "sharding", "validation",
-         "_inspect", "_schema", "hub", "kernels", "fit")
+         "_inspect", "_schema", "_stheader", "hub", "kernels", "fit")
 HIGHER = ("api", "pair", "localpair", "calibrated", "pairfile", "engines", "planner", "serving", "export", "publish", "evaluate", "demo",
           "integrations", "cli")
 MAX_MODULE_LINES = 500

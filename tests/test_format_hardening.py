@@ -143,7 +143,8 @@ def test_stride0_view_refused_fast_and_small(tmp_path: Path) -> None:
 
 
 def test_deflate_bomb_refused_fast_and_small(tmp_path: Path) -> None:
-    # a 1 MB member that inflates to a 1 GiB storage, viewed by one 4x4 "rotation"
+    # a 1 MB member that inflates to a 1 GiB storage, viewed by one 4x4 "rotation": refused for
+    # being compressed at all (torch.save never compresses), before its declared size is even read
     numel = 1 << 28
     comp = zlib.compressobj(9, zlib.DEFLATED, -15)
     chunk = comp.compress(bytes(1 << 20)) + comp.flush(zlib.Z_FULL_FLUSH)
@@ -159,8 +160,48 @@ def test_deflate_bomb_refused_fast_and_small(tmp_path: Path) -> None:
     bad = raw_zip(tmp_path / "k.pt", members)
     assert bad.stat().st_size < 2 << 20
     r = probe(bad)
-    assert r["outcome"].startswith("refused: ") and "bytes" in r["outcome"], r
+    assert r["outcome"].startswith("refused: ") and "'data/0' is encrypted or compressed (method 8)" in r["outcome"], r
     assert r["seconds"] < 2.0 and r["rss_mib"] < 500, r
+
+
+def _identity_archive(path: Path, method: int, layers: int = 16, d: int = 512) -> Path:
+    """An archive of ``layers`` d × d identity rotations, one record each, stored or deflated."""
+    record = torch.eye(d).numpy().tobytes()
+    crc = zlib.crc32(record)
+    payload = record if method == 0 else zlib.compress(record, 9)[2:-4]  # raw deflate, as zip holds it
+    obj = rotation_dict({i: {"layer_id": i, "rotation": FakeTensor(FakeStorage(str(i), d * d), (d, d), (d, 1))}
+                         for i in range(layers)})
+    pkl = torch_pickle(obj)
+    members = [("archive/data.pkl", 0, zlib.crc32(pkl), len(pkl), pkl),
+               ("archive/byteorder", 0, zlib.crc32(b"little"), 6, b"little"),
+               ("archive/version", 0, zlib.crc32(b"3\n"), 2, b"3\n")]
+    members += [(f"archive/data/{i}", method, crc, len(record), payload) for i in range(layers)]
+    return raw_zip(path, members)
+
+
+def test_deflated_rotations_within_the_limits_refused_fast_and_small(tmp_path: Path) -> None:
+    # 16 orthogonal 512 × 512 matrices (16 MiB, well within max_bytes) deflate to a few KB: such a
+    # file was inflated, loaded and validated (seconds and hundreds of MiB for kilobytes on disk)
+    bad = _identity_archive(tmp_path / "k.pt", method=8)
+    assert bad.stat().st_size < 64 << 10
+    r = probe(bad)
+    assert r["outcome"].startswith("refused: ") and "is encrypted or compressed (method 8)" in r["outcome"], r
+    assert "re-save it with torch.save" in r["outcome"]
+    assert r["seconds"] < 1.0 and r["rss_mib"] < 500, r
+    # the very same archive with stored members is a valid rotation file
+    ok = _identity_archive(tmp_path / "ok.pt", method=0)
+    rs = read_rotation(ok)
+    assert rs.rotations.shape == (16, 512, 512) and validate(rs).ok
+    # a stored member whose stored size differs from its size is refused too
+    data = bytearray(ok.read_bytes())
+    with zipfile.ZipFile(ok) as zf:
+        info = zf.getinfo("archive/data/3")
+    struct.pack_into("<I", data, info.header_offset + 18, info.compress_size - 1)  # local header
+    cd = data.rindex(struct.pack("<I", 0x02014B50), 0, data.rindex(b"archive/data/3"))
+    struct.pack_into("<I", data, cd + 20, info.compress_size - 1)  # central directory
+    (tmp_path / "odd.pt").write_bytes(bytes(data))
+    with pytest.raises(RotationFileError, match="'data/3' is encrypted or compressed"):
+        read_rotation(tmp_path / "odd.pt")
 
 
 @pytest.mark.parametrize(
@@ -196,7 +237,10 @@ def test_one_stored_matrix_for_many_layers_is_bounded(tmp_path: Path, no_torch_l
     bad = tmp_path / "k.pt"
     torch.save(rotation_dict({i: {"layer_id": i, "rotation": eye} for i in range(200)}), bad)
     assert bad.stat().st_size < 64 * 64 * 4 * 2
-    with pytest.raises(RotationFileError, match=r"200 layers of \[64, 64\] need 3276800 bytes loaded, more than max_bytes=1000000"):
+    # 16384 bytes stored once, 200 × 64² × 4 loaded in fp32, plus validation's working set
+    with pytest.raises(RotationFileError, match=r"200 layers of \[64, 64\] need \d+ bytes to read and validate \(16384 "
+                                                r"stored, 3276800 loaded in fp32, \d+ to validate\), more than "
+                                                r"max_bytes=1000000"):
         read_rotation(bad, max_bytes=1_000_000)
 
 
@@ -274,7 +318,8 @@ def test_limits_and_expectations(tmp_path: Path) -> None:
     assert read_rotation(path, head_dim=64, num_layers=3).num_layers == 3
     report = verify_file(path, head_dim=32)
     assert not report.ok and "head_dim is 32" in report.problems[0]
-    assert fmt.make_limits(head_dim=128, num_layers=36).max_bytes == 36 * (128 * 128 + 128) * 12
+    # stored + loaded + a companion's room, plus validation's fp64 copy, product and mask of the 36 matrices
+    assert fmt.make_limits(head_dim=128, num_layers=36).max_bytes == 36 * (128 * 128 + 128) * 16 + 36 * 17 * 128 * 128
 
 
 def test_views_of_a_stacked_tensor_still_load(tmp_path: Path) -> None:

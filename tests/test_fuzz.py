@@ -234,3 +234,89 @@ def test_fuzz_reader_raises_only_typed_errors(tmp_path: Path) -> None:
     assert not raw, "\n".join(raw[:20])
     assert sum(v for k, v in counts.items() if not k.startswith("RAW from verify_file")) == N_MUTANTS
     assert counts["loaded"] > 0 and counts["RotationFileError"] > 0  # the mutants exercise both paths
+
+
+# -- pair-file metadata ----------------------------------------------------------------------------
+
+N_META_MUTANTS = int(os.environ.get("ROTATIONZOO_FUZZ_META_MUTANTS", "300"))
+META_KEYS = ["format", "export_format_version", "sides", "head_dim", "layer_ids", "model", "tag", "rotationzoo_version",
+             "k.objective", "k.format_version", "k.source_grouping", "k.sha256", "v.objective", "v.format_version",
+             "v.source_grouping", "v.sha256", "group_size", "x.unknown"]
+
+
+def hostile_text(rng: random.Random) -> str:
+    pool = ["", "1", "0", "-1", "²", "١٢", "1.0", "1e3", "nan", "inf", str(2**70), "9" * 400, " 1", "1\n", "0x10",
+            "k", "k,v", "v,k", "0,1", "0,1,2,3", "0,,1", "16", "kv_head", "layer", "identity-v1", "a/b", "../x",
+            "/etc; rm -rf ~", "$(id)", "\x1b[31mred", "\0", "a" * 2000, "0" * 64, "f" * 63 + "g"]
+    if rng.random() < 0.3:
+        return "".join(chr(rng.choice([rng.randrange(32, 127), rng.randrange(0x80, 0x3000)]))
+                       for _ in range(rng.randrange(0, 40)))
+    return rng.choice(pool)
+
+
+def test_fuzz_pair_file_metadata_raises_only_typed_errors(tmp_path: Path) -> None:
+    """Pair files (safetensors and GGUF) with hostile metadata: read, validated and verified with
+    typed errors only."""
+    import numpy as np
+    from safetensors.torch import save_file
+
+    from rotationzoo.pair import read_pair, verify_path
+
+    gguf = pytest.importorskip("gguf")
+    T = gguf.GGUFValueType
+    rng = random.Random(SEED)
+    rots = {s: random_orthogonal(2, 8, i) for i, s in enumerate("kv")}
+    tensors = {f"{s}.{i}.rotation": rots[s][i] for s in "kv" for i in range(2)}
+    base = {"format": "rotationzoo.rotations", "export_format_version": "1", "sides": "k,v", "head_dim": "8",
+            "layer_ids": "0,1", "k.objective": "qqt_r_h_pbr", "v.objective": "sst_r_h_pbr", "k.format_version": "1",
+            "v.format_version": "1"}
+    counts: collections.Counter = collections.Counter()
+    raw: list[str] = []
+    for i in range(N_META_MUTANTS):
+        meta = dict(base)
+        for _ in range(rng.randint(1, 3)):
+            meta[rng.choice(META_KEYS)] = hostile_text(rng)
+        if i % 2 == 0:
+            path = tmp_path / "m.safetensors"
+            save_file(tensors, str(path), metadata=meta)
+        else:
+            path = tmp_path / "m.gguf"
+            w = gguf.GGUFWriter(str(path), "rotationzoo")
+            for key, value in meta.items():
+                kind = rng.randrange(5)
+                if kind == 0 and value.isascii() and value.isdigit() and int(value) < 2**32:
+                    w.add_key_value("rotationzoo." + key, int(value), T.UINT32)
+                elif kind == 1:
+                    w.add_key_value("rotationzoo." + key, rng.choice([1.0, -1.5, float("nan")]), T.FLOAT32)
+                elif kind == 2:
+                    w.add_key_value("rotationzoo." + key, rng.choice([True, False]), T.BOOL)
+                elif kind == 3:
+                    w.add_key_value("rotationzoo." + key, [rng.randrange(-5, 5) for _ in range(rng.randrange(1, 5))],
+                                    T.ARRAY, sub_type=T.INT32)
+                else:
+                    w.add_key_value("rotationzoo." + key, value, T.STRING)
+            for s in "kv":
+                for layer in range(2):
+                    w.add_tensor(f"blk.{layer}.attn_{s}_rot.weight", np.ascontiguousarray(rots[s][layer].numpy().T))
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_tensors_to_file()
+            w.close()
+        try:
+            pair = read_pair(path)
+            pair.validate()
+            _ = (pair.model, pair.tag, pair.fitted_group_size, pair.recorded_config)
+            counts["loaded"] += 1
+        except RotationZooError as exc:
+            counts[type(exc).__name__] += 1
+        except BaseException as exc:  # noqa: BLE001 - the point of the test
+            counts["RAW " + type(exc).__name__] += 1
+            raw.append(f"mutant {i} ({path.suffix}, {meta}): {type(exc).__name__}: {str(exc)[:200]}")
+        try:
+            reports = verify_path(path)  # documented never to raise
+            assert all(r.ok or r.problems for r in reports)
+        except BaseException as exc:  # noqa: BLE001
+            raw.append(f"verify_path, mutant {i} ({path.suffix}): {type(exc).__name__}: {str(exc)[:200]}")
+    print(f"\npair-file metadata fuzz seed {SEED}: {N_META_MUTANTS} mutants: {dict(counts.most_common())}")
+    assert not raw, "\n".join(raw[:20])
+    assert counts["loaded"] > 0 and counts["ExportError"] > 0 and counts["UnsupportedFormatError"] > 0

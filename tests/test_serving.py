@@ -238,7 +238,7 @@ def test_llamacpp_exports_the_rotation_gguf(qwen_cache, capsys, tmp_path):
     pair = rotationzoo.load(QWEN)
     assert torch.equal(back.k.rotations, pair.k.rotations)
     assert torch.equal(back.v.rotations, pair.v.rotations)
-    assert back.model == "Qwen/Qwen3-8B" and back.sha256 == pair.sha256
+    assert back.model == "Qwen/Qwen3-8B" and {s: back.metadata[f"{s}.sha256"] for s in "kv"} == pair.sha256
     # reused when present and made from the same files
     mtime = gguf_path.stat().st_mtime_ns
     rc, out, _ = run_cli(capsys, "serve-args", QWEN, "-e", "llamacpp")
@@ -257,7 +257,7 @@ def test_llamacpp_gguf_is_rebuilt_for_other_files(qwen_cache, cache_dir):
 
     got = read_exported_gguf(spec2.files["gguf"])
     assert Path(spec2.files["gguf"]) == gguf_path
-    assert got.sha256["k"] == sha256_file(Path(spec2.files["k"]))
+    assert got.metadata["k.sha256"] == sha256_file(Path(spec2.files["k"]))
 
 
 def test_the_gguf_is_a_derived_file_the_cache_knows(cache_dir, capsys):

@@ -273,11 +273,10 @@ def _print_reports(reports: list[ValidationReport]) -> None:
         table.add_row(escape(tail(path, room)), f"[green]{ok}[/]" if ok == "yes" else f"[red]{ok}[/]",
                       *map(escape, rest))
     c.print(table)
-    for r in reports:
-        for w in r.warnings:
-            c.print(f"[yellow]![/] {escape(w)}")
-        for p in r.problems:
-            c.print(f"[red]✗[/] {escape(p)}")
+    for w in dict.fromkeys(w for r in reports for w in r.warnings):
+        c.print(f"[yellow]![/] {escape(w)}")
+    for p in dict.fromkeys(p for r in reports for p in r.problems):  # a pair's disagreement fails both sides: once
+        c.print(f"[red]✗[/] {escape(p)}")
 
 
 def _dims(r: ValidationReport) -> str:

@@ -273,14 +273,30 @@ def remove_cached(model: str | None = None, tag: str | None = None,
 def derived_path(name: str, *, entry: TagEntry | None = None, inputs: Mapping[str, str] | None = None,
                  cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """Where a file derived from ``entry``'s verified files (or from local files with ``inputs``
-    sha256s) is kept: ``derived/<model>/<tag>/<name>`` or ``derived/local/<id>/<name>``."""
+    sha256s) is kept: ``derived/<model>/<tag>/<name>`` or ``derived/local/<id>/<name>``.
+
+    ``inputs`` maps each side to the sha256 of the bytes it was read from (never to a hash a file
+    merely records about itself); ``<id>`` is made from all of them, so other bytes get another folder.
+
+    Raises:
+        CacheError: no entry and no inputs, an input that is not a 64-hex sha256, or a ``name``
+            that is not a plain file name.
+    """
+    import hashlib
+    import re
+
+    from ..errors import CacheError
+
+    if not re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}", name) or name.endswith(MARKER_SUFFIX):
+        raise CacheError(f"derived file name {name!r} must be a plain file name (letters, digits and . _ -)")
     root = cache_root(cache_dir)
     if entry is not None:
         return derived_dir(root, entry) / name
     if not inputs:
-        raise ValueError("derived_path needs an entry or the sha256 of its inputs")
-    import hashlib
-
+        raise CacheError("a derived file needs a registry entry or the sha256 of the files it is built from")
+    bad = {k: v for k, v in inputs.items() if not (isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v))}
+    if bad:
+        raise CacheError(f"derived file inputs must be 64-hex sha256s, got {bad!r}"[:300])
     local_id = hashlib.sha256(",".join(f"{s}={h}" for s, h in sorted(inputs.items())).encode()).hexdigest()[:16]
     return derived_dir(root, local_id=local_id) / name
 
@@ -299,8 +315,9 @@ def record_derived(path: Path, *, inputs: Mapping[str, str], entry: TagEntry | N
 
 
 def derived_hit(path: Path, inputs: Mapping[str, str]) -> bool:
-    """True when ``path`` exists, its bytes match its marker, and it was built from exactly ``inputs``."""
+    """True when ``path`` is a regular file (not a link) whose bytes match its marker, built from
+    exactly ``inputs`` (the sha256 of each side it was made from)."""
     marker = read_marker(path)
-    if marker is None or not path.is_file() or marker.get("inputs") != dict(inputs):
+    if marker is None or path.is_symlink() or not path.is_file() or marker.get("inputs") != dict(inputs):
         return False
-    return sha256_file(path) == marker.get("sha256")
+    return path.stat().st_size == marker["size"] and sha256_file(path) == marker.get("sha256")

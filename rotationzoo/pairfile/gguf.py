@@ -22,11 +22,22 @@ from typing import Any, Mapping
 
 import torch
 
+from .._inspect import MAX_LAYERS, TensorMeta, exc_line, safe_repr
+from .._schema import make_limits, parse
 from .._version import __version__
 from ..errors import ExportError, MissingDependencyError
 from ..format import RotationSet
 from ..registry.model import SIDES
-from .common import EXPORT_FORMAT_VERSION, Sets, atomic_path, parse_version, sides_of
+from .common import (
+    EXPORT_FORMAT_VERSION,
+    LAYER_ID,
+    MAX_META_TEXT,
+    Sets,
+    atomic_path,
+    check_metadata,
+    parse_version,
+    sides_of,
+)
 
 #: GGUF tensor name of one layer's rotation.
 GGUF_TENSOR = "blk.{layer}.attn_{side}_rot.weight"
@@ -143,9 +154,9 @@ def write_gguf(sets: Sets, out: Path, *, model: str | None = None, tag: str | No
     return out
 
 
-def _field(reader: Any, key: str) -> Any:
+def _field(reader: Any, key: str, path: Path) -> Any:
     f = reader.get_field(key)
-    return f.contents() if f is not None else None
+    return _contents(f, path) if f is not None else None
 
 
 def _open_reader(path: Path, gguf: Any, what: str) -> Any:
@@ -159,26 +170,34 @@ def _open_reader(path: Path, gguf: Any, what: str) -> Any:
         raise ExportError(f"{path}: cannot read GGUF ({type(exc).__name__}: {exc})") from None
 
 
+def _int_field(reader: Any, key: str, path: Path) -> int | None:
+    """An integer key of a model GGUF (the first of a per-layer array), or ``None`` when absent."""
+    val = _field(reader, key, path)
+    if isinstance(val, list):
+        val = val[0] if val else None
+    if val is not None and (type(val) is not int or val < 0):
+        raise ExportError(f"{path}: GGUF key {key} is {safe_repr(val)}; expected a non-negative integer")
+    return val
+
+
 def _check_base(base: Path, reader: Any, sets: Sets, gguf: Any) -> str:
     """The base's architecture name, after checking it can hold these rotations."""
     first = sets[sides_of(sets)[0]]
-    arch = _field(reader, gguf.Keys.General.ARCHITECTURE)
-    if not arch:
+    arch = _field(reader, gguf.Keys.General.ARCHITECTURE, base)
+    if not arch or not isinstance(arch, str):
         raise ExportError(f"{base}: no general.architecture; not a model GGUF")
-    blocks = _field(reader, gguf.Keys.LLM.BLOCK_COUNT.format(arch=arch))
-    if blocks is not None and max(first.layer_ids) >= int(blocks):
+    blocks = _int_field(reader, gguf.Keys.LLM.BLOCK_COUNT.format(arch=arch), base)
+    if blocks is not None and max(first.layer_ids) >= blocks:
         raise ExportError(
             f"{base}: the model has {blocks} blocks, but the rotations cover layers up to {max(first.layer_ids)}; "
             f"these rotations belong to another model"
         )
-    key_len = _field(reader, gguf.Keys.Attention.KEY_LENGTH.format(arch=arch))
+    key_len = _int_field(reader, gguf.Keys.Attention.KEY_LENGTH.format(arch=arch), base)
     if key_len is None:
-        emb = _field(reader, gguf.Keys.LLM.EMBEDDING_LENGTH.format(arch=arch))
-        heads = _field(reader, gguf.Keys.Attention.HEAD_COUNT.format(arch=arch))
-        if isinstance(heads, list):
-            heads = heads[0] if heads else None
+        emb = _int_field(reader, gguf.Keys.LLM.EMBEDDING_LENGTH.format(arch=arch), base)
+        heads = _int_field(reader, gguf.Keys.Attention.HEAD_COUNT.format(arch=arch), base)
         key_len = emb // heads if emb and heads else None
-    if key_len is not None and int(key_len) != first.head_dim:
+    if key_len is not None and key_len != first.head_dim:
         raise ExportError(f"{base}: the model's head size is {key_len}, the rotations are {first.head_dim}×{first.head_dim}")
     return str(arch)
 
@@ -190,7 +209,7 @@ def _merge_into_base(base: Path, out: Path, sets: Sets, tensors: list[tuple[str,
     new_names = {n for n, _ in tensors}
     with atomic_path(out) as tmp:
         w = gguf.GGUFWriter(str(tmp), arch=arch, endianess=reader.endianess)
-        alignment = _field(reader, gguf.Keys.General.ALIGNMENT)
+        alignment = _field(reader, gguf.Keys.General.ALIGNMENT, base)
         if alignment is not None:
             w.data_alignment = alignment
         for fld in reader.fields.values():
@@ -199,7 +218,7 @@ def _merge_into_base(base: Path, out: Path, sets: Sets, tensors: list[tuple[str,
                 continue
             vtype = fld.types[0]
             sub = fld.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-            w.add_key_value(fld.name, fld.contents(), vtype, sub_type=sub)
+            w.add_key_value(fld.name, _contents(fld, base), vtype, sub_type=sub)
         _add_metadata(w, sets, model, tag, sha256, gguf)
         kept = [t for t in reader.tensors if t.name not in new_names and not is_rotation_tensor(t.name)]
         for t in kept:
@@ -217,14 +236,58 @@ def _merge_into_base(base: Path, out: Path, sets: Sets, tensors: list[tuple[str,
     return out
 
 
+def _contents(fld: Any, path: Path) -> Any:
+    try:
+        return fld.contents()
+    except Exception as exc:  # noqa: BLE001 - gguf decodes strings as UTF-8 on demand
+        raise ExportError(f"{path}: cannot read GGUF key {safe_repr(fld.name)} ({type(exc).__name__}: "
+                          f"{exc_line(exc)})") from None
+
+
+def _metadata(reader: Any, path: Path, gguf: Any) -> dict[str, str]:
+    """``rotationzoo.*`` keys (bounded before they are decoded), ``general.architecture`` and
+    ``general.name`` as strings, plus the ``rotationzoo.`` keys without their prefix."""
+    T = gguf.GGUFValueType
+    meta: dict[str, str] = {}
+    for fld in reader.fields.values():
+        ours = fld.name.startswith(GGUF_KEY_PREFIX)
+        if not ours and fld.name not in ("general.architecture", "general.name"):
+            continue
+        main = fld.types[0] if fld.types else None
+        if main == T.ARRAY:
+            bad = len(fld.data) > 2 * MAX_LAYERS or fld.types[-1] in (T.STRING, T.ARRAY)
+            what = f"an array of {len(fld.data)} {fld.types[-1].name} values"
+        else:
+            bad = main == T.STRING and len(fld.parts[-1]) > MAX_META_TEXT
+            what = f"a string of {len(fld.parts[-1])} bytes" if main == T.STRING else ""
+        if bad and not ours:
+            continue  # a model's own key we do not need
+        if bad:
+            raise ExportError(f"{path}: GGUF key {safe_repr(fld.name)} holds {what}; rotationzoo keys hold "
+                              f"short strings, numbers and at most {2 * MAX_LAYERS} layer ids")
+        val = _contents(fld, path)
+        meta[fld.name] = ",".join(map(str, val)) if isinstance(val, list) else str(val)
+    # the same keys as a safetensors pair file, so callers read one vocabulary
+    plain = ("model", "tag", "export_format_version", "head_dim", "layer_ids", "sides") + tuple(
+        f"{s}.{k}" for s in SIDES for k in ("objective", "format_version", "sha256"))
+    for key in plain:
+        if GGUF_KEY_PREFIX + key in meta:
+            meta[key] = meta[GGUF_KEY_PREFIX + key]
+    return meta
+
+
 def read_gguf(path: Path) -> tuple[dict[str, RotationSet], dict[str, str]]:
     """Read ``blk.{i}.attn_{k,v}_rot.weight`` tensors and transpose them back to ``M`` (fp32).
 
     Works on rotations-only files, on model GGUFs with rotations appended, and on files written by
-    other exporters with the same tensor names (objective then ``"unknown"``).
+    other exporters with the same tensor names (objective then ``"unknown"``). Each side is
+    bounded as a rotation file is (layers, ``d``, bytes), and the ``rotationzoo.*`` keys are
+    checked against the tensors (:func:`~.common.check_metadata`), before any tensor is copied.
 
     Raises:
-        ExportError: not a GGUF file, no rotation tensors, or a tensor that is not a square F32/F16 matrix.
+        ExportError: not a GGUF file, no rotation tensors, a tensor that is not a square F32/F16
+            matrix, or metadata that is malformed or disagrees with the tensors.
+        RotationFileError: a side beyond the limits of a rotation file.
     """
     gguf = gguf_module()
     import numpy as np
@@ -236,32 +299,42 @@ def read_gguf(path: Path) -> tuple[dict[str, RotationSet], dict[str, str]]:
             continue
         s = "k" if t.name.endswith(".attn_k_rot.weight") else "v"
         lid_s = t.name.split(".")[1]
-        if not lid_s.isdigit():
-            raise ExportError(f"{path}: tensor {t.name!r} has no layer number")
+        if not LAYER_ID.fullmatch(lid_s):
+            raise ExportError(f"{path}: tensor {safe_repr(t.name)} has no plain layer number")
         if t.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
             raise ExportError(f"{path}: {t.name} is {t.tensor_type.name}; expected F32")
-        arr = np.asarray(t.data)
-        if arr.ndim != 2 or arr.shape[0] != arr.shape[1]:
+        if t.data.ndim != 2 or t.data.shape[0] != t.data.shape[1]:
             raise ExportError(f"{path}: {t.name} has shape {tuple(int(x) for x in t.shape)}; expected a square matrix")
-        found.setdefault(s, {})[int(lid_s)] = arr.astype(np.float32).T.copy()  # stored Mᵀ -> M
+        if int(lid_s) in found.get(s, {}):
+            raise ExportError(f"{path}: tensor {t.name} appears twice")
+        found.setdefault(s, {})[int(lid_s)] = t.data  # a view of the mapped file: nothing read yet
+        if len(found[s]) > MAX_LAYERS:
+            raise ExportError(f"{path}: more than {MAX_LAYERS} {s.upper()} rotation tensors (max_layers={MAX_LAYERS})")
     if not found:
         raise ExportError(f"{path}: no blk.<i>.attn_k_rot.weight / attn_v_rot.weight tensors")
-    meta: dict[str, str] = {}
-    for fld in reader.fields.values():
-        if fld.name.startswith(GGUF_KEY_PREFIX) or fld.name in ("general.architecture", "general.name"):
-            val = fld.contents()
-            meta[fld.name] = ",".join(map(str, val)) if isinstance(val, list) else str(val)
+    meta = _metadata(reader, path, gguf)
+    if meta.get(GGUF_KEY_PREFIX + "transposed", "True") != "True":
+        raise ExportError(f"{path}: {GGUF_KEY_PREFIX}transposed is {safe_repr(meta[GGUF_KEY_PREFIX + 'transposed'])}; "
+                          "this layout holds Mᵀ, as the llama.cpp branch reads it")
+    limits = make_limits()
+    layout: dict[str, tuple[tuple[int, ...], int]] = {}
+    described: dict[str, tuple[int | str, str]] = {}
+    for s in sides_of(found):
+        plan = {"format_version": parse_version(meta.get(f"{s}.format_version", "1")),
+                "objective": meta.get(f"{s}.objective", "unknown"), "source_grouping": "layer",
+                "layers": {i: {"layer_id": i, "rotation": TensorMeta(str(a.dtype), tuple(a.shape), (int(a.shape[1]), 1))}
+                           for i, a in sorted(found[s].items())}}
+        parsed = parse(plan, str(path), limits)  # layer count, d, bytes, version, objective
+        ids, d = tuple(lid for lid, _ in parsed.layers), int(parsed.layers[0][1]["rotation"].shape[-1])
+        if any(int(f["rotation"].shape[-1]) != d for _, f in parsed.layers):
+            raise ExportError(f"{path}: {s.upper()} rotation tensors of different sizes; a GGUF holds one head_dim")
+        layout[s], described[s] = (ids, d), (parsed.version, parsed.objective)
+    check_metadata(meta, layout, str(path))
     sets = {}
-    for s in SIDES:
-        if s not in found:
-            continue
-        ids = sorted(found[s])
-        sets[s] = RotationSet(rotations=torch.from_numpy(np.stack([found[s][i] for i in ids])), layer_ids=tuple(ids),
-                              objective=meta.get(f"{GGUF_KEY_PREFIX}{s}.objective", "unknown"),
-                              format_version=parse_version(meta.get(f"{GGUF_KEY_PREFIX}{s}.format_version", "1")),
-                              path=path)
-    # the same keys as a safetensors pair file, so callers read one vocabulary
-    for key in ("model", "tag") + tuple(f"{s}.{k}" for s in SIDES for k in ("objective", "format_version", "sha256")):
-        if GGUF_KEY_PREFIX + key in meta:
-            meta[key] = meta[GGUF_KEY_PREFIX + key]
+    for s, (ids, d) in layout.items():
+        rot = np.empty((len(ids), d, d), dtype=np.float32)
+        for n, i in enumerate(ids):
+            rot[n] = found[s][i].T  # stored Mᵀ -> M, cast to fp32 in the one copy
+        sets[s] = RotationSet(rotations=torch.from_numpy(rot), layer_ids=ids, objective=described[s][1],
+                              format_version=described[s][0], path=path)
     return sets, meta

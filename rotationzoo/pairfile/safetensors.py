@@ -10,29 +10,32 @@ Layout::
     v.<layer>.rotation, v.<layer>.eigenvalues, v.<layer>.o_rotation, v.<layer>.v_mean   likewise
     metadata (strings): format="rotationzoo.rotations", export_format_version="1", model, tag,
         sides="k,v", head_dim (a number, or "256,5:512,…" for per-layer head_dims), layer_ids="0,1,…",
-        k.objective, k.format_version, k.source_grouping, k.sha256 (of the source file, when known),
-        k.calibration and k.transform (JSON, when the set has them), and the same for v.
+        k.objective, k.format_version, k.source_grouping, k.sha256 (of the file K was read from, when
+        known), k.calibration and k.transform (JSON, when the set has them), and the same for v.
+
+The metadata is checked against the tensors before any tensor is read (see
+:func:`~rotationzoo.pairfile.common.check_metadata`); ``k.sha256`` / ``v.sha256`` are provenance
+only: readers hash the file itself.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
-from .._schema import LAYER_FIELDS, MAX_LAYERS, inspect_safetensors, make_limits
+from .._schema import LAYER_FIELDS, MAX_LAYERS, inspect_safetensors, make_limits, parse
 from .._version import __version__
 from ..errors import ExportError
 from ..format import RotationSet
+from ..headdims import HeadDims
 from ..registry.model import SIDES
-from .common import EXPORT_FORMAT_VERSION, Sets, atomic_path, parse_version, sides_of
+from .common import EXPORT_FORMAT_VERSION, LAYER_ID, Sets, atomic_path, check_metadata, parse_version, sides_of
 
 #: ``format`` metadata value of a pair file.
 SAFETENSORS_FORMAT = "rotationzoo.rotations"
-_LAYER = re.compile(r"0|[1-9][0-9]{0,8}")  # a plain decimal layer id
 
 
 def pair_metadata(sets: Sets, *, model: str | None, tag: str | None, sha256: Mapping[str, str]) -> dict[str, str]:
@@ -83,6 +86,9 @@ def is_pair_safetensors(path: Path) -> bool:
     from safetensors import safe_open
 
     try:
+        with open(path, "rb") as raw:  # a header beyond a pair file's bound: not one (and not parsed)
+            if int.from_bytes(raw.read(8), "little") > make_limits(max_layers=2 * MAX_LAYERS).max_header_bytes:
+                return False
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
             keys = list(f.keys())
@@ -91,12 +97,45 @@ def is_pair_safetensors(path: Path) -> bool:
     return meta.get("format") == SAFETENSORS_FORMAT or any(k.startswith(("k.", "v.")) for k in keys)
 
 
+def _side_dict(path: Path, meta: Mapping[str, str], side: str, layers: Mapping[int, Any]) -> dict[str, Any]:
+    """One side as the authors' dict (tensors or their header records), for :meth:`RotationSet.from_dict`."""
+    out: dict[str, Any] = {"format_version": parse_version(meta.get(f"{side}.format_version", "1")),
+                           "objective": meta.get(f"{side}.objective", "unknown"),
+                           "source_grouping": meta.get(f"{side}.source_grouping", "layer"), "layers": layers}
+    for key in ("calibration", "transform"):
+        if f"{side}.{key}" in meta:
+            try:
+                out[key] = json.loads(meta[f"{side}.{key}"])
+            except (ValueError, RecursionError):
+                raise ExportError(f"{path}: metadata {side}.{key} is not JSON") from None
+    return out
+
+
+def _by_side(path: Path, entries: Mapping[str, Any]) -> dict[str, dict[int, dict[str, Any]]]:
+    layers: dict[str, dict[int, dict[str, Any]]] = {}
+    for key, t in entries.items():
+        side, layer, kind = key.split(".")
+        layers.setdefault(side, {}).setdefault(int(layer), {"layer_id": int(layer)})[kind] = t
+    for s, by_id in layers.items():
+        for lid, entry in by_id.items():
+            if "rotation" not in entry:
+                other = next(k for k in entry if k != "layer_id")
+                raise ExportError(f"{path}: {s}.{lid}.{other} without {s}.{lid}.rotation")
+    return layers
+
+
 def read_pair_safetensors(path: Path) -> tuple[dict[str, RotationSet], dict[str, str]]:
     """Read a pair file: each side's rotations (as written: per layer, per KV head, ragged), eigenvalues,
     companions and metadata.
 
+    The header (names, dtypes, shapes, offsets), each side's structure and byte needs (bounded as
+    a rotation file's are, side by side) and the metadata (:func:`~.common.check_metadata`) are
+    checked before any tensor is read.
+
     Raises:
-        ExportError: not such a file, or tensors are missing or misnamed.
+        ExportError: not such a file, tensors missing or misnamed, or metadata that is malformed or
+            disagrees with the tensors.
+        RotationFileError: a side beyond the limits of a rotation file.
     """
     from safetensors import SafetensorError, safe_open
 
@@ -106,37 +145,28 @@ def read_pair_safetensors(path: Path) -> tuple[dict[str, RotationSet], dict[str,
     meta, header = inspect_safetensors(path, limits)  # dtypes, shapes, offsets: before any tensor is read
     for key in header:
         parts = key.split(".")
-        if (len(parts) != 3 or parts[0] not in SIDES or not _LAYER.fullmatch(parts[1])
+        if (len(parts) != 3 or parts[0] not in SIDES or not LAYER_ID.fullmatch(parts[1])
                 or parts[2] not in LAYER_FIELDS):
             raise ExportError(
                 f"{path}: unexpected tensor {key[:80]!r}; a pair file holds <side>.<layer>.<field> with side k or v "
                 f"and field one of {', '.join(LAYER_FIELDS)}"
             )
+    plan = _by_side(path, header)
+    if not plan:
+        raise ExportError(f"{path}: no rotation tensors")
+    side_limits = make_limits()  # each side is bounded as one rotation file is
+    layout = {}
+    for s in sides_of(plan):
+        parsed = parse(_side_dict(path, meta, s, plan[s]), str(path), side_limits)
+        dims = HeadDims.of({lid: int(f["rotation"].shape[-1]) for lid, f in parsed.layers})
+        layout[s] = (tuple(lid for lid, _ in parsed.layers), str(dims))
+    check_metadata(meta, layout, str(path))
     try:
         with safe_open(str(path), framework="pt") as f:
             tensors = {k: f.get_tensor(k) for k in header}
     except (SafetensorError, OSError, ValueError) as exc:
         raise ExportError(f"{path}: cannot read safetensors ({exc})") from None
-    layers: dict[str, dict[int, dict[str, Any]]] = {}
-    for key, t in tensors.items():
-        side, layer, kind = key.split(".")
-        layers.setdefault(side, {}).setdefault(int(layer), {"layer_id": int(layer)})[kind] = t
-    if not layers:
-        raise ExportError(f"{path}: no rotation tensors")
-    sets = {}
-    for s in sides_of(layers):
-        for lid, entry in layers[s].items():
-            if "rotation" not in entry:
-                other = next(k for k in entry if k != "layer_id")
-                raise ExportError(f"{path}: {s}.{lid}.{other} without {s}.{lid}.rotation")
-        obj: dict[str, Any] = {"format_version": parse_version(meta.get(f"{s}.format_version", "1")),
-                               "objective": meta.get(f"{s}.objective", "unknown"),
-                               "source_grouping": meta.get(f"{s}.source_grouping", "layer"), "layers": layers[s]}
-        for key in ("calibration", "transform"):
-            if f"{s}.{key}" in meta:
-                try:
-                    obj[key] = json.loads(meta[f"{s}.{key}"])
-                except (ValueError, RecursionError):
-                    raise ExportError(f"{path}: metadata {s}.{key} is not JSON") from None
-        sets[s] = RotationSet.from_dict(obj, path=path)
+    layers = _by_side(path, tensors)
+    sets = {s: RotationSet.from_dict(_side_dict(path, meta, s, layers[s]), path=path, limits=side_limits)
+            for s in sides_of(layers)}
     return sets, meta
