@@ -67,6 +67,7 @@ def fetch(
     revision: str | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     offline: bool | None = None,
+    timeout: float | None = None,
     force: bool = False,
     accept_new: bool = False,
     report: Reporter | None = None,
@@ -81,6 +82,7 @@ def fetch(
         revision: override the hub revision (branch, tag or commit sha).
         cache_dir: cache root (default ``ROTATIONZOO_CACHE`` or the user cache dir).
         offline: never use the network (default: ``ROTATIONZOO_OFFLINE`` / ``HF_HUB_OFFLINE``).
+        timeout: seconds each step of a request may take (default ``ROTATIONZOO_TIMEOUT``).
         force: download again even when a verified copy is cached.
         accept_new: for files the registry does not pin, accept (and pin) a file that differs from
             the one pinned on first use (see :mod:`rotationzoo.hub.pins`).
@@ -92,7 +94,7 @@ def fetch(
     name, at_tag = split_model_tag(model)
     entry = get_entry(name, tag or at_tag)
     got = fetch_entry(entry, cache_dir=cache_dir, source=source, revision=revision, offline=offline,
-                      force=force, accept_new=accept_new, report=report)
+                      timeout=timeout, force=force, accept_new=accept_new, report=report)
     return FetchResult(
         entry=entry,
         paths={s: got.files[s].path for s in SIDES},
@@ -112,6 +114,7 @@ def load(
     revision: str | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     offline: bool | None = None,
+    timeout: float | None = None,
     force: bool = False,
     accept_new: bool = False,
     atol: float = 1e-5,
@@ -119,7 +122,7 @@ def load(
     """Fetch (if needed), read and validate a model's rotation pair, or read a local one.
 
     Args:
-        model, tag, source, revision, cache_dir, offline, force, accept_new: as for :func:`fetch`
+        model, tag, source, revision, cache_dir, offline, timeout, force, accept_new: as for :func:`fetch`
             (``model`` may also be ``"MODEL@TAG"``). A path instead of a model (a pair folder, such as a
             start-up calibration folder of the authors' server, ``"K.pt,V.pt"``, a pair file) is read
             and validated locally; ``tag`` and the fetch options do not apply to it.
@@ -140,7 +143,8 @@ def load(
         return pair.to(device=device, dtype=dtype) if dtype is not None or str(device) != "cpu" else pair
     name, at_tag = split_model_tag(text)
     return load_registered(name, tag or at_tag, device=device, dtype=dtype, source=source, revision=revision,
-                           cache_dir=cache_dir, offline=offline, force=force, accept_new=accept_new, atol=atol)
+                           cache_dir=cache_dir, offline=offline, timeout=timeout, force=force, accept_new=accept_new,
+                           atol=atol)
 
 
 def __getattr__(name: str) -> Any:

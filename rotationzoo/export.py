@@ -32,52 +32,60 @@ from .vocab import EXPORT_FORMATS
 
 
 
-def _resolve(source: Any, tag: str | None, side: str | None, cache_dir: Any, offline: bool | None) -> RotationPair:
-    return resolve_pair(source, tag, side=side, cache_dir=cache_dir, offline=offline)
+def _resolve(rotations: Any, tag: str | None, side: str | None, fetch: dict[str, Any]) -> RotationPair:
+    return resolve_pair(rotations, tag, side=side, **fetch)
 
 
 def export_safetensors(
-    source: Any,
+    rotations: Any,
     out: str | os.PathLike[str],
     *,
     tag: str | None = None,
     side: str | None = None,
+    source: str = "auto",
+    revision: str | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     offline: bool | None = None,
+    timeout: float | None = None,
 ) -> Path:
-    """Write K and V rotations (and eigenvalues) into one safetensors file, atomically.
+    """Write K and V rotations (eigenvalues and companions too) into one safetensors file, atomically.
 
     Args:
-        source: what to export (see :func:`~rotationzoo.pair.resolve_pair`).
+        rotations: what to export (anything :func:`~rotationzoo.pair.resolve_pair` accepts).
         out: destination file.
         tag: calibration tag for a registry model.
         side: ``"k"`` or ``"v"``: export only that side (or name the side of a single file).
-        cache_dir, offline: registry fetching (see :func:`rotationzoo.fetch`).
+        source, revision, cache_dir, offline, timeout: the fetch options of a registry id (see
+            :func:`rotationzoo.fetch`).
 
     Returns:
-        The path written: tensors ``{k,v}.<layer>.rotation`` fp32 ``[d, d]`` and
-        ``{k,v}.<layer>.eigenvalues`` fp32 ``[d]``, string metadata (model, tag, objectives, sha256).
+        The path written: tensors ``{k,v}.<layer>.rotation`` fp32 (``[d, d]`` or ``[H_kv, d, d]``), their
+        eigenvalues and companions, string metadata (model, tag, objectives, sha256).
     """
-    pair = _resolve(source, tag, side, cache_dir, offline)
+    pair = _resolve(rotations, tag, side, dict(source=source, revision=revision, cache_dir=cache_dir,
+                                               offline=offline, timeout=timeout))
     p = Path(out).expanduser()
     meta = pair_metadata(pair.sets, model=pair.model, tag=pair.tag, sha256=pair.sha256)
     return write_pair_safetensors(pair.sets, meta, p)
 
 
 def export_gguf(
-    source: Any,
+    rotations: Any,
     out: str | os.PathLike[str],
     *,
     tag: str | None = None,
     side: str | None = None,
     base_gguf: str | os.PathLike[str] | None = None,
+    source: str = "auto",
+    revision: str | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     offline: bool | None = None,
+    timeout: float | None = None,
 ) -> Path:
     """Write rotations as GGUF tensors ``blk.{i}.attn_{k,v}_rot.weight`` holding ``Mᵀ`` (F32).
 
     Args:
-        source, tag, side, cache_dir, offline: see :func:`export_safetensors`.
+        rotations, tag, side, source, revision, cache_dir, offline, timeout: see :func:`export_safetensors`.
         out: destination file (written atomically).
         base_gguf: a model GGUF to copy through: every key and tensor of it is kept byte for byte
             and the rotation tensors are appended (replacing any already there), giving the
@@ -87,30 +95,36 @@ def export_gguf(
     Returns:
         The path written.
     """
-    pair = _resolve(source, tag, side, cache_dir, offline)
+    pair = _resolve(rotations, tag, side, dict(source=source, revision=revision, cache_dir=cache_dir,
+                                               offline=offline, timeout=timeout))
     base = Path(base_gguf).expanduser() if base_gguf is not None else None
     return write_gguf(pair.sets, Path(out).expanduser(), model=pair.model, tag=pair.tag, sha256=pair.sha256,
                       base_gguf=base)
 
 
 def export(
-    source: Any,
+    rotations: Any,
     out: str | os.PathLike[str],
     *,
     to: str,
     tag: str | None = None,
     side: str | None = None,
     base_gguf: str | os.PathLike[str] | None = None,
+    source: str = "auto",
+    revision: str | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     offline: bool | None = None,
+    timeout: float | None = None,
 ) -> Path:
     """Export to ``to`` = ``"safetensors"`` or ``"gguf"``; see :func:`export_safetensors`, :func:`export_gguf`."""
+    fetch: dict[str, Any] = dict(source=source, revision=revision, cache_dir=cache_dir, offline=offline,
+                                 timeout=timeout)
     if to == "safetensors":
         if base_gguf is not None:
             raise ExportError("base_gguf applies to GGUF exports only")
-        return export_safetensors(source, out, tag=tag, side=side, cache_dir=cache_dir, offline=offline)
+        return export_safetensors(rotations, out, tag=tag, side=side, **fetch)
     if to == "gguf":
-        return export_gguf(source, out, tag=tag, side=side, base_gguf=base_gguf, cache_dir=cache_dir, offline=offline)
+        return export_gguf(rotations, out, tag=tag, side=side, base_gguf=base_gguf, **fetch)
     raise ExportError(f"unknown export format {to!r}; expected one of {', '.join(EXPORT_FORMATS)}")
 
 

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from .errors import ExportError, PairError, RotationZooError
+from .errors import PairError, RotationZooError
 from .fit.output import MANIFEST_NAME
 from .hashing import read_hashed
 from .headdims import HeadDims
@@ -69,7 +69,7 @@ def _pick(d: Path, side: str, files: list[Path]) -> Path | None:
     for f in sorted(cands, key=lambda f: ROTATION_SUFFIXES.index(f.suffix)):
         by_stem.setdefault(f.stem, f)  # the same stem in several formats: copies; prefer .pt
     if len(by_stem) > 1:
-        raise ExportError(
+        raise PairError(
             f"{d}: several {side.upper()} rotation files ({', '.join(p.name for p in by_stem.values())}); "
             f"keep one pair in the folder, name them in {MANIFEST_NAME}, or give 'k.pt,v.pt'"
         )
@@ -102,12 +102,12 @@ def find_pair_files(directory: str | os.PathLike[str]) -> dict[str, Path]:
     several formats counts once, ``.pt`` preferred): an ambiguous folder is refused, never guessed.
 
     Raises:
-        ExportError: not a folder, no rotation file, a side missing, or several candidates for a side.
+        PairError: not a folder, no rotation file, a side missing, or several candidates for a side.
         PairError: the authors' server is publishing the pair (a ``.oscar_*.pending.json`` is there).
     """
     d = Path(directory)
     if not d.is_dir():
-        raise ExportError(f"{d}: not a folder")
+        raise PairError(f"{d}: not a folder")
     check_not_pending(d)
     picked = _manifest_files(d)
     if picked:
@@ -115,30 +115,44 @@ def find_pair_files(directory: str | os.PathLike[str]) -> dict[str, Path]:
     files = sorted(f for f in d.iterdir() if f.is_file() and f.suffix in ROTATION_SUFFIXES)
     chosen = {s: p for s in SIDES if (p := _pick(d, s, files)) is not None}
     if not chosen and any(re.fullmatch(r"layer_\d+\.pt", f.name) for f in files):
-        raise ExportError(f"{d}: an MLA latent rotation folder (layer_<id>.pt files), not a K/V rotation pair; "
+        raise PairError(f"{d}: an MLA latent rotation folder (layer_<id>.pt files), not a K/V rotation pair; "
                           f"rotationzoo does not load MLA latent rotations")
     if not chosen:
         names = ", ".join(f.name for f in files[:8]) or "no .pt/.safetensors files"
-        raise ExportError(f"{d}: no rotation pair found (expected k_rotation*.pt and v_rotation*.pt; found {names})")
+        raise PairError(f"{d}: no rotation pair found (expected k_rotation*.pt and v_rotation*.pt; found {names})")
     missing = [s for s in SIDES if s not in chosen]
     if missing:
         have = next(iter(chosen.values()))
-        raise ExportError(f"{d}: found {have.name} but no {missing[0]}_rotation*.pt; give the single file instead, "
+        raise PairError(f"{d}: found {have.name} but no {missing[0]}_rotation*.pt; give the single file instead, "
                           f"or add its partner")
     return chosen
 
 
 def verify_path(path: str | os.PathLike[str], *, atol: float = DEFAULT_ATOL, layer_ids: Sequence[int] | None = None,
                 num_layers: int | None = None, head_dim: int | HeadDims | None = None,
-                num_kv_heads: int | None = None) -> list[ValidationReport]:
-    """Validation reports of a rotation file: one for a single-side file, one per side for a pair
-    file (exported safetensors or GGUF) or a pair folder (found as :func:`find_pair_files` finds it).
+                num_kv_heads: int | None = None, fetch: Mapping[str, Any] | None = None) -> list[ValidationReport]:
+    """Validation reports of what names rotations: one for a single-side file, one per side for a pair
+    file (exported safetensors or GGUF), a pair folder (found as :func:`find_pair_files` finds it),
+    ``"K.pt,V.pt"``, or a registry id ``MODEL[@TAG]`` (fetched with the ``fetch`` options — ``source``,
+    ``revision``, ``cache_dir``, ``offline``, ``timeout`` — and checked against the model's layers,
+    head_dims and KV heads unless others are given).
 
     K and V of a pair must agree as ``export`` requires (:func:`~rotationzoo.validation.pair_disagreement`),
     else both reports fail. Never raises for a bad file (the report says why)."""
-    p = Path(path)
+    text = os.fspath(path)
+    p = Path(text).expanduser()
     expect: dict[str, Any] = dict(atol=atol, layer_ids=layer_ids, num_layers=num_layers, head_dim=head_dim,
                                   num_kv_heads=num_kv_heads)
+    if not p.exists() and "," in text:
+        parts = [Path(x.strip()).expanduser() for x in text.split(",")]
+        if len(parts) != 2:
+            return [ValidationReport(path=text, ok=False, problems=[f"{text}: expected 'K_FILE,V_FILE'"])]
+        pair = {s: verify_path(q, **expect) for s, q in zip(SIDES, parts)}
+        if all(len(r) == 1 for r in pair.values()):
+            _check_agreement(Path(text), {s: r[0] for s, r in pair.items()})
+        return [r for reps in pair.values() for r in reps]
+    if not p.exists() and _registry_id(text):
+        return _verify_registered(text, expect, dict(fetch or {}))
     if p.is_dir():
         try:
             files = find_pair_files(p)
@@ -163,6 +177,37 @@ def verify_path(path: str | os.PathLike[str], *, atol: float = DEFAULT_ATOL, lay
             rep.path, rep.sha256, rep.size = f"{p} [{s}]", sha, size
             reports[s] = rep
     _check_agreement(p, reports)
+    return list(reports.values())
+
+
+def _registry_id(text: str) -> bool:
+    from .registry import load_registry, split_model_tag
+
+    try:
+        load_registry().resolve(split_model_tag(text)[0])
+    except RotationZooError:
+        return False
+    return True
+
+
+def _verify_registered(text: str, expect: dict[str, Any], fetch: dict[str, Any]) -> list[ValidationReport]:
+    """Fetch (if needed) a registry entry's files and verify them against the model (or ``expect``)."""
+    from .hub import fetch_entry
+    from .registry import get_entry, split_model_tag
+
+    try:
+        name, tag = split_model_tag(text)
+        entry = get_entry(name, tag)
+        got = fetch_entry(entry, **fetch)
+    except RotationZooError as exc:
+        return [ValidationReport(path=text, ok=False, problems=[str(exc)])]
+    arch = entry.architecture
+    model_expect: dict[str, Any] = dict(layer_ids=arch.expected_layer_ids(), head_dim=arch.head_dims,
+                                        num_kv_heads=arch.num_kv_heads)
+    merged: dict[str, Any] = {k: (v if v is not None else model_expect.get(k)) for k, v in expect.items()}
+    merged.update({k: v for k, v in model_expect.items() if merged.get(k) is None})
+    reports = {s: verify_file(got.files[s].path, **merged) for s in SIDES}
+    _check_agreement(Path(text), reports)
     return list(reports.values())
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 from ._inspect import parse_index
-from .errors import ExportError, IntegrityError, InvalidRotationError, RotationFileError, RotationZooError
+from .errors import IntegrityError, InvalidRotationError, PairError, RotationFileError, RotationZooError
 from .errors import UnknownModelError
 from .fit.output import MANIFEST_NAME  # noqa: F401  (re-exported)
 from .format import RotationSet, read_rotation
@@ -244,7 +244,7 @@ def read_pair(path: str | os.PathLike[str], *, side: str | None = None) -> Rotat
     """Rotations from a local folder, ``"k.pt,v.pt"``, a pair file or one rotation file (not validated).
 
     Raises:
-        ExportError: nothing usable at ``path`` (the message says what was expected).
+        PairError: nothing usable at ``path`` (the message says what was expected).
         RotationFileError: a file cannot be read.
     """
     text = os.fspath(path)
@@ -254,12 +254,12 @@ def read_pair(path: str | os.PathLike[str], *, side: str | None = None) -> Rotat
     if "," in text and not p.exists():
         parts = [Path(x.strip()).expanduser() for x in text.split(",")]
         if len(parts) != 2 or not all(q.is_file() for q in parts):
-            raise ExportError(f"{text}: expected two existing rotation files 'K_FILE,V_FILE'")
+            raise PairError(f"{text}: expected two existing rotation files 'K_FILE,V_FILE'")
         for folder in {q.parent for q in parts}:
             check_not_pending(folder)
         return _read_sides({"k": parts[0], "v": parts[1]}, text)
     if not p.is_file():
-        raise ExportError(f"{p}: no such file or folder")
+        raise PairError(f"{p}: no such file or folder")
     if file_kind(p) is not None:
         (sets, meta), sha = read_hashed(p, read_pair_file)  # the file's own k.sha256 / v.sha256 are provenance only
         return RotationPair(sets, paths={s: p for s in sets}, sha256={s: sha for s in sets}, metadata=meta,
@@ -268,7 +268,7 @@ def read_pair(path: str | os.PathLike[str], *, side: str | None = None) -> Rotat
     rs, sha = read_hashed(p, read_rotation)
     s = side or infer_side(p, rs.objective)
     if s is None:
-        raise ExportError(
+        raise PairError(
             f"{p}: cannot tell whether this is the K or the V rotation (name does not start with k_/v_, "
             f"objective {rs.objective!r}); pass side='k' or side='v' (--side)"
         )
@@ -284,12 +284,12 @@ def _from_object(obj: Any, side: str | None) -> RotationPair | None:
     if isinstance(obj, RotationSet):
         s = side or infer_side(obj.path, obj.objective)
         if s is None:
-            raise ExportError(f"{obj.path or 'rotation set'}: cannot tell whether it is the K or the V side "
+            raise PairError(f"{obj.path or 'rotation set'}: cannot tell whether it is the K or the V side "
                               f"(objective {obj.objective!r}); pass side='k' or side='v'")
         return RotationPair({s: obj}, source=str(obj.path or ""))
     if isinstance(obj, Mapping):
         if not obj or any(k not in SIDES for k in obj):
-            raise ExportError(f"expected a mapping with keys 'k' and/or 'v', got keys {sorted(map(str, obj))}")
+            raise PairError(f"expected a mapping with keys 'k' and/or 'v', got keys {sorted(map(str, obj))}")
         return RotationPair({s: obj[s] for s in SIDES if s in obj})
     sets = {s: getattr(obj, s) for s in SIDES if isinstance(getattr(obj, s, None), RotationSet)}
     if sets:  # FitResult and similar holders
@@ -304,66 +304,67 @@ def looks_like_path(text: str) -> bool:
 
 
 def resolve_pair(
-    source: Any,
+    rotations: Any,
     tag: str | None = None,
     *,
     side: str | None = None,
     validate_pair: bool = True,
     atol: float = DEFAULT_ATOL,
+    source: str = "auto",
+    revision: str | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     offline: bool | None = None,
-    hub_source: str = "auto",
-    revision: str | None = None,
+    timeout: float | None = None,
 ) -> RotationPair:
     """Turn anything naming rotations into a :class:`RotationPair` (see the module docstring).
 
     Args:
-        source: a path, ``"k.pt,v.pt"``, ``MODEL[@TAG]``, or an object holding rotations.
+        rotations: a path, ``"k.pt,v.pt"``, ``MODEL[@TAG]``, or an object holding rotations.
         tag: calibration tag for a registry model (``MODEL@TAG`` works too).
         side: keep only this side (``"k"`` / ``"v"``); also names the side of a single file whose
             name and objective do not tell.
         validate_pair: check orthogonality (``atol``) and K/V agreement (and, for registry
             entries, the model's layers and ``d``).
         atol: orthogonality tolerance.
-        cache_dir, offline, hub_source, revision: registry fetching (see :func:`rotationzoo.fetch`).
+        source, revision, cache_dir, offline, timeout: the fetch options of a registry id (see
+            :func:`rotationzoo.fetch`); they do not apply to local files.
 
     Raises:
-        ExportError: a path that holds no usable rotations, or a name that is neither a path nor a
+        PairError: a path that holds no usable rotations, or a name that is neither a path nor a
             registry model.
         InvalidRotationError: validation failed.
         UnknownTagError, FetchError, OfflineError, IntegrityError: registry resolution failed.
     """
     if side is not None and side not in SIDES:
-        raise ExportError(f"side must be 'k' or 'v', got {side!r}")
-    pair = _from_object(source, side) if not isinstance(source, (str, os.PathLike)) else None
-    if pair is None and not isinstance(source, (str, os.PathLike)):
-        raise ExportError(f"cannot read rotations from a {type(source).__name__}; give a path, a model id or a pair")
+        raise PairError(f"side must be 'k' or 'v', got {side!r}")
+    pair = _from_object(rotations, side) if not isinstance(rotations, (str, os.PathLike)) else None
+    if pair is None and not isinstance(rotations, (str, os.PathLike)):
+        raise PairError(f"cannot read rotations from a {type(rotations).__name__}; give a path, a model id or a pair")
     if pair is None:
-        pair = _resolve_text(os.fspath(source), tag, side=side, atol=atol, cache_dir=cache_dir, offline=offline,
-                             hub_source=hub_source, revision=revision)
+        pair = _resolve_text(os.fspath(rotations), tag, side=side, atol=atol,
+                             fetch=dict(source=source, revision=revision, cache_dir=cache_dir, offline=offline,
+                                        timeout=timeout))
     pair = pair.only(side)
     if validate_pair and pair.entry is None:
         pair.validate(atol=atol)
     return pair
 
 
-def _resolve_text(text: str, tag: str | None, *, side: str | None, atol: float, cache_dir: Any, offline: bool | None,
-                  hub_source: str, revision: str | None) -> RotationPair:
+def _resolve_text(text: str, tag: str | None, *, side: str | None, atol: float, fetch: dict[str, Any]) -> RotationPair:
     if Path(text).expanduser().exists() or "," in text:
         if tag is not None:
-            raise ExportError(f"{text}: a tag applies to registry models, not to files or folders")
+            raise PairError(f"{text}: a tag applies to registry models, not to files or folders")
         return read_pair(text, side=side)
     model, at_tag = split_model_tag(text)
     try:
         load_registry().resolve(model)
     except UnknownModelError as exc:
         if looks_like_path(text):
-            raise ExportError(f"{text}: no such file or folder") from None
-        raise ExportError(f"{text}: not a file, a folder or a registry model; {exc}") from None
+            raise PairError(f"{text}: no such file or folder") from None
+        raise PairError(f"{text}: not a file, a folder or a registry model; {exc}") from None
     if at_tag is not None and tag is not None and at_tag != tag:
-        raise ExportError(f"{text}: names tag {at_tag!r} but tag {tag!r} was also given")
-    return load_registered(model, at_tag or tag, atol=atol, cache_dir=cache_dir, offline=offline,
-                           source=hub_source, revision=revision)
+        raise PairError(f"{text}: names tag {at_tag!r} but tag {tag!r} was also given")
+    return load_registered(model, at_tag or tag, atol=atol, **fetch)
 
 
 def cached_details(entry: TagEntry, cache_dir: str | os.PathLike[str] | None = None) -> dict[str, dict[str, Any]]:
@@ -404,14 +405,15 @@ def load_registered(
     revision: str | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     offline: bool | None = None,
+    timeout: float | None = None,
     force: bool = False,
     accept_new: bool = False,
     atol: float = DEFAULT_ATOL,
 ) -> RotationPair:
     """Fetch (if needed), read and validate a registry entry's pair; see :func:`rotationzoo.load`."""
     entry = get_entry(model, tag)
-    got = fetch_entry(entry, cache_dir=cache_dir, source=source, revision=revision, offline=offline, force=force,
-                      accept_new=accept_new)
+    got = fetch_entry(entry, cache_dir=cache_dir, source=source, revision=revision, offline=offline,
+                      timeout=timeout, force=force, accept_new=accept_new)
     arch = entry.architecture
     ids = arch.expected_layer_ids()
     sets = {}

@@ -252,10 +252,11 @@ def launch_spec(
     *,
     engine: str,
     model_path: str | None = None,
-    cache_dir: str | os.PathLike[str] | None = None,
-    offline: bool | None = None,
     source: str = "auto",
     revision: str | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    offline: bool | None = None,
+    timeout: float | None = None,
 ) -> LaunchSpec:
     """Resolve rotations (fetching and verifying registry files if needed) and build a launch.
 
@@ -267,7 +268,7 @@ def launch_spec(
         model_path: what the engine loads instead of the registry model id: a local checkpoint
             folder (SGLang, vLLM), or for llama.cpp the model's GGUF file (without rotations);
             the launch then uses ``<stem>-rot-kv.gguf`` beside it, built by the ``prepare`` step.
-        cache_dir, offline, source, revision: as for :func:`rotationzoo.fetch`.
+        source, revision, cache_dir, offline, timeout: the fetch options, as for :func:`rotationzoo.fetch`.
 
     Returns:
         A :class:`LaunchSpec`; ``render("shell" | "env" | "json")`` prints it.
@@ -275,7 +276,8 @@ def launch_spec(
     e = check_engine(engine)
     if e == "llamacpp" and model_path and Path(model_path).suffix.lower() != ".gguf":
         raise ServingError(f"--model-path for llamacpp is the model's GGUF file, got {model_path!r}")
-    pair = resolve_pair(model, tag, cache_dir=cache_dir, offline=offline, hub_source=source, revision=revision)
+    pair = resolve_pair(model, tag, source=source, revision=revision, cache_dir=cache_dir, offline=offline,
+                        timeout=timeout)
     if pair.per_head:
         raise ServingError(f"{pair.source}: per-KV-head rotations ([L, H_kv, d, d]) cannot be served by {e}, which reads "
                            "one [d, d] rotation per layer; serve them with rotationzoo.integrations.transformers, or "

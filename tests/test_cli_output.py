@@ -255,3 +255,31 @@ def test_verify_strips_ansi_codes_from_messages(tmp_path, capsys, monkeypatch) -
         rc, out, err = run(capsys, "verify", str(k), *extra)
         assert rc == 1 and "do those steps only" in out
         assert "\x1b" not in out and "\x1b" not in err
+
+
+def test_every_short_flag_means_one_thing() -> None:
+    """``-t`` is --tag wherever it exists, ``-o`` --out, ``-n`` --dry-run, …: never two options."""
+    import click
+    import typer.main
+
+    from rotationzoo.cli.main import app
+
+    meaning: dict[str, set[str]] = {}
+
+    def walk(cmd: click.Command) -> None:
+        if isinstance(cmd, click.Group):
+            for name in cmd.list_commands(click.Context(cmd)):
+                walk(cmd.get_command(click.Context(cmd), name))
+            return
+        for p in cmd.params:
+            if not isinstance(p, click.Option):
+                continue
+            longs = [o for o in p.opts + p.secondary_opts if o.startswith("--")]
+            for o in p.opts:
+                if len(o) == 2 and o.startswith("-") and o != "-h":
+                    meaning.setdefault(o, set()).add(longs[0] if longs else o)
+
+    walk(typer.main.get_command(app))
+    clashes = {short: sorted(longs) for short, longs in meaning.items() if len(longs) > 1}
+    assert clashes == {}, clashes
+    assert meaning["-t"] == {"--tag"} and meaning["-o"] == {"--out"} and meaning["-n"] == {"--dry-run"}

@@ -11,7 +11,7 @@ import torch
 
 import rotationzoo
 from rotationzoo.cli.main import main
-from rotationzoo.errors import InvalidRotationError, RotationFileError
+from rotationzoo.errors import InvalidRotationError, PairError, RotationFileError
 from rotationzoo.export import (
     ExportError,
     export,
@@ -102,7 +102,7 @@ def test_export_accepts_pair_sets_and_single_side(pair_dir, tmp_path):
     assert read_exported(out).sides == ("v",)
     # a name that tells nothing: side from the objective, or given explicitly
     write_rotation(tmp_path / "mystery.pt", make_set(seed=5, objective="hadamard"))
-    with pytest.raises(ExportError, match="K or the V"):
+    with pytest.raises(PairError, match="K or the V"):
         export_safetensors(tmp_path / "mystery.pt", tmp_path / "m.safetensors")
     out = export_gguf(tmp_path / "mystery.pt", tmp_path / "m.gguf", side="k")
     assert read_exported(out).sides == ("k",)
@@ -251,17 +251,17 @@ def test_gguf_merge_rejects_a_mismatched_model(pair_dir, tmp_path):
 
 
 def test_bad_inputs(pair_dir, tmp_path):
-    with pytest.raises(ExportError, match="no such file or folder"):
+    with pytest.raises(PairError, match="no such file or folder"):
         export_safetensors(tmp_path / "nope.pt", tmp_path / "o.safetensors")
-    with pytest.raises(ExportError, match="not a file, a folder or a registry model"):
+    with pytest.raises(PairError, match="not a file, a folder or a registry model"):
         export_safetensors("NoSuchModel-7B", tmp_path / "o.safetensors")
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(ExportError, match="no rotation pair found"):
+    with pytest.raises(PairError, match="no rotation pair found"):
         export_gguf(empty, tmp_path / "o.gguf")
     half = tmp_path / "half"
     write_rotation(half / "k_rotation_qqt_r_h_pbr.pt", make_set(seed=1))
-    with pytest.raises(ExportError, match="no v_rotation"):
+    with pytest.raises(PairError, match="no v_rotation"):
         export_gguf(half, tmp_path / "o.gguf")
     bad = tmp_path / "bad"
     rs = make_set(seed=1)
@@ -362,6 +362,6 @@ def test_side_of_a_single_file_from_its_name_or_objective(tmp_path) -> None:
     assert read_exported(out).sides == ("v",)
     rs.objective = "hadamard"
     write_rotation(tmp_path / "h.pt", rs)
-    with pytest.raises(ExportError, match="K or the V rotation"):
+    with pytest.raises(PairError, match="K or the V rotation"):
         read_pair(tmp_path / "h.pt")
     assert read_pair(tmp_path / "h.pt", side="k").sides == ("k",)

@@ -556,7 +556,7 @@ def test_cli_fit(tmp_path):
     assert m["model"] == "org/tiny" and m["tag"] == "t1"
     api = fit_rotations(root)
     assert torch.equal(read_rotation(tmp_path / "out" / "k_rotation_qqt_r_h_pbr.pt").rotations, api.k.rotations)
-    r = _cli(["fit", "--dump", str(root), "--out", str(tmp_path / "o2"), "-o", "ktk_vtv", "-c", "r_pbr_hg",
+    r = _cli(["fit", "--dump", str(root), "--out", str(tmp_path / "o2"), "--objective", "ktk_vtv", "--composition", "r_pbr_hg",
               "-g", "16", "--layers", "1", "--keep-first-chunk"])
     assert r.exit_code == 0, r.output
     assert "k_rotation_ktk_r_pbr_hg16.pt" in r.stdout

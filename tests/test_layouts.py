@@ -12,7 +12,7 @@ import torch
 
 import layouts
 from rotationzoo.cli.main import main
-from rotationzoo.errors import ExportError, InvalidRotationError, RotationFileError
+from rotationzoo.errors import ExportError, InvalidRotationError, PairError, RotationFileError
 from rotationzoo.export import export, read_exported
 from rotationzoo.format import RotationFormatWarning, read_rotation, write_rotation
 from rotationzoo.headdims import HeadDims
@@ -214,7 +214,7 @@ def test_verify_of_a_moments_file_is_one_line_without_traceback(tmp_path) -> Non
 def test_an_mla_latent_folder_is_named(tmp_path) -> None:
     for lid in (0, 1):
         save(tmp_path / "mla", f"layer_{lid}.pt", layouts.mla_latent())
-    with pytest.raises(ExportError, match="an MLA latent rotation folder"):
+    with pytest.raises(PairError, match="an MLA latent rotation folder"):
         resolve_pair(tmp_path / "mla")
 
 

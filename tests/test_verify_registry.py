@@ -135,7 +135,7 @@ def test_verify_usage_errors(tmp_path, capsys) -> None:
     assert main(["verify", str(p), "--registry"]) == 1
     assert "not both" in capsys.readouterr().err
     assert main(["verify", str(p), "--download"]) == 1
-    assert "go with --registry" in capsys.readouterr().err
+    assert "--download goes with --registry" in capsys.readouterr().err
     assert main(["verify", str(p), "--num-layers", str(L), "--head-dim", str(D), "--json"]) == 0  # files as before
     assert json.loads(capsys.readouterr().out)[0]["ok"]
 
@@ -228,3 +228,18 @@ def test_offline_env_wins_over_download(zoo, monkeypatch) -> None:
                                                          "tampered": "missing"}
     assert "ROTATIONZOO_OFFLINE is set" in checks["pinned"].problems[0]
     assert zoo.server.requests() == []
+
+
+def test_verify_takes_what_the_resolver_takes(tmp_path, capsys) -> None:
+    """`verify MODEL@TAG` fetches (here: bundled, offline) and checks against the model; `verify K,V`
+    checks both files and their agreement."""
+    assert main(["verify", "SmolLM2-135M-Instruct", "--offline", "--json"]) == 0
+    reports = json.loads(capsys.readouterr().out)
+    assert len(reports) == 2 and all(r["ok"] and r["num_layers"] == 30 and r["head_dim"] == 64 for r in reports)
+    k, v = tmp_path / "k.pt", tmp_path / "v.pt"
+    write_rotation(k, RotationSet(_orthogonal(1), range(L), "qqt"))
+    write_rotation(v, RotationSet(_orthogonal(2)[:-1], range(L - 1), "sst"))
+    assert main(["verify", f"{k},{v}", "--json"]) == 1
+    reports = json.loads(capsys.readouterr().out)
+    assert [r["ok"] for r in reports] == [False, False] and "K and V disagree" in reports[0]["problems"][-1]
+    assert main(["verify", "NoSuchModel-9B"]) == 1

@@ -105,6 +105,8 @@ SourceOpt = Annotated[str, typer.Option(
     "--source", click_type=choice(vocab.SOURCE_CHOICES),
     help="auto (the entry's order, with failover) or one source type.")]
 RevisionOpt = Annotated[Optional[str], typer.Option("--revision", help="Hub revision override (branch, tag or commit sha).")]
+TimeoutOpt = Annotated[Optional[float], typer.Option(
+    "--timeout", help="Seconds each network step may take (default: ROTATIONZOO_TIMEOUT or 10).")]
 SideOpt = Annotated[Optional[str], typer.Option("--side", click_type=choice(vocab.SIDES),
                                                 help="k | v: which side a single file is, or which side to keep.")]
 RotationsHelp = ("a folder with k_rotation*.pt + v_rotation*.pt, 'K.pt,V.pt', an exported .safetensors/.gguf file, "

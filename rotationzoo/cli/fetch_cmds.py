@@ -28,6 +28,7 @@ from ._options import (
     RevisionOpt,
     SourceOpt,
     TagOpt,
+    TimeoutOpt,
 )
 from ._output import (
     console,
@@ -51,8 +52,7 @@ def cmd_fetch(
     accept_new: Annotated[bool, typer.Option(
         "--accept-new", help="For files the registry does not pin: download again and accept (re-pin) a file that "
                              "differs from the one pinned on first use.")] = False,
-    timeout: Annotated[Optional[float], typer.Option(
-        "--timeout", min=0.1, help="Seconds each network step may take (default: ROTATIONZOO_TIMEOUT or 10).")] = None,
+    timeout: TimeoutOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Download (once), verify (size, sha256, structure) and cache a model's K and V rotation files.
@@ -63,7 +63,6 @@ def cmd_fetch(
     Examples:  rotationzoo fetch Qwen3-8B  |  rotationzoo fetch -m qwen3-8b --source modelscope --json
     |  rotationzoo fetch Qwen3-8B --accept-new
     """
-    import os
     import warnings
 
     from rich.markup import escape
@@ -75,8 +74,6 @@ def cmd_fetch(
         raise CLIError("give the model to fetch: rotationzoo fetch MODEL (see `rotationzoo list`)")
     if model_arg and model and model_arg != model:
         raise CLIError(f"MODEL {model_arg!r} and --model {model!r} disagree; give one")
-    if timeout is not None:
-        os.environ["ROTATIONZOO_TIMEOUT"] = str(timeout)  # one knob: the CLI sets what the library reads
     messages: list[str] = []
     show = progress_enabled() and not json_out
 
@@ -88,7 +85,7 @@ def cmd_fetch(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         res = fetch(name, tag, source=source, revision=revision, cache_dir=cache_dir, offline=offline or None,
-                    force=force, accept_new=accept_new, report=report)
+                    timeout=timeout, force=force, accept_new=accept_new, report=report)
     for w in caught:
         print_warning(str(w.message))
     if json_out:

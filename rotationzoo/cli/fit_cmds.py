@@ -37,10 +37,10 @@ from ._output import console, emit_json, print_note, progress_reporter
 if TYPE_CHECKING:  # pragma: no cover
     from ..fit import FitOutput, FitResult
 
-ObjectiveOpt = Annotated[str, typer.Option("--objective", "-o", click_type=choice(vocab.OBJECTIVES),
+ObjectiveOpt = Annotated[str, typer.Option("--objective", click_type=choice(vocab.OBJECTIVES),
                                            help="Covariance target(s); qqt_sst is OSCAR's, hadamard is data-free.")]
 CompositionOpt = Annotated[str, typer.Option(
-    "--composition", "-c", click_type=choice(vocab.COMPOSITIONS),
+    "--composition", click_type=choice(vocab.COMPOSITIONS),
     help="Rotation composition: r_h_pbr = U·H·P_br (OSCAR); r_pbr_hg needs --group-size.")]
 GroupSizeOpt = Annotated[
     Optional[int], typer.Option("--group-size", "-g", help="Quantisation group size G for --composition r_pbr_hg, "
@@ -126,7 +126,7 @@ def _report(result: "FitResult", out: "FitOutput", as_json: bool) -> None:
 
 
 def fit_command(
-    out: Annotated[Path, typer.Option("--out", help="Output folder for the rotation files and rotationzoo.json.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Output folder for the rotation files and rotationzoo.json.")],
     dump: Annotated[
         Optional[Path], typer.Option("--dump", help="Q/K/V dump folder (SGLang layout: layer_<L>/{q,k,v,seq_lens}/<chunk>.pt).")
     ] = None,
@@ -215,18 +215,18 @@ def fit_command(
 
 
 def calibrate_command(
-    model: Annotated[str, typer.Option("--model", "-m", help="Local transformers model folder or .gguf file.")],
+    model: Annotated[str, typer.Option("--model", help="Local transformers model folder or .gguf file.")],
     text: Annotated[
-        List[Path], typer.Option("--text", "-t", help="Calibration text file (UTF-8); repeat for more files. "
+        List[Path], typer.Option("--text", help="Calibration text file (UTF-8); repeat for more files. "
                                  "Checked before the model loads; read only as far as --tokens tokens.")
     ],
-    tokens: Annotated[int, typer.Option("--tokens", "-n", help="Tokens per layer to fit on (T).")],
-    out: Annotated[Path, typer.Option("--out", help="Output folder for the rotation files and rotationzoo.json.")],
+    tokens: Annotated[int, typer.Option("--tokens", help="Tokens per layer to fit on (T).")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Output folder for the rotation files and rotationzoo.json.")],
     dump_out: Annotated[
         Optional[Path], typer.Option("--dump-out", help="Also write the captured Q/K/V as an SGLang-layout dump here.")
     ] = None,
     objective: Annotated[str, typer.Option(
-        "--objective", "-o", click_type=choice(tuple(o for o in vocab.OBJECTIVES if o != "hadamard")),
+        "--objective", click_type=choice(tuple(o for o in vocab.OBJECTIVES if o != "hadamard")),
         help="Covariance target(s); qqt_sst is OSCAR's.")] = "qqt_sst",
     composition: CompositionOpt = "r_h_pbr",
     group_size: GroupSizeOpt = None,
@@ -257,11 +257,11 @@ def calibrate_command(
 
       rotationzoo calibrate --model ./Qwen3-8B --text calib.txt --tokens 20000 --out rotations/
 
-      rotationzoo calibrate -m model.Q8_0.gguf -t a.txt -t b.txt -n 8000 --out rot/ --dump-out qkv/
+      rotationzoo calibrate --model model.Q8_0.gguf --text a.txt --text b.txt --tokens 8000 --out rot/ --dump-out qkv/
 
-      rotationzoo calibrate -m model.gguf -t calib.txt -n 20000 --out rot/ --refine 200 --init oscar -g 64
+      rotationzoo calibrate --model model.gguf --text calib.txt --tokens 20000 --out rot/ --refine 200 --init oscar -g 64
 
-      rotationzoo calibrate -m ./Qwen3-8B -t calib.txt -n 20000 --out rot-kvhead/ --grouping kv_head
+      rotationzoo calibrate --model ./Qwen3-8B --text calib.txt --tokens 20000 --out rot-kvhead/ --grouping kv_head
 
     --refine learns the rotations as `rotationzoo fit --refine` does, on samples kept during the capture.
     """

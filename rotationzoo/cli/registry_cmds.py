@@ -13,12 +13,20 @@ Examples::
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from ._options import CacheDirOpt, JsonOpt, TagOpt, head_dims_option
+from ._options import (
+    CacheDirOpt,
+    JsonOpt,
+    OfflineOpt,
+    RevisionOpt,
+    SourceOpt,
+    TagOpt,
+    TimeoutOpt,
+    head_dims_option,
+)
 from ._output import console, emit_json, plain, print_warning, tail
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -166,7 +174,10 @@ def cmd_info(
 
 
 def cmd_verify(
-    paths: Annotated[Optional[list[Path]], typer.Argument(help="Rotation files (.pt, .safetensors, or exported pair files .safetensors / .gguf) or pair folders.")] = None,
+    paths: Annotated[Optional[list[str]], typer.Argument(
+        metavar="ROTATIONS...",
+        help="What to check: rotation files (.pt, .safetensors), exported pair files (.safetensors / .gguf), pair "
+             "folders, 'K.pt,V.pt', or registry ids MODEL[@TAG] (fetched, then checked against the model).")] = None,
     num_layers: Annotated[Optional[int], typer.Option(min=1, help="Expect layers 0..N-1.")] = None,
     head_dim: Annotated[Optional[str], typer.Option(
         metavar="D[,LAYER:D...]", callback=head_dims_option,
@@ -175,7 +186,11 @@ def cmd_verify(
     atol: Annotated[float, typer.Option(help="Tolerance on max|RRᵀ−I|.")] = 1e-5,
     registry: Annotated[bool, typer.Option("--registry", help="Check every registry entry instead of files: cached (or bundled) files, or all with --download.")] = False,
     download: Annotated[bool, typer.Option("--download", help="With --registry: download (and verify) entries that are not cached.")] = False,
+    source: SourceOpt = "auto",
+    revision: RevisionOpt = None,
     cache_dir: CacheDirOpt = None,
+    offline: OfflineOpt = False,
+    timeout: TimeoutOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Validate rotation files: format, orthogonality, finiteness, shapes, layers. Exit 1 if any fails.
@@ -185,7 +200,8 @@ def cmd_verify(
     registry), missing (not cached) or failed. Exit 1 if any entry failed.
 
     Examples:  rotationzoo verify k.pt v.pt --num-layers 36 --head-dim 128  |
-    rotationzoo verify k.pt --model Qwen3-8B --json  |  rotationzoo verify --registry --download --json
+    rotationzoo verify k.pt --model Qwen3-8B --json  |  rotationzoo verify k.pt,v.pt  |
+    rotationzoo verify Qwen3-8B@seq20000_prompt83_group128 --offline  |  rotationzoo verify --registry --download --json
     """
     from ..errors import CLIError
 
@@ -220,8 +236,8 @@ def cmd_verify(
         if counts["failed"]:
             raise typer.Exit(1)
         return
-    if download or cache_dir is not None:
-        raise CLIError("--download and --cache-dir go with --registry")
+    if download:
+        raise CLIError("--download goes with --registry")
     if not paths:
         raise CLIError("give one or more rotation files to check, or --registry to check the registry entries")
     from ..headdims import HeadDims
@@ -235,9 +251,10 @@ def cmd_verify(
         arch = get_model(model).architecture
         layer_ids, num_kv_heads = arch.expected_layer_ids(), arch.num_kv_heads
         dims = dims or arch.head_dims
+    fetch = dict(source=source, revision=revision, cache_dir=cache_dir, offline=offline or None, timeout=timeout)
     reports = [r for p in paths
                for r in verify_path(p, atol=atol, layer_ids=layer_ids, num_layers=num_layers, head_dim=dims,
-                                    num_kv_heads=num_kv_heads)]
+                                    num_kv_heads=num_kv_heads, fetch=fetch)]
     for r in reports:  # torch and other libraries colour their messages: never let ANSI codes through
         r.problems = [plain(p) for p in r.problems]
     if json_out:

@@ -57,9 +57,11 @@ class MethodSpec:
         return cls("hadamard", kind="hadamard", objectives={"k": "hadamard", "v": "hadamard"})
 
     @classmethod
-    def from_source(cls, name: str, source: Any, *, offline: bool | None = None) -> "MethodSpec":
-        """Rotations from anything :func:`~rotationzoo.pair.resolve_pair` accepts (validated)."""
-        pair = resolve_pair(source, offline=offline)
+    def from_source(cls, name: str, rotations: Any, **fetch: Any) -> "MethodSpec":
+        """Rotations from anything :func:`~rotationzoo.pair.resolve_pair` accepts (validated); ``fetch``:
+        the fetch options of a registry id (``source``, ``revision``, ``cache_dir``, ``offline``, ``timeout``)."""
+        pair = resolve_pair(rotations, **fetch)
+        source = rotations
         missing = [s for s in ("k", "v") if s not in pair.sets]
         if missing:
             raise EvaluationError(f"{pair.source}: evaluation needs K and V rotations (missing {', '.join(missing)})")

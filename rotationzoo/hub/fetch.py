@@ -428,11 +428,14 @@ def fetch_entry(
     force: bool = False,
     accept_new: bool = False,
     report: Reporter | None = None,
+    timeout: float | None = None,
 ) -> EntryFiles:
     """Both files of ``entry``, verified and cached; one download across processes (file lock).
 
     Args:
         accept_new: accept (and re-pin) unpinned files that differ from the local pin.
+        timeout: seconds each step of a request may take (default ``ROTATIONZOO_TIMEOUT``); see
+            :func:`rotationzoo.hub.network.using`.
     """
     root = cache_root(cache_dir)
     offline = config.offline() if offline is None else offline
@@ -464,7 +467,7 @@ def fetch_entry(
 
     lp = lock_path(root, entry, revision)
     _writable(lp.parent)
-    with FileLock(str(lp)):
+    with FileLock(str(lp)), network.using(timeout=timeout):
         for side in missing:
             out.files[side] = fetch_file(entry, side, root=root, source=source, revision=revision,
                                          offline=False, force=force, accept_new=accept_new, report=report)

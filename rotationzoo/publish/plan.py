@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ..errors import (
-    ExportError,
     InvalidRotationError,
+    PairError,
     PublishError,
     RegistryError,
     RotationZooError,
@@ -61,7 +61,7 @@ def find_pair(directory: str | os.PathLike[str]) -> tuple[Path, Path, Path | Non
         raise PublishError(f"{d}: not a folder; give the folder the fitter wrote (rotation files + {MANIFEST_NAME})")
     try:
         files = find_pair_files(d)
-    except ExportError as exc:
+    except PairError as exc:
         raise PublishError(f"{exc}; publish needs both the K and the V file") from None
     manifest = d / MANIFEST_NAME
     return files["k"], files["v"], manifest if manifest.is_file() else None
