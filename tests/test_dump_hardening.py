@@ -287,12 +287,22 @@ def test_head_dim_bounds(tmp_path):
     # ... and, with min_tokens lowered, by the cost bound on the fp64 statistics: 6 matrices of 4096²
     refused(fit(open_dump(root, limits=DumpLimits(max_head_dim=4096, max_statistics_bytes=512 << 20)), min_tokens=1),
             r"keeps 0\.75 GiB of fp64 statistics, more than max_statistics_bytes=536870912")
-    for d, match in ((1, "head_dim 1 is below 16"), (8, "head_dim 8 is below 16")):
+    for d in (1, 8):
         root = write_dump(tmp_path / f"d{d}", {0: layer_chunks([6, 300], d=d)})
-        refused(fit(root), match)
-    root = write_dump(tmp_path / "d96", {0: layer_chunks([6, 300], d=96)})
-    refused(fit(root), r"head_dim 96 is not a power of two")  # before any activation is read
-    assert fit_rotations(root, composition="plain").head_dim == 96
+        refused(fit(root), rf"layer_0/q/0\.pt: head_dim {d} is below 16, the smallest the INT2 kernels serve",
+                error=DumpError)
+        refused(lambda: samples_from_dump(root), rf"head_dim {d} is below 16", error=DumpError)
+        from rotationzoo.fit import LayerAccumulator
+
+        acc = LayerAccumulator(0, num_q_heads=4, num_kv_heads=2, head_dim=d, targets=("ktk",))
+        acc.add_k(torch.randn(300, 2, d))
+        refused(lambda: fit_rotations({0: acc}, "ktk"), rf"head_dim {d} is below 16", error=FitError)
+    nan = torch.randn(300, 4, 96)
+    nan[0, 0, 0] = float("nan")
+    root = write_dump(tmp_path / "d96", {0: layer_chunks([6, 300], d=96, q=lambda n: nan[:n])})
+    # refused before any activation is read: the NaN in the chunk is never reached
+    refused(fit(root), r"head_dim 96 is not a power of two", error=FitError)
+    refused(fit(root, composition="plain"), r"layer_0/q/1\.pt: holds non-finite values", limit=DATA)
 
 
 def test_head_and_row_bounds(tmp_path, dump):
@@ -515,3 +525,32 @@ def test_a_good_dump_still_fits_and_its_plan_reads_nothing(good):
     assert plan.bytes == 523 * (8 + 2 + 2) * 64 * 2 * 2
     res = fit_rotations(d)
     assert res.tokens == {0: 523, 1: 523} and res.prompts == 8
+
+
+def test_a_chunk_changed_after_it_was_inspected_is_refused(dump):
+    from rotationzoo.fit.dump_schema import load_chunk
+
+    f = dump / "layer_0" / "k" / "1.pt"
+    meta = inspect_chunk(f, str(f), "k", DumpLimits())
+    torch.save(torch.zeros(1, 2, 64).bfloat16().expand(200, 2, 64), f)  # same shape, now a stride-0 view
+    refused(lambda: load_chunk(meta), r"k/1\.pt: changed while it was read", error=DumpError)
+    torch.save(torch.randn(200, 2, 64).bfloat16(), f)
+    d = open_dump(dump)
+    d.plan()
+    torch.save(torch.randn(200, 2, 32).bfloat16(), f)  # after the plan: inspected again when read, and refused
+    refused(fit(d), r"k/1\.pt: shape \(200, 2, 32\), expected \[n, 2, 64\] like the rest of the dump",
+            limit=DATA, error=DumpError)
+
+
+def test_calibrate_refuses_a_budget_below_min_tokens_before_the_model_loads(tmp_path, capsys):
+    from rotationzoo.fit.fitter import check_token_budget
+
+    refused(lambda: check_token_budget(100, 256), r"100 tokens per layer is fewer than min_tokens=256", error=FitError)
+    check_token_budget(256, 256)
+    (tmp_path / "t.txt").write_text("text")
+    args = ["calibrate", "--model", str(tmp_path / "no-such-model"), "--text", str(tmp_path / "t.txt"), "--out",
+            str(tmp_path / "out")]
+    assert _main([*args, "--tokens", "100"]) == 1
+    assert "fewer than min_tokens=256" in capsys.readouterr().err  # not "no such model": checked first
+    assert _main([*args, "--tokens", "100", "--min-tokens", "50"]) == 1
+    assert "min_tokens" not in capsys.readouterr().err
