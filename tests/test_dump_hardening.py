@@ -26,7 +26,8 @@ import torch
 
 from rotationzoo.errors import DumpError, FitError, RotationZooError
 from rotationzoo.fit import fit_rotations, open_dump, refine_dump, samples_from_dump, write_dump
-from rotationzoo.fit.dump_schema import DumpLimits, inspect_chunk
+from rotationzoo.fit import DumpLimits
+from rotationzoo.fit.dump_schema import inspect_chunk
 from rotationzoo.fit.fitter import DEFAULT_MIN_TOKENS
 from rotationzoo.fit.refine_fit import RefineOptions
 
@@ -554,3 +555,17 @@ def test_calibrate_refuses_a_budget_below_min_tokens_before_the_model_loads(tmp_
     assert "fewer than min_tokens=256" in capsys.readouterr().err  # not "no such model": checked first
     assert _main([*args, "--tokens", "100", "--min-tokens", "50"]) == 1
     assert "min_tokens" not in capsys.readouterr().err
+
+
+def test_overwriting_a_dump_never_follows_a_linked_layer_folder(tmp_path):
+    from rotationzoo.fit import DumpWriter
+
+    keep = tmp_path / "elsewhere"
+    keep.mkdir()
+    (keep / "notes.txt").write_text("keep me")
+    root = tmp_path / "dump"
+    root.mkdir()
+    (root / "layer_0").symlink_to(keep)
+    refused(lambda: DumpWriter(root, overwrite=True), r"layer_0: a link or a file, not a layer folder of this dump",
+            error=DumpError)
+    assert (keep / "notes.txt").read_text() == "keep me" and (root / "layer_0").is_symlink()

@@ -66,9 +66,16 @@ class DumpWriter:
         if existing:
             if not overwrite:
                 raise DumpError(f"{self.root} already holds a dump ({len(existing)} layer folders); choose an empty folder")
-            for c in existing:
-                shutil.rmtree(c)
-            (self.root / DUMP_INFO_NAME).unlink(missing_ok=True)
+            linked = [c for c in existing if c.is_symlink() or not c.is_dir()]
+            if linked:  # never followed, never removed: what it points to is not this dump's
+                raise DumpError(f"{linked[0]}: a link or a file, not a layer folder of this dump; remove it yourself "
+                                "to overwrite the dump")
+            try:
+                for c in existing:
+                    shutil.rmtree(c)
+                (self.root / DUMP_INFO_NAME).unlink(missing_ok=True)
+            except OSError as exc:
+                raise DumpError(f"{self.root}: cannot remove the old dump ({exc}); remove it yourself") from None
         self.root.mkdir(parents=True, exist_ok=True)
         self._next_chunk: dict[int, int] = {}
         self._saved: dict[int, int] = {}
