@@ -25,8 +25,7 @@ import pytest
 import torch
 
 from rotationzoo.errors import DumpError, FitError, RotationZooError
-from rotationzoo.fit import fit_rotations, open_dump, refine_dump, samples_from_dump, write_dump
-from rotationzoo.fit import DumpLimits
+from rotationzoo.fit import DumpLimits, fit_rotations, open_dump, refine_dump, samples_from_dump, write_dump
 from rotationzoo.fit.dump_schema import inspect_chunk
 from rotationzoo.fit.fitter import DEFAULT_MIN_TOKENS
 from rotationzoo.fit.refine_fit import RefineOptions
@@ -569,3 +568,20 @@ def test_overwriting_a_dump_never_follows_a_linked_layer_folder(tmp_path):
     refused(lambda: DumpWriter(root, overwrite=True), r"layer_0: a link or a file, not a layer folder of this dump",
             error=DumpError)
     assert (keep / "notes.txt").read_text() == "keep me" and (root / "layer_0").is_symlink()
+
+
+def test_hadamard_refuses_files_no_reader_could_load(tmp_path):
+    refused(lambda: fit_rotations(None, "hadamard", num_layers=4, head_dim=65536), r"beyond what a rotation file may hold",
+            error=FitError)
+    refused(lambda: fit_rotations(None, "hadamard", num_layers=10**6, head_dim=128), r"10+ layers of head_dim 128",
+            error=FitError)
+    refused(lambda: fit_rotations(None, "hadamard", num_layers=2, head_dim=1), r"head_dim 1 is below 16", error=FitError)
+    from rotationzoo.fit import DumpWriter
+
+    w = DumpWriter(tmp_path / "wide", kinds=("k",))  # keys are all the data-free fit looks at
+    for lid in range(64):
+        for n in (6, 2):
+            w.write(lid, k=torch.zeros(n, 1, 1024))
+    refused(lambda: fit_rotations(w.root, "hadamard"), r"64 layers of head_dim 1024 make rotation files of",
+            limit=DATA, error=FitError)  # 256 files inspected
+    assert fit_rotations(None, "hadamard", num_layers=2, head_dim=128).k.rotations.shape == (2, 128, 128)

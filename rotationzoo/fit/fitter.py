@@ -143,7 +143,6 @@ def _fit_hadamard(source: Any, *, layers: Iterable[int] | None, num_layers: int 
         if head_dim is None:
             raise FitError("hadamard without a dump needs head_dim (--head-dim)")
         d = int(head_dim)
-        _check_output(len(ids), d)
         info.setdefault("kind", "none")
     else:
         dump = _as_dump(source, keep_first_chunk, layers)
@@ -154,6 +153,7 @@ def _fit_hadamard(source: Any, *, layers: Iterable[int] | None, num_layers: int 
         info.setdefault("kind", "dump")
         info.setdefault("path", str(dump.root))
         model = model or dump.info().get("model")
+    _check_output(len(ids), d)
     h = hadamard_rotations(ids, d)
     stats.wall_s = time.perf_counter() - t0
     stats.peak_rss_bytes = peak_rss_bytes()
