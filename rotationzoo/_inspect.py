@@ -4,17 +4,16 @@ A hostile file can declare a tiny tensor backed by a huge storage, a stride-0 vi
 terabytes, a deflated member that inflates to gigabytes, a million layers, or a pickle that runs
 code. Everything here reads only the archive's directory, the declared sizes and the pickle's
 opcode stream, so such a file is refused in milliseconds with a bounded amount of memory, before
-``torch.load`` allocates a single tensor. (Safetensors headers are checked in
-:mod:`rotationzoo._schema` with the same :class:`Limits` and :func:`check_view`.)
+``torch.load`` allocates a single tensor. (Safetensors headers are checked in :mod:`rotationzoo._schema`
+and Q/K/V dump chunks in :mod:`rotationzoo.fit.dump_schema` with the same :class:`Limits` and :func:`check_view`.)
 
 The pickle in ``data.pkl`` is inspected in two passes: :func:`scan_pickle` walks the opcodes as
 :func:`pickletools.genops` does (allowed opcodes only, bounded count and memo indices, globals
 checked by name), then the standard library's pure-Python unpickler, whose ``find_class`` returns
 only this module's recording functions, rebuilds the plain containers with :class:`TensorMeta`
 records in place of tensors (and refuses dict keys whose hashes can be made to collide). No object
-from an arbitrary global is ever constructed.
-
-This module imports only the standard library and :mod:`rotationzoo.errors`.
+from an arbitrary global is ever constructed. This module imports only the standard library and
+:mod:`rotationzoo.errors`.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ import reprlib
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from .errors import RotationFileError, UnsafeRotationFileError
 
@@ -47,8 +46,7 @@ STORAGE_TYPES: dict[str, tuple[str, int]] = {
     "FloatStorage": ("float32", 4), "DoubleStorage": ("float64", 8), "HalfStorage": ("float16", 2),
     "BFloat16Storage": ("bfloat16", 2), "ByteStorage": ("uint8", 1), "CharStorage": ("int8", 1),
     "ShortStorage": ("int16", 2), "IntStorage": ("int32", 4), "LongStorage": ("int64", 8),
-    "BoolStorage": ("bool", 1), "ComplexFloatStorage": ("complex64", 8),
-    "ComplexDoubleStorage": ("complex128", 16),
+    "BoolStorage": ("bool", 1), "ComplexFloatStorage": ("complex64", 8), "ComplexDoubleStorage": ("complex128", 16),
 }
 FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
 
@@ -115,6 +113,7 @@ class Limits:
     note: str = ""  # appended to refusals, e.g. "; the model's head_dim is 128"
     max_kv_heads: int = MAX_KV_HEADS  # first dim of a per-KV-head [H, d, d] rotation
     max_bytes_kv_head: int = MAX_BYTES  # the byte cap of a per-KV-head file
+    what: str = "rotation file"  # the kind of file checked, in refusals (also "Q/K/V dump file")
 
     @property
     def max_bytes_any(self) -> int:
@@ -229,12 +228,12 @@ class _Recorder:
             return _StorageType(qualname)
         if module == "torch._utils" and qualname in _TORCH_REBUILD_UNSUPPORTED:
             raise RotationFileError(
-                f"{self.name}: holds a tensor kind rotation files do not use ({module}.{qualname}); "
+                f"{self.name}: holds a tensor kind {self.limits.what}s do not use ({module}.{qualname}); "
                 "save dense tensors (rotation.to_dense().contiguous())"
             )
         raise UnsafeRotationFileError(
             f"{self.name}: refused to load: its pickle references {safe_repr(f'{module}.{qualname}')}, "
-            "which a rotation file never needs (it holds only tensors and plain data); do not trust this file"
+            f"which a {self.limits.what} never needs (it holds only tensors and plain data); do not trust this file"
         )
 
     def persistent_load(self, pid: Any) -> StorageRef:
@@ -347,7 +346,7 @@ def scan_pickle(data: bytes, name: str, limits: Limits, recorder: _Recorder) -> 
         if op.name in _CODE_OPCODES:  # refused before its argument is even decoded
             raise UnsafeRotationFileError(
                 f"{name}: refused to load: its pickle uses opcode {op.name}, which builds arbitrary objects; "
-                "rotation files hold only tensors and plain data; do not trust this file"
+                f"{limits.what}s hold only tensors and plain data; do not trust this file"
             )
         if op.name not in _ALLOWED_OPCODES:
             unsupported = unsupported or op.name
@@ -447,8 +446,9 @@ def check_members(name: str, infos: list[zipfile.ZipInfo], limits: Limits) -> tu
     return pkl, records
 
 
-def inspect_torch_zip(path: Path, limits: Limits) -> tuple[Any, _Recorder]:
-    """Check a torch ``.pt`` zip archive and its pickle; return the pickle rebuilt with metadata only.
+def inspect_torch_zip(path: Path, limits: Limits, *, fileobj: IO[bytes] | None = None, check_crc: bool = True) -> tuple[Any, _Recorder]:
+    """Check a torch ``.pt`` zip archive (``fileobj`` if given, named ``path``) and its pickle; return the pickle
+    rebuilt with metadata only. ``check_crc=False`` skips reading every member for its CRC (large dump chunks).
 
     Raises:
         UnsafeRotationFileError: the pickle references a global other than torch's dense tensor rebuild.
@@ -456,7 +456,7 @@ def inspect_torch_zip(path: Path, limits: Limits) -> tuple[Any, _Recorder]:
     """
     name = str(path)
     try:
-        with zipfile.ZipFile(path) as zf:
+        with zipfile.ZipFile(fileobj if fileobj is not None else path) as zf:
             if zf.comment or min((i.header_offset for i in zf.infolist()), default=0) != 0:
                 # torch.save writes neither; either lets two zip readers disagree on the contents
                 raise refuse(name, "a zip with a comment or with data before its first member")
@@ -472,7 +472,7 @@ def inspect_torch_zip(path: Path, limits: Limits) -> tuple[Any, _Recorder]:
             if unused:
                 raise refuse(name, f"the archive holds tensor records no tensor uses ({', '.join(unused[:4])})")
             check_storage_use(name, rec, limits)
-            bad = zf.testzip()  # every remaining member, now that sizes are bounded
+            bad = zf.testzip() if check_crc else None  # every remaining member, now that sizes are bounded
     except RotationFileError:
         raise
     except Exception as exc:  # zipfile raises many types on damaged bytes

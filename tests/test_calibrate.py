@@ -133,7 +133,7 @@ def test_calibrate_writes_dump_that_fit_reproduces(tiny, tiny_model_dir, tmp_pat
     direct = calibrate(model, tokenizer, texts, tokens=900, seq_len=256)
     assert torch.equal(direct.v.rotations, res.v.rotations) and torch.equal(direct.k.rotations, res.k.rotations)
     with pytest.raises(DumpError, match="already holds a dump"):
-        calibrate(model, tokenizer, texts, tokens=100, seq_len=64, dump_out=tmp_path / "dump")
+        calibrate(model, tokenizer, texts, tokens=300, seq_len=64, dump_out=tmp_path / "dump")
 
 
 def test_statistics_keep_a_sample_reservoir_for_refinement(tiny, tiny_model_dir, tmp_path):

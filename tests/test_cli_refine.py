@@ -25,7 +25,7 @@ def _planted_dump(root: Path, layers: tuple[int, ...] = (0, 1), seqs: int = 4) -
         chan = torch.ones(D)
         chan[list(OUTLIERS)] = 12.0
         qmask = torch.ones(D)
-        qmask[list(OUTLIERS)] = 0.0
+        qmask[list(OUTLIERS)] = 1e-3  # hardly ever: no real query is exactly 0 (a direction never seen is refused)
         warm = {"q": torch.randn(3, 2, D, generator=g), "k": torch.randn(3, 1, D, generator=g),
                 "v": torch.randn(3, 1, D, generator=g), "seq_lens": [3]}
         body = [{"q": torch.randn(SEQ, 2, D, generator=g) * qmask, "k": torch.randn(SEQ, 1, D, generator=g) * chan,
@@ -77,7 +77,7 @@ def test_cli_refine_same_seed_same_bytes(dump: Path, tmp_path: Path) -> None:
         files.append([(tmp_path / name / f).read_bytes() for f in ("k_rotation_refined_k_logit_r_h_pbr.pt",
                                                                    "v_rotation_refined_v_attn_out_r_h_pbr.pt")])
     assert files[0] == files[1]
-    assert files[0][0] != files[2][0]
+    assert files[0] != files[2]  # (K keeps its OSCAR init here, which the 20 steps do not beat; V is refined)
 
 
 def test_cli_refine_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -224,7 +224,9 @@ def test_nothing_quantized_is_refused(model, ids) -> None:
 def _save_tiny(tmp_path):
     """A tiny Llama folder with a word-level tokenizer, loadable offline by ``rotationzoo eval``."""
     tokenizers = pytest.importorskip("tokenizers")
+    # 92 words (the model's vocabulary is 96): enough distinct tokens that every layer's values span d = 64
     words = "the a of and to in was she he her it had be that not as for with his you i at by on".split()
+    words += [f"w{i}" for i in range(92 - len(words))]
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(words)}}
     tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tk.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()

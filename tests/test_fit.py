@@ -350,12 +350,12 @@ def test_fp16_and_fp32_dumps(tmp_path):
 
 
 def test_dump_metadata_and_prompt_count(tmp_path):
-    root = make_dump(tmp_path / "dump", hq=4, hkv=2, d=64, layers=(0, 1), sizes=(6, 100, 50))
+    root = make_dump(tmp_path / "dump", hq=4, hkv=2, d=64, layers=(0, 1), sizes=(6, 200, 100))
     dump = open_dump(root)
     assert dump.layer_ids == (0, 1)
     assert dump.chunk_ids(0) == (1, 2)
     assert open_dump(root, keep_first_chunk=True).chunk_ids(0) == (0, 1, 2)
-    assert dump.seq_lens(0, 1) == [50, 50]
+    assert dump.seq_lens(0, 1) == [100, 100]
     assert dump.prompt_count() == 6  # authors' tag N: segments of every chunk of the first layer, chunk 0 included
     shape = dump.shape()
     assert (shape.num_q_heads, shape.num_kv_heads, shape.head_dim, shape.dtype, shape.group_size) == (4, 2, 64, "bfloat16", 2)
@@ -468,10 +468,10 @@ def test_inconsistent_head_dims(tmp_path):
 
 
 def test_empty_layers_and_chunk_mismatch(tmp_path):
-    root = make_dump(tmp_path / "dump", hq=4, hkv=2, d=64, layers=(0,), sizes=(6,))
+    root = make_dump(tmp_path / "dump", hq=4, hkv=2, d=64, layers=(0,), sizes=(300,))
     with pytest.raises(DumpError, match="empty layer.*--keep-first-chunk"):
         fit_rotations(root)
-    assert fit_rotations(root, keep_first_chunk=True).tokens == {0: 6}
+    assert fit_rotations(root, keep_first_chunk=True).tokens == {0: 300}
     root2 = make_dump(tmp_path / "dump2", hq=4, hkv=2, d=64, layers=(0, 1), sizes=(6, 30))
     for kind in ("q", "k", "v"):
         for f in (root2 / "layer_1" / kind).glob("*.pt"):

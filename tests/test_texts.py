@@ -242,7 +242,7 @@ def _model_path(tmp_path: Path) -> str:
 def test_cli_refuses_unusable_texts_before_loading_the_model(tmp_path, capsys, command) -> None:
     model = _model_path(tmp_path)
     argv = {"eval": ["eval", "--model", model, "--methods", "fp", "--baseline", "fp"],
-            "calibrate": ["calibrate", "--model", model, "--tokens", "100", "--out", str(tmp_path / "out")]}[command]
+            "calibrate": ["calibrate", "--model", model, "--tokens", "300", "--out", str(tmp_path / "out")]}[command]
     for name, (path, says) in _unusable(tmp_path).items():
         t0 = time.perf_counter()
         rc = main([*argv, "--text", str(EMMA), "--text", str(path)])

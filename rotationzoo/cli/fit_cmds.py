@@ -51,6 +51,9 @@ SignsOpt = Annotated[str, typer.Option("--signs", click_type=choice(vocab.SIGN_C
 TagOpt = Annotated[Optional[str], typer.Option("--tag", help="Calibration tag recorded in rotationzoo.json.")]
 FormatOpt = Annotated[str, typer.Option("--format", click_type=choice(vocab.FILE_FORMATS),
                                         help="Output format: pt (the authors') or safetensors.")]
+MinTokensOpt = Annotated[Optional[int], typer.Option(
+    "--min-tokens", min=1,
+    help="Fewest tokens per layer to fit from (default 256); a layer with fewer is refused, its rotation would be noise.")]
 GroupingOpt = Annotated[str, typer.Option(
     "--grouping", click_type=choice(vocab.GROUPINGS),
     help="layer: one rotation per layer (the authors' files); kv_head: one per layer and KV head, each from "
@@ -85,14 +88,22 @@ def _refine_options(steps: int, init: str, seed: int, sample_tokens: Optional[in
     return RefineOptions(steps=steps, init=init, seed=seed, **extra)
 
 
+def _min_tokens(min_tokens: Optional[int]) -> int:
+    """``--min-tokens``, or the library's default when not given."""
+    from ..fit.fitter import DEFAULT_MIN_TOKENS
+
+    return DEFAULT_MIN_TOKENS if min_tokens is None else min_tokens
+
+
 def _refine_from_dump(dump: Path, options: Any, group_size: Optional[int], keep_first_chunk: bool,
-                      layer_ids: Optional[list[int]], workers: Optional[int], grouping: str) -> "FitResult":
+                      layer_ids: Optional[list[int]], workers: Optional[int], grouping: str,
+                      min_tokens: Optional[int]) -> "FitResult":
     from ..fit import open_dump, refine_dump
 
     opened = open_dump(dump, keep_first_chunk=keep_first_chunk, layers=layer_ids)
     with progress_reporter("refine") as progress:
         return refine_dump(opened, options, group_size=group_size, num_workers=workers, progress=progress,
-                           grouping=grouping)  # type: ignore[arg-type]
+                           grouping=grouping, min_tokens=_min_tokens(min_tokens))  # type: ignore[arg-type]
 
 
 def _report(result: "FitResult", out: "FitOutput", as_json: bool) -> None:
@@ -150,6 +161,7 @@ def fit_command(
     seed: SeedOpt = 0,
     sample_tokens: SampleTokensOpt = None,
     grouping: GroupingOpt = "layer",
+    min_tokens: MinTokensOpt = None,
     fmt: FormatOpt = "pt",
     as_json: JsonOpt = False,
 ) -> None:
@@ -181,6 +193,11 @@ def fit_command(
     store's error (K: attention logits, V: attention outputs) on a reservoir of --sample-tokens
     tokens per layer; a layer keeps the learned rotation only if it lowers the loss on held-out
     blocks (--objective and --composition are not used then).
+
+    The dump is checked before any activation is read: its folders and files must lie inside it
+    and be regular files, and every chunk an inspected torch.save archive of one tensor within the
+    documented limits, with valid seq_lens. Layers with fewer than --min-tokens tokens, NaN or Inf
+    values, or a zero or rank-deficient covariance are refused with one line (docs/security.md).
     """
     from ..errors import CLIError
     from ..fit import fit_rotations, write_fitted
@@ -192,7 +209,7 @@ def fit_command(
         if dump is None:
             raise CLIError("--refine needs --dump DIR (the calibration samples)")
         result = _refine_from_dump(dump, _refine_options(refine, init, seed, sample_tokens), group_size,
-                                   keep_first_chunk, layer_ids, workers, grouping)
+                                   keep_first_chunk, layer_ids, workers, grouping, min_tokens)
         _report(result, write_fitted(result, out, model=model, tag=tag, fmt=fmt), as_json)
         return
     with progress_reporter("fit", enabled=dump is not None and objective != "hadamard") as progress:
@@ -209,6 +226,7 @@ def fit_command(
             num_layers=num_layers,
             head_dim=head_dim,
             grouping=grouping,  # type: ignore[arg-type]
+            min_tokens=_min_tokens(min_tokens),
         )
     written = write_fitted(result, out, model=model, tag=tag, fmt=fmt)
     _report(result, written, as_json)
@@ -244,6 +262,7 @@ def calibrate_command(
     seed: SeedOpt = 0,
     sample_tokens: SampleTokensOpt = None,
     grouping: GroupingOpt = "layer",
+    min_tokens: MinTokensOpt = None,
     fmt: FormatOpt = "pt",
     as_json: JsonOpt = False,
 ) -> None:
@@ -266,9 +285,11 @@ def calibrate_command(
     --refine learns the rotations as `rotationzoo fit --refine` does, on samples kept during the capture.
     """
     from ..fit import write_fitted
+    from ..fit.fitter import check_token_budget
     from ..integrations.transformers import calibrate, check_text_files, load_model
 
     options = _refine_options(refine, init, seed, sample_tokens) if refine is not None else None
+    check_token_budget(tokens, _min_tokens(min_tokens))  # before the model loads
     texts = check_text_files(text, what="calibration text", option="--text")  # before the model is loaded
     print_note(f"loading {model} ({dtype}, {device})")
     lm, tokenizer = load_model(model, dtype=dtype, device=device)
@@ -278,6 +299,7 @@ def calibrate_command(
             lm, tokenizer, texts, tokens=tokens, seq_len=seq_len, objective=objective, composition=composition,
             group_size=group_size, dump_out=dump_out, overwrite_dump=overwrite_dump, signs=signs,
             model_id=mid, progress=progress, refine=options, grouping=grouping,  # type: ignore[arg-type]
+            min_tokens=_min_tokens(min_tokens),
         )
     written = write_fitted(result, out, model=mid, tag=tag, fmt=fmt)
     _report(result, written, as_json)

@@ -10,7 +10,9 @@ Quick use::
     per_head = fit_rotations("qkv_dumps/gpqa", grouping="kv_head")   # [L, H_kv, d, d]: one per KV head
 
 Modules: :mod:`~.accumulate` (streaming fp64 covariances), :mod:`~.compose` (eigendecomposition and
-the authors' compositions), :mod:`~.dump` (the SGLang Q/K/V dump layout), :mod:`~.fitter`
+the authors' compositions), :mod:`~.dump` (the SGLang Q/K/V dump layout; :mod:`~.dump_schema`, what a
+dump may hold, checked before it is read; :mod:`~.dump_writer`), :mod:`~.stream` (a dump through the
+accumulators), :mod:`~.fitter`
 (:func:`fit_rotations`), :mod:`~.result` (:class:`FitResult`), :mod:`~.output` (files and manifest);
 learned rotations: :mod:`~.samples` (calibration blocks), :mod:`~.refine` (the optimizer),
 :mod:`~.refine_loss`, :mod:`~.ste` (the INT2 loss) and :mod:`~.refine_fit` (:func:`refine_fit`).
@@ -23,8 +25,9 @@ from __future__ import annotations
 from ..vocab import AUTHOR_COMPOSITIONS, COMPOSITIONS, OBJECTIVES
 from .accumulate import TARGETS, LayerAccumulator
 from .compose import hadamard_rotations
-from .dump import Dump, DumpShape, DumpWriter, open_dump, write_dump
-from .fitter import fit_rotations
+from .dump import Dump, DumpPlan, DumpShape, DumpWriter, open_dump, write_dump
+from .dump_schema import DumpLimits
+from .fitter import DEFAULT_MIN_TOKENS, fit_rotations
 from .output import MANIFEST_NAME, FitOutput, build_manifest, output_file_names, write_fitted
 from .refine_fit import RefineOptions, refine_dump, refine_fit, samples_from_dump
 from .result import OBJECTIVE_TARGETS, FitResult, FitStats
@@ -32,12 +35,15 @@ from .result import OBJECTIVE_TARGETS, FitResult, FitStats
 __all__ = [
     "AUTHOR_COMPOSITIONS",
     "COMPOSITIONS",
+    "DEFAULT_MIN_TOKENS",
     "MANIFEST_NAME",
     "OBJECTIVES",
     "OBJECTIVE_TARGETS",
     "RefineOptions",
     "TARGETS",
     "Dump",
+    "DumpLimits",
+    "DumpPlan",
     "DumpShape",
     "DumpWriter",
     "FitOutput",

@@ -28,13 +28,11 @@ and ``K_hᵀK_h / T`` / ``V_hᵀV_h / T`` (those Grams accumulated per head: ``p
 
 from __future__ import annotations
 
-import threading
 from typing import Callable, Iterable, Sequence
 
 import torch
 
-from ..errors import DumpError, FitError
-from .dump import Dump, DumpShape
+from ..errors import FitError
 
 #: The covariance targets.
 TARGETS: tuple[str, ...] = ("qqt", "sst", "ktk", "vtv")
@@ -281,6 +279,18 @@ class LayerAccumulator:
             self._grams_into(self.vwgram, vb)  # type: ignore[arg-type]
         self.tokens_second_pass += n
 
+    def finite(self, kind: str) -> bool:
+        """Whether the statistics fed by ``kind`` (``"q"``, ``"k"``, ``"v"``, or ``"kv"`` for pass 2) are
+        still finite. Costs O(H·d): a NaN or Inf in any input reaches the trace of its Gram (x² on the
+        diagonal), and stays there, so checking after every chunk names the first bad one."""
+        gram = {"q": self.qgram, "k": self.kgram, "v": self.vgram, "kv": self.vwgram}[kind]
+        if gram is None:
+            return True
+        total = torch.diagonal(gram, dim1=-2, dim2=-1).sum()
+        if kind == "kv":
+            total = total + self.wsum.sum()  # type: ignore[union-attr]
+        return bool(torch.isfinite(total))
+
     # -- results ----------------------------------------------------------------------------------
     def covariance(self, target: str, *, per_head: bool = False) -> torch.Tensor:
         """The finished target, fp64 ``[d, d]``, or ``[H_kv, d, d]`` (one per KV head) with
@@ -348,21 +358,6 @@ def _mirror_blocks(acc: torch.Tensor) -> torch.Tensor:
 #: Number of column blocks of the symmetric Gram.
 _GRAM_BLOCKS = 4
 
-# -- driving a layer of a dump -------------------------------------------------------------------
-
-_thread_local = threading.local()
-
-
-def thread_workspace(device: torch.device | str = "cpu") -> Workspace:
-    """The calling thread's reusable :class:`Workspace` for ``device``."""
-    key = str(torch.device(device))
-    spaces = getattr(_thread_local, "spaces", None)
-    if spaces is None:
-        spaces = _thread_local.spaces = {}
-    if key not in spaces:
-        spaces[key] = Workspace(device)
-    return spaces[key]
-
 
 def pass1_kinds(targets: Iterable[str]) -> tuple[str, ...]:
     """Kinds read in pass 1 for ``targets``: ``q`` for qqt/sst, ``k`` for ktk, ``v`` for vtv."""
@@ -370,127 +365,22 @@ def pass1_kinds(targets: Iterable[str]) -> tuple[str, ...]:
     return tuple(kind for kind, need in (("q", bool(t & {"qqt", "sst"})), ("k", "ktk" in t), ("v", "vtv" in t)) if need)
 
 
-def layer_reads(dump: Dump, layer_id: int, targets: Sequence[str]) -> int:
-    """Chunk reads :func:`accumulate_dump_layer` makes for one layer (the ``total`` of its progress)."""
-    second = ("k", "v") if "sst" in targets else ()
-    return len(dump.chunk_ids(layer_id, tuple(dict.fromkeys(pass1_kinds(targets) + second)))) * (2 if second else 1)
+def kinds_for(targets: Iterable[str]) -> tuple[str, ...]:
+    """The dump kinds a fit of ``targets`` depends on: ``q`` for qqt/sst, ``k`` for ktk/sst and for
+    ``H_kv`` of qqt (whose keys are not read), ``v`` for vtv/sst."""
+    t = set(targets)
+    need = {"q": bool(t & {"qqt", "sst"}), "k": bool(t & {"ktk", "sst", "qqt"}), "v": bool(t & {"vtv", "sst"})}
+    return tuple(kind for kind in ("q", "k", "v") if need[kind])
 
 
-def accumulate_dump_layer(
-    dump: Dump,
-    layer_id: int,
-    shape: DumpShape,
-    targets: Sequence[str],
-    *,
-    device: torch.device | str = "cpu",
-    workspace: Workspace | None = None,
-    progress: ProgressFn | None = None,
-    per_head: bool = False,
-) -> tuple[LayerAccumulator, dict[str, int]]:
-    """Stream one layer of a dump through a :class:`LayerAccumulator`.
+def statistics_bytes(num_kv_heads: int, head_dim: int, targets: Iterable[str], *, per_head: bool = False) -> int:
+    """fp64 bytes one layer's fit keeps: its :class:`LayerAccumulator` Grams and its finished covariances.
 
-    Pass 1 reads each chunk of the kinds the targets need once; pass 2 (``sst`` only) reads each
-    K and V chunk once more. Q is never read twice.
-
-    Args:
-        dump: the opened dump.
-        layer_id: the layer to process.
-        shape: the dump's head layout (:meth:`Dump.shape`).
-        targets: subset of :data:`TARGETS`.
-        device: accumulation device.
-        workspace: scratch buffers (default: the calling thread's).
-        progress: ``progress(layer_id, done, total)`` after each chunk.
-        per_head: accumulate ktk / vtv per KV head (see :class:`LayerAccumulator`).
-
-    Returns:
-        ``(accumulator, io)`` with ``io = {"bytes_read": ..., "chunks_read": ...}``.
-
-    Raises:
-        DumpError: a chunk with the wrong shape, or K/V chunk sizes that differ from Q's.
+    Per layer: ``H_kv·d²`` values for the query Grams (qqt, sst) and again for the sst sums; ``d²``
+    (``H_kv·d²`` per head) for each of ktk and vtv; and one covariance per target (``H_kv`` of them
+    per head), 8 bytes each.
     """
-    ws = workspace if workspace is not None else thread_workspace(device)
-    acc = LayerAccumulator(layer_id, num_q_heads=shape.num_q_heads, num_kv_heads=shape.num_kv_heads,
-                           head_dim=shape.head_dim, targets=targets, device=device, workspace=ws, per_head=per_head)
-    kinds1 = acc.pass1_kinds
-    kinds2 = ("k", "v") if acc.needs_second_pass else ()
-    chunks = dump.chunk_ids(layer_id, tuple(dict.fromkeys(kinds1 + kinds2)))
-    total = layer_reads(dump, layer_id, targets)
-    done = 0
-    io = {"bytes_read": 0, "chunks_read": 0}
-    sizes: dict[int, int] = {}
-    heads = {"q": shape.num_q_heads, "k": shape.num_kv_heads, "v": shape.num_kv_heads}
-
-    def load(kind: str, chunk: int) -> torch.Tensor:
-        t = dump.load(layer_id, kind, chunk)
-        if t.shape[1] != heads[kind] or t.shape[2] != shape.head_dim:
-            raise DumpError(
-                f"{dump.path(layer_id, kind, chunk)}: shape {tuple(t.shape)}, expected "
-                f"[n, {heads[kind]}, {shape.head_dim}] like the rest of the dump (inconsistent head dims)"
-            )
-        n = int(t.shape[0])
-        if sizes.setdefault(chunk, n) != n:
-            raise DumpError(
-                f"{dump.path(layer_id, kind, chunk)}: {n} tokens, but other tensors of chunk {chunk} have {sizes[chunk]}"
-            )
-        io["bytes_read"] += t.numel() * t.element_size()
-        io["chunks_read"] += 1
-        return t
-
-    add = {"q": acc.add_q, "k": acc.add_k, "v": acc.add_v}
-    for chunk in chunks:
-        for kind in kinds1:
-            t = load(kind, chunk)
-            add[kind](t)
-            del t
-        done += 1
-        if progress is not None:
-            progress(layer_id, done, total)
-    if acc.num_tokens == 0:
-        raise DumpError(f"{dump.root}/layer_{layer_id}: empty layer: its chunks hold 0 tokens")
-    if kinds2:
-        acc.start_second_pass()
-        for chunk in chunks:
-            k = load("k", chunk)
-            v = load("v", chunk)
-            acc.add_kv(k, v)
-            del k, v
-            done += 1
-            if progress is not None:
-                progress(layer_id, done, total)
-    return acc, io
-
-
-def second_pass_from_dump(
-    acc: LayerAccumulator,
-    dump: Dump,
-    layer_id: int | None = None,
-    *,
-    progress: ProgressFn | None = None,
-) -> dict[str, int]:
-    """Run pass 2 (``sst``) of an accumulator whose pass 1 was fed elsewhere (e.g. live capture).
-
-    Args:
-        acc: an accumulator that has seen every chunk of pass 1.
-        dump: a dump (possibly holding only ``k/`` and ``v/``) with the same chunks, in order.
-        layer_id: the dump layer to read (default ``acc.layer_id``).
-        progress: ``progress(layer_id, done, total)`` after each chunk.
-
-    Returns:
-        ``{"bytes_read": ..., "chunks_read": ...}``.
-    """
-    if not acc.needs_second_pass:
-        return {"bytes_read": 0, "chunks_read": 0}
-    lid = acc.layer_id if layer_id is None else int(layer_id)
-    acc.start_second_pass()
-    chunks = dump.chunk_ids(lid, ("k", "v"))
-    io = {"bytes_read": 0, "chunks_read": 0}
-    for i, chunk in enumerate(chunks):
-        k = dump.load(lid, "k", chunk)
-        v = dump.load(lid, "v", chunk)
-        io["bytes_read"] += k.numel() * k.element_size() + v.numel() * v.element_size()
-        io["chunks_read"] += 2
-        acc.add_kv(k, v)
-        del k, v
-        if progress is not None:
-            progress(lid, i + 1, len(chunks))
-    return io
+    t = set(targets)
+    per_target = num_kv_heads if per_head else 1
+    mats = num_kv_heads * (bool(t & {"qqt", "sst"}) + ("sst" in t)) + per_target * (("ktk" in t) + ("vtv" in t))
+    return (mats + per_target * len(t)) * head_dim * head_dim * 8

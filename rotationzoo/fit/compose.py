@@ -64,6 +64,12 @@ def _check_dim(d: int, what: str) -> None:
         raise FitError(f"{what}: head_dim {d} is not a power of two; Hadamard-based compositions need one")
 
 
+def check_head_dim(composition: str, d: int) -> None:
+    """Raise :class:`FitError` for a ``d`` the composition cannot use (all but ``plain`` need a power of two)."""
+    if composition != "plain":
+        _check_dim(d, f"composition {composition!r}")
+
+
 def composition_label(composition: str, group_size: int | None = None) -> str:
     """The name used in the objective string and file names (``r_pbr_hg`` gets its group size).
 

@@ -1,4 +1,4 @@
-"""Q/K/V dumps in the SGLang layout: a safe streaming reader and a writer.
+"""Q/K/V dumps in the SGLang layout: a safe streaming reader (the writer is :mod:`.dump_writer`).
 
 Layout (what the OSCAR dump hook writes, one folder per attention layer)::
 
@@ -11,60 +11,44 @@ Layout (what the OSCAR dump hook writes, one folder per attention layer)::
 ``<chunk>`` is a per-layer counter 0, 1, 2, ... (one extend batch each). Chunk 0 of an SGLang dump
 is the server's warm-up request, so readers skip it unless asked to keep it, exactly as the
 authors' fitter does. Layer ids may be sparse (hybrid models dump only their full-attention
-layers). Every file is read with ``torch.load(weights_only=True)`` (memory-mapped when the file
-is a zip archive), so a dump can never run code.
+layers).
+
+Nothing is trusted: every folder and file must resolve inside the dump folder and every file must
+be a regular file; each chunk's archive and pickle are inspected without being executed and must
+hold one dense tensor within :class:`~rotationzoo.fit.dump_schema.DumpLimits` before it is
+memory-mapped with ``torch.load(weights_only=True)`` (:mod:`.dump_schema`). :meth:`Dump.plan`
+inspects every chunk a fit will read, from metadata alone, so a bad dump is refused before any
+activation is read.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import pickle
-import re
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
 from ..errors import DumpError
+from .dump_schema import (
+    DUMP_INFO_NAME,
+    KINDS,
+    ChunkMeta,
+    DumpLimits,
+    check_regular,
+    file_ident,
+    inspect_chunk,
+    load_chunk,
+    parse_index,
+    read_info,
+    read_seq_lens,
+    resolve_inside,
+    scan_dir,
+)
+from .dump_writer import DumpWriter, write_dump  # noqa: F401  (the writer, re-exported)
 
-#: Tensor kinds of a dump, in the order they are written.
-KINDS: tuple[str, ...] = ("q", "k", "v")
-#: Optional metadata file at the dump root (not part of the SGLang layout; ignored by other readers).
-DUMP_INFO_NAME = "rotationzoo_dump.json"
-
-_LAYER_RE = re.compile(r"^layer_(\d+)$")
-_CHUNK_RE = re.compile(r"^(\d+)\.pt$")
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
-def load_dump_file(path: Path) -> Any:
-    """Load one dump file safely (``weights_only=True``; memory-mapped for zip archives).
-
-    Raises:
-        DumpError: unreadable, damaged, or a pickle that asks for anything but tensors/plain data.
-    """
-    try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
-    except OSError as exc:
-        raise DumpError(f"{path}: cannot open ({_first_line(exc)})") from None
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=magic == b"PK\x03\x04")
-    except pickle.UnpicklingError as exc:
-        raise DumpError(
-            f"{path}: refused to load: the pickle asks for objects other than tensors and plain data "
-            f"({_first_line(exc)})"
-        ) from None
-    except (RuntimeError, EOFError, OSError, ValueError) as exc:
-        raise DumpError(f"{path}: cannot read ({_first_line(exc)}); the file is truncated or damaged") from None
+_SLACK_ENTRIES = 1024  # entries of a dump folder besides its layers or chunks (notes, rotations/, ...)
 
 
 @dataclass(frozen=True)
@@ -89,6 +73,25 @@ class DumpShape:
         return None if self.num_q_heads is None else self.num_q_heads // self.num_kv_heads
 
 
+@dataclass(frozen=True)
+class DumpPlan:
+    """What reading some kinds of a dump involves, found from metadata alone (:meth:`Dump.plan`).
+
+    Attributes:
+        kinds: the tensor kinds planned.
+        shape: the head layout, the same in every chunk and layer.
+        chunks: the chunk ids used per layer (chunk 0 dropped unless kept).
+        tokens: tokens per layer over those chunks.
+        bytes: tensor bytes those chunks hold.
+    """
+
+    kinds: tuple[str, ...]
+    shape: DumpShape
+    chunks: dict[int, tuple[int, ...]]
+    tokens: dict[int, int]
+    bytes: int
+
+
 class Dump:
     """A Q/K/V dump folder, read lazily one chunk at a time.
 
@@ -97,9 +100,11 @@ class Dump:
         keep_first_chunk: also use chunk 0 (the SGLang warm-up batch; skipped by default, as the
             authors' fitter does).
         layers: only these layer ids (default: every ``layer_<L>`` folder).
+        limits: the bounds the dump must respect (default :class:`DumpLimits`).
 
     Raises:
-        DumpError: the folder does not exist, holds no ``layer_<L>`` folders, or lacks a requested layer.
+        DumpError: the folder does not exist, holds no ``layer_<L>`` folders, lacks a requested layer,
+            holds more than ``limits.max_layers`` of them, or a layer folder resolves outside it.
     """
 
     def __init__(
@@ -108,25 +113,37 @@ class Dump:
         *,
         keep_first_chunk: bool = False,
         layers: Iterable[int] | None = None,
+        limits: DumpLimits | None = None,
     ) -> None:
         self.root = Path(root)
         self.keep_first_chunk = bool(keep_first_chunk)
+        if limits is not None and not isinstance(limits, DumpLimits):
+            raise DumpError(f"limits must be a DumpLimits, got {type(limits).__name__}")
+        self.limits = limits or DumpLimits()
         if not self.root.exists():
             raise DumpError(f"dump directory {self.root} does not exist")
         if not self.root.is_dir():
             raise DumpError(f"{self.root} is not a directory; expected a dump folder with layer_<L>/ subfolders")
-        found: dict[int, Path] = {}
-        for child in self.root.iterdir():
-            m = _LAYER_RE.match(child.name)
-            if m and child.is_dir():
-                found[int(m.group(1))] = child
+        self._root_real = os.path.realpath(self.root)
+        found: dict[int, tuple[Path, str]] = {}
+        for name in scan_dir(self.root, self._root_real, 4 * self.limits.max_layers + _SLACK_ENTRIES):
+            lid = _layer_id(self.root, name)
+            if lid is None:
+                continue
+            child = self.root / name
+            real = resolve_inside(child, self._root_real, "layer folder")
+            if os.path.isdir(real):
+                found[lid] = (child, real)
         if not found:
             raise DumpError(
                 f"{self.root}: no layer_<L>/ folders; not a Q/K/V dump "
                 f"(expected layer_<L>/{{q,k,v,seq_lens}}/<chunk>.pt)"
             )
         if layers is not None:
-            wanted = sorted({int(i) for i in layers})
+            try:
+                wanted = sorted({int(i) for i in layers})
+            except (TypeError, ValueError):
+                raise DumpError(f"layers must be layer ids (integers), got {layers!r:.80}") from None
             missing = [i for i in wanted if i not in found]
             if missing:
                 raise DumpError(
@@ -134,27 +151,52 @@ class Dump:
                     f"(it has {_fmt_ids(sorted(found))})"
                 )
             found = {i: found[i] for i in wanted}
-        self._layer_dirs = dict(sorted(found.items()))
-        self.layer_ids: tuple[int, ...] = tuple(self._layer_dirs)
-        self._chunk_cache: dict[tuple[int, str], tuple[int, ...]] = {}
+        if len(found) > self.limits.max_layers:
+            raise DumpError(f"{self.root}: {len(found)} layers, more than max_layers={self.limits.max_layers} "
+                            "(DumpLimits); fit fewer layers at a time (--layers)")
+        self._layers = dict(sorted(found.items()))
+        self._layer_dirs = {lid: p for lid, (p, _) in self._layers.items()}
+        self.layer_ids: tuple[int, ...] = tuple(self._layers)
+        self._chunk_cache: dict[tuple[int, str], tuple[int, ...] | None] = {}
+        self._reals: dict[tuple[int, str, int], str] = {}
+        self._metas: dict[tuple[int, str, int], ChunkMeta] = {}
+        self._seq_lens: dict[tuple[int, int], list[int]] = {}
+        self._plans: dict[tuple[str, ...], DumpPlan] = {}
+        self._info: dict[str, Any] | None = None
 
     def __repr__(self) -> str:
         return f"Dump({str(self.root)!r}, layers={_fmt_ids(list(self.layer_ids))}, keep_first_chunk={self.keep_first_chunk})"
 
     # -- structure --------------------------------------------------------------------------------
-    def _all_chunks(self, layer_id: int, kind: str) -> tuple[int, ...]:
+    def _listing(self, layer_id: int, kind: str) -> tuple[int, ...] | None:
+        """Chunk ids of ``layer_<L>/<kind>/`` (``None`` when the folder does not exist), each file checked."""
         key = (layer_id, kind)
         if key not in self._chunk_cache:
             folder = self._layer_dirs[layer_id] / kind
-            if not folder.is_dir():
-                raise DumpError(f"{folder}: missing; a dump layer needs q/, k/ and v/ folders")
-            ids = []
-            for f in folder.iterdir():
-                m = _CHUNK_RE.match(f.name)
-                if m:
-                    ids.append(int(m.group(1)))
+            real = resolve_inside(folder, self._root_real, f"{kind}/ folder")
+            if not os.path.isdir(real):
+                self._chunk_cache[key] = None
+                return None
+            ids: list[int] = []
+            for name in scan_dir(folder, real, self.limits.max_chunks + _SLACK_ENTRIES):
+                chunk = _chunk_id(folder, name)
+                if chunk is None:
+                    continue
+                if len(ids) >= self.limits.max_chunks:
+                    raise DumpError(f"{folder}: more than max_chunks={self.limits.max_chunks} chunk files (DumpLimits)")
+                path = folder / name
+                file_real = resolve_inside(path, self._root_real, "chunk file")
+                check_regular(path, file_real)
+                self._reals[(layer_id, kind, chunk)] = file_real
+                ids.append(chunk)
             self._chunk_cache[key] = tuple(sorted(ids))
         return self._chunk_cache[key]
+
+    def _all_chunks(self, layer_id: int, kind: str) -> tuple[int, ...]:
+        ids = self._listing(layer_id, kind)
+        if ids is None:
+            raise DumpError(f"{self._layer_dirs[layer_id] / kind}: missing; a dump layer needs q/, k/ and v/ folders")
+        return ids
 
     def chunk_ids(self, layer_id: int, kinds: Sequence[str] = KINDS) -> tuple[int, ...]:
         """Chunk ids of a layer that the fit uses (chunk 0 dropped unless ``keep_first_chunk``).
@@ -198,33 +240,52 @@ class Dump:
         return self._layer_dirs[layer_id] / kind / f"{chunk_id}.pt"
 
     # -- reading ----------------------------------------------------------------------------------
-    def load(self, layer_id: int, kind: str, chunk_id: int) -> torch.Tensor:
-        """One activation chunk, ``[n, H, d]`` in its stored dtype (CPU, possibly memory-mapped).
+    def meta(self, layer_id: int, kind: str, chunk_id: int) -> ChunkMeta:
+        """What a chunk file holds, from its inspected archive (nothing is loaded; cached while the
+        file is unchanged).
 
         Raises:
-            DumpError: unreadable file, not a tensor, not 3-D floating point.
+            DumpError: no such chunk, or a file refused by the checks of :mod:`.dump_schema`.
         """
-        p = self.path(layer_id, kind, chunk_id)
-        t = load_dump_file(p)
-        if not isinstance(t, torch.Tensor):
-            raise DumpError(f"{p}: expected a tensor [n, heads, head_dim], got {type(t).__name__}")
-        if t.dim() != 3:
-            raise DumpError(f"{p}: expected a tensor [n, heads, head_dim], got shape {tuple(t.shape)}")
-        if not t.is_floating_point():
-            raise DumpError(f"{p}: expected floating point activations, got dtype {t.dtype}")
-        return t
+        if chunk_id not in self._all_chunks(layer_id, kind):
+            raise DumpError(f"{self.path(layer_id, kind, chunk_id)}: no such chunk")
+        key = (layer_id, kind, chunk_id)
+        meta = self._metas.get(key)
+        if meta is None or file_ident(meta.real) != meta.ident:
+            meta = self._metas[key] = inspect_chunk(self.path(*key), self._reals[key], kind, self.limits)
+        return meta
+
+    def load(self, layer_id: int, kind: str, chunk_id: int) -> torch.Tensor:
+        """One activation chunk, ``[n, H, d]`` in its stored dtype (CPU, memory-mapped).
+
+        Raises:
+            DumpError: a file refused by the checks of :mod:`.dump_schema` (not a tensor, not 3-D
+                floating point, beyond :class:`DumpLimits`, ...), or one that changed since.
+        """
+        return load_chunk(self.meta(layer_id, kind, chunk_id))
+
+    def _rows(self, layer_id: int, chunk_id: int) -> int:
+        for kind in ("k", "v", "q"):
+            ids = self._listing(layer_id, kind)
+            if ids is not None and chunk_id in ids:
+                return self.meta(layer_id, kind, chunk_id).rows
+        raise DumpError(f"{self.path(layer_id, 'seq_lens', chunk_id)}: no q/k/v chunk {chunk_id} in its layer")
 
     def seq_lens(self, layer_id: int, chunk_id: int) -> list[int] | None:
-        """Per-sequence token counts of a chunk, or ``None`` when the dump has no ``seq_lens/``."""
-        p = self.path(layer_id, "seq_lens", chunk_id)
-        if not p.is_file():
-            return None
-        obj = load_dump_file(p)
-        if isinstance(obj, torch.Tensor):
-            return [int(x) for x in obj.reshape(-1).tolist()]
-        if isinstance(obj, (list, tuple)):
-            return [int(x) for x in obj]
-        raise DumpError(f"{p}: expected a tensor or list of sequence lengths, got {type(obj).__name__}")
+        """Per-sequence token counts of a chunk, or ``None`` when the dump has no ``seq_lens/`` file for it.
+
+        Raises:
+            DumpError: a ``seq_lens`` file that is not positive integers summing to the chunk's tokens.
+        """
+        key = (layer_id, chunk_id)
+        if key not in self._seq_lens:
+            ids = self._listing(layer_id, "seq_lens")
+            if ids is None or chunk_id not in ids:
+                return None
+            rows = self._rows(layer_id, chunk_id)
+            real = self._reals[(layer_id, "seq_lens", chunk_id)]
+            self._seq_lens[key] = read_seq_lens(self.path(layer_id, "seq_lens", chunk_id), real, rows, self.limits)
+        return list(self._seq_lens[key])
 
     def prompt_count(self) -> int | None:
         """The authors' ``prompt<N>`` tag value: Σ ``len(seq_lens)`` over every chunk of the first layer.
@@ -233,84 +294,139 @@ class Dump:
         does; ``None`` when the dump has no ``seq_lens/``.
         """
         layer = self.layer_ids[0]
-        folder = self._layer_dirs[layer] / "seq_lens"
-        if not folder.is_dir():
+        ids = self._listing(layer, "seq_lens")
+        if ids is None:
             return None
-        total = 0
-        for chunk in self._all_chunks(layer, "seq_lens"):
-            lens = self.seq_lens(layer, chunk)
-            total += len(lens or [])
-        return total
+        return sum(len(self.seq_lens(layer, chunk) or []) for chunk in ids)
 
     def info(self) -> dict[str, Any]:
-        """Contents of ``rotationzoo_dump.json`` when present (``{}`` otherwise)."""
-        p = self.root / DUMP_INFO_NAME
-        if not p.is_file():
-            return {}
-        try:
-            data = json.loads(p.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise DumpError(f"{p}: not valid JSON ({_first_line(exc)})") from None
-        return data if isinstance(data, dict) else {}
+        """Contents of ``rotationzoo_dump.json`` when present (``{}`` otherwise), checked by
+        :func:`~rotationzoo.fit.dump_schema.read_info`."""
+        if self._info is None:
+            p = self.root / DUMP_INFO_NAME
+            self._info = read_info(p, self._root_real, self.limits) if os.path.lexists(p) else {}
+        return dict(self._info)
+
+    def plan(self, kinds: Sequence[str] = KINDS) -> DumpPlan:
+        """Inspect every chunk of ``kinds`` that a fit reads (and its ``seq_lens``), loading nothing.
+
+        Args:
+            kinds: the tensor kinds to plan; ``"k"`` or ``"v"`` is needed for ``H_kv``.
+
+        Raises:
+            DumpError: any file refused by :mod:`.dump_schema`; inconsistent head dims or head counts
+                between kinds, chunks or layers; token counts that differ between a chunk's kinds; more
+                tokens per layer than ``max_tokens_per_layer``; ``H_q`` not a multiple of ``H_kv``.
+        """
+        kinds = tuple(dict.fromkeys(kinds))
+        if not kinds or any(k not in KINDS for k in kinds) or not {"k", "v"} & set(kinds):
+            raise DumpError(f"internal: plan() needs 'k' or 'v' among kinds from {KINDS}, got {kinds}")
+        if kinds not in self._plans:
+            self._plans[kinds] = self._plan(kinds)
+        return self._plans[kinds]
+
+    def _plan(self, kinds: tuple[str, ...]) -> DumpPlan:
+        result: DumpShape | None = None
+        where, chunks, tokens, nbytes = "", {}, {}, 0
+        for layer in self.layer_ids:
+            used = self.chunk_ids(layer, kinds)
+            layer_shape: DumpShape | None = None
+            ref: dict[str, tuple[int, ...]] = {}
+            total = 0
+            for chunk in self._all_chunks(layer, kinds[0]):  # a skipped chunk 0 is checked too, never read
+                cur, rows, size, metas = self._plan_chunk(layer, chunk, kinds)
+                if layer_shape is None:
+                    layer_shape, ref = cur, {kind: m.shape[1:] for kind, m in metas.items()}
+                for kind, m in metas.items():
+                    if m.shape[1:] != ref[kind]:
+                        raise DumpError(f"{m.path}: shape {m.shape}, expected [n, {ref[kind][0]}, {ref[kind][1]}] "
+                                        "like the rest of the dump (inconsistent head dims)")
+                self.seq_lens(layer, chunk)  # checked where present
+                if chunk not in used:
+                    continue
+                total += rows
+                nbytes += size
+                if total > self.limits.max_tokens_per_layer:
+                    raise DumpError(f"{self._layer_dirs[layer]}: more than max_tokens_per_layer="
+                                    f"{self.limits.max_tokens_per_layer} tokens (DumpLimits)")
+            assert layer_shape is not None
+            hq, hkv = layer_shape.num_q_heads, layer_shape.num_kv_heads
+            if hq is not None and hq % hkv:
+                raise DumpError(f"{self._layer_dirs[layer]}: {hq} query heads is not a multiple of {hkv} KV heads")
+            if result is None:
+                result, where = layer_shape, f"layer {layer}"
+            elif _heads(layer_shape) != _heads(result):
+                raise DumpError(
+                    f"{self.root}: inconsistent head dims between layers: {where} has "
+                    f"{_fmt_shape(result)}, layer {layer} has {_fmt_shape(layer_shape)}"
+                )
+            chunks[layer], tokens[layer] = used, total
+        assert result is not None
+        return DumpPlan(kinds=kinds, shape=result, chunks=chunks, tokens=tokens, bytes=nbytes)
+
+    def _plan_chunk(self, layer: int, chunk: int, kinds: tuple[str, ...]
+                    ) -> tuple[DumpShape, int, int, dict[str, ChunkMeta]]:
+        metas = {kind: self.meta(layer, kind, chunk) for kind in kinds}
+        dims = {kind: m.shape[2] for kind, m in metas.items()}
+        if len(set(dims.values())) != 1:
+            detail = ", ".join(f"{k}: {d}" for k, d in dims.items())
+            raise DumpError(f"{self._layer_dirs[layer]}: inconsistent head dims within chunk {chunk} ({detail})")
+        rows = metas[kinds[0]].rows
+        for kind, m in metas.items():
+            if m.rows != rows:
+                raise DumpError(f"{m.path}: {m.rows} tokens, but other tensors of chunk {chunk} have {rows}")
+        if "k" in metas and "v" in metas and metas["k"].shape[1] != metas["v"].shape[1]:
+            raise DumpError(f"{self._layer_dirs[layer]}: k has {metas['k'].shape[1]} heads but v has "
+                            f"{metas['v'].shape[1]} (chunk {chunk})")
+        kv = metas["k"] if "k" in metas else metas["v"]
+        shape = DumpShape(num_q_heads=metas["q"].shape[1] if "q" in metas else None, num_kv_heads=kv.shape[1],
+                          head_dim=kv.shape[2], dtype=next(iter(metas.values())).dtype)
+        return shape, rows, sum(m.storage_bytes for m in metas.values()), metas
 
     def shape(self, kinds: Sequence[str] = KINDS) -> DumpShape:
-        """Head layout, checked to be the same in every layer (first used chunk of each layer).
+        """Head layout, checked to be the same in every chunk of every layer (:meth:`plan`).
 
         Args:
             kinds: which kinds to inspect; ``"k"`` or ``"v"`` is needed for ``H_kv``.
 
         Raises:
-            DumpError: inconsistent head_dim or head counts between kinds or layers, or
-                ``H_q`` not a multiple of ``H_kv``.
+            DumpError: see :meth:`plan`.
         """
-        kinds = tuple(kinds)
-        result: DumpShape | None = None
-        where = ""
-        for layer in self.layer_ids:
-            chunk = self.chunk_ids(layer, kinds)[0]
-            heads: dict[str, tuple[int, int, torch.dtype]] = {}
-            for kind in kinds:
-                t = self.load(layer, kind, chunk)
-                heads[kind] = (int(t.shape[1]), int(t.shape[2]), t.dtype)
-                del t
-            dims = {kind: h[1] for kind, h in heads.items()}
-            if len(set(dims.values())) != 1:
-                detail = ", ".join(f"{k}: {d}" for k, d in dims.items())
-                raise DumpError(f"{self._layer_dirs[layer]}: inconsistent head dims within chunk {chunk} ({detail})")
-            kv = [heads[k][0] for k in ("k", "v") if k in heads]
-            if len(set(kv)) > 1:
-                raise DumpError(
-                    f"{self._layer_dirs[layer]}: k has {heads['k'][0]} heads but v has {heads['v'][0]} (chunk {chunk})"
-                )
-            if not kv:
-                raise DumpError("internal: shape() needs 'k' or 'v' among kinds")
-            hq = heads["q"][0] if "q" in heads else None
-            if hq is not None and hq % kv[0]:
-                raise DumpError(
-                    f"{self._layer_dirs[layer]}: {hq} query heads is not a multiple of {kv[0]} KV heads"
-                )
-            dtype = str(next(iter(heads.values()))[2]).replace("torch.", "")
-            cur = DumpShape(num_q_heads=hq, num_kv_heads=kv[0], head_dim=next(iter(dims.values())), dtype=dtype)
-            if result is None:
-                result, where = cur, f"layer {layer}"
-            elif (cur.num_q_heads, cur.num_kv_heads, cur.head_dim) != (
-                result.num_q_heads,
-                result.num_kv_heads,
-                result.head_dim,
-            ):
-                raise DumpError(
-                    f"{self.root}: inconsistent head dims between layers: {where} has "
-                    f"{_fmt_shape(result)}, layer {layer} has {_fmt_shape(cur)}"
-                )
-        assert result is not None
-        return result
+        return self.plan(kinds).shape
 
 
 def open_dump(
-    root: str | os.PathLike[str], *, keep_first_chunk: bool = False, layers: Iterable[int] | None = None
+    root: str | os.PathLike[str], *, keep_first_chunk: bool = False, layers: Iterable[int] | None = None,
+    limits: DumpLimits | None = None,
 ) -> Dump:
     """Open a dump folder; see :class:`Dump`."""
-    return Dump(root, keep_first_chunk=keep_first_chunk, layers=layers)
+    return Dump(root, keep_first_chunk=keep_first_chunk, layers=layers, limits=limits)
+
+
+def _layer_id(root: Path, name: str) -> int | None:
+    """The id of a ``layer_<L>`` folder name; ``None`` for other names; refused when not canonical."""
+    if not name.startswith("layer_"):
+        return None
+    lid = parse_index(name[6:])
+    if lid is None and name[6:].isdigit():
+        raise DumpError(f"{root / name}: not a canonical layer folder name (expected layer_<L>, L in ASCII "
+                        "digits without leading zeros, below 10**9)")
+    return lid
+
+
+def _chunk_id(folder: Path, name: str) -> int | None:
+    """The id of a ``<chunk>.pt`` file name; ``None`` for other names; refused when not canonical."""
+    if not name.endswith(".pt"):
+        return None
+    chunk = parse_index(name[:-3])
+    if chunk is None and name[:-3].isdigit():
+        raise DumpError(f"{folder / name}: not a canonical chunk file name (expected <chunk>.pt, chunk in ASCII "
+                        "digits without leading zeros, below 10**9)")
+    return chunk
+
+
+def _heads(s: DumpShape) -> tuple[int | None, int, int]:
+    return (s.num_q_heads, s.num_kv_heads, s.head_dim)
 
 
 def _fmt_shape(s: DumpShape) -> str:
@@ -321,173 +437,3 @@ def _fmt_shape(s: DumpShape) -> str:
 def _fmt_ids(ids: Sequence[int]) -> str:
     ids = list(ids)
     return ", ".join(map(str, ids[:12])) + (" ..." if len(ids) > 12 else "")
-
-
-# -- writing -------------------------------------------------------------------------------------
-
-
-def _save_atomic(obj: Any, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-class DumpWriter:
-    """Write activations in the SGLang dump layout, with the dump hook's per-layer token budget.
-
-    Each :meth:`write` call appends one chunk per layer. Once a layer has saved ``token_budget``
-    tokens further writes are dropped; the chunk that crosses the budget is truncated to fit
-    exactly (its ``seq_lens`` are truncated too), as the dump hook does.
-
-    Args:
-        root: output folder (created). It must not already hold ``layer_<L>/`` folders unless
-            ``overwrite`` (which deletes them first).
-        token_budget: per-layer token limit, or ``None`` for no limit.
-        kinds: the tensor kinds written (``("k", "v")`` for a key/value-only spill).
-        overwrite: replace an existing dump in ``root``.
-    """
-
-    def __init__(
-        self,
-        root: str | os.PathLike[str],
-        *,
-        token_budget: int | None = None,
-        kinds: Sequence[str] = KINDS,
-        overwrite: bool = False,
-    ) -> None:
-        self.root = Path(root)
-        self.token_budget = None if token_budget is None else int(token_budget)
-        self.kinds = tuple(kinds)
-        bad = [k for k in self.kinds if k not in KINDS]
-        if bad:
-            raise DumpError(f"unknown dump kinds {bad}; expected a subset of {KINDS}")
-        if self.root.exists() and not self.root.is_dir():
-            raise DumpError(f"{self.root} exists and is not a directory")
-        existing = [c for c in self.root.iterdir() if _LAYER_RE.match(c.name)] if self.root.is_dir() else []
-        if existing:
-            if not overwrite:
-                raise DumpError(f"{self.root} already holds a dump ({len(existing)} layer folders); choose an empty folder")
-            for c in existing:
-                shutil.rmtree(c)
-            (self.root / DUMP_INFO_NAME).unlink(missing_ok=True)
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._next_chunk: dict[int, int] = {}
-        self._saved: dict[int, int] = {}
-
-    def tokens_saved(self, layer_id: int) -> int:
-        """Tokens written so far for a layer."""
-        return self._saved.get(int(layer_id), 0)
-
-    def chunks_written(self, layer_id: int) -> int:
-        """Chunks written so far for a layer."""
-        return self._next_chunk.get(int(layer_id), 0)
-
-    def is_full(self, layer_id: int) -> bool:
-        """Whether the layer reached its token budget."""
-        return self.token_budget is not None and self.tokens_saved(layer_id) >= self.token_budget
-
-    def write(
-        self,
-        layer_id: int,
-        *,
-        q: torch.Tensor | None = None,
-        k: torch.Tensor | None = None,
-        v: torch.Tensor | None = None,
-        seq_lens: Sequence[int] | torch.Tensor | None = None,
-    ) -> int:
-        """Append one chunk to a layer.
-
-        Args:
-            layer_id: model layer index.
-            q: ``[n, H_q, d]`` (required when ``"q"`` is among the writer's kinds).
-            k: ``[n, H_kv, d]``.
-            v: ``[n, H_kv, d]``.
-            seq_lens: tokens per sequence in this chunk (default ``[n]``).
-
-        Returns:
-            The number of tokens written (0 once the budget is exhausted).
-        """
-        layer_id = int(layer_id)
-        tensors = {"q": q, "k": k, "v": v}
-        sizes = set()
-        for kind in self.kinds:
-            t = tensors[kind]
-            if t is None:
-                raise DumpError(f"DumpWriter.write: layer {layer_id}: missing {kind!r}")
-            if t.dim() != 3:
-                raise DumpError(f"DumpWriter.write: layer {layer_id}: {kind} must be [n, heads, d], got {tuple(t.shape)}")
-            sizes.add(int(t.shape[0]))
-        if len(sizes) != 1:
-            raise DumpError(f"DumpWriter.write: layer {layer_id}: token counts differ between kinds ({sorted(sizes)})")
-        n = sizes.pop()
-        lens = [n] if seq_lens is None else [int(x) for x in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens)]
-        if sum(lens) != n:
-            raise DumpError(f"DumpWriter.write: layer {layer_id}: seq_lens sum to {sum(lens)}, but the chunk has {n} tokens")
-        if self.token_budget is not None:
-            remaining = self.token_budget - self.tokens_saved(layer_id)
-            if remaining <= 0:
-                return 0
-            if n > remaining:
-                n = remaining
-                kept, acc = [], 0
-                for length in lens:
-                    take = min(length, n - acc)
-                    if take <= 0:
-                        break
-                    kept.append(take)
-                    acc += take
-                lens = kept
-        if n == 0:
-            return 0
-        chunk = self._next_chunk.get(layer_id, 0)
-        base = self.root / f"layer_{layer_id}"
-        for kind in self.kinds:
-            t = tensors[kind]
-            assert t is not None
-            _save_atomic(t[:n].detach().to("cpu").contiguous().clone(), base / kind / f"{chunk}.pt")
-        _save_atomic(torch.tensor(lens, dtype=torch.int32), base / "seq_lens" / f"{chunk}.pt")
-        self._next_chunk[layer_id] = chunk + 1
-        self._saved[layer_id] = self.tokens_saved(layer_id) + n
-        return n
-
-    def write_info(self, info: Mapping[str, Any]) -> Path:
-        """Write ``rotationzoo_dump.json`` (model, prompts, tokens, ...) at the dump root."""
-        p = self.root / DUMP_INFO_NAME
-        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=self.root)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(dict(info), f, indent=2, default=str)
-            f.write("\n")
-        os.replace(tmp, p)
-        return p
-
-
-def write_dump(
-    root: str | os.PathLike[str],
-    layers: Mapping[int, Sequence[Mapping[str, Any]]],
-    *,
-    token_budget: int | None = None,
-    overwrite: bool = False,
-) -> Path:
-    """Write a whole dump from memory (tests, benchmarks).
-
-    Args:
-        root: output folder.
-        layers: ``{layer_id: [{"q": q, "k": k, "v": v, "seq_lens": [...]}, ...]}``, one dict per chunk
-            (chunk 0 first).
-        token_budget: per-layer token limit.
-        overwrite: replace an existing dump.
-
-    Returns:
-        ``root`` as a :class:`~pathlib.Path`.
-    """
-    writer = DumpWriter(root, token_budget=token_budget, overwrite=overwrite)
-    for layer_id, chunks in layers.items():
-        for chunk in chunks:
-            writer.write(layer_id, q=chunk["q"], k=chunk["k"], v=chunk["v"], seq_lens=chunk.get("seq_lens"))
-    return writer.root

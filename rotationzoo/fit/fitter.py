@@ -14,18 +14,29 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from ..errors import FitError
-from ..format import RotationSet
+from ..errors import DumpError, FitError
+from ..format import MAX_BYTES, MAX_HEAD_DIM, MAX_LAYERS, RotationSet
 from ..progress import Progress, Tally
 from ..validation import validate
 from ..vocab import GROUPINGS, Grouping, SignConvention
-from .accumulate import LayerAccumulator, accumulate_dump_layer, layer_reads, thread_workspace
-from .compose import check_composition, composition_label, hadamard_rotations, rotation_from_covariance
-from .dump import Dump, DumpShape, open_dump
+from .accumulate import LayerAccumulator, kinds_for, statistics_bytes
+from .compose import check_composition, check_head_dim, composition_label, hadamard_rotations, rotation_from_covariance
+from .dump import Dump, DumpPlan, DumpShape, open_dump
+from .dump_schema import MIN_HEAD_DIM
+from .stream import accumulate_dump_layer, layer_reads, thread_workspace
 from .result import OBJECTIVE_TARGETS, FitResult, FitStats, peak_rss_bytes
+from .stream import accumulate_dump_layer, thread_workspace
 
 #: Upper bound of the default number of concurrent layers (each holds one fp64 workspace).
 MAX_DEFAULT_WORKERS = 8
+#: Fewest tokens per layer a rotation is fitted from (``min_tokens``, ``--min-tokens``): one
+#: calibration block of the learned refinement, twice the published head_dim. The published
+#: rotations were fitted from 10,000 to 150,000 tokens per layer; below this the fit is noise.
+DEFAULT_MIN_TOKENS = 256
+#: A covariance whose smallest eigenvalue is at most this fraction of its largest is rank-deficient:
+#: the directions it does not see would be rotated arbitrarily. fp64 rounding leaves a missing
+#: direction near 1e-16 of the largest; real activations stay far above 1e-10.
+RANK_RTOL = 1e-10
 
 
 def _parse_objective(objective: str) -> tuple[str | None, str | None]:
@@ -35,12 +46,70 @@ def _parse_objective(objective: str) -> tuple[str | None, str | None]:
 
 
 def _as_dump(source: Any, keep_first_chunk: bool, layers: Iterable[int] | None) -> Dump:
-    """Open a dump path; an opened :class:`Dump` keeps its own chunk-0 rule (``layers`` still applies)."""
+    """Open a dump path; an opened :class:`Dump` keeps its own chunk-0 rule and limits (``layers`` still applies)."""
     if isinstance(source, Dump):
         if layers is None:
             return source
-        return open_dump(source.root, keep_first_chunk=source.keep_first_chunk, layers=layers)
+        return open_dump(source.root, keep_first_chunk=source.keep_first_chunk, layers=layers, limits=source.limits)
     return open_dump(source, keep_first_chunk=keep_first_chunk, layers=layers)
+
+
+def check_min_tokens(min_tokens: Any) -> int:
+    """``min_tokens`` as a positive int (a :class:`FitError` otherwise)."""
+    if type(min_tokens) is not int or min_tokens < 1:
+        raise FitError(f"min_tokens must be a positive integer (tokens per layer), got {min_tokens!r:.40}")
+    return min_tokens
+
+
+def check_token_budget(tokens: Any, min_tokens: Any) -> None:
+    """Refuse a capture budget of fewer than ``min_tokens`` tokens per layer (before a model runs)."""
+    min_tokens = check_min_tokens(min_tokens)
+    if type(tokens) is int and tokens < min_tokens:
+        raise FitError(f"{tokens} tokens per layer is fewer than min_tokens={min_tokens}; rotations fitted from so "
+                       "few are noise (the published ones use 10,000 to 150,000 per layer). Capture more tokens, "
+                       "or lower min_tokens (--min-tokens) to fit anyway")
+
+
+def check_tokens(tokens: Mapping[int, int], min_tokens: int) -> None:
+    """Refuse layers with fewer than ``min_tokens`` tokens (before anything is accumulated, for a dump)."""
+    few = {lid: t for lid, t in tokens.items() if t < min_tokens}
+    if few:
+        lid, t = next(iter(few.items()))
+        more = f" (and {len(few) - 1} more layers)" if len(few) > 1 else ""
+        raise FitError(f"layer {lid}: {t} tokens{more}, fewer than min_tokens={min_tokens}; rotations fitted from so "
+                       "few are noise (the published ones use 10,000 to 150,000 per layer). Dump or capture more "
+                       "tokens, or lower min_tokens (--min-tokens) to fit anyway")
+
+
+def _check_output(n_layers: int, d: int, heads: int = 1) -> None:
+    """Refuse a fit whose rotation files could not be read back within the format's limits."""
+    if d < MIN_HEAD_DIM:
+        raise FitError(f"head_dim {d} is below {MIN_HEAD_DIM}, the smallest the INT2 kernels serve; "
+                       "not a model's attention heads")
+    loaded = n_layers * heads * (d * d + d) * 4
+    if n_layers > MAX_LAYERS or d > MAX_HEAD_DIM or loaded > MAX_BYTES:
+        per = f" x {heads} KV heads" if heads > 1 else ""
+        raise FitError(f"{n_layers} layers of head_dim {d}{per} make rotation files of {loaded} bytes, beyond what a "
+                       f"rotation file may hold (max_layers={MAX_LAYERS}, max_head_dim={MAX_HEAD_DIM}, max_bytes="
+                       f"{MAX_BYTES}); fit fewer layers at a time")
+
+
+def _check_fit_shape(n_layers: int, d: int, heads: int, composition: str, group_size: int | None) -> None:
+    """What the composition and the rotation files need of the shape, checked before any data is read."""
+    _check_output(n_layers, d, heads)
+    check_composition(composition, group_size, d)
+    check_head_dim(composition, d)
+
+
+def _check_cost(dump: Dump, plan: DumpPlan, targets: tuple[str, ...], per_head: bool) -> None:
+    """Refuse a fit whose fp64 statistics would exceed ``DumpLimits.max_statistics_bytes``."""
+    s = plan.shape
+    need = len(plan.tokens) * statistics_bytes(s.num_kv_heads, s.head_dim, targets, per_head=per_head)
+    cap = dump.limits.max_statistics_bytes
+    if need > cap:
+        raise DumpError(f"{dump.root}: fitting {len(plan.tokens)} layers of head_dim {s.head_dim} with {s.num_kv_heads} "
+                        f"KV heads keeps {need / 2**30:.2f} GiB of fp64 statistics, more than max_statistics_bytes="
+                        f"{cap} (DumpLimits); fit fewer layers at a time (--layers) or raise the limit")
 
 
 def check_grouping(grouping: str, objective: str | None = None) -> bool:
@@ -86,6 +155,7 @@ def _fit_hadamard(source: Any, *, layers: Iterable[int] | None, num_layers: int 
         info.setdefault("kind", "dump")
         info.setdefault("path", str(dump.root))
         model = model or dump.info().get("model")
+    _check_output(len(ids), d)
     h = hadamard_rotations(ids, d)
     stats.wall_s = time.perf_counter() - t0
     stats.peak_rss_bytes = peak_rss_bytes()
@@ -161,6 +231,34 @@ def _from_dump(dump: Dump, shape: DumpShape, targets: tuple[str, ...], *, num_wo
     return accs
 
 
+_ZERO_HINT = {"qqt": "all-zero queries", "ktk": "all-zero keys", "vtv": "all-zero values",
+              "sst": "all-zero values, or keys no query attends to (all-zero keys)"}
+
+
+def _rotation(c: torch.Tensor, acc: LayerAccumulator, target: str, head: int | None, composition: str,
+              group_size: int | None, signs: SignConvention) -> tuple[torch.Tensor, torch.Tensor]:
+    """One covariance's rotation and eigenvalues, refused when the covariance is zero or rank-deficient:
+    a rotation of directions the data never shows is arbitrary, and would still load and serve."""
+    what = f"layer {acc.layer_id} {target}" if head is None else f"layer {acc.layer_id} KV head {head} {target}"
+    d = int(c.shape[-1])
+    if not float(torch.diagonal(c).sum()) > 0:  # the trace of a PSD matrix: 0 only for 0 (NaN refused below)
+        if bool(torch.isfinite(c).all()):
+            raise FitError(f"{what}: the covariance is zero ({_ZERO_HINT[target]}); there is nothing to fit a "
+                           "rotation to (re-dump the model)")
+    r, lam = rotation_from_covariance(c, composition, group_size=group_size, signs=signs, what=what)
+    rank = int((lam > RANK_RTOL * float(lam[-1])).sum()) if float(lam[-1]) > 0 else 0
+    if rank < d:
+        t = acc.num_tokens
+        heads = (acc.group if head is not None else acc.num_q_heads) if target == "qqt" else \
+            (1 if head is not None else acc.num_kv_heads)
+        rows = t * int(heads or 1)
+        few = f", fewer than head_dim {d}" if rows < d else ""
+        raise FitError(f"{what}: the covariance has rank {rank} of {d}: {d - rank} directions never occur in the data "
+                       f"and would be rotated arbitrarily. It comes from {rows} rows ({t} tokens x {heads} heads){few}; "
+                       "fit on more tokens (or the data has channels that are always zero)")
+    return r, lam
+
+
 def _layer_rotation(acc: LayerAccumulator, lid: int, target: str, composition: str, group_size: int | None,
                     signs: SignConvention, per_head: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One layer's symmetrised covariance, rotation and eigenvalues (each with a leading ``H_kv``
@@ -168,11 +266,9 @@ def _layer_rotation(acc: LayerAccumulator, lid: int, target: str, composition: s
     c = acc.covariance(target, per_head=per_head).to("cpu", torch.float64)
     c = (c + c.transpose(-1, -2)) / 2
     if not per_head:
-        r, lam = rotation_from_covariance(c, composition, group_size=group_size, signs=signs,
-                                          what=f"layer {lid} {target}")
+        r, lam = _rotation(c, acc, target, None, composition, group_size, signs)
         return r, lam, c
-    pairs = [rotation_from_covariance(c[h], composition, group_size=group_size, signs=signs,
-                                      what=f"layer {lid} KV head {h} {target}") for h in range(c.shape[0])]
+    pairs = [_rotation(c[h], acc, target, h, composition, group_size, signs) for h in range(c.shape[0])]
     return torch.stack([r for r, _ in pairs]), torch.stack([lam for _, lam in pairs]), c
 
 
@@ -199,8 +295,9 @@ def _rotations(accs: Mapping[int, LayerAccumulator], side_targets: Mapping[str, 
 
 
 def _open_source(source: Any, layers: Iterable[int] | None, targets: tuple[str, ...], objective: str,
-                 keep_first_chunk: bool, info: dict[str, Any]) -> tuple[Any, Any]:
-    """``(accumulators, None)`` for finished statistics, else ``(dump, shape)`` of an opened dump."""
+                 keep_first_chunk: bool, info: dict[str, Any]) -> tuple[Any, DumpPlan | None]:
+    """``(accumulators, None)`` for finished statistics, else ``(dump, plan)`` of an opened dump: every
+    chunk the fit reads inspected, nothing loaded."""
     if isinstance(source, Mapping):
         info.setdefault("kind", "statistics")
         return _from_statistics(source, layers, targets, objective), None
@@ -209,7 +306,7 @@ def _open_source(source: Any, layers: Iterable[int] | None, targets: tuple[str, 
     dump = _as_dump(source, keep_first_chunk, layers)
     info.setdefault("kind", "dump")
     info.setdefault("path", str(dump.root))
-    return dump, dump.shape(("q", "k") if any(t in ("qqt", "sst") for t in targets) else ("k", "v"))
+    return dump, dump.plan(kinds_for(targets))
 
 
 def fit_rotations(
@@ -228,6 +325,7 @@ def fit_rotations(
     head_dim: int | None = None,
     source_info: Mapping[str, Any] | None = None,
     grouping: Grouping = "layer",
+    min_tokens: int = DEFAULT_MIN_TOKENS,
 ) -> FitResult:
     """Fit per-layer (or per-KV-head) K and V rotations.
 
@@ -256,13 +354,17 @@ def fit_rotations(
             layer and KV head, each from that head's own covariance: ``[L, H_kv, d, d]`` sets with
             ``source_grouping = "kv_head"``; not for ``hadamard``). Finished statistics fit ktk /
             vtv per head only when accumulated per head (``LayerAccumulator(per_head=True)``).
+        min_tokens: fewest tokens per layer to fit from (default :data:`DEFAULT_MIN_TOKENS`, 256);
+            a dump is checked before any activation is read.
 
     Returns:
         A :class:`FitResult` with fp32 rotation sets (fp64-accurate, validated to 1e-5).
 
     Raises:
-        DumpError: missing or inconsistent dump.
-        FitError: bad arguments, or a covariance/rotation that is not finite or not orthogonal.
+        DumpError: a missing, inconsistent or hostile dump (see ``docs/security.md``): refused from
+            its files' metadata before any activation is read, or at the chunk holding NaN / Inf.
+        FitError: bad arguments; fewer tokens than ``min_tokens``; a zero, rank-deficient or
+            non-finite covariance; a rotation that is not orthogonal.
     """
     t0 = time.perf_counter()
     k_target, v_target = _parse_objective(objective)
@@ -273,16 +375,24 @@ def fit_rotations(
         return _fit_hadamard(source, layers=layers, num_layers=num_layers, head_dim=head_dim,
                              keep_first_chunk=keep_first_chunk, info=info, stats=stats, t0=t0, signs=signs)
     check_composition(composition, group_size)
+    min_tokens = check_min_tokens(min_tokens)
+    _resolve_workers(num_workers, 1)  # bad arguments first, before any file is read
     targets = tuple(t for t in (k_target, v_target) if t is not None)
     model, prompts = info.get("model"), info.get("prompts")
-    opened, shape = _open_source(source, layers, targets, objective, keep_first_chunk, info)
-    if shape is None:
+    opened, plan = _open_source(source, layers, targets, objective, keep_first_chunk, info)
+    if plan is None:
         accs = opened
         first = next(iter(accs.values()))
         d, hq, hkv = first.head_dim, first.num_q_heads, first.num_kv_heads
+        _check_fit_shape(len(accs), d, hkv if per_head else 1, composition, group_size)
+        check_tokens({lid: acc.num_tokens for lid, acc in accs.items()}, min_tokens)
     else:
         keep_first_chunk = opened.keep_first_chunk
+        shape = plan.shape
         d, hq, hkv = shape.head_dim, shape.num_q_heads, shape.num_kv_heads
+        _check_fit_shape(len(plan.tokens), d, hkv if per_head else 1, composition, group_size)
+        check_tokens(plan.tokens, min_tokens)
+        _check_cost(opened, plan, targets, per_head)
         dump_info = opened.info()
         model = model or dump_info.get("model")
         prompts = prompts if prompts is not None else dump_info.get("prompts", opened.prompt_count())

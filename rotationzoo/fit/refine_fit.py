@@ -35,7 +35,8 @@ from ..progress import Progress, prefixed
 from ..vocab import REFINE_INITS, Grouping
 from .compose import composition_label
 from .dump import Dump, open_dump
-from .fitter import check_grouping, fit_rotations
+from .accumulate import kinds_for
+from .fitter import DEFAULT_MIN_TOKENS, check_grouping, check_min_tokens, check_tokens, fit_rotations
 from .refine import RefineResult, refine_rotations, relative_improvement
 from .refine_loss import LOSS_NAMES, RefineConfig
 from .result import FitResult, FitStats, peak_rss_bytes
@@ -105,7 +106,7 @@ def samples_from_dump(
 
 def _init_source(init: str, samples: CalibrationSamples, statistics: Any, group_size: int | None,
                  layers: tuple[int, ...], grouping: Grouping = "layer",
-                 progress: Progress | None = None) -> tuple[Any, str]:
+                 progress: Progress | None = None, min_tokens: int = DEFAULT_MIN_TOKENS) -> tuple[Any, str]:
     """What :func:`refine_rotations` starts from, and its label (``hadamard``, ``r_h_pbr``, ``r_pbr_hg64``)."""
     _check_init(init)
     comp = INIT_COMPOSITIONS[init]
@@ -118,8 +119,27 @@ def _init_source(init: str, samples: CalibrationSamples, statistics: Any, group_
     if statistics is None:
         return comp, label  # fitted per layer from the samples' own q/k/v
     fit = fit_rotations(statistics, "qqt_sst", comp, group_size=g if comp == "r_pbr_hg" else None, layers=layers,
-                        grouping=grouping, progress=prefixed(progress, f"{label} init"))
+                        grouping=grouping, progress=prefixed(progress, f"{label} init"), min_tokens=min_tokens)
     return fit, label
+
+
+def _check_samples(samples: CalibrationSamples, ids: tuple[int, ...], min_tokens: int) -> None:
+    """Refuse layers with fewer than ``min_tokens`` tokens, and kept blocks that are not finite or all
+    zero (their losses would be NaN, and the init kept without a word)."""
+    check_tokens({lid: samples.layers[lid].tokens_seen for lid in ids if lid in samples.layers}, min_tokens)
+    names = {"q": "queries", "k": "keys", "v": "values"}
+    for lid in ids:
+        layer = samples.layers.get(lid)
+        for kind, name in names.items():
+            t = getattr(layer, kind, None)
+            if t is None:
+                continue
+            if not bool(torch.isfinite(t).all()):
+                raise FitError(f"layer {lid}: the calibration samples hold non-finite {name} (NaN or Inf); "
+                               "re-dump the model")
+            if not bool(t.abs().amax() > 0):
+                raise FitError(f"layer {lid}: the calibration samples hold all-zero {name}; there is nothing to "
+                               "learn a rotation from (re-dump the model)")
 
 
 def _layer_losses(res: RefineResult) -> dict[str, list[dict[str, Any]]]:
@@ -169,6 +189,7 @@ def refine_fit(
     source_info: Mapping[str, Any] | None = None,
     model: str | None = None,
     grouping: Grouping = "layer",
+    min_tokens: int = DEFAULT_MIN_TOKENS,
 ) -> FitResult:
     """Learn every layer's K and V rotation against the INT2 store's error; a fit result to write.
 
@@ -192,6 +213,7 @@ def refine_fit(
         grouping: ``"layer"``, or ``"kv_head"``: one rotation per layer and KV head, each kept only
             where it lowers that head's held-out loss (``[L, H_kv, d, d]`` sets; the OSCAR inits
             are fitted per head, ``hadamard`` is ``H_d`` for every head).
+        min_tokens: fewest calibration tokens per layer (as :func:`~rotationzoo.fit.fit_rotations`).
 
     Returns:
         A :class:`~rotationzoo.fit.FitResult` with ``objective = "refined"`` and ``refinement`` set.
@@ -208,7 +230,8 @@ def refine_fit(
     ids = tuple(sorted(int(i) for i in layers)) if layers is not None else samples.layer_ids()
     if not ids:
         raise FitError("no calibration samples to refine on")
-    src, label = _init_source(init, samples, statistics, group_size, ids, grouping, progress)
+    _check_samples(samples, ids, check_min_tokens(min_tokens))
+    src, label = _init_source(init, samples, statistics, group_size, ids, grouping, progress, min_tokens)
     res = refine_rotations(samples, src, cfg, layers=ids, num_workers=num_workers, progress=progress)
     first = samples.layers[ids[0]].shape
     assert first is not None
@@ -236,21 +259,25 @@ def refine_dump(
     progress: Progress | None = None,
     config: RefineConfig | None = None,
     grouping: Grouping = "layer",
+    min_tokens: int = DEFAULT_MIN_TOKENS,
 ) -> FitResult:
     """``rotationzoo fit --dump D --refine STEPS [--grouping kv_head]``: a reservoir of the dump's
     blocks (:func:`samples_from_dump`), the OSCAR inits fitted from the whole dump, then
     :func:`refine_fit`. ``dump`` may be an opened :class:`~rotationzoo.fit.dump.Dump`
-    (``keep_first_chunk`` and ``layers`` are then its own). ``progress(done, total, what)``
-    (:mod:`rotationzoo.progress`) reports the three stages: the samples read (``"samples: layer
-    <L>"``), the inits' fit, the refinement."""
+    (``keep_first_chunk`` and ``layers`` are then its own). Every chunk is inspected
+    (:meth:`~rotationzoo.fit.dump.Dump.plan`) and ``min_tokens`` checked before any is read.
+    ``progress(done, total, what)`` (:mod:`rotationzoo.progress`) reports the three stages: the samples
+    read (``"samples: layer <L>"``), the inits' fit, the refinement."""
     d = dump if isinstance(dump, Dump) else open_dump(dump, keep_first_chunk=keep_first_chunk, layers=layers)
+    check_tokens(d.plan(kinds_for(("qqt", "sst"))).tokens, check_min_tokens(min_tokens))
+    d.info()  # rotationzoo_dump.json checked too, before any chunk is read
     samples = samples_from_dump(d, max_tokens=options.sample_tokens, seed=options.seed,
                                 progress=prefixed(progress, "samples"))
     dump_info = d.info()
     info = {"kind": "dump", "path": str(d.root), "prompts": dump_info.get("prompts", d.prompt_count())}
     result = refine_fit(samples, options.init, steps=options.steps, group_size=group_size, seed=options.seed,
                         statistics=d, config=config, num_workers=num_workers, progress=progress, source_info=info,
-                        model=dump_info.get("model"), grouping=grouping)
+                        model=dump_info.get("model"), grouping=grouping, min_tokens=min_tokens)
     result.keep_first_chunk = d.keep_first_chunk
     return result
 

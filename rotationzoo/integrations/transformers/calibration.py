@@ -20,12 +20,13 @@ import torch
 from ...errors import FitError
 from ...vocab import Grouping
 from ...fit import OBJECTIVE_TARGETS, RefineOptions, fit_rotations, refine_fit
-from ...fit.accumulate import LayerAccumulator, Workspace, second_pass_from_dump
+from ...fit.accumulate import LayerAccumulator, Workspace
 from ...fit.compose import check_composition
-from ...fit.fitter import check_grouping
+from ...fit.fitter import DEFAULT_MIN_TOKENS, check_grouping, check_token_budget
 from ...fit.dump import Dump, DumpWriter
 from ...fit.samples import DEFAULT_MAX_TOKENS, CalibrationSamples
 from ...progress import Progress, Tally
+from ...fit.stream import second_pass_from_dump
 from .capture import QKVCapture
 from .texts import check_text_files, read_token_ids
 
@@ -56,6 +57,11 @@ def token_windows(tokenizer: Any, texts: Iterable[str | os.PathLike[str]], *, to
             yield ids[start:start + seq_len]
 
 
+def _check_objective(objective: str) -> None:
+    if objective not in OBJECTIVE_TARGETS or objective == "hadamard":
+        raise FitError(f"objective must be one of {', '.join(o for o in OBJECTIVE_TARGETS if o != 'hadamard')}")
+
+
 def calibrate(
     model: Any,
     tokenizer: Any,
@@ -74,6 +80,7 @@ def calibrate(
     progress: CalibrationProgress | None = None,
     refine: RefineOptions | None = None,
     grouping: Grouping = "layer",
+    min_tokens: int = DEFAULT_MIN_TOKENS,
 ) -> Any:
     """Fit rotations from a live ``transformers`` model: :func:`collect_statistics`, then one fit.
 
@@ -102,11 +109,15 @@ def calibrate(
             statistics; ``composition`` is not used then, ``group_size`` is the loss's INT2 group).
         grouping: ``"layer"`` or ``"kv_head"`` (one rotation per layer and KV head; see
             :func:`rotationzoo.fit.fit_rotations`).
+        min_tokens: fewest tokens per layer to fit from (see :func:`rotationzoo.fit.fit_rotations`);
+            a smaller ``tokens`` is refused before the model runs.
 
     Returns:
         A :class:`rotationzoo.fit.FitResult` (``prompts`` = number of sequences run).
     """
     check_grouping(grouping)
+    _check_objective(objective)
+    check_token_budget(tokens, min_tokens)  # before the model runs
     if refine is None:
         check_composition(composition, group_size)  # before the model runs
     elif objective != "qqt_sst":
@@ -121,10 +132,10 @@ def calibrate(
         assert stats.samples is not None
         return refine_fit(stats.samples, refine.init, steps=refine.steps, group_size=group_size, seed=refine.seed,
                           statistics=stats.accumulators, source_info=stats.info, model=model_id,
-                          grouping=grouping, progress=progress)
+                          grouping=grouping, progress=progress, min_tokens=min_tokens)
     return fit_rotations(
         stats.accumulators, objective, composition, group_size=group_size, signs=signs,  # type: ignore[arg-type]
-        source_info=stats.info, grouping=grouping,
+        source_info=stats.info, grouping=grouping, min_tokens=min_tokens,
     )
 
 
@@ -256,8 +267,7 @@ def collect_statistics(
     Returns:
         :class:`CapturedStatistics`.
     """
-    if objective not in OBJECTIVE_TARGETS or objective == "hadamard":
-        raise FitError(f"objective must be one of {', '.join(o for o in OBJECTIVE_TARGETS if o != 'hadamard')}")
+    _check_objective(objective)
     targets = tuple(t for t in OBJECTIVE_TARGETS[objective] if t is not None)
     sources = check_text_files(texts, what="calibration text") if texts_are_paths else [str(t) for t in texts]
     windows = list(token_windows(tokenizer, sources, tokens=tokens, seq_len=seq_len, texts_are_paths=texts_are_paths))

@@ -1,0 +1,195 @@
+"""Writing Q/K/V dumps in the SGLang layout (see :mod:`rotationzoo.fit.dump` for the layout and the reader)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from ..errors import DumpError
+from .dump_schema import DUMP_INFO_NAME, KINDS, parse_index
+
+
+def _is_layer_dir_name(name: str) -> bool:
+    return name.startswith("layer_") and parse_index(name[6:]) is not None
+
+
+def _save_atomic(obj: Any, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class DumpWriter:
+    """Write activations in the SGLang dump layout, with the dump hook's per-layer token budget.
+
+    Each :meth:`write` call appends one chunk per layer. Once a layer has saved ``token_budget``
+    tokens further writes are dropped; the chunk that crosses the budget is truncated to fit
+    exactly (its ``seq_lens`` are truncated too), as the dump hook does.
+
+    Args:
+        root: output folder (created). It must not already hold ``layer_<L>/`` folders unless
+            ``overwrite`` (which deletes them first).
+        token_budget: per-layer token limit, or ``None`` for no limit.
+        kinds: the tensor kinds written (``("k", "v")`` for a key/value-only spill).
+        overwrite: replace an existing dump in ``root``.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        token_budget: int | None = None,
+        kinds: Sequence[str] = KINDS,
+        overwrite: bool = False,
+    ) -> None:
+        self.root = Path(root)
+        self.token_budget = None if token_budget is None else int(token_budget)
+        self.kinds = tuple(kinds)
+        bad = [k for k in self.kinds if k not in KINDS]
+        if bad:
+            raise DumpError(f"unknown dump kinds {bad}; expected a subset of {KINDS}")
+        if self.root.exists() and not self.root.is_dir():
+            raise DumpError(f"{self.root} exists and is not a directory")
+        existing = [c for c in self.root.iterdir() if _is_layer_dir_name(c.name)] if self.root.is_dir() else []
+        if existing:
+            if not overwrite:
+                raise DumpError(f"{self.root} already holds a dump ({len(existing)} layer folders); choose an empty folder")
+            linked = [c for c in existing if c.is_symlink() or not c.is_dir()]
+            if linked:  # never followed, never removed: what it points to is not this dump's
+                raise DumpError(f"{linked[0]}: a link or a file, not a layer folder of this dump; remove it yourself "
+                                "to overwrite the dump")
+            try:
+                for c in existing:
+                    shutil.rmtree(c)
+                (self.root / DUMP_INFO_NAME).unlink(missing_ok=True)
+            except OSError as exc:
+                raise DumpError(f"{self.root}: cannot remove the old dump ({exc}); remove it yourself") from None
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._next_chunk: dict[int, int] = {}
+        self._saved: dict[int, int] = {}
+
+    def tokens_saved(self, layer_id: int) -> int:
+        """Tokens written so far for a layer."""
+        return self._saved.get(int(layer_id), 0)
+
+    def chunks_written(self, layer_id: int) -> int:
+        """Chunks written so far for a layer."""
+        return self._next_chunk.get(int(layer_id), 0)
+
+    def is_full(self, layer_id: int) -> bool:
+        """Whether the layer reached its token budget."""
+        return self.token_budget is not None and self.tokens_saved(layer_id) >= self.token_budget
+
+    def write(
+        self,
+        layer_id: int,
+        *,
+        q: torch.Tensor | None = None,
+        k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
+        seq_lens: Sequence[int] | torch.Tensor | None = None,
+    ) -> int:
+        """Append one chunk to a layer.
+
+        Args:
+            layer_id: model layer index.
+            q: ``[n, H_q, d]`` (required when ``"q"`` is among the writer's kinds).
+            k: ``[n, H_kv, d]``.
+            v: ``[n, H_kv, d]``.
+            seq_lens: tokens per sequence in this chunk (default ``[n]``).
+
+        Returns:
+            The number of tokens written (0 once the budget is exhausted).
+        """
+        layer_id = int(layer_id)
+        if parse_index(str(layer_id)) is None:
+            raise DumpError(f"DumpWriter.write: layer id {layer_id} is not a non-negative integer below 10**9")
+        tensors = {"q": q, "k": k, "v": v}
+        sizes = set()
+        for kind in self.kinds:
+            t = tensors[kind]
+            if t is None:
+                raise DumpError(f"DumpWriter.write: layer {layer_id}: missing {kind!r}")
+            if t.dim() != 3:
+                raise DumpError(f"DumpWriter.write: layer {layer_id}: {kind} must be [n, heads, d], got {tuple(t.shape)}")
+            sizes.add(int(t.shape[0]))
+        if len(sizes) != 1:
+            raise DumpError(f"DumpWriter.write: layer {layer_id}: token counts differ between kinds ({sorted(sizes)})")
+        n = sizes.pop()
+        lens = [n] if seq_lens is None else [int(x) for x in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens)]
+        if sum(lens) != n:
+            raise DumpError(f"DumpWriter.write: layer {layer_id}: seq_lens sum to {sum(lens)}, but the chunk has {n} tokens")
+        if self.token_budget is not None:
+            remaining = self.token_budget - self.tokens_saved(layer_id)
+            if remaining <= 0:
+                return 0
+            if n > remaining:
+                n = remaining
+                kept, acc = [], 0
+                for length in lens:
+                    take = min(length, n - acc)
+                    if take <= 0:
+                        break
+                    kept.append(take)
+                    acc += take
+                lens = kept
+        if n == 0:
+            return 0
+        chunk = self._next_chunk.get(layer_id, 0)
+        base = self.root / f"layer_{layer_id}"
+        for kind in self.kinds:
+            t = tensors[kind]
+            assert t is not None
+            _save_atomic(t[:n].detach().to("cpu").contiguous().clone(), base / kind / f"{chunk}.pt")
+        _save_atomic(torch.tensor(lens, dtype=torch.int32), base / "seq_lens" / f"{chunk}.pt")
+        self._next_chunk[layer_id] = chunk + 1
+        self._saved[layer_id] = self.tokens_saved(layer_id) + n
+        return n
+
+    def write_info(self, info: Mapping[str, Any]) -> Path:
+        """Write ``rotationzoo_dump.json`` (model, prompts, tokens, ...) at the dump root."""
+        p = self.root / DUMP_INFO_NAME
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=self.root)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(dict(info), f, indent=2, default=str)
+            f.write("\n")
+        os.replace(tmp, p)
+        return p
+
+
+def write_dump(
+    root: str | os.PathLike[str],
+    layers: Mapping[int, Sequence[Mapping[str, Any]]],
+    *,
+    token_budget: int | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write a whole dump from memory (tests, benchmarks).
+
+    Args:
+        root: output folder.
+        layers: ``{layer_id: [{"q": q, "k": k, "v": v, "seq_lens": [...]}, ...]}``, one dict per chunk
+            (chunk 0 first).
+        token_budget: per-layer token limit.
+        overwrite: replace an existing dump.
+
+    Returns:
+        ``root`` as a :class:`~pathlib.Path`.
+    """
+    writer = DumpWriter(root, token_budget=token_budget, overwrite=overwrite)
+    for layer_id, chunks in layers.items():
+        for chunk in chunks:
+            writer.write(layer_id, q=chunk["q"], k=chunk["k"], v=chunk["v"], seq_lens=chunk.get("seq_lens"))
+    return writer.root
