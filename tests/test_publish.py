@@ -170,6 +170,23 @@ def _write(data: bytes, p: Path) -> Path:
     return p
 
 
+@pytest.mark.parametrize("spec", ["k,v", "pair_file"])
+def test_publish_takes_what_the_resolver_takes(hubs, fitted, tmp_path, spec) -> None:
+    """Two files or an exported pair file publish the same matrices as the fitter's folder."""
+    from rotationzoo.export import export_safetensors
+
+    k, v = sorted(fitted.glob("k_rotation*.pt"))[0], sorted(fitted.glob("v_rotation*.pt"))[0]
+    rotations = f"{k},{v}" if spec == "k,v" else str(export_safetensors(fitted, tmp_path / "pair.safetensors"))
+    res = publish(rotations, repo=REPO_ID, model=MODEL, tag=TAG, to="hf", branch="main")
+    stored = hubs.hf.list_files(REPO_ID)
+    for side, obj in (("k", "qqt_r_h_pbr"), ("v", "sst_r_h_pbr")):
+        path = f"{FOLDER}/{side}_rotation_{obj}.pt"
+        got = rotationzoo.read_rotation(_write(hubs.hf.file_bytes(REPO_ID, path), tmp_path / f"{side}-{spec}.pt"))
+        assert torch.equal(got.rotations, _orthogonal(1 if side == "k" else 2))
+    assert f"{FOLDER}/rotationzoo.json" not in stored  # no manifest outside a fitted folder
+    assert res.entry["files"]["k"]["path"].endswith("k_rotation_qqt_r_h_pbr.pt")
+
+
 # -- refused before anything leaves the machine ---------------------------------------------------
 
 
@@ -216,8 +233,8 @@ def test_invalid_input_uploads_nothing(hubs, tmp_path, breakage) -> None:
     message = str(excinfo.value)
     says = {
         "not_orthogonal": ["refusing to publish k_rotation_qqt_r_h_pbr.pt", "layer 2: not orthogonal"],
-        "layers_differ": ["refusing to publish: K and V files disagree", "3 layers", "4 layers"],
-        "head_dims_differ": ["refusing to publish: K and V files disagree", "d 16", "d 32"],
+        "layers_differ": ["refusing to publish", "K and V disagree", "3 layers", "4 layers"],
+        "head_dims_differ": ["refusing to publish", "K and V disagree", "d 16", "d 32"],
         "junk_file": ["refusing to publish", "v_rotation_sst_r_h_pbr.pt"],
         "manifest_sha": ["files.v.sha256", "changed after fitting"],
         "wrong_model_arch": ["refusing to publish", "for HuggingFaceTB/SmolLM2-135M-Instruct", "head_dim 16, but the model needs 64"],
@@ -581,7 +598,7 @@ def test_cli_publish_errors(hubs, fitted, tmp_path, capsys) -> None:
     assert main([*base, "--model", MODEL, "--token", "a", "--token", "b"]) == 1
     assert "HUB=VALUE" in capsys.readouterr().err
     assert main(["publish", str(tmp_path / "nope"), "--repo", REPO_ID, "--tag", TAG, "--model", MODEL]) == 1
-    assert "not a folder" in capsys.readouterr().err
+    assert "no such file or folder" in capsys.readouterr().err
     assert main([*base, "--model", "SmolLM2-135M-Instruct"]) == 1
     assert "refusing to publish" in capsys.readouterr().err
     assert main(["publish", str(fitted), "--repo", REPO_ID, "--model", MODEL]) == 2  # --tag is required

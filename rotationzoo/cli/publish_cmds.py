@@ -18,7 +18,7 @@ from typing import Annotated, Optional
 import typer
 
 from ..errors import CLIError, PublishError
-from ._options import JsonOpt
+from ._options import CacheDirOpt, JsonOpt, OfflineOpt, RevisionOpt, SourceOpt, TimeoutOpt
 from ._output import console, emit_json, plain, print_warning, progress_enabled
 
 
@@ -46,12 +46,15 @@ def _hub_values(values: list[str] | None, what: str) -> str | dict[str, str] | N
 
 
 def cmd_publish(
-    directory: Annotated[Path, typer.Argument(help="Folder with the K/V rotation files (and rotationzoo.json).")],
+    rotations: Annotated[str, typer.Argument(
+        metavar="ROTATIONS",
+        help="What to publish: a folder with the K/V rotation files (and rotationzoo.json), 'K.pt,V.pt', an exported "
+             "pair file, or a registry id MODEL[@TAG] (fetched and verified first).")],
     repo: Annotated[list[str], typer.Option("--repo", help="Destination repository NAMESPACE/NAME on every hub, or [HUB=]NS/NAME once per hub.")],
     model: Annotated[str, typer.Option("--model", "-m", help="Registry model, or the full id NS/NAME of a new model.")],
     tag: Annotated[str, typer.Option("--tag", "-t", help="Calibration tag; files go to <model folder>/<tag>/.")],
     to: Annotated[str, typer.Option("--to", help="Comma-separated hubs: huggingface, modelscope.")] = "huggingface,modelscope",
-    revision: Annotated[str, typer.Option("--revision", help="Branch to commit to (ModelScope: master when main).")] = "main",
+    branch: Annotated[str, typer.Option("--branch", help="Branch to commit to (ModelScope: master when main).")] = "main",
     create_tag: Annotated[Optional[str], typer.Option("--create-tag", help="Also tag the new commit with this name.")] = None,
     registry_out: Annotated[Optional[Path], typer.Option("--registry-out", help="Merge the registry entry into this file (created if missing).")] = None,
     parent_commit: Annotated[Optional[list[str]], typer.Option("--parent-commit", help="Refuse unless the branch head is this sha ([HUB=]SHA; repeat per hub).")] = None,
@@ -63,6 +66,11 @@ def cmd_publish(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would be uploaded; write nothing.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing <model>/<tag>/ folder.")] = False,
     token: Annotated[Optional[list[str]], typer.Option("--token", help="Write token ([HUB=]TOKEN); default HF_TOKEN / MODELSCOPE_API_TOKEN or the stored login.")] = None,
+    source: SourceOpt = "auto",
+    revision: RevisionOpt = None,
+    cache_dir: CacheDirOpt = None,
+    offline: OfflineOpt = False,
+    timeout: TimeoutOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Validate a fitted K/V pair and publish it to the Hugging Face Hub and ModelScope.
@@ -73,7 +81,8 @@ def cmd_publish(
     (a dry run that finds a problem included).
 
     Examples:  rotationzoo publish out/ --repo me/RotationZoo --model Qwen3-8B --tag gpqa --dry-run  |
-    rotationzoo publish out/ --repo me/RotationZoo --model acme/Tiny-LM --tag v1 --registry-out reg.json --json
+    rotationzoo publish out/ --repo me/RotationZoo --model acme/Tiny-LM --tag v1 --registry-out reg.json --json  |
+    rotationzoo publish k.pt,v.pt --repo me/RotationZoo --model Qwen3-8B --tag mine --branch dev
     """
     from ..publish import publish
 
@@ -88,10 +97,11 @@ def cmd_publish(
             console(stderr=True).print(f"[dim]{escape(plain(msg))}[/]", markup=True, highlight=False)
 
     res = publish(
-        directory, repo=_hub_values(repo, "--repo") or "", model=model, tag=tag, to=to, revision=revision, create_tag=create_tag,
+        rotations, repo=_hub_values(repo, "--repo") or "", model=model, tag=tag, to=to, branch=branch, create_tag=create_tag,
         registry_out=registry_out, dry_run=dry_run, force=force, token=_hub_values(token, "--token"),
         expected_parent=_hub_values(parent_commit, "--parent-commit"), safetensors=safetensors,
         description=description, dataset=dataset, commit_message=message, private=private, report=report,
+        source=source, revision=revision, cache_dir=cache_dir, offline=offline or None, timeout=timeout,
     )
     if json_out:
         out = res.to_json()

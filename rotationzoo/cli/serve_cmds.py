@@ -20,7 +20,18 @@ import typer
 
 from .. import vocab
 from ..errors import CLIError
-from ._options import CacheDirOpt, JsonOpt, OfflineOpt, RotationsHelp, SideOpt, TagOpt, choice
+from ._options import (
+    CacheDirOpt,
+    JsonOpt,
+    OfflineOpt,
+    RevisionOpt,
+    RotationsHelp,
+    SideOpt,
+    SourceOpt,
+    TagOpt,
+    TimeoutOpt,
+    choice,
+)
 from ._output import console, emit_json, json_requested, plain, print_warning
 
 
@@ -40,8 +51,11 @@ def cmd_serve_args(
                                           "(the same as --json).")] = "shell",
     model_path: Annotated[Optional[str], typer.Option("--model-path", help="What the engine loads instead of the registry "
                           "id: a checkpoint folder (sglang, vllm) or the model's GGUF file (llamacpp).")] = None,
+    source: SourceOpt = "auto",
+    revision: RevisionOpt = None,
     cache_dir: CacheDirOpt = None,
     offline: OfflineOpt = False,
+    timeout: TimeoutOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Print the launch settings that serve these rotations with an OSCAR-enabled engine.
@@ -58,7 +72,8 @@ def cmd_serve_args(
     """
     from ..serving import launch_spec
 
-    spec = launch_spec(model, tag, engine=engine, model_path=model_path, cache_dir=cache_dir, offline=offline or None)
+    spec = launch_spec(model, tag, engine=engine, model_path=model_path, source=source, revision=revision,
+                       cache_dir=cache_dir, offline=offline or None, timeout=timeout)
     if json_out or fmt == "json":
         emit_json(spec.to_json())
         return
@@ -74,15 +89,18 @@ def cmd_serve_args(
 
 
 def cmd_export(
-    source: Annotated[str, typer.Argument(metavar="ROTATIONS", help=f"What to export: {RotationsHelp}, or one rotation file.")],
+    rotations: Annotated[str, typer.Argument(metavar="ROTATIONS", help=f"What to export: {RotationsHelp}, or one rotation file.")],
     to: Annotated[str, typer.Option("--to", click_type=choice(vocab.EXPORT_FORMATS), help="safetensors | gguf.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Output file.")],
     tag: TagOpt = None,
     side: SideOpt = None,
     base_gguf: Annotated[Optional[Path], typer.Option("--base-gguf", help="GGUF only: a model GGUF to copy through with "
                          "the rotation tensors appended (what the llama.cpp branch loads).")] = None,
+    source: SourceOpt = "auto",
+    revision: RevisionOpt = None,
     cache_dir: CacheDirOpt = None,
     offline: OfflineOpt = False,
+    timeout: TimeoutOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Export K/V rotations to one safetensors file, or to GGUF for the llama.cpp branch.
@@ -101,18 +119,18 @@ def cmd_export(
 
     if base_gguf is not None and to != "gguf":
         raise CLIError("--base-gguf applies to --to gguf only")
-    path = export(source, out, to=to, tag=tag, side=side, base_gguf=base_gguf, cache_dir=cache_dir,
-                  offline=offline or None)
+    path = export(rotations, out, to=to, tag=tag, side=side, base_gguf=base_gguf, source=source, revision=revision,
+                  cache_dir=cache_dir, offline=offline or None, timeout=timeout)
     got = read_exported(path)
     info: dict[str, Any] = {
         "out": str(path), "format": to, "model": got.model, "tag": got.tag, "sides": list(got.sides),
-        "layers": len(got.layer_ids), "head_dim": got.head_dim, "objectives": got.objectives,
+        "layers": len(got.layer_ids), "head_dim": got.head_dims.to_json(), "objectives": got.objectives,
         "bytes": path.stat().st_size, "base_gguf": str(base_gguf) if base_gguf else None,
     }
     if json_out:
         emit_json(info)
         return
-    what = f"{info['model']}@{info['tag']}" if info["model"] else source
+    what = f"{info['model']}@{info['tag']}" if info["model"] else rotations
     console().print(f"wrote {path} ({to}, {info['bytes']:,} bytes): {what}, sides {'+'.join(info['sides']).upper()}, "
                     f"{info['layers']} layers × d={info['head_dim']}")
 

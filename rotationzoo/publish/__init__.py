@@ -37,7 +37,7 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from .._version import __version__
 from ..errors import PublishError
@@ -58,13 +58,13 @@ Reporter = Callable[[str], None]
 
 
 def publish(
-    directory: str | os.PathLike[str],
+    rotations: Any,
     *,
     repo: str | Mapping[str, str],
     model: str,
     tag: str,
     to: str | Iterable[str] = HUBS,
-    revision: str = "main",
+    branch: str = "main",
     create_tag: str | None = None,
     registry_out: str | os.PathLike[str] | None = None,
     dry_run: bool = False,
@@ -78,19 +78,27 @@ def publish(
     private: bool = False,
     atol: float = 1e-5,
     report: Reporter | None = None,
+    source: str = "auto",
+    revision: str | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    offline: bool | None = None,
+    timeout: float | None = None,
 ) -> PublishResult:
     """Validate a fitted K/V pair and upload it under ``<model folder>/<tag>/`` in one commit per hub.
 
     Args:
-        directory: folder with ``k_rotation*.pt`` and ``v_rotation*.pt`` (or ``.safetensors``) and
-            optionally the fitter's ``rotationzoo.json`` (uploaded too; its sha256s must match).
+        rotations: what to publish: anything :func:`~rotationzoo.pair.resolve_pair` takes with both
+            sides: a folder with ``k_rotation*.pt`` and ``v_rotation*.pt`` (or ``.safetensors``) and
+            optionally the fitter's ``rotationzoo.json`` (uploaded too; its sha256s must match),
+            ``"K.pt,V.pt"``, an exported pair file (its sides are written as ``.pt`` files first), or a
+            registry id ``MODEL[@TAG]`` (fetched and verified first: a mirror of a zoo entry).
         repo: destination repository ``namespace/name`` on every hub, or one per hub
             (``{"huggingface": "me/RotationZoo", "modelscope": "me2/RotationZoo"}``).
         model: registry model (id or alias) or, for a new model, its full ``NAMESPACE/NAME`` id.
             The files go to the folder named after the part after ``/``.
         tag: calibration tag, e.g. ``seq20000_prompt83_group128``.
         to: hubs, ``"huggingface,modelscope"`` by default.
-        revision: branch to commit to; on ModelScope ``main`` means its default branch ``master``.
+        branch: branch to commit to; on ModelScope ``main`` means its default branch ``master``.
         create_tag: also tag the new commit with this name (never moved once created); the
             ModelScope source of the registry entry then pins it.
         registry_out: merge the registry entry into this registry file (created if missing); only
@@ -109,6 +117,8 @@ def publish(
         private: create a missing repository as private (default public).
         atol: orthogonality tolerance of the validation.
         report: called with one-line progress messages.
+        source, revision, cache_dir, offline, timeout: the fetch options of a registry id given as
+            ``rotations`` (see :func:`rotationzoo.fetch`); ``revision`` is the source's, not ``branch``.
 
     Returns:
         A :class:`PublishResult` (``result.entry`` is the registry tag entry, pinned to the Hugging
@@ -123,15 +133,17 @@ def publish(
     """
     say: Reporter = report or (lambda msg: log.info(msg))
     hubs = parse_hubs(to)
-    repos = _check_names(repo, hubs, revision, create_tag)
+    repos = _check_names(repo, hubs, branch, create_tag)
     parents = parse_parents(expected_parent, hubs)
     out_path = Path(registry_out) if registry_out is not None else None
     with tempfile.TemporaryDirectory(prefix="rotationzoo-publish-") as tmp:
         staging = Path(tmp)
-        plan = prepare(directory, model=model, tag=tag, safetensors=safetensors, atol=atol, staging=staging)
+        plan = prepare(rotations, model=model, tag=tag, safetensors=safetensors, atol=atol, staging=staging,
+                       fetch=dict(source=source, revision=revision, cache_dir=cache_dir, offline=offline,
+                                  timeout=timeout))
         for w in plan.warnings:
             say(f"warning: {w}")
-        run = _Run(plan, [HubResult(hub=h, repo=repos[h], branch=hub_branch(h, revision), tag=create_tag) for h in hubs],
+        run = _Run(plan, [HubResult(hub=h, repo=repos[h], branch=hub_branch(h, branch), tag=create_tag) for h in hubs],
                    out_path, description, dataset, create_tag, dry_run, say)
         _check_registry_merge(run)
         tokens = {h: (find_token(h, token) if dry_run else require_token(h, token)) for h in hubs}
@@ -148,14 +160,14 @@ def publish(
                        dataset=dataset, say=say)
 
 
-def _check_names(repo: str | Mapping[str, str], hubs: list[str], revision: str,
+def _check_names(repo: str | Mapping[str, str], hubs: list[str], branch: str,
                  create_tag: str | None) -> dict[str, str]:
     """The destination repository per hub, after checking every name the user gave."""
     repos = {h: per_hub(repo, h) or "" for h in hubs}
     for h, name in repos.items():
         if not MODEL_ID.match(name):
             raise PublishError(f"{h}: repository {name!r} must be NAMESPACE/NAME (--repo)")
-    check_name("revision", revision)
+    check_name("branch", branch)
     if create_tag is not None:
         check_name("tag name", create_tag)
     return repos

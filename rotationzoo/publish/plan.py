@@ -18,10 +18,11 @@ from ..errors import (
 )
 from ..format import read_rotation, write_rotation
 from ..hashing import sha256_file
-from ..pair import MANIFEST_NAME, find_pair_files
-from ..registry import load_registry
+from ..pair import MANIFEST_NAME, ROTATION_SUFFIXES, find_pair_files, resolve_pair
+from ..pairfile import file_kind
+from ..registry import SIDES, load_registry
 from ..registry.safety import MODEL_ID, check_tag
-from ..validation import validate
+from ..validation import pair_disagreement, validate
 from .results import UploadFile
 
 
@@ -91,20 +92,51 @@ def check_name(what: str, value: str) -> None:
         raise PublishError(f"{what} {value!r} must be one path component of letters, digits and . _ + -") from None
 
 
+def pair_files(rotations: Any, staging: Path | None, fetch: Mapping[str, Any] | None = None
+               ) -> tuple[Path, Path, Path | None]:
+    """The K file, the V file and the manifest (or None) to publish from anything
+    :func:`~rotationzoo.pair.resolve_pair` takes: a folder (its manifest too), ``"K.pt,V.pt"``, a
+    registry id (fetched and verified with ``fetch``), or a pair file whose sides are first written
+    to ``staging`` as ``{k,v}_rotation_<objective>.pt``.
+
+    Raises:
+        PublishError: no pair (a side missing, an ambiguous folder), or nothing usable.
+    """
+    if isinstance(rotations, (str, os.PathLike)) and Path(rotations).expanduser().is_dir():
+        return find_pair(Path(rotations).expanduser())
+    try:
+        pair = resolve_pair(rotations, validate_pair=False, **dict(fetch or {}))
+    except PairError as exc:
+        raise PublishError(f"{exc}; publish needs both the K and the V file") from None
+    missing = [s for s in SIDES if s not in pair.sets]
+    if missing:
+        raise PublishError(f"{pair.source}: no {missing[0].upper()} rotations; publish needs both the K and the V file")
+    paths = {s: pair.paths.get(s) for s in SIDES}
+    if all(p is not None and p.suffix in ROTATION_SUFFIXES and file_kind(p) is None for p in paths.values()) \
+            and paths["k"] != paths["v"]:
+        return paths["k"], paths["v"], None  # type: ignore[return-value]
+    if staging is None:
+        raise PublishError(f"{pair.source}: a pair file needs a staging folder to write its sides to")
+    out = {s: write_rotation(staging / "sides" / f"{s}_rotation_{pair[s].objective}.pt", pair[s]) for s in SIDES}
+    return out["k"], out["v"], None
+
+
 def prepare(
-    directory: str | os.PathLike[str],
+    rotations: Any,
     *,
     model: str,
     tag: str,
     safetensors: bool,
     atol: float,
     staging: Path | None,
+    fetch: Mapping[str, Any] | None = None,
 ) -> Plan:
-    """Read, validate and hash everything locally. Raises before any network access."""
+    """Read, validate and hash everything locally. Raises before any network access (but the fetch of
+    a registry id given as ``rotations``)."""
     check_name("tag", tag)
     model_id, known = _resolve_model(model)
     folder = model_id.split("/", 1)[1]
-    k_path, v_path, manifest_path = find_pair(directory)
+    k_path, v_path, manifest_path = pair_files(rotations, staging, fetch)
     warn: list[str] = []
     arch = known.architecture if known is not None else None
     expected_ids = arch.expected_layer_ids() if arch is not None else None
@@ -122,13 +154,9 @@ def prepare(
             raise InvalidRotationError(f"refusing to publish {p.name}{where}: {exc}", exc.problems) from None
         sets[side] = rs
     k, v = sets["k"], sets["v"]
-    if k.layer_ids != v.layer_ids or k.head_dim != v.head_dim:
-        raise InvalidRotationError(
-            f"refusing to publish: K and V files disagree: {k_path.name} has {len(k.layer_ids)} layers × "
-            f"d {k.head_dim} "
-            f"(ids {_short(k.layer_ids)}), {v_path.name} has {len(v.layer_ids)} layers × d {v.head_dim} "
-            f"(ids {_short(v.layer_ids)})"
-        )
+    problem = pair_disagreement(k, v)
+    if problem is not None:
+        raise InvalidRotationError(f"refusing to publish {k_path.name} and {v_path.name}: {problem}", [problem])
     files = [
         UploadFile(side, p, f"{folder}/{tag}/{p.name}", p.stat().st_size, sha256_file(p))
         for side, p in (("k", k_path), ("v", v_path))
@@ -149,7 +177,7 @@ def prepare(
         files.append(UploadFile("manifest", manifest_path, f"{folder}/{tag}/{MANIFEST_NAME}",
                                 manifest_path.stat().st_size, sha256_file(manifest_path)))
     return Plan(
-        directory=Path(directory), model_id=model_id, model_folder=folder, tag=tag, known_model=known,
+        directory=k_path.parent, model_id=model_id, model_folder=folder, tag=tag, known_model=known,
         files=files, layer_ids=k.layer_ids, head_dim=k.head_dim,
         objectives={"k": k.objective, "v": v.objective}, manifest=manifest, warnings=warn,
     )
