@@ -157,3 +157,12 @@ def allow_http_loopback() -> bool:
 def debug() -> bool:
     """``ROTATIONZOO_DEBUG``: the CLI prints tracebacks (the default of ``--debug``)."""
     return env_bool("ROTATIONZOO_DEBUG")
+
+
+def offline_reason() -> str:
+    """Why offline mode is on (the variable that set it, else the caller's flag), for error messages."""
+    if env_bool("ROTATIONZOO_OFFLINE"):
+        return "ROTATIONZOO_OFFLINE is set"
+    if env_bool("HF_HUB_OFFLINE"):
+        return "HF_HUB_OFFLINE is set"
+    return "--offline (offline=True) was given"

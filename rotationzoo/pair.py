@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import os
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
@@ -422,7 +423,7 @@ def load_registered(
             p, head_dim=arch.head_dims, num_layers=len(ids) if ids else None, num_kv_heads=arch.num_kv_heads))
         if sha != got.files[s].sha256:
             raise IntegrityError(f"{got.files[s].path}: sha256 {sha} is no longer the verified {got.files[s].sha256} "
-                                 f"(changed after verification); fetch again (rotationzoo fetch {entry.key} --force)")
+                                 f"(changed after verification); fetch again ({shlex.join(['rotationzoo', 'fetch', entry.key, '--force'])})")
         validate(rs, atol=atol, layer_ids=ids, head_dim=arch.head_dims, num_kv_heads=arch.num_kv_heads)
         if dtype is not None or str(device) != "cpu":
             rs = rs.to(device=device, dtype=dtype)

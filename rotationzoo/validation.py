@@ -21,7 +21,7 @@ import torch
 
 import hashlib
 
-from ._inspect import exc_line
+from ._inspect import MAX_LAYERS, exc_line
 from ._schema import validation_chunks
 from .errors import InvalidRotationError, RotationZooError
 from .format import RotationFormatWarning, RotationSet, read_rotation
@@ -281,6 +281,11 @@ def _check_expectations(rs: RotationSet, name: str, report: ValidationReport, la
         counts = sorted({int(r.shape[0]) for r in _layer_rotations(rs)} - {num_kv_heads})
         if counts:
             problems.append(f"{name}: per-KV-head rotations for {counts[0]} KV heads, but the model has {num_kv_heads}")
+    if num_layers is not None and (isinstance(num_layers, bool) or not isinstance(num_layers, int)
+                                   or not 1 <= num_layers <= MAX_LAYERS):
+        problems.append(f"{name}: the expected number of layers {str(num_layers)[:40]} is not in [1, {MAX_LAYERS}] "
+                        f"(the most a rotation file holds)")
+        num_layers = None
     expected_ids = sorted(int(i) for i in layer_ids) if layer_ids is not None else (
         list(range(num_layers)) if num_layers is not None else None
     )

@@ -36,8 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 @pytest.fixture(autouse=True)
 def _own_pin_file(tmp_path, monkeypatch) -> None:
-    """Each test pins files on first use in its own pin file."""
+    """Each test pins files on first use in its own pin file, and sees the once-per-process warning
+    about unpinned files afresh (whatever ran before it)."""
     monkeypatch.setenv("ROTATIONZOO_PINS", str(tmp_path / "pins.json"))
+    from rotationzoo.hub import fetch
+
+    fetch._warned_unpinned.clear()
 
 
 @pytest.fixture

@@ -190,7 +190,7 @@ def test_mismatched_rotations_are_refused_before_running(model, ids) -> None:
     assert calls == []
     with pytest.raises(EvaluationError, match="baseline 'hadamard' is not one of the methods"):
         evaluate(model, ids, [MethodSpec.fp(), MethodSpec.none()])
-    with pytest.raises(EvaluationError, match="lloyd_max needs one group per row"):
+    with pytest.raises(EvaluationError, match="lloyd_max uses one .scale, zero. per row"):
         evaluate(model, ids, [MethodSpec.hadamard()], Int2KVConfig(group_size=16, lloyd_max=True))
 
 

@@ -10,8 +10,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..errors import EvaluationError
-from ..int2kv import Int2KVConfig
+from ..errors import ConfigError, EvaluationError
+from ..int2kv import Int2KVConfig, check_group_size
 from ..integrations.transformers import ModelShape, model_shape
 from ..progress import Progress
 from .methods import MethodSpec
@@ -66,11 +66,10 @@ def _check(methods: Sequence[MethodSpec], shape: ModelShape, config: Int2KVConfi
     if protocol.baseline not in names and len(names) > 1:
         raise EvaluationError(f"the baseline {protocol.baseline!r} is not one of the methods ({', '.join(names)}); "
                               f"add it or choose another --baseline")
-    if config.lloyd_max and config.group_for(shape.head_dim) != shape.head_dim:
-        raise EvaluationError(f"lloyd_max needs one group per row: group_size must be head_dim ({shape.head_dim}), "
-                              f"got {config.group_size}")
-    if config.group_for(shape.head_dim) > shape.head_dim or shape.head_dim % config.group_for(shape.head_dim):
-        raise EvaluationError(f"group_size {config.group_size} does not divide head_dim {shape.head_dim}")
+    try:  # the one group-size rule (rotationzoo.int2kv.check_group_size), for this model's head_dim
+        check_group_size(config.group_size, shape.head_dim, lloyd_max=config.lloyd_max)
+    except ConfigError as exc:
+        raise EvaluationError(f"{exc} (the model's head_dim is {shape.head_dim})") from None
     for m in methods:
         m.check_fits(shape)
 

@@ -136,8 +136,14 @@ def _fit_hadamard(source: Any, *, layers: Iterable[int] | None, num_layers: int 
     model = info.get("model")
     shape: DumpShape | None = None
     if source is None:
+        if num_layers is not None and (isinstance(num_layers, bool) or not isinstance(num_layers, int)
+                                       or not 1 <= num_layers <= MAX_LAYERS):
+            raise FitError(f"num_layers must be an integer in [1, {MAX_LAYERS}] (the most layers a rotation file "
+                           f"holds), got {str(num_layers)[:40]}")
         if layers is not None:
             ids = tuple(sorted({int(i) for i in layers}))
+            if len(ids) > MAX_LAYERS or any(not 0 <= i < 1 << 31 for i in ids):
+                raise FitError(f"layer ids must be at most {MAX_LAYERS} integers in [0, 2^31)")
         elif num_layers is not None:
             ids = tuple(range(int(num_layers)))
         else:

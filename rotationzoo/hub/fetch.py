@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import shutil
 import tempfile
 import time
@@ -363,7 +364,7 @@ def fetch_file(
     if offline:
         raise OfflineError(
             f"offline mode: {entry.key} {side.upper()} file {f.filename} is not in the cache ({target.parent}); "
-            f"run `rotationzoo fetch --model {entry.model_id} --tag {entry.name}` with network access"
+            f"run `{fetch_command(entry)}` with network access"
         )
     _writable(target.parent)
     _sweep(root, target.parent)
@@ -459,8 +460,8 @@ def fetch_entry(
         if need:
             raise OfflineError(
                 f"offline mode: {entry.key} is not cached (missing {', '.join(need)} in "
-                f"{entry_dir(root, entry, revision)}); run `rotationzoo fetch --model {entry.model_id} "
-                f"--tag {entry.name}` where the network is reachable (offline because {offline_reason()})"
+                f"{entry_dir(root, entry, revision)}); run `{fetch_command(entry)}` where the network is reachable "
+                f"(offline because {offline_reason()})"
             )
         return out
     from filelock import FileLock
@@ -475,9 +476,10 @@ def fetch_entry(
 
 
 def offline_reason() -> str:
-    """Why offline mode is on, for error messages."""
-    if config.env_bool("ROTATIONZOO_OFFLINE"):
-        return "ROTATIONZOO_OFFLINE is set"
-    if config.env_bool("HF_HUB_OFFLINE"):
-        return "HF_HUB_OFFLINE is set"
-    return "--offline (offline=True) was given"
+    """Why offline mode is on, for error messages (see :func:`rotationzoo.config.offline_reason`)."""
+    return config.offline_reason()
+
+
+def fetch_command(entry: TagEntry, *extra: str) -> str:
+    """The ``rotationzoo fetch`` command line for ``entry``, shell-quoted, to print in a hint."""
+    return shlex.join(["rotationzoo", "fetch", "--model", entry.model_id, "--tag", entry.name, *extra])

@@ -238,9 +238,9 @@ def _request(url: str, method: str, headers: dict[str, str], timeout: float, rea
             resp = conn.getresponse()
             body = resp.read(MAX_BODY) if read_body and resp.status < 300 else b""
         size = _declared_size(resp) if resp.status in (200, 206) and not read_body else None
-        linked = resp.getheader("X-Linked-Size")
-        if linked and linked.strip().isdigit():  # an LFS file behind a redirect: its real size
-            size = int(linked)
+        linked = header_size(resp.getheader("X-Linked-Size"))
+        if linked is not None:  # an LFS file behind a redirect: its real size
+            size = linked
         return Preflight(resp.status, size, body)
     except TransferStopped as exc:  # a silent answer is retried like a timeout; a dripping one is not
         raise Unavailable(exc.reason, "timeout", retryable=exc.silent) from None
@@ -258,10 +258,16 @@ def _declared_size(resp: http.client.HTTPResponse) -> int | None:
         value = resp.getheader(name)
         if not value:
             continue
-        text = value.rsplit("/", 1)[-1] if name == "Content-Range" else value
-        if text.strip().isdigit():
-            return int(text)
+        size = header_size(value.rsplit("/", 1)[-1] if name == "Content-Range" else value)
+        if size is not None:
+            return size
     return None
+
+
+def header_size(value: str | None) -> int | None:
+    """A size from an HTTP header: plain ASCII digits (at most 19), else ``None`` (``"²"``, ``"1e9"``, junk)."""
+    text = (value or "").strip()
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 19 else None
 
 
 def ask(url: str, *, method: str = "HEAD", headers: dict[str, str] | None = None, timeout: float | None = None,

@@ -24,6 +24,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import stat
 import time
 from pathlib import Path
@@ -201,7 +202,7 @@ def check_or_pin(entry: TagEntry, side: str, sha: str, *, source: str, revision:
             raise IntegrityError(
                 f"{entry.key} {side.upper()} file from {source} changed since it was first used: pinned sha256 "
                 f"{old['sha256']} ({old.get('pinned_at') or '?'}), now {sha}; if the change is expected, run "
-                f"`rotationzoo fetch --model {entry.model_id} --tag {entry.name} --accept-new`"
+                f"`{shlex.join(['rotationzoo', 'fetch', '--model', entry.model_id, '--tag', entry.name, '--accept-new'])}`"
             )
         pins[key] = {"sha256": sha, "source": source, "revision": revision, "commit": commit,
                      "pinned_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

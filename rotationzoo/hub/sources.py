@@ -25,7 +25,7 @@ from .._inspect import MAX_BYTES
 from ..registry import FileEntry, Source
 from ..registry.safety import bundled_file
 from . import transfer
-from .network import Unavailable, limits, reach, shorten
+from .network import Unavailable, header_size, limits, reach, shorten
 
 
 @dataclass
@@ -216,13 +216,12 @@ def _stream_url_in(url: str, name: str, dest_dir: Path, limit: int, timeout: flo
     except (OSError, ValueError) as exc:
         raise Unavailable(f"request failed ({shorten(str(exc), 60)})", "error", retryable=True) from None
     with resp:
-        declared = resp.headers.get("Content-Length")
-        if declared and declared.isdigit() and int(declared) > limit:
-            raise Unavailable(f"declares {int(declared)} B, more than the expected {limit} B", "too_large")
+        declared = header_size(resp.headers.get("Content-Length"))
+        if declared is not None and declared > limit:
+            raise Unavailable(f"declares {declared} B, more than the expected {limit} B", "too_large")
         fd, tmp = tempfile.mkstemp(prefix=".url-", suffix=".part", dir=dest_dir)
         try:
-            with os.fdopen(fd, "wb") as out, _bar(int(declared) if declared and declared.isdigit() else None,
-                                                  name) as bar:
+            with os.fdopen(fd, "wb") as out, _bar(declared, name) as bar:
                 total = 0
                 while True:
                     block = resp.read(1 << 20)
