@@ -44,7 +44,7 @@ from .engines import (
     target,
     vllm_env,
 )
-from .errors import RegistryError, ServingError
+from .errors import RegistryError, RotationZooError, ServingError
 from .export import export_gguf
 from .hub import derived_hit, derived_path, record_derived
 from .launch import LaunchConfig
@@ -52,6 +52,7 @@ from .numbers import shown
 from .pair import RotationPair, looks_like_path, resolve_pair
 from .registry import get_entry, split_model_tag
 from .registry.safety import check_model_id
+from .sharding import kv_heads_per_rank
 
 OutputFormat = Literal["shell", "env", "json"]
 OUTPUT_FORMATS: tuple[str, ...] = get_args(OutputFormat)
@@ -284,6 +285,7 @@ def launch_spec(
                              "disable_radix_cache": disable_radix_cache}
     if tp_size is not None:
         LaunchConfig(tp_size=tp_size)  # its bounds, before anything is downloaded
+        _precheck_heads(model, tag, tp_size)
     if calibrate:
         return _calibration_spec(t, model, tag, model_path, knobs)
     pair = resolve_pair(model, tag, cache_dir=cache_dir, offline=offline, hub_source=source, revision=revision)
@@ -313,6 +315,20 @@ def launch_spec(
         notes.insert(0, unnamed)
     return LaunchSpec(engine=e, model=name, tag=pair.tag, env=env, args=args, files=files, prepare=prepare_cmds,
                       notes=notes, ranks=[r.to_json() for r in inp.ranks], checks=built.checks)
+
+
+def _precheck_heads(model: Any, tag: str | None, tp_size: int) -> None:
+    """For a registry model whose KV heads are known, refuse a TP size they cannot be split over before
+    its files are downloaded (the files' own heads are checked again once read)."""
+    if not isinstance(model, str) or Path(model).expanduser().exists() or looks_like_path(model):
+        return
+    base, at_tag = split_model_tag(model)
+    try:
+        arch = get_entry(base, at_tag or tag).architecture
+    except RotationZooError:
+        return  # resolve_pair reports it, with the same message
+    if arch.num_kv_heads:
+        kv_heads_per_rank(arch.num_kv_heads, tp_size)
 
 
 def _calibration_spec(t: Any, model: Any, tag: str | None, model_path: str | None,

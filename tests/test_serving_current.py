@@ -154,6 +154,9 @@ def test_a_tp_size_the_heads_cannot_split_over_fails_with_one_line(moe_cache, ca
     rc, out, err = run_cli(capsys, "serve-args", MOE, "--tp", "3")
     assert rc == 1 and out == "" and len(err.strip().splitlines()) == 1, err
     assert "4 KV heads cannot be split over 3" in err and "try --tp 1, 2, 4" in err
+    # the registry knows the model's KV heads: refused before anything is downloaded (the cache is empty)
+    rc, out, err = run_cli(capsys, "serve-args", "Qwen3-32B", "--tp", "3", "--offline")
+    assert rc == 1 and "8 KV heads cannot be split over 3" in err and "offline" not in err, err
     for tp in ("0", "1025"):  # out of bounds: refused before anything is read
         rc, out, err = run_cli(capsys, "serve-args", "Qwen3-9B-nonexistent", "--tp", tp)
         assert rc == 1 and out == "" and "tp_size must be an integer from 1 to 1,024" in err, err
@@ -227,6 +230,29 @@ def test_legacy_line_adds_tp_and_radix_flags_only_when_asked(cache_dir, capsys):
     data = json.loads(out)
     assert flag(data["args"], "--tensor-parallel-size") == "2" and data["args"][-1] == "--disable-radix-cache"
     assert data["env"]["SGLANG_OSCAR_ABSORB_V_ROTATION"] == "0" and "--page-size" in data["args"]
+
+
+def test_gemma_ragged_pair_absorbs_on_the_current_tree_and_is_refused_elsewhere(cache_dir, capsys):
+    entry = get_entry("gemma-4-12B-it")
+    arch = entry.architecture
+    ids = arch.expected_layer_ids()
+    folder = hub.entry_dir(cache_dir, entry)
+    folder.mkdir(parents=True)
+    for seed, side in enumerate(("k", "v")):
+        obj = layouts.v1_ragged({i: arch.head_dims(i) for i in ids}, seed=10 * seed)
+        obj["objective"] = entry.objectives[side]
+        p = folder / entry.files[side].filename
+        torch.save(obj, p)
+        hub.record_verified(p, entry, side, sha=sha256_file(p), source="url:https://example.invalid/seeded")
+    rc, out, err = run_cli(capsys, "serve-args", "gemma-4-12B-it", "--json")
+    assert rc == 0, err
+    data = json.loads(out)
+    assert data["env"]["SGLANG_OSCAR_ABSORB_V_ROTATION"] == "1"  # one rotation per layer: the recipe's absorption
+    assert flag(data["args"], "--kv-cache-quant-group-size") == "128"  # divides 256 and 512
+    assert (data["env"]["SGLANG_MIXED_KV_PREFIX_TOKENS"], data["env"]["SGLANG_MIXED_KV_RECENT_TOKENS"]) == ("64", "512")
+    for engine in ("sglang-legacy", "vllm", "llamacpp"):
+        rc, out, err = run_cli(capsys, "serve-args", "gemma-4-12B-it", "-e", engine)
+        assert rc == 1 and "layers of different head_dim or KV-head count cannot be served by " + engine in err, err
 
 
 # -- what each target reads ------------------------------------------------------------------------------

@@ -204,9 +204,8 @@ def prepare(t: EngineTarget, *, config: Int2KVConfig, launch: LaunchConfig, path
              "disable_radix_cache": bool(disable_radix_cache), "calibrate": calibrate}
     for knob in OPTIONS:
         if asked[knob] and knob not in t.options:
-            flag = {"tp_size": "--tp-size"}.get(knob, "--" + knob.replace("_", "-"))
-            takes = [o for o in OPTIONS if o in TARGETS["sglang"].options and o in t.options]
-            raise ServingError(f"{flag} does not apply to {t.name} ({t.title})"
+            takes = [_flag(o) for o in OPTIONS if o in t.options]
+            raise ServingError(f"{_flag(knob)} does not apply to {t.name} ({t.title})"
                                + (f"; it takes {', '.join(takes)}" if takes else "")
                                + ("; start-up calibration is a feature of --engine sglang" if knob == "calibrate"
                                   else ""))
@@ -219,6 +218,11 @@ def prepare(t: EngineTarget, *, config: Int2KVConfig, launch: LaunchConfig, path
                        per_head_kv_heads=kv_head_counts[0] if kv_head_counts else None, absorb=absorb,
                        absorb_note=note, ranks=ranks, sharded=bool(kv_head_counts), calibrate=calibrate,
                        model_kv_heads=model_kv_heads)
+
+
+def _flag(knob: str) -> str:
+    """The ``serve-args`` flag of a launch knob (``tp_size`` → ``--tp-size``)."""
+    return "--" + knob.replace("_", "-")
 
 
 def serve_env(config: Int2KVConfig, engine: str, paths: Mapping[str, str | os.PathLike[str]],
