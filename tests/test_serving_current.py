@@ -1,8 +1,9 @@
 """serve-args for the authors' current SGLang tree: per-model recipes, the engine targets' file kinds,
 absorption rules, TP sharding of per-head files, start-up calibration, and MLA latent sets.
 
-Qwen3-30B-A3B's cache is seeded with random orthogonal per-KV-head files ([48, 4, 128, 128], written
-once per module) and verified-file markers, as the hub writes them; nothing touches the network.
+Qwen3-30B-A3B's cache is seeded with per-KV-head files ([48, 4, 128, 128] Hadamard matrices with random
+column signs, written once per module) and verified-file markers, as the hub writes them; nothing
+touches the network.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from rotationzoo.cli.main import main
 from rotationzoo.engines import TARGETS, absorption, pair_kinds, target
 from rotationzoo.errors import ConfigError, RegistryError, ServingError, UnknownTagError
 from rotationzoo.format import RotationSet, write_rotation
+from rotationzoo.hadamard import hadamard_matrix
 from rotationzoo.hashing import sha256_file
 from rotationzoo.launch import LaunchConfig
 from rotationzoo.planner import plan
@@ -59,8 +61,11 @@ def perhead_files(tmp_path_factory) -> dict[str, Path]:
     arch = entry.architecture
     folder = tmp_path_factory.mktemp("perhead")
     out = {}
-    for seed, side in enumerate(("k", "v")):
-        rot = layouts.orthogonal(arch.num_layers, arch.num_kv_heads, arch.head_dim, arch.head_dim, seed=seed)
+    h = hadamard_matrix(arch.head_dim, dtype=torch.float32)
+    for seed, side in enumerate(("k", "v")):  # a Hadamard matrix with random column signs per (layer, head)
+        g = torch.Generator().manual_seed(seed)
+        signs = torch.randint(0, 2, (arch.num_layers, arch.num_kv_heads, 1, arch.head_dim), generator=g) * 2 - 1
+        rot = (h * signs).contiguous()
         rs = RotationSet(rotations=rot, layer_ids=tuple(range(arch.num_layers)), objective=entry.objectives[side])
         out[side] = write_rotation(folder / entry.files[side].filename, rs)
     return out
@@ -235,14 +240,17 @@ def test_legacy_line_adds_tp_and_radix_flags_only_when_asked(cache_dir, capsys):
 def test_gemma_ragged_pair_absorbs_on_the_current_tree_and_is_refused_elsewhere(cache_dir, capsys):
     entry = get_entry("gemma-4-12B-it")
     arch = entry.architecture
-    ids = arch.expected_layer_ids()
     folder = hub.entry_dir(cache_dir, entry)
     folder.mkdir(parents=True)
-    for seed, side in enumerate(("k", "v")):
-        obj = layouts.v1_ragged({i: arch.head_dims(i) for i in ids}, seed=10 * seed)
-        obj["objective"] = entry.objectives[side]
+    for seed, side in enumerate(("k", "v")):  # head_dim 256 on sliding layers, 512 on full ones; one file each
+        g = torch.Generator().manual_seed(seed)
+        layers = {lid: {"layer_id": lid, "rotation": (hadamard_matrix(arch.head_dims(lid), dtype=torch.float32)
+                                                      * (torch.randint(0, 2, (arch.head_dims(lid),), generator=g) * 2 - 1)
+                                                      ).contiguous()}
+                  for lid in arch.expected_layer_ids()}
         p = folder / entry.files[side].filename
-        torch.save(obj, p)
+        torch.save({"format_version": 1, "objective": entry.objectives[side], "source_grouping": "layer",
+                    "layers": layers}, p)
         hub.record_verified(p, entry, side, sha=sha256_file(p), source="url:https://example.invalid/seeded")
     rc, out, err = run_cli(capsys, "serve-args", "gemma-4-12B-it", "--json")
     assert rc == 0, err
@@ -250,9 +258,12 @@ def test_gemma_ragged_pair_absorbs_on_the_current_tree_and_is_refused_elsewhere(
     assert data["env"]["SGLANG_OSCAR_ABSORB_V_ROTATION"] == "1"  # one rotation per layer: the recipe's absorption
     assert flag(data["args"], "--kv-cache-quant-group-size") == "128"  # divides 256 and 512
     assert (data["env"]["SGLANG_MIXED_KV_PREFIX_TOKENS"], data["env"]["SGLANG_MIXED_KV_RECENT_TOKENS"]) == ("64", "512")
+    pair = rotationzoo.load("gemma-4-12B-it")
+    assert "ragged" in pair_kinds(pair)
     for engine in ("sglang-legacy", "vllm", "llamacpp"):
-        rc, out, err = run_cli(capsys, "serve-args", "gemma-4-12B-it", "-e", engine)
-        assert rc == 1 and "layers of different head_dim or KV-head count cannot be served by " + engine in err, err
+        with pytest.raises(ServingError, match="layers of different head_dim or KV-head count cannot be served by "
+                                               + engine):
+            launch_spec(pair, engine=engine)
 
 
 # -- what each target reads ------------------------------------------------------------------------------
