@@ -39,6 +39,26 @@ from .pair import RotationPair, read_pair
 #: Largest manifest read.
 MAX_MANIFEST_BYTES = 64 << 10
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+#: What the authors' server calls its default calibration prompts (GPQA-Diamond) in the folder digest.
+DEFAULT_PROMPT_IDENTITY = "openai-simple-evals/gpqa_diamond-seed0-v1"
+#: The server's default calibration token budget (``SGLANG_OSCAR_CALIBRATION_TOKENS``).
+DEFAULT_CALIBRATION_TOKENS = 30000
+
+
+def calibration_folder_name(model: str, *, revision: str | None = None, prompts: str | None = None,
+                            tokens: int = DEFAULT_CALIBRATION_TOKENS) -> str:
+    """The folder the authors' server writes a start-up calibration of ``model`` to, under
+    :func:`calibration_root`: ``<name>-<sha256(model \\0 revision \\0 prompts \\0 tokens)[:12]>``, where
+    ``name`` is the model's last path segment (characters other than letters, digits and ``._-`` become
+    ``-``), ``revision`` defaults to ``main`` and ``prompts`` to the GPQA-Diamond default. ``model`` is
+    what the server was given (a hub id; for a local folder the server uses its real path)."""
+    import hashlib
+
+    identity = f"{model}\0{revision or 'main'}\0{prompts or DEFAULT_PROMPT_IDENTITY}\0{int(tokens)}"
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:12]
+    name = os.path.basename(model.rstrip("/")) or "model"
+    safe = "".join(c if c.isalnum() or c in "._-" else "-" for c in name)[:64]
+    return f"{safe}-{digest}"
 
 
 def calibration_root() -> Path:

@@ -212,14 +212,15 @@ class RotationPair:
         return self
 
     def serve_env(self, engine: str) -> dict[str, str]:
-        """Environment variables that serve this pair with ``engine`` (``"sglang"``, ``"vllm"`` or
-        ``"llamacpp"``): local rotation paths, clip ratios, windows, group size, dtypes.
+        """Environment variables that serve this pair with ``engine`` (``"sglang"``, ``"sglang-legacy"``,
+        ``"vllm"`` or ``"llamacpp"``): local rotation paths, clip ratios, windows, group size, dtypes.
+        Rotations the engine cannot read are refused (:mod:`rotationzoo.engines`).
 
         See :mod:`rotationzoo.serving` for the full launch (arguments, notes).
         """
         from .engines import serve_env
 
-        return serve_env(self.config(), engine, {s: str(p) for s, p in self.paths.items()})
+        return serve_env(self.config(), engine, {s: str(p) for s, p in self.paths.items()}, pair=self)
 
     def __repr__(self) -> str:
         what = self.entry.key if self.entry is not None else (self.source or "local files")

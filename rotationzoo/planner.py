@@ -90,9 +90,9 @@ def gib_bytes(gib: float, what: str = "weights_gib") -> int:
 
 
 def engine_page_size(engine: str, hp_dtype: str = "bfloat16") -> int:
-    """Tokens per KV page: sglang ``4 · itemsize(hp_dtype)`` (8 for bfloat16), vllm 16, llamacpp 1."""
+    """Tokens per KV page: the SGLang targets ``4 · itemsize(hp_dtype)`` (8 for bfloat16), vllm 16, llamacpp 1."""
     e = check_engine(engine)
-    if e == "sglang":
+    if e.startswith("sglang"):
         return sglang_page_size(hp_dtype)
     return VLLM_BLOCK_TOKENS if e == "vllm" else 1
 
@@ -196,19 +196,19 @@ class _Shape:
         return body * self.per_token + (prefix + recent) * self.window_per_token
 
 
-def _resolve(model: Any) -> tuple[str, str | None, Architecture, Int2KVConfig | None]:
-    """``(model id, tag, architecture, serving config)`` of a name, an entry or a bare architecture."""
+def _resolve(model: Any) -> tuple[str, str | None, Architecture, TagEntry | None]:
+    """``(model id, tag, architecture, registry entry)`` of a name, an entry or a bare architecture."""
     if isinstance(model, Architecture):
         return "custom", None, model, None
     if isinstance(model, TagEntry):
-        return model.model_id, model.name, model.architecture, model.serving
+        return model.model_id, model.name, model.architecture, model
     if isinstance(model, ModelEntry):
-        return model.id, model.default_tag, model.architecture, model.tag().serving
+        tag = model.tag()
+        return model.id, tag.name, tag.architecture, tag
     if isinstance(model, str):
         name, tag_name = split_model_tag(model)
-        entry = get_model(name)
-        tag = entry.tag(tag_name)
-        return entry.id, tag.name, entry.architecture, tag.serving
+        tag = get_model(name).tag(tag_name)
+        return tag.model_id, tag.name, tag.architecture, tag
     raise ConfigError(f"plan needs a model name, a ModelEntry, a TagEntry or an Architecture, got {type(model).__name__}")
 
 
@@ -281,11 +281,11 @@ def _check_inputs(context: int, batch: int, gpu_memory_bytes: int | None, reserv
 
 def _engine_notes(engine: str, config: Int2KVConfig, page: int) -> list[str]:
     notes = []
-    if engine == "sglang":
+    if engine.startswith("sglang"):
         for name in ("prefix_tokens", "recent_tokens"):
             if getattr(config, name) % page:
                 notes.append(f"{name}={getattr(config, name)} is not a multiple of the quantised page size {page}; "
-                             "the SGLang fork rejects it")
+                             "SGLang's INT2 cache rejects it")
     elif engine == "vllm":
         notes.append("the vLLM port stores its own layout (fp16 scale/zero, no BF16 windows, first and last 2 layers "
                      "unquantised); oscar_int2 here is the Int2KVConfig layout in 16-token blocks")
@@ -316,11 +316,12 @@ def plan(
         batch: concurrent sequences for the totals and ``max_context`` (default 1).
         gpu_memory_bytes: memory of the GPU (or of all GPUs holding one replica); without it no
             capacity figures are computed.
-        engine: ``sglang``, ``vllm`` or ``llamacpp``: the page size capacities are rounded to.
+        engine: ``sglang``, ``sglang-legacy``, ``vllm`` or ``llamacpp``: the page size capacities are rounded to.
         weights_bytes: bytes of the weights; default ``num_parameters × bytes(weight_dtype)`` of
             the registry architecture.
-        config: INT2-KV settings; default the entry's serving settings (``Int2KVConfig()`` for a
-            bare architecture). ``group_size=None`` means head_dim.
+        config: INT2-KV settings; default the entry's serving settings, its windows included
+            (``Int2KVConfig()`` for a bare architecture). ``group_size=None`` means head_dim. Per-KV-head
+            rotations change no KV bytes (a note says so for such entries).
         reserve: fraction of ``gpu_memory_bytes`` kept for activations and workspace (0.1).
 
     Returns:
@@ -332,7 +333,8 @@ def plan(
             (:func:`rotationzoo.int2kv.check_group_size`), or a model whose registry entry lacks what
             the arithmetic needs (layers, KV heads, weights with a GPU size).
     """
-    name, tag, arch, serving = _resolve(model_or_entry)
+    name, tag, arch, entry = _resolve(model_or_entry)
+    serving = entry.serving if entry is not None else None
     batch = 1 if batch is None else batch
     reserve = _check_inputs(context, batch, gpu_memory_bytes, reserve)
     cfg = config if config is not None else (serving or Int2KVConfig())
@@ -362,6 +364,9 @@ def plan(
     if cfg.lloyd_max and g != d:
         notes.append(f"lloyd_max with group_size {g} < head_dim {d}: rotationzoo's kernels and transformers cache "
                      "need one group per row for Lloyd-Max levels (the bytes planned are the same)")
+    if entry is not None and entry.grouping == "kv_head":
+        notes.append("per-KV-head rotations change no KV bytes: the cache holds the same INT2 codes, scales and BF16 "
+                     f"windows; only the rotation files are {heads} times larger (weights read at load, not cache)")
     if budget is not None and budget <= 0:
         notes.append("the weights alone exceed gpu_memory · (1 − reserve): nothing fits")
     bf16_bytes = shapes[0].nbytes(context)

@@ -2,17 +2,20 @@
 
 :func:`launch_spec` resolves rotations (a registry entry, fetched and verified if needed, or any
 source :func:`~rotationzoo.pair.resolve_pair` accepts), takes the INT2-KV settings from the entry's
-``serving`` block, and assembles the environment, command line, preparation steps and caveats
-of one engine (see :mod:`rotationzoo.engines` for each engine's variables). For llama.cpp it also
-exports a rotations GGUF into the cache's derived area (``rotationzoo cache ls`` lists it) and
-prints the step that appends it to a model GGUF.
+``serving`` block and the launch knobs from its ``launch`` block, checks the files against what the
+engine target reads, and assembles the environment, command line, preparation steps, caveats, the
+KV heads of each tensor-parallel rank and the server log lines to look for (see
+:mod:`rotationzoo.engines` for each target). For llama.cpp it also exports a rotations GGUF into
+the cache's derived area (``rotationzoo cache ls`` lists it) and prints the step that appends it to
+a model GGUF. With ``calibrate=True`` nothing is fetched: the launch makes the authors' server fit
+a pair at start-up.
 
 Example::
 
     from rotationzoo.serving import launch_spec
-    spec = launch_spec("Qwen3-8B", engine="sglang")
+    spec = launch_spec("Qwen3-30B-A3B")            # the authors' current SGLang tree
     print(spec.render("shell"))          # env prefix + python -m sglang.launch_server ...
-    spec.env["SGLANG_OSCAR_K_ROTATION_PATH"]
+    spec.env["SGLANG_OSCAR_K_ROTATION_PATH"], spec.ranks, spec.checks
 
     pair = rotationzoo.load("Qwen3-8B")
     pair.serve_env("vllm")               # {"VLLM_OSCAR_K_ROTATION_PATH": ..., ...}
@@ -30,23 +33,26 @@ from typing import Any, Literal, get_args
 
 from .engines import (
     ENGINES,
-    check_engine,
-    engine_notes,
+    kv_head_counts,
     llamacpp_args,
     llamacpp_env,
+    pair_kinds,
+    prepare,
     serve_env,
-    sglang_args,
     sglang_env,
     sglang_page_size,
-    vllm_args,
+    target,
     vllm_env,
 )
 from .errors import RegistryError, RotationZooError, ServingError
 from .export import export_gguf
 from .hub import derived_hit, derived_path, record_derived
+from .launch import LaunchConfig
 from .numbers import shown
-from .pair import RotationPair, resolve_pair
+from .pair import RotationPair, looks_like_path, resolve_pair
+from .registry import get_entry, split_model_tag
 from .registry.safety import check_model_id
+from .sharding import kv_heads_per_rank
 
 OutputFormat = Literal["shell", "env", "json"]
 OUTPUT_FORMATS: tuple[str, ...] = get_args(OutputFormat)
@@ -80,15 +86,19 @@ class LaunchSpec:
     """Everything needed to start one engine with one rotation pair.
 
     Attributes:
-        engine: ``"sglang"``, ``"vllm"`` or ``"llamacpp"``.
+        engine: ``"sglang"``, ``"sglang-legacy"``, ``"vllm"`` or ``"llamacpp"``.
         model: registry model id (e.g. ``"Qwen/Qwen3-8B"``), or the pair's source when not from the registry.
         tag: calibration tag (``None`` when not from the registry).
         env: environment variables, in launch order.
         args: the command line (``argv``).
-        files: local files the launch uses: ``k``, ``v`` (and ``gguf`` for llama.cpp).
+        files: local files the launch uses: ``k``, ``v`` (and ``gguf`` for llama.cpp); none for a
+            start-up calibration launch.
         prepare: commands (``argv`` lists) to run once before ``args`` (llama.cpp: build the
             model GGUF with the rotations appended).
         notes: caveats for this engine and entry.
+        ranks: ``{"rank", "kv_heads", "of"}`` per tensor-parallel rank (and per KV-head count of a file
+            whose layers differ), when the KV heads are known.
+        checks: lines the server's log must show for the rotations to have been read as meant.
     """
 
     engine: str
@@ -99,6 +109,8 @@ class LaunchSpec:
     files: dict[str, str]
     prepare: list[list[str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    checks: list[str] = field(default_factory=list)
 
     def check(self) -> None:
         """Refuse what cannot be printed into a shell line or an env file safely: variable names
@@ -135,6 +147,8 @@ class LaunchSpec:
             "files": dict(self.files),
             "prepare": [shlex.join(c) for c in self.prepare],
             "notes": list(self.notes),
+            "ranks": [dict(r) for r in self.ranks],
+            "checks": list(self.checks),
         }
 
     def render(self, fmt: str = "shell") -> str:
@@ -250,13 +264,17 @@ def launch_spec(
     model: Any,
     tag: str | None = None,
     *,
-    engine: str,
+    engine: str = "sglang",
     model_path: str | None = None,
     source: str = "auto",
     revision: str | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     offline: bool | None = None,
     timeout: float | None = None,
+    tp_size: int | None = None,
+    absorb_v_rotation: bool | None = None,
+    disable_radix_cache: bool | None = None,
+    calibrate: bool = False,
 ) -> LaunchSpec:
     """Resolve rotations (fetching and verifying registry files if needed) and build a launch.
 
@@ -264,24 +282,40 @@ def launch_spec(
         model: a registry id or alias (``MODEL[@TAG]``), a :class:`~rotationzoo.pair.RotationPair`,
             or any source :func:`~rotationzoo.pair.resolve_pair` accepts (a folder, ``k.pt,v.pt``).
         tag: calibration tag (the model's default when ``None``).
-        engine: ``"sglang"``, ``"vllm"`` or ``"llamacpp"``.
+        engine: a target of :data:`rotationzoo.engines.TARGETS`: ``"sglang"`` (the authors' current
+            tree, the default), ``"sglang-legacy"`` (their May 2026 fork), ``"vllm"``, ``"llamacpp"``.
         model_path: what the engine loads instead of the registry model id: a local checkpoint
             folder (SGLang, vLLM), or for llama.cpp the model's GGUF file (without rotations);
             the launch then uses ``<stem>-rot-kv.gguf`` beside it, built by the ``prepare`` step.
         source, revision, cache_dir, offline, timeout: the fetch options, as for :func:`rotationzoo.fetch`.
+        tp_size: tensor-parallel ranks instead of the entry's (``launch.tp_size``); the KV heads must
+            split over them by the authors' rule (:func:`rotationzoo.sharding.kv_heads_per_rank`).
+        absorb_v_rotation: ask for V-rotation absorption on (``True``) or off (``False``) instead of
+            the entry's setting; on is refused for per-KV-head, centered or non-orthogonal files.
+        disable_radix_cache: serve without the prefix cache (SGLang targets).
+        calibrate: print the settings that make the authors' current tree fit a pair at start-up
+            instead of rotation paths (a registry model; nothing is fetched).
 
     Returns:
         A :class:`LaunchSpec`; ``render("shell" | "env" | "json")`` prints it.
+
+    Raises:
+        ServingError: an unknown engine, rotations or a knob the target cannot take (one line).
+        ConfigError: a TP size the KV heads cannot be split over.
     """
-    e = check_engine(engine)
+    t = target(engine)
+    e = t.name
     if e == "llamacpp" and model_path and Path(model_path).suffix.lower() != ".gguf":
         raise ServingError(f"--model-path for llamacpp is the model's GGUF file, got {model_path!r}")
+    knobs: dict[str, Any] = {"tp_size": tp_size, "absorb_v_rotation": absorb_v_rotation,
+                             "disable_radix_cache": disable_radix_cache}
+    if tp_size is not None:
+        LaunchConfig(tp_size=tp_size)  # its bounds, before anything is downloaded
+        _precheck_heads(model, tag, tp_size)
+    if calibrate:
+        return _calibration_spec(t, model, tag, model_path, knobs)
     pair = resolve_pair(model, tag, source=source, revision=revision, cache_dir=cache_dir, offline=offline,
                         timeout=timeout)
-    if pair.per_head:
-        raise ServingError(f"{pair.source}: per-KV-head rotations ([L, H_kv, d, d]) cannot be served by {e}, which reads "
-                           "one [d, d] rotation per layer; serve them with rotationzoo.integrations.transformers, or "
-                           "fit with --grouping layer")
     missing = [s for s in ("k", "v") if s not in pair.sets or s not in pair.paths]
     if missing:
         raise ServingError(f"{pair.source}: a launch needs local K and V rotation files (missing {', '.join(missing)})")
@@ -289,22 +323,79 @@ def launch_spec(
     cfg = pair.config()
     name = pair.model or pair.source
     loads, unnamed = _engine_model(pair, model_path)
-    prepare: list[list[str]] = []
-    if e == "sglang":
-        env, args = sglang_env(cfg, files["k"], files["v"]), sglang_args(cfg, loads, pair.head_dim)
-    elif e == "vllm":
-        env, args = vllm_env(cfg, files["k"], files["v"], pair.head_dim), vllm_args(loads)
-    else:
-        env, args, prepare = _llamacpp_launch(pair, model_path, cache_dir, files)
-    notes = engine_notes(e, cfg, pair.head_dim)
+    arch = pair.entry.architecture if pair.entry is not None else None
+    inp = prepare(t, config=cfg, launch=pair.entry.launch if pair.entry is not None else LaunchConfig(),
+                  paths=files, model=loads, head_dims=pair.head_dims, kinds=pair_kinds(pair, cfg),
+                  source=pair.source or "rotations", kv_head_counts=kv_head_counts(pair),
+                  model_kv_heads=arch.num_kv_heads if arch is not None else None, **knobs)
+    built = t.build(inp)
+    env, args, prepare_cmds = built.env, built.args, list[list[str]]()
+    if e == "llamacpp":
+        env, args, prepare_cmds = _llamacpp_launch(pair, model_path, cache_dir, files)
+    notes = built.notes
     if pair.entry is None:
         notes.insert(0, "these rotations are not from the registry: default INT2-KV settings "
-                        f"({cfg.label(pair.head_dim)}) were used")
+                        f"({cfg.label(pair.head_dims.default)}) were used")
     if e == "llamacpp" and not model_path:
         notes.insert(0, "replace MODEL.gguf with the model's GGUF file (or pass --model-path)")
     elif unnamed:
         notes.insert(0, unnamed)
-    return LaunchSpec(engine=e, model=name, tag=pair.tag, env=env, args=args, files=files, prepare=prepare, notes=notes)
+    return LaunchSpec(engine=e, model=name, tag=pair.tag, env=env, args=args, files=files, prepare=prepare_cmds,
+                      notes=notes, ranks=[r.to_json() for r in inp.ranks], checks=built.checks)
+
+
+def _precheck_heads(model: Any, tag: str | None, tp_size: int) -> None:
+    """For a registry model whose KV heads are known, refuse a TP size they cannot be split over before
+    its files are downloaded (the files' own heads are checked again once read)."""
+    if not isinstance(model, str) or Path(model).expanduser().exists() or looks_like_path(model):
+        return
+    base, at_tag = split_model_tag(model)
+    try:
+        arch = get_entry(base, at_tag or tag).architecture
+    except RotationZooError:
+        return  # resolve_pair reports it, with the same message
+    if arch.num_kv_heads:
+        kv_heads_per_rank(arch.num_kv_heads, tp_size)
+
+
+def _calibration_spec(t: Any, model: Any, tag: str | None, model_path: str | None,
+                      knobs: dict[str, Any]) -> LaunchSpec:
+    """A start-up calibration launch of a registry model: its settings, no rotation paths, nothing fetched."""
+    if not isinstance(model, str) or Path(model).expanduser().exists() or looks_like_path(model):
+        raise ServingError("--calibrate takes a registry model (MODEL[@TAG]): the server fits the rotations itself, "
+                           "so there are no rotation files to give")
+    base, at_tag = split_model_tag(model)
+    entry = get_entry(base, at_tag or tag)
+    arch = entry.architecture
+    if not arch.head_dims.uniform:
+        raise ServingError(f"{entry.model_id}: layers differ in head_dim ({arch.head_dims}); start-up calibration "
+                           "does not run on such two-geometry models: serve the entry's files")
+    if model_path is not None and str(model_path).startswith("-"):
+        raise ServingError(f"--model-path {shown(model_path)} starts with '-', which the engine would read as an "
+                           "option; write ./ before a relative path")
+    loads = _check_printable(str(model_path), "--model-path") if model_path is not None else entry.model_id
+    kinds = frozenset({"v1", "lloyd_max"} if entry.serving.lloyd_max else {"v1"})
+    inp = prepare(t, config=entry.serving, launch=entry.launch, paths=None, model=loads, head_dims=arch.head_dims,
+                  kinds=kinds, source=entry.key, model_kv_heads=arch.num_kv_heads, calibrate=True, **knobs)
+    built = t.build(inp)
+    notes = [_calibration_destination(loads, model_path is None), *built.notes,
+             "start-up calibration needs a single node, DP = PP = 1, no HiCache and no torch.compile; "
+             "SGLANG_OSCAR_CALIBRATION_PROMPTS_PATH names a JSONL of {\"messages\": …} prompts (empty: GPQA-Diamond)"]
+    if entry.grouping == "kv_head":
+        notes.insert(0, f"start-up calibration fits one shared rotation per layer, but {entry.key} serves per-KV-head "
+                        "rotations: on such models a shared rotation can collapse accuracy (Qwen3-30B-A3B: GPQA 43.9 "
+                        "shared against 58.6 per head); serve the entry's files instead")
+    return LaunchSpec(engine=t.name, model=entry.model_id, tag=entry.name, env=built.env, args=built.args, files={},
+                      notes=notes, ranks=[r.to_json() for r in inp.ranks], checks=built.checks)
+
+
+def _calibration_destination(loads: str, hub_id: bool) -> str:
+    from .calibrated import calibration_folder_name
+
+    folder = calibration_folder_name(loads) if hub_id else f"{Path(loads).name or 'model'}-<digest12>"
+    return (f"the server fits the pair at start-up and writes it to $HF_HOME/oscar-rotations/{folder}/ (for the "
+            "model's main revision and the printed prompts and tokens); once it is complete, `rotationzoo cache "
+            "import` that folder to keep it, serve it or publish it")
 
 
 __all__ = [

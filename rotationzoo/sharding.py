@@ -13,10 +13,12 @@ sharded: its first axis could be layers or heads.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
-from .rotation_set import COMPANIONS, RotationSet
+
+if TYPE_CHECKING:  # pragma: no cover - the rule itself needs no torch (the registry checks TP sizes with it)
+    from .rotation_set import RotationSet
 
 #: Largest tensor-parallel size accepted.
 MAX_TP = 1024
@@ -57,13 +59,15 @@ def _valid_tps(h: int, near: int) -> list[int]:
     return sorted(cands[:3])
 
 
-def shard_set(rs: RotationSet, tp_size: int, rank: int) -> RotationSet:
+def shard_set(rs: "RotationSet", tp_size: int, rank: int) -> "RotationSet":
     """The part of ``rs`` that rank ``rank`` of ``tp_size`` loads: its KV heads of a per-KV-head set (with
     the companions' head axes), or ``rs`` itself for one rotation per layer.
 
     Raises:
         ConfigError: a bad rank, heads that cannot be split (see :func:`kv_heads_per_rank`).
     """
+    from .rotation_set import COMPANIONS
+
     tp = _tp(tp_size)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < tp:
         raise ConfigError(f"rank must be an integer in [0, {tp}), got {rank!r}")

@@ -132,14 +132,19 @@ def test_verify_refuses_heads_the_model_does_not_have(tmp_path: Path, capsys) ->
 
 
 def test_serving_engines_refuse_per_head_rotations(pair_dir: Path) -> None:
-    for engine in ("sglang", "vllm", "llamacpp"):
+    """Every target that reads one rotation per layer refuses per-KV-head files in one line; the authors'
+    current tree (--engine sglang) serves them and names the log line that proves it read them."""
+    for engine in ("sglang-legacy", "vllm", "llamacpp"):
         with pytest.raises(ServingError, match=f"per-KV-head rotations .* cannot be served by {engine}") as ei:
             launch_spec(str(pair_dir), engine=engine)
         assert "\n" not in str(ei.value)
+    spec = launch_spec(str(pair_dir), engine="sglang")
+    assert spec.env["SGLANG_OSCAR_ABSORB_V_ROTATION"] == "0"
+    assert all(f"[per-head: {H} kv heads]" in c for c in spec.checks) and len(spec.checks) == 2
 
 
 def test_cli_serve_args_refuses_with_one_line(pair_dir: Path, capsys) -> None:
-    rc, out, err = run_cli(capsys, "serve-args", str(pair_dir), "--engine", "sglang")
+    rc, out, err = run_cli(capsys, "serve-args", str(pair_dir), "--engine", "sglang-legacy")
     assert rc != 0 and out == ""
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1 and "per-KV-head" in lines[0], err

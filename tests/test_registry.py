@@ -68,8 +68,22 @@ def test_model_card_entries() -> None:
             assert (e.results[0].bf16, e.results[0].oscar_int2) == result
         assert e.serving.k_clip_ratio == 0.96
         assert e.serving.v_clip_ratio == (0.96 if mid == "Qwen/Qwen3-32B" else 0.92)
-        assert (e.serving.prefix_tokens, e.serving.recent_tokens, e.serving.group_size) == (64, 256, 128)
+        # windows, Lloyd-Max and TP of the authors' per-model recipes (rotation/run/<model>.sh)
+        prefix, recent, lloyd_max, tp = RECIPES[mid]
+        assert (e.serving.prefix_tokens, e.serving.recent_tokens, e.serving.group_size) == (prefix, recent, 128)
+        assert (e.serving.lloyd_max, e.launch.tp_size) == (lloyd_max, tp)
+        assert e.launch.recipe and e.launch.recipe.startswith("rotation/run/")
     assert get_entry("MiniMax-M2.7").serving.lloyd_max is True
+
+
+#: (sink, recent, Lloyd-Max, TP) of the authors' recipes for the model-card entries.
+RECIPES = {
+    "MiniMaxAI/MiniMax-M2.7": (128, 1024, True, 4),
+    "Qwen/Qwen3-4B-Thinking-2507": (64, 256, False, 1),
+    "Qwen/Qwen3-8B": (128, 2048, True, 1),
+    "Qwen/Qwen3-32B": (64, 256, False, 2),
+    "zai-org/GLM-4.7-FP8": (64, 256, False, 8),
+}
 
 
 def test_upstream_entries_match_files(upstream_dir: Path) -> None:

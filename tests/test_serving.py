@@ -1,4 +1,5 @@
-"""serve-args / RotationPair.serve_env: launch settings for SGLang, vLLM and llama.cpp.
+"""serve-args / RotationPair.serve_env: launch settings for SGLang (the May 2026 fork and what every
+target shares), vLLM and llama.cpp; the authors' current tree is tests/test_serving_current.py.
 
 Qwen3-8B's cache is pre-seeded with random orthogonal [36, 128, 128] files (verified-file markers
 written as the hub does), so nothing touches the network.
@@ -125,29 +126,28 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
 # -- SGLang --------------------------------------------------------------------------------------
 
 
-def test_sglang_shell_has_cached_paths_clip_ratios_and_windows(qwen_cache, capsys):
-    rc, out, err = run_cli(capsys, "serve-args", QWEN, "--engine", "sglang")
+def test_sglang_legacy_is_the_may_2026_line(qwen_cache, capsys):
+    """--engine sglang-legacy prints the May 2026 fork's reference line byte for byte, with the entry's values."""
+    s = get_entry(QWEN).serving
+    rc, out, err = run_cli(capsys, "serve-args", QWEN, "--engine", "sglang-legacy")
     assert rc == 0, err
     assert f"SGLANG_OSCAR_K_ROTATION_PATH={qwen_cache['k']}" in out
     assert f"SGLANG_OSCAR_V_ROTATION_PATH={qwen_cache['v']}" in out
-    for needle in ("SGLANG_OSCAR_K_CLIP_RATIO=0.96", "SGLANG_OSCAR_V_CLIP_RATIO=0.92",
-                   "SGLANG_MIXED_KV_PREFIX_TOKENS=64", "SGLANG_MIXED_KV_RECENT_TOKENS=256",
-                   "SGLANG_ENABLE_MIXED_KV_WINDOWS=1", "SGLANG_OSCAR_ABSORB_V_ROTATION=1",
-                   "SGLANG_MIXED_KV_HP_MAX_SPLITS=8", "SGLANG_MIXED_KV_HP_DTYPE=bfloat16",
-                   "SGLANG_MIXED_KV_SCALE_DTYPE=float32", "SGLANG_LLOYD_MAX=0"):
-        assert needle in out
     # the shell text is one command: continuation lines joined, it splits into env + argv
     words = shlex.split(out.replace("\\\n", " "))
     env = dict(w.split("=", 1) for w in words if "=" in w and w.split("=", 1)[0].isupper())
     argv = [w for w in words if not ("=" in w and w.split("=", 1)[0].isupper())]
-    assert env["SGLANG_OSCAR_K_ROTATION_PATH"] == str(qwen_cache["k"])
-    assert argv[:3] == ["python", "-m", "sglang.launch_server"]
-    assert argv[argv.index("--model-path") + 1] == "Qwen/Qwen3-8B"
-    assert argv[argv.index("--kv-cache-dtype") + 1] == "int2"
-    assert argv[argv.index("--kv-cache-quant-group-size") + 1] == "128"
-    assert argv[argv.index("--prefill-attention-backend") + 1] == "fa3"
-    assert argv[argv.index("--decode-attention-backend") + 1] == "triton"
-    assert argv[argv.index("--page-size") + 1] == "8"
+    assert list(env.items()) == [
+        ("SGLANG_ENABLE_MIXED_KV_WINDOWS", "1"), ("SGLANG_OSCAR_ABSORB_V_ROTATION", "1"),
+        ("SGLANG_MIXED_KV_PREFIX_TOKENS", str(s.prefix_tokens)), ("SGLANG_MIXED_KV_RECENT_TOKENS", str(s.recent_tokens)),
+        ("SGLANG_MIXED_KV_HP_MAX_SPLITS", "8"), ("SGLANG_MIXED_KV_HP_DTYPE", "bfloat16"),
+        ("SGLANG_MIXED_KV_SCALE_DTYPE", "float32"), ("SGLANG_OSCAR_K_ROTATION_PATH", str(qwen_cache["k"])),
+        ("SGLANG_OSCAR_V_ROTATION_PATH", str(qwen_cache["v"])), ("SGLANG_OSCAR_K_CLIP_RATIO", "0.96"),
+        ("SGLANG_OSCAR_V_CLIP_RATIO", "0.92"), ("SGLANG_LLOYD_MAX", "1" if s.lloyd_max else "0")]
+    assert argv == ["python", "-m", "sglang.launch_server", "--model-path", "Qwen/Qwen3-8B", "--kv-cache-dtype", "int2",
+                    "--kv-cache-quant-group-size", "128", "--prefill-attention-backend", "fa3",
+                    "--decode-attention-backend", "triton", "--page-size", "8"]
+    assert "--engine sglang" in err  # the note names the current tree's target
 
 
 def test_json_parses_and_carries_everything(qwen_cache, capsys):
@@ -164,13 +164,13 @@ def test_json_parses_and_carries_everything(qwen_cache, capsys):
 
 
 def test_env_format_is_key_value_lines(qwen_cache, capsys):
-    rc, out, _ = run_cli(capsys, "serve-args", QWEN, "-e", "sglang", "-f", "env")
+    rc, out, _ = run_cli(capsys, "serve-args", QWEN, "-e", "sglang-legacy", "-f", "env")
     assert rc == 0
     lines = out.strip().splitlines()
     parsed = dict(line.split("=", 1) for line in lines)
     assert len(parsed) == len(lines) == 12
     assert parsed["SGLANG_OSCAR_K_ROTATION_PATH"] == shlex.quote(str(qwen_cache["k"]))
-    assert parsed["SGLANG_MIXED_KV_RECENT_TOKENS"] == "256"
+    assert parsed["SGLANG_MIXED_KV_RECENT_TOKENS"] == str(get_entry(QWEN).serving.recent_tokens)
 
 
 def test_values_come_from_the_registry_entry(tuned_qwen, capsys):
@@ -228,8 +228,9 @@ def test_llamacpp_exports_the_rotation_gguf(qwen_cache, capsys, tmp_path):
     assert rc == 0, err
     data = json.loads(out)
     assert data["files"]["gguf"] == str(gguf_path) and gguf_path.is_file()
+    s = get_entry(QWEN).serving
     assert data["env"] == {"LLAMA_KV_NO_HADAMARD": "1", "LLAMA_KV_CLIP_RATIO": "0.96",
-                           "LLAMA_KV_HP_SINK": "64", "LLAMA_KV_HP_RECENT": "256"}
+                           "LLAMA_KV_HP_SINK": str(s.prefix_tokens), "LLAMA_KV_HP_RECENT": str(s.recent_tokens)}
     merged = str(tmp_path / "qwen3-8b-q4_k_m-rot-kv.gguf")
     assert data["args"] == ["llama-server", "-m", merged, "--cache-type-k", "q2_0", "--cache-type-v", "q2_0"]
     assert data["prepare"] == [shlex.join(["rotationzoo", "export", str(gguf_path), "--to", "gguf",
@@ -243,7 +244,7 @@ def test_llamacpp_exports_the_rotation_gguf(qwen_cache, capsys, tmp_path):
     mtime = gguf_path.stat().st_mtime_ns
     rc, out, _ = run_cli(capsys, "serve-args", QWEN, "-e", "llamacpp")
     assert rc == 0 and gguf_path.stat().st_mtime_ns == mtime
-    assert "--cache-type-k q2_0" in out and "LLAMA_KV_HP_RECENT=256" in out
+    assert "--cache-type-k q2_0" in out and f"LLAMA_KV_HP_RECENT={s.recent_tokens}" in out
     assert out.splitlines()[0].startswith("rotationzoo export ") and out.splitlines()[0].endswith("&& \\")
 
 
@@ -311,14 +312,15 @@ def test_bundled_pair_serve_env():
 
 def test_sglang_page_size_follows_the_window_dtype():
     """The fork's quantised page size is 4 · itemsize(hp_dtype), and windows must be multiples of it."""
-    from rotationzoo.engines import engine_notes, sglang_args, sglang_page_size
+    from rotationzoo.engines import sglang_legacy_args, sglang_page_size
+    from rotationzoo.engines.legacy import legacy_notes
     from rotationzoo.int2kv import Int2KVConfig
 
     assert [sglang_page_size(t) for t in ("bfloat16", "float16", "float32")] == [8, 8, 16]
-    args = sglang_args(Int2KVConfig(hp_dtype="float32"), "m", 128)
+    args = sglang_legacy_args(Int2KVConfig(hp_dtype="float32"), "m", 128)
     assert args[args.index("--page-size") + 1] == "16"
     assert args[args.index("--kv-cache-quant-group-size") + 1] == "128"
-    notes = engine_notes("sglang", Int2KVConfig(hp_dtype="float32", prefix_tokens=24, recent_tokens=256), 128)
+    notes = legacy_notes(Int2KVConfig(hp_dtype="float32", prefix_tokens=24, recent_tokens=256), 128)
     assert any("prefix_tokens=24 is not a multiple of the quantised page size 16" in n for n in notes)
     assert not any("recent_tokens" in n for n in notes)
     with pytest.raises(ServingError, match="unknown hp_dtype"):
@@ -329,7 +331,7 @@ def test_every_registry_entry_renders_for_every_engine():
     paths = {"k": "/x/k.pt", "v": "/x/v.pt"}
     for model in load_registry():
         for entry in model.tags.values():
-            for engine in ("sglang", "vllm", "llamacpp"):
+            for engine in ("sglang", "sglang-legacy", "vllm", "llamacpp"):
                 env = serve_env(entry.serving, engine, paths)
                 assert env and all(isinstance(v, str) and v for v in env.values())
 
@@ -343,7 +345,7 @@ def test_bad_inputs(qwen_cache, capsys):
     with pytest.raises(ServingError):
         rotationzoo.load("SmolLM2-135M-Instruct").serve_env("trt")
     rc, _, err = run_cli(capsys, "serve-args", QWEN, "--engine", "tgi")
-    assert rc == 1 and "unknown engine 'tgi'; expected one of sglang, vllm, llamacpp" in err
+    assert rc == 1 and "unknown engine 'tgi'; expected one of sglang, sglang-legacy, vllm, llamacpp" in err
     rc, _, err = run_cli(capsys, "serve-args", QWEN, "--engine", "vllm", "--format", "yaml")
     assert rc == 2 and "Invalid value for '--format'" in err
     rc, _, err = run_cli(capsys, "serve-args", "Qwen3-9B", "--engine", "vllm")

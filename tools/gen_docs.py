@@ -52,7 +52,8 @@ def render_zoo() -> str:
 
     path = bundled_registry_path()
     reg = Registry.from_files([path], origins=["bundled"])
-    models = list(reg)
+    latent = [m for m in reg if m.mla_latent is not None]
+    models = [m for m in reg if m.mla_latent is None]
     n_tags = sum(len(m.tags) for m in models)
     n_pinned = sum(t.pinned for m in models for t in m.tags.values())
     out: list[str] = [
@@ -60,21 +61,26 @@ def render_zoo() -> str:
         "",
         "# The zoo",
         "",
-        f"Every entry of the bundled registry: {len(models)} models, {n_tags} calibration tags, "
-        f"{n_pinned} of them pinned (a sha256 for both files, verified on download). Unpinned entries are "
-        "checked structurally only; see [fetching](fetching.md#integrity). The first tag listed for a model "
-        "is its default (**bold**). Serving values are the defaults `rotationzoo serve-args` uses; see "
-        "[serving](serving.md). *Prompts* is the `prompt<N>` of the authors' tag name, which counts prefill "
-        "segments of the calibration dump rather than distinct prompts; *tokens/layer* is its `seq<T>` budget "
-        "(see [concepts](concepts.md#calibration)).",
+        f"Every entry of the bundled registry: {len(models)} models with K/V rotation pairs, {n_tags} calibration "
+        f"tags, {n_pinned} of them pinned (a sha256 for both files, verified on download); and {len(latent)} MLA "
+        "latent sets, listed [below](#mla-latent-sets). Unpinned entries are checked structurally only and "
+        "pinned on first use; see [fetching](fetching.md#integrity). The first tag listed for a model "
+        "is its default (**bold**). Serving and launch values are the defaults `rotationzoo serve-args` uses, "
+        "taken from the authors' per-model recipes; see [serving](serving.md). *Prompts* is the `prompt<N>` of "
+        "the authors' tag name, which counts prefill segments of the calibration dump rather than distinct "
+        "prompts; *tokens/layer* is its `seq<T>` budget (see [concepts](concepts.md#calibration)).",
         "",
-        "| model | tag | layers × d | calibration | objectives K / V | clip K / V | sink / recent | group | Lloyd-Max | results (BF16 → OSCAR INT2) | pinned |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | tag | layers × d | calibration | objectives K / V | rotations | clip K / V | sink / recent | group | Lloyd-Max | TP | results (BF16 → OSCAR INT2) | pinned |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m in models:
         ids = m.architecture.expected_layer_ids()
         n_layers = len(ids) if ids else "?"
-        shape = f"{n_layers} × {m.architecture.head_dim}"
+        dims = m.architecture.head_dims
+        shape = f"{n_layers} × {dims.default}"
+        if not dims.uniform:
+            other = sorted(set(dims.overrides.values()))
+            shape += " (" + ", ".join(f"{sum(v == d for v in dims.overrides.values())} at {d}" for d in other) + ")"
         if m.architecture.attention_layer_ids:
             shape += " (sparse)"
         tag_names = [m.default_tag] + [t for t in m.tags if t != m.default_tag]
@@ -99,10 +105,12 @@ def render_zoo() -> str:
                 shape if i == 0 else "",
                 _cell(", ".join(calib)),
                 f"`{t.objectives.get('k', '?')}` / `{t.objectives.get('v', '?')}`",
+                "per KV head" if t.grouping == "kv_head" else "per layer",
                 f"{s.k_clip_ratio:g} / {s.v_clip_ratio:g}",
                 f"{s.prefix_tokens} / {s.recent_tokens}",
                 str(s.group_size),
                 "yes" if s.lloyd_max else "no",
+                str(t.launch.tp_size),
                 _cell(results),
                 "yes" if t.pinned else "no",
             ]) + " |")
@@ -116,6 +124,9 @@ def render_zoo() -> str:
             out.append("")
         arch = m.architecture
         arch_bits = [f"head_dim {arch.head_dim}"]
+        for d in sorted(set((arch.layer_head_dims or {}).values())):
+            ids_d = [str(i) for i, v in (arch.layer_head_dims or {}).items() if v == d]
+            arch_bits.append(f"head_dim {d} on layers {', '.join(ids_d)}")
         if arch.num_layers:
             arch_bits.append(f"{arch.num_layers} layers")
         if arch.attention_layer_ids:
@@ -133,6 +144,13 @@ def render_zoo() -> str:
             t = m.tags[name]
             out.append(f"- `{name}`" + (" (default)" if name == m.default_tag else "")
                        + (f": {t.description}" if t.description else ""))
+            lc = t.launch
+            out.append(f"    - launch: TP {lc.tp_size}, backends {lc.attention_backend} / {lc.prefill_attention_backend} "
+                       f"/ {lc.decode_attention_backend}, V-rotation absorption {'on' if lc.absorb_v_rotation else 'off'}, "
+                       f"prefix cache {'off' if lc.disable_radix_cache else 'on'}"
+                       + (f", `--mamba-scheduler-strategy {lc.mamba_scheduler_strategy}`"
+                          if lc.mamba_scheduler_strategy else "")
+                       + (f" (recipe `{lc.recipe}`)" if lc.recipe else ""))
             for side in ("k", "v"):
                 f = t.files[side]
                 srcs = ", ".join(f"`{s.describe()}`" for s in f.sources)
@@ -142,6 +160,20 @@ def render_zoo() -> str:
                 if r.source:
                     out.append(f"    - {r.benchmark}: {_num(r.bf16)} → {_num(r.oscar_int2)} ({r.source})")
         out.append("")
+    out += ["## MLA latent sets", "",
+            "Models whose rotations are an MLA latent set: a folder of `layer_<id>.pt` files, one `[rank, rank]` "
+            "rotation of the shared latent per layer, read by the authors' current tree through "
+            "`SGLANG_OSCAR_MLA_KV_ROTATION_PATH`. They are not K/V pairs: rotationzoo lists them, and `fetch`, "
+            "`load` and `serve-args` refuse them with one line.", "",
+            "| model | aliases | where it lives | recipe |", "|---|---|---|---|"]
+    for m in latent:
+        assert m.mla_latent is not None
+        out.append(f"| `{m.id}` | {_cell(', '.join(m.aliases))} | {_cell(m.mla_latent.location)} | "
+                   f"`{m.mla_latent.recipe}` |" if m.mla_latent.recipe else
+                   f"| `{m.id}` | {_cell(', '.join(m.aliases))} | {_cell(m.mla_latent.location)} | – |")
+    out.append("")
+    for m in latent:
+        out += [f"### {m.id}", "", m.description, ""] if m.description else []
     out += [
         "## Reproduce this table",
         "",

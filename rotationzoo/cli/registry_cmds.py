@@ -72,13 +72,13 @@ def cmd_list(
         return
     rows = []
     for m in models:
-        ids = m.architecture.expected_layer_ids()
+        ids = m.architecture.expected_layer_ids() if m.architecture is not None else None
         n_pinned = sum(t.pinned for t in m.tags.values())
-        rows.append((m, str(len(ids)) if ids else "?", f"{n_pinned}/{len(m.tags)}"))
+        rows.append((m, str(len(ids)) if ids else "?", f"{n_pinned}/{len(m.tags)}" if m.tags else "-"))
     if plain_out:
         for m, layers, pinned in rows:
-            typer.echo("\t".join((m.id, ",".join(m.aliases), layers, str(m.architecture.head_dim), m.default_tag,
-                                  ",".join(m.tags), pinned)))
+            typer.echo("\t".join((m.id, ",".join(m.aliases), layers, _head_dim(m), _default(m), ",".join(m.tags),
+                                  pinned)))
         return
     from rich.markup import escape
     from rich.table import Table
@@ -94,9 +94,32 @@ def cmd_list(
     table.add_column("tags", justify="right")
     table.add_column("pinned", justify="center")
     for m, layers, pinned in rows:
-        table.add_row(escape(m.id), escape(", ".join(m.aliases)), f"{layers} × {m.architecture.head_dim}",
-                      escape(m.default_tag), str(len(m.tags)), pinned)
+        table.add_row(escape(m.id), escape(", ".join(m.aliases)), f"{layers} × {_head_dim(m)}",
+                      escape(_default(m)), str(len(m.tags)), pinned)
     c.print(table)
+
+
+def _head_dim(m: ModelEntry) -> str:
+    return str(m.architecture.head_dim) if m.architecture is not None else "?"
+
+
+def _default(m: ModelEntry) -> str:
+    """The default tag, or what the model has instead of K/V tags (an MLA latent set)."""
+    return m.default_tag if m.default_tag is not None else "(MLA latent set)" if m.mla_latent else "-"
+
+
+def _info_latent(m: ModelEntry, json_out: bool) -> None:
+    """``info`` of a model whose rotations are an MLA latent set: what it is, where it lives."""
+    assert m.mla_latent is not None
+    if json_out:
+        emit_json(m.to_json())
+        return
+    c = console()
+    c.print(f"[bold]{m.id}[/]  (aliases: {', '.join(m.aliases) or '-'})")
+    if m.description:
+        c.print(m.description, markup=False)
+    c.print(f"rotations: {m.mla_latent.describe(m.id)}", markup=False)
+    c.print("fetch, load and serve-args refuse it: it is not a K/V pair", markup=False)
 
 
 def cmd_info(
@@ -115,6 +138,9 @@ def cmd_info(
 
     name, at_tag = split_model_tag(model)
     m = get_model(name)
+    if m.mla_latent is not None and tag is None and at_tag is None:
+        _info_latent(m, json_out)
+        return
     entry = m.tag(tag or at_tag)
     pins = {side: (pin_state(entry, side), local_pins(entry, side)) for side in entry.files}
     cached = cached_details(entry)
@@ -127,7 +153,7 @@ def cmd_info(
         emit_json(out)
         return
     c = console()
-    arch = m.architecture
+    arch = entry.architecture
     ids = arch.expected_layer_ids()
     c.print(f"[bold]{m.id}[/]  (aliases: {', '.join(m.aliases) or '-'})")
     if m.description:
@@ -147,6 +173,13 @@ def cmd_info(
     c.print(f"serving: K clip {s.k_clip_ratio}, V clip {s.v_clip_ratio}, group {s.group_size}, "
             f"{s.hp_dtype} sink {s.prefix_tokens} + recent {s.recent_tokens}, scales {s.scale_dtype}, "
             f"Lloyd-Max {'on' if s.lloyd_max else 'off'}")
+    lc = entry.launch
+    c.print(f"launch: {'per-KV-head' if entry.grouping == 'kv_head' else 'one rotation per layer'}, TP {lc.tp_size}, "
+            f"backends {lc.attention_backend} / {lc.prefill_attention_backend} / {lc.decode_attention_backend}, "
+            f"V-rotation absorption {'on' if lc.absorb_v_rotation else 'off'}, prefix cache "
+            f"{'off' if lc.disable_radix_cache else 'on'}"
+            + (f", mamba scheduler {lc.mamba_scheduler_strategy}" if lc.mamba_scheduler_strategy else "")
+            + (f" (recipe {lc.recipe})" if lc.recipe else ""), markup=False)
     for r in entry.results:
         c.print(f"result: {r.benchmark} BF16 {r.bf16} → OSCAR INT2 {r.oscar_int2} ({r.source})")
     for side, f in entry.files.items():
@@ -248,7 +281,7 @@ def cmd_verify(
     if model is not None:
         from ..registry import get_model
 
-        arch = get_model(model).architecture
+        arch = get_model(model).tag().architecture  # an MLA latent model: one line saying what it has instead
         layer_ids, num_kv_heads = arch.expected_layer_ids(), arch.num_kv_heads
         dims = dims or arch.head_dims
     fetch = dict(source=source, revision=revision, cache_dir=cache_dir, offline=offline or None, timeout=timeout)

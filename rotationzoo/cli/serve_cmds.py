@@ -2,7 +2,10 @@
 
 Examples::
 
-    rotationzoo serve-args Qwen3-8B --engine sglang
+    rotationzoo serve-args Qwen3-30B-A3B
+    rotationzoo serve-args Qwen3-30B-A3B --tp 4
+    rotationzoo serve-args Qwen3-8B --engine sglang-legacy
+    rotationzoo serve-args Qwen3-8B --calibrate
     rotationzoo serve-args Qwen3-8B --engine vllm --format env > oscar.env
     rotationzoo serve-args Qwen3-8B --engine llamacpp --model-path qwen3-8b-q4_k_m.gguf --json
     rotationzoo export Qwen3-8B --to safetensors --out qwen3-8b-oscar.safetensors
@@ -42,8 +45,9 @@ def _format_callback(value: str) -> str:
 
 def cmd_serve_args(
     model: Annotated[str, typer.Argument(metavar="ROTATIONS", help=f"What to serve: {RotationsHelp}.")],
-    engine: Annotated[str, typer.Option("--engine", "-e", help="sglang (the authors' fork) | vllm (the OSCAR port) | "
-                                        "llamacpp (the authors' branch); llama.cpp / llama-cpp work too.")],
+    engine: Annotated[str, typer.Option("--engine", "-e", help="sglang (the authors' current SGLang tree, the "
+                                        "default) | sglang-legacy (their May 2026 fork) | vllm (the OSCAR port) | "
+                                        "llamacpp (the authors' branch); llama.cpp / llama-cpp work too.")] = "sglang",
     tag: TagOpt = None,
     fmt: Annotated[str, typer.Option("--format", "-f", click_type=choice(vocab.LAUNCH_FORMATS),
                                      callback=_format_callback,
@@ -53,6 +57,17 @@ def cmd_serve_args(
                           "id: a checkpoint folder (sglang, vllm) or the model's GGUF file (llamacpp).")] = None,
     source: SourceOpt = "auto",
     revision: RevisionOpt = None,
+    tp_size: Annotated[Optional[int], typer.Option("--tp-size", "--tp", metavar="N", help="Tensor-parallel ranks "
+                       "(default: the entry's recipe); prints the KV heads each rank holds, or why the heads cannot "
+                       "be split over N ranks.")] = None,
+    absorb_v_rotation: Annotated[Optional[bool], typer.Option(
+        "--absorb-v-rotation/--no-absorb-v-rotation", help="Fold R_V into the weights at load time, or not "
+        "(default: the entry's; refused for per-KV-head, centered or non-orthogonal rotations).")] = None,
+    disable_radix_cache: Annotated[bool, typer.Option("--disable-radix-cache", help="Serve without the prefix cache "
+                                   "(SGLang targets; on by default in the current tree).")] = False,
+    calibrate: Annotated[bool, typer.Option("--calibrate", help="Print the start-up calibration settings instead of "
+                         "rotation paths: the authors' current tree fits a pair when it starts (a registry model; "
+                         "nothing is downloaded).")] = False,
     cache_dir: CacheDirOpt = None,
     offline: OfflineOpt = False,
     timeout: TimeoutOpt = None,
@@ -60,20 +75,31 @@ def cmd_serve_args(
 ) -> None:
     """Print the launch settings that serve these rotations with an OSCAR-enabled engine.
 
-    Resolves the rotations (a registry entry is fetched and verified if not cached), and prints
-    environment variables (local rotation paths, the entry's clip ratios, sink/recent windows, group
-    size, dtypes) and the engine's command line. For llamacpp it also writes a rotations GGUF into
-    the cache's derived area (see `rotationzoo cache ls`) and prints the step that appends it to the
-    model GGUF.
+    Resolves the rotations (a registry entry is fetched and verified if not cached), checks that the
+    engine reads what the files hold (one line says why not), and prints environment variables
+    (local rotation paths, the entry's clip ratios, windows, group size, dtypes, absorption) and the
+    engine's command line (TP size, backends, prefix cache from the entry's recipe). On stderr: caveats,
+    the KV heads of each tensor-parallel rank, and the server log lines to check. For llamacpp it also
+    writes a rotations GGUF into the cache's derived area (see `rotationzoo cache ls`) and prints the
+    step that appends it to the model GGUF.
 
-    Examples:  rotationzoo serve-args Qwen3-8B --engine sglang  |
+    Examples:  rotationzoo serve-args Qwen3-30B-A3B  |  rotationzoo serve-args Qwen3-30B-A3B --tp 4  |
+    rotationzoo serve-args Qwen3-8B -e sglang-legacy  |  rotationzoo serve-args Qwen3-8B --calibrate  |
     rotationzoo serve-args Qwen3-8B -e vllm --format env  |
     rotationzoo serve-args Qwen3-4B-Thinking -e llamacpp --model-path qwen3-4b-q4_k_m.gguf --json
     """
+    import warnings
+
     from ..serving import launch_spec
 
-    spec = launch_spec(model, tag, engine=engine, model_path=model_path, source=source, revision=revision,
-                       cache_dir=cache_dir, offline=offline or None, timeout=timeout)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        spec = launch_spec(model, tag, engine=engine, model_path=model_path, source=source, revision=revision,
+                           cache_dir=cache_dir, offline=offline or None, timeout=timeout, tp_size=tp_size,
+                           absorb_v_rotation=absorb_v_rotation, disable_radix_cache=disable_radix_cache or None,
+                           calibrate=calibrate)
+    for w in caught:  # an unpinned file pinned on first use: one line, as `fetch` says it
+        print_warning(str(w.message))
     if json_out or fmt == "json":
         emit_json(spec.to_json())
         return
@@ -86,6 +112,8 @@ def cmd_serve_args(
             print_warning(note)
         else:
             err.print(Text(f"note: {plain(note)}", style="dim"))  # literally: a note may quote file metadata
+    for check in spec.checks:
+        err.print(Text(f"check: {plain(check)}"))
 
 
 def cmd_export(

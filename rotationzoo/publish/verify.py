@@ -83,9 +83,10 @@ def verify_registry(
     offline = not download or config.offline()  # ROTATIONZOO_OFFLINE wins over --download
     models = [get_model(model)] if model is not None else list(load_registry())
     checks: list[EntryCheck] = []
-    for m in models:
-        ids = m.architecture.expected_layer_ids()
+    for m in models:  # an MLA latent model has no K/V tags: nothing to verify
         for tname, entry in m.tags.items():
+            arch = entry.architecture
+            ids = arch.expected_layer_ids()
             check = EntryCheck(m.id, tname, "failed")
             try:
                 with warnings.catch_warnings():
@@ -107,8 +108,8 @@ def verify_registry(
                     f = entry.files[side]
                     p = got.files[side].path
                     sha = sha256_file(p)
-                    rep = verify_file(p, atol=atol, layer_ids=ids, head_dim=m.architecture.head_dims,
-                                      num_kv_heads=m.architecture.num_kv_heads, with_hash=False)
+                    rep = verify_file(p, atol=atol, layer_ids=ids, head_dim=arch.head_dims,
+                                      num_kv_heads=arch.num_kv_heads, with_hash=False)
                     check.files[side] = {"path": str(p), "sha256": sha, "registry_sha256": f.sha256,
                                          "size": p.stat().st_size, "source": got.files[side].source}
                     if f.sha256 is not None and sha != f.sha256:

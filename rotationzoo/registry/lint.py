@@ -8,6 +8,7 @@ from typing import Any, Mapping
 
 from ..errors import ConfigError, RegistryError
 from ..int2kv import Int2KVConfig
+from ..launch import LaunchConfig
 from . import bounds, safety
 from .model import HEX40, SIDES
 
@@ -27,6 +28,19 @@ def _architecture(raw: Any, where: str) -> None:
     from .load import parse_architecture
 
     parse_architecture(raw, where)
+
+
+def _launch(raw: Any, arch: Any, grouping: Any, where: str) -> None:
+    """A ``launch`` block and a ``grouping``, by the rules loading applies."""
+    from .load import parse_architecture, parse_grouping, parse_launch
+
+    g = parse_grouping(grouping, f"{where}.grouping")
+    try:
+        model_arch = parse_architecture(arch, where)
+    except RegistryError:  # reported once, by _architecture; the block is still checked on its own
+        LaunchConfig.from_json(raw, where=where)
+        return
+    parse_launch(raw, model_arch, g, where)
 
 
 def _serving(raw: Any, arch: Any, where: str) -> None:
@@ -103,6 +117,11 @@ def _lint_model(m: Mapping[str, Any], mid: str, seen: dict[str, str], rep: LintR
             rep.errors.append(f"{mid}: name '{n}' is also used by {seen[n]} (ids and aliases must be unique)")
         else:
             seen[n] = mid
+    if "mla_latent" in m:
+        from .load import parse_model
+
+        _safe(lambda raw, at: parse_model(raw, at, "lint"), m, mid, rep)
+        return
     _safe(_architecture, m.get("architecture"), mid, rep)
     tags = m.get("tags") or {}
     if m.get("default_tag") not in tags:
@@ -115,6 +134,8 @@ def _lint_model(m: Mapping[str, Any], mid: str, seen: dict[str, str], rep: LintR
             continue
         _safe(lambda raw, at: _serving(raw, m.get("architecture"), at), t.get("serving"), f"{mid}@{tname}: serving",
               rep)
+        _safe(lambda raw, at: _launch(raw, m.get("architecture"), t.get("grouping"), at), t.get("launch"),
+              f"{mid}@{tname}: launch", rep)
         if isinstance(t.get("calibration"), Mapping):
             _safe(bounds.check_calibration, t["calibration"], f"{mid}@{tname}: calibration", rep)
         _safe(bounds.check_results, t.get("results", []), f"{mid}@{tname}: results", rep)
@@ -141,8 +162,10 @@ def _lint_file(f: Mapping[str, Any], side: str, tname: str, tag_sources: Any, wh
         rep.errors.append(f"{where}: files.{side} has no sources")
     hub_paths = [s for s in srcs if isinstance(s, Mapping) and s.get("type") in ("huggingface", "modelscope")
                  and not s.get("path")]
-    if hub_paths and tname.split("/")[-1] not in path.split("/") and tname not in path:
-        rep.errors.append(f"{where}: files.{side}.path {path!r} is not under a folder named after the tag")
+    flat = len(path.split("/")) == 2  # the zoo's flat model folders (Qwen3-30B-A3B/k_rotation_perhead.pt)
+    if hub_paths and not flat and tname.split("/")[-1] not in path.split("/") and tname not in path:
+        rep.errors.append(f"{where}: files.{side}.path {path!r} is not under a folder named after the tag "
+                          "(or directly in the model's folder)")
     if path and not path.split("/")[-1].startswith(f"{side}_"):
         rep.errors.append(f"{where}: files.{side}.path {path!r} does not name a {side.upper()} file ({side}_…)")
     for j, s in enumerate(srcs):

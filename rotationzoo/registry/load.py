@@ -16,7 +16,10 @@ from typing import Any, Iterable, Iterator, Mapping
 from .. import config
 from ..errors import ConfigError, RegistryError, UnknownModelError
 from ..int2kv import HEAD_DIMS, Int2KVConfig
+from ..launch import LaunchConfig
 from ..numbers import shown
+from ..sharding import kv_heads_per_rank
+from ..vocab import GROUPINGS
 from . import bounds, safety
 from .model import (
     SIDES,
@@ -24,6 +27,7 @@ from .model import (
     Architecture,
     Calibration,
     FileEntry,
+    LatentSet,
     ModelEntry,
     Result,
     Source,
@@ -86,6 +90,46 @@ def parse_serving(raw: Any, arch: Architecture, where: str) -> Int2KVConfig:
     return cfg
 
 
+def parse_launch(raw: Any, arch: Architecture, grouping: str, where: str) -> LaunchConfig:
+    """A tag's ``launch`` block: its bounds (:class:`~rotationzoo.launch.LaunchConfig`), a TP size the
+    model's KV heads can be split over (the authors' rule, :func:`~rotationzoo.sharding.kv_heads_per_rank`),
+    and no V-rotation absorption for per-KV-head files (it folds one ``R_V`` per layer into the weights)."""
+    try:
+        cfg = LaunchConfig.from_json(raw, where=where)
+        if arch.num_kv_heads is not None:
+            kv_heads_per_rank(arch.num_kv_heads, cfg.tp_size)
+    except ConfigError as exc:
+        text = str(exc)
+        raise RegistryError(text if text.startswith(where) else f"{where}: tp_size: {text}") from None
+    if cfg.absorb_v_rotation and grouping == "kv_head":
+        raise RegistryError(f"{where}: absorb_v_rotation is true for per-KV-head files (grouping kv_head); absorption "
+                            "folds one R_V per layer into the weights and is wrong for them")
+    return cfg
+
+
+def parse_grouping(raw: Any, where: str) -> str:
+    """A tag's ``grouping``: ``layer`` (the default) or ``kv_head``."""
+    if raw is None:
+        return "layer"
+    if raw not in GROUPINGS:
+        raise RegistryError(f"{where} must be one of {', '.join(GROUPINGS)}, got {shown(raw)}")
+    return str(raw)
+
+
+def parse_latent(raw: Any, where: str) -> LatentSet:
+    """A model's ``mla_latent`` block: ``location`` (printable, at most 200 characters) and ``recipe``."""
+    if not isinstance(raw, Mapping) or set(raw) - {"location", "recipe"} or "location" not in raw:
+        raise RegistryError(f"{where} must be an object with location (and recipe), got {shown(raw)}")
+    loc = raw["location"]
+    if not isinstance(loc, str) or not 1 <= len(loc) <= 200 or not loc.isprintable():
+        raise RegistryError(f"{where}.location must be a printable string of 1 to 200 characters, got {shown(loc)}")
+    try:
+        LaunchConfig(recipe=raw.get("recipe"))  # the one rule for recipe names
+    except ConfigError as exc:
+        raise RegistryError(f"{where}: {exc}") from None
+    return LatentSet(location=loc, recipe=raw.get("recipe"))
+
+
 def _parse_source(raw: Mapping[str, Any], where: str) -> Source:
     """One source, with every name that reaches a path or a request checked (:mod:`.safety`)."""
     src = Source(**raw)
@@ -130,6 +174,7 @@ def _parse_tag(mid: str, tname: str, t: Mapping[str, Any], arch: Architecture, w
             calib_raw[k] = v
     bounds.check_calibration(calib_raw, f"{where}.calibration")
     bounds.check_results(t.get("results", []), f"{where}.results")
+    grouping = parse_grouping(t.get("grouping"), f"{where}.grouping")
     return TagEntry(
         model_id=mid,
         name=tname,
@@ -140,6 +185,8 @@ def _parse_tag(mid: str, tname: str, t: Mapping[str, Any], arch: Architecture, w
         results=tuple(Result(**r) for r in t.get("results", [])),
         files=_parse_files(t, where),
         architecture=arch,
+        launch=parse_launch(t.get("launch"), arch, grouping, f"{where}.launch"),
+        grouping=grouping,  # type: ignore[arg-type]
     )
 
 
@@ -149,6 +196,8 @@ def parse_model(raw: Mapping[str, Any], where: str, origin: str) -> ModelEntry:
         mid = safety.check_model_id(raw["id"], f"{where}.id")
         for i, alias in enumerate(raw.get("aliases", [])):
             safety.check_alias(alias, f"{where}.aliases[{i}]")
+        if "mla_latent" in raw:
+            return _latent_model(raw, mid, where, origin)
         arch = parse_architecture(raw["architecture"], where)
         tags = {tname: _parse_tag(mid, tname, t, arch, f"{where}.tags[{tname!r}]") for tname, t in raw["tags"].items()}
         model = ModelEntry(
@@ -171,6 +220,17 @@ def parse_model(raw: Mapping[str, Any], where: str, origin: str) -> ModelEntry:
             f"{where}: default_tag '{model.default_tag}' is not one of its tags ({', '.join(model.tags)})"
         )
     return model
+
+
+def _latent_model(raw: Mapping[str, Any], mid: str, where: str, origin: str) -> ModelEntry:
+    """A model whose rotations are an MLA latent set: no tags, no default tag, an optional architecture."""
+    if raw.get("tags") or raw.get("default_tag") is not None:
+        raise RegistryError(f"{where}: a model with mla_latent has no K/V tags and no default_tag (the latent set is "
+                            "not a K/V pair)")
+    arch = parse_architecture(raw["architecture"], where) if raw.get("architecture") is not None else None
+    return ModelEntry(id=mid, aliases=tuple(raw.get("aliases", [])), description=raw.get("description", ""),
+                      architecture=arch, default_tag=None, tags={}, origin=origin,
+                      mla_latent=parse_latent(raw["mla_latent"], f"{where}.mla_latent"))
 
 
 def read_registry_json(path: Path) -> dict[str, Any]:

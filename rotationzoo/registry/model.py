@@ -14,7 +14,8 @@ from typing import Any, Mapping
 from ..errors import UnknownTagError
 from ..headdims import HeadDims
 from ..int2kv import Int2KVConfig
-from ..vocab import SIDES, SOURCE_TYPES, Side, SourceType, WeightDtypeName  # noqa: F401 - re-exported by the package
+from ..launch import LaunchConfig
+from ..vocab import SIDES, SOURCE_TYPES, Grouping, Side, SourceType, WeightDtypeName  # noqa: F401 - re-exported
 from .bounds import check_architecture, check_layer_head_dims
 
 #: An entry's serving defaults are an INT2-KV configuration (one type for the concept).
@@ -171,7 +172,12 @@ class Architecture:
 
 @dataclass(frozen=True)
 class TagEntry:
-    """One calibration of one model: the K/V files plus how they were made and are served."""
+    """One calibration of one model: the K/V files plus how they were made and are served.
+
+    ``serving`` holds the INT2 settings, ``launch`` the rest of the authors' recipe (TP size,
+    backends, absorption, prefix cache); ``grouping`` says whether the files hold one rotation per
+    layer (``layer``) or one per KV head (``kv_head``), before anything is downloaded.
+    """
 
     model_id: str
     name: str
@@ -182,6 +188,8 @@ class TagEntry:
     results: tuple[Result, ...]
     files: Mapping[str, FileEntry]
     architecture: Architecture
+    launch: LaunchConfig = LaunchConfig()
+    grouping: Grouping = "layer"
 
     @property
     def key(self) -> str:
@@ -199,7 +207,9 @@ class TagEntry:
             "description": self.description,
             "calibration": asdict(self.calibration),
             "objectives": dict(self.objectives),
+            "grouping": self.grouping,
             "serving": self.serving.to_json(),
+            "launch": self.launch.to_json(),
             "results": [asdict(r) for r in self.results],
             "files": {
                 side: {
@@ -213,18 +223,58 @@ class TagEntry:
         }
 
 
+#: The variable through which the authors' current tree reads an MLA latent rotation folder.
+MLA_LATENT_ENV = "SGLANG_OSCAR_MLA_KV_ROTATION_PATH"
+
+
+@dataclass(frozen=True)
+class LatentSet:
+    """An MLA latent rotation set (GLM-5.2 / 5.3, Kimi-K3): a folder of ``layer_<id>.pt`` files, each a
+    ``[rank, rank]`` rotation of the shared latent ``c_kv`` with its mean and eigenvalues. It is not a
+    K/V pair: rotationzoo lists it (where it lives, the recipe that serves it) and does not load it.
+
+    Attributes:
+        location: where the folder lives (the authors' OSCAR image path).
+        recipe: the authors' recipe that serves it (``rotation/run/glm-5.2.sh@51b618f1``).
+    """
+
+    location: str
+    recipe: str | None = None
+
+    def describe(self, model_id: str) -> str:
+        """One line: what the set is, where it lives, how the authors' tree reads it."""
+        via = f" by the recipe {self.recipe}" if self.recipe else ""
+        return (f"{model_id} has an MLA latent rotation set, not a K/V pair: a folder of layer_<id>.pt files (one "
+                f"[rank, rank] rotation of the shared latent per layer) at {self.location}, read through "
+                f"{MLA_LATENT_ENV}{via}; rotationzoo lists it and does not load it (yet)")
+
+
 @dataclass(frozen=True)
 class ModelEntry:
+    """A model of the registry: its calibration tags (K/V pairs), or, for an MLA model, its latent set.
+
+    ``default_tag`` is ``None`` and ``tags`` empty exactly when ``mla_latent`` is given; such a model
+    may omit its ``architecture``.
+    """
+
     id: str
     aliases: tuple[str, ...]
     description: str
-    architecture: Architecture
-    default_tag: str
+    architecture: Architecture | None
+    default_tag: str | None
     tags: Mapping[str, TagEntry]
     origin: str = "bundled"
+    mla_latent: LatentSet | None = None
 
     def tag(self, name: str | None = None) -> TagEntry:
-        """The named tag (default tag when ``None``); matching is case-insensitive."""
+        """The named tag (default tag when ``None``); matching is case-insensitive.
+
+        Raises:
+            UnknownTagError: no such tag, or the model has an MLA latent set and no K/V pair at all.
+        """
+        if self.mla_latent is not None or self.default_tag is None:
+            raise UnknownTagError(self.mla_latent.describe(self.id) if self.mla_latent is not None
+                                  else f"{self.id} has no calibration tags")
         if name is None:
             return self.tags[self.default_tag]
         if name in self.tags:
@@ -241,15 +291,19 @@ class ModelEntry:
         return (self.id, *self.aliases, self.id.split("/", 1)[-1])
 
     def to_json(self, *, full: bool = False) -> dict[str, Any]:
+        arch = self.architecture
         out: dict[str, Any] = {
             "id": self.id,
             "aliases": list(self.aliases),
             "description": self.description,
-            "architecture": {k: v for k, v in asdict(self.architecture).items() if v is not None},
+            "architecture": {k: v for k, v in asdict(arch).items() if v is not None} if arch is not None else None,
             "default_tag": self.default_tag,
             "tags": list(self.tags),
             "origin": self.origin,
         }
+        if self.mla_latent is not None:
+            out["mla_latent"] = {**{k: v for k, v in asdict(self.mla_latent).items() if v is not None},
+                                 "env": MLA_LATENT_ENV, "loaded_by_rotationzoo": False}
         if full:
             out["tags"] = {name: t.to_json() for name, t in self.tags.items()}
         return out

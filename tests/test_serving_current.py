@@ -1,0 +1,468 @@
+"""serve-args for the authors' current SGLang tree: per-model recipes, the engine targets' file kinds,
+absorption rules, TP sharding of per-head files, start-up calibration, and MLA latent sets.
+
+Qwen3-30B-A3B's cache is seeded with per-KV-head files ([48, 4, 128, 128] Hadamard matrices with random
+column signs, written once per module) and verified-file markers, as the hub writes them; nothing
+touches the network.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shlex
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import layouts
+import rotationzoo
+from rotationzoo import hub
+from rotationzoo.cli.main import main
+from rotationzoo.engines import TARGETS, absorption, pair_kinds, target
+from rotationzoo.errors import ConfigError, RegistryError, ServingError, UnknownTagError
+from rotationzoo.format import RotationSet, write_rotation
+from rotationzoo.hadamard import hadamard_matrix
+from rotationzoo.hashing import sha256_file
+from rotationzoo.launch import LaunchConfig
+from rotationzoo.planner import plan
+from rotationzoo.registry import get_entry, get_model, load_registry
+from rotationzoo.registry.lint import lint_registry
+from rotationzoo.registry.load import parse_model
+from rotationzoo.serving import launch_spec
+from rotationzoo.sharding import kv_heads_per_rank
+
+MOE = "Qwen3-30B-A3B"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+def split_shell(out: str) -> tuple[dict[str, str], list[str]]:
+    words = shlex.split(out.replace("\\\n", " "))
+    env = dict(w.split("=", 1) for w in words if "=" in w and w.split("=", 1)[0].isupper())
+    return env, [w for w in words if not ("=" in w and w.split("=", 1)[0].isupper())]
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+@pytest.fixture(scope="module")
+def perhead_files(tmp_path_factory) -> dict[str, Path]:
+    """V2 per-KV-head K and V files of Qwen3-30B-A3B's geometry (written once for the module)."""
+    entry = get_entry(MOE)
+    arch = entry.architecture
+    folder = tmp_path_factory.mktemp("perhead")
+    out = {}
+    h = hadamard_matrix(arch.head_dim, dtype=torch.float32)
+    for seed, side in enumerate(("k", "v")):  # a Hadamard matrix with random column signs per (layer, head)
+        g = torch.Generator().manual_seed(seed)
+        signs = torch.randint(0, 2, (arch.num_layers, arch.num_kv_heads, 1, arch.head_dim), generator=g) * 2 - 1
+        rot = (h * signs).contiguous()
+        rs = RotationSet(rotations=rot, layer_ids=tuple(range(arch.num_layers)), objective=entry.objectives[side])
+        out[side] = write_rotation(folder / entry.files[side].filename, rs)
+    return out
+
+
+@pytest.fixture(scope="module")
+def moe_pair(perhead_files) -> rotationzoo.RotationPair:
+    """The registry entry with its per-head files, read once (what ``rotationzoo.load`` returns, unvalidated)."""
+    from rotationzoo.format import read_rotation
+
+    sets = {s: read_rotation(p) for s, p in perhead_files.items()}
+    return rotationzoo.RotationPair(sets, entry=get_entry(MOE), paths=dict(perhead_files),
+                                    sha256={s: sha256_file(p) for s, p in perhead_files.items()}, source=MOE)
+
+
+@pytest.fixture
+def moe_cache(cache_dir, perhead_files) -> dict[str, Path]:
+    entry = get_entry(MOE)
+    folder = hub.entry_dir(cache_dir, entry)
+    folder.mkdir(parents=True)
+    out = {}
+    for side, src in perhead_files.items():
+        dest = folder / src.name
+        shutil.copyfile(src, dest)
+        hub.record_verified(dest, entry, side, sha=sha256_file(dest), source="url:https://example.invalid/seeded")
+        out[side] = dest
+    return out
+
+
+def seed_v1(cache_dir: Path, model: str, tag: str | None = None) -> dict[str, Path]:
+    entry = get_entry(model, tag)
+    arch = entry.architecture
+    ids = arch.expected_layer_ids()
+    folder = hub.entry_dir(cache_dir, entry)
+    folder.mkdir(parents=True)
+    out = {}
+    for seed, side in enumerate(("k", "v")):
+        rs = RotationSet(rotations=layouts.orthogonal(len(ids), arch.head_dim, arch.head_dim, seed=seed), layer_ids=ids,
+                         objective=entry.objectives[side])
+        p = write_rotation(folder / entry.files[side].filename, rs)
+        hub.record_verified(p, entry, side, sha=sha256_file(p), source="url:https://example.invalid/seeded")
+        out[side] = p
+    return out
+
+
+def local_pair(folder: Path, k: dict, v: dict) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save(k, folder / "k_rotation_test.pt")
+    torch.save(v, folder / "v_rotation_test.pt")
+    return folder
+
+
+# -- the authors' current tree: Qwen3-30B-A3B, per KV head ------------------------------------------
+
+
+def test_qwen3_30b_serves_with_its_recipe(moe_cache, capsys):
+    rc, out, err = run_cli(capsys, "serve-args", MOE)
+    assert rc == 0, err
+    env, argv = split_shell(out)
+    assert env["SGLANG_OSCAR_ABSORB_V_ROTATION"] == "0"
+    assert (env["SGLANG_MIXED_KV_PREFIX_TOKENS"], env["SGLANG_MIXED_KV_RECENT_TOKENS"]) == ("128", "1024")
+    assert env["SGLANG_OSCAR_K_ROTATION_PATH"] == str(moe_cache["k"]) and env["SGLANG_ENABLE_MIXED_KV_WINDOWS"] == "1"
+    assert "SGLANG_LLOYD_MAX" not in env  # uniform levels: not forced, the pool's default applies
+    for backend in ("--attention-backend", "--prefill-attention-backend", "--decode-attention-backend"):
+        assert flag(argv, backend) == "triton"
+    assert flag(argv, "--tensor-parallel-size") == "2" and flag(argv, "--kv-cache-quant-group-size") == "128"
+    for gone in ("--disable-radix-cache", "--disable-custom-all-reduce", "--page-size"):
+        assert gone not in argv
+    assert not {"SGLANG_OSCAR_ROTATION_MODE", "HADAMARD_ORDER"} & set(env)
+    # stderr: the recipe, each rank's heads, and the log line that proves the per-head files were read
+    assert "rotation/run/qwen3-30b-a3b.sh" in err
+    assert "rank 0: KV heads 0-1 of 4" in err and "rank 1: KV heads 2-3 of 4" in err
+    assert err.count("[per-head: 4 kv heads]") == 2
+
+
+def test_tp_names_each_ranks_heads_and_json_says_the_same(moe_cache, moe_pair, capsys):
+    rc, out, err = run_cli(capsys, "serve-args", MOE, "--tp", "8", "--json")
+    assert rc == 0, err
+    data = json.loads(out)
+    assert flag(data["args"], "--tensor-parallel-size") == "8"
+    # 4 KV heads over 8 ranks: each head replicated on two consecutive ranks
+    assert [(r["rank"], r["kv_heads"], r["of"]) for r in data["ranks"]] == [
+        (0, [0], 4), (1, [0], 4), (2, [1], 4), (3, [1], 4), (4, [2], 4), (5, [2], 4), (6, [3], 4), (7, [3], 4)]
+    assert len(data["checks"]) == 2 and all("[per-head: 4 kv heads]" in c for c in data["checks"])
+    spec = launch_spec(moe_pair, tp_size=4)
+    assert [r["kv_heads"] for r in spec.ranks] == [[0], [1], [2], [3]]
+    assert spec.ranks == [{"rank": r, "kv_heads": list(h), "of": 4} for r, h in enumerate(kv_heads_per_rank(4, 4))]
+
+
+def test_a_tp_size_the_heads_cannot_split_over_fails_with_one_line(moe_cache, capsys):
+    rc, out, err = run_cli(capsys, "serve-args", MOE, "--tp", "3")
+    assert rc == 1 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "4 KV heads cannot be split over 3" in err and "try --tp 1, 2, 4" in err
+    # the registry knows the model's KV heads: refused before anything is downloaded (the cache is empty)
+    rc, out, err = run_cli(capsys, "serve-args", "Qwen3-32B", "--tp", "3", "--offline")
+    assert rc == 1 and "8 KV heads cannot be split over 3" in err and "offline" not in err, err
+    for tp in ("0", "1025"):  # out of bounds: refused before anything is read
+        rc, out, err = run_cli(capsys, "serve-args", "Qwen3-9B-nonexistent", "--tp", tp)
+        assert rc == 1 and out == "" and "tp_size must be an integer from 1 to 1,024" in err, err
+
+
+def test_per_head_files_are_refused_by_targets_that_cannot_read_them(moe_cache, moe_pair, cache_dir, capsys):
+    rc, out, err = run_cli(capsys, "serve-args", MOE, "--engine", "llamacpp")
+    assert rc == 1 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "per-KV-head rotations ([L, H_kv, d, d]) cannot be served by llamacpp" in err and "--engine sglang" in err
+    assert not (cache_dir / "derived").exists()  # no GGUF was exported
+    for engine in ("vllm", "sglang-legacy", "llama.cpp"):
+        with pytest.raises(ServingError, match=r"per-KV-head rotations \(\[L, H_kv, d, d\]\) cannot be served by"):
+            launch_spec(moe_pair, engine=engine)
+        with pytest.raises(ServingError, match="cannot be served"):
+            moe_pair.serve_env(engine)
+
+
+def test_absorption_asked_for_per_head_files_is_refused(moe_cache, moe_pair, capsys):
+    rc, out, err = run_cli(capsys, "serve-args", MOE, "--absorb-v-rotation")
+    assert rc == 1 and out == "" and len(err.strip().splitlines()) == 1
+    assert "--absorb-v-rotation" in err and "per-KV-head" in err
+    assert launch_spec(moe_pair, absorb_v_rotation=False).env["SGLANG_OSCAR_ABSORB_V_ROTATION"] == "0"
+
+
+def test_the_python_api_gives_the_same_env(moe_pair):
+    assert moe_pair.serve_env("sglang") == launch_spec(moe_pair).env
+    assert moe_pair.serve_env("sglang")["SGLANG_OSCAR_ABSORB_V_ROTATION"] == "0"
+    assert launch_spec(moe_pair).model == "Qwen/Qwen3-30B-A3B"
+
+
+# -- one rotation per layer on the current tree ----------------------------------------------------------
+
+
+def test_qwen3_8b_current_line_has_its_windows_and_lloyd_max(cache_dir, capsys):
+    seed_v1(cache_dir, "Qwen3-8B")
+    entry = get_entry("Qwen3-8B")
+    rc, out, err = run_cli(capsys, "serve-args", "Qwen3-8B", "-f", "env")
+    assert rc == 0, err
+    env = dict(line.split("=", 1) for line in out.strip().splitlines())
+    assert env["SGLANG_MIXED_KV_RECENT_TOKENS"] == str(entry.serving.recent_tokens) == "2048"
+    assert env["SGLANG_LLOYD_MAX"] == "1" and entry.serving.lloyd_max
+    assert env["SGLANG_OSCAR_ABSORB_V_ROTATION"] == "0"
+    rc, out, err = run_cli(capsys, "serve-args", "Qwen3-8B", "--absorb-v-rotation", "--disable-radix-cache", "--tp",
+                           "2", "--json")
+    data = json.loads(out)
+    assert rc == 0 and data["env"]["SGLANG_OSCAR_ABSORB_V_ROTATION"] == "1" and "--disable-radix-cache" in data["args"]
+    assert [r["kv_heads"] for r in data["ranks"]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert all("no '[per-head' suffix" in c for c in data["checks"])
+    assert any("same on every rank" in n for n in data["notes"])
+
+
+def test_knobs_a_target_does_not_take_are_refused(cache_dir, capsys):
+    seed_v1(cache_dir, "Qwen3-8B")
+    for engine, extra, what in (("vllm", "--disable-radix-cache", "--disable-radix-cache does not apply to vllm"),
+                                ("llamacpp", "--tp=2", "--tp-size does not apply to llamacpp"),
+                                ("vllm", "--absorb-v-rotation", "--absorb-v-rotation does not apply to vllm"),
+                                ("sglang-legacy", "--calibrate", "--calibrate does not apply to sglang-legacy")):
+        rc, out, err = run_cli(capsys, "serve-args", "Qwen3-8B", "-e", engine, extra)
+        assert rc == 1 and out == "" and what in err and len(err.strip().splitlines()) == 1, err
+    rc, out, _ = run_cli(capsys, "serve-args", "Qwen3-8B", "-e", "vllm", "--tp", "2", "--json")
+    assert rc == 0 and flag(json.loads(out)["args"], "--tensor-parallel-size") == "2"
+
+
+def test_legacy_line_adds_tp_and_radix_flags_only_when_asked(cache_dir, capsys):
+    seed_v1(cache_dir, "Qwen3-8B")
+    rc, out, _ = run_cli(capsys, "serve-args", "Qwen3-8B", "-e", "sglang-legacy", "--json")
+    plain = json.loads(out)["args"]
+    assert rc == 0 and "--tensor-parallel-size" not in plain and "--disable-radix-cache" not in plain
+    rc, out, _ = run_cli(capsys, "serve-args", "Qwen3-8B", "-e", "sglang-legacy", "--tp", "2", "--disable-radix-cache",
+                         "--no-absorb-v-rotation", "--json")
+    data = json.loads(out)
+    assert flag(data["args"], "--tensor-parallel-size") == "2" and data["args"][-1] == "--disable-radix-cache"
+    assert data["env"]["SGLANG_OSCAR_ABSORB_V_ROTATION"] == "0" and "--page-size" in data["args"]
+
+
+def test_gemma_ragged_pair_absorbs_on_the_current_tree_and_is_refused_elsewhere(cache_dir, capsys):
+    entry = get_entry("gemma-4-12B-it")
+    arch = entry.architecture
+    folder = hub.entry_dir(cache_dir, entry)
+    folder.mkdir(parents=True)
+    for seed, side in enumerate(("k", "v")):  # head_dim 256 on sliding layers, 512 on full ones; one file each
+        g = torch.Generator().manual_seed(seed)
+        layers = {lid: {"layer_id": lid, "rotation": (hadamard_matrix(arch.head_dims(lid), dtype=torch.float32)
+                                                      * (torch.randint(0, 2, (arch.head_dims(lid),), generator=g) * 2 - 1)
+                                                      ).contiguous()}
+                  for lid in arch.expected_layer_ids()}
+        p = folder / entry.files[side].filename
+        torch.save({"format_version": 1, "objective": entry.objectives[side], "source_grouping": "layer",
+                    "layers": layers}, p)
+        hub.record_verified(p, entry, side, sha=sha256_file(p), source="url:https://example.invalid/seeded")
+    rc, out, err = run_cli(capsys, "serve-args", "gemma-4-12B-it", "--json")
+    assert rc == 0, err
+    data = json.loads(out)
+    assert data["env"]["SGLANG_OSCAR_ABSORB_V_ROTATION"] == "1"  # one rotation per layer: the recipe's absorption
+    assert flag(data["args"], "--kv-cache-quant-group-size") == "128"  # divides 256 and 512
+    assert (data["env"]["SGLANG_MIXED_KV_PREFIX_TOKENS"], data["env"]["SGLANG_MIXED_KV_RECENT_TOKENS"]) == ("64", "512")
+    pair = rotationzoo.load("gemma-4-12B-it")
+    assert "ragged" in pair_kinds(pair)
+    for engine in ("sglang-legacy", "vllm", "llamacpp"):
+        with pytest.raises(ServingError, match="layers of different head_dim or KV-head count cannot be served by "
+                                               + engine):
+            launch_spec(pair, engine=engine)
+
+
+# -- what each target reads ------------------------------------------------------------------------------
+
+
+def test_centered_files_force_absorption_off_and_refuse_it(tmp_path, capsys):
+    d = local_pair(tmp_path / "center", layouts.v3_key(2, 2, 64), layouts.v3_value(2, 2, 64))
+    rc, out, err = run_cli(capsys, "serve-args", str(d), "-f", "json")
+    assert rc == 0, err
+    data = json.loads(out)
+    assert data["env"]["SGLANG_OSCAR_ABSORB_V_ROTATION"] == "0"
+    assert any("k_mean" in n and "fused" in n for n in data["notes"])
+    assert all("[per-head: 2 kv heads]" in c for c in data["checks"])
+    rc, _, err = run_cli(capsys, "serve-args", str(d), "--absorb-v-rotation")
+    assert rc == 1 and "key centering (k_mean)" in err and len(err.strip().splitlines()) == 1
+    # an entry that asks for absorption gets it off, with a note, when its files forbid it
+    kinds = pair_kinds(rotationzoo.load(d))
+    assert {"v2", "v3", "k_mean"} <= kinds
+    on, note = absorption(target("sglang"), kinds, LaunchConfig(absorb_v_rotation=True), None, False, "x")
+    assert on is False and note is not None and "k_mean" in note
+    assert absorption(target("sglang"), frozenset({"v1"}), LaunchConfig(absorb_v_rotation=True), None, False, "x") \
+        == (True, None)
+
+
+def test_shared_centered_files_are_refused_by_v1_targets(tmp_path, capsys):
+    d = local_pair(tmp_path / "shared-center", layouts.v3_key(2, 2, 64, shared=True), layouts.v3_value(2, 2, 64, shared=True))
+    for engine in ("vllm", "llamacpp", "sglang-legacy"):
+        rc, out, err = run_cli(capsys, "serve-args", str(d), "-e", engine)
+        assert rc == 1 and "key centering (k_mean) cannot be served by " + engine in err, err
+    rc, _, err = run_cli(capsys, "serve-args", str(d))
+    assert rc == 0, err
+
+
+def test_non_orthogonal_companions_and_value_centering(tmp_path, capsys):
+    d = local_pair(tmp_path / "whiten", layouts.v3_key(2, 2, 64, centered=False, orthogonal_transform=False),
+                   layouts.v3_value(2, 2, 64, orthogonal_transform=False))
+    assert "companions" in pair_kinds(rotationzoo.load(d))
+    rc, out, err = run_cli(capsys, "serve-args", str(d), "-f", "env")
+    assert rc == 0 and "SGLANG_OSCAR_ABSORB_V_ROTATION=0" in out, err
+    rc, _, err = run_cli(capsys, "serve-args", str(d), "--absorb-v-rotation")
+    assert rc == 1 and "non-orthogonal" in err
+    # value centering is rotationzoo's own: the authors' engine does not read it
+    vm = tmp_path / "vmean"
+    vm.mkdir()
+    rot = layouts.orthogonal(2, 64, 64)
+    write_rotation(vm / "k_rotation_t.pt", RotationSet(rot, (0, 1), objective="qqt_r_h_pbr"))
+    write_rotation(vm / "v_rotation_t.pt", RotationSet(rot, (0, 1), objective="sst_r_h_pbr", v_mean=torch.randn(2, 64)))
+    rc, out, err = run_cli(capsys, "serve-args", str(vm))
+    assert rc == 1 and out == "" and "value centering (v_mean" in err and "integrations.transformers" in err
+
+
+def test_the_engine_table_in_the_docs_is_the_code():
+    """docs/serving.md's table of which engine reads which file kind is TARGETS, row by row."""
+    lines = (REPO / "docs" / "serving.md").read_text().splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("| target | V1 |"))
+    header, rows = lines[start], []
+    for ln in lines[start + 2:]:
+        if not ln.startswith("|"):
+            break
+        rows.append(ln)
+    kinds = [c.strip() for c in header.strip("|").split("|")][1:]
+    assert len(rows) == len(TARGETS)
+    names = {"V1": "v1", "V2 (per KV head)": "v2", "V3": "v3", "`k_mean`": "k_mean",
+             "`q_rotation` / `o_rotation`": "companions", "`v_mean`": "v_mean", "ragged": "ragged",
+             "Lloyd-Max": "lloyd_max"}
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        t = TARGETS[cells[0].strip("`")]
+        said = {names[k] for k, c in zip(kinds, cells[1:]) if c.startswith("yes")}
+        assert said == set(t.reads), t.name
+
+
+def test_the_recipe_table_in_the_docs_is_the_registry():
+    lines = (REPO / "docs" / "serving.md").read_text().splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("| model | sink / recent | group | Lloyd-Max | TP |"))
+    rows = []
+    for ln in lines[start + 2:]:
+        if not ln.startswith("|"):
+            break
+        rows.append(ln)
+    assert len(rows) >= 10
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        t = get_entry(cells[0].strip("`"))
+        s = t.serving
+        assert cells[1] == f"{s.prefix_tokens} / {s.recent_tokens}" and cells[2] == str(s.group_size), t.key
+        assert cells[3] == ("yes" if s.lloyd_max else "no") and cells[4] == str(t.launch.tp_size), t.key
+        assert ("per KV head" in cells[5]) == (t.grouping == "kv_head"), t.key
+
+
+# -- start-up calibration ------------------------------------------------------------------------------
+
+
+def test_calibrate_prints_the_calibration_settings_and_fetches_nothing(cache_dir, capsys):
+    rc, out, err = run_cli(capsys, "serve-args", "Qwen3-8B", "--calibrate", "--offline")
+    assert rc == 0, err
+    env, argv = split_shell(out)
+    assert "SGLANG_OSCAR_K_ROTATION_PATH" not in env and "SGLANG_OSCAR_V_ROTATION_PATH" not in env
+    assert env["SGLANG_OSCAR_CALIBRATION_TOKENS"] == "30000" and env["SGLANG_OSCAR_CALIBRATION_PROMPTS_PATH"] == ""
+    assert env["SGLANG_OSCAR_ABSORB_V_ROTATION"] == "0" and env["SGLANG_MIXED_KV_RECENT_TOKENS"] == "2048"
+    assert flag(argv, "--model-path") == "Qwen/Qwen3-8B" and flag(argv, "--attention-backend") == "triton"
+    # the folder the server writes: the authors' digest of model, revision, prompts and tokens
+    digest = hashlib.sha256(b"Qwen/Qwen3-8B\0main\0openai-simple-evals/gpqa_diamond-seed0-v1\x0030000").hexdigest()[:12]
+    assert f"oscar-rotations/Qwen3-8B-{digest}/" in err and "rotationzoo cache import" in err
+    assert not cache_dir.exists() or not any(cache_dir.rglob("*.pt"))
+
+
+def test_calibrate_refusals_and_warnings(tmp_path, capsys):
+    rc, _, err = run_cli(capsys, "serve-args", "Qwen3-8B", "--calibrate", "-e", "vllm")
+    assert rc == 1 and "start-up calibration is a feature of --engine sglang" in err
+    rc, _, err = run_cli(capsys, "serve-args", "Qwen3-8B", "--calibrate", "--absorb-v-rotation")
+    assert rc == 1 and "start-up calibration keeps the V rotation at runtime" in err
+    d = local_pair(tmp_path / "p", layouts.v1(2, 64), layouts.v1(2, 64, seed=1, objective="sst_r_h_pbr"))
+    rc, _, err = run_cli(capsys, "serve-args", str(d), "--calibrate")
+    assert rc == 1 and "--calibrate takes a registry model" in err
+    rc, _, err = run_cli(capsys, "serve-args", "gemma-4-12B-it", "--calibrate")
+    assert rc == 1 and "two-geometry" in err and len(err.strip().splitlines()) == 1
+    rc, _, err = run_cli(capsys, "serve-args", MOE, "--calibrate")
+    assert rc == 0 and "GPQA 43.9 shared against 58.6 per head" in err
+
+
+# -- the registry's recipes, latent sets and the planner -------------------------------------------------
+
+
+def test_registry_entries_carry_the_recipes():
+    moe = get_model(MOE)
+    assert moe.default_tag == "perhead" and set(moe.tags) == {"perhead", "shared"}
+    per, shared = moe.tags["perhead"], moe.tags["shared"]
+    assert per.grouping == "kv_head" and shared.grouping == "layer"
+    assert per.files["k"].path == "Qwen3-30B-A3B/k_rotation_perhead.pt" and per.files["k"].sha256 is None
+    assert shared.files["v"].path == "Qwen3-30B-A3B/v_rotation_sst_r_h_pbr.pt"
+    assert (per.launch.tp_size, per.launch.absorb_v_rotation, per.serving.recent_tokens) == (2, False, 1024)
+    assert get_entry("Qwen3-8B").serving.prefix_tokens == 128 and get_entry("Qwen3-8B").serving.lloyd_max
+    assert get_entry("MiniMax-M3").files["k"].filename == "k_rotation_hadamard.pt"
+    assert get_entry("gemma-4-12B-it").launch.absorb_v_rotation and not get_entry("gemma-4-12B-it").architecture.head_dims.uniform
+    assert get_entry("Qwen3.5-4B").launch.mamba_scheduler_strategy == "extra_buffer"
+    assert get_entry("Qwen3.5-35B-A3B").serving.group_size == 256
+    for m in load_registry():  # every K/V entry names the recipe it comes from, or is rotationzoo's own
+        for t in m.tags.values():
+            assert t.launch.recipe or m.id.startswith(("HuggingFaceTB/", "Qwen/Qwen3-VL")), t.key
+
+
+def test_mla_latent_sets_are_listed_and_refused(cache_dir, capsys):
+    m = get_model("GLM-5.2")
+    assert m.mla_latent is not None and m.default_tag is None and not m.tags
+    rc, out, err = run_cli(capsys, "info", "GLM-5.2")
+    assert rc == 0 and "/oscar/rotations/glm52-rotations/" in out and "does not load it" in out
+    rc, out, _ = run_cli(capsys, "info", "Kimi-K3", "--json")
+    assert json.loads(out)["mla_latent"]["loaded_by_rotationzoo"] is False
+    for argv in (("fetch", "GLM-5.2"), ("serve-args", "GLM-5.3"), ("plan", "Kimi-K3", "--context", "4096")):
+        rc, out, err = run_cli(capsys, *argv)
+        assert rc == 1 and out == "" and "MLA latent rotation set" in err and len(err.strip().splitlines()) == 1, argv
+    with pytest.raises(UnknownTagError, match="not a K/V pair"):
+        rotationzoo.load("Kimi-K3")
+    rc, out, _ = run_cli(capsys, "list", "--plain")
+    assert rc == 0 and "zai-org/GLM-5.3\tGLM-5.3\t?\t?\t(MLA latent set)" in out
+
+
+def test_plan_uses_the_entrys_windows_and_says_per_head_changes_no_bytes():
+    p = plan(MOE, context=32768)
+    s = get_entry(MOE).serving
+    assert p.format("oscar_int2").window_tokens == s.prefix_tokens + s.recent_tokens == 1152
+    assert any("per-KV-head rotations change no KV bytes" in n for n in p.notes)
+    assert plan(f"{MOE}@shared", context=32768).format("oscar_int2").sequence_bytes == p.format("oscar_int2").sequence_bytes
+    assert not any("per-KV-head" in n for n in plan(f"{MOE}@shared", context=32768).notes)
+
+
+def _model(**tag_changes) -> dict:
+    tag = {"objectives": {"k": "a", "v": "b"}, "serving": {}, "files": {
+        s: {"path": f"M/t/{s}_rotation.pt", "sha256": None, "size": None,
+            "sources": [{"type": "url", "url": "https://example.invalid/x"}]} for s in ("k", "v")}}
+    tag.update(tag_changes)
+    return {"id": "ns/M", "architecture": {"num_layers": 4, "head_dim": 128, "num_kv_heads": 4}, "default_tag": "t",
+            "tags": {"t": tag}}
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"launch": {"tp_size": 3}}, "cannot be split over 3"),
+    ({"launch": {"tp_size": 0}}, "tp_size must be an integer from 1"),
+    ({"launch": {"prefill_attention_backend": "flashinfer"}}, "prefill_attention_backend must be one of triton, fa3"),
+    ({"launch": {"decode_attention_backend": "fa3"}}, "decode_attention_backend must be triton"),
+    ({"launch": {"tp": 2}}, "unknown key(s) tp"),
+    ({"launch": {"recipe": "run.sh; rm -rf ~"}}, "recipe must be a path"),
+    ({"launch": {"absorb_v_rotation": True}, "grouping": "kv_head"}, "absorb_v_rotation is true for per-KV-head"),
+    ({"grouping": "head"}, "grouping must be one of layer, kv_head"),
+])
+def test_bad_launch_blocks_are_refused_by_loading_and_lint(changes, message):
+    raw = _model(**changes)
+    with pytest.raises(RegistryError, match=__import__("re").escape(message)):
+        parse_model(raw, "models[0]", "test")
+    report = lint_registry({"models": [raw]})
+    assert any(message in e for e in report.errors), report.errors
+
+
+def test_latent_models_have_no_tags():
+    with pytest.raises(RegistryError, match="no K/V tags"):
+        parse_model({"id": "ns/L", "mla_latent": {"location": "/x"}, "default_tag": "t", "tags": {"t": {}}}, "m", "t")
+    with pytest.raises(RegistryError, match="location must be a printable"):
+        parse_model({"id": "ns/L", "mla_latent": {"location": "a\nb"}}, "m", "t")
+    assert lint_registry({"models": [{"id": "ns/L", "mla_latent": {"location": "/x", "recipe": "run/x.sh"}}]}).ok
+    with pytest.raises(ConfigError):
+        LaunchConfig(tp_size=True)
