@@ -188,19 +188,23 @@ class RotationPair:
         return RotationPair(sets, self.entry, dict(self.paths), dict(self.sha256), dict(self.metadata), self.source)
 
     def validate(self, *, atol: float = DEFAULT_ATOL, layer_ids: Sequence[int] | None = None,
-                 head_dim: int | HeadDims | None = None) -> "RotationPair":
+                 head_dim: int | HeadDims | None = None, sides_checked: bool = False) -> "RotationPair":
         """Check every side (orthogonality, finiteness, expected layers / ``d``) and K/V agreement.
 
         Raises:
             InvalidRotationError: a side fails, a companion is on the wrong side (``k_mean`` /
                 ``q_rotation`` belong to K, ``o_rotation`` / ``v_mean`` to V), or K and V cover different
                 layers, ``d`` or KV heads.
+
+        ``sides_checked=True`` skips the per-side numerics (the caller validated each side already,
+        against the model) and checks only what is about the pair.
         """
         name = self.source or "rotation pair"
         if not self.sets:
             raise InvalidRotationError(f"{name}: no K or V rotations")
         for side, rs in self:
-            validate(rs, atol=atol, layer_ids=layer_ids, head_dim=head_dim)
+            if not sides_checked:
+                validate(rs, atol=atol, layer_ids=layer_ids, head_dim=head_dim)
             wrong = [f for f in _OTHER_SIDE[side] if getattr(rs, f) is not None]
             if wrong:
                 raise InvalidRotationError(f"{name}: the {side.upper()} rotations carry {', '.join(wrong)}, which "
@@ -431,4 +435,4 @@ def load_registered(
         sets[s] = rs
     pair = RotationPair(sets, entry=entry, paths={s: got.files[s].path for s in SIDES},
                         sha256={s: got.files[s].sha256 for s in SIDES}, source=entry.key)
-    return pair.validate(atol=atol)
+    return pair.validate(atol=atol, sides_checked=True)  # each side was validated against the model above

@@ -575,8 +575,10 @@ def test_overwriting_a_dump_never_follows_a_linked_layer_folder(tmp_path):
 def test_hadamard_refuses_files_no_reader_could_load(tmp_path):
     refused(lambda: fit_rotations(None, "hadamard", num_layers=4, head_dim=65536), r"beyond what a rotation file may hold",
             error=FitError)
-    refused(lambda: fit_rotations(None, "hadamard", num_layers=10**6, head_dim=128), r"10+ layers of head_dim 128",
-            error=FitError)
+    refused(lambda: fit_rotations(None, "hadamard", num_layers=10**6, head_dim=128), r"num_layers must be an integer "
+            r"in \[1, 1024\]", error=FitError)
+    refused(lambda: fit_rotations(None, "hadamard", num_layers=1024, head_dim=4096), r"1024 layers of head_dim 4096 "
+            r"make rotation files of \d+ bytes", error=FitError)
     refused(lambda: fit_rotations(None, "hadamard", num_layers=2, head_dim=1), r"head_dim 1 is below 16", error=FitError)
     from rotationzoo.fit import DumpWriter
 
