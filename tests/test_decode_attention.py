@@ -230,7 +230,7 @@ def test_reference_transient_memory_is_one_tile():
     b, hkv, hq, d, n, tile = 1, 2, 4, 64, 4096, 256
     k, _ = make_cache(b, hkv, d, 4, n, 8, seed=20)
     v, _ = make_cache(b, hkv, d, 4, n, 8, seed=21)
-    q = torch.randn(b, hq, 1, d)
+    q = torch.randn(b, hq, 1, d).to(DEVICE)
     tile_bytes = 4 * b * hkv * tile * d  # one side's unpacked tile in fp32
     history_bytes = 2 * 4 * b * hkv * n * d  # K and V dequantized in fp32
     parts = [t for side in (k, v) for t in side] + [q]

@@ -177,17 +177,18 @@ def _synthetic_cache(b: int, hq: int, hkv: int, d: int, context: int, group: int
 
     from rotationzoo.kernels import Int2KV, quantize_int2
 
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(device=device).manual_seed(0)
     n = max(0, context - prefix - recent)
     sdt = scale_dtype or torch.float32
 
     def side() -> Int2KV:
-        x = torch.randn(b, hkv, context, d, generator=g).to(device)
+        x = torch.randn(b, hkv, context, d, generator=g, device=device)
         codes, sz = quantize_int2(x[:, :, prefix:prefix + n], group_size=group, scale_dtype=sdt)
         return Int2KV(x[:, :, :prefix].bfloat16(), codes, sz, x[:, :, prefix + n:].bfloat16())
 
-    q = torch.randn(b, hq, 1, d, generator=g).to(device)
-    rot = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))[0].float().to(device)
+    q = torch.randn(b, hq, 1, d, generator=g, device=device)
+    rot = torch.linalg.qr(torch.randn(d, d, dtype=torch.float64, generator=torch.Generator().manual_seed(1)))[0]
+    rot = rot.float().to(device)
     return {"q": q, "k": side(), "v": side(), "rot": rot, "n_int2": n}
 
 

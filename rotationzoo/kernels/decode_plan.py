@@ -16,10 +16,11 @@ DECODE_MAX_QUERIES = 16
 decode step, speculative drafts): the Triton kernel keeps ``heads per KV head × queries`` rows in
 registers. The cache uses the kernel up to this many new tokens and its prefill path above."""
 
-REFERENCE_TILE_BYTES = 1 << 20
+REFERENCE_TILE_BYTES = 4 << 20
 """fp32 bytes of one side's unpacked code tile in the PyTorch reference (``batch × KV heads × tokens ×
-d × 4``): small enough to stay in a CPU's L2 cache, large enough that per-tile Python overhead is
-small. The reference's transient memory is a small multiple of this (see docs/performance.md)."""
+d × 4``). Larger tiles amortise the per-tile Python and dispatch overhead (about 30 small operations),
+smaller ones stay in cache; 4 MiB measured best on SmolLM2's shape (``tools/bench_decode.py
+--cpu-variants``). The reference's transient memory is a small multiple of this (docs/performance.md)."""
 
 REFERENCE_MIN_TILE = 64
 """Fewest tokens per reference tile."""

@@ -49,10 +49,7 @@ def _byte_order(d: int, groups: int, device: torch.device) -> tuple[torch.Tensor
 
 def unpack_tile(codes: torch.Tensor) -> torch.Tensor:
     """``codes [..., n, d/4]`` uint8 → ``[..., n, d]`` fp32 codes in byte order (position ``4j + a``)."""
-    table = _byte_codes(codes.device)
-    lead = codes.shape[:-1]
-    flat = torch.nn.functional.embedding(codes.reshape(-1, codes.shape[-1]).to(torch.int32), table)
-    return flat.reshape(*lead, 4 * codes.shape[-1])
+    return torch.nn.functional.embedding(codes.to(torch.int32), _byte_codes(codes.device)).flatten(-2)
 
 
 def rotate_queries(query: torch.Tensor, rotation: torch.Tensor | None, num_kv_heads: int, scale: float) -> torch.Tensor:
@@ -75,16 +72,17 @@ def _out_rotate(o: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
 
 
 class _Softmax:
-    """fp32 online softmax state of ``[B, H_kv, rows]`` query rows (``acc`` in the natural dim order)."""
+    """fp32 online softmax state of ``[B, H_kv, rows]`` query rows; ``acc`` holds the output dims in
+    byte order (position ``4j + a`` is dim ``a·Q + j``, see :func:`unpack_tile`)."""
 
     def __init__(self, b: int, h: int, rows: int, d: int, device: torch.device) -> None:
         self.m = torch.full((b, h, rows), _NEG_INF, device=device)
         self.l = torch.zeros((b, h, rows), device=device)
         self.acc = torch.zeros((b, h, rows, d), device=device)
 
-    def scores(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fold a tile's scores in: returns ``(p, alpha)``: the tile's weights ``exp(score − m_new)`` and
-        the factor ``exp(m_old − m_new)`` already applied to ``l``; the caller adds ``p @ v`` with
+    def fold(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fold a tile's scores in: returns ``(p, alpha)``, the tile's weights ``exp(score − m_new)`` and
+        the factor ``exp(m_old − m_new)`` already applied to ``l``; the caller then adds ``p @ v`` with
         :meth:`add` (``acc ← alpha · acc + pv``)."""
         m_new = torch.maximum(self.m, scores.amax(dim=-1))
         finite = torch.where(m_new == _NEG_INF, 0.0, m_new)  # a row that has seen no key yet
@@ -95,7 +93,7 @@ class _Softmax:
         return p, alpha
 
     def add(self, pv: torch.Tensor, alpha: torch.Tensor) -> None:
-        self.acc = self.acc * alpha[..., None] + pv
+        self.acc.mul_(alpha[..., None]).add_(pv)
 
 
 def _mask(scores: torch.Tensor, pos: torch.Tensor, limit: torch.Tensor | None) -> torch.Tensor:
@@ -108,11 +106,12 @@ def _mask(scores: torch.Tensor, pos: torch.Tensor, limit: torch.Tensor | None) -
 def _dense(state: _Softmax, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, tile: int,
            limit: torch.Tensor | None) -> None:
     """Fold window tokens ``k, v [B, H_kv, n, d]`` (any float dtype), key positions ``first …``."""
+    dims, _ = _byte_order(q.shape[-1], 1, q.device)
     for a in range(0, k.shape[2], tile):
         kt = k[:, :, a:a + tile].to(torch.float32)
-        vt = v[:, :, a:a + tile].to(torch.float32)
+        vt = v[:, :, a:a + tile, dims].to(torch.float32)  # value dims in byte order, like the INT2 tiles
         pos = torch.arange(first + a, first + a + kt.shape[2], device=q.device)
-        p, alpha = state.scores(_mask(q @ kt.transpose(-1, -2), pos, limit))
+        p, alpha = state.fold(_mask(q @ kt.transpose(-1, -2), pos, limit))
         state.add(p @ vt, alpha)
 
 
@@ -132,34 +131,31 @@ def _int2(state: _Softmax, q: torch.Tensor, keys: tuple[torch.Tensor, torch.Tens
     else:
         qk = (qp[..., None, :] * onehot).reshape(b, h, rows * groups, d)  # row (r, g): q masked to group g
         qsum = qk.sum(dim=-1).reshape(b, h, rows, groups)
-    vdims, vonehot = _byte_order(d, vgroups, q.device)
+    _, vonehot = _byte_order(d, vgroups, q.device)
     for a in range(0, kc.shape[2], tile):
         n = min(tile, kc.shape[2] - a)
         ks = ksz[:, :, a:a + n].to(torch.float32)
         s, z = ks[..., 0::2], ks[..., 1::2]  # [B, H, n, groups]
         raw = qk @ unpack_tile(kc[:, :, a:a + n]).transpose(-1, -2)  # [B, H, rows·groups, n]
-        if groups == 1:
-            scores = raw * s[..., 0][:, :, None, :] - qsum * (s * z)[..., 0][:, :, None, :]
+        if groups == 1:  # s·(q·c − z·Σq)
+            scores = raw.sub_(qsum * z[..., 0][:, :, None, :]).mul_(s[..., 0][:, :, None, :])
         else:
             raw = raw.reshape(b, h, rows, groups, n)
-            sz_t = (s * z).transpose(-1, -2)  # [B, H, groups, n]
-            scores = (raw * s.transpose(-1, -2)[:, :, None]).sum(dim=-2) - qsum @ sz_t
+            scores = (raw * s.transpose(-1, -2)[:, :, None]).sum(dim=-2) - qsum @ (s * z).transpose(-1, -2)
         pos = torch.arange(first + a, first + a + n, device=q.device)
-        p, alpha = state.scores(_mask(scores, pos, limit))
+        p, alpha = state.fold(_mask(scores, pos, limit))
         vs = vsz[:, :, a:a + n].to(torch.float32)
         sv, zv = vs[..., 0::2], vs[..., 1::2]
         cv = unpack_tile(vc[:, :, a:a + n])  # [B, H, n, d] byte order
-        if vgroups == 1:
+        if vgroups == 1:  # Σ (p s) c − Σ p s z
             w = p * sv[..., 0][:, :, None, :]
-            pv = w @ cv - w @ zv  # [B, H, rows, d] - [B, H, rows, 1]
+            pv = (w @ cv).sub_(w @ zv)
         else:
             w = (p[..., None, :] * sv.transpose(-1, -2)[:, :, None]).reshape(b, h, rows * vgroups, n)
             r = (w @ cv).reshape(b, h, rows, vgroups, d)
             zsum = (w.reshape(b, h, rows, vgroups, n) * zv.transpose(-1, -2)[:, :, None]).sum(dim=-1)
             pv = (r * vonehot).sum(dim=-2) - zsum @ vonehot
-        out = torch.empty_like(pv)
-        out[..., vdims] = pv  # back to the natural dim order
-        state.add(out, alpha)
+        state.add(pv, alpha)
 
 
 def decode_attention_torch(
@@ -198,7 +194,10 @@ def decode_attention_torch(
     _dense(state, q, k_sink, v_sink, 0, tile, limit)
     _int2(state, q, (k_codes, k_sz), (v_codes, v_sz), p_len, max(1, int2_tile), limit)
     _dense(state, q, k_recent, v_recent, p_len + n_len, tile, limit)
-    out = _out_rotate(state.acc / state.l[..., None], o_rotation)
+    dims, _ = _byte_order(d, 1, q.device)
+    acc = torch.empty_like(state.acc)
+    acc[..., dims] = state.acc  # back to the natural dim order
+    out = _out_rotate(acc / state.l[..., None], o_rotation)
     return out.reshape(b, hq, s, d).to(dtype)
 
 

@@ -50,48 +50,58 @@ def _decode_split_kernel(
     sks_b, sks_h, sks_t, skc_b, skc_h, skc_t, skz_b, skz_h, skz_t, skr_b, skr_h, skr_t,
     svs_b, svs_h, svs_t, svc_b, svc_h, svc_t, svz_b, svz_h, svz_t, svr_b, svr_h, svr_t,
     GQ: tl.constexpr, S: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
-    D: tl.constexpr, Q: tl.constexpr, NGK: tl.constexpr, NGV: tl.constexpr,
+    D: tl.constexpr, Q: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
     BN: tl.constexpr, HPT: tl.constexpr, BK: tl.constexpr,
     ROTATE_Q: tl.constexpr, CAUSAL: tl.constexpr, HP_KIND: tl.constexpr, SPLIT_DOT: tl.constexpr,
 ):
-    """Partial attention of one split (see the module docstring); partials ``[B·H_kv, n_splits, M, D]``."""
+    """Partial attention of one split (see the module docstring); partials ``[B·H_kv, n_splits, M, D]``.
+
+    Everything is done per quarter of the head dims: bits ``2a, 2a+1`` of the code bytes are the
+    dims ``a·Q … a·Q + Q − 1``, so quarter ``a`` of a tile is ``(bytes >> 2a) & 3`` with no reshuffle.
+    A quarter holds ``NQ = max(1, Q / G)`` groups; with ``NQ > 1`` its query rows are block-diagonal
+    (row ``(r, k)``: query ``r`` masked to the quarter's ``k``-th group).
+    """
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // n_kv_heads
     hk = bh % n_kv_heads
-    dims = tl.arange(0, D)
-    qidx = tl.arange(0, Q)
-    shifts = tl.arange(0, 4) * 2
-    GK: tl.constexpr = D // NGK
-    GV: tl.constexpr = D // NGV
-    RK: tl.constexpr = MP * NGK
-    RV: tl.constexpr = MP * NGV
+    jq = tl.arange(0, Q)
+    NQK: tl.constexpr = Q // GK if GK < Q else 1
+    NQV: tl.constexpr = Q // GV if GV < Q else 1
+    RK: tl.constexpr = MP * NQK
+    RV: tl.constexpr = MP * NQV
 
-    # query rows, repeated once per K group: row (r, g) = query r (= head i, token s), r = i*S + s
+    # rotated query rows, scaled (base 2), per quarter: [RK, Q], row (r, k) = query r (= head i,
+    # token s, r = i*S + s) masked to group k of the quarter
     rk_rows = tl.arange(0, RK)
-    r_of = rk_rows // NGK
-    r_ok = r_of < M
+    r_of = rk_rows // NQK
     q_base = b.to(tl.int64) * sq_b + (hk * GQ + r_of // S).to(tl.int64) * sq_h + (r_of % S) * sq_s
-    if ROTATE_Q:
-        qr = tl.full([RK, D], 0.0, tl.float32)
-        kk = tl.arange(0, BK)
-        for kb in tl.static_range(D // BK):
-            qb = tl.load(q_ptr + q_base[:, None] + (kb * BK + kk)[None, :], mask=r_ok[:, None], other=0.0)
-            rb = tl.load(rq_ptr + hk.to(tl.int64) * sr_h + (kb * BK + kk)[:, None] * sr_i + dims[None, :])
-            qr += _dot_ff(qb.to(tl.float32), rb.to(tl.float32), SPLIT_DOT)
-    else:
-        qr = tl.load(q_ptr + q_base[:, None] + dims[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32)
-    gmask_k = ((dims[None, :] // GK) == (rk_rows % NGK)[:, None]).to(tl.float32)
-    qk = qr * qk_scale * gmask_k  # [RK, D]: each row masked to its group
-    qsum = tl.reshape(tl.reduce(qk, 1, _SUM_FN), (MP, NGK))  # Σ q over each group
+    r_base = hk.to(tl.int64) * sr_h
+    qk0 = _query_quarter(q_ptr, rq_ptr, q_base, r_of < M, r_base, sr_i, rk_rows, qk_scale, 0, D, Q, GK, NQK, BK,
+                         ROTATE_Q, SPLIT_DOT)
+    qk1 = _query_quarter(q_ptr, rq_ptr, q_base, r_of < M, r_base, sr_i, rk_rows, qk_scale, 1, D, Q, GK, NQK, BK,
+                         ROTATE_Q, SPLIT_DOT)
+    qk2 = _query_quarter(q_ptr, rq_ptr, q_base, r_of < M, r_base, sr_i, rk_rows, qk_scale, 2, D, Q, GK, NQK, BK,
+                         ROTATE_Q, SPLIT_DOT)
+    qk3 = _query_quarter(q_ptr, rq_ptr, q_base, r_of < M, r_base, sr_i, rk_rows, qk_scale, 3, D, Q, GK, NQK, BK,
+                         ROTATE_Q, SPLIT_DOT)
+    qs0 = tl.reshape(tl.reduce(qk0, 1, _SUM_FN), (MP, NQK))  # Σ q over each group of the quarter
+    qs1 = tl.reshape(tl.reduce(qk1, 1, _SUM_FN), (MP, NQK))
+    qs2 = tl.reshape(tl.reduce(qk2, 1, _SUM_FN), (MP, NQK))
+    qs3 = tl.reshape(tl.reduce(qk3, 1, _SUM_FN), (MP, NQK))
     rows = tl.arange(0, MP)
     limit = total - S + rows % S  # last key position each query row sees (causal)
-    onehot_v = ((dims[None, :] // GV) == tl.arange(0, NGV)[:, None]).to(tl.float32)  # [NGV, D]
 
     m_i = tl.full([MP], float("-inf"), tl.float32)
     l_i = tl.full([MP], 0.0, tl.float32)
-    acc = tl.full([RV, D], 0.0, tl.float32)
-    zacc = tl.full([MP, NGV], 0.0, tl.float32)
+    acc0 = tl.full([RV, Q], 0.0, tl.float32)
+    acc1 = tl.full([RV, Q], 0.0, tl.float32)
+    acc2 = tl.full([RV, Q], 0.0, tl.float32)
+    acc3 = tl.full([RV, Q], 0.0, tl.float32)
+    zacc0 = tl.full([MP, NQV], 0.0, tl.float32)
+    zacc1 = tl.full([MP, NQV], 0.0, tl.float32)
+    zacc2 = tl.full([MP, NQV], 0.0, tl.float32)
+    zacc3 = tl.full([MP, NQV], 0.0, tl.float32)
     if pid < n_int2_splits:
         start = pid * split_tokens
         end = tl.minimum(start + split_tokens, n_int2)
@@ -99,21 +109,25 @@ def _decode_split_kernel(
         kz_base = b.to(tl.int64) * skz_b + hk.to(tl.int64) * skz_h
         vc_base = b.to(tl.int64) * svc_b + hk.to(tl.int64) * svc_h
         vz_base = b.to(tl.int64) * svz_b + hk.to(tl.int64) * svz_h
-        gk = tl.arange(0, NGK)
-        gv = tl.arange(0, NGV)
         for t0 in range(start, end, BN):
             t = t0 + tl.arange(0, BN)
             tm = t < end
             t64 = t.to(tl.int64)
-            kb_ = tl.load(kc_ptr + kc_base + t64[:, None] * skc_t + qidx[None, :], mask=tm[:, None], other=0)
-            ck = tl.reshape((kb_.to(tl.int32)[:, None, :] >> shifts[None, :, None]) & 3, (BN, D)).to(tl.float32)
-            ks = tl.load(kz_ptr + kz_base + t64[None, :] * skz_t + (2 * gk)[:, None], mask=tm[None, :], other=0.0)
-            kz = tl.load(kz_ptr + kz_base + t64[None, :] * skz_t + (2 * gk + 1)[:, None], mask=tm[None, :], other=0.0)
-            ks = ks.to(tl.float32)
-            kzs = ks * kz.to(tl.float32)
-            raw = tl.reshape(_dot_fc(qk, tl.trans(ck), SPLIT_DOT), (MP, NGK, BN))
-            scores = (tl.reduce(raw * ks[None, :, :], 1, _SUM_FN)
-                      - tl.reduce(qsum[:, :, None] * kzs[None, :, :], 1, _SUM_FN))
+            kb = tl.load(kc_ptr + kc_base + t64[:, None] * skc_t + jq[None, :], mask=tm[:, None], other=0).to(tl.int16)
+            kz_rows = kz_ptr + kz_base + t64[None, :] * skz_t
+            if GK == D:  # one (scale, zero) per row: s·(q·c − z·Σq) with q·c summed over the quarters
+                raw = _dot_fc(qk0, tl.trans(_code_quarter(kb, 0, SPLIT_DOT)), SPLIT_DOT, tl.full([RK, BN], 0.0, tl.float32))
+                raw = _dot_fc(qk1, tl.trans(_code_quarter(kb, 2, SPLIT_DOT)), SPLIT_DOT, raw)
+                raw = _dot_fc(qk2, tl.trans(_code_quarter(kb, 4, SPLIT_DOT)), SPLIT_DOT, raw)
+                raw = _dot_fc(qk3, tl.trans(_code_quarter(kb, 6, SPLIT_DOT)), SPLIT_DOT, raw)
+                ks = tl.load(kz_rows, mask=tm[None, :], other=0.0).to(tl.float32)  # [1, BN]
+                kz = tl.load(kz_rows + 1, mask=tm[None, :], other=0.0).to(tl.float32)
+                scores = (raw - (qs0 + qs1 + qs2 + qs3) * kz) * ks
+            else:
+                scores = _k_quarter(qk0, qs0, kb, kz_rows, tm, 0, Q, GK, NQK, MP, BN, SPLIT_DOT)
+                scores += _k_quarter(qk1, qs1, kb, kz_rows, tm, 1, Q, GK, NQK, MP, BN, SPLIT_DOT)
+                scores += _k_quarter(qk2, qs2, kb, kz_rows, tm, 2, Q, GK, NQK, MP, BN, SPLIT_DOT)
+                scores += _k_quarter(qk3, qs3, kb, kz_rows, tm, 3, Q, GK, NQK, MP, BN, SPLIT_DOT)
             ok = tm[None, :]
             if CAUSAL:
                 ok = ok & ((n_sink + t)[None, :] <= limit[:, None])
@@ -124,30 +138,36 @@ def _decode_split_kernel(
             p = tl.exp2(scores - m_fin[:, None])
             l_i = l_i * alpha + tl.reduce(p, 1, _SUM_FN)
             m_i = m_new
-            vb_ = tl.load(vc_ptr + vc_base + t64[:, None] * svc_t + qidx[None, :], mask=tm[:, None], other=0)
-            cv = tl.reshape((vb_.to(tl.int32)[:, None, :] >> shifts[None, :, None]) & 3, (BN, D)).to(tl.float32)
-            vs = tl.load(vz_ptr + vz_base + t64[None, :] * svz_t + (2 * gv)[:, None], mask=tm[None, :], other=0.0)
-            vz = tl.load(vz_ptr + vz_base + t64[None, :] * svz_t + (2 * gv + 1)[:, None], mask=tm[None, :], other=0.0)
-            w = p[:, None, :] * vs.to(tl.float32)[None, :, :]  # [MP, NGV, BN]
-            alpha_v = tl.reshape(tl.broadcast_to(alpha[:, None], (MP, NGV)), (RV,))
-            acc = acc * alpha_v[:, None] + _dot_fc(tl.reshape(w, (RV, BN)), cv, SPLIT_DOT)
-            zacc = zacc * alpha[:, None] + tl.reduce(w * vz.to(tl.float32)[None, :, :], 2, _SUM_FN)
+            vb = tl.load(vc_ptr + vc_base + t64[:, None] * svc_t + jq[None, :], mask=tm[:, None], other=0).to(tl.int16)
+            vz_rows = vz_ptr + vz_base + t64[None, :] * svz_t
+            if GV == D:  # Σ (p·s) c − Σ p·s·z, the same weights for every quarter
+                w = p * tl.load(vz_rows, mask=tm[None, :], other=0.0).to(tl.float32)
+                wz = tl.reduce(w * tl.load(vz_rows + 1, mask=tm[None, :], other=0.0).to(tl.float32), 1, _SUM_FN)
+                acc0 = _dot_fc(w, _code_quarter(vb, 0, SPLIT_DOT), SPLIT_DOT, acc0 * alpha[:, None])
+                acc1 = _dot_fc(w, _code_quarter(vb, 2, SPLIT_DOT), SPLIT_DOT, acc1 * alpha[:, None])
+                acc2 = _dot_fc(w, _code_quarter(vb, 4, SPLIT_DOT), SPLIT_DOT, acc2 * alpha[:, None])
+                acc3 = _dot_fc(w, _code_quarter(vb, 6, SPLIT_DOT), SPLIT_DOT, acc3 * alpha[:, None])
+                zacc0 = zacc0 * alpha[:, None] + wz[:, None]
+            else:
+                acc0, zacc0 = _v_quarter(acc0, zacc0, p, alpha, vb, vz_rows, tm, 0, Q, GV, NQV, MP, BN, SPLIT_DOT)
+                acc1, zacc1 = _v_quarter(acc1, zacc1, p, alpha, vb, vz_rows, tm, 1, Q, GV, NQV, MP, BN, SPLIT_DOT)
+                acc2, zacc2 = _v_quarter(acc2, zacc2, p, alpha, vb, vz_rows, tm, 2, Q, GV, NQV, MP, BN, SPLIT_DOT)
+                acc3, zacc3 = _v_quarter(acc3, zacc3, p, alpha, vb, vz_rows, tm, 3, Q, GV, NQV, MP, BN, SPLIT_DOT)
+        if GV == D:
+            zacc1 = zacc0
+            zacc2 = zacc0
+            zacc3 = zacc0
     else:
         u = (pid - n_int2_splits) * HPT + tl.arange(0, HPT)
         in_sink = u < n_sink
         in_rec = (u >= n_sink) & (u < n_sink + n_recent)
-        u64 = u.to(tl.int64)
-        r64 = (u - n_sink).to(tl.int64)
-        kt = (tl.load(ks_ptr + b.to(tl.int64) * sks_b + hk.to(tl.int64) * sks_h + u64[:, None] * sks_t + dims[None, :],
-                      mask=in_sink[:, None], other=0.0)
-              + tl.load(kr_ptr + b.to(tl.int64) * skr_b + hk.to(tl.int64) * skr_h + r64[:, None] * skr_t
-                        + dims[None, :], mask=in_rec[:, None], other=0.0))
-        vt = (tl.load(vs_ptr + b.to(tl.int64) * svs_b + hk.to(tl.int64) * svs_h + u64[:, None] * svs_t + dims[None, :],
-                      mask=in_sink[:, None], other=0.0)
-              + tl.load(vr_ptr + b.to(tl.int64) * svr_b + hk.to(tl.int64) * svr_h + r64[:, None] * svr_t
-                        + dims[None, :], mask=in_rec[:, None], other=0.0))
-        raw = tl.reshape(_dot_fw(qk, tl.trans(kt), SPLIT_DOT, HP_KIND), (MP, NGK, HPT))
-        scores = tl.reduce(raw, 1, _SUM_FN)  # the group-masked rows add up to the full product
+        k_sink = ks_ptr + b.to(tl.int64) * sks_b + hk.to(tl.int64) * sks_h + u.to(tl.int64)[:, None] * sks_t
+        k_rec = kr_ptr + b.to(tl.int64) * skr_b + hk.to(tl.int64) * skr_h + (u - n_sink).to(tl.int64)[:, None] * skr_t
+        raw = _dot_fw(qk0, tl.trans(_window_quarter(k_sink, k_rec, in_sink, in_rec, jq, 0, Q)), SPLIT_DOT, HP_KIND)
+        raw += _dot_fw(qk1, tl.trans(_window_quarter(k_sink, k_rec, in_sink, in_rec, jq, 1, Q)), SPLIT_DOT, HP_KIND)
+        raw += _dot_fw(qk2, tl.trans(_window_quarter(k_sink, k_rec, in_sink, in_rec, jq, 2, Q)), SPLIT_DOT, HP_KIND)
+        raw += _dot_fw(qk3, tl.trans(_window_quarter(k_sink, k_rec, in_sink, in_rec, jq, 3, Q)), SPLIT_DOT, HP_KIND)
+        scores = tl.reduce(tl.reshape(raw, (MP, NQK, HPT)), 1, _SUM_FN)  # the group rows add up to q·k
         pos = tl.where(in_sink, u, u + n_int2)
         ok = (in_sink | in_rec)[None, :]
         if CAUSAL:
@@ -157,17 +177,24 @@ def _decode_split_kernel(
         m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
         p = tl.exp2(scores - m_fin[:, None])
         l_i = tl.reduce(p, 1, _SUM_FN)
-        w = tl.reshape(tl.broadcast_to(p[:, None, :], (MP, NGV, HPT)), (RV, HPT))
-        acc = _dot_fw(w, vt, SPLIT_DOT, HP_KIND)
+        w = tl.reshape(tl.broadcast_to(p[:, None, :], (MP, NQV, HPT)), (RV, HPT))
+        v_sink = vs_ptr + b.to(tl.int64) * svs_b + hk.to(tl.int64) * svs_h + u.to(tl.int64)[:, None] * svs_t
+        v_rec = vr_ptr + b.to(tl.int64) * svr_b + hk.to(tl.int64) * svr_h + (u - n_sink).to(tl.int64)[:, None] * svr_t
+        acc0 = _dot_fw(w, _window_quarter(v_sink, v_rec, in_sink, in_rec, jq, 0, Q), SPLIT_DOT, HP_KIND)
+        acc1 = _dot_fw(w, _window_quarter(v_sink, v_rec, in_sink, in_rec, jq, 1, Q), SPLIT_DOT, HP_KIND)
+        acc2 = _dot_fw(w, _window_quarter(v_sink, v_rec, in_sink, in_rec, jq, 2, Q), SPLIT_DOT, HP_KIND)
+        acc3 = _dot_fw(w, _window_quarter(v_sink, v_rec, in_sink, in_rec, jq, 3, Q), SPLIT_DOT, HP_KIND)
 
-    out = tl.reduce(tl.reshape(acc, (MP, NGV, D)) * onehot_v[None, :, :], 1, _SUM_FN)
-    out = out - tl.reduce(zacc[:, :, None] * onehot_v[None, :, :], 1, _SUM_FN)
     seen = l_i > 0.0
-    out = out / tl.where(seen, l_i, 1.0)[:, None]
+    inv = 1.0 / tl.where(seen, l_i, 1.0)
     lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
     slot = (bh.to(tl.int64) * n_splits + pid) * M
     keep = rows < M
-    tl.store(po_ptr + (slot + rows)[:, None] * D + dims[None, :], out, mask=keep[:, None])
+    o_rows = po_ptr + (slot + rows)[:, None] * D
+    _store_quarter(o_rows, acc0, zacc0, inv, keep, jq, 0, Q, GV, NQV, MP)
+    _store_quarter(o_rows, acc1, zacc1, inv, keep, jq, 1, Q, GV, NQV, MP)
+    _store_quarter(o_rows, acc2, zacc2, inv, keep, jq, 2, Q, GV, NQV, MP)
+    _store_quarter(o_rows, acc3, zacc3, inv, keep, jq, 3, Q, GV, NQV, MP)
     tl.store(pl_ptr + slot + rows, lse, mask=keep)
 
 
@@ -175,7 +202,7 @@ def _decode_merge_kernel(
     po_ptr, pl_ptr, ro_ptr, out_ptr,
     n_splits, n_kv_heads, so_b, so_h, so_s, sr_h, sr_i,
     GQ: tl.constexpr, S: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, D: tl.constexpr, BK: tl.constexpr,
-    ROTATE_O: tl.constexpr, SPLIT_DOT: tl.constexpr, OUT_KIND: tl.constexpr,
+    ROTATE_O: tl.constexpr, SPLIT_DOT: tl.constexpr,
 ):
     """Merge the partials of one (sequence, KV head) by log-sum-exp, then ``o @ R_out``; writes ``[B, Hq, S, D]``."""
     bh = tl.program_id(0)
@@ -207,43 +234,128 @@ def _decode_merge_kernel(
             rb = tl.load(ro_ptr + hk.to(tl.int64) * sr_h + (kb * BK + kk)[:, None] * sr_i + dims[None, :])
             res += _dot_ff(ob, rb.to(tl.float32), SPLIT_DOT)
         else:
-            tl.store(out_ptr + o_base[:, None] + (kb * BK + kk)[None, :], _cast(ob, OUT_KIND), mask=keep[:, None])
+            tl.store(out_ptr + o_base[:, None] + (kb * BK + kk)[None, :], ob.to(out_ptr.dtype.element_ty),
+                     mask=keep[:, None])
     if ROTATE_O:
-        tl.store(out_ptr + o_base[:, None] + dims[None, :], _cast(res, OUT_KIND), mask=keep[:, None])
+        tl.store(out_ptr + o_base[:, None] + dims[None, :], res.to(out_ptr.dtype.element_ty), mask=keep[:, None])
 
 
 @triton.jit
-def _cast(x, OUT_KIND: tl.constexpr):
-    if OUT_KIND == 0:
-        return x.to(tl.bfloat16)
-    if OUT_KIND == 1:
-        return x.to(tl.float16)
-    return x
+def _query_quarter(q_ptr, rq_ptr, q_base, row_ok, r_base, sr_i, rk_rows, qk_scale, A: tl.constexpr, D: tl.constexpr,
+                   Q: tl.constexpr, G: tl.constexpr, NQ: tl.constexpr, BK: tl.constexpr, ROTATE_Q: tl.constexpr,
+                   SPLIT_DOT: tl.constexpr):
+    """Columns ``A·Q …`` of the rotated, scaled query rows, row ``(r, k)`` masked to the quarter's
+    ``k``-th group: ``[MP·NQ, Q]``."""
+    cols = A * Q + tl.arange(0, Q)
+    if ROTATE_Q:
+        kk = tl.arange(0, BK)
+        qr = tl.full([rk_rows.shape[0], Q], 0.0, tl.float32)
+        for kb in tl.static_range(D // BK):
+            qb = tl.load(q_ptr + q_base[:, None] + (kb * BK + kk)[None, :], mask=row_ok[:, None], other=0.0)
+            rb = tl.load(rq_ptr + r_base + (kb * BK + kk)[:, None] * sr_i + cols[None, :])
+            qr += _dot_ff(qb.to(tl.float32), rb.to(tl.float32), SPLIT_DOT)
+    else:
+        qr = tl.load(q_ptr + q_base[:, None] + cols[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    if NQ > 1:
+        qr = tl.where((tl.arange(0, Q)[None, :] // G) == (rk_rows % NQ)[:, None], qr, 0.0)
+    return qr * qk_scale
+
+
+@triton.jit
+def _k_quarter(qk, qsum, kb, sz_rows, tm, A: tl.constexpr, Q: tl.constexpr, G: tl.constexpr, NQ: tl.constexpr,
+               MP: tl.constexpr, BN: tl.constexpr, SPLIT_DOT: tl.constexpr):
+    """Quarter ``A``'s share of the scores ``Σ_g s_g (q_g·c_g − z_g Σ q_g)`` over its groups: ``[MP, BN]``."""
+    raw = _dot_fc(qk, tl.trans(_code_quarter(kb, 2 * A, SPLIT_DOT)), SPLIT_DOT, tl.full([MP * NQ, BN], 0.0, tl.float32))
+    g = (A * Q) // G + tl.arange(0, NQ)
+    s = tl.load(sz_rows + (2 * g)[:, None], mask=tm[None, :], other=0.0).to(tl.float32)  # [NQ, BN]
+    z = tl.load(sz_rows + (2 * g + 1)[:, None], mask=tm[None, :], other=0.0).to(tl.float32)
+    out = tl.reduce(tl.reshape(raw, (MP, NQ, BN)) * s[None, :, :], 1, _SUM_FN)
+    return out - tl.reduce(qsum[:, :, None] * (s * z)[None, :, :], 1, _SUM_FN)
+
+
+@triton.jit
+def _v_quarter(acc, zacc, p, alpha, vb, sz_rows, tm, A: tl.constexpr, Q: tl.constexpr, G: tl.constexpr,
+               NQ: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, SPLIT_DOT: tl.constexpr):
+    """Fold a tile into quarter ``A``'s output: ``acc`` rows ``(r, k)`` gain ``Σ (p s_k) c``, ``zacc``
+    ``Σ p s_k z_k`` (group ``k`` of the quarter)."""
+    g = (A * Q) // G + tl.arange(0, NQ)
+    s = tl.load(sz_rows + (2 * g)[:, None], mask=tm[None, :], other=0.0).to(tl.float32)
+    z = tl.load(sz_rows + (2 * g + 1)[:, None], mask=tm[None, :], other=0.0).to(tl.float32)
+    w3 = p[:, None, :] * s[None, :, :]  # [MP, NQ, BN]
+    alpha_r = tl.reshape(tl.broadcast_to(alpha[:, None], (MP, NQ)), (MP * NQ,))
+    acc = _dot_fc(tl.reshape(w3, (MP * NQ, BN)), _code_quarter(vb, 2 * A, SPLIT_DOT), SPLIT_DOT, acc * alpha_r[:, None])
+    zacc = zacc * alpha[:, None] + tl.reduce(w3 * z[None, :, :], 2, _SUM_FN)
+    return acc, zacc
+
+
+@triton.jit
+def _code_quarter(bytes16, SHIFT: tl.constexpr, SPLIT_DOT: tl.constexpr):
+    """Codes at bits ``SHIFT, SHIFT+1`` of ``[BN, Q]`` int16 code bytes (one quarter of the dims): bf16
+    compiled, fp32 interpreted.
+
+    The bits ``0x4300 | c`` are the bf16 number ``128 + c`` (exponent 7, the code in the two lowest
+    mantissa bits); subtracting 128 (exact) leaves ``c``: a shift-and-or and a subtraction per code
+    instead of an integer-to-float conversion.
+    """
+    c = (((bytes16 >> SHIFT) & 3) | 0x4300).to(tl.bfloat16, bitcast=True)
+    if SPLIT_DOT:
+        out = c - 128.0
+    else:  # the interpreter has no bf16 arithmetic
+        out = c.to(tl.float32) - 128.0
+    return out
+
+
+@triton.jit
+def _window_quarter(sink_rows, recent_rows, in_sink, in_rec, jq, A: tl.constexpr, Q: tl.constexpr):
+    """Columns ``A·Q …`` of a window tile: rows from the sink or the recent tokens (window dtype)."""
+    cols = A * Q + jq
+    return (tl.load(sink_rows + cols[None, :], mask=in_sink[:, None], other=0.0)
+            + tl.load(recent_rows + cols[None, :], mask=in_rec[:, None], other=0.0))
+
+
+@triton.jit
+def _store_quarter(o_rows, acc, zacc, inv, keep, jq, A: tl.constexpr, Q: tl.constexpr, G: tl.constexpr,
+                   NQ: tl.constexpr, MP: tl.constexpr):
+    """Columns ``A·Q …`` of the normalised partial output: column ``j`` from row ``(r, k(j))`` of ``acc``
+    minus ``zacc[r, k(j)]`` (``k(j)``: the quarter's group of column ``j``)."""
+    if NQ > 1:
+        onehot = ((jq[None, :] // G) == tl.arange(0, NQ)[:, None]).to(tl.float32)  # [NQ, Q]
+        out = tl.reduce(tl.reshape(acc, (MP, NQ, Q)) * onehot[None, :, :], 1, _SUM_FN)
+        out = out - tl.reduce(zacc[:, :, None] * onehot[None, :, :], 1, _SUM_FN)
+    else:
+        out = acc - zacc
+    tl.store(o_rows + (A * Q + jq)[None, :], out * inv[:, None], mask=keep[:, None])
 
 
 @triton.jit
 def _dot_ff(a, b, SPLIT_DOT: tl.constexpr):
-    """fp32 × fp32 → fp32: three bf16 products (hi·hi + hi·lo + lo·hi) compiled, one fp32 product interpreted."""
+    """fp32 × fp32 → fp32: three bf16 products (hi·hi + hi·lo + lo·hi) compiled, one fp32 product
+    interpreted. (Each helper has one ``return``: Triton compiles the code after a constexpr branch
+    that returns, too.)"""
     if SPLIT_DOT:
         a_hi = a.to(tl.bfloat16)
         a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
         b_hi = b.to(tl.bfloat16)
         b_lo = (b - b_hi.to(tl.float32)).to(tl.bfloat16)
-        acc = tl.dot(a_hi, b_hi, out_dtype=tl.float32)
-        acc = tl.dot(a_hi, b_lo, acc, out_dtype=tl.float32)
-        return tl.dot(a_lo, b_hi, acc, out_dtype=tl.float32)
-    return tl.dot(a, b, input_precision="ieee", out_dtype=tl.float32)
+        out = tl.dot(a_hi, b_hi, out_dtype=tl.float32)
+        out = tl.dot(a_hi, b_lo, out, out_dtype=tl.float32)
+        out = tl.dot(a_lo, b_hi, out, out_dtype=tl.float32)
+    else:
+        out = tl.dot(a, b, input_precision="ieee", out_dtype=tl.float32)
+    return out
 
 
 @triton.jit
-def _dot_fc(a, c, SPLIT_DOT: tl.constexpr):
-    """fp32 × codes (exact small integers in fp32) → fp32: two bf16 products compiled."""
+def _dot_fc(a, c, SPLIT_DOT: tl.constexpr, acc):
+    """``acc + a @ c`` for fp32 ``a`` and codes ``c`` (exact in bf16): two bf16 products compiled
+    (``a`` split into high and low parts), one fp32 product interpreted."""
     if SPLIT_DOT:
         a_hi = a.to(tl.bfloat16)
         a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
-        cb = c.to(tl.bfloat16)
-        return tl.dot(a_lo, cb, tl.dot(a_hi, cb, out_dtype=tl.float32), out_dtype=tl.float32)
-    return tl.dot(a, c, input_precision="ieee", out_dtype=tl.float32)
+        out = tl.dot(a_lo, c, tl.dot(a_hi, c, acc, out_dtype=tl.float32), out_dtype=tl.float32)
+    else:
+        out = tl.dot(a, c, acc, input_precision="ieee", out_dtype=tl.float32)
+    return out
 
 
 @triton.jit
@@ -254,18 +366,21 @@ def _dot_fw(a, w, SPLIT_DOT: tl.constexpr, HP_KIND: tl.constexpr):
         a_hi = a.to(tl.bfloat16)
         a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
         wb = w.to(tl.bfloat16)
-        return tl.dot(a_lo, wb, tl.dot(a_hi, wb, out_dtype=tl.float32), out_dtype=tl.float32)
-    if SPLIT_DOT and HP_KIND == 1:
+        out = tl.dot(a_lo, wb, tl.dot(a_hi, wb, out_dtype=tl.float32), out_dtype=tl.float32)
+    elif SPLIT_DOT and HP_KIND == 1:
         a_hi = a.to(tl.float16)
         a_lo = (a - a_hi.to(tl.float32)).to(tl.float16)
         wh = w.to(tl.float16)
-        return tl.dot(a_lo, wh, tl.dot(a_hi, wh, out_dtype=tl.float32), out_dtype=tl.float32)
-    return tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+        out = tl.dot(a_lo, wh, tl.dot(a_hi, wh, out_dtype=tl.float32), out_dtype=tl.float32)
+    else:
+        out = tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+    return out
 
 
 # --- build (per Triton mode) --------------------------------------------------------------------
 
-_HELPERS = ("_cast", "_dot_ff", "_dot_fc", "_dot_fw")
+_HELPERS = ("_query_quarter", "_k_quarter", "_v_quarter", "_code_quarter", "_window_quarter", "_store_quarter",
+            "_dot_ff", "_dot_fc", "_dot_fw")
 
 
 def _copies(namespace: dict, wrap) -> types.SimpleNamespace:
@@ -322,10 +437,10 @@ def decode_launch(query, keys, values, q_rotation, po, pl, *, scale: float, caus
     v_sink, v_codes, v_sz, v_recent = values
     h = k_sink.shape[1]
     interpret = interpret_mode() if interpret is None else interpret
-    ngk = max(1, k_sz.shape[-1] // 2)
-    ngv = max(1, v_sz.shape[-1] // 2)
+    gk = d // max(1, k_sz.shape[-1] // 2)
+    gv = d // max(1, v_sz.shape[-1] // 2)
     rows = (hq // h) * s
-    mp = decode_plan.padded_rows(rows, min(ngk, ngv))
+    mp = decode_plan.padded_rows(rows, max(1, d // 4 // max(gk, gv)))
     n_int2_splits, per_split = splits
     if q_rotation is not None:
         r = _rows_last(q_rotation if q_rotation.dtype == torch.float32 else q_rotation.float())
@@ -342,7 +457,7 @@ def decode_launch(query, keys, values, q_rotation, po, pl, *, scale: float, caus
         + _strides(v_sink) + _strides(v_codes) + _strides(v_sz) + _strides(v_recent)
     )
     kwargs = dict(
-        GQ=hq // h, S=s, M=rows, MP=mp, D=d, Q=d // 4, NGK=ngk, NGV=ngv,
+        GQ=hq // h, S=s, M=rows, MP=mp, D=d, Q=d // 4, GK=gk, GV=gv,
         BN=block_tokens or decode_plan.decode_tile_tokens(d), HPT=decode_plan.HP_TILE, BK=ROT_BLOCK,
         ROTATE_Q=q_rotation is not None, CAUSAL=bool(causal and s > 1), HP_KIND=_HP_KIND[k_sink.dtype],
         SPLIT_DOT=not interpret,
@@ -365,8 +480,7 @@ def merge_launch(query, out, po, pl, o_rotation, *, n_kv_heads: int, n_splits: i
         r, sr = out, (0, 0)
     args = (po, pl, r, out, n_splits, n_kv_heads, *out.stride()[:3], *sr)
     kwargs = dict(GQ=hq // n_kv_heads, S=s, M=rows, MP=decode_plan.padded_rows(rows, 1), D=d, BK=ROT_BLOCK,
-                  ROTATE_O=o_rotation is not None, SPLIT_DOT=not interpret,
-                  OUT_KIND={torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}[out.dtype], num_warps=4, num_stages=1)
+                  ROTATE_O=o_rotation is not None, SPLIT_DOT=not interpret, num_warps=4, num_stages=1)
     return Launch((b * n_kv_heads,), args, kwargs)
 
 
