@@ -69,6 +69,7 @@ CASES = [
     (1, 2, 1, 4, 64, (6, 0, 10), 64, {}),  # no INT2 token yet
     (1, 4, 2, 1, 64, (8, 60, 0), 64, {"hp": torch.float16}),  # no recent token
     (1, 4, 2, 1, 256, (2, 40, 3), 64, {"scale": torch.bfloat16}),
+    (1, 16, 2, 3, 128, (4, 90, 6), 16, {}),  # 24 query rows of 2 groups per quarter: 3 row blocks
 ]
 
 

@@ -23,8 +23,9 @@ draft tokens (causal, 16 rows) and SmolLM2's 3 (padded to 4 rows)."""
 
 
 def decode_variants(head_dims, quick: bool) -> list[dict]:
-    """Split-kernel variants: head_dim × group size × scale dtype × window dtype × query rows, with
-    the query rotation; ``quick``: the serving case per head_dim plus one of each other axis."""
+    """Split-kernel variants: head_dim × group size × scale dtype × window dtype × query rows (its
+    products always run on tensor cores: ``rotate=True``); ``quick``: the serving case per head_dim
+    plus one of each other axis."""
     out = []
     for d in head_dims:
         for g in layout.allowed_group_sizes(d):
@@ -42,8 +43,8 @@ def _representative(v: dict) -> bool:
     d, g = v["d"], v["group"]
     serving = g == d and v["scale"] == "fp32" and v["hp"] == "bf16" and (v["gq"], v["s"]) == (4, 1)
     smollm2 = d == 64 and g == 16 and v["scale"] == "fp16" and v["hp"] == "bf16" and (v["gq"], v["s"]) == (3, 1)
-    grouped = d == 128 and g == layout.MIN_GROUP_SIZE and v["scale"] == "bf16" and (v["gq"], v["s"]) == (8, 1) \
-        and v["hp"] == "fp16"
+    grouped = d == 128 and g == layout.MIN_GROUP_SIZE and v["scale"] == "bf16" and (v["gq"], v["s"]) == (4, 4) \
+        and v["hp"] == "fp16"  # 16 rows, 2 groups per quarter: two row blocks
     draft = d == 128 and g == d and v["scale"] == "fp32" and v["hp"] == "bf16" and (v["gq"], v["s"]) == (4, 4)
     return serving or smollm2 or grouped or draft
 
@@ -105,9 +106,9 @@ def launch(v: dict):
     rows = v["gq"] * v["s"]
     po = torch.empty(KV_HEADS, splits[0] + windows, rows, d)
     pl = torch.empty(KV_HEADS, splits[0] + windows, rows)
-    rot = torch.empty(d, d) if v["rotate"] else None
+    q_rows = torch.empty(1, KV_HEADS, rows, d)  # the rotated query rows (rotated before the launch)
     return kern.split, td.decode_launch(
-        q, side(), side(), rot, po, pl, scale=d ** -0.5, causal=True, splits=splits, windows=windows, interpret=False,
+        q, q_rows, side(), side(), po, pl, scale=d ** -0.5, causal=True, splits=splits, windows=windows, interpret=False,
         block_tokens=v.get("block_rows"), num_warps=v.get("num_warps"), num_stages=v.get("num_stages"))
 
 

@@ -516,7 +516,7 @@ def print_report(result: dict) -> None:
           "rotate: TC (wgmma)", "resident warps min/med", "H200 issue % min/med", "CPU s"), rows)
     show("Serving case: rotate, clip 0.96, G = d, fp32 scale, paged store (heuristic launch)", _LAUNCH_COLUMNS,
          _launch_rows(result["goal"]))
-    sweep = [r for r in result["records"] if r["source"] == "sweep" and r["has_loc"]]
+    sweep = [r for r in result["records"] if r["source"] == "sweep" and r["kind"] == "quantize" and r["has_loc"]]
     if sweep:
         show("Launch candidates (bench_kernels.py --sweep): clip 0.96, G = d, fp32, paged store", _LAUNCH_COLUMNS,
              _launch_rows(sweep))

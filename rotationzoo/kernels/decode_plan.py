@@ -33,12 +33,18 @@ PROGRAMS_PER_SM = 4
 """Target resident split programs per SM (with 4 warps each: 16 warps, 4 tiles of loads in flight)."""
 
 _DECODE_LAUNCH: dict[int, tuple[int, int, int]] = {
-    64: (64, 4, 2),
+    64: (32, 4, 2),
     128: (64, 4, 2),
-    256: (32, 4, 2),
+    256: (64, 4, 2),
 }
 """Split kernel launch per head_dim: ``(tokens per tile, warps, pipeline stages)``, from
-``tools/aot_report.py`` (no spill on sm_90 or sm_80 for every variant the library launches)."""
+``tools/aot_report.py`` (no spill on sm_90 or sm_80 in the variants the library launches; at d = 128
+the serving case's estimated issue bound was 32 % of copy at 64 × 4 × 2, 37 % at 128 × 4 × 2 with 243
+registers, which spilled for bf16 scales; at d = 64, 64-token tiles spill)."""
+
+DECODE_MAX_REGISTERS = 255
+"""Register ceiling (ptxas ``.maxnreg``) of the split kernel: the architectural maximum. Without it
+ptxas held some variants (d = 64) to 168 registers and spilled 8 bytes outside the tile loop."""
 
 HP_TILE = 32
 """Window tokens per tile of the Triton kernel (the windows are at most a few hundred tokens)."""
@@ -51,6 +57,13 @@ def padded_rows(rows: int, groups: int) -> int:
     while p * groups < 16:
         p *= 2
     return p
+
+
+def row_block(rows: int, groups: int) -> int:
+    """Query rows per split program: :func:`padded_rows` of at most ``16 / groups`` rows (``groups``:
+    groups per quarter of the head dims), so that a program holds 16 block-diagonal rows; more rows
+    are spread over programs of a third grid axis (each reads the same codes, mostly from L2)."""
+    return padded_rows(min(rows, max(1, 16 // groups)), groups)
 
 
 def decode_tile_tokens(d: int) -> int:
@@ -66,6 +79,12 @@ def decode_num_warps(d: int) -> int:
 def decode_num_stages(d: int) -> int:
     """Software-pipelining stages of the split kernel's tile loop."""
     return _DECODE_LAUNCH.get(d, (32, 4, 2))[2]
+
+
+def merge_num_warps(d: int) -> int:
+    """Warps of the merge kernel: 4, 8 at d = 256 (with 4 the output rotation's ``[32, 256]`` blocks
+    spilled)."""
+    return 8 if d >= 256 else 4
 
 
 def triton_splits(n_int2: int, batch_heads: int, num_sms: int, tile: int) -> tuple[int, int]:
@@ -105,7 +124,7 @@ def reference_tile_tokens(batch_heads: int, d: int, *, budget: int = REFERENCE_T
 
 
 __all__ = [
-    "DECODE_MAX_QUERIES", "HP_TILE", "PROGRAMS_PER_SM", "REFERENCE_MIN_TILE", "REFERENCE_TILE_BYTES",
-    "TRITON_MIN_SPLIT_TOKENS", "decode_num_stages", "decode_num_warps", "decode_tile_tokens", "padded_rows",
-    "reference_tile_tokens", "split_ranges", "triton_splits", "window_splits",
+    "DECODE_MAX_QUERIES", "DECODE_MAX_REGISTERS", "HP_TILE", "PROGRAMS_PER_SM", "REFERENCE_MIN_TILE", "REFERENCE_TILE_BYTES",
+    "TRITON_MIN_SPLIT_TOKENS", "decode_num_stages", "decode_num_warps", "decode_tile_tokens", "merge_num_warps", "padded_rows",
+    "reference_tile_tokens", "row_block", "split_ranges", "triton_splits", "window_splits",
 ]

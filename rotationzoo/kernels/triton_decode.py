@@ -4,8 +4,8 @@ Imported only when the triton backend runs :func:`rotationzoo.kernels.decode_att
 launches per call:
 
 1. ``_decode_split_kernel``, grid ``(int2 splits + window splits, B · H_kv)``: program ``(p, bh)``
-   rotates the ``g · S`` query rows of KV head ``bh`` (``q @ R``, the rotation in column blocks),
-   then attends either to one range of INT2 tokens (whole tiles, scores and outputs computed on the
+   reads the ``g · S`` query rows of KV head ``bh`` (rotated before the launch by one fp32 product,
+   ``q @ R``: held in the kernel, the rotation cost registers enough to spill), then attends either to one range of INT2 tokens (whole tiles, scores and outputs computed on the
    codes: ``s·(q·c − z·Σq)`` and ``Σ p s c − Σ p s z`` per group) or to one tile of window tokens
    (sink, then recent), with an fp32 online softmax in base 2; it writes the normalised partial
    output and its log-sum-exp.
@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from . import decode_plan
+from .decode_reference import rotate_queries
 from .triton_launch import Launch, _num_sms, interpret_mode
 
 __all__ = ["Launch", "decode_aot_kernels", "decode_attention_triton", "decode_launch", "merge_launch"]
@@ -41,18 +42,18 @@ ROT_BLOCK = 32
 
 
 def _decode_split_kernel(
-    q_ptr, rq_ptr,
+    q_ptr,
     ks_ptr, kc_ptr, kz_ptr, kr_ptr,
     vs_ptr, vc_ptr, vz_ptr, vr_ptr,
     po_ptr, pl_ptr,
     n_sink, n_int2, n_recent, n_int2_splits, split_tokens, n_kv_heads, n_splits, qk_scale, total,
-    sq_b, sq_h, sq_s, sr_h, sr_i,
+    sq_b, sq_h, sq_r,
     sks_b, sks_h, sks_t, skc_b, skc_h, skc_t, skz_b, skz_h, skz_t, skr_b, skr_h, skr_t,
     svs_b, svs_h, svs_t, svc_b, svc_h, svc_t, svz_b, svz_h, svz_t, svr_b, svr_h, svr_t,
     GQ: tl.constexpr, S: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
     D: tl.constexpr, Q: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
-    BN: tl.constexpr, HPT: tl.constexpr, BK: tl.constexpr,
-    ROTATE_Q: tl.constexpr, CAUSAL: tl.constexpr, HP_KIND: tl.constexpr, SPLIT_DOT: tl.constexpr,
+    BN: tl.constexpr, HPT: tl.constexpr,
+    CAUSAL: tl.constexpr, HP_KIND: tl.constexpr, SPLIT_DOT: tl.constexpr,
 ):
     """Partial attention of one split (see the module docstring); partials ``[B·H_kv, n_splits, M, D]``.
 
@@ -63,6 +64,7 @@ def _decode_split_kernel(
     """
     pid = tl.program_id(0)
     bh = tl.program_id(1)
+    row0 = tl.program_id(2) * MP  # this program's block of query rows
     b = bh // n_kv_heads
     hk = bh % n_kv_heads
     jq = tl.arange(0, Q)
@@ -71,25 +73,20 @@ def _decode_split_kernel(
     RK: tl.constexpr = MP * NQK
     RV: tl.constexpr = MP * NQV
 
-    # rotated query rows, scaled (base 2), per quarter: [RK, Q], row (r, k) = query r (= head i,
-    # token s, r = i*S + s) masked to group k of the quarter
+    # the rotated query rows (fp32 [B, H_kv, M, D], row r = i*S + s: head i of the group, token s),
+    # scaled (base 2), per quarter: [RK, Q], row (r, k) masked to group k of the quarter
     rk_rows = tl.arange(0, RK)
-    r_of = rk_rows // NQK
-    q_base = b.to(tl.int64) * sq_b + (hk * GQ + r_of // S).to(tl.int64) * sq_h + (r_of % S) * sq_s
-    r_base = hk.to(tl.int64) * sr_h
-    qk0 = _query_quarter(q_ptr, rq_ptr, q_base, r_of < M, r_base, sr_i, rk_rows, qk_scale, 0, D, Q, GK, NQK, BK,
-                         ROTATE_Q, SPLIT_DOT)
-    qk1 = _query_quarter(q_ptr, rq_ptr, q_base, r_of < M, r_base, sr_i, rk_rows, qk_scale, 1, D, Q, GK, NQK, BK,
-                         ROTATE_Q, SPLIT_DOT)
-    qk2 = _query_quarter(q_ptr, rq_ptr, q_base, r_of < M, r_base, sr_i, rk_rows, qk_scale, 2, D, Q, GK, NQK, BK,
-                         ROTATE_Q, SPLIT_DOT)
-    qk3 = _query_quarter(q_ptr, rq_ptr, q_base, r_of < M, r_base, sr_i, rk_rows, qk_scale, 3, D, Q, GK, NQK, BK,
-                         ROTATE_Q, SPLIT_DOT)
+    r_of = row0 + rk_rows // NQK
+    q_base = b.to(tl.int64) * sq_b + hk.to(tl.int64) * sq_h + r_of.to(tl.int64) * sq_r
+    qk0 = _query_quarter(q_ptr, q_base, r_of < M, rk_rows, qk_scale, 0, Q, GK, NQK)
+    qk1 = _query_quarter(q_ptr, q_base, r_of < M, rk_rows, qk_scale, 1, Q, GK, NQK)
+    qk2 = _query_quarter(q_ptr, q_base, r_of < M, rk_rows, qk_scale, 2, Q, GK, NQK)
+    qk3 = _query_quarter(q_ptr, q_base, r_of < M, rk_rows, qk_scale, 3, Q, GK, NQK)
     qs0 = tl.reshape(tl.reduce(qk0, 1, _SUM_FN), (MP, NQK))  # Σ q over each group of the quarter
     qs1 = tl.reshape(tl.reduce(qk1, 1, _SUM_FN), (MP, NQK))
     qs2 = tl.reshape(tl.reduce(qk2, 1, _SUM_FN), (MP, NQK))
     qs3 = tl.reshape(tl.reduce(qk3, 1, _SUM_FN), (MP, NQK))
-    rows = tl.arange(0, MP)
+    rows = row0 + tl.arange(0, MP)
     limit = total - S + rows % S  # last key position each query row sees (causal)
 
     m_i = tl.full([MP], float("-inf"), tl.float32)
@@ -241,21 +238,11 @@ def _decode_merge_kernel(
 
 
 @triton.jit
-def _query_quarter(q_ptr, rq_ptr, q_base, row_ok, r_base, sr_i, rk_rows, qk_scale, A: tl.constexpr, D: tl.constexpr,
-                   Q: tl.constexpr, G: tl.constexpr, NQ: tl.constexpr, BK: tl.constexpr, ROTATE_Q: tl.constexpr,
-                   SPLIT_DOT: tl.constexpr):
-    """Columns ``A·Q …`` of the rotated, scaled query rows, row ``(r, k)`` masked to the quarter's
-    ``k``-th group: ``[MP·NQ, Q]``."""
-    cols = A * Q + tl.arange(0, Q)
-    if ROTATE_Q:
-        kk = tl.arange(0, BK)
-        qr = tl.full([rk_rows.shape[0], Q], 0.0, tl.float32)
-        for kb in tl.static_range(D // BK):
-            qb = tl.load(q_ptr + q_base[:, None] + (kb * BK + kk)[None, :], mask=row_ok[:, None], other=0.0)
-            rb = tl.load(rq_ptr + r_base + (kb * BK + kk)[:, None] * sr_i + cols[None, :])
-            qr += _dot_ff(qb.to(tl.float32), rb.to(tl.float32), SPLIT_DOT)
-    else:
-        qr = tl.load(q_ptr + q_base[:, None] + cols[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+def _query_quarter(q_ptr, q_base, row_ok, rk_rows, qk_scale, A: tl.constexpr, Q: tl.constexpr, G: tl.constexpr,
+                   NQ: tl.constexpr):
+    """Columns ``A·Q …`` of the scaled query rows, row ``(r, k)`` masked to the quarter's ``k``-th group:
+    ``[MP·NQ, Q]``."""
+    qr = tl.load(q_ptr + q_base[:, None] + (A * Q + tl.arange(0, Q))[None, :], mask=row_ok[:, None], other=0.0)
     if NQ > 1:
         qr = tl.where((tl.arange(0, Q)[None, :] // G) == (rk_rows % NQ)[:, None], qr, 0.0)
     return qr * qk_scale
@@ -426,12 +413,14 @@ def _rows_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
-def decode_launch(query, keys, values, q_rotation, po, pl, *, scale: float, causal: bool, splits: tuple[int, int],
+def decode_launch(query, q_rows, keys, values, po, pl, *, scale: float, causal: bool, splits: tuple[int, int],
                   windows: int, interpret: bool | None = None, block_tokens: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None) -> Launch:
-    """The split kernel's launch for validated inputs (``keys``/``values`` as ``(sink, codes, sz, recent)``
-    with unit last strides), without running it. ``splits`` is ``(int2 splits, tokens per split)``,
-    ``windows`` the window programs; ``po``/``pl`` the partial buffers."""
+    """The split kernel's launch for validated inputs, without running it: ``query [B, Hq, S, d]`` (for
+    its shape), ``q_rows`` its rotated rows ``[B, H_kv, g·S, d]`` fp32 (unit last stride),
+    ``keys``/``values`` as ``(sink, codes, sz, recent)`` with unit last strides, ``splits`` =
+    ``(int2 splits, tokens per split)``, ``windows`` the window programs, ``po``/``pl`` the partial
+    buffers."""
     b, hq, s, d = query.shape
     k_sink, k_codes, k_sz, k_recent = keys
     v_sink, v_codes, v_sz, v_recent = values
@@ -440,31 +429,28 @@ def decode_launch(query, keys, values, q_rotation, po, pl, *, scale: float, caus
     gk = d // max(1, k_sz.shape[-1] // 2)
     gv = d // max(1, v_sz.shape[-1] // 2)
     rows = (hq // h) * s
-    mp = decode_plan.padded_rows(rows, max(1, d // 4 // max(gk, gv)))
+    mp = decode_plan.row_block(rows, max(1, d // 4 // max(gk, gv)))
     n_int2_splits, per_split = splits
-    if q_rotation is not None:
-        r = _rows_last(q_rotation if q_rotation.dtype == torch.float32 else q_rotation.float())
-        sr = (r.stride(0) if r.dim() == 3 else 0, r.stride(-2))
-    else:
-        r, sr = query, (0, 0)
     total = k_sink.shape[2] + k_codes.shape[2] + k_recent.shape[2]
     args = (
-        (query, r, k_sink, k_codes, k_sz, k_recent, v_sink, v_codes, v_sz, v_recent, po, pl,
+        (q_rows, k_sink, k_codes, k_sz, k_recent, v_sink, v_codes, v_sz, v_recent, po, pl,
          k_sink.shape[2], k_codes.shape[2], k_recent.shape[2], n_int2_splits, per_split, h, n_int2_splits + windows,
          scale * 1.4426950408889634, total)
-        + query.stride()[:3] + sr
+        + q_rows.stride()[:3]
         + _strides(k_sink) + _strides(k_codes) + _strides(k_sz) + _strides(k_recent)
         + _strides(v_sink) + _strides(v_codes) + _strides(v_sz) + _strides(v_recent)
     )
     kwargs = dict(
         GQ=hq // h, S=s, M=rows, MP=mp, D=d, Q=d // 4, GK=gk, GV=gv,
-        BN=block_tokens or decode_plan.decode_tile_tokens(d), HPT=decode_plan.HP_TILE, BK=ROT_BLOCK,
-        ROTATE_Q=q_rotation is not None, CAUSAL=bool(causal and s > 1), HP_KIND=_HP_KIND[k_sink.dtype],
+        BN=block_tokens or decode_plan.decode_tile_tokens(d), HPT=decode_plan.HP_TILE,
+        CAUSAL=bool(causal and s > 1), HP_KIND=_HP_KIND[k_sink.dtype],
         SPLIT_DOT=not interpret,
         num_warps=num_warps or decode_plan.decode_num_warps(d),
         num_stages=num_stages or decode_plan.decode_num_stages(d),
     )
-    return Launch((n_int2_splits + windows, b * h), args, kwargs)
+    if not interpret:
+        kwargs["maxnreg"] = decode_plan.DECODE_MAX_REGISTERS
+    return Launch((n_int2_splits + windows, b * h, -(-rows // mp)), args, kwargs)
 
 
 def merge_launch(query, out, po, pl, o_rotation, *, n_kv_heads: int, n_splits: int,
@@ -480,7 +466,8 @@ def merge_launch(query, out, po, pl, o_rotation, *, n_kv_heads: int, n_splits: i
         r, sr = out, (0, 0)
     args = (po, pl, r, out, n_splits, n_kv_heads, *out.stride()[:3], *sr)
     kwargs = dict(GQ=hq // n_kv_heads, S=s, M=rows, MP=decode_plan.padded_rows(rows, 1), D=d, BK=ROT_BLOCK,
-                  ROTATE_O=o_rotation is not None, SPLIT_DOT=not interpret, num_warps=4, num_stages=1)
+                  ROTATE_O=o_rotation is not None, SPLIT_DOT=not interpret,
+                  num_warps=decode_plan.merge_num_warps(d), num_stages=1)
     return Launch((b * n_kv_heads,), args, kwargs)
 
 
@@ -506,7 +493,8 @@ def decode_attention_triton(query, keys, values, *, q_rotation, o_rotation, scal
     out = torch.empty(b, hq, s, d, dtype=dtype, device=query.device)
     interpret = interpret_mode()
     kern = _kernels(interpret)
-    launch = decode_launch(query, keys, values, q_rotation, po, pl, scale=scale, causal=causal, splits=splits,
+    q_rows = rotate_queries(query, q_rotation, h, 1.0)  # one fp32 product, as the reference does
+    launch = decode_launch(query, q_rows, keys, values, po, pl, scale=scale, causal=causal, splits=splits,
                            windows=windows, interpret=interpret)
     kern.split[launch.grid](*launch.args, **launch.kwargs)
     launch = merge_launch(query, out, po, pl, o_rotation, n_kv_heads=h, n_splits=n_splits, interpret=interpret)
