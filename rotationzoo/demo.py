@@ -44,8 +44,9 @@ def run_demo(model: str = DEFAULT_MODEL, tag: str | None = None, *, tokens: int 
     r = pair.k.rotations[0]
     errors, codes, sz = {}, None, None
     for label, rot, clip in (("none", None, 0.0), ("rotated", r, 0.0), ("rotated+clip", r, cfg.k_clip_ratio)):
-        codes, sz = quantize_int2(x, rotation=rot, clip_ratio=clip, group_size=cfg.group_size)
-        back = dequantize_int2(codes, sz, group_size=cfg.group_size, rotation=rot, dtype=torch.float32)
+        run = cfg.replace(k_clip_ratio=clip)  # the entry's settings (Lloyd-Max, scale dtype, ...), this clip
+        codes, sz = quantize_int2(x, rotation=rot, config=run, side="k")
+        back = dequantize_int2(codes, sz, rotation=rot, config=run, dtype=torch.float32)
         errors[label] = round(float((back - x.float()).norm() / x.float().norm()), 4)
     assert codes is not None and sz is not None
     return {

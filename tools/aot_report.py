@@ -1,5 +1,8 @@
 """Compile every INT2 kernel variant ahead of time for sm_90 / sm_80 and report its GPU resources.
 
+Kernels: the fused quantize, the dequantize, and decode attention over the INT2 cache (its split
+kernel and its merge, variants from ``tools/aot_decode.py``).
+
 Runs on a CPU-only machine: Triton's ahead-of-time API (``triton.compile(ASTSource(...),
 target=GPUTarget("cuda", 90, 32))``) lowers each kernel to PTX and a cubin with the ``ptxas`` Triton
 bundles; no driver or GPU is touched. Usage::
@@ -40,6 +43,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import aot_decode  # noqa: E402
 
 from rotationzoo.kernels import layout  # noqa: E402
 
@@ -133,6 +139,8 @@ def sweep_variants(head_dims, quick: bool) -> list[dict]:
 
 def all_variants(targets, head_dims, quick: bool) -> list[dict]:
     base = quant_variants(head_dims, quick) + dequant_variants(head_dims, quick) + sweep_variants(head_dims, quick)
+    base += (aot_decode.decode_variants(head_dims, quick) + aot_decode.merge_variants(head_dims, quick)
+             + aot_decode.decode_sweep_variants(head_dims, quick))
     return [dict(v, target=t) for t in targets for v in base]
 
 
@@ -167,6 +175,9 @@ def _tensors(v: dict):
 
 def _launch(v: dict):
     from rotationzoo.kernels import triton_int2 as ti
+
+    if v["kind"].startswith("decode"):
+        return aot_decode.launch(v)
 
     sms = SM_LIMITS.get(v["target"], SM_LIMITS[90])["sms"]
     over = {k: v[k] for k in ("block_rows", "num_warps") if k in v}
@@ -279,6 +290,8 @@ def residency(regs: int, warps: int, smem: int, lim: dict) -> dict:
 
 def bytes_per_row(v: dict) -> float:
     """docs/performance.md: quantize ``2d + d/4 + 2(d/G)s``; dequantize ``d/4 + 2(d/G)s + out d``."""
+    if v["kind"].startswith("decode"):
+        return aot_decode.bytes_per_row(v)
     d, meta = v["d"], 2 * (v["d"] // v["group"]) * SCALE_BYTES[v["scale"]]
     if v["kind"] == "quantize":
         return 2 * d + d / 4 + meta
@@ -288,6 +301,8 @@ def bytes_per_row(v: dict) -> float:
 def tile_load_bytes(v: dict, block_rows: int) -> int:
     """Bytes one program requests from DRAM per tile (the loads of one loop iteration)."""
     d = v["d"]
+    if v["kind"].startswith("decode"):
+        return aot_decode.tile_load_bytes(v, block_rows)
     if v["kind"] == "quantize":
         return block_rows * (2 * d + (8 if v["has_loc"] else 0))
     return block_rows * (d // 4 + 2 * (d // v["group"]) * SCALE_BYTES[v["scale"]])
@@ -315,7 +330,8 @@ def compile_variant(v: dict) -> dict:
     try:
         fn, launch = _launch(v)
         kw = launch.kwargs
-        rec.update(block_rows=kw["BT"], num_warps=kw["num_warps"], num_stages=kw["num_stages"])
+        rec.update(block_rows=kw.get("BT") or kw.get("BN") or kw.get("MP"), num_warps=kw["num_warps"],
+                   num_stages=kw["num_stages"])
         ck = compile_launch(fn, launch, v["target"])
         res = read_resources(ck.asm["cubin"])
     except Exception as exc:  # noqa: BLE001 - one failing variant must not stop the report
@@ -332,7 +348,7 @@ def compile_variant(v: dict) -> dict:
     rec["tensor_core_ok"] = bool(res["hgmma"] + res["hmma"]) if v.get("rotate") else None
     rec["occupancy"] = residency(res["regs"], rec["num_warps"], smem, lim)
     rec["tile_load_bytes"] = tile_load_bytes(v, rec["block_rows"])
-    if v["target"] == 90:
+    if v["target"] == 90 and v["kind"] != "decode_merge":
         rec["h200_estimate"] = bandwidth_estimate(rec)
     return rec
 
@@ -385,7 +401,8 @@ def bandwidth_estimate(rec: dict, machine: dict = H200) -> dict:
 
 
 def _key(rec: dict) -> tuple:
-    fields = ["kind", "d", "group", "rotate", "clip", "lloyd_max", "has_loc", "scale", "out", "source", "target"]
+    fields = ["kind", "d", "group", "rotate", "clip", "lloyd_max", "has_loc", "scale", "out", "hp", "gq", "s", "source",
+              "target"]
     if rec["source"] != "heuristic":  # heuristic records gain their launch fields when compiled
         fields += ["block_rows", "num_warps", "num_stages"]
     return tuple(rec.get(k) for k in fields)
@@ -499,7 +516,7 @@ def print_report(result: dict) -> None:
           "rotate: TC (wgmma)", "resident warps min/med", "H200 issue % min/med", "CPU s"), rows)
     show("Serving case: rotate, clip 0.96, G = d, fp32 scale, paged store (heuristic launch)", _LAUNCH_COLUMNS,
          _launch_rows(result["goal"]))
-    sweep = [r for r in result["records"] if r["source"] == "sweep" and r["has_loc"]]
+    sweep = [r for r in result["records"] if r["source"] == "sweep" and r["kind"] == "quantize" and r["has_loc"]]
     if sweep:
         show("Launch candidates (bench_kernels.py --sweep): clip 0.96, G = d, fp32, paged store", _LAUNCH_COLUMNS,
              _launch_rows(sweep))
@@ -513,6 +530,15 @@ def print_report(result: dict) -> None:
         show("Where the instructions go: heuristic launch, G = d, fp32 scale, paged store, sm_90",
              ("d", "rotate", "clip", "Lloyd-Max", "rows x warps x stages", "loop SASS instr", "warp instr / row",
               "H200 issue bound % copy"), rows)
+    decode = sorted((r for r in result["records"] if r["kind"].startswith("decode")),
+                    key=lambda r: (r["target"], r["kind"], r["source"], r["d"], r.get("group") or 0))
+    if decode:
+        show("Decode attention (split-K over the INT2 cache, then the log-sum-exp merge)", aot_decode.TABLE_COLUMNS,
+             aot_decode.table_rows([r for r in decode if r["source"] == "heuristic"][:60]))
+        sweep_d = [r for r in decode if r["source"] == "sweep"]
+        if sweep_d:
+            show("Decode split-kernel launch candidates (serving case: G = d, fp32 scale, BF16 windows, 4 query rows)",
+                 aot_decode.TABLE_COLUMNS, aot_decode.table_rows(sweep_d))
     bad = [r for r in result["records"] if not r["ok"] or r.get("spills")]
     if bad:
         rows = [[variant_name(r), r.get("error") or (f"spills: stack {r['stack_bytes']} B, local {r['local_bytes']} B, "
@@ -558,7 +584,9 @@ def _is_budget(r: dict) -> bool:
 
 
 def variant_name(r: dict) -> str:
-    if r["kind"] == "dequantize":
+    if r["kind"].startswith("decode"):
+        base = aot_decode.name(r)
+    elif r["kind"] == "dequantize":
         base = f"dequant d={r['d']} G={r['group']} scale={r['scale']} out={r['out']}"
     else:
         base = (f"quant d={r['d']} G={r['group']} rotate={int(r['rotate'])} clip={r['clip']} lm={int(r['lloyd_max'])} "

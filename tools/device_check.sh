@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One prepared script for a CUDA machine: environment, kernel correctness on the real backend, the
 # kernel benchmark (copy bandwidth measured in the same run, byte equality with the PyTorch
-# reference), and the ahead-of-time compile report for this GPU's target. Every step is bounded by
+# reference), decode attention from the INT2 cache against SDPA in BF16, and the ahead-of-time
+# compile report for this GPU's target. Every step is bounded by
 # `timeout`; a failing step never stops the others, and ONE JSON, ${OUT:-bench-out}/device-check.json,
 # is always written (by a shell fallback if Python itself is broken). The whole run stays under
 # 8 minutes. Uses the machine's own python3 (PYTHON= to change it) with its torch + triton; nothing
@@ -10,7 +11,7 @@
 # Usage, from the repository root:
 #   bash tools/device_check.sh             # on the GPU machine
 #   bash tools/device_check.sh --dry-run   # same steps on CPU: Triton interpreter, tiny shapes, no nvidia-smi
-# DEVICE_CHECK_STEPS=env,bench,merge limits the run to some steps (env tests aot bench noclip merge);
+# DEVICE_CHECK_STEPS=env,bench,merge limits the run to some steps (env tests aot bench noclip decode merge);
 # DEVICE_CHECK_BUDGET_S (default 470) is the time the steps may take in all.
 # Exit status: 0 when every step succeeded and every check passed, 1 otherwise, 2 on bad usage.
 set -uo pipefail
@@ -24,7 +25,7 @@ esac
 out="${OUT:-bench-out}"
 mkdir -p "$out" || exit 2
 py="${PYTHON:-python3}"
-only="${DEVICE_CHECK_STEPS:-env,tests,aot,bench,noclip,merge}"
+only="${DEVICE_CHECK_STEPS:-env,tests,aot,bench,noclip,decode,merge}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ "$dry" = 1 ]; then export TRITON_INTERPRET=1; else unset TRITON_INTERPRET; fi
 total_s="${DEVICE_CHECK_BUDGET_S:-470}"   # the whole script, with a margin under 8 minutes
@@ -105,21 +106,25 @@ else
 fi
 
 # 3. kernel correctness on the real backend (a representative subset in the dry run)
-tests=(tests/test_kernels.py tests/test_kernels_triton.py)
-[ "$dry" = 1 ] && tests+=(-k "paged_store or dequant_kernel_equals_reference or bisection_clip_bit_exact")
-step tests 150 "$out/kernel-tests.txt" "$py" -m pytest -q -p no:cacheprovider "${tests[@]}" \
+tests=(tests/test_kernels.py tests/test_kernels_triton.py tests/test_decode_attention.py)
+[ "$dry" = 1 ] && tests+=(-k "paged_store or dequant_kernel_equals_reference or bisection_clip_bit_exact or triton_equals_reference and 256")
+step tests 120 "$out/kernel-tests.txt" "$py" -m pytest -q -p no:cacheprovider "${tests[@]}" \
   --junitxml="$out/kernel-tests.xml"
 
 # 4. benchmark: clip 0.96 with the launch sweep, then without the clip
 if [ "$dry" = 1 ]; then bench=(--dry-run --tokens 64); noclip=(--dry-run --tokens 64); else bench=(); noclip=(--quick); fi
-step bench 170 "$out/int2-kernels.txt" "$py" tools/bench_kernels.py "${bench[@]}" --sweep \
+step bench 140 "$out/int2-kernels.txt" "$py" tools/bench_kernels.py "${bench[@]}" --sweep \
   --json-out "$out/int2-kernels.json"
-step noclip 70 "$out/int2-kernels-noclip.txt" "$py" tools/bench_kernels.py "${noclip[@]}" --clip 0 \
+step noclip 60 "$out/int2-kernels-noclip.txt" "$py" tools/bench_kernels.py "${noclip[@]}" --clip 0 \
   --json-out "$out/int2-kernels-noclip.json"
+
+# 5. decode attention read from the INT2 cache vs SDPA in BF16 (Qwen3-8B geometry; tiny and interpreted in the dry run)
+if [ "$dry" = 1 ]; then decode=(--dry-run); else decode=(); fi
+step decode 80 "$out/decode.txt" "$py" tools/bench_decode.py --cuda "${decode[@]}" --json-out "$out/decode.json"
 
 if [ -n "$aot_pid" ]; then wait "$aot_pid"; fi
 
-# 5. one JSON and a compact table
+# 6. one JSON and a compact table
 merge_rc=1
 if wanted merge; then
   t0=$(date +%s)
@@ -180,6 +185,7 @@ def bench_part(name):
 
 
 bench, noclip = bench_part("int2-kernels.json"), bench_part("int2-kernels-noclip.json")
+decode = load("decode.json")
 eq_keys = ("codes_equal_reference_no_rotation", "scales_zeros_equal_reference_no_rotation", "dequant_equal_reference")
 eq_rows = [r for part in (bench, noclip) for r in part.get("rows", [])]
 byte_equal = bool(eq_rows) and all(r.get(k) is True for r in eq_rows for k in eq_keys)
@@ -196,6 +202,7 @@ checks = {
     and tests.get("failures", 1) == 0 and tests.get("errors", 1) == 0,
     "bytes_equal_reference": byte_equal,
     "aot_ok": bool(aot.get("verdict", {}).get("ok")),
+    "decode_matches_reference": decode.get("matches_reference") is True,
 }
 result = {
     "schema": "rotationzoo-device-check/1",
@@ -207,6 +214,7 @@ result = {
     "bench": bench,
     "bench_noclip": noclip,
     "aot": aot,
+    "decode": decode,
     "checks": checks,
     "ok": all(checks.values()),
 }
@@ -228,6 +236,13 @@ for label, part in (("clip", bench), ("noclip", noclip)):
               f"{r.get('speedup_fused_vs_two_step', 0):>6.2f}x {r.get('dequant_pct_copy', 0):>6.1f} {'yes' if same else 'NO':>7}")
     if "error" in part:
         print(f"{label:<7} {part['error']}")
+print(f"{'decode':<7} {'ctx':>7} {'B':>2} {'INT2 ms':>8} {'SDPA ms':>8} {'speedup':>7} {'% copy':>6} {'rel err':>8}")
+for r in decode.get("rows", []):
+    print(f"{'':<7} {r.get('context', 0):>7} {r.get('batch', 0):>2} {r.get('int2_ms', float('nan')):>8.3f} "
+          f"{r.get('sdpa_ms', float('nan')):>8.3f} {r.get('speedup_vs_sdpa', float('nan')):>6.2f}x "
+          f"{r.get('int2_pct_copy', float('nan')):>6.1f} {r.get('int2_rel_err_vs_reference', float('nan')):>8.1e}")
+if "error" in decode:
+    print(f"decode  {decode['error']}")
 v = aot.get("verdict") or {}
 print(f"aot: {v or aot.get('error')}")
 print(f"kernel tests: {tests}")

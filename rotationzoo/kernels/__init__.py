@@ -2,9 +2,15 @@
 
 Quick use::
 
-    from rotationzoo.kernels import quantize_int2, dequantize_int2
-    codes, sz = quantize_int2(k, rotation=R_k, clip_ratio=0.96)    # k: [T, H, 128] bf16
-    k_hat = dequantize_int2(codes, sz, rotation=R_k)               # back in the original basis
+    from rotationzoo.kernels import Int2KVConfig, quantize_int2, dequantize_int2
+    cfg = Int2KVConfig()                                            # the serving settings
+    codes, sz = quantize_int2(k, rotation=R_k, config=cfg, side="k")   # k: [T, H, 128] bf16
+    k_hat = dequantize_int2(codes, sz, rotation=R_k, config=cfg)       # back in the original basis
+
+Every entry point takes the INT2-KV settings as one ``config`` (:class:`~rotationzoo.int2kv.Int2KVConfig`,
+``side`` picking its K or V clip ratio) or, for compatibility, as loose keywords; a keyword given
+together with a config must repeat the config's value (see :mod:`rotationzoo.kernels.settings`).
+:func:`decode_attention_int2` is attention over the cache layout read straight from the codes.
 
 Format (byte-compatible with the SGLang OSCAR caches): for each row of ``d`` values (one token, one
 KV head) the codes are ``d/4`` bytes, quarter-interleaved (byte ``j`` holds dims ``j, j+d/4, j+d/2,
@@ -20,17 +26,21 @@ Backends: ``"torch"`` (:mod:`rotationzoo.kernels.reference`, any device) and ``"
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
 
 import torch
 
-from ..errors import BackendUnavailableError, KernelInputError
+from ..errors import KernelInputError
+from ..int2kv import Int2KVConfig
 from . import layout
 from . import reference as _ref
+from .backend import pick_backend as _backend
+from .backend import triton_available
+from .decode import Int2KV, decode_attention_int2
 from .layout import HEAD_DIMS, allowed_group_sizes, byte_index_and_shift, clip_index, packed_dim
-from ..vocab import CLIP_SEARCHES, Backend, ClipSearch
+from .settings import TORCH_DTYPES
+from .settings import resolve as _settings
+from ..vocab import CLIP_SEARCHES, Backend, ClipSearch, Side
 
 
 INPUT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
@@ -48,7 +58,10 @@ __all__ = [
     "allowed_group_sizes",
     "byte_index_and_shift",
     "CLIP_SEARCHES",
+    "Int2KV",
+    "Int2KVConfig",
     "clip_index",
+    "decode_attention_int2",
     "dequantize_int2",
     "fake_quantize_int2",
     "packed_dim",
@@ -56,49 +69,6 @@ __all__ = [
     "quantize_int2_into",
     "triton_available",
 ]
-
-
-# --- backend selection --------------------------------------------------------------------------
-
-_TRITON_IMPORT_ERROR: list[BaseException | None] = []
-
-
-def triton_available() -> bool:
-    """True when the triton package imports (the result is cached)."""
-    if not _TRITON_IMPORT_ERROR:
-        try:
-            importlib.import_module("triton")
-        except Exception as exc:  # ImportError or a broken install
-            _TRITON_IMPORT_ERROR.append(exc)
-        else:
-            _TRITON_IMPORT_ERROR.append(None)
-    return _TRITON_IMPORT_ERROR[0] is None
-
-
-def _backend(backend: str, device: torch.device) -> str:
-    if backend not in ("auto", "torch", "triton"):
-        raise KernelInputError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
-    if backend == "torch":
-        return "torch"
-    if backend == "auto":
-        if device.type == "cuda" and importlib.util.find_spec("triton") is not None and triton_available():
-            return "triton"
-        return "torch"
-    if not triton_available():
-        raise BackendUnavailableError(
-            f"backend 'triton' needs the triton package, which failed to import "
-            f"({_TRITON_IMPORT_ERROR[0]!r}); install rotationzoo[triton] or use backend='torch'"
-        )
-    if device.type == "cuda":
-        return "triton"
-    from .triton_int2 import interpret_mode
-
-    if device.type == "cpu" and interpret_mode():
-        return "triton"
-    raise BackendUnavailableError(
-        f"backend 'triton' needs CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 set "
-        f"(Triton's slow CPU interpreter); got a tensor on {device}. Use backend='torch' or 'auto'."
-    )
 
 
 # --- argument checks ----------------------------------------------------------------------------
@@ -191,6 +161,12 @@ def _check_scale_dtype(scale_dtype: object) -> torch.dtype:
     return scale_dtype
 
 
+def _check_sz_dtype(config: Int2KVConfig | None, sz: torch.Tensor, what: str) -> None:
+    if config is not None and sz.dtype != TORCH_DTYPES[config.scale_dtype]:
+        raise KernelInputError(f"{what} dtype {str(sz.dtype).replace('torch.', '')} disagrees with "
+                               f"config.scale_dtype={config.scale_dtype!r}")
+
+
 def _group_from_sz(d: int, sz_last: int, group_size: int | None, what: str) -> int:
     if sz_last < 2 or sz_last % 2:
         raise KernelInputError(f"{what} last dimension must be 2 * groups (interleaved scale/zero), got {sz_last}")
@@ -212,11 +188,13 @@ def quantize_int2(
     x: torch.Tensor,
     *,
     rotation: torch.Tensor | None = None,
-    clip_ratio: float = 0.0,
+    config: Int2KVConfig | None = None,
+    side: Side = "k",
+    clip_ratio: float | None = None,
     group_size: int | None = None,
-    lloyd_max: bool = False,
-    scale_dtype: torch.dtype = torch.float32,
-    clip_search: ClipSearch = "exact",
+    lloyd_max: bool | None = None,
+    scale_dtype: torch.dtype | None = None,
+    clip_search: ClipSearch | None = None,
     backend: Backend = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate (optional), clip, quantize to INT2 and pack rows of ``x``.
@@ -229,7 +207,10 @@ def quantize_int2(
             The rotation runs in bf16: ``bf16(x) @ bf16(R)`` with fp32 accumulation, the result
             rounded to bf16 before the clip (the SGLang prefill GEMM ``k.to(bf16) @ R_K``). Per-layer
             matrices are the caller's business: call once per layer with that layer's ``R``.
-        clip_ratio: per-row clip; the threshold is ``sort(|row|)[int(clip_ratio * d)]`` (floor,
+        config: the INT2-KV settings (clip ratio of ``side``, group size, Lloyd-Max, scale dtype,
+            clip search); the keywords below may then only repeat its values.
+        side: ``"k"`` or ``"v"``: which clip ratio of ``config`` applies.
+        clip_ratio: per-row clip (default 0 without a config); the threshold is ``sort(|row|)[int(clip_ratio * d)]`` (floor,
             clamped to ``d - 1``); ``<= 0`` disables. SGLang/OSCAR use 0.96 (K) and 0.92 (V).
         group_size: contiguous dims sharing one (scale, zero): ``d, d/2, d/4, ...``, at least 16;
             ``None`` means ``d`` (one pair per row, the published configuration).
@@ -256,11 +237,13 @@ def quantize_int2(
     """
     x = _check_values(x)
     d = x.shape[-1]
-    gs = _check_group(d, group_size)
-    ci = _check_clip(clip_ratio, d)
-    lm = _check_lloyd_max(lloyd_max, d, gs)
-    sdt = _check_scale_dtype(scale_dtype)
-    cs = _check_clip_search(clip_search)
+    st = _settings(config, side, clip_ratio=clip_ratio, group_size=group_size, lloyd_max=lloyd_max,
+                   scale_dtype=scale_dtype, clip_search=clip_search, head_dim=d)
+    gs = _check_group(d, st.group_size)
+    ci = _check_clip(st.clip_ratio, d)
+    lm = _check_lloyd_max(st.lloyd_max, d, gs)
+    sdt = _check_scale_dtype(st.scale_dtype)
+    cs = _check_clip_search(st.clip_search)
     r = _check_rotation(rotation, tuple(x.shape), x.device)
     if _backend(backend, x.device) == "torch":
         return _ref.quantize_int2_torch(x, rotation=r, clip_index=ci, group_size=gs, lloyd_max=lm, scale_dtype=sdt,
@@ -285,7 +268,8 @@ def dequantize_int2(
     group_size: int | None = None,
     rotation: torch.Tensor | None = None,
     dtype: torch.dtype = torch.bfloat16,
-    lloyd_max: bool = False,
+    lloyd_max: bool | None = None,
+    config: Int2KVConfig | None = None,
     backend: Backend = "auto",
 ) -> torch.Tensor:
     """Unpack and dequantize: ``out[..., dim] = (q - zero_g) * scale_g`` with ``g = dim // group_size``.
@@ -300,6 +284,8 @@ def dequantize_int2(
         dtype: output dtype, bf16 (default), fp16 or fp32. The fp32 dequant is rounded once to it.
         lloyd_max: accepted for symmetry with :func:`quantize_int2`; Lloyd-Max codes dequantize with
             the same formula (it only requires ``group_size == d``).
+        config: the INT2-KV settings the codes were written with (group size, Lloyd-Max, and
+            ``scale_dtype``, which must be the dtype of ``scales_zeros``).
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
 
     Returns:
@@ -331,8 +317,10 @@ def dequantize_int2(
         )
     if sz.device != codes.device:
         raise KernelInputError(f"scales_zeros is on {sz.device} but codes is on {codes.device}")
-    gs = _group_from_sz(d, sz.shape[-1], group_size, "scales_zeros")
-    _check_lloyd_max(lloyd_max, d, gs)
+    st = _settings(config, "k", group_size=group_size, lloyd_max=lloyd_max, head_dim=d)
+    _check_sz_dtype(config, sz, "scales_zeros")
+    gs = _group_from_sz(d, sz.shape[-1], st.group_size, "scales_zeros")
+    _check_lloyd_max(st.lloyd_max, d, gs)
     if dtype not in OUTPUT_DTYPES:
         raise KernelInputError(f"dtype {dtype} is not supported; expected one of {_names(OUTPUT_DTYPES)}")
     r = _check_rotation(rotation, (*codes.shape[:-1], d), codes.device, "codes")
@@ -356,11 +344,13 @@ def dequantize_int2(
 def fake_quantize_int2(
     x: torch.Tensor,
     *,
-    clip_ratio: float = 0.0,
+    config: Int2KVConfig | None = None,
+    side: Side = "k",
+    clip_ratio: float | None = None,
     group_size: int | None = None,
-    lloyd_max: bool = False,
-    scale_dtype: torch.dtype = torch.float32,
-    clip_search: ClipSearch = "exact",
+    lloyd_max: bool | None = None,
+    scale_dtype: torch.dtype | None = None,
+    clip_search: ClipSearch | None = None,
     dtype: torch.dtype | None = None,
     backend: Backend = "auto",
 ) -> torch.Tensor:
@@ -371,17 +361,19 @@ def fake_quantize_int2(
 
     Args:
         x: ``[..., d]`` values (bf16, fp16 or fp32).
-        clip_ratio, group_size, lloyd_max, scale_dtype, clip_search, backend: as for
+        config, side, clip_ratio, group_size, lloyd_max, scale_dtype, clip_search, backend: as for
             :func:`quantize_int2`.
         dtype: output dtype (default ``x.dtype``).
     """
     x = _check_values(x)
     d = x.shape[-1]
-    gs = _check_group(d, group_size)
-    ci = _check_clip(clip_ratio, d)
-    lm = _check_lloyd_max(lloyd_max, d, gs)
-    sdt = _check_scale_dtype(scale_dtype)
-    cs = _check_clip_search(clip_search)
+    st = _settings(config, side, clip_ratio=clip_ratio, group_size=group_size, lloyd_max=lloyd_max,
+                   scale_dtype=scale_dtype, clip_search=clip_search, head_dim=d)
+    gs = _check_group(d, st.group_size)
+    ci = _check_clip(st.clip_ratio, d)
+    lm = _check_lloyd_max(st.lloyd_max, d, gs)
+    sdt = _check_scale_dtype(st.scale_dtype)
+    cs = _check_clip_search(st.clip_search)
     out_dtype = dtype or x.dtype
     if out_dtype not in OUTPUT_DTYPES:
         raise KernelInputError(f"dtype {out_dtype} is not supported; expected one of {_names(OUTPUT_DTYPES)}")
@@ -389,8 +381,8 @@ def fake_quantize_int2(
         out = _ref.fake_quantize_rows(x.reshape(-1, d), clip_index=ci, group_size=gs, lloyd_max=lm, scale_dtype=sdt,
                                       clip_search=cs, dtype=out_dtype)
         return out.reshape(x.shape)
-    codes, sz = quantize_int2(x, clip_ratio=clip_ratio, group_size=gs, lloyd_max=lm, scale_dtype=sdt, clip_search=clip_search,
-                              backend=backend)
+    codes, sz = quantize_int2(x, clip_ratio=st.clip_ratio, group_size=gs, lloyd_max=lm, scale_dtype=sdt,
+                              clip_search=cs, backend=backend)  # type: ignore[arg-type]
     return dequantize_int2(codes, sz, group_size=gs, dtype=out_dtype, backend=backend)
 
 
@@ -401,10 +393,12 @@ def quantize_int2_into(
     sz_buf: torch.Tensor,
     *,
     rotation: torch.Tensor | None = None,
-    clip_ratio: float = 0.0,
+    config: Int2KVConfig | None = None,
+    side: Side = "k",
+    clip_ratio: float | None = None,
     group_size: int | None = None,
-    lloyd_max: bool = False,
-    clip_search: ClipSearch = "exact",
+    lloyd_max: bool | None = None,
+    clip_search: ClipSearch | None = None,
     backend: Backend = "auto",
 ) -> None:
     """Quantize ``x`` and write row ``t`` into slot ``loc[t]`` of a paged INT2 cache (in place).
@@ -419,8 +413,9 @@ def quantize_int2_into(
         loc: ``[T]`` int32/int64 slot ids, on the same device.
         codes_buf: ``[slots, H, d/4]`` uint8.
         sz_buf: ``[slots, H, 2 * d / group_size]`` fp32/bf16/fp16.
-        rotation, clip_ratio, lloyd_max, clip_search, backend: as in :func:`quantize_int2`
-            (``clip_search="bisect"`` is what the decode flush writes).
+        rotation, config, side, clip_ratio, lloyd_max, clip_search, backend: as in :func:`quantize_int2`
+            (``clip_search="bisect"`` is what the decode flush writes); a config's ``scale_dtype``
+            must be the dtype of ``sz_buf``.
         group_size: ``None`` infers it from ``sz_buf``; if given it must agree.
 
     Raises:
@@ -449,10 +444,13 @@ def quantize_int2_into(
     for name, t_ in (("loc", loc), ("codes_buf", codes_buf), ("sz_buf", sz_buf)):
         if t_.device != x.device:
             raise KernelInputError(f"{name} is on {t_.device} but x is on {x.device}")
-    gs = _group_from_sz(d, sz_buf.shape[-1], group_size, "sz_buf")
-    ci = _check_clip(clip_ratio, d)
-    lm = _check_lloyd_max(lloyd_max, d, gs)
-    cs = _check_clip_search(clip_search)
+    st = _settings(config, side, clip_ratio=clip_ratio, group_size=group_size, lloyd_max=lloyd_max,
+                   clip_search=clip_search, head_dim=d)
+    _check_sz_dtype(config, sz_buf, "sz_buf")
+    gs = _group_from_sz(d, sz_buf.shape[-1], st.group_size, "sz_buf")
+    ci = _check_clip(st.clip_ratio, d)
+    lm = _check_lloyd_max(st.lloyd_max, d, gs)
+    cs = _check_clip_search(st.clip_search)
     r = _check_rotation(rotation, tuple(x.shape), x.device)
     if t == 0:
         return

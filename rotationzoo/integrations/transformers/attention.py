@@ -366,9 +366,10 @@ def oscar_attention_name(base: str = "sdpa") -> str:
 
     The registered function (for ``model.set_attn_implementation(name)``):
 
-    * keys coming from an :class:`OscarInt2Cache` layer are already rotated: the query is rotated
-      with ``R_K``, ``base`` (``"sdpa"`` or ``"eager"``) attends in the rotated basis, and the
-      output is un-rotated with ``R_Vᵀ``;
+    * keys coming from an :class:`OscarInt2Cache` layer are already rotated: a decode step (a few new
+      tokens, causal mask) runs :func:`~rotationzoo.kernels.decode_attention_int2` on the layer's
+      codes; otherwise the query is rotated with ``R_K``, ``base`` (``"sdpa"`` or ``"eager"``)
+      attends in the rotated basis, and the output is un-rotated with ``R_Vᵀ``;
     * otherwise, inside :func:`oscar_kv`, the layer runs the decode-time simulation
       (:func:`simulated_int2_attention`);
     * otherwise it is ``base`` unchanged.
@@ -381,6 +382,13 @@ def oscar_attention_name(base: str = "sdpa") -> str:
         layer = getattr(key, OSCAR_TAG, None)
         if layer is not None:  # real INT2 cache: keys/values are in the rotated basis
             layer.consumed = True
+            if layer.pending is not None:  # a decode step: attention read from the codes
+                plain = not kwargs.get("dropout") and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
+                scale = kwargs.get("scaling") or getattr(module, "scaling", None) or query.shape[-1] ** -0.5
+                out = layer.attend(query, attention_mask, float(scale)) if plain else None
+                if out is not None:
+                    return out.transpose(1, 2), None
+                key, value = layer.take_pending()  # a padding mask or another variant: attend the old way
             q = layer.transform.queries(query, query.dtype)
             out, weights = base_attention(module, base)(module, q, key.to(query.dtype), value.to(query.dtype),
                                                         attention_mask, **kwargs)

@@ -12,8 +12,17 @@ from typing import Any, Callable
 import torch
 
 from ...errors import EvaluationError
+from ...kernels import Int2KV, decode_attention_int2
+from ...kernels.decode_plan import DECODE_MAX_QUERIES
 from .common import require_transformers
 from .oscar import OSCAR_TAG, LayerTransform, OscarKV, dequantize_rows, quantize_rows
+
+INT2_GROWTH_TOKENS = 256
+"""Fewest tokens of room added when an INT2 buffer of the cache is full (it grows by an eighth)."""
+
+
+_INT2_NAMES = ("codes_k", "sz_k", "codes_v", "sz_v")
+_WINDOW_NAMES = ("sink_k", "sink_v", "recent_k", "recent_v")
 
 
 class _LayerBody:
@@ -22,8 +31,14 @@ class _LayerBody:
     Storage (all ``[B, H_kv, n, ·]``, in the rotated basis): ``sink_k/v`` (first ``prefix``
     tokens, ``hp_dtype``), INT2 ``codes_k/v`` (uint8 ``[..., d/4]``) with ``sz_k/v``
     (``[..., 2·d/G]`` in ``scale_dtype``), and ``recent_k/v`` (the last ``recent`` tokens,
-    ``hp_dtype``). ``update`` returns the history dequantized plus the new tokens, tagged so
-    that the OSCAR attention knows they are rotated.
+    ``hp_dtype``). The INT2 tier lives in buffers with room for more tokens (grown by an eighth, at
+    least :data:`INT2_GROWTH_TOKENS`), so demoting a token does not copy the history.
+
+    A forward of up to :data:`~rotationzoo.kernels.decode_plan.DECODE_MAX_QUERIES` new tokens (a
+    decode step) stores them and keeps a view of what they attend to; the OSCAR attention then calls
+    :meth:`attend`, which reads the codes directly (:func:`~rotationzoo.kernels.decode_attention_int2`).
+    A longer forward (a prefill) gets the history dequantized plus the new tokens, as before. Either
+    way the returned key tensor is tagged so that the OSCAR attention knows it comes from this layer.
     """
 
     is_compileable = False
@@ -47,12 +62,21 @@ class _LayerBody:
         self.sink_v: torch.Tensor | None = None
         self.recent_k: torch.Tensor | None = None
         self.recent_v: torch.Tensor | None = None
-        self.codes_k: torch.Tensor | None = None
-        self.codes_v: torch.Tensor | None = None
-        self.sz_k: torch.Tensor | None = None
-        self.sz_v: torch.Tensor | None = None
+        self._buf: dict[str, torch.Tensor | None] = dict.fromkeys(_INT2_NAMES)
+        self._n_int2 = {"k": 0, "v": 0}
+        self.pending: tuple[Int2KV, Int2KV] | None = None
         self.cumulative_length = 0
         self.consumed = True
+
+    # the INT2 tier: views of the first tokens of the buffers
+    def _int2_view(self, name: str) -> torch.Tensor | None:
+        buf = self._buf[name]
+        return None if buf is None else buf[:, :, : self._n_int2[name[-1]]]
+
+    codes_k = property(lambda self: self._int2_view("codes_k"), doc="INT2 key codes ``[B, H_kv, N, d/4]``.")
+    sz_k = property(lambda self: self._int2_view("sz_k"), doc="Key scales/zeros ``[B, H_kv, N, 2·d/G]``.")
+    codes_v = property(lambda self: self._int2_view("codes_v"), doc="INT2 value codes.")
+    sz_v = property(lambda self: self._int2_view("sz_v"), doc="Value scales/zeros.")
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
@@ -67,24 +91,42 @@ class _LayerBody:
         self.sink_v, self.recent_v = empty(dv), empty(dv)
         self.is_initialized = True
 
-    def _int2(self, side: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        return getattr(self, f"codes_{side}"), getattr(self, f"sz_{side}")
+    def _append_int2(self, side: str, codes: torch.Tensor, sz: torch.Tensor) -> None:
+        """Write demoted rows after the INT2 tokens of ``side``, growing the buffers when full."""
+        n, extra = self._n_int2[side], codes.shape[2]
+        for name, rows in ((f"codes_{side}", codes), (f"sz_{side}", sz)):
+            buf = self._buf[name]
+            if buf is None or buf.shape[2] < n + extra:
+                cap = n + extra + max(INT2_GROWTH_TOKENS, (n + extra) // 8)
+                grown = rows.new_empty(rows.shape[:2] + (cap,) + rows.shape[3:])
+                if buf is not None:
+                    grown[:, :, :n] = buf[:, :, :n]
+                self._buf[name] = buf = grown
+            buf[:, :, n:n + extra] = rows
+        self._n_int2[side] = n + extra
 
     def _history(self, side: str) -> torch.Tensor:
         sink, recent = getattr(self, f"sink_{side}"), getattr(self, f"recent_{side}")
-        codes, sz = self._int2(side)
-        parts = [sink.to(self.dtype)]
-        if codes is not None and codes.shape[2]:
-            if (self.oscar.quantize_k if side == "k" else self.oscar.quantize_v):
-                assert sz is not None
-                parts.append(dequantize_rows(codes, sz, self.oscar, self.dtype))
-            else:
-                parts.append(codes.to(self.dtype))  # kept unquantized (quantize_<side>=False)
-        parts.append(recent.to(self.dtype))
-        return torch.cat(parts, dim=2)
+        return self._materialize(side, (sink, getattr(self, f"codes_{side}"), getattr(self, f"sz_{side}"), recent))
 
-    def _store(self, side: str, x: torch.Tensor) -> None:
+    def _materialize(self, side: str, parts: tuple) -> torch.Tensor:
+        """``[sink | INT2 dequantized | recent]`` in the cache dtype (what the prefill path attends to)."""
+        sink, codes, sz, recent = parts
+        out = [sink.to(self.dtype)]
+        if codes is not None and codes.shape[2]:
+            if self.oscar.quantize_k if side == "k" else self.oscar.quantize_v:
+                out.append(dequantize_rows(codes, sz, self.oscar, self.dtype))
+            else:
+                out.append(codes.to(self.dtype))  # kept unquantized (quantize_<side>=False)
+        out.append(recent.to(self.dtype))
+        return torch.cat(out, dim=2)
+
+    def _store(self, side: str, x: torch.Tensor) -> Int2KV:
         """Append rotated window-dtype rows ``x [B, H, n, d]``; demote what leaves the window.
+
+        Returns what the new rows attend to: the sink, the INT2 tier and the recent rows as they were
+        before the demotion, with ``x`` appended (so the rows that leave the recent window now are
+        still read exactly by the tokens that push them out, as in the simulation).
 
         Rows demoted by a multi-token update (a prefill) get the exact clip threshold, as the
         SGLang prefill store; rows demoted by a one-token update (decode) get
@@ -95,19 +137,20 @@ class _LayerBody:
         sink = getattr(self, f"sink_{side}")
         take = min(max(cfg.prefix_tokens - sink.shape[2], 0), x.shape[2])
         if take:
-            setattr(self, f"sink_{side}", torch.cat([sink, x[:, :, :take]], dim=2))
+            sink = torch.cat([sink, x[:, :, :take]], dim=2)
+            setattr(self, f"sink_{side}", sink)
         recent = torch.cat([getattr(self, f"recent_{side}"), x[:, :, take:]], dim=2)
+        view = Int2KV(sink, getattr(self, f"codes_{side}"), getattr(self, f"sz_{side}"), recent)
         extra = recent.shape[2] - cfg.recent_tokens
         if extra > 0:
             old, recent = recent[:, :, :extra], recent[:, :, extra:]
-            codes, sz = self._int2(side)
             if o.quantize_k if side == "k" else o.quantize_v:
                 c, s = quantize_rows(old, o, side, clip_search="exact" if x.shape[2] > 1 else None)
             else:  # not quantized: keep the rows in the codes slot
                 c, s = old, old.new_zeros(old.shape[:-1] + (0,))
-            setattr(self, f"codes_{side}", c if codes is None else torch.cat([codes, c], dim=2))
-            setattr(self, f"sz_{side}", s if sz is None else torch.cat([sz, s], dim=2))
+            self._append_int2(side, c, s)
         setattr(self, f"recent_{side}", recent.contiguous())
+        return view
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,14 +164,43 @@ class _LayerBody:
         wdt = self.oscar.hp_dtype
         kr = self.transform.keys(key_states, wdt)
         vr = self.transform.values(value_states, wdt)
-        keys = torch.cat([self._history("k"), kr.to(self.dtype)], dim=2)
-        values = torch.cat([self._history("v"), vr.to(self.dtype)], dim=2)
-        self._store("k", kr)
-        self._store("v", vr)
+        if key_states.shape[2] <= DECODE_MAX_QUERIES and self.oscar.quantize_k and self.oscar.quantize_v:
+            self.pending = (self._store("k", kr), self._store("v", vr))
+            keys, values = kr.to(self.dtype), vr.to(self.dtype)  # stand-ins: attend() reads the pending view
+        else:
+            self.pending = None
+            keys = torch.cat([self._history("k"), kr.to(self.dtype)], dim=2)
+            values = torch.cat([self._history("v"), vr.to(self.dtype)], dim=2)
+            self._store("k", kr)
+            self._store("v", vr)
         self.cumulative_length += key_states.shape[2]
         setattr(keys, OSCAR_TAG, self)
         self.consumed = False
         return keys, values
+
+    def attend(self, query: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor | None:
+        """Decode attention of ``query [B, Hq, S, d]`` (model basis) over the pending view, read from the
+        codes; ``[B, Hq, S, d]`` in the model basis, or ``None`` when ``mask`` is more than the causal
+        rule (padding, a sliding window): then :meth:`take_pending` gives keys/values to attend to."""
+        assert self.pending is not None
+        k, v = self.pending
+        total = sum(t.shape[2] for t in (k.sink, k.codes, k.recent) if t is not None)
+        if not _causal_only(mask, query.shape[2], total):
+            return None
+        self.pending = None
+        t = self.transform  # centering, q_rotation / o_rotation and v_mean included
+        out = decode_attention_int2(query, k, v, config=self.oscar.config, q_rotation=t.q_rot,
+                                    k_rotation=t.r_k if t.q_rot is None else None,
+                                    o_rotation=t.o_rot, v_rotation=t.r_v if t.o_rot is None else None, scale=scale,
+                                    backend=self.oscar.backend)  # type: ignore[arg-type]
+        return out if t.v_mean is None else t.with_v_mean(out)
+
+    def take_pending(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pending view as full keys/values ``[B, H_kv, L, d]`` in the cache dtype (rotated basis)."""
+        assert self.pending is not None
+        k, v = self.pending
+        self.pending = None
+        return self._materialize("k", k), self._materialize("v", v)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.cumulative_length + query_length, 0
@@ -147,10 +219,15 @@ class _LayerBody:
         raise NotImplementedError("OscarInt2Cache cannot be cropped (INT2 tokens cannot be restored)")
 
     def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        for name in ("sink_k", "sink_v", "recent_k", "recent_v", "codes_k", "codes_v", "sz_k", "sz_v"):
+        for name in _WINDOW_NAMES:
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, fn(t))
+        for name in _INT2_NAMES:
+            t = self._int2_view(name)
+            if t is not None:
+                self._buf[name] = fn(t)
+        self.pending = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:
@@ -170,22 +247,37 @@ class _LayerBody:
     def prefetch(self) -> None:  # pragma: no cover - not supported
         pass
 
+    def _tensors(self, reserved: bool) -> list[torch.Tensor]:
+        out = [getattr(self, n) for n in _WINDOW_NAMES]
+        out += [self._buf[n] if reserved else self._int2_view(n) for n in _INT2_NAMES]
+        return [t for t in out if t is not None]
+
     def nbytes(self) -> int:
-        """Bytes held by this layer (windows, codes, scales/zeros)."""
-        total = 0
-        for name in ("sink_k", "sink_v", "recent_k", "recent_v", "codes_k", "codes_v", "sz_k", "sz_v"):
-            t = getattr(self, name)
-            if t is not None:
-                total += t.numel() * t.element_size()
-        return total
+        """Bytes of the cached tokens (windows, codes, scales/zeros)."""
+        return sum(t.numel() * t.element_size() for t in self._tensors(False))
+
+    def reserved_bytes(self) -> int:
+        """Bytes allocated, including the INT2 buffers' room for tokens not demoted yet."""
+        return sum(t.numel() * t.element_size() for t in self._tensors(True))
 
     def stored_tokens(self) -> dict[str, int]:
         """``{"prefix": …, "int2": …, "recent": …}`` token counts held."""
         if not self.is_initialized:
             return {"prefix": 0, "int2": 0, "recent": 0}
         assert self.sink_k is not None and self.recent_k is not None
-        n_int2 = self.codes_k.shape[2] if self.codes_k is not None else 0
-        return {"prefix": self.sink_k.shape[2], "int2": n_int2, "recent": self.recent_k.shape[2]}
+        return {"prefix": self.sink_k.shape[2], "int2": self._n_int2["k"], "recent": self.recent_k.shape[2]}
+
+
+def _causal_only(mask: torch.Tensor | None, s: int, total: int) -> bool:
+    """Whether ``mask`` (``None``, boolean or additive ``[B or 1, 1, S, L]``) allows exactly the causal
+    pattern: query ``t`` sees keys ``0 … total − s + t``."""
+    if mask is None:
+        return True
+    if mask.dim() != 4 or mask.shape[-2] != s or mask.shape[-1] != total:
+        return False
+    allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    want = torch.arange(total, device=mask.device)[None, :] <= (total - s + torch.arange(s, device=mask.device))[:, None]
+    return bool(torch.equal(allowed, want.expand_as(allowed)))
 
 
 class _CacheBody:
@@ -202,7 +294,9 @@ class _CacheBody:
     :func:`rotationzoo.kernels.quantize_int2` (Triton on CUDA, the PyTorch reference on CPU) and
     only its codes and scales/zeros are kept. A forward over several new tokens (a prefill)
     attends to those new tokens exactly among themselves, as the SGLang fork's prefill does;
-    decode steps read the INT2 history.
+    decode steps read the INT2 history straight from the codes
+    (:func:`rotationzoo.kernels.decode_attention_int2`: Triton on CUDA, the chunked PyTorch
+    reference on CPU), never dequantizing it as a whole.
 
     Args:
         oscar: settings and rotations.
@@ -221,8 +315,12 @@ class _CacheBody:
         super().__init__(layers=[cache_classes()["OscarInt2Layer"](oscar, i) for i in range(num_layers)])  # type: ignore[call-arg]
 
     def nbytes(self) -> int:
-        """Bytes held by all layers."""
+        """Bytes of the cached tokens in all layers."""
         return sum(layer.nbytes() for layer in self.layers)
+
+    def reserved_bytes(self) -> int:
+        """Bytes allocated by all layers (:meth:`nbytes` plus the INT2 buffers' free room)."""
+        return sum(layer.reserved_bytes() for layer in self.layers)
 
     def bits_per_element(self) -> float:
         """Stored bits per cached K/V element (codes, scales/zeros and windows over all layers)."""

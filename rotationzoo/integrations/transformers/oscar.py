@@ -204,12 +204,15 @@ class LayerTransform:
     def output(self, o: torch.Tensor) -> torch.Tensor:
         """The attention output ``o [B, H_q, S, d]`` back in the model's basis: ``o @ R_Vᵀ`` (or
         ``o @ o_rotationᵀ = o @ R_V^{-1}``), plus ``μ_V``."""
-        out = unrotate(o, self.o_rot if self.o_rot is not None else self.r_v)
+        return self.with_v_mean(unrotate(o, self.o_rot if self.o_rot is not None else self.r_v))
+
+    def with_v_mean(self, out: torch.Tensor) -> torch.Tensor:
+        """``out [B, H_q, S, d]`` (model basis) plus ``μ_V`` (each query head its KV head's mean)."""
         if self.v_mean is None:
             return out
         mean = self.v_mean.float()
         if mean.dim() == 2:  # [H_kv, d] -> the query heads that read each KV head
-            mean = _per_head(mean, o.shape[1])[:, None, :]
+            mean = _per_head(mean, out.shape[1])[:, None, :]
         return (out.float() + mean).to(out.dtype)
 
 
@@ -248,28 +251,21 @@ def unrotate(x: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
 
 def quantize_rows(x: torch.Tensor, oscar: OscarKV, side: str, *, clip_search: str | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """INT2 codes and scales/zeros of rotated rows ``x [..., d]`` with ``oscar``'s settings for ``side``."""
-    cfg = oscar.config
-    return quantize_int2(
-        x.contiguous(), clip_ratio=cfg.clip_ratio(side), group_size=cfg.group_size, lloyd_max=cfg.lloyd_max,
-        scale_dtype=DTYPES[cfg.scale_dtype], clip_search=clip_search or cfg.clip_search,  # type: ignore[arg-type]
-        backend=oscar.backend,  # type: ignore[arg-type]
-    )
+    """INT2 codes and scales/zeros of rotated rows ``x [..., d]`` with ``oscar``'s settings for ``side``
+    (``clip_search`` overrides the config's, for rows a prefill demotes)."""
+    cfg = oscar.config.replace(clip_search=clip_search)
+    return quantize_int2(x.contiguous(), config=cfg, side=side, backend=oscar.backend)  # type: ignore[arg-type]
 
 
 def dequantize_rows(codes: torch.Tensor, sz: torch.Tensor, oscar: OscarKV, dtype: torch.dtype) -> torch.Tensor:
     """Rows back from INT2 (still rotated), in ``dtype``."""
     out_dtype = dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
-    return dequantize_int2(codes, sz, dtype=out_dtype, lloyd_max=oscar.config.lloyd_max,
+    return dequantize_int2(codes, sz, dtype=out_dtype, config=oscar.config,
                            backend=oscar.backend).to(dtype)  # type: ignore[arg-type]
 
 
 def fake_quantize(x: torch.Tensor, oscar: OscarKV, side: str, dtype: torch.dtype) -> torch.Tensor:
     """``dequantize(quantize(x))``: what an INT2 token reads back (the kernels' values, bit for bit)."""
-    cfg = oscar.config
     out_dtype = dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
-    return fake_quantize_int2(
-        x.contiguous(), clip_ratio=cfg.clip_ratio(side), group_size=cfg.group_size, lloyd_max=cfg.lloyd_max,
-        scale_dtype=DTYPES[cfg.scale_dtype], clip_search=cfg.clip_search,
-        dtype=out_dtype, backend=oscar.backend,  # type: ignore[arg-type]
-    ).to(dtype)
+    return fake_quantize_int2(x.contiguous(), config=oscar.config, side=side, dtype=out_dtype,  # type: ignore[arg-type]
+                              backend=oscar.backend).to(dtype)  # type: ignore[arg-type]

@@ -1,0 +1,246 @@
+"""Decode attention read straight from the INT2 KV cache: :func:`decode_attention_int2`.
+
+The history of each side (keys, values) is in the cache's own layout (:class:`Int2KV`): the BF16
+sink, the INT2 codes with their scales/zeros, the BF16 recent tokens, all ``[B, H_kv, n, ·]`` and in
+the rotated basis. Nothing is dequantized as a whole: the PyTorch backend walks the history in tiles
+(:mod:`rotationzoo.kernels.decode_reference`), the Triton backend splits it across programs
+(:mod:`rotationzoo.kernels.triton_decode`); both fold the pieces with an fp32 online softmax and merge
+them by their log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from ..errors import KernelInputError
+from ..int2kv import Int2KVConfig
+from . import layout
+from .backend import pick_backend
+from .settings import TORCH_DTYPES
+from .settings import resolve as _settings
+from ..vocab import Backend
+
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+_SCALES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class Int2KV(NamedTuple):
+    """One side (keys or values) of an OSCAR INT2 KV cache, in the cache's layout and rotated basis.
+
+    Attributes:
+        sink: ``[B, H_kv, P, d]`` window dtype: the first tokens, kept in high precision (or ``None``).
+        codes: ``[B, H_kv, N, d/4]`` uint8 INT2 codes (quarter-interleaved, see
+            :func:`~rotationzoo.kernels.byte_index_and_shift`), or ``None``.
+        scales_zeros: ``[B, H_kv, N, 2·d/G]`` interleaved scale/zero pairs of ``codes``, or ``None``.
+        recent: ``[B, H_kv, R, d]`` window dtype: the latest tokens (the new ones last), or ``None``.
+
+    Key positions run sink, INT2, recent: ``0 … P+N+R−1``.
+    """
+
+    sink: torch.Tensor | None
+    codes: torch.Tensor | None
+    scales_zeros: torch.Tensor | None
+    recent: torch.Tensor | None
+
+
+def _names(dtypes: tuple[torch.dtype, ...]) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def _side(parts: object, name: str, lead: tuple[int, int] | None, d: int, device: torch.device
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Checked ``(sink, codes, scales_zeros, recent)`` of one side; ``None`` parts become empty tensors."""
+    if not isinstance(parts, tuple) or len(parts) != 4:
+        raise KernelInputError(f"{name} must be an Int2KV (sink, codes, scales_zeros, recent), got {type(parts).__name__}")
+    sink, codes, sz, recent = parts
+    given = [t for t in (sink, codes, sz, recent) if t is not None]
+    for label, t in zip(Int2KV._fields, parts):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise KernelInputError(f"{name}.{label} must be a torch.Tensor or None, got {type(t).__name__}")
+        if t is not None and (t.dim() != 4 or (lead is not None and tuple(t.shape[:2]) != lead)):
+            want = f"[{lead[0]}, {lead[1]}, n, ·]" if lead else "[B, H_kv, n, ·]"
+            raise KernelInputError(f"{name}.{label} must be {want}, got {list(t.shape)}")
+        if t is not None and t.device != device:
+            raise KernelInputError(f"{name}.{label} is on {t.device} but the query is on {device}")
+    if not given:
+        raise KernelInputError(f"{name} holds no tensor: give at least one of sink, codes and recent")
+    if (codes is None) != (sz is None):
+        raise KernelInputError(f"{name}: codes and scales_zeros come together (both or neither)")
+    b, h = lead if lead is not None else tuple(given[0].shape[:2])
+    for label, t in (("sink", sink), ("recent", recent)):
+        if t is not None and (t.dtype not in _FLOATS or t.shape[-1] != d):
+            raise KernelInputError(f"{name}.{label} must be [{b}, {h}, n, {d}] of {_names(_FLOATS)}, "
+                                   f"got {t.dtype} {list(t.shape)}")
+    if codes is not None and sz is not None:
+        if codes.dtype != torch.uint8 or codes.shape[-1] != d // 4:
+            raise KernelInputError(f"{name}.codes must be uint8 [{b}, {h}, N, {d // 4}], got {codes.dtype} {list(codes.shape)}")
+        if sz.dtype not in _SCALES or sz.shape[2] != codes.shape[2]:
+            raise KernelInputError(f"{name}.scales_zeros must be [{b}, {h}, {codes.shape[2]}, 2·groups] of "
+                                   f"{_names(_SCALES)}, got {sz.dtype} {list(sz.shape)}")
+    hp = next((t.dtype for t in (sink, recent) if t is not None), torch.bfloat16)
+    empty = lambda n, dt: torch.empty((b, h, 0, n), dtype=dt, device=device)  # noqa: E731
+    return (sink if sink is not None else empty(d, hp), codes if codes is not None else empty(d // 4, torch.uint8),
+            sz if sz is not None else empty(2, torch.float32), recent if recent is not None else empty(d, hp))
+
+
+def _rotation(r: object, name: str, h: int, d: int, device: torch.device) -> torch.Tensor | None:
+    if r is None:
+        return None
+    if not isinstance(r, torch.Tensor) or not r.is_floating_point():
+        got = r.dtype if isinstance(r, torch.Tensor) else type(r).__name__
+        raise KernelInputError(f"{name} must be a floating-point tensor [{d}, {d}] or [{h}, {d}, {d}], got {got}")
+    if tuple(r.shape) not in ((d, d), (h, d, d)):
+        raise KernelInputError(f"{name} must be [{d}, {d}] (shared) or [{h}, {d}, {d}] (per KV head), got {list(r.shape)}")
+    if r.device != device:
+        raise KernelInputError(f"{name} is on {r.device} but the query is on {device}")
+    return r
+
+
+def _groups(sz: torch.Tensor, d: int, name: str) -> int:
+    last = sz.shape[-1]
+    if last < 2 or last % 2 or d % (last // 2):
+        raise KernelInputError(f"{name}.scales_zeros last dimension must be 2·groups with groups dividing {d}, got {last}")
+    g = d // (last // 2)
+    try:
+        return layout.resolve_group_size(d, g)
+    except ValueError as exc:
+        raise KernelInputError(f"{name}.scales_zeros: {exc}") from None
+
+
+def decode_attention_int2(
+    query: torch.Tensor,
+    keys: Int2KV | tuple,
+    values: Int2KV | tuple,
+    *,
+    config: Int2KVConfig | None = None,
+    k_rotation: torch.Tensor | None = None,
+    v_rotation: torch.Tensor | None = None,
+    q_rotation: torch.Tensor | None = None,
+    o_rotation: torch.Tensor | None = None,
+    scale: float | None = None,
+    causal: bool = True,
+    group_size: int | None = None,
+    num_splits: int | None = None,
+    dtype: torch.dtype | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Attention of a few new query tokens over an INT2 KV cache, reading the codes directly.
+
+    ``out = softmax(scale · q' · Kᵀ) · V · R_out`` over all ``P + N + R`` cached tokens of each KV
+    head, where the keys/values are the sink and recent rows as stored and the INT2 rows as they
+    dequantize (``(c − z)·s``), ``q' = q @ R_K`` (or ``q @ q_rotation``) and ``R_out = R_Vᵀ`` (or
+    ``o_rotationᵀ``). Query head ``h`` reads KV head ``h // (Hq / H_kv)`` (GQA).
+
+    Args:
+        query: ``[B, Hq, S, d]`` new query tokens in the model's basis (bf16, fp16 or fp32), ``d`` in
+            64, 128, 256; ``S`` small (a decode step, a few draft tokens).
+        keys, values: the cache (:class:`Int2KV` or a ``(sink, codes, scales_zeros, recent)`` tuple),
+            the new tokens already appended as the last recent rows.
+        config: the INT2-KV settings the cache was written with (group size, Lloyd-Max, scale dtype
+            and window dtype are checked against the tensors); ``group_size`` may only repeat it.
+        k_rotation, v_rotation: ``R_K``, ``R_V``: ``[d, d]`` shared or ``[H_kv, d, d]`` per KV head.
+        q_rotation, o_rotation: explicit matrices for non-orthogonal transforms (same shapes), as a
+            rotation file stores them (``R_K^{-T}``, ``R_V^{-T}``): queries are multiplied by
+            ``q_rotation`` instead of ``R_K``, the output by ``o_rotationᵀ`` (``R_V^{-1}``) instead of
+            ``R_Vᵀ``; for orthogonal matrices the two spellings agree. Give one of ``k_rotation``/``q_rotation``, one of
+            ``v_rotation``/``o_rotation``.
+        scale: softmax scale (default ``d ** -0.5``).
+        causal: query token ``t`` of ``S`` sees keys up to position ``P + N + R − S + t`` (the new
+            tokens among themselves causally); ``False``: every query sees every key.
+        group_size: ``None`` infers it from ``scales_zeros``; if given it must agree.
+        num_splits: how many ranges the INT2 tokens are cut into (default: the backend's plan,
+            :mod:`rotationzoo.kernels.decode_plan`); the result does not depend on it beyond fp32
+            rounding.
+        dtype: output dtype (default the query's).
+        backend: ``"auto"`` (Triton for CUDA tensors, the PyTorch reference otherwise), ``"torch"``
+            or ``"triton"``.
+
+    Returns:
+        ``[B, Hq, S, d]`` in ``dtype``, in the model's basis.
+
+    Accuracy: fp32 scores, softmax and sums throughout (the two backends differ only in summation
+    order: ≤ 1e-5 relative under the Triton interpreter; compiled, the products run on tensor cores
+    as two or three bf16 terms each, ≤ 1e-3 relative). Rows whose scale/zero are NaN (the kernels'
+    flag for a non-finite input row) make the output NaN, as dequantize-then-attend would.
+
+    Raises:
+        KernelInputError: shapes, dtypes, devices or settings that do not fit together.
+        BackendUnavailableError: ``backend="triton"`` cannot run here.
+    """
+    if not isinstance(query, torch.Tensor) or query.dim() != 4 or query.dtype not in _FLOATS:
+        got = f"{query.dtype} {list(query.shape)}" if isinstance(query, torch.Tensor) else type(query).__name__
+        raise KernelInputError(f"query must be [B, Hq, S, d] of {_names(_FLOATS)}, got {got}")
+    b, hq, s, d = query.shape
+    if d not in layout.HEAD_DIMS:
+        raise KernelInputError(f"query head_dim {d} is not one of {', '.join(map(str, layout.HEAD_DIMS))}")
+    if s < 1 or b < 1:
+        raise KernelInputError(f"query must hold at least one token of one sequence, got {list(query.shape)}")
+    dev = query.device
+    k = _side(keys, "keys", None, d, dev)
+    h = k[0].shape[1]
+    if (b, h) != tuple(k[0].shape[:2]) or hq % h:
+        raise KernelInputError(f"keys hold {k[0].shape[0]} sequences of {h} KV heads; the query has {b} of {hq} "
+                               f"heads (Hq must be a multiple of H_kv)")
+    v = _side(values, "values", (b, h), d, dev)
+    for i, label in enumerate(Int2KV._fields):
+        if k[i].shape[2] != v[i].shape[2]:
+            raise KernelInputError(f"keys.{label} holds {k[i].shape[2]} tokens but values.{label} {v[i].shape[2]}")
+    windows = {t.dtype for t in (k[0], k[3], v[0], v[3]) if t.shape[2]}
+    if len(windows) > 1:
+        raise KernelInputError(f"the sink and recent rows of keys and values must share one dtype, got "
+                               f"{_names(tuple(sorted(windows, key=str)))}")
+    total = sum(k[i].shape[2] for i in (0, 1, 3))
+    if total < 1:
+        raise KernelInputError("the cache holds no token: nothing to attend to")
+    if causal and s > total:
+        raise KernelInputError(f"causal attention of {s} query tokens needs them in the cache; it holds {total}")
+    st = _settings(config, "k", group_size=group_size, head_dim=d)
+    for name, side in (("keys", k), ("values", v)):
+        if side[1].shape[2]:
+            g = _groups(side[2], d, name)
+            if st.group_size is not None and g != st.group_size:
+                raise KernelInputError(f"{name}.scales_zeros holds groups of {g}, not the group size {st.group_size}")
+            if st.lloyd_max and g != d:
+                raise KernelInputError(f"lloyd_max codes use one (scale, zero) per row: group size must be {d}, got {g}")
+            if config is not None and side[2].dtype != TORCH_DTYPES[config.scale_dtype]:
+                raise KernelInputError(f"{name}.scales_zeros dtype {side[2].dtype} disagrees with "
+                                       f"config.scale_dtype={config.scale_dtype!r}")
+        for t, label in ((side[0], "sink"), (side[3], "recent")):
+            if config is not None and t.shape[2] and t.dtype != TORCH_DTYPES[config.hp_dtype]:
+                raise KernelInputError(f"{name}.{label} dtype {t.dtype} disagrees with config.hp_dtype={config.hp_dtype!r}")
+    if k_rotation is not None and q_rotation is not None:
+        raise KernelInputError("give k_rotation or q_rotation (the matrix applied to the queries), not both")
+    if v_rotation is not None and o_rotation is not None:
+        raise KernelInputError("give v_rotation or o_rotation (the matrix applied to the output), not both")
+    rq = _rotation(q_rotation if q_rotation is not None else k_rotation,
+                   "q_rotation" if q_rotation is not None else "k_rotation", h, d, dev)
+    ro = _rotation(o_rotation if o_rotation is not None else v_rotation,
+                   "o_rotation" if o_rotation is not None else "v_rotation", h, d, dev)
+    if ro is not None:
+        ro = ro.transpose(-1, -2)  # R_Vᵀ, or o_rotationᵀ = R_V^{-1}
+    if scale is None:
+        scale = d ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise KernelInputError(f"scale must be a positive finite number, got {scale!r}")
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
+        raise KernelInputError(f"num_splits must be a positive integer or None, got {num_splits!r}")
+    out_dtype = query.dtype if dtype is None else dtype
+    if out_dtype not in _FLOATS:
+        raise KernelInputError(f"dtype {out_dtype} is not supported; expected one of {_names(_FLOATS)}")
+    if not isinstance(causal, bool):
+        raise KernelInputError(f"causal must be true or false, got {causal!r}")
+    if pick_backend(backend, dev) == "torch":
+        from .decode_reference import decode_attention_torch
+
+        return decode_attention_torch(query, k, v, q_rotation=rq, o_rotation=ro, scale=float(scale), causal=causal,
+                                      num_splits=num_splits, dtype=out_dtype)
+    from .triton_decode import decode_attention_triton
+
+    return decode_attention_triton(query, k, v, q_rotation=rq, o_rotation=ro, scale=float(scale), causal=causal,
+                                   num_splits=num_splits, dtype=out_dtype)
+
+
+__all__ = ["Int2KV", "decode_attention_int2"]

@@ -1,0 +1,502 @@
+"""Triton decode attention over the INT2 cache layout: split-K (flash-decoding) and a log-sum-exp merge.
+
+Imported only when the triton backend runs :func:`rotationzoo.kernels.decode_attention_int2`. Two
+launches per call:
+
+1. ``_decode_split_kernel``, grid ``(int2 splits + window splits, B · H_kv)``: program ``(p, bh)``
+   reads the ``g · S`` query rows of KV head ``bh`` (rotated before the launch by one fp32 product,
+   ``q @ R``: held in the kernel, the rotation cost registers enough to spill), then attends either to one range of INT2 tokens (whole tiles, scores and outputs computed on the
+   codes: ``s·(q·c − z·Σq)`` and ``Σ p s c − Σ p s z`` per group) or to one tile of window tokens
+   (sink, then recent), with an fp32 online softmax in base 2; it writes the normalised partial
+   output and its log-sum-exp.
+2. ``_decode_merge_kernel``, grid ``(B · H_kv,)``: merges the partials by their log-sum-exp, applies
+   the output matrix (``R_Vᵀ`` or ``o_rotation``, in column blocks) and writes ``[B, Hq, S, d]``.
+
+Groups smaller than ``d`` use block-diagonal query rows: row ``(r, g)`` holds query ``r`` masked to
+the dims of group ``g``, so one ``tl.dot`` gives every group's partial product (and the sum over
+groups the plain one, for the window tokens). Compiled, products run on tensor cores with fp32
+operands split into a bf16 (or fp16) high and low part (codes 0..3 and bf16 window rows are exact);
+interpreted, they are plain fp32 products. Kernels are built on first use for the current Triton mode.
+"""
+
+import functools
+import types
+
+import torch
+import triton
+import triton.language as tl
+
+from . import decode_plan
+from .decode_reference import rotate_queries
+from .triton_launch import Launch, _num_sms, interpret_mode
+
+__all__ = ["Launch", "decode_aot_kernels", "decode_attention_triton", "decode_launch", "merge_launch"]
+
+_MAX_FN = tl.standard._elementwise_max
+_SUM_FN = tl.standard._sum_combine
+
+_HP_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+"""``HP_KIND`` constexpr of each window dtype (how window rows enter ``tl.dot`` when compiled)."""
+ROT_BLOCK = 32
+"""Columns of the rotation per step (a ``[32, d]`` fp32 block stays in registers)."""
+
+
+def _decode_split_kernel(
+    q_ptr,
+    ks_ptr, kc_ptr, kz_ptr, kr_ptr,
+    vs_ptr, vc_ptr, vz_ptr, vr_ptr,
+    po_ptr, pl_ptr,
+    n_sink, n_int2, n_recent, n_int2_splits, split_tokens, n_kv_heads, n_splits, qk_scale, total,
+    sq_b, sq_h, sq_r,
+    sks_b, sks_h, sks_t, skc_b, skc_h, skc_t, skz_b, skz_h, skz_t, skr_b, skr_h, skr_t,
+    svs_b, svs_h, svs_t, svc_b, svc_h, svc_t, svz_b, svz_h, svz_t, svr_b, svr_h, svr_t,
+    GQ: tl.constexpr, S: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
+    D: tl.constexpr, Q: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
+    BN: tl.constexpr, HPT: tl.constexpr,
+    CAUSAL: tl.constexpr, HP_KIND: tl.constexpr, SPLIT_DOT: tl.constexpr,
+):
+    """Partial attention of one split (see the module docstring); partials ``[B·H_kv, n_splits, M, D]``.
+
+    Everything is done per quarter of the head dims: bits ``2a, 2a+1`` of the code bytes are the
+    dims ``a·Q … a·Q + Q − 1``, so quarter ``a`` of a tile is ``(bytes >> 2a) & 3`` with no reshuffle.
+    A quarter holds ``NQ = max(1, Q / G)`` groups; with ``NQ > 1`` its query rows are block-diagonal
+    (row ``(r, k)``: query ``r`` masked to the quarter's ``k``-th group).
+    """
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    row0 = tl.program_id(2) * MP  # this program's block of query rows
+    b = bh // n_kv_heads
+    hk = bh % n_kv_heads
+    jq = tl.arange(0, Q)
+    NQK: tl.constexpr = Q // GK if GK < Q else 1
+    NQV: tl.constexpr = Q // GV if GV < Q else 1
+    RK: tl.constexpr = MP * NQK
+    RV: tl.constexpr = MP * NQV
+
+    # the rotated query rows (fp32 [B, H_kv, M, D], row r = i*S + s: head i of the group, token s),
+    # scaled (base 2), per quarter: [RK, Q], row (r, k) masked to group k of the quarter
+    rk_rows = tl.arange(0, RK)
+    r_of = row0 + rk_rows // NQK
+    q_base = b.to(tl.int64) * sq_b + hk.to(tl.int64) * sq_h + r_of.to(tl.int64) * sq_r
+    qk0 = _query_quarter(q_ptr, q_base, r_of < M, rk_rows, qk_scale, 0, Q, GK, NQK)
+    qk1 = _query_quarter(q_ptr, q_base, r_of < M, rk_rows, qk_scale, 1, Q, GK, NQK)
+    qk2 = _query_quarter(q_ptr, q_base, r_of < M, rk_rows, qk_scale, 2, Q, GK, NQK)
+    qk3 = _query_quarter(q_ptr, q_base, r_of < M, rk_rows, qk_scale, 3, Q, GK, NQK)
+    qs0 = tl.reshape(tl.reduce(qk0, 1, _SUM_FN), (MP, NQK))  # Σ q over each group of the quarter
+    qs1 = tl.reshape(tl.reduce(qk1, 1, _SUM_FN), (MP, NQK))
+    qs2 = tl.reshape(tl.reduce(qk2, 1, _SUM_FN), (MP, NQK))
+    qs3 = tl.reshape(tl.reduce(qk3, 1, _SUM_FN), (MP, NQK))
+    rows = row0 + tl.arange(0, MP)
+    limit = total - S + rows % S  # last key position each query row sees (causal)
+
+    m_i = tl.full([MP], float("-inf"), tl.float32)
+    l_i = tl.full([MP], 0.0, tl.float32)
+    acc0 = tl.full([RV, Q], 0.0, tl.float32)
+    acc1 = tl.full([RV, Q], 0.0, tl.float32)
+    acc2 = tl.full([RV, Q], 0.0, tl.float32)
+    acc3 = tl.full([RV, Q], 0.0, tl.float32)
+    zacc0 = tl.full([MP, NQV], 0.0, tl.float32)
+    zacc1 = tl.full([MP, NQV], 0.0, tl.float32)
+    zacc2 = tl.full([MP, NQV], 0.0, tl.float32)
+    zacc3 = tl.full([MP, NQV], 0.0, tl.float32)
+    if pid < n_int2_splits:
+        start = pid * split_tokens
+        end = tl.minimum(start + split_tokens, n_int2)
+        kc_base = b.to(tl.int64) * skc_b + hk.to(tl.int64) * skc_h
+        kz_base = b.to(tl.int64) * skz_b + hk.to(tl.int64) * skz_h
+        vc_base = b.to(tl.int64) * svc_b + hk.to(tl.int64) * svc_h
+        vz_base = b.to(tl.int64) * svz_b + hk.to(tl.int64) * svz_h
+        for t0 in range(start, end, BN):
+            t = t0 + tl.arange(0, BN)
+            tm = t < end
+            t64 = t.to(tl.int64)
+            kb = tl.load(kc_ptr + kc_base + t64[:, None] * skc_t + jq[None, :], mask=tm[:, None], other=0).to(tl.int16)
+            kz_rows = kz_ptr + kz_base + t64[None, :] * skz_t
+            if GK == D:  # one (scale, zero) per row: s·(q·c − z·Σq) with q·c summed over the quarters
+                raw = _dot_fc(qk0, tl.trans(_code_quarter(kb, 0, SPLIT_DOT)), SPLIT_DOT, tl.full([RK, BN], 0.0, tl.float32))
+                raw = _dot_fc(qk1, tl.trans(_code_quarter(kb, 2, SPLIT_DOT)), SPLIT_DOT, raw)
+                raw = _dot_fc(qk2, tl.trans(_code_quarter(kb, 4, SPLIT_DOT)), SPLIT_DOT, raw)
+                raw = _dot_fc(qk3, tl.trans(_code_quarter(kb, 6, SPLIT_DOT)), SPLIT_DOT, raw)
+                ks = tl.load(kz_rows, mask=tm[None, :], other=0.0).to(tl.float32)  # [1, BN]
+                kz = tl.load(kz_rows + 1, mask=tm[None, :], other=0.0).to(tl.float32)
+                scores = (raw - (qs0 + qs1 + qs2 + qs3) * kz) * ks
+            else:
+                scores = _k_quarter(qk0, qs0, kb, kz_rows, tm, 0, Q, GK, NQK, MP, BN, SPLIT_DOT)
+                scores += _k_quarter(qk1, qs1, kb, kz_rows, tm, 1, Q, GK, NQK, MP, BN, SPLIT_DOT)
+                scores += _k_quarter(qk2, qs2, kb, kz_rows, tm, 2, Q, GK, NQK, MP, BN, SPLIT_DOT)
+                scores += _k_quarter(qk3, qs3, kb, kz_rows, tm, 3, Q, GK, NQK, MP, BN, SPLIT_DOT)
+            ok = tm[None, :]
+            if CAUSAL:
+                ok = ok & ((n_sink + t)[None, :] <= limit[:, None])
+            scores = tl.where(ok, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.reduce(scores, 1, _MAX_FN))
+            m_fin = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_fin)
+            p = tl.exp2(scores - m_fin[:, None])
+            l_i = l_i * alpha + tl.reduce(p, 1, _SUM_FN)
+            m_i = m_new
+            vb = tl.load(vc_ptr + vc_base + t64[:, None] * svc_t + jq[None, :], mask=tm[:, None], other=0).to(tl.int16)
+            vz_rows = vz_ptr + vz_base + t64[None, :] * svz_t
+            if GV == D:  # Σ (p·s) c − Σ p·s·z, the same weights for every quarter
+                w = p * tl.load(vz_rows, mask=tm[None, :], other=0.0).to(tl.float32)
+                wz = tl.reduce(w * tl.load(vz_rows + 1, mask=tm[None, :], other=0.0).to(tl.float32), 1, _SUM_FN)
+                acc0 = _dot_fc(w, _code_quarter(vb, 0, SPLIT_DOT), SPLIT_DOT, acc0 * alpha[:, None])
+                acc1 = _dot_fc(w, _code_quarter(vb, 2, SPLIT_DOT), SPLIT_DOT, acc1 * alpha[:, None])
+                acc2 = _dot_fc(w, _code_quarter(vb, 4, SPLIT_DOT), SPLIT_DOT, acc2 * alpha[:, None])
+                acc3 = _dot_fc(w, _code_quarter(vb, 6, SPLIT_DOT), SPLIT_DOT, acc3 * alpha[:, None])
+                zacc0 = zacc0 * alpha[:, None] + wz[:, None]
+            else:
+                acc0, zacc0 = _v_quarter(acc0, zacc0, p, alpha, vb, vz_rows, tm, 0, Q, GV, NQV, MP, BN, SPLIT_DOT)
+                acc1, zacc1 = _v_quarter(acc1, zacc1, p, alpha, vb, vz_rows, tm, 1, Q, GV, NQV, MP, BN, SPLIT_DOT)
+                acc2, zacc2 = _v_quarter(acc2, zacc2, p, alpha, vb, vz_rows, tm, 2, Q, GV, NQV, MP, BN, SPLIT_DOT)
+                acc3, zacc3 = _v_quarter(acc3, zacc3, p, alpha, vb, vz_rows, tm, 3, Q, GV, NQV, MP, BN, SPLIT_DOT)
+        if GV == D:
+            zacc1 = zacc0
+            zacc2 = zacc0
+            zacc3 = zacc0
+    else:
+        u = (pid - n_int2_splits) * HPT + tl.arange(0, HPT)
+        in_sink = u < n_sink
+        in_rec = (u >= n_sink) & (u < n_sink + n_recent)
+        k_sink = ks_ptr + b.to(tl.int64) * sks_b + hk.to(tl.int64) * sks_h + u.to(tl.int64)[:, None] * sks_t
+        k_rec = kr_ptr + b.to(tl.int64) * skr_b + hk.to(tl.int64) * skr_h + (u - n_sink).to(tl.int64)[:, None] * skr_t
+        raw = _dot_fw(qk0, tl.trans(_window_quarter(k_sink, k_rec, in_sink, in_rec, jq, 0, Q)), SPLIT_DOT, HP_KIND)
+        raw += _dot_fw(qk1, tl.trans(_window_quarter(k_sink, k_rec, in_sink, in_rec, jq, 1, Q)), SPLIT_DOT, HP_KIND)
+        raw += _dot_fw(qk2, tl.trans(_window_quarter(k_sink, k_rec, in_sink, in_rec, jq, 2, Q)), SPLIT_DOT, HP_KIND)
+        raw += _dot_fw(qk3, tl.trans(_window_quarter(k_sink, k_rec, in_sink, in_rec, jq, 3, Q)), SPLIT_DOT, HP_KIND)
+        scores = tl.reduce(tl.reshape(raw, (MP, NQK, HPT)), 1, _SUM_FN)  # the group rows add up to q·k
+        pos = tl.where(in_sink, u, u + n_int2)
+        ok = (in_sink | in_rec)[None, :]
+        if CAUSAL:
+            ok = ok & (pos[None, :] <= limit[:, None])
+        scores = tl.where(ok, scores, float("-inf"))
+        m_i = tl.reduce(scores, 1, _MAX_FN)
+        m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
+        p = tl.exp2(scores - m_fin[:, None])
+        l_i = tl.reduce(p, 1, _SUM_FN)
+        w = tl.reshape(tl.broadcast_to(p[:, None, :], (MP, NQV, HPT)), (RV, HPT))
+        v_sink = vs_ptr + b.to(tl.int64) * svs_b + hk.to(tl.int64) * svs_h + u.to(tl.int64)[:, None] * svs_t
+        v_rec = vr_ptr + b.to(tl.int64) * svr_b + hk.to(tl.int64) * svr_h + (u - n_sink).to(tl.int64)[:, None] * svr_t
+        acc0 = _dot_fw(w, _window_quarter(v_sink, v_rec, in_sink, in_rec, jq, 0, Q), SPLIT_DOT, HP_KIND)
+        acc1 = _dot_fw(w, _window_quarter(v_sink, v_rec, in_sink, in_rec, jq, 1, Q), SPLIT_DOT, HP_KIND)
+        acc2 = _dot_fw(w, _window_quarter(v_sink, v_rec, in_sink, in_rec, jq, 2, Q), SPLIT_DOT, HP_KIND)
+        acc3 = _dot_fw(w, _window_quarter(v_sink, v_rec, in_sink, in_rec, jq, 3, Q), SPLIT_DOT, HP_KIND)
+
+    seen = l_i > 0.0
+    inv = 1.0 / tl.where(seen, l_i, 1.0)
+    lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+    slot = (bh.to(tl.int64) * n_splits + pid) * M
+    keep = rows < M
+    o_rows = po_ptr + (slot + rows)[:, None] * D
+    _store_quarter(o_rows, acc0, zacc0, inv, keep, jq, 0, Q, GV, NQV, MP)
+    _store_quarter(o_rows, acc1, zacc1, inv, keep, jq, 1, Q, GV, NQV, MP)
+    _store_quarter(o_rows, acc2, zacc2, inv, keep, jq, 2, Q, GV, NQV, MP)
+    _store_quarter(o_rows, acc3, zacc3, inv, keep, jq, 3, Q, GV, NQV, MP)
+    tl.store(pl_ptr + slot + rows, lse, mask=keep)
+
+
+def _decode_merge_kernel(
+    po_ptr, pl_ptr, ro_ptr, out_ptr,
+    n_splits, n_kv_heads, so_b, so_h, so_s, sr_h, sr_i,
+    GQ: tl.constexpr, S: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, D: tl.constexpr, BK: tl.constexpr,
+    ROTATE_O: tl.constexpr, SPLIT_DOT: tl.constexpr,
+):
+    """Merge the partials of one (sequence, KV head) by log-sum-exp, then ``o @ R_out``; writes ``[B, Hq, S, D]``."""
+    bh = tl.program_id(0)
+    b = bh // n_kv_heads
+    hk = bh % n_kv_heads
+    rows = tl.arange(0, MP)
+    keep = rows < M
+    dims = tl.arange(0, D)
+    kk = tl.arange(0, BK)
+    base = bh.to(tl.int64) * n_splits * M
+    m_i = tl.full([MP], float("-inf"), tl.float32)
+    for sp in range(n_splits):
+        m_i = tl.maximum(m_i, tl.load(pl_ptr + base + sp * M + rows, mask=keep, other=float("-inf")))
+    m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
+    l_i = tl.full([MP], 0.0, tl.float32)
+    for sp in range(n_splits):
+        l_i += tl.exp2(tl.load(pl_ptr + base + sp * M + rows, mask=keep, other=float("-inf")) - m_fin)
+    inv = 1.0 / tl.where(keep, l_i, 1.0)
+    o_base = b.to(tl.int64) * so_b + (hk * GQ + rows // S).to(tl.int64) * so_h + (rows % S) * so_s
+    res = tl.full([MP, D], 0.0, tl.float32)
+    for kb in tl.static_range(D // BK):
+        ob = tl.full([MP, BK], 0.0, tl.float32)
+        for sp in range(n_splits):
+            wgt = tl.exp2(tl.load(pl_ptr + base + sp * M + rows, mask=keep, other=float("-inf")) - m_fin) * inv
+            part = tl.load(po_ptr + (base + sp * M + rows)[:, None] * D + (kb * BK + kk)[None, :], mask=keep[:, None],
+                           other=0.0)
+            ob += wgt[:, None] * part
+        if ROTATE_O:
+            rb = tl.load(ro_ptr + hk.to(tl.int64) * sr_h + (kb * BK + kk)[:, None] * sr_i + dims[None, :])
+            res += _dot_ff(ob, rb.to(tl.float32), SPLIT_DOT)
+        else:
+            tl.store(out_ptr + o_base[:, None] + (kb * BK + kk)[None, :], ob.to(out_ptr.dtype.element_ty),
+                     mask=keep[:, None])
+    if ROTATE_O:
+        tl.store(out_ptr + o_base[:, None] + dims[None, :], res.to(out_ptr.dtype.element_ty), mask=keep[:, None])
+
+
+@triton.jit
+def _query_quarter(q_ptr, q_base, row_ok, rk_rows, qk_scale, A: tl.constexpr, Q: tl.constexpr, G: tl.constexpr,
+                   NQ: tl.constexpr):
+    """Columns ``A·Q …`` of the scaled query rows, row ``(r, k)`` masked to the quarter's ``k``-th group:
+    ``[MP·NQ, Q]``."""
+    qr = tl.load(q_ptr + q_base[:, None] + (A * Q + tl.arange(0, Q))[None, :], mask=row_ok[:, None], other=0.0)
+    if NQ > 1:
+        qr = tl.where((tl.arange(0, Q)[None, :] // G) == (rk_rows % NQ)[:, None], qr, 0.0)
+    return qr * qk_scale
+
+
+@triton.jit
+def _k_quarter(qk, qsum, kb, sz_rows, tm, A: tl.constexpr, Q: tl.constexpr, G: tl.constexpr, NQ: tl.constexpr,
+               MP: tl.constexpr, BN: tl.constexpr, SPLIT_DOT: tl.constexpr):
+    """Quarter ``A``'s share of the scores ``Σ_g s_g (q_g·c_g − z_g Σ q_g)`` over its groups: ``[MP, BN]``."""
+    raw = _dot_fc(qk, tl.trans(_code_quarter(kb, 2 * A, SPLIT_DOT)), SPLIT_DOT, tl.full([MP * NQ, BN], 0.0, tl.float32))
+    g = (A * Q) // G + tl.arange(0, NQ)
+    s = tl.load(sz_rows + (2 * g)[:, None], mask=tm[None, :], other=0.0).to(tl.float32)  # [NQ, BN]
+    z = tl.load(sz_rows + (2 * g + 1)[:, None], mask=tm[None, :], other=0.0).to(tl.float32)
+    out = tl.reduce(tl.reshape(raw, (MP, NQ, BN)) * s[None, :, :], 1, _SUM_FN)
+    return out - tl.reduce(qsum[:, :, None] * (s * z)[None, :, :], 1, _SUM_FN)
+
+
+@triton.jit
+def _v_quarter(acc, zacc, p, alpha, vb, sz_rows, tm, A: tl.constexpr, Q: tl.constexpr, G: tl.constexpr,
+               NQ: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, SPLIT_DOT: tl.constexpr):
+    """Fold a tile into quarter ``A``'s output: ``acc`` rows ``(r, k)`` gain ``Σ (p s_k) c``, ``zacc``
+    ``Σ p s_k z_k`` (group ``k`` of the quarter)."""
+    g = (A * Q) // G + tl.arange(0, NQ)
+    s = tl.load(sz_rows + (2 * g)[:, None], mask=tm[None, :], other=0.0).to(tl.float32)
+    z = tl.load(sz_rows + (2 * g + 1)[:, None], mask=tm[None, :], other=0.0).to(tl.float32)
+    w3 = p[:, None, :] * s[None, :, :]  # [MP, NQ, BN]
+    alpha_r = tl.reshape(tl.broadcast_to(alpha[:, None], (MP, NQ)), (MP * NQ,))
+    acc = _dot_fc(tl.reshape(w3, (MP * NQ, BN)), _code_quarter(vb, 2 * A, SPLIT_DOT), SPLIT_DOT, acc * alpha_r[:, None])
+    zacc = zacc * alpha[:, None] + tl.reduce(w3 * z[None, :, :], 2, _SUM_FN)
+    return acc, zacc
+
+
+@triton.jit
+def _code_quarter(bytes16, SHIFT: tl.constexpr, SPLIT_DOT: tl.constexpr):
+    """Codes at bits ``SHIFT, SHIFT+1`` of ``[BN, Q]`` int16 code bytes (one quarter of the dims): bf16
+    compiled, fp32 interpreted.
+
+    The bits ``0x4300 | c`` are the bf16 number ``128 + c`` (exponent 7, the code in the two lowest
+    mantissa bits); subtracting 128 (exact) leaves ``c``: a shift-and-or and a subtraction per code
+    instead of an integer-to-float conversion.
+    """
+    c = (((bytes16 >> SHIFT) & 3) | 0x4300).to(tl.bfloat16, bitcast=True)
+    if SPLIT_DOT:
+        out = c - 128.0
+    else:  # the interpreter has no bf16 arithmetic
+        out = c.to(tl.float32) - 128.0
+    return out
+
+
+@triton.jit
+def _window_quarter(sink_rows, recent_rows, in_sink, in_rec, jq, A: tl.constexpr, Q: tl.constexpr):
+    """Columns ``A·Q …`` of a window tile: rows from the sink or the recent tokens (window dtype)."""
+    cols = A * Q + jq
+    return (tl.load(sink_rows + cols[None, :], mask=in_sink[:, None], other=0.0)
+            + tl.load(recent_rows + cols[None, :], mask=in_rec[:, None], other=0.0))
+
+
+@triton.jit
+def _store_quarter(o_rows, acc, zacc, inv, keep, jq, A: tl.constexpr, Q: tl.constexpr, G: tl.constexpr,
+                   NQ: tl.constexpr, MP: tl.constexpr):
+    """Columns ``A·Q …`` of the normalised partial output: column ``j`` from row ``(r, k(j))`` of ``acc``
+    minus ``zacc[r, k(j)]`` (``k(j)``: the quarter's group of column ``j``)."""
+    if NQ > 1:
+        onehot = ((jq[None, :] // G) == tl.arange(0, NQ)[:, None]).to(tl.float32)  # [NQ, Q]
+        out = tl.reduce(tl.reshape(acc, (MP, NQ, Q)) * onehot[None, :, :], 1, _SUM_FN)
+        out = out - tl.reduce(zacc[:, :, None] * onehot[None, :, :], 1, _SUM_FN)
+    else:
+        out = acc - zacc
+    tl.store(o_rows + (A * Q + jq)[None, :], out * inv[:, None], mask=keep[:, None])
+
+
+@triton.jit
+def _dot_ff(a, b, SPLIT_DOT: tl.constexpr):
+    """fp32 × fp32 → fp32: three bf16 products (hi·hi + hi·lo + lo·hi) compiled, one fp32 product
+    interpreted. (Each helper has one ``return``: Triton compiles the code after a constexpr branch
+    that returns, too.)"""
+    if SPLIT_DOT:
+        a_hi = a.to(tl.bfloat16)
+        a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
+        b_hi = b.to(tl.bfloat16)
+        b_lo = (b - b_hi.to(tl.float32)).to(tl.bfloat16)
+        out = tl.dot(a_hi, b_hi, out_dtype=tl.float32)
+        out = tl.dot(a_hi, b_lo, out, out_dtype=tl.float32)
+        out = tl.dot(a_lo, b_hi, out, out_dtype=tl.float32)
+    else:
+        out = tl.dot(a, b, input_precision="ieee", out_dtype=tl.float32)
+    return out
+
+
+@triton.jit
+def _dot_fc(a, c, SPLIT_DOT: tl.constexpr, acc):
+    """``acc + a @ c`` for fp32 ``a`` and codes ``c`` (exact in bf16): two bf16 products compiled
+    (``a`` split into high and low parts), one fp32 product interpreted."""
+    if SPLIT_DOT:
+        a_hi = a.to(tl.bfloat16)
+        a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
+        out = tl.dot(a_lo, c, tl.dot(a_hi, c, acc, out_dtype=tl.float32), out_dtype=tl.float32)
+    else:
+        out = tl.dot(a, c, acc, input_precision="ieee", out_dtype=tl.float32)
+    return out
+
+
+@triton.jit
+def _dot_fw(a, w, SPLIT_DOT: tl.constexpr, HP_KIND: tl.constexpr):
+    """fp32 × window rows (stored bf16 / fp16 / fp32) → fp32: the window dtype is exact in its own
+    16-bit type, so two products of ``a`` split in that type; fp32 windows take the fp32 product."""
+    if SPLIT_DOT and HP_KIND == 0:
+        a_hi = a.to(tl.bfloat16)
+        a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
+        wb = w.to(tl.bfloat16)
+        out = tl.dot(a_lo, wb, tl.dot(a_hi, wb, out_dtype=tl.float32), out_dtype=tl.float32)
+    elif SPLIT_DOT and HP_KIND == 1:
+        a_hi = a.to(tl.float16)
+        a_lo = (a - a_hi.to(tl.float32)).to(tl.float16)
+        wh = w.to(tl.float16)
+        out = tl.dot(a_lo, wh, tl.dot(a_hi, wh, out_dtype=tl.float32), out_dtype=tl.float32)
+    else:
+        out = tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+    return out
+
+
+# --- build (per Triton mode) --------------------------------------------------------------------
+
+_HELPERS = ("_query_quarter", "_k_quarter", "_v_quarter", "_code_quarter", "_window_quarter", "_store_quarter",
+            "_dot_ff", "_dot_fc", "_dot_fw")
+
+
+def _copies(namespace: dict, wrap) -> types.SimpleNamespace:
+    def copy_of(fn):
+        copy = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+        copy.__module__ = fn.__module__
+        copy.__qualname__ = fn.__qualname__
+        copy.__doc__ = fn.__doc__
+        copy.__annotations__ = dict(fn.__annotations__)
+        return wrap(copy)
+
+    for name in _HELPERS:  # the helpers, re-created in the same mode as the kernels that call them
+        namespace[name] = copy_of(globals()[name].fn)
+    return types.SimpleNamespace(split=copy_of(_decode_split_kernel), merge=copy_of(_decode_merge_kernel))
+
+
+@functools.lru_cache(maxsize=2)
+def _kernels(interpret: bool) -> types.SimpleNamespace:
+    del interpret  # the cache key; triton.jit reads the same setting
+    return _copies(dict(globals()), triton.jit)
+
+
+@functools.lru_cache(maxsize=1)
+def decode_aot_kernels() -> types.SimpleNamespace:
+    """Compiled-mode (``JITFunction``) copies of both decode kernels for ahead-of-time compilation
+    (works in a process that runs the interpreter; never launch these)."""
+    from triton.runtime.jit import JITFunction
+
+    namespace = dict(globals())
+    for name in ("_MAX_FN", "_SUM_FN"):
+        fn = namespace[name]
+        if not isinstance(fn, JITFunction):
+            namespace[name] = JITFunction(fn.fn)
+    return _copies(namespace, JITFunction)
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _rows_last(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with unit stride along its last dimension (a copy only when it has not)."""
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def decode_launch(query, q_rows, keys, values, po, pl, *, scale: float, causal: bool, splits: tuple[int, int],
+                  windows: int, interpret: bool | None = None, block_tokens: int | None = None,
+                  num_warps: int | None = None, num_stages: int | None = None) -> Launch:
+    """The split kernel's launch for validated inputs, without running it: ``query [B, Hq, S, d]`` (for
+    its shape), ``q_rows`` its rotated rows ``[B, H_kv, g·S, d]`` fp32 (unit last stride),
+    ``keys``/``values`` as ``(sink, codes, sz, recent)`` with unit last strides, ``splits`` =
+    ``(int2 splits, tokens per split)``, ``windows`` the window programs, ``po``/``pl`` the partial
+    buffers."""
+    b, hq, s, d = query.shape
+    k_sink, k_codes, k_sz, k_recent = keys
+    v_sink, v_codes, v_sz, v_recent = values
+    h = k_sink.shape[1]
+    interpret = interpret_mode() if interpret is None else interpret
+    gk = d // max(1, k_sz.shape[-1] // 2)
+    gv = d // max(1, v_sz.shape[-1] // 2)
+    rows = (hq // h) * s
+    mp = decode_plan.row_block(rows, max(1, d // 4 // max(gk, gv)))
+    n_int2_splits, per_split = splits
+    total = k_sink.shape[2] + k_codes.shape[2] + k_recent.shape[2]
+    args = (
+        (q_rows, k_sink, k_codes, k_sz, k_recent, v_sink, v_codes, v_sz, v_recent, po, pl,
+         k_sink.shape[2], k_codes.shape[2], k_recent.shape[2], n_int2_splits, per_split, h, n_int2_splits + windows,
+         scale * 1.4426950408889634, total)
+        + q_rows.stride()[:3]
+        + _strides(k_sink) + _strides(k_codes) + _strides(k_sz) + _strides(k_recent)
+        + _strides(v_sink) + _strides(v_codes) + _strides(v_sz) + _strides(v_recent)
+    )
+    kwargs = dict(
+        GQ=hq // h, S=s, M=rows, MP=mp, D=d, Q=d // 4, GK=gk, GV=gv,
+        BN=block_tokens or decode_plan.decode_tile_tokens(d), HPT=decode_plan.HP_TILE,
+        CAUSAL=bool(causal and s > 1), HP_KIND=_HP_KIND[k_sink.dtype],
+        SPLIT_DOT=not interpret,
+        num_warps=num_warps or decode_plan.decode_num_warps(d),
+        num_stages=num_stages or decode_plan.decode_num_stages(d),
+    )
+    if not interpret:
+        kwargs["maxnreg"] = decode_plan.DECODE_MAX_REGISTERS
+    return Launch((n_int2_splits + windows, b * h, -(-rows // mp)), args, kwargs)
+
+
+def merge_launch(query, out, po, pl, o_rotation, *, n_kv_heads: int, n_splits: int,
+                 interpret: bool | None = None) -> Launch:
+    """The merge kernel's launch (see :func:`decode_launch`)."""
+    b, hq, s, d = query.shape
+    interpret = interpret_mode() if interpret is None else interpret
+    rows = (hq // n_kv_heads) * s
+    if o_rotation is not None:
+        r = _rows_last(o_rotation if o_rotation.dtype == torch.float32 else o_rotation.float())
+        sr = (r.stride(0) if r.dim() == 3 else 0, r.stride(-2))
+    else:
+        r, sr = out, (0, 0)
+    args = (po, pl, r, out, n_splits, n_kv_heads, *out.stride()[:3], *sr)
+    kwargs = dict(GQ=hq // n_kv_heads, S=s, M=rows, MP=decode_plan.padded_rows(rows, 1), D=d, BK=ROT_BLOCK,
+                  ROTATE_O=o_rotation is not None, SPLIT_DOT=not interpret,
+                  num_warps=decode_plan.merge_num_warps(d), num_stages=1)
+    return Launch((b * n_kv_heads,), args, kwargs)
+
+
+def decode_attention_triton(query, keys, values, *, q_rotation, o_rotation, scale: float, causal: bool,
+                            num_splits: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """Run both kernels on validated inputs (see :func:`rotationzoo.kernels.decode_attention_int2`)."""
+    b, hq, s, d = query.shape
+    keys = tuple(_rows_last(t) for t in keys)
+    values = tuple(_rows_last(t) for t in values)
+    query = _rows_last(query)
+    h = keys[0].shape[1]
+    n_int2 = keys[1].shape[2]
+    tile = decode_plan.decode_tile_tokens(d)
+    if num_splits is not None:
+        splits = decode_plan.split_ranges(n_int2, num_splits, tile)
+    else:
+        splits = decode_plan.triton_splits(n_int2, b * h, _num_sms(query.device), tile)
+    windows = decode_plan.window_splits(keys[0].shape[2] + keys[3].shape[2])
+    n_splits = splits[0] + windows
+    rows = (hq // h) * s
+    po = torch.empty(b * h, n_splits, rows, d, dtype=torch.float32, device=query.device)
+    pl = torch.empty(b * h, n_splits, rows, dtype=torch.float32, device=query.device)
+    out = torch.empty(b, hq, s, d, dtype=dtype, device=query.device)
+    interpret = interpret_mode()
+    kern = _kernels(interpret)
+    q_rows = rotate_queries(query, q_rotation, h, 1.0)  # one fp32 product, as the reference does
+    launch = decode_launch(query, q_rows, keys, values, po, pl, scale=scale, causal=causal, splits=splits,
+                           windows=windows, interpret=interpret)
+    kern.split[launch.grid](*launch.args, **launch.kwargs)
+    launch = merge_launch(query, out, po, pl, o_rotation, n_kv_heads=h, n_splits=n_splits, interpret=interpret)
+    kern.merge[launch.grid](*launch.args, **launch.kwargs)
+    return out

@@ -1,0 +1,169 @@
+"""OscarInt2Cache decode steps read the codes directly (decode_attention_int2) and give the logits of
+the dequantize-then-SDPA path, on tiny random Llama models."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from rotationzoo.int2kv import Int2KVConfig  # noqa: E402
+from rotationzoo.integrations.transformers import OscarKV, oscar_kv  # noqa: E402
+from rotationzoo.integrations.transformers import cache as cache_module  # noqa: E402
+
+D = 64
+#: logits of the two paths (fp32 model): the same sums in another order
+TOL = 1e-4
+
+
+def tiny_llama(num_kv_heads=2, seed=0, layers=2, dtype=torch.float32):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=128, intermediate_size=192, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=num_kv_heads, head_dim=D, max_position_embeddings=1024, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2,
+    )
+    return transformers.LlamaForCausalLM(cfg).eval().to(dtype)
+
+
+def rotations(layers=2, heads=None, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    shape = (layers, D, D) if heads is None else (layers, heads, D, D)
+    return torch.linalg.qr(torch.randn(shape, generator=g, dtype=torch.float64))[0].float()
+
+
+class Counter:
+    """Counts the cache's calls of decode_attention_int2 (the real function runs)."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        real = cache_module.decode_attention_int2
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(cache_module, "decode_attention_int2", counted)
+
+
+def decode(model, oscar, ids, prefill, chunk=1):
+    """Logits of a prefill of ``prefill`` tokens then the rest ``chunk`` tokens at a time."""
+    with torch.no_grad(), oscar_kv(model, oscar) as kv:
+        cache = kv.new_cache()
+        out = [model(ids[:, :prefill], cache=cache).logits[:, -1:]]
+        for t in range(prefill, ids.shape[1], chunk):
+            out.append(model(ids[:, t:t + chunk], cache=cache).logits)
+    return torch.cat(out, dim=1), cache
+
+
+CASES = {
+    "G=d": dict(config=Int2KVConfig(prefix_tokens=3, recent_tokens=6, group_size=D)),
+    "G=16 bisect fp16-scale": dict(config=Int2KVConfig(prefix_tokens=2, recent_tokens=5, group_size=16,
+                                                       clip_search="bisect", scale_dtype="float16")),
+    "per-KV-head, Lloyd-Max": dict(config=Int2KVConfig(prefix_tokens=4, recent_tokens=4, lloyd_max=True), heads=2),
+    "GQA 4:1, no windows": dict(config=Int2KVConfig(prefix_tokens=0, recent_tokens=0, group_size=32), kv_heads=1),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_decode_steps_equal_the_dequantize_path(case, monkeypatch):
+    spec = CASES[case]
+    model = tiny_llama(num_kv_heads=spec.get("kv_heads", 2), seed=3)
+    heads = spec.get("heads")
+    oscar = OscarKV(rotations(heads=heads), rotations(heads=heads, seed=2), config=spec["config"])
+    ids = torch.randint(3, 96, (1, 36), generator=torch.Generator().manual_seed(4))
+    count = Counter(monkeypatch)
+    fast, cache = decode(model, oscar, ids, prefill=20)
+    assert count.calls == 2 * (ids.shape[1] - 20), "every decode step of both layers reads the codes"
+    assert cache.layers[0].stored_tokens()["int2"] == 36 - spec["config"].window_tokens
+    monkeypatch.setattr(cache_module, "DECODE_MAX_QUERIES", 0)  # every forward: dequantize, then SDPA
+    slow, _ = decode(model, oscar, ids, prefill=20)
+    assert count.calls == 2 * (ids.shape[1] - 20)
+    torch.testing.assert_close(fast, slow, atol=TOL, rtol=TOL)
+
+
+def test_several_new_tokens_attend_causally(monkeypatch):
+    """Speculative-style forwards of 3 tokens go through the kernel too, causal among themselves."""
+    model = tiny_llama(seed=5)
+    oscar = OscarKV(rotations(), rotations(seed=6), config=Int2KVConfig(prefix_tokens=2, recent_tokens=4))
+    ids = torch.randint(3, 96, (1, 38), generator=torch.Generator().manual_seed(7))
+    count = Counter(monkeypatch)
+    fast, _ = decode(model, oscar, ids, prefill=14, chunk=3)
+    assert count.calls == 2 * 9  # a first forward of at most 16 tokens takes the kernel as well
+    monkeypatch.setattr(cache_module, "DECODE_MAX_QUERIES", 0)
+    slow, _ = decode(model, oscar, ids, prefill=14, chunk=3)
+    torch.testing.assert_close(fast, slow, atol=TOL, rtol=TOL)
+
+
+def test_triton_backend_in_the_cache_matches_the_reference():
+    pytest.importorskip("triton", reason="triton is not installed")
+    model = tiny_llama(seed=8)
+    conf = Int2KVConfig(prefix_tokens=2, recent_tokens=3, group_size=32)
+    ids = torch.randint(3, 96, (1, 20), generator=torch.Generator().manual_seed(9))
+    ref, _ = decode(model, OscarKV(rotations(), rotations(seed=3), config=conf, backend="torch"), ids, prefill=14)
+    tri, _ = decode(model, OscarKV(rotations(), rotations(seed=3), config=conf, backend="triton"), ids, prefill=14)
+    torch.testing.assert_close(tri, ref, atol=TOL, rtol=TOL)
+
+
+def test_padding_falls_back_to_the_dequantize_path(monkeypatch):
+    """A left-padded batch has a mask beyond the causal rule: the cache attends the old way."""
+    model = tiny_llama(seed=10)
+    batch = torch.tensor([[0, 0, 0, 5, 6, 7, 8, 9, 10, 11, 12, 13], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]])
+    mask = (batch != 0).long()
+    count = Counter(monkeypatch)
+    oscar = OscarKV(rotations(), rotations(seed=11), config=Int2KVConfig(prefix_tokens=2, recent_tokens=3))
+    with torch.no_grad(), oscar_kv(model, oscar) as kv:
+        out = model.generate(batch, attention_mask=mask, cache=kv.new_cache(), max_new_tokens=5, do_sample=False)
+        single = model.generate(batch[1:], cache=kv.new_cache(), max_new_tokens=5, do_sample=False)
+    assert count.calls == 2 * 5  # only the unpadded sequence used the kernel: its 12-token prompt and 4 steps
+    assert torch.equal(out[1], single[0])
+
+
+def test_int2_buffers_grow_without_copying_each_step(monkeypatch):
+    monkeypatch.setattr(cache_module, "INT2_GROWTH_TOKENS", 8)
+    model = tiny_llama(seed=12, layers=1)
+    oscar = OscarKV(None, None, config=Int2KVConfig(prefix_tokens=1, recent_tokens=2, group_size=16))
+    ids = torch.randint(3, 96, (1, 70), generator=torch.Generator().manual_seed(13))
+    with torch.no_grad(), oscar_kv(model, oscar) as kv:
+        cache = kv.new_cache()
+        model(ids[:, :4], cache=cache)
+        layer = cache.layers[0]
+        buffers = set()
+        for t in range(4, 70):
+            model(ids[:, t:t + 1], cache=cache)
+            buffers.add(layer._buf["codes_k"].data_ptr())
+    assert layer.stored_tokens() == {"prefix": 1, "int2": 67, "recent": 2}
+    assert len(buffers) <= 8  # grown by at least 8 tokens or an eighth: a handful of copies in 66 steps
+    assert cache.reserved_bytes() >= cache.nbytes()
+    assert layer.codes_k.shape == (1, 2, 67, D // 4) and layer.sz_k.shape == (1, 2, 67, 8)
+
+
+def _companion_sets(kind):
+    import layouts
+
+    from rotationzoo.rotation_set import RotationSet
+
+    ids, g = (0, 1), torch.Generator().manual_seed(21)
+    if kind == "centered":  # per-KV-head rotations with k_mean and v_mean
+        k = RotationSet(layouts.orthogonal(2, 2, D, D, seed=1), ids, k_mean=3 * torch.randn(2, 2, D, generator=g))
+        v = RotationSet(layouts.orthogonal(2, 2, D, D, seed=3), ids, v_mean=3 * torch.randn(2, 2, D, generator=g))
+        return k, v
+    inv_t = (lambda r: torch.linalg.inv(r.double()).transpose(-1, -2).float())
+    rk, rv = layouts.well_conditioned(2, 2, D, D, seed=5), layouts.well_conditioned(2, D, D, seed=6)
+    return (RotationSet(rk, ids, q_rotation=inv_t(rk), transform={"orthogonal": False}),
+            RotationSet(rv, ids, o_rotation=inv_t(rv), transform={"orthogonal": False}))
+
+
+@pytest.mark.parametrize("kind", ["centered", "non-orthogonal"])
+def test_decode_steps_apply_the_files_companions(kind, monkeypatch):
+    """k_mean / v_mean and q_rotation / o_rotation reach the codes path as they reach the dequantize path."""
+    model = tiny_llama(seed=14)
+    oscar = OscarKV.from_rotations(_companion_sets(kind), Int2KVConfig(prefix_tokens=2, recent_tokens=4, group_size=32))
+    ids = torch.randint(3, 96, (1, 34), generator=torch.Generator().manual_seed(15))
+    count = Counter(monkeypatch)
+    fast, _ = decode(model, oscar, ids, prefill=20)
+    assert count.calls == 2 * 14
+    monkeypatch.setattr(cache_module, "DECODE_MAX_QUERIES", 0)
+    slow, _ = decode(model, oscar, ids, prefill=20)
+    torch.testing.assert_close(fast, slow, atol=TOL, rtol=TOL)

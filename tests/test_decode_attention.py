@@ -1,0 +1,248 @@
+"""Decode attention over the INT2 cache layout: the PyTorch reference against a naive
+dequantize-then-softmax, the Triton kernel (interpreter on CPU) against the reference, the argument
+rules, and the reference's transient memory (one tile, not the history)."""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from rotationzoo.errors import KernelInputError
+from rotationzoo.int2kv import Int2KVConfig
+from rotationzoo.kernels import Int2KV, decode_attention_int2, dequantize_int2, quantize_int2
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def orthogonal(d, heads=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shape = (d, d) if heads is None else (heads, d, d)
+    return torch.linalg.qr(torch.randn(shape, generator=g, dtype=torch.float64))[0].float().to(DEVICE)
+
+
+def make_cache(b, hkv, d, p, n, r, *, group=None, lloyd_max=False, hp=torch.bfloat16, scale=torch.float32, seed=0):
+    """Random rotated-basis rows as a cache holds them: ``(Int2KV, dense fp32 [B, H, L, d] of what the
+    cache reads back)``."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, hkv, p + n + r, d, generator=g) * (1 + torch.rand(b, hkv, 1, d, generator=g) * 3)
+    x = x.to(DEVICE)
+    codes, sz = quantize_int2(x[:, :, p:p + n], group_size=group, lloyd_max=lloyd_max, scale_dtype=scale, clip_ratio=0.96)
+    sink, recent = x[:, :, :p].to(hp), x[:, :, p + n:].to(hp)
+    dense = torch.cat([sink.float(), dequantize_int2(codes, sz, dtype=torch.float32), recent.float()], dim=2)
+    return Int2KV(sink, codes, sz, recent), dense
+
+
+def naive(q, k, v, *, rq=None, ro=None, scale=None, causal=True):
+    """Attention over dense keys/values, one query row at a time (float64)."""
+    b, hq, s, d = q.shape
+    hkv, length = k.shape[1], k.shape[2]
+    qq = q.double()
+    out = torch.zeros(b, hq, s, d, dtype=torch.float64)
+    for bi in range(b):
+        for h in range(hq):
+            kh = h // (hq // hkv)
+            r = None if rq is None else (rq if rq.dim() == 2 else rq[kh]).double().cpu()
+            o_r = None if ro is None else (ro if ro.dim() == 2 else ro[kh]).double().cpu()
+            for t in range(s):
+                last = length - s + t if causal else length - 1
+                qv = qq[bi, h, t].cpu() if r is None else qq[bi, h, t].cpu() @ r
+                sc = (k[bi, kh, : last + 1].double().cpu() @ qv) * (scale or d ** -0.5)
+                o = torch.softmax(sc, 0) @ v[bi, kh, : last + 1].double().cpu()
+                out[bi, h, t] = o if o_r is None else o @ o_r
+    return out
+
+
+CASES = [
+    # b, hq, hkv, s, d, (P, N, R), group, extra
+    (1, 4, 2, 1, 64, (3, 150, 5), 64, {}),
+    (2, 6, 2, 1, 64, (4, 97, 6), 16, {}),
+    (1, 8, 2, 3, 128, (5, 130, 9), 128, {"per_head": True}),
+    (1, 4, 1, 2, 64, (2, 70, 4), 64, {"lloyd_max": True}),
+    (1, 4, 4, 1, 64, (0, 200, 0), 32, {"scale": torch.float16}),
+    (1, 2, 1, 4, 64, (6, 0, 10), 64, {}),  # no INT2 token yet
+    (1, 4, 2, 1, 64, (8, 60, 0), 64, {"hp": torch.float16}),  # no recent token
+    (1, 4, 2, 1, 256, (2, 40, 3), 64, {"scale": torch.bfloat16}),
+    (1, 16, 2, 3, 128, (4, 90, 6), 16, {}),  # 24 query rows of 2 groups per quarter: 3 row blocks
+]
+
+
+@pytest.mark.parametrize("b,hq,hkv,s,d,parts,group,extra", CASES)
+def test_reference_equals_naive_dequantized_attention(b, hq, hkv, s, d, parts, group, extra):
+    k, kd = make_cache(b, hkv, d, *parts, group=group, lloyd_max=extra.get("lloyd_max", False),
+                       hp=extra.get("hp", torch.bfloat16), scale=extra.get("scale", torch.float32), seed=1)
+    v, vd = make_cache(b, hkv, d, *parts, group=group, lloyd_max=extra.get("lloyd_max", False),
+                       hp=extra.get("hp", torch.bfloat16), scale=extra.get("scale", torch.float32), seed=2)
+    q = torch.randn(b, hq, s, d, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    rk = orthogonal(d, hkv if extra.get("per_head") else None, seed=4)
+    rv = orthogonal(d, hkv if extra.get("per_head") else None, seed=5)
+    want = naive(q, kd, vd, rq=rk, ro=rv.transpose(-1, -2))
+    for splits in (None, 1, 3):
+        got = decode_attention_int2(q, k, v, k_rotation=rk, v_rotation=rv, num_splits=splits, backend="torch",
+                                    dtype=torch.float32)
+        torch.testing.assert_close(got.double().cpu(), want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("b,hq,hkv,s,d,parts,group,extra", CASES)
+def test_triton_equals_reference(b, hq, hkv, s, d, parts, group, extra):
+    pytest.importorskip("triton", reason="triton is not installed")
+    k, _ = make_cache(b, hkv, d, *parts, group=group, lloyd_max=extra.get("lloyd_max", False),
+                      hp=extra.get("hp", torch.bfloat16), scale=extra.get("scale", torch.float32), seed=6)
+    v, _ = make_cache(b, hkv, d, *parts, group=group, lloyd_max=extra.get("lloyd_max", False),
+                      hp=extra.get("hp", torch.bfloat16), scale=extra.get("scale", torch.float32), seed=7)
+    q = torch.randn(b, hq, s, d, generator=torch.Generator().manual_seed(8)).to(DEVICE).to(torch.bfloat16)
+    rk = orthogonal(d, hkv if extra.get("per_head") else None, seed=9)
+    rv = orthogonal(d, hkv if extra.get("per_head") else None, seed=10)
+    ref = decode_attention_int2(q, k, v, k_rotation=rk, v_rotation=rv, backend="torch", dtype=torch.float32)
+    # interpreted: fp32 products, sums in another order; compiled: bf16-split tensor-core products
+    tol = 1e-5 if DEVICE.type == "cpu" else 1e-3
+    for splits in (None, 1, 3):
+        got = decode_attention_int2(q, k, v, k_rotation=rk, v_rotation=rv, backend="triton", num_splits=splits,
+                                    dtype=torch.float32 if splits else None)
+        assert got.dtype == (torch.float32 if splits else torch.bfloat16) and got.shape == (b, hq, s, d)
+        rel = float((got.float() - ref).norm() / ref.norm())
+        assert rel < (tol if splits else 4e-3), (splits, rel)  # bf16 output: its rounding
+
+
+def test_explicit_query_and_output_matrices():
+    """Non-orthogonal sets: keys stored as k·A, values as v·B; q_rotation = A⁻ᵀ and o_rotation = B⁻ᵀ
+    (the file format's meaning: the output is multiplied by o_rotationᵀ = B⁻¹) give attention in the
+    original basis (checked against the naive formula with the same matrices)."""
+    d, hkv = 64, 2
+    g = torch.Generator().manual_seed(11)
+    a = (torch.eye(d) + 0.3 * torch.randn(hkv, d, d, generator=g)).to(DEVICE)
+    bm = (torch.eye(d) + 0.3 * torch.randn(d, d, generator=g)).to(DEVICE)
+    k, kd = make_cache(1, hkv, d, 4, 120, 6, seed=12)
+    v, vd = make_cache(1, hkv, d, 4, 120, 6, seed=13)
+    q = torch.randn(1, 4, 2, d, generator=g).to(DEVICE)
+    qa, ob = torch.linalg.inv(a).transpose(-1, -2), torch.linalg.inv(bm).transpose(-1, -2)
+    want = naive(q, kd, vd, rq=qa, ro=ob.transpose(-1, -2))
+    for backend in ("torch", "triton"):
+        if backend == "triton":
+            pytest.importorskip("triton", reason="triton is not installed")
+        got = decode_attention_int2(q, k, v, q_rotation=qa, o_rotation=ob, backend=backend, dtype=torch.float32)
+        torch.testing.assert_close(got.double().cpu(), want, atol=1e-4, rtol=1e-4)
+
+
+def test_not_causal_and_scale():
+    k, kd = make_cache(1, 2, 64, 3, 50, 4, seed=14)
+    v, vd = make_cache(1, 2, 64, 3, 50, 4, seed=15)
+    q = torch.randn(1, 2, 3, 64, generator=torch.Generator().manual_seed(16)).to(DEVICE)
+    got = decode_attention_int2(q, k, v, causal=False, scale=0.3, backend="torch", dtype=torch.float32)
+    torch.testing.assert_close(got.double().cpu(), naive(q, kd, vd, causal=False, scale=0.3), atol=2e-5, rtol=2e-5)
+    causal = decode_attention_int2(q, k, v, scale=0.3, backend="torch", dtype=torch.float32)
+    assert not torch.allclose(causal, got)  # the last query tokens do not see each other then
+
+
+def test_nan_rows_make_the_output_nan_in_both_backends():
+    """A row the quantizer flagged (NaN scale/zero) poisons the output, as dequantize-then-attend would."""
+    x = torch.randn(1, 2, 60, 64)
+    x[0, 1, 30, 5] = float("nan")
+    codes, sz = quantize_int2(x.to(DEVICE))
+    kv = Int2KV(None, codes, sz, None)
+    q = torch.randn(1, 2, 1, 64).to(DEVICE)
+    for backend in ("torch", "triton"):
+        if backend == "triton":
+            pytest.importorskip("triton", reason="triton is not installed")
+        out = decode_attention_int2(q, kv, kv, backend=backend)
+        assert not torch.isnan(out[0, 0]).any() and torch.isnan(out[0, 1]).all(), backend
+
+
+# -- argument rules --------------------------------------------------------------------------------
+
+
+def test_bad_arguments_get_one_line_errors():
+    k, _ = make_cache(1, 2, 64, 2, 20, 3)
+    q = torch.randn(1, 4, 1, 64).to(DEVICE)
+    r = orthogonal(64)
+    cases = [
+        (dict(query=torch.randn(1, 4, 64)), "query must be"),
+        (dict(query=torch.randn(1, 3, 1, 64).to(DEVICE)), "multiple of H_kv"),
+        (dict(keys=k._replace(codes=None)), "come together"),
+        (dict(values=k._replace(recent=k.recent[:, :, :1])), "tokens but values"),
+        (dict(k_rotation=r, q_rotation=r), "not both"),
+        (dict(v_rotation=torch.eye(32).to(DEVICE)), r"\[64, 64\]"),
+        (dict(config=Int2KVConfig(group_size=16)), "group size 16"),
+        (dict(config=Int2KVConfig(scale_dtype="float16")), "scale_dtype"),
+        (dict(config=Int2KVConfig(hp_dtype="float16")), "hp_dtype"),
+        (dict(config=Int2KVConfig(group_size=64), group_size=32), "conflicts with config.group_size"),
+        (dict(scale=-1.0), "positive"),
+        (dict(num_splits=0), "num_splits"),
+        (dict(keys=k._replace(sink=k.sink.half())), "share one dtype"),
+        (dict(query=torch.randn(1, 4, 40, 64).to(DEVICE)), "holds 25"),
+        (dict(keys=(k.sink, k.codes)), "must be an Int2KV"),
+    ]
+    for over, match in cases:
+        kw = dict(query=q, keys=k, values=k)
+        kw.update(over)
+        with pytest.raises(KernelInputError, match=match) as exc:
+            decode_attention_int2(kw.pop("query"), kw.pop("keys"), kw.pop("values"), backend="torch", **kw)
+        assert "\n" not in str(exc.value)
+    # the config the cache was written with is accepted, and so is a keyword that repeats it
+    cfg = Int2KVConfig(group_size=None, hp_dtype="bfloat16", scale_dtype="float32")
+    decode_attention_int2(q, k, k, config=cfg, group_size=64, backend="torch")
+
+
+# -- transient memory ------------------------------------------------------------------------------
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Peak bytes of the tensors created while active (storages that existed before are not counted)."""
+
+    def __init__(self, existing: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.skip = {t.untyped_storage().data_ptr() for t in existing}
+        self.refs: dict[int, int] = {}
+        self.size: dict[int, int] = {}
+        self.current = self.peak = 0
+
+    def _release(self, key: int) -> None:
+        self.refs[key] -= 1
+        if not self.refs[key]:
+            del self.refs[key]
+            self.current -= self.size.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = t.untyped_storage().data_ptr()
+            if key in self.skip or not key:
+                continue
+            if key not in self.refs:
+                self.size[key] = t.untyped_storage().nbytes()
+                self.refs[key] = 0
+                self.current += self.size[key]
+                self.peak = max(self.peak, self.current)
+            self.refs[key] += 1
+            weakref.finalize(t, self._release, key)
+        return out
+
+
+def test_reference_transient_memory_is_one_tile():
+    """The reference never holds the history in full precision: its peak transient memory stays
+    within a few tiles, here ~1/10 of the dequantized history (and the bound fails without tiling)."""
+    b, hkv, hq, d, n, tile = 1, 2, 4, 64, 4096, 256
+    k, _ = make_cache(b, hkv, d, 4, n, 8, seed=20)
+    v, _ = make_cache(b, hkv, d, 4, n, 8, seed=21)
+    q = torch.randn(b, hq, 1, d).to(DEVICE)
+    tile_bytes = 4 * b * hkv * tile * d  # one side's unpacked tile in fp32
+    history_bytes = 2 * 4 * b * hkv * n * d  # K and V dequantized in fp32
+    parts = [t for side in (k, v) for t in side] + [q]
+
+    def peak(splits):
+        with LiveTensorBytes(parts) as mode:
+            decode_attention_int2(q, k, v, num_splits=splits, backend="torch")
+        return mode.peak
+
+    tiled = peak(n // tile)
+    assert tiled <= 3 * tile_bytes, (tiled, tile_bytes)
+    assert tiled * 10 < history_bytes
+    assert peak(1) > 3 * tile_bytes  # one tile of the whole history: the measurement sees it
