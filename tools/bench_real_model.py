@@ -12,6 +12,9 @@ text (default: *Persuasion* from Debian's ``r-cran-janeaustenr`` and *Moby Dick*
 * ``r_pbr_hg``  the group-aware ``U·P_br·H_G`` fitted for that G,
 * any ``--extra NAME=ROTATIONS`` (a folder, an exported file, a registry id; ``NAME=ROTATIONS@G``
   evaluates it at one group size only),
+* with ``--recipes A,B,…`` instead of ``r_h_pbr`` / ``r_pbr_hg``: the listed fits of :data:`RECIPES`, all
+  from the same capture — the authors' V2 per-head recipe, OSCAR-2 per head, key centering, their
+  shared form, value centering (``…_kv``),
 
 with the authors' serving defaults (clip 0.96 / 0.92, 64 + 256 BF16 windows, fp32 scale/zero), one
 scoring window of ``--context`` tokens per text, ``--draws`` sign draws per rotation method and the
@@ -23,6 +26,8 @@ Usage::
     python tools/bench_real_model.py --json-out bench-out/real-model.json --markdown bench-out/real-model.md \\
         --plot bench-out/real-model.png --save-rotations bench-out/rotations
     python tools/bench_real_model.py --groups 64 --texts persuasion --draws 2          # smaller
+    python tools/bench_real_model.py --groups 16,64 --recipes r_h_pbr,oscar2_perhead,oscar2_center,oscar2_center_kv \
+        --save-rotations bench-out/rotations --json-out bench-out/recipes.json       # the fitting recipes
     python tools/bench_real_model.py --timing --json-out bench-out/timing.json         # cost of one window
 
 ``--timing`` measures, on one ``--context`` window, the fp forward and one INT2 method's forward
@@ -42,6 +47,19 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+
+#: ``--recipes`` names → (objective, fit_rotations options); ``r_pbr_hg`` is fitted for every ``--groups`` G.
+RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "r_h_pbr": ("qqt_sst", {}),
+    "r_pbr_hg": ("qqt_sst", {"composition": "r_pbr_hg"}),
+    "cov_eig_hadamard_perhead": ("cov_eig_hadamard_perhead", {}),
+    "oscar2_perhead": ("oscar2_perhead", {}),
+    "oscar2_center": ("oscar2_center", {}),
+    "oscar2_center_kv": ("oscar2_center", {"center": "kv"}),
+    "shared_center": ("oscar2_center", {"grouping": "layer"}),
+    "shared_center_kv": ("oscar2_center", {"grouping": "layer", "center": "kv"}),
+}
 
 
 def _log(msg: str) -> None:
@@ -64,6 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resamples", type=int, default=2000)
     p.add_argument("--extra", action="append", default=[], help="NAME=ROTATIONS[@G]: more methods")
     p.add_argument("--no-fit", action="store_true", help="skip r_h_pbr / r_pbr_hg (only builtins and --extra)")
+    p.add_argument("--recipes", default=None, help=f"fit these instead of r_h_pbr / r_pbr_hg: {', '.join(RECIPES)}")
     p.add_argument("--save-rotations", type=Path, default=None)
     p.add_argument("--json-out", type=Path, default=None)
     p.add_argument("--markdown", type=Path, default=None)
@@ -86,17 +105,29 @@ def _fits(model: Any, tok: Any, args: argparse.Namespace, groups: list[int]) -> 
     from rotationzoo.fit import fit_rotations, write_fitted
     from rotationzoo.integrations.transformers import collect_statistics
 
+    names = args.recipes.split(",") if args.recipes else ["r_h_pbr", "r_pbr_hg"]
+    unknown = [n for n in names if n not in RECIPES]
+    if unknown:
+        raise SystemExit(f"unknown --recipes {unknown}; choose from {', '.join(RECIPES)}")
+    objectives = tuple(dict.fromkeys(RECIPES[n][0] for n in names))
     t0 = time.perf_counter()
     stats = collect_statistics(model, tok, [_text(args, args.calib)], tokens=args.calib_tokens,
-                               seq_len=args.calib_seq, model_id="HuggingFaceTB/SmolLM2-135M-Instruct")
+                               seq_len=args.calib_seq, model_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+                               objective=objectives, grouping="kv_head")
     _log(f"captured {stats.tokens} calibration tokens per layer in {time.perf_counter() - t0:.0f} s")
-    fits = {"r_h_pbr": fit_rotations(stats.accumulators, "qqt_sst", "r_h_pbr", source_info=stats.info)}
-    for g in groups:
-        fits[f"r_pbr_hg{g}"] = fit_rotations(stats.accumulators, "qqt_sst", "r_pbr_hg", group_size=g,
-                                             source_info=stats.info)
+    fits: dict[str, Any] = {}
+    for name in names:
+        objective, options = RECIPES[name]
+        if name == "r_pbr_hg":
+            for g in groups:
+                fits[f"r_pbr_hg{g}"] = fit_rotations(stats.accumulators, objective, group_size=g, source_info=stats.info,
+                                                     **options)
+            continue
+        fits[name] = fit_rotations(stats.accumulators, objective, source_info=stats.info, **options)
     if args.save_rotations is not None:
         for name, res in fits.items():
-            write_fitted(res, args.save_rotations / name, tag=f"{args.calib}-{stats.tokens}")
+            write_fitted(res, args.save_rotations / name, model="HuggingFaceTB/SmolLM2-135M-Instruct",
+                         tag=f"{args.calib}-{stats.tokens}")
     return fits
 
 
@@ -104,9 +135,9 @@ def _methods(g: int, fits: dict[str, Any], extras: list[tuple[str, str, int | No
     from rotationzoo.evaluate import MethodSpec
 
     out = [MethodSpec.fp(), MethodSpec.none(), MethodSpec.hadamard()]
-    if fits:
-        out += [MethodSpec.from_source("r_h_pbr", fits["r_h_pbr"]),
-                MethodSpec.from_source(f"r_pbr_hg{g}", fits[f"r_pbr_hg{g}"])]
+    for name, res in fits.items():
+        if not name.startswith("r_pbr_hg") or name == f"r_pbr_hg{g}":
+            out.append(MethodSpec.from_source(name, res))
     out += [MethodSpec.from_source(name, src) for name, src, only in extras if only in (None, g)]
     return out
 
