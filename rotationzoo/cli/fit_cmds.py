@@ -167,7 +167,7 @@ def fit_command(
         Optional[Path], typer.Option("--dump", help="Q/K/V dump folder (SGLang layout: layer_<L>/{q,k,v,seq_lens}/<chunk>.pt).")
     ] = None,
     objective: ObjectiveOpt = "qqt_sst",
-    composition: CompositionOpt = "r_h_pbr",
+    composition: CompositionOpt = None,
     group_size: GroupSizeOpt = None,
     keep_first_chunk: Annotated[
         bool, typer.Option("--keep-first-chunk", help="Also fit on chunk 0 (SGLang's warm-up batch; skipped by default).")
