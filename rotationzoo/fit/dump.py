@@ -310,7 +310,10 @@ class Dump:
         """Ranks per replicated KV head of a per-rank layer, from its first K (else V) chunk's shards."""
         if layer_id not in self._reps:
             kind = "k" if self._listing(layer_id, "k") else "v"
-            chunk = self._all_chunks(layer_id, kind)[0]
+            chunks = self._all_chunks(layer_id, kind)
+            if not chunks:
+                return 1  # an empty layer, refused by chunk_ids
+            chunk = chunks[0]
             shards = [load_chunk(self._shard_meta(layer_id, kind, chunk, i)) for i in range(len(self._shards[layer_id]))]
             self._reps[layer_id] = replication(shards, self.path(layer_id, kind, chunk))
         return self._reps[layer_id]

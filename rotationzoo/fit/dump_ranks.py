@@ -121,8 +121,8 @@ def refuse_rank_listing(where: Path, kind: str, shard: int, ref: tuple[int, ...]
                         "tensors (re-dump every rank)")
     lacks, extra = sorted(set(ref) - set(got)), sorted(set(got) - set(ref))
     shown = ", ".join(map(str, (lacks or extra)[:12]))
-    detail = f"lacks chunk(s) {shown}" if lacks else f"has extra chunk(s) {shown}"
-    raise DumpError(f"{where}: {detail} that rank_0 does not; every rank dumps the same batches (re-dump every rank)")
+    detail = f"lacks chunk(s) {shown} that rank_0 holds" if lacks else f"has chunk(s) {shown} that rank_0 lacks"
+    raise DumpError(f"{where}: {detail}; every rank dumps the same batches (re-dump every rank)")
 
 
 @dataclass(frozen=True)
