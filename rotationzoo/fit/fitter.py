@@ -29,6 +29,8 @@ from .result import OBJECTIVE_TARGETS, FitResult, FitStats, peak_rss_bytes
 from .sets import build_sets, fitted_means
 from .stream import accumulate_dump_layer, layer_reads, thread_workspace
 
+#: Provenance a dump's ``rotationzoo_dump.json`` may carry into the files' ``calibration`` record.
+PROVENANCE_KEYS = ("prompt_sha256", "text_sha256", "model_revision", "model_sha256")
 #: Upper bound of the default number of concurrent layers (each holds one fp64 workspace).
 MAX_DEFAULT_WORKERS = 8
 #: Fewest tokens per layer a rotation is fitted from (``min_tokens``, ``--min-tokens``): one
@@ -359,6 +361,10 @@ def fit_rotations(
         check_tokens(tokens, min_tokens)
         _check_cost(opened, plan, targets, per_head)
         dump_info = opened.info()
+        for key in PROVENANCE_KEYS:  # what rotationzoo_dump.json knows of the calibration, if it is a short text
+            value = dump_info.get(key)
+            if isinstance(value, str) and 0 < len(value) <= 128 and value.isprintable():
+                info.setdefault(key, value)
         model = model or dump_info.get("model")
         prompts = prompts if prompts is not None else dump_info.get("prompts", opened.prompt_count())
         accs = _from_dump(opened, shape, targets, num_workers=num_workers, device=device, progress=progress,

@@ -24,7 +24,7 @@ from ...vocab import Center, Grouping
 from ...fit import OBJECTIVE_TARGETS, RefineOptions, fit_rotations, refine_fit
 from ...fit.accumulate import LayerAccumulator, Workspace
 from ...fit.compose import check_composition
-from ...fit.fitter import DEFAULT_MIN_TOKENS, check_token_budget
+from ...fit.fitter import DEFAULT_MIN_TOKENS, PROVENANCE_KEYS, check_token_budget
 from ...fit.recipes import V2_COMPOSITION, V2_OBJECTIVE, resolve_center, resolve_composition, resolve_grouping
 from ...fit.dump import Dump, DumpWriter
 from ...fit.samples import DEFAULT_MAX_TOKENS, CalibrationSamples
@@ -334,7 +334,8 @@ def collect_statistics(
         if dump_out is not None and writer is not None:
             info["dump"] = str(dump_out)
             writer.write_info({"model": model_id, "prompts": len(windows), "tokens": total, "seq_len": seq_len,
-                               "warmup_chunk": True, "texts": info["texts"], "writer": "rotationzoo calibrate"})
+                               "warmup_chunk": True, "texts": info["texts"], "writer": "rotationzoo calibrate",
+                               **{k: info[k] for k in PROVENANCE_KEYS if info.get(k) is not None}})
     finally:
         if tmp is not None:
             tmp.cleanup()
