@@ -87,6 +87,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json-out", type=Path, default=None)
     p.add_argument("--markdown", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None, help="PNG prefix: one panel per (text, group)")
+    p.add_argument("--summary", type=Path, default=None,
+                   help="also write one table of ΔKL vs hadamard (%% of hadamard's KL, with CIs) over every (text, G) here")
+    p.add_argument("--summary-plot", type=Path, default=None, help="and the same as a PNG")
+    p.add_argument("--replot", type=Path, nargs="+", default=None,
+                   help="no runs: merge these --json-out files and write --summary / --summary-plot / --markdown")
     p.add_argument("--timing", action="store_true", help="measure fp vs one INT2 method on one window")
     p.add_argument("--repeat", type=int, default=2)
     return p.parse_args(argv)
@@ -199,6 +204,98 @@ def _write(args: argparse.Namespace, out: dict[str, Any]) -> None:
     if args.markdown is not None:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         args.markdown.write_text(markdown(out))
+    if args.summary is not None:
+        args.summary.parent.mkdir(parents=True, exist_ok=True)
+        args.summary.write_text(summary(out))
+    if args.summary_plot is not None and out["runs"]:
+        summary_plot(out, args.summary_plot)
+
+
+def _blocks(out: dict[str, Any]) -> list[tuple[str, int, dict[str, Any]]]:
+    """``(text, G, run)`` in the order G, then text."""
+    runs = [(r["texts"][0], int(r["config"]["group_size"]), r) for r in out["runs"]]
+    return sorted(runs, key=lambda t: (t[1], t[0] != "persuasion", t[0]))
+
+
+def _relative(run: dict[str, Any], r: dict[str, Any]) -> tuple[float, float, float] | None:
+    """ΔKL vs the baseline and its CI, as % of the baseline's KL."""
+    base = next((x for x in run["results"] if x["method"] == run.get("baseline")), None)
+    kl = (r.get("vs_baseline") or {}).get("kl")
+    if base is None or kl is None or not base["kl"]:
+        return None
+    return tuple(100 * kl[k] / base["kl"] for k in ("delta", "lo", "hi"))  # type: ignore[return-value]
+
+
+def summary(out: dict[str, Any]) -> str:
+    """One table: per method, ΔKL vs hadamard in % of hadamard's KL [95 % CI] for every (text, G), and the
+    KL itself."""
+    blocks = _blocks(out)
+    methods: list[str] = []
+    for _, _, run in blocks:
+        methods += [r["method"] for r in run["results"] if r["method"] not in methods and r["kind"] != "fp"]
+    head = " | ".join(f"{t} G = {g}" for t, g, _ in blocks)
+    lines = [f"| method | {head} |", "|---|" + "---|" * len(blocks)]
+    for m in methods:
+        cells = []
+        for _, _, run in blocks:
+            r = next((x for x in run["results"] if x["method"] == m), None)
+            if r is None:
+                cells.append("not run")
+                continue
+            rel = _relative(run, r)
+            verdict = ((r.get("vs_baseline") or {}).get("kl") or {}).get("verdict", "")
+            mark = {"better": " ✓", "worse": " ✗"}.get(verdict, "")
+            cells.append(f"{r['kl']:.4f}" + (f" ({rel[0]:+.1f} % [{rel[1]:+.1f}, {rel[2]:+.1f}]){mark}" if rel else ""))
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def summary_plot(out: dict[str, Any], path: Path) -> Path:
+    """ΔKL vs hadamard in % of its KL with 95 % CIs: one panel per G, one marker per text."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    blocks = _blocks(out)
+    groups = sorted({g for _, g, _ in blocks})
+    methods: list[str] = []
+    for _, _, run in blocks:
+        methods += [r["method"] for r in run["results"] if r.get("vs_baseline") and r["method"] not in methods
+                    and r["kind"] != "none"]
+    fig, axes = plt.subplots(1, len(groups), figsize=(5.2 * len(groups), 1.4 + 0.42 * len(methods)), sharey=True,
+                             squeeze=False)
+    styles = {"persuasion": ("o", "tab:blue", -0.13), "mobydick": ("s", "tab:orange", 0.13)}
+    for ax, g in zip(axes[0], groups):
+        for text, gg, run in blocks:
+            if gg != g:
+                continue
+            marker, color, dy = styles.get(text, ("^", "tab:green", 0.0))
+            first = True
+            for i, m in enumerate(methods):
+                r = next((x for x in run["results"] if x["method"] == m), None)
+                rel = _relative(run, r) if r is not None else None
+                if rel is None:
+                    continue
+                ax.errorbar([rel[0]], [i + dy], xerr=[[rel[0] - rel[1]], [rel[2] - rel[0]]], fmt=marker, color=color,
+                            capsize=3, label=text if first else None)
+                first = False
+        ax.axvline(0.0, color="black", linewidth=1)
+        ax.axvline(-30.0, color="gray", linewidth=1, linestyle="--")
+        ax.set_title(f"G = {g}")
+        ax.set_xlabel("ΔKL vs hadamard, % of hadamard's KL (95 % CI)")
+        ax.grid(axis="x", alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)
+    axes[0][0].set_yticks(range(len(methods)))
+    axes[0][0].set_yticklabels(methods)
+    axes[0][0].invert_yaxis()
+    fig.suptitle("SmolLM2-135M-Instruct, one 8,192-token window per text, 4 sign draws\n"
+                 "dashed: 30 % less KL than hadamard", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _ci(d: dict[str, Any] | None, scale: float = 1.0, digits: int = 4) -> str:
@@ -261,6 +358,14 @@ def timing(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.replot:
+        merged: dict[str, Any] = {"runs": []}
+        for f in args.replot:
+            merged["runs"] += json.loads(f.read_text())["runs"]
+        args.json_out = None
+        _write(args, merged)
+        print(summary(merged))
+        return 0
     if args.timing:
         out = timing(args)
         if args.json_out is not None:
