@@ -17,7 +17,6 @@ import torch
 from ..errors import DumpError, FitError
 from ..format import MAX_BYTES, MAX_HEAD_DIM, MAX_LAYERS, RotationSet
 from ..progress import Progress, Tally
-from ..validation import validate
 from ..vocab import Center, Grouping, SignConvention
 from .accumulate import LayerAccumulator, kinds_for, statistics_bytes
 from .compose import check_composition, check_head_dim, hadamard_rotations
