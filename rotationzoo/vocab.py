@@ -62,9 +62,15 @@ WEIGHT_DTYPE_NAMES: tuple[str, ...] = get_args(WeightDtypeName)
 ClipSearch = Literal["exact", "bisect"]
 CLIP_SEARCHES: tuple[str, ...] = get_args(ClipSearch)
 
-#: Fitter objectives: covariance targets for K and V (``hadamard`` is data-free).
-Objective = Literal["qqt_sst", "ktk_vtv", "qqt", "sst", "ktk", "vtv", "hadamard"]
+#: Fitter objectives: covariance targets for K and V (``hadamard`` is data-free), and the authors'
+#: later recipes: ``cov_eig_hadamard_perhead`` (their V2 per-head fitter), ``oscar2_perhead`` and
+#: ``oscar2_center`` (their OSCAR-2 fitter, per KV head; ``grouping="layer"`` is their ``--shared``).
+Objective = Literal["qqt_sst", "ktk_vtv", "qqt", "sst", "ktk", "vtv", "hadamard", "cov_eig_hadamard_perhead",
+                    "oscar2_perhead", "oscar2_center"]
 OBJECTIVES: tuple[str, ...] = get_args(Objective)
+#: What is centered before rotation: nothing, the keys (``k_mean``), or keys and values (``v_mean`` too).
+Center = Literal["none", "k", "kv"]
+CENTERS: tuple[str, ...] = get_args(Center)
 #: Compositions implemented exactly as in the authors' fitter.
 AuthorComposition = Literal["plain", "pbr", "br", "br_h128", "r_h", "h_pbr", "h_r_pbr", "h_pbr_r", "r_h_pbr"]
 AUTHOR_COMPOSITIONS: tuple[str, ...] = get_args(AuthorComposition)

@@ -253,3 +253,36 @@ def test_cli_calibrate_then_fit(tiny_model_dir, tmp_path):
     assert m["objective"] == "refined" and m["refinement"]["init_composition"] == "r_pbr_hg16"
     assert m["refinement"]["seed"] == 2 and m["refinement"]["samples"]["max_tokens"] == 512
     assert read_rotation(tmp_path / "rot3" / "k_rotation_refined_k_logit_r_pbr_hg16.pt").layer_ids == (0, 1)
+
+
+def test_calibrate_records_its_provenance_and_a_dump_fit_keeps_it(tiny_model_dir, tmp_path):
+    import hashlib
+
+    from typer.testing import CliRunner
+
+    from rotationzoo.cli.main import app
+
+    texts = [tiny_model_dir / "calib_a.txt", tiny_model_dir / "calib_b.txt"]
+    r = CliRunner().invoke(app, [
+        "calibrate", "--model", str(tiny_model_dir), "--text", str(texts[0]), "--text", str(texts[1]),
+        "--tokens", "500", "--seq-len", "200", "--objective", "oscar2_center", "--model-revision", "0123abcd",
+        "--out", str(tmp_path / "rot"), "--dump-out", str(tmp_path / "dump"),
+    ])
+    assert r.exit_code == 0, r.output
+    _, tokenizer = load_model(tiny_model_dir)
+    windows = list(token_windows(tokenizer, texts, tokens=500, seq_len=200, texts_are_paths=True))
+    prompt = hashlib.sha256(json.dumps(windows, separators=(",", ":")).encode()).hexdigest()
+    text = hashlib.sha256(b"".join(t.read_bytes() for t in texts)).hexdigest()
+    k = read_rotation(tmp_path / "rot" / "k_rotation_oscar2_center.pt")
+    cal = k.calibration
+    assert cal["prompt_sha256"] == prompt and cal["text_sha256"] == text and cal["tokens"] == 500
+    assert cal["model_revision"] == "0123abcd" and cal["model_path"] == tiny_model_dir.name
+    assert cal["global_q_heads"] == HQ and cal["global_kv_heads"] == HKV and cal["post_rope"] is True
+    assert read_rotation(tmp_path / "rot" / "v_rotation_oscar2_center.pt").calibration == cal
+    r = CliRunner().invoke(app, ["fit", "--dump", str(tmp_path / "dump"), "--out", str(tmp_path / "again"),
+                                 "--objective", "oscar2_center"])
+    assert r.exit_code == 0, r.output
+    again = read_rotation(tmp_path / "again" / "k_rotation_oscar2_center.pt")
+    assert {key: again.calibration[key] for key in ("prompt_sha256", "text_sha256", "model_revision", "tokens")} == \
+        {key: cal[key] for key in ("prompt_sha256", "text_sha256", "model_revision", "tokens")}
+    assert torch.equal(again.rotations, k.rotations) and torch.equal(again.k_mean, k.k_mean)

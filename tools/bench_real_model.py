@@ -12,6 +12,9 @@ text (default: *Persuasion* from Debian's ``r-cran-janeaustenr`` and *Moby Dick*
 * ``r_pbr_hg``  the group-aware ``U·P_br·H_G`` fitted for that G,
 * any ``--extra NAME=ROTATIONS`` (a folder, an exported file, a registry id; ``NAME=ROTATIONS@G``
   evaluates it at one group size only),
+* with ``--recipes A,B,…`` instead of ``r_h_pbr`` / ``r_pbr_hg``: the listed fits of :data:`RECIPES`, all
+  from the same capture — the authors' V2 per-head recipe, OSCAR-2 per head, key centering, their
+  shared form, value centering (``…_kv``),
 
 with the authors' serving defaults (clip 0.96 / 0.92, 64 + 256 BF16 windows, fp32 scale/zero), one
 scoring window of ``--context`` tokens per text, ``--draws`` sign draws per rotation method and the
@@ -23,6 +26,8 @@ Usage::
     python tools/bench_real_model.py --json-out bench-out/real-model.json --markdown bench-out/real-model.md \\
         --plot bench-out/real-model.png --save-rotations bench-out/rotations
     python tools/bench_real_model.py --groups 64 --texts persuasion --draws 2          # smaller
+    python tools/bench_real_model.py --groups 16,64 --recipes r_h_pbr,oscar2_perhead,oscar2_center,oscar2_center_kv \
+        --save-rotations bench-out/rotations --json-out bench-out/recipes.json       # the fitting recipes
     python tools/bench_real_model.py --timing --json-out bench-out/timing.json         # cost of one window
 
 ``--timing`` measures, on one ``--context`` window, the fp forward and one INT2 method's forward
@@ -42,6 +47,19 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+
+#: ``--recipes`` names → (objective, fit_rotations options); ``r_pbr_hg`` is fitted for every ``--groups`` G.
+RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "r_h_pbr": ("qqt_sst", {}),
+    "r_pbr_hg": ("qqt_sst", {"composition": "r_pbr_hg"}),
+    "cov_eig_hadamard_perhead": ("cov_eig_hadamard_perhead", {}),
+    "oscar2_perhead": ("oscar2_perhead", {}),
+    "oscar2_center": ("oscar2_center", {}),
+    "oscar2_center_kv": ("oscar2_center", {"center": "kv"}),
+    "shared_center": ("oscar2_center", {"grouping": "layer"}),
+    "shared_center_kv": ("oscar2_center", {"grouping": "layer", "center": "kv"}),
+}
 
 
 def _log(msg: str) -> None:
@@ -64,10 +82,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resamples", type=int, default=2000)
     p.add_argument("--extra", action="append", default=[], help="NAME=ROTATIONS[@G]: more methods")
     p.add_argument("--no-fit", action="store_true", help="skip r_h_pbr / r_pbr_hg (only builtins and --extra)")
+    p.add_argument("--recipes", default=None, help=f"fit these instead of r_h_pbr / r_pbr_hg: {', '.join(RECIPES)}")
     p.add_argument("--save-rotations", type=Path, default=None)
     p.add_argument("--json-out", type=Path, default=None)
     p.add_argument("--markdown", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None, help="PNG prefix: one panel per (text, group)")
+    p.add_argument("--summary", type=Path, default=None,
+                   help="also write one table of ΔKL vs hadamard (%% of hadamard's KL, with CIs) over every (text, G) here")
+    p.add_argument("--summary-plot", type=Path, default=None, help="and the same as a PNG")
+    p.add_argument("--replot", type=Path, nargs="+", default=None,
+                   help="no runs: merge these --json-out files and write --summary / --summary-plot / --markdown")
     p.add_argument("--timing", action="store_true", help="measure fp vs one INT2 method on one window")
     p.add_argument("--repeat", type=int, default=2)
     return p.parse_args(argv)
@@ -86,17 +110,29 @@ def _fits(model: Any, tok: Any, args: argparse.Namespace, groups: list[int]) -> 
     from rotationzoo.fit import fit_rotations, write_fitted
     from rotationzoo.integrations.transformers import collect_statistics
 
+    names = args.recipes.split(",") if args.recipes else ["r_h_pbr", "r_pbr_hg"]
+    unknown = [n for n in names if n not in RECIPES]
+    if unknown:
+        raise SystemExit(f"unknown --recipes {unknown}; choose from {', '.join(RECIPES)}")
+    objectives = tuple(dict.fromkeys(RECIPES[n][0] for n in names))
     t0 = time.perf_counter()
     stats = collect_statistics(model, tok, [_text(args, args.calib)], tokens=args.calib_tokens,
-                               seq_len=args.calib_seq, model_id="HuggingFaceTB/SmolLM2-135M-Instruct")
+                               seq_len=args.calib_seq, model_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+                               objective=objectives, grouping="kv_head")
     _log(f"captured {stats.tokens} calibration tokens per layer in {time.perf_counter() - t0:.0f} s")
-    fits = {"r_h_pbr": fit_rotations(stats.accumulators, "qqt_sst", "r_h_pbr", source_info=stats.info)}
-    for g in groups:
-        fits[f"r_pbr_hg{g}"] = fit_rotations(stats.accumulators, "qqt_sst", "r_pbr_hg", group_size=g,
-                                             source_info=stats.info)
+    fits: dict[str, Any] = {}
+    for name in names:
+        objective, options = RECIPES[name]
+        if name == "r_pbr_hg":
+            for g in groups:
+                fits[f"r_pbr_hg{g}"] = fit_rotations(stats.accumulators, objective, group_size=g, source_info=stats.info,
+                                                     **options)
+            continue
+        fits[name] = fit_rotations(stats.accumulators, objective, source_info=stats.info, **options)
     if args.save_rotations is not None:
         for name, res in fits.items():
-            write_fitted(res, args.save_rotations / name, tag=f"{args.calib}-{stats.tokens}")
+            write_fitted(res, args.save_rotations / name, model="HuggingFaceTB/SmolLM2-135M-Instruct",
+                         tag=f"{args.calib}-{stats.tokens}")
     return fits
 
 
@@ -104,9 +140,9 @@ def _methods(g: int, fits: dict[str, Any], extras: list[tuple[str, str, int | No
     from rotationzoo.evaluate import MethodSpec
 
     out = [MethodSpec.fp(), MethodSpec.none(), MethodSpec.hadamard()]
-    if fits:
-        out += [MethodSpec.from_source("r_h_pbr", fits["r_h_pbr"]),
-                MethodSpec.from_source(f"r_pbr_hg{g}", fits[f"r_pbr_hg{g}"])]
+    for name, res in fits.items():
+        if not name.startswith("r_pbr_hg") or name == f"r_pbr_hg{g}":
+            out.append(MethodSpec.from_source(name, res))
     out += [MethodSpec.from_source(name, src) for name, src, only in extras if only in (None, g)]
     return out
 
@@ -168,6 +204,98 @@ def _write(args: argparse.Namespace, out: dict[str, Any]) -> None:
     if args.markdown is not None:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         args.markdown.write_text(markdown(out))
+    if args.summary is not None:
+        args.summary.parent.mkdir(parents=True, exist_ok=True)
+        args.summary.write_text(summary(out))
+    if args.summary_plot is not None and out["runs"]:
+        summary_plot(out, args.summary_plot)
+
+
+def _blocks(out: dict[str, Any]) -> list[tuple[str, int, dict[str, Any]]]:
+    """``(text, G, run)`` in the order G, then text."""
+    runs = [(r["texts"][0], int(r["config"]["group_size"]), r) for r in out["runs"]]
+    return sorted(runs, key=lambda t: (t[1], t[0] != "persuasion", t[0]))
+
+
+def _relative(run: dict[str, Any], r: dict[str, Any]) -> tuple[float, float, float] | None:
+    """ΔKL vs the baseline and its CI, as % of the baseline's KL."""
+    base = next((x for x in run["results"] if x["method"] == run.get("baseline")), None)
+    kl = (r.get("vs_baseline") or {}).get("kl")
+    if base is None or kl is None or not base["kl"]:
+        return None
+    return tuple(100 * kl[k] / base["kl"] for k in ("delta", "lo", "hi"))  # type: ignore[return-value]
+
+
+def summary(out: dict[str, Any]) -> str:
+    """One table: per method, ΔKL vs hadamard in % of hadamard's KL [95 % CI] for every (text, G), and the
+    KL itself."""
+    blocks = _blocks(out)
+    methods: list[str] = []
+    for _, _, run in blocks:
+        methods += [r["method"] for r in run["results"] if r["method"] not in methods and r["kind"] != "fp"]
+    head = " | ".join(f"{t} G = {g}" for t, g, _ in blocks)
+    lines = [f"| method | {head} |", "|---|" + "---|" * len(blocks)]
+    for m in methods:
+        cells = []
+        for _, _, run in blocks:
+            r = next((x for x in run["results"] if x["method"] == m), None)
+            if r is None:
+                cells.append("not run")
+                continue
+            rel = _relative(run, r)
+            verdict = ((r.get("vs_baseline") or {}).get("kl") or {}).get("verdict", "")
+            mark = {"better": " ✓", "worse": " ✗"}.get(verdict, "")
+            cells.append(f"{r['kl']:.4f}" + (f" ({rel[0]:+.1f} % [{rel[1]:+.1f}, {rel[2]:+.1f}]){mark}" if rel else ""))
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def summary_plot(out: dict[str, Any], path: Path) -> Path:
+    """ΔKL vs hadamard in % of its KL with 95 % CIs: one panel per G, one marker per text."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    blocks = _blocks(out)
+    groups = sorted({g for _, g, _ in blocks})
+    methods: list[str] = []
+    for _, _, run in blocks:
+        methods += [r["method"] for r in run["results"] if r.get("vs_baseline") and r["method"] not in methods
+                    and r["kind"] != "none"]
+    fig, axes = plt.subplots(1, len(groups), figsize=(5.2 * len(groups), 1.4 + 0.42 * len(methods)), sharey=True,
+                             squeeze=False)
+    styles = {"persuasion": ("o", "tab:blue", -0.13), "mobydick": ("s", "tab:orange", 0.13)}
+    for ax, g in zip(axes[0], groups):
+        for text, gg, run in blocks:
+            if gg != g:
+                continue
+            marker, color, dy = styles.get(text, ("^", "tab:green", 0.0))
+            first = True
+            for i, m in enumerate(methods):
+                r = next((x for x in run["results"] if x["method"] == m), None)
+                rel = _relative(run, r) if r is not None else None
+                if rel is None:
+                    continue
+                ax.errorbar([rel[0]], [i + dy], xerr=[[rel[0] - rel[1]], [rel[2] - rel[0]]], fmt=marker, color=color,
+                            capsize=3, label=text if first else None)
+                first = False
+        ax.axvline(0.0, color="black", linewidth=1)
+        ax.axvline(-30.0, color="gray", linewidth=1, linestyle="--")
+        ax.set_title(f"G = {g}")
+        ax.set_xlabel("ΔKL vs hadamard, % of hadamard's KL (95 % CI)")
+        ax.grid(axis="x", alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)
+    axes[0][0].set_yticks(range(len(methods)))
+    axes[0][0].set_yticklabels(methods)
+    axes[0][0].invert_yaxis()
+    fig.suptitle("SmolLM2-135M-Instruct, one 8,192-token window per text, 4 sign draws\n"
+                 "dashed: 30 % less KL than hadamard", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _ci(d: dict[str, Any] | None, scale: float = 1.0, digits: int = 4) -> str:
@@ -230,6 +358,14 @@ def timing(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.replot:
+        merged: dict[str, Any] = {"runs": []}
+        for f in args.replot:
+            merged["runs"] += json.loads(f.read_text())["runs"]
+        args.json_out = None
+        _write(args, merged)
+        print(summary(merged))
+        return 0
     if args.timing:
         out = timing(args)
         if args.json_out is not None:

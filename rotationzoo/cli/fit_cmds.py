@@ -37,11 +37,14 @@ from ._output import console, emit_json, print_note, progress_reporter
 if TYPE_CHECKING:  # pragma: no cover
     from ..fit import FitOutput, FitResult
 
-ObjectiveOpt = Annotated[str, typer.Option("--objective", click_type=choice(vocab.OBJECTIVES),
-                                           help="Covariance target(s); qqt_sst is OSCAR's, hadamard is data-free.")]
-CompositionOpt = Annotated[str, typer.Option(
+_OBJECTIVE_HELP = ("Covariance target(s): qqt_sst is OSCAR's (V1), hadamard is data-free; the authors' later recipes: "
+                   "cov_eig_hadamard_perhead (their V2 per-head fitter), oscar2_perhead and oscar2_center (OSCAR-2, "
+                   "per KV head; center writes k_mean).")
+ObjectiveOpt = Annotated[str, typer.Option("--objective", click_type=choice(vocab.OBJECTIVES), help=_OBJECTIVE_HELP)]
+CompositionOpt = Annotated[Optional[str], typer.Option(
     "--composition", click_type=choice(vocab.COMPOSITIONS),
-    help="Rotation composition: r_h_pbr = U·H·P_br (OSCAR); r_pbr_hg needs --group-size.")]
+    help="Rotation composition (default r_h_pbr = U·H·P_br, OSCAR's); r_pbr_hg needs --group-size. The "
+         "recipes fix their own (cov_eig_hadamard_perhead: U_desc·H; oscar2_*: r_h_pbr).")]
 GroupSizeOpt = Annotated[
     Optional[int], typer.Option("--group-size", "-g", help="Quantisation group size G for --composition r_pbr_hg, "
                                                   "and the INT2 group of --refine's loss (default there: head_dim).")
@@ -54,10 +57,16 @@ FormatOpt = Annotated[str, typer.Option("--format", click_type=choice(vocab.FILE
 MinTokensOpt = Annotated[Optional[int], typer.Option(
     "--min-tokens", min=1,
     help="Fewest tokens per layer to fit from (default 256); a layer with fewer is refused, its rotation would be noise.")]
-GroupingOpt = Annotated[str, typer.Option(
+GroupingOpt = Annotated[Optional[str], typer.Option(
     "--grouping", click_type=choice(vocab.GROUPINGS),
-    help="layer: one rotation per layer (the authors' files); kv_head: one per layer and KV head, each from "
-         "that head's own statistics (files [L, H_kv, d, d], named *-kv_head.pt; not with hadamard).")]
+    help="layer: one rotation per layer; kv_head: one per layer and KV head, each from that head's own statistics "
+         "(files [L, H_kv, d, d]). Default: kv_head for the recipes (layer there is the authors' --shared, files "
+         "*-shared.pt; cov_eig_hadamard_perhead has no shared form), layer otherwise (kv_head files *-kv_head.pt).")]
+CenterOpt = Annotated[Optional[str], typer.Option(
+    "--center", click_type=choice(vocab.CENTERS),
+    help="Centering before rotation: none; k (each KV head's mean key subtracted, written as k_mean; the default "
+         "of oscar2_center); kv (values too: v_mean, added back to the attention output; a rotationzoo extension "
+         "the authors' engine does not read). With qqt_sst / oscar2_center and --refine.")]
 
 
 def _parse_layers(text: Optional[str]) -> Optional[list[int]]:
@@ -97,13 +106,29 @@ def _min_tokens(min_tokens: Optional[int]) -> int:
 
 def _refine_from_dump(dump: Path, options: Any, group_size: Optional[int], keep_first_chunk: bool,
                       layer_ids: Optional[list[int]], workers: Optional[int], grouping: str,
-                      min_tokens: Optional[int]) -> "FitResult":
+                      min_tokens: Optional[int], center: Optional[str], tp_size: Optional[int]) -> "FitResult":
     from ..fit import open_dump, refine_dump
 
-    opened = open_dump(dump, keep_first_chunk=keep_first_chunk, layers=layer_ids)
+    opened = open_dump(dump, keep_first_chunk=keep_first_chunk, layers=layer_ids, tp_size=tp_size)
     with progress_reporter("refine") as progress:
         return refine_dump(opened, options, group_size=group_size, num_workers=workers, progress=progress,
-                           grouping=grouping, min_tokens=_min_tokens(min_tokens))  # type: ignore[arg-type]
+                           grouping=grouping, min_tokens=_min_tokens(min_tokens),  # type: ignore[arg-type]
+                           center=center)  # type: ignore[arg-type]
+
+
+def _check_recipe(objective: str, composition: Optional[str], grouping: Optional[str], center: Optional[str],
+                  refining: bool) -> None:
+    """Refuse objective / composition / grouping / center combinations before anything is read or loaded."""
+    from ..fit.recipes import resolve_center, resolve_composition, resolve_grouping
+    from ..fit.result import OBJECTIVE_TARGETS
+
+    resolve_grouping(objective, grouping)
+    if refining:
+        resolve_center("qqt_sst", center, ("qqt", "sst"))
+        return
+    resolve_center(objective, center, OBJECTIVE_TARGETS[objective])
+    if objective != "hadamard":
+        resolve_composition(objective, composition)
 
 
 def _report(result: "FitResult", out: "FitOutput", as_json: bool) -> None:
@@ -142,7 +167,7 @@ def fit_command(
         Optional[Path], typer.Option("--dump", help="Q/K/V dump folder (SGLang layout: layer_<L>/{q,k,v,seq_lens}/<chunk>.pt).")
     ] = None,
     objective: ObjectiveOpt = "qqt_sst",
-    composition: CompositionOpt = "r_h_pbr",
+    composition: CompositionOpt = None,
     group_size: GroupSizeOpt = None,
     keep_first_chunk: Annotated[
         bool, typer.Option("--keep-first-chunk", help="Also fit on chunk 0 (SGLang's warm-up batch; skipped by default).")
@@ -160,16 +185,21 @@ def fit_command(
     init: InitOpt = "hadamard",
     seed: SeedOpt = 0,
     sample_tokens: SampleTokensOpt = None,
-    grouping: GroupingOpt = "layer",
+    grouping: GroupingOpt = None,
     min_tokens: MinTokensOpt = None,
+    center: CenterOpt = None,
+    tp_size: Annotated[Optional[int], typer.Option(
+        "--tp-size", min=1, help="TP ranks a per-rank dump (layer_<L>/rank_<r>/) must have; default: "
+                                 "rotationzoo_dump.json's tp_size, else what every layer agrees on.")] = None,
     fmt: FormatOpt = "pt",
     as_json: JsonOpt = False,
 ) -> None:
     """Fit per-layer (or per-KV-head) K/V rotations from a Q/K/V dump, or write the Hadamard baseline.
 
     Streams every chunk once per pass in fp64 with the authors' exact normalisations, writes
-    k_rotation_<target>_<composition>.pt / v_rotation_<target>_<composition>.pt (validated) and
-    rotationzoo.json.
+    k_rotation_<objective>.pt / v_rotation_<objective>.pt (validated, each in the layout its content
+    needs: V1 per layer, V2 per KV head, V3 with k_mean / v_mean or an OSCAR-2 transform; every file with
+    a calibration record) and rotationzoo.json.
 
     Examples:
 
@@ -184,6 +214,24 @@ def fit_command(
       rotationzoo fit --dump qkv/ --out rot-refined/ --refine 200 --init oscar -g 64
 
       rotationzoo fit --dump qkv/ --out rot-kvhead/ --grouping kv_head
+
+      rotationzoo fit --dump qkv/ --out rot-v2/ --objective cov_eig_hadamard_perhead
+
+      rotationzoo fit --dump qkv/ --out rot-center/ --objective oscar2_center --center kv
+
+    cov_eig_hadamard_perhead is the authors' V2 fitter (rotation/fit_perhead_rotation.py): per KV head the raw
+    K^T K / n and V^T V / n, eigenvectors by descending eigenvalue times the normalised Hadamard, from the first
+    20 chunk files of each layer in lexicographic order, chunk 0 included; it writes a V2 pair. Where this
+    departs from their script: any power-of-two head_dim (theirs: 128 only), the dump's own layer ids (theirs:
+    0 ... --layers-1, no hybrid models), fp64 sums and eigh (theirs: fp32; same matrix, fewer rounding
+    errors), canonical eigenvector signs unless --signs lapack, and refusal of NaN, too few tokens or a
+    rank-deficient head. oscar2_perhead / oscar2_center are their OSCAR-2 fitter's orthogonal variants
+    (rotation/tools/fit_oscar2_variants.py), fitted from a dump instead of startup-calibration moments
+    (V3 files; --grouping layer is their --shared).
+
+    A per-rank dump (layer_<L>/rank_<r>/{q,k,v}/<chunk>.pt) is merged along the head axis in rank order;
+    KV heads several ranks hold must be bit-identical and are kept once. A rank missing, fewer than
+    --min-tokens tokens per layer or a layer with no chunks is refused with one line.
 
     With --grouping kv_head every KV head gets its own rotation (from its own covariance, or
     refined on its own held-out loss with --refine); the files hold [layers, KV heads, d, d] and
@@ -200,7 +248,7 @@ def fit_command(
     values, or a zero or rank-deficient covariance are refused with one line (docs/security.md).
     """
     from ..errors import CLIError
-    from ..fit import fit_rotations, write_fitted
+    from ..fit import fit_rotations, open_dump, write_fitted
 
     if dump is None and objective != "hadamard":
         raise CLIError("--dump DIR is required (only --objective hadamard works without a dump)")
@@ -208,13 +256,18 @@ def fit_command(
     if refine is not None:
         if dump is None:
             raise CLIError("--refine needs --dump DIR (the calibration samples)")
+        _check_recipe("qqt_sst", None, grouping, center, True)
         result = _refine_from_dump(dump, _refine_options(refine, init, seed, sample_tokens), group_size,
-                                   keep_first_chunk, layer_ids, workers, grouping, min_tokens)
+                                   keep_first_chunk, layer_ids, workers, grouping or "layer", min_tokens, center,
+                                   tp_size)
         _report(result, write_fitted(result, out, model=model, tag=tag, fmt=fmt), as_json)
         return
+    _check_recipe(objective, composition, grouping, center, False)  # before the dump is opened
+    source = None if dump is None else open_dump(dump, keep_first_chunk=keep_first_chunk, layers=layer_ids,
+                                                 tp_size=tp_size)
     with progress_reporter("fit", enabled=dump is not None and objective != "hadamard") as progress:
         result = fit_rotations(
-            dump,
+            source,
             objective,
             composition,
             group_size=group_size,
@@ -227,6 +280,7 @@ def fit_command(
             head_dim=head_dim,
             grouping=grouping,  # type: ignore[arg-type]
             min_tokens=_min_tokens(min_tokens),
+            center=center,  # type: ignore[arg-type]
         )
     written = write_fitted(result, out, model=model, tag=tag, fmt=fmt)
     _report(result, written, as_json)
@@ -246,7 +300,7 @@ def calibrate_command(
     objective: Annotated[str, typer.Option(
         "--objective", click_type=choice(tuple(o for o in vocab.OBJECTIVES if o != "hadamard")),
         help="Covariance target(s); qqt_sst is OSCAR's.")] = "qqt_sst",
-    composition: CompositionOpt = "r_h_pbr",
+    composition: CompositionOpt = None,
     group_size: GroupSizeOpt = None,
     seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per calibration sequence.")] = 2048,
     dtype: Annotated[str, typer.Option("--dtype", help="Model dtype: auto, bfloat16, float16 or float32.")] = "auto",
@@ -261,8 +315,12 @@ def calibrate_command(
     init: InitOpt = "hadamard",
     seed: SeedOpt = 0,
     sample_tokens: SampleTokensOpt = None,
-    grouping: GroupingOpt = "layer",
+    grouping: GroupingOpt = None,
     min_tokens: MinTokensOpt = None,
+    center: CenterOpt = None,
+    model_revision: Annotated[Optional[str], typer.Option(
+        "--model-revision", help="The model's revision, recorded in the files' calibration record (default: the "
+                                 "commit of a Hugging Face cache snapshot the model lies in, if any).")] = None,
     fmt: FormatOpt = "pt",
     as_json: JsonOpt = False,
 ) -> None:
@@ -282,14 +340,20 @@ def calibrate_command(
 
       rotationzoo calibrate --model ./Qwen3-8B --text calib.txt --tokens 20000 --out rot-kvhead/ --grouping kv_head
 
+      rotationzoo calibrate --model ./Qwen3-8B --text calib.txt --tokens 20000 --out rot-c/ --objective oscar2_center
+
     --refine learns the rotations as `rotationzoo fit --refine` does, on samples kept during the capture.
+    Every file records its calibration: prompt_sha256 (of the token windows run, the authors'
+    definition), text_sha256, tokens, the model's revision (and a .gguf file's sha256).
     """
     from ..fit import write_fitted
     from ..fit.fitter import check_token_budget
     from ..integrations.transformers import calibrate, check_text_files, load_model
+    from ..integrations.transformers.loading import model_provenance
 
     options = _refine_options(refine, init, seed, sample_tokens) if refine is not None else None
     check_token_budget(tokens, _min_tokens(min_tokens))  # before the model loads
+    _check_recipe(objective, composition, grouping, center, refine is not None)
     texts = check_text_files(text, what="calibration text", option="--text")  # before the model is loaded
     print_note(f"loading {model} ({dtype}, {device})")
     lm, tokenizer = load_model(model, dtype=dtype, device=device)
@@ -299,7 +363,8 @@ def calibrate_command(
             lm, tokenizer, texts, tokens=tokens, seq_len=seq_len, objective=objective, composition=composition,
             group_size=group_size, dump_out=dump_out, overwrite_dump=overwrite_dump, signs=signs,
             model_id=mid, progress=progress, refine=options, grouping=grouping,  # type: ignore[arg-type]
-            min_tokens=_min_tokens(min_tokens),
+            min_tokens=_min_tokens(min_tokens), center=center,  # type: ignore[arg-type]
+            provenance=model_provenance(lm, model, model_revision),
         )
     written = write_fitted(result, out, model=mid, tag=tag, fmt=fmt)
     _report(result, written, as_json)

@@ -12,8 +12,9 @@ Quick use::
 Modules: :mod:`~.accumulate` (streaming fp64 covariances), :mod:`~.compose` (eigendecomposition and
 the authors' compositions), :mod:`~.dump` (the SGLang Q/K/V dump layout; :mod:`~.dump_schema`, what a
 dump may hold, checked before it is read; :mod:`~.dump_writer`), :mod:`~.stream` (a dump through the
-accumulators), :mod:`~.fitter`
-(:func:`fit_rotations`), :mod:`~.result` (:class:`FitResult`), :mod:`~.output` (files and manifest);
+accumulators), :mod:`~.dump_ranks` (per-TP-rank dumps), :mod:`~.fitter` (:func:`fit_rotations`),
+:mod:`~.recipes` (the authors' V2 and OSCAR-2 recipes, centering), :mod:`~.sets` (statistics to rotation
+sets), :mod:`~.result` (:class:`FitResult`), :mod:`~.output` (files and manifest);
 learned rotations: :mod:`~.samples` (calibration blocks), :mod:`~.refine` (the optimizer),
 :mod:`~.refine_loss`, :mod:`~.ste` (the INT2 loss) and :mod:`~.refine_fit` (:func:`refine_fit`).
 The math, normalisations and compositions are those of the authors' fitter
@@ -29,6 +30,7 @@ from .dump import Dump, DumpPlan, DumpShape, DumpWriter, open_dump, write_dump
 from .dump_schema import DumpLimits
 from .fitter import DEFAULT_MIN_TOKENS, fit_rotations
 from .output import MANIFEST_NAME, FitOutput, build_manifest, output_file_names, write_fitted
+from .recipes import RECIPES, V2_MAX_CHUNKS
 from .refine_fit import RefineOptions, refine_dump, refine_fit, samples_from_dump
 from .result import OBJECTIVE_TARGETS, FitResult, FitStats
 
@@ -39,6 +41,8 @@ __all__ = [
     "MANIFEST_NAME",
     "OBJECTIVES",
     "OBJECTIVE_TARGETS",
+    "RECIPES",
+    "V2_MAX_CHUNKS",
     "RefineOptions",
     "TARGETS",
     "Dump",

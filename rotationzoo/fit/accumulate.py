@@ -143,6 +143,10 @@ class LayerAccumulator:
         self.vgram = zeros(*self_shape) if "vtv" in self.targets else None
         self.wsum = zeros(hkv) if "sst" in self.targets else None  # Σ_t w_{t,h}
         self.vwgram = zeros(hkv, d, d) if "sst" in self.targets else None  # Σ_t w v vᵀ
+        # first moments, for centering: Σ_t k_t, Σ_t v_t per KV head wherever keys / values are read
+        # (pass 1 for ktk / vtv, else pass 2 for sst), and Σ_t w_t v_t for the centered sst target
+        self.ksum, self.vsum = zeros(hkv, d), zeros(hkv, d)
+        self.wvsum = zeros(hkv, d) if "sst" in self.targets else None
         self._a: torch.Tensor | None = None
 
     # -- helpers ----------------------------------------------------------------------------------
@@ -207,16 +211,19 @@ class LayerAccumulator:
 
     def _add_flat(self, x: torch.Tensor, gram: torch.Tensor, name: str) -> None:
         n, heads, d = x.shape
+        total = self.ksum if name == "k" else self.vsum
         for sl in self._slices(n, heads * d * 8):
             m = sl.stop - sl.start
             if self.per_head:  # buf[h, t] = x[t, h]
                 buf = self.ws.get(name, (heads, m, d))
                 buf.copy_(x[sl].to(self.device, non_blocking=True).permute(1, 0, 2))
                 self._grams_into(gram, buf)
+                total.add_(buf.sum(dim=1))
                 continue
             buf = self.ws.get(name, (1, m * heads, d))
             buf.copy_(x[sl].to(self.device, non_blocking=True).reshape(1, m * heads, d))
             self._grams_into(gram.unsqueeze(0), buf)
+            total.add_(buf.view(m, heads, d).sum(dim=0))
 
     def add_k(self, k: torch.Tensor) -> None:
         """Accumulate a key chunk ``k [n, H_kv, d]`` for ``ktk``."""
@@ -274,8 +281,14 @@ class LayerAccumulator:
             ka.mul_(kb)
             w = ka.sum(dim=-1)  # [H_kv, n]: k_tᵀ A_h k_t  (≥ 0 up to rounding)
             self.wsum += w.sum(dim=-1)  # type: ignore[operator]
+            if self.kgram is None:  # keys not read in pass 1: their sum comes from here
+                self.ksum.add_(kb.sum(dim=1))
+            if self.vgram is None:
+                self.vsum.add_(vb.sum(dim=1))
             # √w of a PSD form; clamp the rare −1e-17 rounding to 0 instead of producing NaN
-            vb.mul_(w.clamp_(min=0).sqrt_().unsqueeze(-1))
+            w.clamp_(min=0)
+            self.wvsum.add_(torch.bmm(w.unsqueeze(1), vb).squeeze(1))  # type: ignore[union-attr]  # Σ w v
+            vb.mul_(w.sqrt_().unsqueeze(-1))
             self._grams_into(self.vwgram, vb)  # type: ignore[arg-type]
         self.tokens_second_pass += n
 
@@ -292,9 +305,12 @@ class LayerAccumulator:
         return bool(torch.isfinite(total))
 
     # -- results ----------------------------------------------------------------------------------
-    def covariance(self, target: str, *, per_head: bool = False) -> torch.Tensor:
+    def covariance(self, target: str, *, per_head: bool = False, mean: torch.Tensor | None = None) -> torch.Tensor:
         """The finished target, fp64 ``[d, d]``, or ``[H_kv, d, d]`` (one per KV head) with
         ``per_head`` (not yet symmetrised).
+
+        ``mean`` (``sst`` only; ``[H_kv, d]`` or ``[d]``) gives the target of the centered values
+        ``v − μ`` that a value-centered file stores: ``Σ w (v−μ)(v−μ)ᵀ / Σ w``.
 
         Raises:
             FitError: the target was not requested, no tokens were seen, pass 2 saw a different
@@ -302,6 +318,8 @@ class LayerAccumulator:
         """
         if target not in self.targets:
             raise FitError(f"layer {self.layer_id}: target {target!r} was not accumulated (have {self.targets})")
+        if mean is not None and target != "sst":
+            raise FitError(f"layer {self.layer_id}: only the sst target has a centered form, not {target!r}")
         t = self.num_tokens
         if t == 0:
             raise FitError(f"layer {self.layer_id}: no tokens were accumulated")
@@ -319,7 +337,27 @@ class LayerAccumulator:
         tq = float(self.tokens["q"])
         scale = tq / self.wsum.clamp(min=1e-12)  # type: ignore[union-attr]  # w ← w·T/max(Σw, 1e-12)
         heads = _mirror_blocks(self.vwgram) * scale.view(-1, 1, 1) / tq  # type: ignore[arg-type]
+        if mean is not None:  # Σw(v−μ)(v−μ)ᵀ/Σw = C − (m μᵀ + μ mᵀ) + μμᵀ, m = Σ w v / Σ w
+            mu = mean.to(heads).expand(self.num_kv_heads, self.head_dim)
+            assert self.wvsum is not None and self.wsum is not None
+            m = self.wvsum / self.wsum.clamp(min=1e-12).view(-1, 1)
+            cross = m[:, :, None] * mu[:, None, :]
+            heads = heads - cross - cross.transpose(-1, -2) + mu[:, :, None] * mu[:, None, :]
         return heads if per_head else heads.mean(dim=0)
+
+    def mean(self, kind: str) -> torch.Tensor:
+        """``μ_h``, the mean key (``kind="k"``) or value (``"v"``) of every KV head, fp64 ``[H_kv, d]``.
+
+        Raises:
+            FitError: the keys / values were not read (``qqt`` alone reads no keys, ``ktk`` no values).
+        """
+        read_pass1 = (self.kgram if kind == "k" else self.vgram) is not None
+        count = self.tokens[kind] if read_pass1 else (self.tokens_second_pass if self.needs_second_pass else 0)
+        if count == 0:
+            what = "keys" if kind == "k" else "values"
+            raise FitError(f"layer {self.layer_id}: no {what} were read for targets {self.targets}; centering needs "
+                           "them (use the qqt_sst / oscar2 objectives)")
+        return (self.ksum if kind == "k" else self.vsum) / count
 
     def _self_covariance(self, target: str, per_head: bool) -> torch.Tensor:
         """ktk / vtv: ``X_flatᵀX_flat / (T·H_kv)``, or ``X_hᵀX_h / T`` per head."""

@@ -37,7 +37,9 @@ from .dump_schema import (
     ChunkMeta,
     DumpLimits,
     check_regular,
+    chunk_file_id,
     file_ident,
+    layer_folder_id,
     inspect_chunk,
     load_chunk,
     parse_index,
@@ -46,6 +48,8 @@ from .dump_schema import (
     resolve_inside,
     scan_dir,
 )
+from .dump_ranks import (MergedMeta, check_rank_counts, merge, merged_meta, rank_folders, refuse_rank_listing,
+                         replication)
 from .dump_writer import DumpWriter, write_dump  # noqa: F401  (the writer, re-exported)
 
 _SLACK_ENTRIES = 1024  # entries of a dump folder besides its layers or chunks (notes, rotations/, ...)
@@ -101,10 +105,17 @@ class Dump:
             authors' fitter does).
         layers: only these layer ids (default: every ``layer_<L>`` folder).
         limits: the bounds the dump must respect (default :class:`DumpLimits`).
+        tp_size: the number of tensor-parallel ranks a per-rank dump (``layer_<L>/rank_<r>/…``, see
+            :mod:`.dump_ranks`) must have (default: ``tp_size`` of ``rotationzoo_dump.json`` when
+            present, else whatever every layer agrees on).
+
+    Attributes:
+        tp_size: the rank count of a per-rank dump, ``None`` for whole layers.
 
     Raises:
         DumpError: the folder does not exist, holds no ``layer_<L>`` folders, lacks a requested layer,
-            holds more than ``limits.max_layers`` of them, or a layer folder resolves outside it.
+            holds more than ``limits.max_layers`` of them, a layer folder resolves outside it, or a
+            per-rank dump lacks a rank.
     """
 
     def __init__(
@@ -114,8 +125,12 @@ class Dump:
         keep_first_chunk: bool = False,
         layers: Iterable[int] | None = None,
         limits: DumpLimits | None = None,
+        tp_size: int | None = None,
     ) -> None:
         self.root = Path(root)
+        if tp_size is not None and (type(tp_size) is not int or tp_size < 1):
+            raise DumpError(f"tp_size must be a positive integer (tensor-parallel ranks), got {tp_size!r:.40}")
+        self._tp_arg = tp_size
         self.keep_first_chunk = bool(keep_first_chunk)
         if limits is not None and not isinstance(limits, DumpLimits):
             raise DumpError(f"limits must be a DumpLimits, got {type(limits).__name__}")
@@ -127,7 +142,7 @@ class Dump:
         self._root_real = os.path.realpath(self.root)
         found: dict[int, tuple[Path, str]] = {}
         for name in scan_dir(self.root, self._root_real, 4 * self.limits.max_layers + _SLACK_ENTRIES):
-            lid = _layer_id(self.root, name)
+            lid = layer_folder_id(self.root, name)
             if lid is None:
                 continue
             child = self.root / name
@@ -158,39 +173,62 @@ class Dump:
         self._layer_dirs = {lid: p for lid, (p, _) in self._layers.items()}
         self.layer_ids: tuple[int, ...] = tuple(self._layers)
         self._chunk_cache: dict[tuple[int, str], tuple[int, ...] | None] = {}
-        self._reals: dict[tuple[int, str, int], str] = {}
-        self._metas: dict[tuple[int, str, int], ChunkMeta] = {}
+        self._reals: dict[tuple[int, str, int, int], str] = {}
+        self._metas: dict[tuple[int, str, int], ChunkMeta | MergedMeta] = {}
         self._seq_lens: dict[tuple[int, int], list[int]] = {}
         self._plans: dict[tuple[str, ...], DumpPlan] = {}
         self._info: dict[str, Any] | None = None
+        ranks = {lid: rank_folders(p, real, self._root_real, self.limits) for lid, (p, real) in self._layers.items()}
+        self.tp_size = check_rank_counts(self.root, ranks, tp_size if tp_size is not None else self.info().get("tp_size"))
+        #: the folders holding q/ k/ v/ of each layer: the layer itself, or its rank folders in rank order
+        self._shards = {lid: f if f is not None else (self._layer_dirs[lid],) for lid, f in ranks.items()}
+        self._reps: dict[int, int] = {}
 
     def __repr__(self) -> str:
-        return f"Dump({str(self.root)!r}, layers={_fmt_ids(list(self.layer_ids))}, keep_first_chunk={self.keep_first_chunk})"
+        ranks = f", tp_size={self.tp_size}" if self.tp_size else ""
+        return (f"Dump({str(self.root)!r}, layers={_fmt_ids(list(self.layer_ids))}, "
+                f"keep_first_chunk={self.keep_first_chunk}{ranks})")
+
+    def reopen(self, *, keep_first_chunk: bool | None = None, layers: Iterable[int] | None = None) -> "Dump":
+        """The same dump with another chunk-0 rule or layer selection (limits and ``tp_size`` kept)."""
+        return Dump(self.root, keep_first_chunk=self.keep_first_chunk if keep_first_chunk is None else keep_first_chunk,
+                    layers=layers, limits=self.limits, tp_size=self._tp_arg)
 
     # -- structure --------------------------------------------------------------------------------
     def _listing(self, layer_id: int, kind: str) -> tuple[int, ...] | None:
-        """Chunk ids of ``layer_<L>/<kind>/`` (``None`` when the folder does not exist), each file checked."""
+        """Chunk ids of ``layer_<L>/<kind>/`` (``None`` when the folder does not exist), each file checked;
+        of a per-rank layer, the chunks every rank's ``<kind>/`` holds (they must agree; ``seq_lens`` of rank 0)."""
         key = (layer_id, kind)
         if key not in self._chunk_cache:
-            folder = self._layer_dirs[layer_id] / kind
-            real = resolve_inside(folder, self._root_real, f"{kind}/ folder")
-            if not os.path.isdir(real):
-                self._chunk_cache[key] = None
-                return None
-            ids: list[int] = []
-            for name in scan_dir(folder, real, self.limits.max_chunks + _SLACK_ENTRIES):
-                chunk = _chunk_id(folder, name)
-                if chunk is None:
-                    continue
-                if len(ids) >= self.limits.max_chunks:
-                    raise DumpError(f"{folder}: more than max_chunks={self.limits.max_chunks} chunk files (DumpLimits)")
-                path = folder / name
-                file_real = resolve_inside(path, self._root_real, "chunk file")
-                check_regular(path, file_real)
-                self._reals[(layer_id, kind, chunk)] = file_real
-                ids.append(chunk)
-            self._chunk_cache[key] = tuple(sorted(ids))
+            shards = self._shards[layer_id] if kind in KINDS else self._shards[layer_id][:1]
+            listed = [self._shard_listing(layer_id, kind, i, base) for i, base in enumerate(shards)]
+            for i, ids in enumerate(listed[1:], start=1):
+                if ids != listed[0]:
+                    refuse_rank_listing(self._shards[layer_id][i] / kind, kind, i, listed[0], ids)
+            self._chunk_cache[key] = listed[0]
         return self._chunk_cache[key]
+
+    def _shard_listing(self, layer_id: int, kind: str, shard: int, base: Path) -> tuple[int, ...] | None:
+        folder = base / kind
+        real = resolve_inside(folder, self._root_real, f"{kind}/ folder")
+        if not os.path.isdir(real):
+            return None
+        ids: list[int] = []
+        for name in scan_dir(folder, real, self.limits.max_chunks + _SLACK_ENTRIES):
+            chunk = chunk_file_id(folder, name)
+            if chunk is None:
+                continue
+            if len(ids) >= self.limits.max_chunks:
+                raise DumpError(f"{folder}: more than max_chunks={self.limits.max_chunks} chunk files (DumpLimits)")
+            path = folder / name
+            file_real = resolve_inside(path, self._root_real, "chunk file")
+            check_regular(path, file_real)
+            self._reals[(layer_id, kind, chunk, shard)] = file_real
+            ids.append(chunk)
+        return tuple(sorted(ids))
+
+    def _file(self, layer_id: int, kind: str, chunk_id: int, shard: int = 0) -> Path:
+        return self._shards[layer_id][shard] / kind / f"{chunk_id}.pt"
 
     def _all_chunks(self, layer_id: int, kind: str) -> tuple[int, ...]:
         ids = self._listing(layer_id, kind)
@@ -236,33 +274,63 @@ class Dump:
         return used
 
     def path(self, layer_id: int, kind: str, chunk_id: int) -> Path:
-        """``<root>/layer_<L>/<kind>/<chunk>.pt``."""
+        """``<root>/layer_<L>/<kind>/<chunk>.pt`` (``<root>/layer_<L>/rank_*/<kind>/<chunk>.pt`` per rank)."""
+        if len(self._shards[layer_id]) > 1:
+            return self._layer_dirs[layer_id] / "rank_*" / kind / f"{chunk_id}.pt"
         return self._layer_dirs[layer_id] / kind / f"{chunk_id}.pt"
 
     # -- reading ----------------------------------------------------------------------------------
-    def meta(self, layer_id: int, kind: str, chunk_id: int) -> ChunkMeta:
+    def meta(self, layer_id: int, kind: str, chunk_id: int) -> ChunkMeta | MergedMeta:
         """What a chunk file holds, from its inspected archive (nothing is loaded; cached while the
-        file is unchanged).
+        file is unchanged); for a per-rank layer, every rank's shard and the merged shape.
 
         Raises:
-            DumpError: no such chunk, or a file refused by the checks of :mod:`.dump_schema`.
+            DumpError: no such chunk, a file refused by the checks of :mod:`.dump_schema`, or shards
+                that do not fit together.
         """
         if chunk_id not in self._all_chunks(layer_id, kind):
             raise DumpError(f"{self.path(layer_id, kind, chunk_id)}: no such chunk")
         key = (layer_id, kind, chunk_id)
         meta = self._metas.get(key)
-        if meta is None or file_ident(meta.real) != meta.ident:
-            meta = self._metas[key] = inspect_chunk(self.path(*key), self._reals[key], kind, self.limits)
+        if meta is None or not _fresh(meta):
+            parts = [self._shard_meta(layer_id, kind, chunk_id, i) for i in range(len(self._shards[layer_id]))]
+            if len(parts) == 1:
+                meta = parts[0]
+            else:
+                rep = self._replication(layer_id) if kind in ("k", "v") else 1
+                meta = merged_meta(self.path(*key), parts, kind, rep)
+            self._metas[key] = meta
         return meta
 
+    def _shard_meta(self, layer_id: int, kind: str, chunk_id: int, shard: int) -> ChunkMeta:
+        return inspect_chunk(self._file(layer_id, kind, chunk_id, shard), self._reals[(layer_id, kind, chunk_id, shard)],
+                             kind, self.limits)
+
+    def _replication(self, layer_id: int) -> int:
+        """Ranks per replicated KV head of a per-rank layer, from its first K (else V) chunk's shards."""
+        if layer_id not in self._reps:
+            kind = "k" if self._listing(layer_id, "k") else "v"
+            chunks = self._all_chunks(layer_id, kind)
+            if not chunks:
+                return 1  # an empty layer, refused by chunk_ids
+            chunk = chunks[0]
+            shards = [load_chunk(self._shard_meta(layer_id, kind, chunk, i)) for i in range(len(self._shards[layer_id]))]
+            self._reps[layer_id] = replication(shards, self.path(layer_id, kind, chunk))
+        return self._reps[layer_id]
+
     def load(self, layer_id: int, kind: str, chunk_id: int) -> torch.Tensor:
-        """One activation chunk, ``[n, H, d]`` in its stored dtype (CPU, memory-mapped).
+        """One activation chunk, ``[n, H, d]`` in its stored dtype (CPU, memory-mapped; merged over the
+        ranks of a per-rank layer, replicated KV heads checked to be identical and kept once).
 
         Raises:
             DumpError: a file refused by the checks of :mod:`.dump_schema` (not a tensor, not 3-D
-                floating point, beyond :class:`DumpLimits`, ...), or one that changed since.
+                floating point, beyond :class:`DumpLimits`, ...), one that changed since, or replicas
+                that differ between ranks.
         """
-        return load_chunk(self.meta(layer_id, kind, chunk_id))
+        meta = self.meta(layer_id, kind, chunk_id)
+        if isinstance(meta, ChunkMeta):
+            return load_chunk(meta)
+        return merge(meta, [load_chunk(m) for m in meta.parts], kind, chunk_id)
 
     def _rows(self, layer_id: int, chunk_id: int) -> int:
         for kind in ("k", "v", "q"):
@@ -283,8 +351,8 @@ class Dump:
             if ids is None or chunk_id not in ids:
                 return None
             rows = self._rows(layer_id, chunk_id)
-            real = self._reals[(layer_id, "seq_lens", chunk_id)]
-            self._seq_lens[key] = read_seq_lens(self.path(layer_id, "seq_lens", chunk_id), real, rows, self.limits)
+            real = self._reals[(layer_id, "seq_lens", chunk_id, 0)]
+            self._seq_lens[key] = read_seq_lens(self._file(layer_id, "seq_lens", chunk_id), real, rows, self.limits)
         return list(self._seq_lens[key])
 
     def prompt_count(self) -> int | None:
@@ -365,7 +433,7 @@ class Dump:
         return DumpPlan(kinds=kinds, shape=result, chunks=chunks, tokens=tokens, bytes=nbytes)
 
     def _plan_chunk(self, layer: int, chunk: int, kinds: tuple[str, ...]
-                    ) -> tuple[DumpShape, int, int, dict[str, ChunkMeta]]:
+                    ) -> tuple[DumpShape, int, int, dict[str, ChunkMeta | MergedMeta]]:
         metas = {kind: self.meta(layer, kind, chunk) for kind in kinds}
         dims = {kind: m.shape[2] for kind, m in metas.items()}
         if len(set(dims.values())) != 1:
@@ -397,32 +465,15 @@ class Dump:
 
 def open_dump(
     root: str | os.PathLike[str], *, keep_first_chunk: bool = False, layers: Iterable[int] | None = None,
-    limits: DumpLimits | None = None,
+    limits: DumpLimits | None = None, tp_size: int | None = None,
 ) -> Dump:
-    """Open a dump folder; see :class:`Dump`."""
-    return Dump(root, keep_first_chunk=keep_first_chunk, layers=layers, limits=limits)
+    """Open a dump folder (whole layers, or one folder per TP rank); see :class:`Dump`."""
+    return Dump(root, keep_first_chunk=keep_first_chunk, layers=layers, limits=limits, tp_size=tp_size)
 
 
-def _layer_id(root: Path, name: str) -> int | None:
-    """The id of a ``layer_<L>`` folder name; ``None`` for other names; refused when not canonical."""
-    if not name.startswith("layer_"):
-        return None
-    lid = parse_index(name[6:])
-    if lid is None and name[6:].isdigit():
-        raise DumpError(f"{root / name}: not a canonical layer folder name (expected layer_<L>, L in ASCII "
-                        "digits without leading zeros, below 10**9)")
-    return lid
-
-
-def _chunk_id(folder: Path, name: str) -> int | None:
-    """The id of a ``<chunk>.pt`` file name; ``None`` for other names; refused when not canonical."""
-    if not name.endswith(".pt"):
-        return None
-    chunk = parse_index(name[:-3])
-    if chunk is None and name[:-3].isdigit():
-        raise DumpError(f"{folder / name}: not a canonical chunk file name (expected <chunk>.pt, chunk in ASCII "
-                        "digits without leading zeros, below 10**9)")
-    return chunk
+def _fresh(meta: ChunkMeta | MergedMeta) -> bool:
+    parts = meta.parts if isinstance(meta, MergedMeta) else (meta,)
+    return all(file_ident(p.real) == p.ident for p in parts)
 
 
 def _heads(s: DumpShape) -> tuple[int | None, int, int]:

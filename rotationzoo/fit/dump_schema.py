@@ -147,6 +147,28 @@ def parse_index(text: str) -> int | None:
     return int(text)
 
 
+def layer_folder_id(root: Path, name: str) -> int | None:
+    """The id of a ``layer_<L>`` folder name; ``None`` for other names; refused when not canonical."""
+    if not name.startswith("layer_"):
+        return None
+    lid = parse_index(name[6:])
+    if lid is None and name[6:].isdigit():
+        raise DumpError(f"{root / name}: not a canonical layer folder name (expected layer_<L>, L in ASCII "
+                        "digits without leading zeros, below 10**9)")
+    return lid
+
+
+def chunk_file_id(folder: Path, name: str) -> int | None:
+    """The id of a ``<chunk>.pt`` file name; ``None`` for other names; refused when not canonical."""
+    if not name.endswith(".pt"):
+        return None
+    chunk = parse_index(name[:-3])
+    if chunk is None and name[:-3].isdigit():
+        raise DumpError(f"{folder / name}: not a canonical chunk file name (expected <chunk>.pt, chunk in ASCII "
+                        "digits without leading zeros, below 10**9)")
+    return chunk
+
+
 def resolve_inside(path: Path, root_real: str, what: str) -> str:
     """Where ``path`` resolves, refused unless it lies inside the dump folder ``root_real``."""
     real = os.path.realpath(path)
@@ -364,8 +386,8 @@ def read_seq_lens(path: Path, real: str, rows: int, limits: DumpLimits) -> list[
 
 
 def read_info(path: Path, root_real: str, limits: DumpLimits) -> dict[str, Any]:
-    """``rotationzoo_dump.json``: a JSON object of bounded size; ``model`` a string, ``prompts`` and
-    ``tokens`` non-negative integers when present."""
+    """``rotationzoo_dump.json``: a JSON object of bounded size; ``model`` a string, ``prompts``,
+    ``tokens`` and ``tp_size`` non-negative integers when present."""
     real = resolve_inside(path, root_real, "the dump's metadata file")
     f, st = open_regular(path, real)
     with f:
@@ -385,7 +407,7 @@ def read_info(path: Path, root_real: str, limits: DumpLimits) -> dict[str, Any]:
                               or any(not c.isprintable() for c in model)):
         raise DumpError(f"{path}: 'model' must be a printable string of at most {_MAX_TEXT} characters, "
                         f"got {safe_repr(model)}")
-    for key in ("prompts", "tokens"):
+    for key in ("prompts", "tokens", "tp_size"):
         value = data.get(key)
         if value is not None and (type(value) is not int or not 0 <= value < BIG_INT):
             raise DumpError(f"{path}: {key!r} must be a non-negative integer, got {safe_repr(value)}")

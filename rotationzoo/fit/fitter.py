@@ -17,26 +17,25 @@ import torch
 from ..errors import DumpError, FitError
 from ..format import MAX_BYTES, MAX_HEAD_DIM, MAX_LAYERS, RotationSet
 from ..progress import Progress, Tally
-from ..validation import validate
-from ..vocab import GROUPINGS, Grouping, SignConvention
+from ..vocab import Center, Grouping, SignConvention
 from .accumulate import LayerAccumulator, kinds_for, statistics_bytes
-from .compose import check_composition, check_head_dim, composition_label, hadamard_rotations, rotation_from_covariance
+from .compose import check_composition, check_head_dim, hadamard_rotations
 from .dump import Dump, DumpPlan, DumpShape, open_dump
 from .dump_schema import MIN_HEAD_DIM
-from .stream import accumulate_dump_layer, layer_reads, thread_workspace
+from .recipes import (V2_COMPOSITION, V2_MAX_CHUNKS, V2_OBJECTIVE, resolve_center, resolve_composition,
+                      resolve_grouping, v2_chunks)
 from .result import OBJECTIVE_TARGETS, FitResult, FitStats, peak_rss_bytes
-from .stream import accumulate_dump_layer, thread_workspace
+from .sets import build_sets, fitted_means
+from .stream import accumulate_dump_layer, layer_reads, thread_workspace
 
+#: Provenance a dump's ``rotationzoo_dump.json`` may carry into the files' ``calibration`` record.
+PROVENANCE_KEYS = ("prompt_sha256", "text_sha256", "model_revision", "model_sha256")
 #: Upper bound of the default number of concurrent layers (each holds one fp64 workspace).
 MAX_DEFAULT_WORKERS = 8
 #: Fewest tokens per layer a rotation is fitted from (``min_tokens``, ``--min-tokens``): one
 #: calibration block of the learned refinement, twice the published head_dim. The published
 #: rotations were fitted from 10,000 to 150,000 tokens per layer; below this the fit is noise.
 DEFAULT_MIN_TOKENS = 256
-#: A covariance whose smallest eigenvalue is at most this fraction of its largest is rank-deficient:
-#: the directions it does not see would be rotated arbitrarily. fp64 rounding leaves a missing
-#: direction near 1e-16 of the largest; real activations stay far above 1e-10.
-RANK_RTOL = 1e-10
 
 
 def _parse_objective(objective: str) -> tuple[str | None, str | None]:
@@ -45,13 +44,14 @@ def _parse_objective(objective: str) -> tuple[str | None, str | None]:
     return OBJECTIVE_TARGETS[objective]
 
 
-def _as_dump(source: Any, keep_first_chunk: bool, layers: Iterable[int] | None) -> Dump:
-    """Open a dump path; an opened :class:`Dump` keeps its own chunk-0 rule and limits (``layers`` still applies)."""
+def _as_dump(source: Any, keep_first_chunk: bool, layers: Iterable[int] | None, *, force_first: bool = False) -> Dump:
+    """Open a dump path; an opened :class:`Dump` keeps its own chunk-0 rule, limits and ``tp_size``
+    (``layers`` still applies; ``force_first`` keeps chunk 0, as the V2 recipe reads it)."""
     if isinstance(source, Dump):
-        if layers is None:
+        if layers is None and (source.keep_first_chunk or not force_first):
             return source
-        return open_dump(source.root, keep_first_chunk=source.keep_first_chunk, layers=layers, limits=source.limits)
-    return open_dump(source, keep_first_chunk=keep_first_chunk, layers=layers)
+        return source.reopen(keep_first_chunk=source.keep_first_chunk or force_first, layers=layers)
+    return open_dump(source, keep_first_chunk=keep_first_chunk or force_first, layers=layers)
 
 
 def check_min_tokens(min_tokens: Any) -> int:
@@ -97,6 +97,9 @@ def _check_output(n_layers: int, d: int, heads: int = 1) -> None:
 def _check_fit_shape(n_layers: int, d: int, heads: int, composition: str, group_size: int | None) -> None:
     """What the composition and the rotation files need of the shape, checked before any data is read."""
     _check_output(n_layers, d, heads)
+    if composition == V2_COMPOSITION:  # U_desc·H_d: any power-of-two head_dim (the authors' script: 128 only)
+        check_head_dim("r_h", d)
+        return
     check_composition(composition, group_size, d)
     check_head_dim(composition, d)
 
@@ -112,14 +115,10 @@ def _check_cost(dump: Dump, plan: DumpPlan, targets: tuple[str, ...], per_head: 
                         f"{cap} (DumpLimits); fit fewer layers at a time (--layers) or raise the limit")
 
 
-def check_grouping(grouping: str, objective: str | None = None) -> bool:
-    """Whether ``grouping`` asks for one rotation per KV head (refusing an unknown grouping, and
-    ``kv_head`` with the data-free ``hadamard`` objective)."""
-    if grouping not in GROUPINGS:
-        raise FitError(f"unknown grouping {grouping!r}; expected one of {', '.join(GROUPINGS)}")
-    if grouping == "kv_head" and objective == "hadamard":
-        raise FitError("objective 'hadamard' is data-free and the same for every KV head; use grouping='layer'")
-    return grouping == "kv_head"
+def check_grouping(grouping: str | None, objective: str = "qqt_sst") -> bool:
+    """Whether ``grouping`` (``None``: the objective's own) asks for one rotation per KV head, refusing an
+    unknown grouping and one the objective has no form for (see :func:`~.recipes.resolve_grouping`)."""
+    return resolve_grouping(objective, grouping) == "kv_head"
 
 
 def _resolve_workers(num_workers: int | None, n_layers: int) -> int:
@@ -196,14 +195,16 @@ def _from_statistics(source: Mapping[int, LayerAccumulator], layers: Iterable[in
 
 def _from_dump(dump: Dump, shape: DumpShape, targets: tuple[str, ...], *, num_workers: int | None,
                device: torch.device | str, progress: Progress | None, stats: FitStats,
-               per_head: bool = False) -> dict[int, LayerAccumulator]:
+               per_head: bool = False, chunks: Mapping[int, tuple[int, ...]] | None = None
+               ) -> dict[int, LayerAccumulator]:
     """Stream every layer of a dump through the accumulators (layers on a thread pool); progress
-    counts the chunk reads of all layers."""
+    counts the chunk reads of all layers. ``chunks``: only these chunks per layer (default: every used one)."""
     n_workers = _resolve_workers(num_workers, len(dump.layer_ids))
     stats.num_workers = n_workers
     workspaces: list[Any] = []
-    tally = Tally(progress, sum(layer_reads(dump, lid, targets) for lid in dump.layer_ids) if progress else 0,
-                  "reading the dump")
+    picked = (lambda lid: chunks[lid]) if chunks is not None else (lambda lid: None)
+    tally = Tally(progress, sum(layer_reads(dump, lid, targets, picked(lid)) for lid in dump.layer_ids)
+                  if progress else 0, "reading the dump")
     tally.start()
     layer_progress = (lambda lid, done, total: tally.set(lid, done, f"layer {lid}")) if progress else None
 
@@ -212,7 +213,7 @@ def _from_dump(dump: Dump, shape: DumpShape, targets: tuple[str, ...], *, num_wo
         if ws not in workspaces:
             workspaces.append(ws)
         acc, io = accumulate_dump_layer(dump, layer_id, shape, targets, device=device, workspace=ws,
-                                        progress=layer_progress, per_head=per_head)
+                                        progress=layer_progress, per_head=per_head, chunks=picked(layer_id))
         return layer_id, acc, io
 
     if n_workers == 1:
@@ -237,69 +238,6 @@ def _from_dump(dump: Dump, shape: DumpShape, targets: tuple[str, ...], *, num_wo
     return accs
 
 
-_ZERO_HINT = {"qqt": "all-zero queries", "ktk": "all-zero keys", "vtv": "all-zero values",
-              "sst": "all-zero values, or keys no query attends to (all-zero keys)"}
-
-
-def _rotation(c: torch.Tensor, acc: LayerAccumulator, target: str, head: int | None, composition: str,
-              group_size: int | None, signs: SignConvention) -> tuple[torch.Tensor, torch.Tensor]:
-    """One covariance's rotation and eigenvalues, refused when the covariance is zero or rank-deficient:
-    a rotation of directions the data never shows is arbitrary, and would still load and serve."""
-    what = f"layer {acc.layer_id} {target}" if head is None else f"layer {acc.layer_id} KV head {head} {target}"
-    d = int(c.shape[-1])
-    if not float(torch.diagonal(c).sum()) > 0:  # the trace of a PSD matrix: 0 only for 0 (NaN refused below)
-        if bool(torch.isfinite(c).all()):
-            raise FitError(f"{what}: the covariance is zero ({_ZERO_HINT[target]}); there is nothing to fit a "
-                           "rotation to (re-dump the model)")
-    r, lam = rotation_from_covariance(c, composition, group_size=group_size, signs=signs, what=what)
-    rank = int((lam > RANK_RTOL * float(lam[-1])).sum()) if float(lam[-1]) > 0 else 0
-    if rank < d:
-        t = acc.num_tokens
-        heads = (acc.group if head is not None else acc.num_q_heads) if target == "qqt" else \
-            (1 if head is not None else acc.num_kv_heads)
-        rows = t * int(heads or 1)
-        few = f", fewer than head_dim {d}" if rows < d else ""
-        raise FitError(f"{what}: the covariance has rank {rank} of {d}: {d - rank} directions never occur in the data "
-                       f"and would be rotated arbitrarily. It comes from {rows} rows ({t} tokens x {heads} heads){few}; "
-                       "fit on more tokens (or the data has channels that are always zero)")
-    return r, lam
-
-
-def _layer_rotation(acc: LayerAccumulator, lid: int, target: str, composition: str, group_size: int | None,
-                    signs: SignConvention, per_head: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One layer's symmetrised covariance, rotation and eigenvalues (each with a leading ``H_kv``
-    axis when ``per_head``: every KV head's own covariance, eigendecomposed on its own)."""
-    c = acc.covariance(target, per_head=per_head).to("cpu", torch.float64)
-    c = (c + c.transpose(-1, -2)) / 2
-    if not per_head:
-        r, lam = _rotation(c, acc, target, None, composition, group_size, signs)
-        return r, lam, c
-    pairs = [_rotation(c[h], acc, target, h, composition, group_size, signs) for h in range(c.shape[0])]
-    return torch.stack([r for r, _ in pairs]), torch.stack([lam for _, lam in pairs]), c
-
-
-def _rotations(accs: Mapping[int, LayerAccumulator], side_targets: Mapping[str, str | None], composition: str,
-               group_size: int | None, signs: SignConvention, d: int, per_head: bool = False
-               ) -> tuple[dict[str, RotationSet | None], dict[str, torch.Tensor]]:
-    """Per side: eigendecompose each layer's (or each KV head's) symmetrised covariance and compose its rotation."""
-    ids = tuple(accs)
-    sides: dict[str, RotationSet | None] = {"k": None, "v": None}
-    covs: dict[str, torch.Tensor] = {}
-    label = composition_label(composition, group_size)
-    for side, target in side_targets.items():
-        if target is None:
-            continue
-        done = [_layer_rotation(acc, lid, target, composition, group_size, signs, per_head) for lid, acc in accs.items()]
-        rs = RotationSet(rotations=torch.stack([r for r, _, _ in done]).to(torch.float32).contiguous(), layer_ids=ids,
-                         objective=f"{target}_{label}",
-                         eigenvalues=torch.stack([lam for _, lam, _ in done]).to(torch.float32).contiguous(),
-                         source_grouping="kv_head" if per_head else "layer")
-        validate(rs, head_dim=d, layer_ids=ids)
-        sides[side] = rs
-        covs[side] = torch.stack([c for _, _, c in done])
-    return sides, covs
-
-
 def _open_source(source: Any, layers: Iterable[int] | None, targets: tuple[str, ...], objective: str,
                  keep_first_chunk: bool, info: dict[str, Any]) -> tuple[Any, DumpPlan | None]:
     """``(accumulators, None)`` for finished statistics, else ``(dump, plan)`` of an opened dump: every
@@ -309,16 +247,27 @@ def _open_source(source: Any, layers: Iterable[int] | None, targets: tuple[str, 
         return _from_statistics(source, layers, targets, objective), None
     if source is None:
         raise FitError(f"objective {objective!r} needs a dump or captured statistics")
-    dump = _as_dump(source, keep_first_chunk, layers)
+    dump = _as_dump(source, keep_first_chunk, layers, force_first=objective == V2_OBJECTIVE)
     info.setdefault("kind", "dump")
     info.setdefault("path", str(dump.root))
+    if dump.tp_size is not None:
+        info.setdefault("tp_size", dump.tp_size)
     return dump, dump.plan(kinds_for(targets))
+
+
+def _v2_selection(dump: Dump, plan: DumpPlan, info: dict[str, Any]) -> tuple[dict[int, tuple[int, ...]], dict[int, int]]:
+    """The V2 recipe's chunks per layer (:func:`~.recipes.v2_chunks`) and their tokens, from the plan's metadata."""
+    chunks = {lid: v2_chunks(plan.chunks[lid]) for lid in plan.chunks}
+    tokens = {lid: sum(dump.meta(lid, "k", c).rows for c in ids) for lid, ids in chunks.items()}
+    info["chunks"] = (f"the first {V2_MAX_CHUNKS} chunk files of each layer in lexicographic order, chunk 0 included "
+                      "(the V2 recipe)")
+    return chunks, tokens
 
 
 def fit_rotations(
     source: str | os.PathLike[str] | Dump | Mapping[int, LayerAccumulator] | None,
     objective: str = "qqt_sst",
-    composition: str = "r_h_pbr",
+    composition: str | None = None,
     *,
     group_size: int | None = None,
     keep_first_chunk: bool = False,
@@ -330,21 +279,28 @@ def fit_rotations(
     num_layers: int | None = None,
     head_dim: int | None = None,
     source_info: Mapping[str, Any] | None = None,
-    grouping: Grouping = "layer",
+    grouping: Grouping | None = None,
     min_tokens: int = DEFAULT_MIN_TOKENS,
+    center: Center | None = None,
 ) -> FitResult:
     """Fit per-layer (or per-KV-head) K and V rotations.
 
     Args:
-        source: a dump folder (SGLang layout) or an opened :class:`Dump`; or finished
-            :class:`LayerAccumulator` objects by layer id (live capture, see
+        source: a dump folder (SGLang layout, one folder per layer or per TP rank) or an opened
+            :class:`Dump`; or finished :class:`LayerAccumulator` objects by layer id (live capture, see
             :mod:`rotationzoo.integrations.transformers`); or ``None`` for ``objective="hadamard"``
             with ``num_layers``/``layers`` and ``head_dim``.
-        objective: ``"qqt_sst"`` (OSCAR), ``"ktk_vtv"``, ``"qqt"``, ``"sst"``, ``"ktk"``,
-            ``"vtv"`` or ``"hadamard"`` (data-free).
-        composition: one of :data:`~rotationzoo.vocab.COMPOSITIONS` (default ``"r_h_pbr"``, the authors' best).
+        objective: ``"qqt_sst"`` (OSCAR), ``"ktk_vtv"``, ``"qqt"``, ``"sst"``, ``"ktk"``, ``"vtv"``,
+            ``"hadamard"`` (data-free), or the authors' later recipes (:mod:`~.recipes`):
+            ``"cov_eig_hadamard_perhead"`` (their V2 per-head fitter: raw ``KᵀK/n`` / ``VᵀV/n`` per
+            KV head, ``U_desc·H``, from a dump the first 20 chunk files in lexicographic order with
+            chunk 0), ``"oscar2_perhead"`` and ``"oscar2_center"`` (OSCAR-2: per-head ``M_q`` /
+            ``S_v``, ``E·H·P_br``; ``center`` writes ``k_mean``).
+        composition: one of :data:`~rotationzoo.vocab.COMPOSITIONS` (default ``"r_h_pbr"``, the
+            authors' best); the recipes fix their own and refuse another.
         group_size: ``G`` for the ``r_pbr_hg`` composition.
-        keep_first_chunk: use dump chunk 0 (the SGLang warm-up batch, skipped by default).
+        keep_first_chunk: use dump chunk 0 (the SGLang warm-up batch, skipped by default; the V2
+            recipe always reads it).
         layers: fit only these layer ids.
         num_workers: layers processed concurrently (threads), each with
             ``torch.get_num_threads() // num_workers`` intra-op threads while the fit runs.
@@ -355,32 +311,41 @@ def fit_rotations(
         device: accumulation device (fp64 everywhere; ``eigh`` always runs on CPU).
         num_layers: layer count for ``hadamard`` without a dump (ids ``0 … num_layers−1``).
         head_dim: ``d`` for ``hadamard`` without a dump.
-        source_info: extra facts recorded in :attr:`FitResult.source`.
-        grouping: ``"layer"`` (one rotation per layer, the authors' files) or ``"kv_head"`` (one per
-            layer and KV head, each from that head's own covariance: ``[L, H_kv, d, d]`` sets with
-            ``source_grouping = "kv_head"``; not for ``hadamard``). Finished statistics fit ktk /
-            vtv per head only when accumulated per head (``LayerAccumulator(per_head=True)``).
+        source_info: extra facts recorded in :attr:`FitResult.source` (and the files' ``calibration``).
+        grouping: ``"layer"`` (one rotation per layer) or ``"kv_head"`` (one per layer and KV head:
+            ``[L, H_kv, d, d]`` sets); default ``"kv_head"`` for the recipes (``"layer"`` is the
+            authors' ``--shared``; V2 has no shared form), ``"layer"`` otherwise; not for
+            ``hadamard``. Finished statistics fit ktk / vtv per head only when accumulated per head
+            (``LayerAccumulator(per_head=True)``).
         min_tokens: fewest tokens per layer to fit from (default :data:`DEFAULT_MIN_TOKENS`, 256);
             a dump is checked before any activation is read.
+        center: ``"none"``, ``"k"`` (subtract each KV head's mean key before rotation, written as
+            ``k_mean``) or ``"kv"`` (values too: ``v_mean``, the V rotation fitted on the centered
+            values); default ``"k"`` for ``oscar2_center``, else ``"none"``. Only with the qqt / sst
+            targets (``qqt_sst``, ``oscar2_center``).
 
     Returns:
         A :class:`FitResult` with fp32 rotation sets (fp64-accurate, validated to 1e-5).
 
     Raises:
-        DumpError: a missing, inconsistent or hostile dump (see ``docs/security.md``): refused from
-            its files' metadata before any activation is read, or at the chunk holding NaN / Inf.
+        DumpError: a missing, inconsistent, partial or hostile dump (see ``docs/security.md``):
+            refused from its files' metadata before any activation is read, or at the chunk holding
+            NaN / Inf (or a replicated KV head that differs between TP ranks).
         FitError: bad arguments; fewer tokens than ``min_tokens``; a zero, rank-deficient or
             non-finite covariance; a rotation that is not orthogonal.
     """
     t0 = time.perf_counter()
     k_target, v_target = _parse_objective(objective)
-    per_head = check_grouping(grouping, objective)
+    per_head = resolve_grouping(objective, grouping) == "kv_head"
+    centered = resolve_center(objective, center, (k_target, v_target))
     stats = FitStats(device=str(torch.device(device)))
     info: dict[str, Any] = dict(source_info or {})
     if objective == "hadamard":
         return _fit_hadamard(source, layers=layers, num_layers=num_layers, head_dim=head_dim,
                              keep_first_chunk=keep_first_chunk, info=info, stats=stats, t0=t0, signs=signs)
-    check_composition(composition, group_size)
+    comp = resolve_composition(objective, composition)
+    if comp != V2_COMPOSITION:
+        check_composition(comp, group_size)
     min_tokens = check_min_tokens(min_tokens)
     _resolve_workers(num_workers, 1)  # bad arguments first, before any file is read
     targets = tuple(t for t in (k_target, v_target) if t is not None)
@@ -390,27 +355,36 @@ def fit_rotations(
         accs = opened
         first = next(iter(accs.values()))
         d, hq, hkv = first.head_dim, first.num_q_heads, first.num_kv_heads
-        _check_fit_shape(len(accs), d, hkv if per_head else 1, composition, group_size)
+        _check_fit_shape(len(accs), d, hkv if per_head else 1, comp, group_size)
         check_tokens({lid: acc.num_tokens for lid, acc in accs.items()}, min_tokens)
     else:
         keep_first_chunk = opened.keep_first_chunk
         shape = plan.shape
         d, hq, hkv = shape.head_dim, shape.num_q_heads, shape.num_kv_heads
-        _check_fit_shape(len(plan.tokens), d, hkv if per_head else 1, composition, group_size)
-        check_tokens(plan.tokens, min_tokens)
+        _check_fit_shape(len(plan.tokens), d, hkv if per_head else 1, comp, group_size)
+        chunks, tokens = _v2_selection(opened, plan, info) if objective == V2_OBJECTIVE else (None, plan.tokens)
+        check_tokens(tokens, min_tokens)
         _check_cost(opened, plan, targets, per_head)
         dump_info = opened.info()
+        for key in PROVENANCE_KEYS:  # what rotationzoo_dump.json knows of the calibration, if it is a short text
+            value = dump_info.get(key)
+            if isinstance(value, str) and 0 < len(value) <= 128 and value.isprintable():
+                info.setdefault(key, value)
         model = model or dump_info.get("model")
         prompts = prompts if prompts is not None else dump_info.get("prompts", opened.prompt_count())
         accs = _from_dump(opened, shape, targets, num_workers=num_workers, device=device, progress=progress,
-                          stats=stats, per_head=per_head)
-    sides, covs = _rotations(accs, {"k": k_target, "v": v_target}, composition, group_size, signs, d, per_head)
+                          stats=stats, per_head=per_head, chunks=chunks)
+    sides, covs = build_sets(accs, {"k": k_target, "v": v_target}, objective=objective, composition=comp,
+                             group_size=group_size, signs=signs, d=d, per_head=per_head, center=centered)
     stats.wall_s = time.perf_counter() - t0
     stats.peak_rss_bytes = peak_rss_bytes()
-    return FitResult(
-        k=sides["k"], v=sides["v"], objective=objective, composition=composition,
-        group_size=int(group_size) if composition == "r_pbr_hg" and group_size is not None else None,
+    result = FitResult(
+        k=sides["k"], v=sides["v"], objective=objective, composition=comp,
+        group_size=int(group_size) if comp == "r_pbr_hg" and group_size is not None else None,
         targets={"k": k_target, "v": v_target}, layer_ids=tuple(accs), head_dim=d, num_q_heads=hq, num_kv_heads=hkv,
         tokens={lid: acc.num_tokens for lid, acc in accs.items()}, prompts=prompts, covariances=covs, stats=stats,
-        source=info, model=model, keep_first_chunk=keep_first_chunk, signs=signs,
+        source=info, model=model, keep_first_chunk=keep_first_chunk, signs=signs, center=centered,
+        means=fitted_means(accs),
     )
+    result.attach_calibration()
+    return result

@@ -17,6 +17,7 @@ from ..hashing import sha256_file
 from ..int2kv import Int2KVConfig
 from ..validation import validate
 from ..vocab import FILE_FORMATS
+from .recipes import RECIPES, file_marker
 from .result import FitResult
 
 #: Manifest written next to the rotation files.
@@ -27,15 +28,17 @@ def output_file_names(result: FitResult, *, fmt: str = "pt") -> dict[str, str]:
     """The authors' file names: ``{"k": "k_rotation_qqt_r_h_pbr.pt", "v": "v_rotation_sst_r_h_pbr.pt"}``.
 
     ``hadamard`` gives ``k_rotation_hadamard.pt`` / ``v_rotation_hadamard.pt``; ``fmt="safetensors"``
-    swaps the suffix. Per-KV-head rotations (``grouping="kv_head"``) carry a ``-kv_head`` marker:
-    ``k_rotation_qqt_r_h_pbr-kv_head.pt``.
+    swaps the suffix. A form other than the objective's own carries a marker (:func:`~.recipes.file_marker`):
+    ``k_rotation_qqt_r_h_pbr-kv_head.pt`` (per KV head), ``k_rotation_oscar2_center-shared.pt`` (a recipe
+    with one rotation per layer), ``k_rotation_oscar2_center-center_kv.pt`` (values centered too).
     """
     suffix = ".safetensors" if fmt == "safetensors" else ".pt"
-    marker = "" if result.grouping == "layer" else f"-{result.grouping}"
+    marker = file_marker(result.objective, result.grouping, result.center)
     names = {}
     for side in ("k", "v"):
-        if getattr(result, side) is not None:
-            names[side] = f"{side}_rotation_{result.side_objective(side)}{marker}{suffix}"
+        if getattr(result, side) is not None:  # a recipe's pair is named for the recipe, as the authors name it
+            stem = result.objective if result.objective in RECIPES else result.side_objective(side)
+            names[side] = f"{side}_rotation_{stem}{marker}{suffix}"
     return names
 
 
@@ -74,12 +77,13 @@ def build_manifest(result: FitResult, files: Mapping[str, Mapping[str, Any]], *,
         "objectives": {side: files[side]["objective"] for side in files},
         "composition": result.composition_label,
         "grouping": result.grouping,
+        "center": result.center,
         "group_size": result.group_size,
         "signs": result.signs,
         "keep_first_chunk": result.keep_first_chunk,
         "clip_ratio": {side: ratios[side] for side in ("k", "v")},
         "format": fmt,
-        "format_version": 1,
+        "format_version": max((int(f.get("format_version", 1)) for f in files.values()), default=1),
         "source": result.source,
         "library": {"name": "rotationzoo", "version": __version__},
         "created": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
@@ -123,6 +127,7 @@ def write_fitted(
     if not names:
         raise FitError("nothing to write: the result has neither K nor V rotations")
     sets = {side: getattr(result, side) for side in names}
+    result.attach_calibration(model)
     for side, rs in sets.items():  # everything validated before anything is written
         rs.objective = result.side_objective(side)
         validate(rs, layer_ids=result.layer_ids, head_dim=result.head_dim)
@@ -132,7 +137,8 @@ def write_fitted(
     for side, rs in sets.items():
         p = write_rotation(out / names[side], rs, fmt=fmt)
         paths[side] = p
-        files[side] = {"name": p.name, "objective": rs.objective, "sha256": sha256_file(p), "size": p.stat().st_size}
+        files[side] = {"name": p.name, "objective": rs.objective, "format_version": rs.layout_version,
+                       "sha256": sha256_file(p), "size": p.stat().st_size}
     manifest = build_manifest(result, files, model=model, tag=tag, prompts=prompts, clip_ratios=clip_ratios, fmt=fmt)
     if result.tokens and len(set(result.tokens.values())) > 1:
         manifest["tokens_per_layer"] = {str(k): v for k, v in result.tokens.items()}

@@ -144,9 +144,10 @@ def _split(num_blocks: int, cfg: RefineConfig, layer_id: int) -> tuple[torch.Ten
 
 def refine_layer(
     samples: LayerSamples, side: str, init: torch.Tensor, cfg: RefineConfig, *, init_name: str = "given",
-    progress: Progress | None = None,
+    progress: Progress | None = None, mean: torch.Tensor | None = None,
 ) -> LayerRefinement:
-    """Refine one layer's K or V rotation from ``init`` (``[d, d]``, or ``[H_kv, d, d]``).
+    """Refine one layer's K or V rotation from ``init`` (``[d, d]``, or ``[H_kv, d, d]``), on rows
+    centered by ``mean`` when given (``[H_kv, d]`` or ``[d]``: what a centered file stores).
 
     ``progress(done, total, what)`` (:mod:`rotationzoo.progress`) counts the optimizer steps and
     one more unit for the held-out comparison (``what``: ``"layer <L> K"``).
@@ -165,7 +166,7 @@ def refine_layer(
         r_init = r_init.expand(hkv, d, d).clone()
     elif not cfg.per_head and r_init.shape[0] != 1:
         raise FitError(f"layer {samples.layer_id} {side}: a per-head init [{hkv}, {d}, {d}] needs per_head=True")
-    data = layer_data(samples, side, cfg)
+    data = layer_data(samples, side, cfg, mean)
     train, hold = _split(data.x.shape[0], cfg, samples.layer_id)
     steps = cfg.steps_k if side == "k" else cfg.steps_v
     what = f"layer {samples.layer_id} {side.upper()}"
@@ -218,11 +219,11 @@ def _check_init(init: torch.Tensor, d: int, hkv: int, layer_id: int, side: str) 
 
 
 def init_rotation(samples: LayerSamples, side: str, init: str, *, group_size: int | None = None,
-                  per_head: bool = False) -> torch.Tensor:
+                  per_head: bool = False, mean: torch.Tensor | None = None) -> torch.Tensor:
     """An init computed for one layer: ``"hadamard"`` (``H_d``), or ``"r_h_pbr"`` / ``"r_pbr_hg"``
     fitted (qqt for K, sst for V) from the samples' own q/k/v with :mod:`rotationzoo.fit`; with
     ``per_head`` these are fitted per KV head (``[H_kv, d, d]``; ``H_d`` stays ``[d, d]``, the
-    same for every head)."""
+    same for every head). ``mean`` (V only) fits the V init on the centered values."""
     shape = samples.shape
     if shape is None:
         raise FitError(f"layer {samples.layer_id}: no calibration samples")
@@ -243,11 +244,11 @@ def init_rotation(samples: LayerSamples, side: str, init: str, *, group_size: in
             acc.add_kv(k[i], v[i])
     g = group_size if init == "r_pbr_hg" else None
     if per_head:
-        cov = acc.covariance(target, per_head=True)
+        cov = acc.covariance(target, per_head=True, mean=mean if target == "sst" else None)
         cov = (cov + cov.transpose(-1, -2)) / 2
         return torch.stack([rotation_from_covariance(c, init, group_size=g, what=f"layer {samples.layer_id} KV head "
                                                      f"{h} {target}")[0] for h, c in enumerate(cov)])
-    cov = acc.covariance(target)
+    cov = acc.covariance(target, mean=mean if target == "sst" else None)
     r, _ = rotation_from_covariance((cov + cov.T) / 2, init, group_size=g, what=f"layer {samples.layer_id} {target}")
     return r
 
@@ -306,6 +307,7 @@ def refine_rotations(
     layers: Any = None,
     num_workers: int | None = None,
     progress: Progress | None = None,
+    means: Mapping[str, Mapping[int, torch.Tensor]] | None = None,
 ) -> RefineResult:
     """Refine every layer's K and/or V rotation.
 
@@ -324,6 +326,8 @@ def refine_rotations(
         progress: ``progress(done, total, what)`` (:mod:`rotationzoo.progress`): optimizer steps
             (and one held-out comparison) of every (layer, side), from the worker threads
             (``what``: ``"layer <L> K"``).
+        means: ``{"k": {layer: [H_kv, d] or [d]}, "v": ...}``: learn on centered rows (key / value
+            centering), the side's rows minus its mean; a side absent here is not centered.
 
     Returns:
         A :class:`RefineResult`.
@@ -344,8 +348,9 @@ def refine_rotations(
 
     def run(job: tuple[int, str]) -> LayerRefinement:
         lid, side = job
-        r0, name = _resolve_init(init, samples.layers[lid], side, lid, ids, cfg)
-        return refine_layer(samples.layers[lid], side, r0, cfg, init_name=name,
+        mean = (means or {}).get(side, {}).get(lid)
+        r0, name = _resolve_init(init, samples.layers[lid], side, lid, ids, cfg, mean)
+        return refine_layer(samples.layers[lid], side, r0, cfg, init_name=name, mean=mean,
                             progress=(lambda done, total, what: tally.set(job, done, what)) if progress else None)
 
     workers = max(1, min(int(num_workers or torch.get_num_threads()), len(jobs)))
@@ -368,9 +373,10 @@ def refine_rotations(
 
 
 def _resolve_init(init: Any, samples: LayerSamples, side: str, lid: int, ids: tuple[int, ...],
-                  cfg: RefineConfig) -> tuple[torch.Tensor, str]:
+                  cfg: RefineConfig, mean: torch.Tensor | None = None) -> tuple[torch.Tensor, str]:
     if isinstance(init, str):
-        return init_rotation(samples, side, init, group_size=cfg.group_size, per_head=cfg.per_head), init
+        return init_rotation(samples, side, init, group_size=cfg.group_size, per_head=cfg.per_head,
+                             mean=mean if side == "v" else None), init
     src = init.get(side) if isinstance(init, Mapping) else getattr(init, side, None)
     if src is None:
         raise FitError(f"init has no {side.upper()} rotations; give {{'k': ..., 'v': ...}} or a name of {INITS}")

@@ -25,19 +25,21 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Mapping
 
 import torch
 
 from ..errors import FitError
 from ..progress import Progress, prefixed
-from ..vocab import REFINE_INITS, Grouping
+from ..format import RotationSet
+from ..vocab import REFINE_INITS, Center, Grouping
 from .compose import composition_label
 from .dump import Dump, open_dump
 from .accumulate import kinds_for
 from .fitter import DEFAULT_MIN_TOKENS, check_grouping, check_min_tokens, check_tokens, fit_rotations
 from .refine import RefineResult, refine_rotations, relative_improvement
+from .recipes import resolve_center
 from .refine_loss import LOSS_NAMES, RefineConfig
 from .result import FitResult, FitStats, peak_rss_bytes
 from .samples import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_TOKENS, CalibrationSamples
@@ -106,21 +108,39 @@ def samples_from_dump(
 
 def _init_source(init: str, samples: CalibrationSamples, statistics: Any, group_size: int | None,
                  layers: tuple[int, ...], grouping: Grouping = "layer",
-                 progress: Progress | None = None, min_tokens: int = DEFAULT_MIN_TOKENS) -> tuple[Any, str]:
-    """What :func:`refine_rotations` starts from, and its label (``hadamard``, ``r_h_pbr``, ``r_pbr_hg64``)."""
+                 progress: Progress | None = None, min_tokens: int = DEFAULT_MIN_TOKENS,
+                 center: str = "none") -> tuple[Any, str, dict[str, dict[int, torch.Tensor]]]:
+    """What :func:`refine_rotations` starts from, its label (``hadamard``, ``r_h_pbr``, ``r_pbr_hg64``) and,
+    when centered, the means to center the samples with (``{"k": {layer: [H_kv, d] or [d]}, ...}``): from
+    the full statistics when given (a centered closed-form fit, whose means the samples then use), else
+    from the samples."""
     _check_init(init)
     comp = INIT_COMPOSITIONS[init]
-    if comp is None:
-        return "hadamard", "hadamard"
     shape = samples.layers[layers[0]].shape
     assert shape is not None
     g = group_size or shape.head_dim
-    label = composition_label(comp, g)
+    label = "hadamard" if comp is None else composition_label(comp, g)
     if statistics is None:
-        return comp, label  # fitted per layer from the samples' own q/k/v
-    fit = fit_rotations(statistics, "qqt_sst", comp, group_size=g if comp == "r_pbr_hg" else None, layers=layers,
-                        grouping=grouping, progress=prefixed(progress, f"{label} init"), min_tokens=min_tokens)
-    return fit, label
+        return comp or "hadamard", label, _sample_means(samples, layers, grouping, center)
+    if comp is None and center == "none":
+        return "hadamard", label, {}
+    fit = fit_rotations(statistics, "qqt_sst", comp or "r_h_pbr", group_size=g if comp == "r_pbr_hg" else None,
+                        layers=layers, grouping=grouping, progress=prefixed(progress, f"{label} init"),
+                        min_tokens=min_tokens, center=center)  # type: ignore[arg-type]
+    means = {side: {lid: t for lid, t in zip(rs.layer_ids, getattr(rs, f"{side}_mean"))}
+             for side, rs in (("k", fit.k), ("v", fit.v)) if rs is not None and getattr(rs, f"{side}_mean") is not None}
+    return ("hadamard" if comp is None else fit), label, means
+
+
+def _sample_means(samples: CalibrationSamples, layers: tuple[int, ...], grouping: str,
+                  center: str) -> dict[str, dict[int, torch.Tensor]]:
+    """The kept blocks' own key / value means (``[H_kv, d]``, or ``[d]`` for one rotation per layer)."""
+    out: dict[str, dict[int, torch.Tensor]] = {}
+    for side in ("k", "v")[: {"none": 0, "k": 1, "kv": 2}[center]]:
+        for lid in layers:
+            mu = getattr(samples.layers[lid], side).to(torch.float64).mean(dim=(0, 1))  # [H_kv, d]
+            out.setdefault(side, {})[lid] = mu if grouping == "kv_head" else mu.mean(dim=0)
+    return out
 
 
 def _check_samples(samples: CalibrationSamples, ids: tuple[int, ...], min_tokens: int) -> None:
@@ -190,6 +210,7 @@ def refine_fit(
     model: str | None = None,
     grouping: Grouping = "layer",
     min_tokens: int = DEFAULT_MIN_TOKENS,
+    center: Center | None = None,
 ) -> FitResult:
     """Learn every layer's K and V rotation against the INT2 store's error; a fit result to write.
 
@@ -214,6 +235,9 @@ def refine_fit(
             where it lowers that head's held-out loss (``[L, H_kv, d, d]`` sets; the OSCAR inits
             are fitted per head, ``hadamard`` is ``H_d`` for every head).
         min_tokens: fewest calibration tokens per layer (as :func:`~rotationzoo.fit.fit_rotations`).
+        center: ``"k"`` / ``"kv"``: start from the centered closed form (the means from ``statistics``,
+            else from the samples), learn on the centered keys (and values) and keep ``k_mean``
+            (``v_mean``) in the result, as :func:`~rotationzoo.fit.fit_rotations` writes them.
 
     Returns:
         A :class:`~rotationzoo.fit.FitResult` with ``objective = "refined"`` and ``refinement`` set.
@@ -230,22 +254,35 @@ def refine_fit(
     ids = tuple(sorted(int(i) for i in layers)) if layers is not None else samples.layer_ids()
     if not ids:
         raise FitError("no calibration samples to refine on")
+    centered = resolve_center("qqt_sst", center, ("qqt", "sst"))
     _check_samples(samples, ids, check_min_tokens(min_tokens))
-    src, label = _init_source(init, samples, statistics, group_size, ids, grouping, progress, min_tokens)
-    res = refine_rotations(samples, src, cfg, layers=ids, num_workers=num_workers, progress=progress)
+    src, label, means = _init_source(init, samples, statistics, group_size, ids, grouping, progress, min_tokens,
+                                     centered)
+    res = refine_rotations(samples, src, cfg, layers=ids, num_workers=num_workers, progress=progress, means=means)
     first = samples.layers[ids[0]].shape
     assert first is not None
     info = dict(source_info or {})
     result = FitResult(
-        k=res.rotation_set("k", f"refined_k_logit_{label}"), v=res.rotation_set("v", f"refined_v_attn_out_{label}"),
+        k=_centered(res.rotation_set("k", f"refined_k_logit_{label}"), means, "k"),
+        v=_centered(res.rotation_set("v", f"refined_v_attn_out_{label}"), means, "v"),
         objective="refined", composition=label, group_size=group_size, targets=dict(LOSS_NAMES),
         layer_ids=ids, head_dim=first.head_dim, num_q_heads=first.num_q_heads, num_kv_heads=first.num_kv_heads,
         tokens={lid: samples.layers[lid].tokens_seen for lid in ids}, prompts=info.get("prompts"),
         source=info, model=model if model is not None else info.get("model"),
-        refinement=refinement_summary(res, init, label, samples),
+        refinement=refinement_summary(res, init, label, samples), center=centered,
     )
     result.stats = FitStats(wall_s=time.perf_counter() - t0, peak_rss_bytes=peak_rss_bytes(), num_workers=res.workers)
     return result
+
+
+def _centered(rs: RotationSet, means: Mapping[str, Mapping[int, torch.Tensor]], side: str) -> RotationSet:
+    """The refined set with its side's mean (``k_mean`` / ``v_mean``) and a ``transform`` saying so."""
+    if side not in means:
+        return rs
+    mean = torch.stack([means[side][lid] for lid in rs.layer_ids]).to(torch.float32)
+    what = "key" if side == "k" else "value"
+    changes: dict[str, Any] = {f"{side}_mean": mean, "transform": {what: "refined", "centered": True, "orthogonal": True}}
+    return replace(rs, **changes)
 
 
 def refine_dump(
@@ -260,8 +297,9 @@ def refine_dump(
     config: RefineConfig | None = None,
     grouping: Grouping = "layer",
     min_tokens: int = DEFAULT_MIN_TOKENS,
+    center: Center | None = None,
 ) -> FitResult:
-    """``rotationzoo fit --dump D --refine STEPS [--grouping kv_head]``: a reservoir of the dump's
+    """``rotationzoo fit --dump D --refine STEPS [--grouping kv_head] [--center k|kv]``: a reservoir of the dump's
     blocks (:func:`samples_from_dump`), the OSCAR inits fitted from the whole dump, then
     :func:`refine_fit`. ``dump`` may be an opened :class:`~rotationzoo.fit.dump.Dump`
     (``keep_first_chunk`` and ``layers`` are then its own). Every chunk is inspected
@@ -277,7 +315,7 @@ def refine_dump(
     info = {"kind": "dump", "path": str(d.root), "prompts": dump_info.get("prompts", d.prompt_count())}
     result = refine_fit(samples, options.init, steps=options.steps, group_size=group_size, seed=options.seed,
                         statistics=d, config=config, num_workers=num_workers, progress=progress, source_info=info,
-                        model=dump_info.get("model"), grouping=grouping, min_tokens=min_tokens)
+                        model=dump_info.get("model"), grouping=grouping, min_tokens=min_tokens, center=center)
     result.keep_first_chunk = d.keep_first_chunk
     return result
 

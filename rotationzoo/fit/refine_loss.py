@@ -134,22 +134,26 @@ def _block_attention_weights(q: torch.Tensor, k: torch.Tensor, scale: float, chu
     return out
 
 
-def layer_data(samples: LayerSamples, side: str, cfg: RefineConfig) -> LayerData:
+def layer_data(samples: LayerSamples, side: str, cfg: RefineConfig, mean: torch.Tensor | None = None) -> LayerData:
     """The fp32 training tensors of one layer and side (queries are reduced to what the loss needs:
-    their Gram per KV group for K, the block's attention weights for V)."""
+    their Gram per KV group for K, the block's attention weights for V). ``mean`` (``[H_kv, d]`` or
+    ``[d]``) centers the rows learned on, as a centered file stores them (``k − μ_K``, ``v − μ_V``);
+    the attention weights do not change (a key mean shifts every score of a query alike)."""
     q, k, v, pos = samples.blocks()
     shape = samples.shape
     assert shape is not None
     n = samples.block_size
     mask = ((pos[:, None] + torch.arange(n)[None, :]) >= cfg.prefix).to(torch.float32)[:, None, :, None]
+    centered = (lambda x: x) if mean is None else (lambda x: x - mean.to(torch.float32).expand(
+        shape.num_kv_heads, shape.head_dim)[None, :, None, :])
     if side == "k":
         metric = _query_grams(q, shape.num_kv_heads)  # [B, Hkv, d, d]
-        x = _heads_first(k)
+        x = centered(_heads_first(k))
         den = ((x @ metric) * x).sum(dim=(-1, -2))
     else:
         scale = cfg.softmax_scale if cfg.softmax_scale is not None else shape.head_dim ** -0.5
         metric = _block_attention_weights(q, k, scale)  # [B, Hkv, n, n]
-        x = _heads_first(v)
+        x = centered(_heads_first(v))
         den = ((metric @ x) * x).sum(dim=(-1, -2))
     return LayerData(x=x, metric=metric, mask=mask, den=den.to(torch.float64), side=side)
 

@@ -9,9 +9,11 @@ from typing import Any
 
 import torch
 
+from .._version import __version__
 from ..errors import FitError
 from ..format import RotationSet
 from .compose import composition_label
+from .recipes import V2_COMPOSITION, side_objective
 
 #: objective → (K target, V target); ``None`` = that file is not produced.
 OBJECTIVE_TARGETS: dict[str, tuple[str | None, str | None]] = {
@@ -22,6 +24,9 @@ OBJECTIVE_TARGETS: dict[str, tuple[str | None, str | None]] = {
     "ktk": ("ktk", None),
     "vtv": (None, "vtv"),
     "hadamard": (None, None),
+    "cov_eig_hadamard_perhead": ("ktk", "vtv"),
+    "oscar2_perhead": ("qqt", "sst"),
+    "oscar2_center": ("qqt", "sst"),
 }
 
 
@@ -91,6 +96,10 @@ class FitResult:
         refinement: for learned rotations (``objective = "refined"``, see
             :func:`rotationzoo.fit.refine_fit`): init, losses, steps, seed and the per-layer held-out
             losses, written to the manifest's ``refinement``; ``None`` otherwise.
+        center: what the sets center: ``"none"``, ``"k"`` (K carries ``k_mean``), ``"kv"`` (V
+            carries ``v_mean`` too).
+        means: ``{"k": fp64 [L, H_kv, d], "v": ...}``, every KV head's mean key and value over the
+            fitted tokens (a side is absent when its activations were not read).
     """
 
     k: RotationSet | None
@@ -112,6 +121,41 @@ class FitResult:
     keep_first_chunk: bool = False
     signs: str = "canonical"
     refinement: dict[str, Any] | None = None
+    center: str = "none"
+    means: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def calibration_record(self, model: str | None = None) -> dict[str, Any]:
+        """The files' ``calibration`` dict, the keys of the authors' (``model_path``, ``model_revision``,
+        ``prompt_sha256``, ``tokens``, ``global_q_heads``, ``global_kv_heads``, ``tp_size``, ``post_rope``,
+        ``accumulator_dtype``) plus what rotationzoo knows of the source (``text_sha256``, ``prompts``, the
+        dump's chunk rule, the fitter). No creation time: the same fit gives the same bytes (the manifest
+        has ``created``)."""
+        src = self.source
+        out: dict[str, Any] = {
+            "model_path": model if model is not None else self.model,
+            "model_revision": src.get("model_revision"),
+            "prompt_sha256": src.get("prompt_sha256"),
+            "tokens": self.token_count,
+            "global_q_heads": self.num_q_heads,
+            "global_kv_heads": self.num_kv_heads,
+            "tp_size": src.get("tp_size", 1),
+            "post_rope": True,
+            "accumulator_dtype": "float64",
+        }
+        extra = {"text_sha256": src.get("text_sha256"), "model_sha256": src.get("model_sha256"),
+                 "prompts": self.prompts, "source": src.get("kind"), "keep_first_chunk": self.keep_first_chunk,
+                 "chunks": src.get("chunks"), "fitter": f"rotationzoo {__version__}"}
+        out.update({k: v for k, v in extra.items() if v is not None})
+        return out
+
+    def attach_calibration(self, model: str | None = None) -> None:
+        """Set :meth:`calibration_record` on both sets (data-free ``hadamard`` sets get none)."""
+        if self.objective == "hadamard":
+            return
+        record = self.calibration_record(model)
+        for rs in (self.k, self.v):
+            if rs is not None:
+                rs.calibration = dict(record)
 
     @property
     def grouping(self) -> str:
@@ -127,6 +171,8 @@ class FitResult:
             return "hadamard"
         if self.objective == "refined":
             return f"refined_{self.composition}"
+        if self.composition == V2_COMPOSITION:
+            return V2_COMPOSITION
         return composition_label(self.composition, self.group_size)
 
     @property
@@ -138,6 +184,9 @@ class FitResult:
         """The ``objective`` string stored in the K or V file (``"qqt_r_h_pbr"``, ``"hadamard"``)."""
         if self.objective == "hadamard":
             return "hadamard"
+        recipe = side_objective(self.objective, side)
+        if recipe is not None:
+            return recipe
         target = self.targets.get(side)
         if self.objective == "refined" and target is not None:
             return f"refined_{target}_{self.composition}"  # refined_k_logit_hadamard
@@ -151,6 +200,7 @@ class FitResult:
             "objective": self.objective,
             "composition": self.composition_label,
             "grouping": self.grouping,
+            "center": self.center,
             "group_size": self.group_size,
             "targets": self.targets,
             "layer_ids": list(self.layer_ids),

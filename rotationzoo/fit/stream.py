@@ -44,10 +44,11 @@ def _refuse_non_finite(dump: Dump, layer_id: int, chunk: int, kinds: Sequence[st
                      "large to square in fp64; rotations fitted from it would be garbage (re-dump the model)")
 
 
-def layer_reads(dump: Dump, layer_id: int, targets: Sequence[str]) -> int:
+def layer_reads(dump: Dump, layer_id: int, targets: Sequence[str], chunks: Sequence[int] | None = None) -> int:
     """Chunk reads :func:`accumulate_dump_layer` makes for one layer (the ``total`` of its progress)."""
     second = ("k", "v") if "sst" in targets else ()
-    return len(dump.chunk_ids(layer_id, tuple(dict.fromkeys(pass1_kinds(targets) + second)))) * (2 if second else 1)
+    n = len(chunks) if chunks is not None else len(dump.chunk_ids(layer_id, tuple(dict.fromkeys(pass1_kinds(targets) + second))))
+    return n * (2 if second else 1)
 
 
 def accumulate_dump_layer(
@@ -60,6 +61,7 @@ def accumulate_dump_layer(
     workspace: Workspace | None = None,
     progress: ProgressFn | None = None,
     per_head: bool = False,
+    chunks: Sequence[int] | None = None,
 ) -> tuple[LayerAccumulator, dict[str, int]]:
     """Stream one layer of a dump through a :class:`LayerAccumulator`.
 
@@ -75,6 +77,7 @@ def accumulate_dump_layer(
         workspace: scratch buffers (default: the calling thread's).
         progress: ``progress(layer_id, done, total)`` after each chunk.
         per_head: accumulate ktk / vtv per KV head (see :class:`LayerAccumulator`).
+        chunks: read only these of the layer's chunks (default: every used one).
 
     Returns:
         ``(accumulator, io)`` with ``io = {"bytes_read": ..., "chunks_read": ...}``.
@@ -97,8 +100,11 @@ def accumulate_dump_layer(
     kinds1 = acc.pass1_kinds
     kinds2 = ("k", "v") if acc.needs_second_pass else ()
     needed = tuple(dict.fromkeys(kinds1 + kinds2))
-    chunks = dump.chunk_ids(layer_id, needed)
-    total = layer_reads(dump, layer_id, targets)
+    if chunks is None:
+        chunks = dump.chunk_ids(layer_id, needed)
+    else:
+        dump.chunk_ids(layer_id, needed)  # the kinds hold the same chunks
+    total = layer_reads(dump, layer_id, targets, chunks)
     done = 0
     io = {"bytes_read": 0, "chunks_read": 0}
     sizes: dict[int, int] = {}

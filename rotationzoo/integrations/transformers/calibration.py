@@ -10,6 +10,8 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -18,17 +20,18 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 import torch
 
 from ...errors import FitError
-from ...vocab import Grouping
+from ...vocab import Center, Grouping
 from ...fit import OBJECTIVE_TARGETS, RefineOptions, fit_rotations, refine_fit
 from ...fit.accumulate import LayerAccumulator, Workspace
 from ...fit.compose import check_composition
-from ...fit.fitter import DEFAULT_MIN_TOKENS, check_grouping, check_token_budget
+from ...fit.fitter import DEFAULT_MIN_TOKENS, PROVENANCE_KEYS, check_token_budget
+from ...fit.recipes import V2_COMPOSITION, V2_OBJECTIVE, resolve_center, resolve_composition, resolve_grouping
 from ...fit.dump import Dump, DumpWriter
 from ...fit.samples import DEFAULT_MAX_TOKENS, CalibrationSamples
 from ...progress import Progress, Tally
 from ...fit.stream import second_pass_from_dump
 from .capture import QKVCapture
-from .texts import check_text_files, read_token_ids
+from .texts import check_text_files, read_token_ids, texts_sha256
 
 #: Tokens of the warm-up forward written as chunk 0 of a dump (mirrors SGLang's warm-up batch).
 WARMUP_TOKENS = 6
@@ -57,9 +60,21 @@ def token_windows(tokenizer: Any, texts: Iterable[str | os.PathLike[str]], *, to
             yield ids[start:start + seq_len]
 
 
-def _check_objective(objective: str) -> None:
-    if objective not in OBJECTIVE_TARGETS or objective == "hadamard":
-        raise FitError(f"objective must be one of {', '.join(o for o in OBJECTIVE_TARGETS if o != 'hadamard')}")
+def _objectives(objective: str | Sequence[str]) -> tuple[str, ...]:
+    """The objective(s) statistics must serve, each checked (not ``hadamard``, which needs no data)."""
+    names = (objective,) if isinstance(objective, str) else tuple(objective)
+    for name in names:
+        if name not in OBJECTIVE_TARGETS or name == "hadamard":
+            raise FitError(f"objective must be one of {', '.join(o for o in OBJECTIVE_TARGETS if o != 'hadamard')}, "
+                           f"got {name!r}")
+    if not names:
+        raise FitError("no objective given")
+    return names
+
+
+def prompt_sha256(windows: Sequence[Sequence[int]]) -> str:
+    """The authors' ``prompt_sha256``: sha256 of the token-id sequences as compact JSON (``[[1,2],[3]]``)."""
+    return hashlib.sha256(json.dumps([list(map(int, w)) for w in windows], separators=(",", ":")).encode()).hexdigest()
 
 
 def calibrate(
@@ -70,7 +85,7 @@ def calibrate(
     tokens: int,
     seq_len: int = 2048,
     objective: str = "qqt_sst",
-    composition: str = "r_h_pbr",
+    composition: str | None = None,
     group_size: int | None = None,
     dump_out: str | os.PathLike[str] | None = None,
     overwrite_dump: bool = False,
@@ -79,8 +94,10 @@ def calibrate(
     texts_are_paths: bool = True,
     progress: CalibrationProgress | None = None,
     refine: RefineOptions | None = None,
-    grouping: Grouping = "layer",
+    grouping: Grouping | None = None,
     min_tokens: int = DEFAULT_MIN_TOKENS,
+    center: Center | None = None,
+    provenance: Mapping[str, Any] | None = None,
 ) -> Any:
     """Fit rotations from a live ``transformers`` model: :func:`collect_statistics`, then one fit.
 
@@ -107,35 +124,44 @@ def calibrate(
         refine: learn the rotations instead (:func:`rotationzoo.fit.refine_fit` on a reservoir of
             ``refine.sample_tokens`` tokens per layer, the OSCAR inits fitted from the full
             statistics; ``composition`` is not used then, ``group_size`` is the loss's INT2 group).
-        grouping: ``"layer"`` or ``"kv_head"`` (one rotation per layer and KV head; see
-            :func:`rotationzoo.fit.fit_rotations`).
+        grouping: ``"layer"`` or ``"kv_head"`` (one rotation per layer and KV head); default: the
+            objective's own (see :func:`rotationzoo.fit.fit_rotations`).
         min_tokens: fewest tokens per layer to fit from (see :func:`rotationzoo.fit.fit_rotations`);
             a smaller ``tokens`` is refused before the model runs.
+        center: ``"none"``, ``"k"`` or ``"kv"`` (see :func:`rotationzoo.fit.fit_rotations`; with
+            ``refine``, the samples are centered and the means kept).
+        provenance: facts about the model recorded in the files' ``calibration`` (``model_revision``,
+            ``model_sha256``; see :func:`~rotationzoo.integrations.transformers.loading.model_provenance`).
 
     Returns:
-        A :class:`rotationzoo.fit.FitResult` (``prompts`` = number of sequences run).
+        A :class:`rotationzoo.fit.FitResult` (``prompts`` = number of sequences run); its files'
+        ``calibration`` records ``prompt_sha256`` (the authors' definition, over the token windows run),
+        ``text_sha256`` (of the text files), ``tokens`` and the model's revision.
     """
-    check_grouping(grouping)
-    _check_objective(objective)
+    _objectives(objective)
+    group = resolve_grouping(objective, grouping)
     check_token_budget(tokens, min_tokens)  # before the model runs
     if refine is None:
-        check_composition(composition, group_size)  # before the model runs
+        comp = resolve_composition(objective, composition)  # before the model runs
+        if comp != V2_COMPOSITION:
+            check_composition(comp, group_size)
+        resolve_center(objective, center, OBJECTIVE_TARGETS[objective])
     elif objective != "qqt_sst":
         raise FitError("refinement fits its OSCAR inits from qqt_sst statistics; leave objective at qqt_sst")
     stats = collect_statistics(
         model, tokenizer, texts, tokens=tokens, seq_len=seq_len, objective=objective, model_id=model_id,
         texts_are_paths=texts_are_paths, progress=progress, dump_out=dump_out, overwrite_dump=overwrite_dump,
         sample_tokens=refine.sample_tokens if refine is not None else 0,
-        sample_seed=refine.seed if refine is not None else 0, grouping=grouping,
+        sample_seed=refine.seed if refine is not None else 0, grouping=group, provenance=provenance,
     )
     if refine is not None:
         assert stats.samples is not None
         return refine_fit(stats.samples, refine.init, steps=refine.steps, group_size=group_size, seed=refine.seed,
                           statistics=stats.accumulators, source_info=stats.info, model=model_id,
-                          grouping=grouping, progress=progress, min_tokens=min_tokens)
+                          grouping=group, progress=progress, min_tokens=min_tokens, center=center)  # type: ignore[arg-type]
     return fit_rotations(
         stats.accumulators, objective, composition, group_size=group_size, signs=signs,  # type: ignore[arg-type]
-        source_info=stats.info, grouping=grouping, min_tokens=min_tokens,
+        source_info=stats.info, grouping=group, min_tokens=min_tokens, center=center,  # type: ignore[arg-type]
     )
 
 
@@ -220,7 +246,7 @@ def collect_statistics(
     *,
     tokens: int,
     seq_len: int = 2048,
-    objective: str = "qqt_sst",
+    objective: str | Sequence[str] = "qqt_sst",
     model_id: str | None = None,
     texts_are_paths: bool = True,
     progress: CalibrationProgress | None = None,
@@ -229,6 +255,7 @@ def collect_statistics(
     sample_tokens: int = DEFAULT_MAX_TOKENS,
     sample_seed: int = 0,
     grouping: str = "layer",
+    provenance: Mapping[str, Any] | None = None,
 ) -> CapturedStatistics:
     """Run ``model`` once over calibration text and return the finished fp64 statistics.
 
@@ -249,7 +276,8 @@ def collect_statistics(
         texts: calibration text files (or strings with ``texts_are_paths=False``).
         tokens: per-layer token budget ``T``.
         seq_len: tokens per sequence (window).
-        objective: see :func:`rotationzoo.fit.fit_rotations` (not ``"hadamard"``).
+        objective: see :func:`rotationzoo.fit.fit_rotations` (not ``"hadamard"``), or several: the
+            statistics then serve every one of them (e.g. ``("qqt_sst", "cov_eig_hadamard_perhead")``).
         model_id: model name recorded in ``info``.
         texts_are_paths: whether ``texts`` are file paths.
         progress: ``progress(done, total, what)`` (:data:`CalibrationProgress`): the capture, the
@@ -262,13 +290,17 @@ def collect_statistics(
             :mod:`rotationzoo.fit.samples`). ``0`` keeps none.
         sample_seed: reservoir seed.
         grouping: ``"kv_head"`` accumulates ktk / vtv per KV head, so that per-head rotations can
-            be fitted from them (qqt and sst statistics serve both groupings).
+            be fitted from them (qqt and sst statistics serve both groupings; the V2 recipe always
+            accumulates them per head).
+        provenance: facts recorded in ``info`` (``model_revision``, ``model_sha256``).
 
     Returns:
-        :class:`CapturedStatistics`.
+        :class:`CapturedStatistics`; ``info`` holds ``prompt_sha256`` (sha256 of the windows' token ids
+        as compact JSON, the authors' definition) and ``text_sha256`` (of the texts, in order).
     """
-    _check_objective(objective)
-    targets = tuple(t for t in OBJECTIVE_TARGETS[objective] if t is not None)
+    names = _objectives(objective)
+    targets = tuple(dict.fromkeys(t for name in names for t in OBJECTIVE_TARGETS[name] if t is not None))
+    per_head = grouping == "kv_head" or V2_OBJECTIVE in names
     sources = check_text_files(texts, what="calibration text") if texts_are_paths else [str(t) for t in texts]
     windows = list(token_windows(tokenizer, sources, tokens=tokens, seq_len=seq_len, texts_are_paths=texts_are_paths))
     if not windows:
@@ -278,13 +310,16 @@ def collect_statistics(
         "kind": "transformers", "model": model_id,
         "texts": [str(t) for t in texts] if texts_are_paths else len(sources),
         "seq_len": seq_len, "token_budget": int(tokens), "tokens": total, "prompts": len(windows),
+        "prompt_sha256": prompt_sha256(windows),
+        "text_sha256": texts_sha256(sources, texts_are_paths=texts_are_paths, what="calibration text"),
+        **dict(provenance or {}),
     }
     spill = "sst" in targets  # sst needs K/V again once the query statistics are final
     tmp = tempfile.TemporaryDirectory(prefix="rotationzoo-kv-") if spill and dump_out is None else None
     writer = (DumpWriter(dump_out, overwrite=overwrite_dump) if dump_out is not None
               else DumpWriter(tmp.name, kinds=("k", "v")) if tmp is not None else None)
     samples = CalibrationSamples(max_tokens=sample_tokens, seed=sample_seed) if sample_tokens > 0 else None
-    collector = _Collector(targets, writer, samples, per_head=grouping == "kv_head")
+    collector = _Collector(targets, writer, samples, per_head=per_head)
     try:
         _forward_windows(model, windows, collector, warmup=dump_out is not None, progress=progress)
         if not collector.accs:
@@ -299,11 +334,12 @@ def collect_statistics(
         if dump_out is not None and writer is not None:
             info["dump"] = str(dump_out)
             writer.write_info({"model": model_id, "prompts": len(windows), "tokens": total, "seq_len": seq_len,
-                               "warmup_chunk": True, "texts": info["texts"], "writer": "rotationzoo calibrate"})
+                               "warmup_chunk": True, "texts": info["texts"], "writer": "rotationzoo calibrate",
+                               **{k: info[k] for k in PROVENANCE_KEYS if info.get(k) is not None}})
     finally:
         if tmp is not None:
             tmp.cleanup()
-    return CapturedStatistics(collector.accs, info, objective, samples)
+    return CapturedStatistics(collector.accs, info, names[0] if len(names) == 1 else ",".join(names), samples)
 
 
 class _Collector:

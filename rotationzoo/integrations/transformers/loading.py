@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import torch
 
 from ...errors import ModelLoadError
+from ...hashing import sha256_file
 from .common import require_transformers
 
 
@@ -92,3 +94,22 @@ def model_shape(model: Any) -> ModelShape:
     ctx = getattr(cfg, "max_position_embeddings", None)
     return ModelShape(head_dim=d, num_q_heads=heads, num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
                       layer_ids=tuple(range(int(cfg.num_hidden_layers))), context_length=int(ctx) if ctx else None)
+
+
+_SNAPSHOT = re.compile(r"(?:^|/)snapshots/([0-9a-f]{40})(?:/|$)")
+
+
+def model_provenance(model: Any, path: str | os.PathLike[str] | None = None,
+                     revision: str | None = None) -> dict[str, Any]:
+    """What identifies the calibrated model, for the files' ``calibration`` record: ``model_revision``
+    (``revision`` if given, else the commit transformers recorded, else the commit of a Hugging Face cache
+    snapshot folder the path lies in, else ``None``) and, for a single ``.gguf`` file, its ``model_sha256``."""
+    out: dict[str, Any] = {}
+    rev = revision or getattr(getattr(model, "config", None), "_commit_hash", None)
+    if not rev and path is not None:
+        m = _SNAPSHOT.search(Path(path).expanduser().resolve().as_posix())
+        rev = m.group(1) if m else None
+    out["model_revision"] = rev if isinstance(rev, str) else None
+    if path is not None and Path(path).suffix.lower() == ".gguf" and Path(path).is_file():
+        out["model_sha256"] = sha256_file(Path(path).expanduser())
+    return out

@@ -20,6 +20,7 @@ refused with the byte offset.
 from __future__ import annotations
 
 import codecs
+import hashlib
 import os
 import re
 import stat
@@ -306,3 +307,29 @@ def read_token_ids(tokenizer: Any, texts: Sequence[str | os.PathLike[str]], *, l
         if kept:
             out.append(kept)
     return out
+
+
+def texts_sha256(texts: Sequence[str | os.PathLike[str]], *, texts_are_paths: bool = True,
+                 what: str = "text") -> str:
+    """sha256 of the calibration texts, in order: the bytes of every file (opened as :func:`check_text_files`
+    checks them, read whole in 1 MiB pieces, nothing kept), or the UTF-8 of every string. One file gives
+    that file's own sha256."""
+    h = hashlib.sha256()
+    for text in texts:
+        if not texts_are_paths:
+            h.update(str(text).encode("utf-8"))
+            continue
+        path = Path(text).expanduser()
+        fd = _open_regular(path, str(path), what)
+        try:
+            while True:
+                try:
+                    block = os.read(fd, PIECE_BYTES)
+                except OSError as exc:
+                    raise ConfigError(f"{path}: cannot read the {what} ({exc.strerror or exc})") from None
+                if not block:
+                    break
+                h.update(block)
+        finally:
+            os.close(fd)
+    return h.hexdigest()
