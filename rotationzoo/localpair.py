@@ -45,11 +45,15 @@ def _manifest(d: Path) -> dict[str, Any]:
 
 
 def _manifest_metadata(d: Path) -> dict[str, str]:
-    """What a fitted folder's manifest says about serving the pair: the fitted group size (strings)."""
+    """What a fitted folder's manifest says about serving the pair (strings): the fitted group size
+    and the recorded ``int2kv`` block (JSON text; checked when it is used)."""
     out: dict[str, str] = {}
-    g = _manifest(d).get("group_size")
+    manifest = _manifest(d)
+    g = manifest.get("group_size")
     if isinstance(g, int) and not isinstance(g, bool) and g > 0:
         out["group_size"] = str(g)
+    if isinstance(manifest.get("int2kv"), Mapping):
+        out["int2kv"] = json.dumps(manifest["int2kv"], sort_keys=True)
     return out
 
 

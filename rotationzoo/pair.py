@@ -24,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 from ._inspect import parse_index
 from .errors import IntegrityError, InvalidRotationError, PairError, RotationFileError, RotationZooError
-from .errors import UnknownModelError
+from .errors import ConfigError, UnknownModelError
 from .fit.output import MANIFEST_NAME  # noqa: F401  (re-exported)
 from .format import RotationSet, read_rotation
 from .hashing import read_hashed
@@ -153,10 +154,23 @@ class RotationPair:
 
     @property
     def recorded_config(self) -> Int2KVConfig | None:
-        """The INT2-KV settings the rotations come with: the entry's serving defaults, else
-        :class:`Int2KVConfig`'s at the group size they were fitted for; ``None`` when neither is known."""
+        """The INT2-KV settings the rotations come with: the entry's serving defaults, else a fitted
+        folder's ``int2kv`` block (``rotationzoo.json``), else :class:`Int2KVConfig`'s at the group size
+        they were fitted for; ``None`` when none is known.
+
+        Raises:
+            ConfigError: the recorded ``int2kv`` block is not a valid set of settings.
+        """
         if self.serving is not None:
             return self.serving
+        block = self.metadata.get("int2kv")
+        if block:
+            where = f"{self.paths.get('k') or self.source}: {MANIFEST_NAME} int2kv"
+            try:
+                raw = json.loads(block)
+            except ValueError:
+                raise ConfigError(f"{where} is not JSON; fit the rotations again") from None
+            return Int2KVConfig.from_json(raw, where=where)
         g = self.fitted_group_size
         return Int2KVConfig(group_size=g) if g is not None else None
 

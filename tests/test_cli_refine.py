@@ -114,3 +114,21 @@ def test_cli_refine_never_writes_a_worse_layer(dump: Path, tmp_path: Path, monke
             assert row["heldout_refined"] > row["heldout_init"] == row["heldout_final"] and row["kept"] == "init"
     h = read_rotation(out / "k_rotation_refined_k_logit_hadamard.pt").rotations
     assert torch.allclose(h[0].double() @ h[0].double().T, eye, atol=1e-6) and not torch.allclose(h[0].double(), eye)
+
+
+def test_refined_folder_records_one_int2kv_block(dump: Path, tmp_path: Path) -> None:
+    """The manifest says once, as ``int2kv``, the settings the refinement modelled; loading the folder
+    gives them back as the pair's recorded config."""
+    from rotationzoo.fit import write_fitted
+    from rotationzoo.fit.refine_loss import RefineConfig
+    from rotationzoo.int2kv import Int2KVConfig
+    from rotationzoo.pair import resolve_pair
+
+    cfg = RefineConfig(int2kv=Int2KVConfig(k_clip_ratio=0.9, prefix_tokens=16))
+    res = refine_dump(dump, RefineOptions(steps=0), group_size=16, config=cfg)
+    out = write_fitted(res, tmp_path / "r")
+    m = json.loads(out.manifest_path.read_text())
+    want = Int2KVConfig(k_clip_ratio=0.9, prefix_tokens=16, group_size=16)
+    assert m["int2kv"] == want.to_json() and "int2kv" not in m["refinement"]["config"]
+    assert "clip_ratio" not in m and "clip_k" not in json.dumps(m)
+    assert resolve_pair(str(tmp_path / "r")).recorded_config == want

@@ -11,6 +11,7 @@ import torch
 
 from rotationzoo import read_rotation, validate
 from rotationzoo.errors import DumpError, FitError
+from rotationzoo.int2kv import Int2KVConfig
 from rotationzoo.fit import (
     OBJECTIVE_TARGETS,
     fit_rotations,
@@ -413,7 +414,7 @@ def test_write_fitted_files_and_manifest(tmp_path):
     assert m["model"] == "org/tiny" and m["tag"] == "synthetic-seq523"
     assert m["tokens"] == 523 and m["prompts"] == 8 and m["head_dim"] == 64 and m["layer_ids"] == [0, 1]
     assert m["objectives"] == {"k": "qqt_r_h_pbr", "v": "sst_r_h_pbr"} and m["composition"] == "r_h_pbr"
-    assert m["clip_ratio"] == {"k": 0.96, "v": 0.92}
+    assert m["int2kv"] == Int2KVConfig().to_json() and "clip_ratio" not in m  # one spelling of the settings
     assert m["library"]["name"] == "rotationzoo" and m["library"]["version"]
     for side, p in out.paths.items():
         assert m["files"][side] == {"name": p.name, "objective": m["objectives"][side], "format_version": 1,

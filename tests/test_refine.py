@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -17,6 +19,7 @@ from rotationzoo.fit.refine import (
 from rotationzoo.fit.samples import CalibrationSamples, LayerSamples
 from rotationzoo.format import RotationSet, read_rotation, write_rotation
 from rotationzoo.hadamard import hadamard_matrix
+from rotationzoo.int2kv import Int2KVConfig
 from rotationzoo.kernels import dequantize_int2, quantize_int2
 from rotationzoo.kernels.layout import clip_index
 from rotationzoo.validation import validate
@@ -152,11 +155,11 @@ def test_reservoir_from_dump_matches_live(tmp_path) -> None:
 def test_sink_positions_add_no_error() -> None:
     s = _planted(blocks=4)
     s.positions[:] = 0  # blocks at the start of their sequences: inside a 64-token sink
-    rec = refine_layer(s, "k", torch.eye(D), RefineConfig(**{**CFG, "steps_k": 0, "prefix": 64})).record
+    rec = refine_layer(s, "k", torch.eye(D), RefineConfig(**{**CFG, "steps_k": 0, "int2kv": Int2KVConfig(group_size=16, prefix_tokens=64)})).record
     assert rec["heldout_init"] == 0.0
     s.positions[:] = 32  # half of each block in the sink
-    half = refine_layer(s, "k", torch.eye(D), RefineConfig(**{**CFG, "steps_k": 0, "prefix": 64})).record
-    full = refine_layer(s, "k", torch.eye(D), RefineConfig(**{**CFG, "steps_k": 0, "prefix": 0})).record
+    half = refine_layer(s, "k", torch.eye(D), RefineConfig(**{**CFG, "steps_k": 0, "int2kv": Int2KVConfig(group_size=16, prefix_tokens=64)})).record
+    full = refine_layer(s, "k", torch.eye(D), RefineConfig(**{**CFG, "steps_k": 0})).record
     assert 0.2 * full["heldout_init"] < half["heldout_init"] < 0.8 * full["heldout_init"]
 
 
@@ -186,7 +189,8 @@ def _good_rotation() -> torch.Tensor:
     return torch.block_diag(*([h] * 4))
 
 
-CFG = {"group_size": 16, "steps_k": 30, "steps_v": 20, "lr": 2e-2, "batch_blocks": 4, "prefix": 0, "holdout": 0.25}
+CFG = {"int2kv": Int2KVConfig(group_size=16, prefix_tokens=0), "steps_k": 30, "steps_v": 20, "lr": 2e-2, "batch_blocks": 4,
+       "holdout": 0.25}
 
 
 def test_refinement_beats_hadamard_on_planted_outliers() -> None:
@@ -242,9 +246,7 @@ def test_same_seed_same_rotations_any_worker_count(tmp_path) -> None:
     cfg = RefineConfig(**{**CFG, "steps_k": 15, "steps_v": 10})
     a = refine_rotations(samples, "hadamard", cfg, num_workers=1)
     b = refine_rotations(samples, "hadamard", cfg, num_workers=2)
-    c = refine_rotations(samples, "hadamard", RefineConfig(**{**cfg.to_dict(), "seed": 1, "sides": ("k", "v"),
-                                                              "scale_dtype": torch.float32,
-                                                              "round_rows": torch.bfloat16}))
+    c = refine_rotations(samples, "hadamard", replace(cfg, seed=1))
     for side in ("k", "v"):
         assert torch.equal(a.stacked(side), b.stacked(side))
     assert not torch.equal(a.stacked("k"), c.stacked("k"))
@@ -286,3 +288,23 @@ def test_per_head_results_are_per_head_sets() -> None:
     assert rs.source_grouping == "kv_head" and rs.rotations.shape == (1, 1, D, D)
     with pytest.raises(FitError, match="needs ≥ 2"):
         refine_layer(_planted(blocks=1), "k", torch.eye(D), RefineConfig(**CFG))
+
+
+@pytest.mark.parametrize("int2kv, said", [
+    (Int2KVConfig(lloyd_max=True), r"int2kv.lloyd_max=True is not modelled: refine with lloyd_max=False"),
+    (Int2KVConfig(clip_search="bisect"), r"int2kv.clip_search='bisect' is not modelled"),
+    ({"group_size": 16}, r"int2kv must be an Int2KVConfig, got dict"),
+])
+def test_refinement_refuses_int2_settings_its_loss_does_not_model(int2kv, said) -> None:
+    with pytest.raises(FitError, match=said):
+        RefineConfig(int2kv=int2kv)
+
+
+def test_refinement_models_the_configs_settings() -> None:
+    """The loss reads its clip ratio, group size, sink and dtypes from the one Int2KVConfig."""
+    s = _planted(blocks=4)
+    base = refine_layer(s, "k", torch.eye(D), RefineConfig(**{**CFG, "steps_k": 0})).record["heldout_init"]
+    for change in ({"k_clip_ratio": 0.0}, {"group_size": 64}, {"scale_dtype": "float16"}, {"hp_dtype": "float32"}):
+        cfg = RefineConfig(**{**CFG, "steps_k": 0, "int2kv": replace(CFG["int2kv"], **change)})
+        assert refine_layer(s, "k", torch.eye(D), cfg).record["heldout_init"] != base, change
+    assert RefineConfig(**CFG).to_dict()["int2kv"] == CFG["int2kv"].to_json()

@@ -172,9 +172,9 @@ def eval_command(
 
     INT2-KV settings (group size, clip ratios, windows, dtypes): those of the rotations (--rotations,
     else the first NAME=ROTATIONS method that has any): a registry entry's serving settings, or the
-    library defaults at the group size a fitted folder's rotationzoo.json records (r_pbr_hg<G>,
-    --refine -g G); for the default SmolLM2 GGUF without either, its entry's; else the library
-    defaults. The options below override them. Windows
+    int2kv block a fitted folder's rotationzoo.json records (the settings it was fitted for: the
+    library defaults at r_pbr_hg<G>'s or --refine -g G's group size); for the default SmolLM2 GGUF
+    without either, its entry's; else the library defaults. The options below override them. Windows
     (--context, --tokens) must be longer than the sink + recent tokens, or nothing is quantized.
 
     Examples:

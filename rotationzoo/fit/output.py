@@ -58,10 +58,10 @@ class FitOutput:
 
 
 def build_manifest(result: FitResult, files: Mapping[str, Mapping[str, Any]], *, model: str | None, tag: str | None,
-                   prompts: int | None, clip_ratios: Mapping[str, float] | None, fmt: str) -> dict[str, Any]:
-    """The ``rotationzoo.json`` manifest of written ``files`` (name, objective, sha256, size per side)."""
-    defaults = Int2KVConfig()
-    ratios = {"k": defaults.k_clip_ratio, "v": defaults.v_clip_ratio, **(clip_ratios or {})}
+                   prompts: int | None, int2kv: Int2KVConfig | None, fmt: str) -> dict[str, Any]:
+    """The ``rotationzoo.json`` manifest of written ``files`` (name, objective, sha256, size per side)
+    and, as ``int2kv``, the INT2-KV settings to serve them with (``int2kv`` or the result's)."""
+    config = int2kv if int2kv is not None else result.serving_config()
     return {
         "manifest_version": 1,
         "model": model if model is not None else result.model,
@@ -81,7 +81,7 @@ def build_manifest(result: FitResult, files: Mapping[str, Mapping[str, Any]], *,
         "group_size": result.group_size,
         "signs": result.signs,
         "keep_first_chunk": result.keep_first_chunk,
-        "clip_ratio": {side: ratios[side] for side in ("k", "v")},
+        "int2kv": config.to_json(),
         "format": fmt,
         "format_version": max((int(f.get("format_version", 1)) for f in files.values()), default=1),
         "source": result.source,
@@ -98,7 +98,7 @@ def write_fitted(
     model: str | None = None,
     tag: str | None = None,
     prompts: int | None = None,
-    clip_ratios: Mapping[str, float] | None = None,
+    int2kv: Int2KVConfig | None = None,
     fmt: str = "pt",
     extra: Mapping[str, Any] | None = None,
 ) -> FitOutput:
@@ -110,7 +110,8 @@ def write_fitted(
         model: model id for the manifest (default: what the source recorded).
         tag: calibration tag for the manifest (e.g. ``"gpqa-seq20000"``).
         prompts: prompt count for the manifest (default: ``result.prompts``).
-        clip_ratios: serving clip ratios recorded in the manifest (default: :class:`~rotationzoo.int2kv.Int2KVConfig`'s 0.96 / 0.92).
+        int2kv: the INT2-KV settings recorded in the manifest's ``int2kv`` block (default:
+            :meth:`FitResult.serving_config`: a refinement's own, else the defaults at the fitted group size).
         fmt: ``"pt"`` (the authors' format) or ``"safetensors"``.
         extra: more manifest fields.
 
@@ -139,7 +140,7 @@ def write_fitted(
         paths[side] = p
         files[side] = {"name": p.name, "objective": rs.objective, "format_version": rs.layout_version,
                        "sha256": sha256_file(p), "size": p.stat().st_size}
-    manifest = build_manifest(result, files, model=model, tag=tag, prompts=prompts, clip_ratios=clip_ratios, fmt=fmt)
+    manifest = build_manifest(result, files, model=model, tag=tag, prompts=prompts, int2kv=int2kv, fmt=fmt)
     if result.tokens and len(set(result.tokens.values())) > 1:
         manifest["tokens_per_layer"] = {str(k): v for k, v in result.tokens.items()}
     if result.refinement is not None:

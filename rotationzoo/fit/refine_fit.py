@@ -185,7 +185,7 @@ def refinement_summary(res: RefineResult, init: str, init_label: str, samples: C
         "seed": cfg.seed,
         "optimizer": "adam",
         "parametrization": cfg.param,
-        "config": cfg.to_dict(),
+        "config": {k: v for k, v in cfg.to_dict().items() if k != "int2kv"},  # that is the manifest's int2kv
         "samples": {k: v for k, v in samples.summary().items() if k != "layers"},
         "mean_relative_improvement": {
             side: relative_improvement([r for r in res.records if r["side"] == side]) for side in cfg.sides
@@ -219,11 +219,12 @@ def refine_fit(
             :func:`~rotationzoo.integrations.transformers.collect_statistics`).
         init: ``"hadamard"``, ``"oscar"`` (``r_h_pbr``) or ``"r_pbr_hg"`` (with ``G = group_size``).
         steps: optimizer steps per layer and side (0: the init, with its held-out loss recorded).
-        group_size: INT2 group ``G`` of the loss (``None``: head_dim).
+        group_size: INT2 group ``G`` of the loss (``None``: ``config.int2kv.group_size``, whose
+            ``None`` is head_dim).
         seed: seeds the train/held-out split and the minibatches.
         statistics: a dump or covariance accumulators to fit the OSCAR inits from (default: the samples).
-        config: further settings (clip ratios, learning rate, ...); ``steps``, ``group_size`` and
-            ``seed`` override its fields.
+        config: further settings (``config.int2kv``: the INT2-KV settings the loss models; learning
+            rate, ...); ``steps``, ``group_size`` and ``seed`` override its fields.
         layers: only these layers (default: all with samples).
         num_workers: concurrent (layer, side) jobs (the result does not depend on it).
         progress: ``progress(done, total, what)`` (:mod:`rotationzoo.progress`): the OSCAR inits'
@@ -247,8 +248,10 @@ def refine_fit(
     per_head = check_grouping(grouping)
     if base.per_head and not per_head:
         raise FitError("config.per_head=True learns one rotation per KV head; pass grouping='kv_head'")
-    cfg = RefineConfig(**{**vars(base), "steps_k": int(steps), "steps_v": int(steps), "group_size": group_size,
-                          "seed": int(seed), "per_head": per_head})
+    if group_size is None:
+        group_size = base.int2kv.group_size
+    cfg = replace(base, steps_k=int(steps), steps_v=int(steps), seed=int(seed), per_head=per_head,
+                  int2kv=replace(base.int2kv, group_size=group_size))
     if tuple(cfg.sides) != ("k", "v"):
         raise FitError("refine_fit writes a pair: rotations for both K and V")
     ids = tuple(sorted(int(i) for i in layers)) if layers is not None else samples.layer_ids()
@@ -269,7 +272,7 @@ def refine_fit(
         layer_ids=ids, head_dim=first.head_dim, num_q_heads=first.num_q_heads, num_kv_heads=first.num_kv_heads,
         tokens={lid: samples.layers[lid].tokens_seen for lid in ids}, prompts=info.get("prompts"),
         source=info, model=model if model is not None else info.get("model"),
-        refinement=refinement_summary(res, init, label, samples), center=centered,
+        refinement=refinement_summary(res, init, label, samples), center=centered, int2kv=cfg.int2kv,
     )
     result.stats = FitStats(wall_s=time.perf_counter() - t0, peak_rss_bytes=peak_rss_bytes(), num_workers=res.workers)
     return result

@@ -7,7 +7,7 @@ See :mod:`rotationzoo.fit.refine` for the objective; this module holds the setti
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -20,7 +20,6 @@ from .ste import fake_quantize_int2
 
 #: Loss names recorded per side.
 LOSS_NAMES = {"k": "k_logit", "v": "v_attn_out"}
-_SERVING = Int2KVConfig()
 
 
 @dataclass
@@ -34,14 +33,13 @@ class RefineConfig:
         batch_blocks: training blocks per step (all when fewer).
         rebase_every: re-base ``R0 ← R`` every this many steps (0: never).
         param: ``"expm"`` or ``"cayley"``.
-        group_size: INT2 group ``G`` (``None`` = head_dim).
-        clip_k, clip_v: per-row clip ratios (kernel semantics, ``<= 0`` disables); default: the
-            serving defaults of :class:`~rotationzoo.int2kv.Int2KVConfig` (0.96 / 0.92).
-        scale_dtype: dtype the scale/zero are stored in (``Int2KVConfig.scale_dtype``, fp32).
-        round_rows: dtype the rotated rows are rounded to before quantizing (the served window
-            dtype ``Int2KVConfig.hp_dtype``, bf16), or ``None``.
-        prefix: positions below this stay in the BF16 sink (no INT2 error;
-            ``Int2KVConfig.prefix_tokens``, 64).
+        int2kv: the INT2-KV settings the loss models (:class:`~rotationzoo.int2kv.Int2KVConfig`, the
+            one carrier of them): ``group_size`` (``None`` = head_dim), ``k_clip_ratio`` /
+            ``v_clip_ratio`` (kernel semantics, 0 disables), ``scale_dtype`` (what scale/zero are
+            rounded to), ``hp_dtype`` (what the rotated rows are rounded to before quantizing, as the
+            served window holds them) and ``prefix_tokens`` (positions below it stay in the sink: no
+            INT2 error). The loss quantizes with uniform levels and exact clip thresholds, so
+            ``lloyd_max=True`` and ``clip_search="bisect"`` are refused.
         holdout: share of blocks held out for the keep decision (at least one block).
         per_head: one rotation per KV head (``[H_kv, d, d]`` per layer) instead of per layer.
         seed: seeds the split and the minibatches (with the layer id).
@@ -55,12 +53,7 @@ class RefineConfig:
     batch_blocks: int = 8
     rebase_every: int = 50
     param: str = "expm"
-    group_size: int | None = None
-    clip_k: float = _SERVING.k_clip_ratio
-    clip_v: float = _SERVING.v_clip_ratio
-    scale_dtype: torch.dtype = getattr(torch, _SERVING.scale_dtype)
-    round_rows: torch.dtype | None = getattr(torch, _SERVING.hp_dtype)
-    prefix: int = _SERVING.prefix_tokens
+    int2kv: Int2KVConfig = field(default_factory=Int2KVConfig)
     holdout: float = 0.25
     per_head: bool = False
     seed: int = 0
@@ -76,13 +69,39 @@ class RefineConfig:
             raise FitError("steps, rebase_every and lr must be ≥ 0 and batch_blocks ≥ 1")
         if not 0.0 < self.holdout < 1.0:
             raise FitError(f"holdout must be in (0, 1), got {self.holdout}")
+        if not isinstance(self.int2kv, Int2KVConfig):
+            raise FitError(f"int2kv must be an Int2KVConfig, got {type(self.int2kv).__name__}")
+        if self.int2kv.lloyd_max:
+            raise FitError("refinement learns against uniform INT2 levels; int2kv.lloyd_max=True is not modelled: "
+                           "refine with lloyd_max=False (the rotations serve with either)")
+        if self.int2kv.clip_search != "exact":
+            raise FitError(f"refinement clips rows at their exact thresholds; int2kv.clip_search="
+                           f"{self.int2kv.clip_search!r} is not modelled: refine with clip_search='exact'")
+
+    @property
+    def group_size(self) -> int | None:
+        return self.int2kv.group_size
+
+    @property
+    def prefix(self) -> int:
+        return self.int2kv.prefix_tokens
+
+    def clip_ratio(self, side: str) -> float:
+        return self.int2kv.clip_ratio(side)
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        return getattr(torch, self.int2kv.scale_dtype)
+
+    @property
+    def round_rows(self) -> torch.dtype:
+        return getattr(torch, self.int2kv.hp_dtype)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-friendly settings."""
-        d = asdict(self)
+        """JSON-friendly settings (``int2kv`` as :meth:`Int2KVConfig.to_json`)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["sides"] = list(self.sides)
-        d["scale_dtype"] = str(self.scale_dtype).replace("torch.", "")
-        d["round_rows"] = str(self.round_rows).replace("torch.", "") if self.round_rows else None
+        d["int2kv"] = self.int2kv.to_json()
         return d
 
 
@@ -163,7 +182,7 @@ def numerators(r: torch.Tensor, data: LayerData, idx: torch.Tensor, cfg: RefineC
     x = data.x[idx] @ r  # [b, H, n, d]
     d = x.shape[-1]
     gs = cfg.group_size or d
-    ci = _clip_index(cfg.clip_k if data.side == "k" else cfg.clip_v, d)
+    ci = _clip_index(cfg.clip_ratio(data.side), d)
     xq = fake_quantize_int2(x.reshape(-1, d), clip_index=ci, group_size=gs, scale_dtype=cfg.scale_dtype,
                             round_rows=cfg.round_rows).reshape(x.shape)
     e = (xq - x) * data.mask[idx]

@@ -12,6 +12,7 @@ import torch
 from .._version import __version__
 from ..errors import FitError
 from ..format import RotationSet
+from ..int2kv import Int2KVConfig
 from .compose import composition_label
 from .recipes import V2_COMPOSITION, side_objective
 
@@ -100,6 +101,9 @@ class FitResult:
             carries ``v_mean`` too).
         means: ``{"k": fp64 [L, H_kv, d], "v": ...}``, every KV head's mean key and value over the
             fitted tokens (a side is absent when its activations were not read).
+        int2kv: the INT2-KV settings the rotations were fitted for (the refinement's
+            ``config.int2kv``; for closed forms ``None``: :meth:`serving_config` gives the defaults at
+            :attr:`group_size`), written once, as the manifest's ``int2kv`` block.
     """
 
     k: RotationSet | None
@@ -123,6 +127,14 @@ class FitResult:
     refinement: dict[str, Any] | None = None
     center: str = "none"
     means: dict[str, torch.Tensor] = field(default_factory=dict)
+    int2kv: Int2KVConfig | None = None
+
+    def serving_config(self) -> Int2KVConfig:
+        """The INT2-KV settings to serve these rotations with: :attr:`int2kv`, else the defaults at the
+        group size the fit depends on (``r_pbr_hg<G>``), else the defaults."""
+        if self.int2kv is not None:
+            return self.int2kv
+        return Int2KVConfig(group_size=self.group_size) if self.group_size else Int2KVConfig()
 
     def calibration_record(self, model: str | None = None) -> dict[str, Any]:
         """The files' ``calibration`` dict, the keys of the authors' (``model_path``, ``model_revision``,

@@ -83,11 +83,16 @@ def _tag_json(plan: Plan, hubs: Sequence[HubResult], existing: Mapping[str, Any]
 
 
 def _new_serving(plan: Plan, manifest: Mapping[str, Any], group: Any) -> dict[str, Any]:
-    """Serving defaults of a new entry: the authors' recipe with the manifest's clip ratios and the
-    tag's group size (head_dim when the tag does not name one)."""
+    """Serving defaults of a new entry: the authors' recipe with the manifest's clip ratios (its
+    ``int2kv`` block; ``clip_ratio`` in manifests written before it) and the tag's group size
+    (head_dim when the tag does not name one)."""
     changes: dict[str, Any] = {}
-    raw = manifest.get("clip_ratio")
-    clip: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
+    block = manifest.get("int2kv")
+    if isinstance(block, Mapping):
+        clip: Mapping[str, Any] = {side: block.get(f"{side}_clip_ratio") for side in SIDES}
+    else:
+        raw = manifest.get("clip_ratio")
+        clip = raw if isinstance(raw, Mapping) else {}
     for side in SIDES:
         value = clip.get(side)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1:
