@@ -27,7 +27,7 @@ import json
 import os
 import re
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -44,9 +44,8 @@ from .engines import (
     target,
     vllm_env,
 )
+from .derived import ensure_rotation_files, ensure_rotations_gguf, rotations_gguf_path
 from .errors import RegistryError, RotationZooError, ServingError
-from .export import export_gguf
-from .hub import derived_hit, derived_path, record_derived
 from .launch import LaunchConfig
 from .numbers import shown
 from .pair import RotationPair, looks_like_path, resolve_pair
@@ -57,7 +56,6 @@ from .sharding import kv_heads_per_rank
 OutputFormat = Literal["shell", "env", "json"]
 OUTPUT_FORMATS: tuple[str, ...] = get_args(OutputFormat)
 #: Name of the rotations GGUF kept in the cache's derived area (this project's choice).
-ROTATIONS_GGUF_NAME = "oscar-rot-kv.gguf"
 #: What the launch loads when the rotations name no usable model id and no ``--model-path`` is given.
 MODEL_PLACEHOLDER = "MODEL"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -175,52 +173,6 @@ class LaunchSpec:
         raise ServingError(f"unknown output format {shown(fmt)}; expected one of {', '.join(OUTPUT_FORMATS)}")
 
 
-def rotations_gguf_path(pair: RotationPair, cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """Where the rotations GGUF of ``pair`` is kept: the cache's derived area, under the entry (or,
-    for local files, under an id made from the sha256 of the bytes they were read from)."""
-    return derived_path(ROTATIONS_GGUF_NAME, entry=pair.entry, inputs=pair.sha256, cache_dir=cache_dir)
-
-
-def ensure_rotations_gguf(pair: RotationPair, *, cache_dir: str | os.PathLike[str] | None = None,
-                          force: bool = False) -> Path:
-    """The rotations GGUF of ``pair`` in the derived area, exported unless one is already there that
-    was built from the same bytes (its marker records the sha256 of the K and V files read,
-    :attr:`RotationPair.sha256`) and holds exactly ``pair``'s rotations (read back and compared).
-
-    Raises:
-        ServingError: the pair has no K or V file read from disk, or the GGUF just written does
-            not hold its rotations.
-    """
-    if not all(pair.sha256.get(s) for s in ("k", "v")):
-        raise ServingError(f"{pair.source}: the llama.cpp launch needs both rotation files with known sha256")
-    out = rotations_gguf_path(pair, cache_dir)
-    inputs = {s: pair.sha256[s] for s in ("k", "v")}
-    if not force and derived_hit(out, inputs) and _holds(out, pair):
-        return out
-    export_gguf(pair, out)
-    if not _holds(out, pair):
-        raise ServingError(f"{out}: the rotations GGUF just written does not read back as {pair.source}; "
-                           "check the disk and the cache (rotationzoo cache verify)")
-    record_derived(out, inputs=inputs, entry=pair.entry)
-    return out
-
-
-def _holds(path: Path, pair: RotationPair) -> bool:
-    """Whether the GGUF at ``path`` holds exactly ``pair``'s K and V rotations (as exported: fp32)."""
-    import torch
-
-    from .pairfile import read_gguf
-
-    try:
-        sets, _ = read_gguf(path)
-    except RotationZooError:
-        return False
-    return sets.keys() == {"k", "v"} and all(
-        sets[s].layer_ids == rs.layer_ids
-        and torch.equal(sets[s].stacked(), rs.stacked(what="a GGUF").detach().to("cpu", torch.float64).to(torch.float32))
-        for s, rs in pair)
-
-
 def _llamacpp_launch(pair: RotationPair, model_path: str | None, cache_dir: Any,
                      files: dict[str, str]) -> tuple[dict[str, str], list[str], list[list[str]]]:
     gguf_path = ensure_rotations_gguf(pair, cache_dir=cache_dir)
@@ -328,11 +280,18 @@ def launch_spec(
                   paths=files, model=loads, head_dims=pair.head_dims, kinds=pair_kinds(pair, cfg),
                   source=pair.source or "rotations", kv_head_counts=kv_head_counts(pair),
                   model_kv_heads=arch.num_kv_heads if arch is not None else None, **knobs)
+    if e != "llamacpp" and files["k"] == files["v"]:  # one file holds both sides: the engine reads two
+        files.update({s: str(p) for s, p in ensure_rotation_files(pair, cache_dir=cache_dir).items()})
+        notes_first = [f"{pair.source} holds K and V in one file; the launch reads the K and V .pt files "
+                       f"written from it into the cache's derived area"]
+        inp = replace(inp, paths=dict(files))
+    else:
+        notes_first = []
     built = t.build(inp)
     env, args, prepare_cmds = built.env, built.args, list[list[str]]()
     if e == "llamacpp":
         env, args, prepare_cmds = _llamacpp_launch(pair, model_path, cache_dir, files)
-    notes = built.notes
+    notes = notes_first + built.notes
     if pair.entry is None:
         notes.insert(0, "these rotations are not from the registry: default INT2-KV settings "
                         f"({cfg.label(pair.head_dims.default)}) were used")
@@ -404,6 +363,7 @@ __all__ = [
     "OUTPUT_FORMATS",
     "LaunchSpec",
     "ServingError",
+    "ensure_rotation_files",
     "ensure_rotations_gguf",
     "launch_spec",
     "llamacpp_env",

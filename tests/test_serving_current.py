@@ -466,3 +466,38 @@ def test_latent_models_have_no_tags():
     assert lint_registry({"models": [{"id": "ns/L", "mla_latent": {"location": "/x", "recipe": "run/x.sh"}}]}).ok
     with pytest.raises(ConfigError):
         LaunchConfig(tp_size=True)
+
+
+# -- a pair held in one file ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
+def test_a_one_file_pair_is_served_as_two_derived_pt_files(fmt, cache_dir, tmp_path, capsys):
+    """SGLang reads a K and a V path: a pair file becomes two .pt files in the derived area, written
+    once, re-written when tampered with, and holding exactly the pair (per-head V3 with k_mean here)."""
+    from rotationzoo.export import export
+
+    d = local_pair(tmp_path / "src", layouts.v3_key(2, 2, 64), layouts.v3_value(2, 2, 64))
+    one = export(str(d), tmp_path / f"pair.{fmt}", to=fmt) if fmt == "safetensors" else None
+    if one is None:  # GGUF exports refuse per-head sets: use shared V1 rotations for that format
+        d = local_pair(tmp_path / "v1", layouts.v1(2, 64), layouts.v1(2, 64, seed=1, objective="sst_r_h_pbr"))
+        one = export(str(d), tmp_path / "pair.gguf", to="gguf")
+    rc, out, err = run_cli(capsys, "serve-args", str(one), "-f", "json")
+    assert rc == 0, err
+    data = json.loads(out)
+    k, v = Path(data["files"]["k"]), Path(data["files"]["v"])
+    assert k != v and k.name == "k_rotation.pt" and v.name == "v_rotation.pt"
+    assert (cache_dir / "derived") in k.parents
+    assert data["env"]["SGLANG_OSCAR_K_ROTATION_PATH"] == str(k) and any("one file" in n for n in data["notes"])
+    want = rotationzoo.load(str(one))
+    for side, p in (("k", k), ("v", v)):
+        got = torch.load(p, weights_only=True)  # the authors' loader reads it
+        assert got["format_version"] == want[side].layout_version
+        assert torch.equal(rotationzoo.load(f"{k},{v}")[side].stacked(), want[side].stacked().float())
+    assert (want["k"].k_mean is not None) == (fmt == "safetensors")
+    stamp = k.stat().st_mtime_ns
+    assert run_cli(capsys, "serve-args", str(one), "-f", "json")[0] == 0
+    assert k.stat().st_mtime_ns == stamp  # reused
+    k.write_bytes(b"tampered")
+    assert run_cli(capsys, "serve-args", str(one), "-f", "json")[0] == 0
+    assert torch.equal(rotationzoo.load(f"{k},{v}")["k"].stacked(), want["k"].stacked().float())

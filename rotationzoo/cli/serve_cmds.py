@@ -81,7 +81,8 @@ def cmd_serve_args(
     engine's command line (TP size, backends, prefix cache from the entry's recipe). On stderr: caveats,
     the KV heads of each tensor-parallel rank, and the server log lines to check. For llamacpp it also
     writes a rotations GGUF into the cache's derived area (see `rotationzoo cache ls`) and prints the
-    step that appends it to the model GGUF.
+    step that appends it to the model GGUF; for the other engines a pair held in one file
+    (pair.safetensors, a rotations GGUF) is written there as K and V .pt files, which the launch names.
 
     Examples:  rotationzoo serve-args Qwen3-30B-A3B  |  rotationzoo serve-args Qwen3-30B-A3B --tp 4  |
     rotationzoo serve-args Qwen3-8B -e sglang-legacy  |  rotationzoo serve-args Qwen3-8B --calibrate  |
