@@ -172,6 +172,17 @@ def rotationzoo_fit(dump: Path, out: Path, workers: int | None) -> dict:
             "num_workers": s.num_workers, "tokens": result.token_count}
 
 
+def _synthetic_dump(dump: Path, args: argparse.Namespace) -> dict:
+    """Write the synthetic dump of ``args`` and say what it is (and how long it took to write)."""
+    t0 = time.perf_counter()
+    desc = make_dump(dump, layers=args.layers, tokens=args.tokens, q_heads=args.q_heads, kv_heads=args.kv_heads,
+                     head_dim=args.head_dim, chunk=args.chunk, dtype=args.dtype)
+    desc["generate_s"] = time.perf_counter() - t0
+    print(f"dump: {args.layers} layers x {args.tokens} tokens, H_q={args.q_heads} H_kv={args.kv_heads} "
+          f"d={args.head_dim} {args.dtype}, {desc['bytes'] / 1e6:.0f} MB ({desc['generate_s']:.1f} s to write)")
+    return desc
+
+
 def _recipe(name: str) -> tuple[str, dict]:
     sys.path.insert(0, str(REPO / "tools"))
     from bench_real_model import RECIPES
@@ -323,12 +334,7 @@ def main(argv: list[str] | None = None) -> int:
             if not args.keep and args.dir is None:
                 shutil.rmtree(work, ignore_errors=True)
     try:
-        t0 = time.perf_counter()
-        desc = make_dump(dump, layers=args.layers, tokens=args.tokens, q_heads=args.q_heads, kv_heads=args.kv_heads,
-                         head_dim=args.head_dim, chunk=args.chunk, dtype=args.dtype)
-        desc["generate_s"] = time.perf_counter() - t0
-        print(f"dump: {args.layers} layers x {args.tokens} tokens, H_q={args.q_heads} H_kv={args.kv_heads} "
-              f"d={args.head_dim} {args.dtype}, {desc['bytes'] / 1e6:.0f} MB ({desc['generate_s']:.1f} s to write)")
+        desc = _synthetic_dump(dump, args)
         runs: dict[str, dict] = {}
         walls: dict[str, list[float]] = {"reference": [], "rotationzoo": []}
         for _ in range(max(1, args.repeat)):  # interleaved, so that load from other processes hits both alike
@@ -393,12 +399,7 @@ def recipe_costs(args: argparse.Namespace, work: Path, dump: Path) -> int:
         _recipe(name)
     desc: dict = {"smollm2": True, "tokens": args.tokens} if args.smollm2 else {}
     if not args.smollm2:
-        t0 = time.perf_counter()
-        desc = make_dump(dump, layers=args.layers, tokens=args.tokens, q_heads=args.q_heads, kv_heads=args.kv_heads,
-                         head_dim=args.head_dim, chunk=args.chunk, dtype=args.dtype)
-        desc["generate_s"] = time.perf_counter() - t0
-        print(f"dump: {args.layers} layers x {args.tokens} tokens, H_q={args.q_heads} H_kv={args.kv_heads} "
-              f"d={args.head_dim} {args.dtype}, {desc['bytes'] / 1e6:.0f} MB ({desc['generate_s']:.1f} s to write)")
+        desc = _synthetic_dump(dump, args)
     runs: dict[str, dict] = {}
     for _ in range(max(1, args.repeat)):
         for name in names:

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from . import decode_plan
 from .decode_reference import rotate_queries
-from .triton_launch import Launch, _num_sms, interpret_mode
+from .triton_launch import Launch, _num_sms, interpret_mode, kernel_copies
 
 __all__ = ["Launch", "decode_aot_kernels", "decode_attention_triton", "decode_launch", "merge_launch"]
 
@@ -370,18 +370,9 @@ _HELPERS = ("_query_quarter", "_k_quarter", "_v_quarter", "_code_quarter", "_win
             "_dot_ff", "_dot_fc", "_dot_fw")
 
 
-def _copies(namespace: dict, wrap) -> types.SimpleNamespace:
-    def copy_of(fn):
-        copy = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
-        copy.__module__ = fn.__module__
-        copy.__qualname__ = fn.__qualname__
-        copy.__doc__ = fn.__doc__
-        copy.__annotations__ = dict(fn.__annotations__)
-        return wrap(copy)
-
-    for name in _HELPERS:  # the helpers, re-created in the same mode as the kernels that call them
-        namespace[name] = copy_of(globals()[name].fn)
-    return types.SimpleNamespace(split=copy_of(_decode_split_kernel), merge=copy_of(_decode_merge_kernel))
+def _copies(namespace: dict, wrap, aot: bool = False) -> types.SimpleNamespace:
+    return kernel_copies(namespace, wrap, {"split": _decode_split_kernel, "merge": _decode_merge_kernel},
+                         helpers=_HELPERS, combine=("_MAX_FN", "_SUM_FN"), aot=aot)
 
 
 @functools.lru_cache(maxsize=2)
@@ -396,12 +387,7 @@ def decode_aot_kernels() -> types.SimpleNamespace:
     (works in a process that runs the interpreter; never launch these)."""
     from triton.runtime.jit import JITFunction
 
-    namespace = dict(globals())
-    for name in ("_MAX_FN", "_SUM_FN"):
-        fn = namespace[name]
-        if not isinstance(fn, JITFunction):
-            namespace[name] = JITFunction(fn.fn)
-    return _copies(namespace, JITFunction)
+    return _copies(dict(globals()), JITFunction, aot=True)
 
 
 def _strides(t: torch.Tensor) -> tuple[int, int, int]:

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_launch import Launch, dequant_launch, interpret_mode, quant_launch
+from .triton_launch import Launch, dequant_launch, interpret_mode, kernel_copies, quant_launch
 
 __all__ = [
     "Launch", "aot_kernels", "dequant_launch", "dequantize_triton", "interpret_mode", "quant_launch", "quantize_triton",
@@ -299,18 +299,9 @@ def _int2_dequant_kernel(
 # --- build (per Triton mode) --------------------------------------------------------------------
 
 
-def _copies(namespace: dict, wrap) -> types.SimpleNamespace:
-    # The raw kernel functions re-created in a private copy of the module namespace (the interpreter
-    # adds names to the globals of what it runs), each wrapped by ``wrap``.
-    def copy_of(fn):
-        copy = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
-        copy.__module__ = fn.__module__
-        copy.__qualname__ = fn.__qualname__
-        copy.__doc__ = fn.__doc__
-        copy.__annotations__ = dict(fn.__annotations__)  # the tl.constexpr marks; FunctionType drops them
-        return wrap(copy)
-
-    return types.SimpleNamespace(quant=copy_of(_int2_quant_kernel), dequant=copy_of(_int2_dequant_kernel))
+def _copies(namespace: dict, wrap, aot: bool = False) -> types.SimpleNamespace:
+    return kernel_copies(namespace, wrap, {"quant": _int2_quant_kernel, "dequant": _int2_dequant_kernel},
+                         combine=("_MAX_FN", "_MIN_FN", "_SUM_FN"), aot=aot)
 
 
 @functools.lru_cache(maxsize=2)
@@ -330,12 +321,7 @@ def aot_kernels() -> types.SimpleNamespace:
     """
     from triton.runtime.jit import JITFunction
 
-    namespace = dict(globals())
-    for name in ("_MAX_FN", "_MIN_FN", "_SUM_FN"):
-        fn = namespace[name]
-        if not isinstance(fn, JITFunction):  # an InterpretedFunction wrapping the same function
-            namespace[name] = JITFunction(fn.fn)
-    return _copies(namespace, JITFunction)
+    return _copies(dict(globals()), JITFunction, aot=True)
 
 
 def quantize_triton(

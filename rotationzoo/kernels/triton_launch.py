@@ -8,6 +8,8 @@ Block sizes, warps and stages come from the launch tables in :mod:`rotationzoo.k
 
 import collections
 import os
+import types
+from typing import Any, Callable, Iterable
 
 import torch
 import triton
@@ -27,6 +29,38 @@ def interpret_mode() -> bool:
         except AttributeError:  # pragma: no cover - older layouts
             pass
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def kernel_copies(namespace: dict[str, Any], wrap: Callable[[Any], Any], kernels: dict[str, Any],
+                  helpers: Iterable[str] = (), combine: Iterable[str] = (), aot: bool = False) -> types.SimpleNamespace:
+    """Private copies of a module's raw kernel functions, each wrapped by ``wrap`` (``triton.jit`` or
+    ``JITFunction``), re-created in ``namespace`` (a copy of the module's globals: the interpreter adds
+    names to the globals of what it runs).
+
+    ``kernels`` maps the returned names to the raw (undecorated) kernel functions; ``helpers`` name
+    the ``@triton.jit`` functions they call, re-created in the same mode first. With ``aot=True`` the
+    ``combine`` functions (Triton's reduction combiners, interpreted objects when triton was imported
+    under ``TRITON_INTERPRET=1``) are re-jitted, so ``triton.compile`` works in a process that runs
+    the interpreter.
+    """
+    if aot:
+        from triton.runtime.jit import JITFunction
+
+        for name in combine:
+            if not isinstance(namespace[name], JITFunction):  # an InterpretedFunction wrapping the same function
+                namespace[name] = JITFunction(namespace[name].fn)
+
+    def copy_of(fn: Any) -> Any:
+        copy = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+        copy.__module__ = fn.__module__
+        copy.__qualname__ = fn.__qualname__
+        copy.__doc__ = fn.__doc__
+        copy.__annotations__ = dict(fn.__annotations__)  # the tl.constexpr marks; FunctionType drops them
+        return wrap(copy)
+
+    for name in helpers:
+        namespace[name] = copy_of(namespace[name].fn)
+    return types.SimpleNamespace(**{name: copy_of(fn) for name, fn in kernels.items()})
 
 
 def _num_sms(device: torch.device) -> int:
