@@ -27,6 +27,7 @@ Backends: ``"torch"`` (:mod:`rotationzoo.kernels.reference`, any device) and ``"
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -184,6 +185,16 @@ def _group_from_sz(d: int, sz_last: int, group_size: int | None, what: str) -> i
 # --- public API ---------------------------------------------------------------------------------
 
 
+def _quantize_settings(config: Int2KVConfig | None, side: str, d: int,
+                       **loose: Any) -> tuple[float, int, int, bool, torch.dtype, str]:
+    """``(clip_ratio, group_size, clip_index, lloyd_max, scale_dtype, clip_search)`` of a quantize call
+    at head_dim ``d``: the config and the loose keywords merged (:func:`~.settings.resolve`) and checked."""
+    st = _settings(config, side, head_dim=d, **loose)
+    gs = _check_group(d, st.group_size)
+    return (st.clip_ratio, gs, _check_clip(st.clip_ratio, d), _check_lloyd_max(st.lloyd_max, d, gs),
+            _check_scale_dtype(st.scale_dtype), _check_clip_search(st.clip_search))
+
+
 def quantize_int2(
     x: torch.Tensor,
     *,
@@ -237,13 +248,9 @@ def quantize_int2(
     """
     x = _check_values(x)
     d = x.shape[-1]
-    st = _settings(config, side, clip_ratio=clip_ratio, group_size=group_size, lloyd_max=lloyd_max,
-                   scale_dtype=scale_dtype, clip_search=clip_search, head_dim=d)
-    gs = _check_group(d, st.group_size)
-    ci = _check_clip(st.clip_ratio, d)
-    lm = _check_lloyd_max(st.lloyd_max, d, gs)
-    sdt = _check_scale_dtype(st.scale_dtype)
-    cs = _check_clip_search(st.clip_search)
+    ratio, gs, ci, lm, sdt, cs = _quantize_settings(config, side, d, clip_ratio=clip_ratio, group_size=group_size,
+                                                    lloyd_max=lloyd_max, scale_dtype=scale_dtype,
+                                                    clip_search=clip_search)
     r = _check_rotation(rotation, tuple(x.shape), x.device)
     if _backend(backend, x.device) == "torch":
         return _ref.quantize_int2_torch(x, rotation=r, clip_index=ci, group_size=gs, lloyd_max=lm, scale_dtype=sdt,
@@ -367,13 +374,9 @@ def fake_quantize_int2(
     """
     x = _check_values(x)
     d = x.shape[-1]
-    st = _settings(config, side, clip_ratio=clip_ratio, group_size=group_size, lloyd_max=lloyd_max,
-                   scale_dtype=scale_dtype, clip_search=clip_search, head_dim=d)
-    gs = _check_group(d, st.group_size)
-    ci = _check_clip(st.clip_ratio, d)
-    lm = _check_lloyd_max(st.lloyd_max, d, gs)
-    sdt = _check_scale_dtype(st.scale_dtype)
-    cs = _check_clip_search(st.clip_search)
+    ratio, gs, ci, lm, sdt, cs = _quantize_settings(config, side, d, clip_ratio=clip_ratio, group_size=group_size,
+                                                    lloyd_max=lloyd_max, scale_dtype=scale_dtype,
+                                                    clip_search=clip_search)
     out_dtype = dtype or x.dtype
     if out_dtype not in OUTPUT_DTYPES:
         raise KernelInputError(f"dtype {out_dtype} is not supported; expected one of {_names(OUTPUT_DTYPES)}")
@@ -381,7 +384,7 @@ def fake_quantize_int2(
         out = _ref.fake_quantize_rows(x.reshape(-1, d), clip_index=ci, group_size=gs, lloyd_max=lm, scale_dtype=sdt,
                                       clip_search=cs, dtype=out_dtype)
         return out.reshape(x.shape)
-    codes, sz = quantize_int2(x, clip_ratio=st.clip_ratio, group_size=gs, lloyd_max=lm, scale_dtype=sdt,
+    codes, sz = quantize_int2(x, clip_ratio=ratio, group_size=gs, lloyd_max=lm, scale_dtype=sdt,
                               clip_search=cs, backend=backend)  # type: ignore[arg-type]
     return dequantize_int2(codes, sz, group_size=gs, dtype=out_dtype, backend=backend)
 
