@@ -333,7 +333,7 @@ def test_cli_export_then_verify_round_trips(pair_dir, tmp_path, capsys):
     assert rc == 0 and [r["path"] for r in json.loads(text)] == [f"{out} [k]", f"{out} [v]"]
 
 
-@pytest.mark.parametrize("source", ["folder", "SmolLM2-135M-Instruct"])
+@pytest.mark.parametrize("source", ["folder", "SmolLM2-135M-Instruct@emma-seq20000_prompt10_group16-r_pbr_hg16"])
 @pytest.mark.parametrize("to", ["safetensors", "gguf"])
 def test_cli_export_side_is_honoured(pair_dir, tmp_path, capsys, source, to):
     src = str(pair_dir) if source == "folder" else source

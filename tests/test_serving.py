@@ -24,6 +24,8 @@ from rotationzoo.hashing import sha256_file
 from rotationzoo.registry import get_entry, load_registry
 from rotationzoo.serving import ServingError, launch_spec, serve_env
 
+#: the bundled shared (one rotation per layer) SmolLM2 pair, which every engine reads
+SMOL_SHARED = "SmolLM2-135M-Instruct@emma-seq20000_prompt10_group16-r_pbr_hg16"
 QWEN = "Qwen3-8B"
 
 
@@ -263,9 +265,9 @@ def test_llamacpp_gguf_is_rebuilt_for_other_files(qwen_cache, cache_dir):
 
 def test_the_gguf_is_a_derived_file_the_cache_knows(cache_dir, capsys):
     """serve-args writes its GGUF into the derived area; cache ls lists it and cache verify keeps it."""
-    rc, _, err = run_cli(capsys, "serve-args", "SmolLM2-135M-Instruct", "--engine", "llamacpp")
+    rc, _, err = run_cli(capsys, "serve-args", SMOL_SHARED, "--engine", "llamacpp")
     assert rc == 0, err
-    gguf = hub.derived_path("oscar-rot-kv.gguf", entry=get_entry("SmolLM2-135M-Instruct"))
+    gguf = hub.derived_path("oscar-rot-kv.gguf", entry=get_entry(*SMOL_SHARED.split("@")))
     assert gguf.is_file()
     rc, out, err = run_cli(capsys, "cache", "verify", "--json")
     assert rc == 0, out + err
@@ -278,12 +280,12 @@ def test_the_gguf_is_a_derived_file_the_cache_knows(cache_dir, capsys):
     gguf.write_bytes(gguf.read_bytes()[:-1] + b"\0")
     rc, out, _ = run_cli(capsys, "cache", "verify", "--json")
     assert rc == 1 and json.loads(out)["bad"] == 1 and not gguf.exists()
-    launch_spec("SmolLM2-135M-Instruct", engine="llamacpp")
+    launch_spec(SMOL_SHARED, engine="llamacpp")
     assert run_cli(capsys, "cache", "verify")[0] == 0
 
 
 def test_bundled_model_gguf_goes_to_the_cache(cache_dir):
-    spec = launch_spec("SmolLM2-135M-Instruct", engine="llamacpp")
+    spec = launch_spec(SMOL_SHARED, engine="llamacpp")
     assert Path(spec.files["gguf"]).is_relative_to(cache_dir)
     assert spec.notes[0].startswith("replace MODEL.gguf")
 
