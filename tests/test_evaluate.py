@@ -327,6 +327,7 @@ def test_cli_eval_takes_int2_settings_from_the_registry_entry(tmp_path, capsys, 
     at theirs, and --group-size wins; a line says that the model is being loaded."""
     import rotationzoo.evaluate as ev
     from rotationzoo.cli.main import main
+    from rotationzoo.registry import get_entry
 
     folder, text = _save_tiny(tmp_path)
     seen = []
@@ -339,7 +340,8 @@ def test_cli_eval_takes_int2_settings_from_the_registry_entry(tmp_path, capsys, 
     monkeypatch.setattr(ev, "evaluate", stop)
     base = ["eval", "--text", str(text), "--methods", "fp,none", "--baseline", "none", "--context", "400"]
     assert main(base) == 1
-    assert seen[-1].group_size == 16 and seen[-1].scale_dtype == "float16"
+    assert seen[-1] == get_entry("SmolLM2-135M-Instruct").serving  # the default entry's settings
+    assert seen[-1].group_size == 16 and seen[-1].scale_dtype == "float32"
     assert f"loading {folder}" in capsys.readouterr().err
     assert main([*base, "--group-size", "32"]) == 1 and seen[-1].group_size == 32
     assert main(["eval", "--model", str(folder), "--text", str(text), "--methods", "fp,none",
