@@ -189,9 +189,8 @@ class _LayerBody:
             return None
         self.pending = None
         t = self.transform  # centering, q_rotation / o_rotation and v_mean included
-        out = decode_attention_int2(query, k, v, config=self.oscar.config, q_rotation=t.q_rot,
-                                    k_rotation=t.r_k if t.q_rot is None else None,
-                                    o_rotation=t.o_rot, v_rotation=t.r_v if t.o_rot is None else None, scale=scale,
+        out = decode_attention_int2(query, k, v, config=self.oscar.config, q_rotation=t.query_matrix,
+                                    o_rotation=t.output_matrix, scale=scale,
                                     backend=self.oscar.backend)  # type: ignore[arg-type]
         return out if t.v_mean is None else t.with_v_mean(out)
 

@@ -197,14 +197,25 @@ class LayerTransform:
         """``(v − μ_V) @ R_V``."""
         return rotate(v, self.r_v, out_dtype, mean=self.v_mean)
 
+    @property
+    def query_matrix(self) -> torch.Tensor | None:
+        """What multiplies the queries: ``q_rotation`` (``R_K^{-T}``) when the set has one, else ``R_K``."""
+        return self.q_rot if self.q_rot is not None else self.r_k
+
+    @property
+    def output_matrix(self) -> torch.Tensor | None:
+        """``M`` with the output un-rotated as ``o @ Mᵀ``: ``o_rotation`` (``R_V^{-T}``) when the set has
+        one, else ``R_V``."""
+        return self.o_rot if self.o_rot is not None else self.r_v
+
     def queries(self, q: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        """``q @ Q`` with ``Q = q_rotation`` (``R_K^{-T}``) when the set has one, else ``R_K``."""
-        return rotate(q, self.q_rot if self.q_rot is not None else self.r_k, out_dtype)
+        """``q @ Q`` with ``Q`` the :attr:`query_matrix`."""
+        return rotate(q, self.query_matrix, out_dtype)
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
         """The attention output ``o [B, H_q, S, d]`` back in the model's basis: ``o @ R_Vᵀ`` (or
         ``o @ o_rotationᵀ = o @ R_V^{-1}``), plus ``μ_V``."""
-        return self.with_v_mean(unrotate(o, self.o_rot if self.o_rot is not None else self.r_v))
+        return self.with_v_mean(unrotate(o, self.output_matrix))
 
     def with_v_mean(self, out: torch.Tensor) -> torch.Tensor:
         """``out [B, H_q, S, d]`` (model basis) plus ``μ_V`` (each query head its KV head's mean)."""
