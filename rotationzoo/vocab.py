@@ -86,6 +86,9 @@ GROUPINGS: tuple[str, ...] = get_args(Grouping)
 #: Starting points of learned refinement.
 RefineInit = Literal["hadamard", "oscar", "r_pbr_hg"]
 REFINE_INITS: tuple[str, ...] = get_args(RefineInit)
+#: Losses of learned refinement: the pairs INT2 when served (attention-weighted), or every pair of a block.
+RefineLoss = Literal["served", "block"]
+REFINE_LOSSES: tuple[str, ...] = get_args(RefineLoss)
 
 #: Kernel backends.
 Backend = Literal["auto", "torch", "triton"]

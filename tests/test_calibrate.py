@@ -34,12 +34,11 @@ WORDS = ("the a of and to in is was for on that with as by at from it an be this
 HQ, HKV, D, LAYERS = 8, 2, 32, 2
 
 
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory) -> Path:
+def _tiny_model_dir(root: Path, head_dim: int = D, words: tuple[int, int] = (700, 400)) -> Path:
+    """A tiny random Llama (``save_pretrained``) with a word-level tokenizer and two calibration texts."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    root = tmp_path_factory.mktemp("tiny-llama")
     vocab = {"[UNK]": 0, "[BOS]": 1, "[EOS]": 2}
     for w in WORDS:
         vocab.setdefault(w, len(vocab))
@@ -50,14 +49,19 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
-        num_attention_heads=HQ, num_key_value_heads=HKV, head_dim=D, max_position_embeddings=1024,
+        num_attention_heads=HQ, num_key_value_heads=HKV, head_dim=head_dim, max_position_embeddings=4096,
     )
     LlamaForCausalLM(cfg).save_pretrained(root)
     fast.save_pretrained(root)
     rng = random.Random(0)
-    (root / "calib_a.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(700)), encoding="utf-8")
-    (root / "calib_b.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(400)), encoding="utf-8")
+    (root / "calib_a.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(words[0])), encoding="utf-8")
+    (root / "calib_b.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(words[1])), encoding="utf-8")
     return root
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return _tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="module")
@@ -153,12 +157,12 @@ def test_statistics_keep_a_sample_reservoir_for_refinement(tiny, tiny_model_dir,
     none = collect_statistics(model, tokenizer, texts, tokens=300, seq_len=256, sample_tokens=0)
     assert none.samples is None
     res = calibrate(model, tokenizer, texts, tokens=900, seq_len=256, group_size=16,
-                    refine=RefineOptions(steps=3, init="oscar", sample_tokens=512))
+                    refine=RefineOptions(loss="block", steps=3, init="oscar", sample_tokens=512))
     assert res.objective == "refined" and res.layer_ids == (0, 1) and res.refinement["init"] == "oscar"
     for rs in (res.k, res.v):
         validate(rs, num_layers=LAYERS, head_dim=D)
     with pytest.raises(FitError, match="qqt_sst"):
-        calibrate(model, tokenizer, texts, tokens=300, objective="ktk_vtv", refine=RefineOptions(steps=1))
+        calibrate(model, tokenizer, texts, tokens=300, objective="ktk_vtv", refine=RefineOptions(loss="block", steps=1))
 
 
 def test_calibrate_other_objectives(tiny, tiny_model_dir):
@@ -245,12 +249,14 @@ def test_cli_calibrate_then_fit(tiny_model_dir, tmp_path):
     # --refine: learned rotations from the samples kept during the capture (two 256-token blocks per layer)
     r = runner.invoke(app, [
         "calibrate", "--model", str(tiny_model_dir), "--text", str(tiny_model_dir / "calib_a.txt"), "--tokens", "600",
-        "--seq-len", "300", "--out", str(tmp_path / "rot3"), "--refine", "3", "--init", "r_pbr_hg", "-g", "16",
+        "--seq-len", "300", "--out", str(tmp_path / "rot3"), "--loss", "block", "--refine", "3", "--init", "r_pbr_hg", "-g", "16",
         "--sample-tokens", "512", "--seed", "2",
     ])
     assert r.exit_code == 0, r.output
+    assert "keep rule skipped: the calibration text holds 101 tokens after the 600 calibrated ones" in r.output
     m = json.loads((tmp_path / "rot3" / "rotationzoo.json").read_text())
     assert m["objective"] == "refined" and m["refinement"]["init_composition"] == "r_pbr_hg16"
+    assert "keep" not in m["refinement"]
     assert m["refinement"]["seed"] == 2 and m["refinement"]["samples"]["max_tokens"] == 512
     assert read_rotation(tmp_path / "rot3" / "k_rotation_refined_k_logit_r_pbr_hg16.pt").layer_ids == (0, 1)
 
@@ -286,3 +292,32 @@ def test_calibrate_records_its_provenance_and_a_dump_fit_keeps_it(tiny_model_dir
     assert {key: again.calibration[key] for key in ("prompt_sha256", "text_sha256", "model_revision", "tokens")} == \
         {key: cal[key] for key in ("prompt_sha256", "text_sha256", "model_revision", "tokens")}
     assert torch.equal(again.rotations, k.rotations) and torch.equal(again.k_mean, k.k_mean)
+
+
+def test_cli_calibrate_refine_keeps_what_the_model_judges_best(tmp_path):
+    """calibrate --refine --loss served on 1,024-token blocks, then the keep rule on the text after the
+    calibrated tokens (head_dim 64: the INT2 kernels' smallest; a 40-word vocabulary makes the value
+    covariance rank-deficient, hence the Hadamard init); the manifest records the decision."""
+    from typer.testing import CliRunner
+
+    from rotationzoo.cli.main import app
+
+    root = _tiny_model_dir(tmp_path / "m", head_dim=64, words=(3000, 10))
+    r = CliRunner().invoke(app, [
+        "calibrate", "--model", str(root), "--text", str(root / "calib_a.txt"), "--tokens", "2048",
+        "--seq-len", "1024", "--out", str(tmp_path / "rot"), "--refine", "2", "--init", "hadamard", "-g", "16",
+        "--sample-tokens", "2048", "--grouping", "kv_head", "--keep-tokens", "900",
+    ])
+    assert r.exit_code == 0, r.output
+    assert "keep rule on " in r.output and "; kept " in r.output
+    m = json.loads((tmp_path / "rot" / "rotationzoo.json").read_text())
+    keep = m["refinement"]["keep"]
+    assert keep["windows"] == 1 and keep["source"] == "calibration text after the calibrated tokens"
+    assert keep["chosen"] == min(keep["kl"], key=lambda n: keep["kl"][n])
+    assert m["refinement"]["loss"] == {"k": "k_served_score", "v": "v_served_out"}
+    assert m["refinement"]["samples"]["block_size"] == 1024
+    k = read_rotation(tmp_path / "rot" / "k_rotation_refined_k_served_score_hadamard-kv_head.pt")
+    assert k.rotations.shape == (LAYERS, HKV, 64, 64)
+    r = CliRunner().invoke(app, ["calibrate", "--model", str(root), "--text", str(root / "calib_a.txt"),
+                                 "--tokens", "600", "--out", str(tmp_path / "x"), "--keep-text", str(root / "calib_b.txt")])
+    assert r.exit_code == 1 and "--keep-text judges --refine's result" in str(r.exception)

@@ -47,7 +47,7 @@ def dump(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_cli_fit_refine_writes_a_verified_pair(dump: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "out"
-    assert _cli(["fit", "--dump", str(dump), "--out", str(out), "--refine", "200", "-g", "16", "--json"]) == 0
+    assert _cli(["fit", "--dump", str(dump), "--out", str(out), "--loss", "block", "--refine", "200", "-g", "16", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     k, v = Path(report["files"]["k"]["path"]), Path(report["files"]["v"]["path"])
     assert (k.name, v.name) == ("k_rotation_refined_k_logit_hadamard.pt", "v_rotation_refined_v_attn_out_hadamard.pt")
@@ -72,7 +72,7 @@ def test_cli_fit_refine_writes_a_verified_pair(dump: Path, tmp_path: Path, capsy
 def test_cli_refine_same_seed_same_bytes(dump: Path, tmp_path: Path) -> None:
     files = []
     for name, seed in (("a", 3), ("b", 3), ("c", 4)):
-        assert _cli(["fit", "--dump", str(dump), "--out", str(tmp_path / name), "--refine", "20", "-g", "16",
+        assert _cli(["fit", "--dump", str(dump), "--out", str(tmp_path / name), "--loss", "block", "--refine", "20", "-g", "16",
                      "--seed", str(seed), "--init", "oscar", "--layers", "1"]) == 0
         files.append([(tmp_path / name / f).read_bytes() for f in ("k_rotation_refined_k_logit_r_h_pbr.pt",
                                                                    "v_rotation_refined_v_attn_out_r_h_pbr.pt")])
@@ -82,7 +82,7 @@ def test_cli_refine_same_seed_same_bytes(dump: Path, tmp_path: Path) -> None:
 
 def test_cli_refine_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert _cli(["fit", "--out", str(tmp_path / "o"), "--objective", "hadamard", "--num-layers", "2",
-                 "--head-dim", "64", "--refine", "5"]) == 1
+                 "--head-dim", "64", "--loss", "block", "--refine", "5"]) == 1
     assert "--refine needs --dump" in capsys.readouterr().err
     with pytest.raises(Exception, match="unknown init"):
         RefineOptions(init="random")
@@ -91,7 +91,7 @@ def test_cli_refine_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
 def test_refine_dump_oscar_init_from_the_whole_dump(dump: Path) -> None:
     from rotationzoo.fit import fit_rotations
 
-    res = refine_dump(dump, RefineOptions(steps=0, init="oscar"), group_size=16)
+    res = refine_dump(dump, RefineOptions(loss="block", steps=0, init="oscar"), group_size=16)
     oscar = fit_rotations(dump, "qqt_sst", "r_h_pbr")
     for side in ("k", "v"):  # kept as given, up to the fp64 re-orthogonalisation of the fp32 init
         assert torch.allclose(getattr(res, side).rotations, getattr(oscar, side).rotations, atol=1e-6)
@@ -107,7 +107,7 @@ def test_cli_refine_never_writes_a_worse_layer(dump: Path, tmp_path: Path, monke
     eye = torch.eye(D, dtype=torch.float64)
     monkeypatch.setattr(refine_mod, "_optimize", lambda r0, *a, **k: (eye.expand_as(r0).clone(), [1.0]))
     out = tmp_path / "worse"
-    assert _cli(["fit", "--dump", str(dump), "--out", str(out), "--refine", "5", "-g", "64"]) == 0
+    assert _cli(["fit", "--dump", str(dump), "--out", str(out), "--loss", "block", "--refine", "5", "-g", "64"]) == 0
     ref = json.loads((out / "rotationzoo.json").read_text())["refinement"]
     for side in ("k", "v"):
         for row in ref["layers"][side]:
@@ -124,8 +124,8 @@ def test_refined_folder_records_one_int2kv_block(dump: Path, tmp_path: Path) -> 
     from rotationzoo.int2kv import Int2KVConfig
     from rotationzoo.pair import resolve_pair
 
-    cfg = RefineConfig(int2kv=Int2KVConfig(k_clip_ratio=0.9, prefix_tokens=16))
-    res = refine_dump(dump, RefineOptions(steps=0), group_size=16, config=cfg)
+    cfg = RefineConfig(loss="block", int2kv=Int2KVConfig(k_clip_ratio=0.9, prefix_tokens=16))
+    res = refine_dump(dump, RefineOptions(loss="block", steps=0), group_size=16, config=cfg)
     out = write_fitted(res, tmp_path / "r")
     m = json.loads(out.manifest_path.read_text())
     want = Int2KVConfig(k_clip_ratio=0.9, prefix_tokens=16, group_size=16)

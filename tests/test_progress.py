@@ -121,7 +121,7 @@ def test_fit_and_refinement_report_progress(dump) -> None:
     assert stage[0][1] == 3 * 2 * chunks  # every layer's chunks, in two passes (qqt, then sst)
     assert {w for _, _, w in stage[1:]} == {"layer 0", "layer 1", "layer 2"}
     calls.clear()
-    refine_dump(dump, RefineOptions(steps=5, init="oscar", sample_tokens=512), group_size=16, num_workers=2,
+    refine_dump(dump, RefineOptions(loss="block", steps=5, init="oscar", sample_tokens=512), group_size=16, num_workers=2,
                 progress=lambda *a: calls.append(a))
     samples, init, refine = check_convention(calls)
     assert samples[0][1] == 3 * chunks and samples[-1][2].startswith("samples: layer ")
@@ -170,7 +170,7 @@ def test_cli_progress_goes_to_stderr_as_a_few_lines_in_a_pipe(command, dump, tmp
         "eval": (["eval", "--model", str(folder), "--text", str(text), "--context", "64", "--methods", "fp,none",
                   "--baseline", "none", "--prefix-tokens", "4", "--recent-tokens", "8", "--draws", "2"], "eval"),
         "fit": (["fit", "--dump", str(dump), "--out", str(tmp_path / "fit")], "fit"),
-        "refine": (["fit", "--dump", str(dump), "--out", str(tmp_path / "ref"), "--refine", "20", "--init", "oscar",
+        "refine": (["fit", "--dump", str(dump), "--out", str(tmp_path / "ref"), "--loss", "block", "--refine", "20", "--init", "oscar",
                     "-g", "16", "--sample-tokens", "512"], "refine"),
         "calibrate": (["calibrate", "--model", str(folder), "--text", str(text), "--tokens", "400", "--seq-len", "128",
                        "--out", str(tmp_path / "cal")], "calibrate"),

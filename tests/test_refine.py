@@ -190,7 +190,7 @@ def _good_rotation() -> torch.Tensor:
 
 
 CFG = {"int2kv": Int2KVConfig(group_size=16, prefix_tokens=0), "steps_k": 30, "steps_v": 20, "lr": 2e-2, "batch_blocks": 4,
-       "holdout": 0.25}
+       "holdout": 0.25, "loss": "block"}  # blocks of 16-64 tokens: every pair (the served loss needs ≥ 321)
 
 
 def test_refinement_beats_hadamard_on_planted_outliers() -> None:

@@ -20,6 +20,14 @@ Two modes:
   running at once).
 * ``--dump DIR``: the samples (and the OSCAR inits) from a Q/K/V dump instead of a model pass.
 
+``--loss`` (``served`` or ``block``), ``--block-size``, ``--grouping``, ``--center``, ``--lr`` and
+``--steps-v`` are those of ``rotationzoo fit --refine``; ``--prototype`` is a named recipe, a
+re-implementation of a quick prototype learned-rotation fit: Hadamard init, the ``block`` loss on
+1,024-token blocks, K only (V stays Hadamard), Adam ``lr = 2e-3``, 300 steps, 2,048 training tokens
+per layer (plus one held-out block). With ``--keep-tokens N`` (real mode) each run is then judged by
+the model on the ``N`` tokens of the calibration text that follow the calibration ones
+(:func:`rotationzoo.evaluate.keep.keep_by_text`), and its cost is part of the run's.
+
 End-to-end quality (KL, perplexity, copy probe) is measured by ``tools/bench_real_model.py
 --extra refined_g64=DIR/refined_g64@64 ...``.
 
@@ -28,6 +36,9 @@ Usage::
     nice -n 10 python tools/bench_refine.py --layers 0,4,9,14,19,24,29 --json-out bench-out/refine/inits.json
     nice -n 10 python tools/bench_refine.py --inits oscar --best bench-out/grid/rotations --json-out bench-out/refine/real.json
     nice -n 10 python tools/bench_refine.py --synthetic 36,128,32,8 --json-out bench-out/refine/memory.json
+    python tools/bench_refine.py --inits oscar --grouping kv_head --center k --groups 64,16 --steps 100 \
+        --sample-tokens 20480 --keep-tokens 4096 --save bench-out/rotations --json-out bench-out/refine/served.json
+    python tools/bench_refine.py --prototype --groups 64 --save bench-out/rotations --json-out bench-out/refine/prototype.json
 """
 
 from __future__ import annotations
@@ -79,7 +90,13 @@ def capture(args: argparse.Namespace) -> Any:
     t0 = time.perf_counter()
     model, tok = load_model(args.model or find_smollm2_gguf())
     stats = collect_statistics(model, tok, [text], tokens=args.calib_tokens, seq_len=args.calib_seq, model_id=MODEL_ID,
-                               sample_tokens=args.sample_tokens, sample_seed=args.seed)
+                               sample_tokens=args.sample_tokens, sample_seed=args.seed,
+                               sample_block_size=_options(args).blocks, grouping=args.grouping)
+    if args.keep_tokens:
+        from rotationzoo.evaluate.inputs import tokenize_texts
+
+        args.keep_model = model
+        args.keep_ids = tokenize_texts(tok, [text], tokens=args.keep_tokens, skip=args.calib_tokens)
     del model
     assert stats.samples is not None
     _log(f"captured {stats.tokens} tokens per layer ({stats.info['prompts']} sequences) in "
@@ -90,7 +107,7 @@ def capture(args: argparse.Namespace) -> Any:
 def synthetic_samples(args: argparse.Namespace) -> CalibrationSamples:
     """Random activations with a few outlier channels, ``--calib-tokens`` per layer."""
     n_layers, d, hq, hkv = (int(x) for x in args.synthetic.split(","))
-    samples = CalibrationSamples(max_tokens=args.sample_tokens, seed=args.seed)
+    samples = CalibrationSamples(max_tokens=args.sample_tokens, seed=args.seed, block_size=_options(args).blocks)
     g = torch.Generator().manual_seed(args.seed)
     chan = torch.ones(d)
     chan[:4] = 10.0
@@ -109,22 +126,39 @@ def synthetic_samples(args: argparse.Namespace) -> CalibrationSamples:
     return samples
 
 
+def _options(args: argparse.Namespace) -> RefineOptions:
+    return RefineOptions(steps=args.steps, seed=args.seed, sample_tokens=args.sample_tokens, loss=args.loss,
+                         block_size=args.block_size)
+
+
 def run_one(args: argparse.Namespace, samples: CalibrationSamples, init: str, g: int | None,
             statistics: Any, info: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     c0, t0 = time.process_time(), time.perf_counter()
+    cfg = RefineConfig(param=args.param, loss=args.loss, lr=args.lr, queries_per_block=args.queries_per_block)
     res = refine_fit(samples, init, steps=args.steps, group_size=g, seed=args.seed, statistics=statistics,
-                     config=RefineConfig(param=args.param), layers=_ids(args.layers), num_workers=args.workers,
-                     source_info=info, model=MODEL_ID)
+                     config=cfg, layers=_ids(args.layers), num_workers=args.workers, source_info=info, model=MODEL_ID,
+                     grouping=args.grouping, center=args.center, steps_v=args.steps_v)
+    refine_s = time.perf_counter() - t0
+    if getattr(args, "keep_model", None) is not None and not args.layers:
+        from rotationzoo.evaluate.keep import keep_by_text, keep_summary
+
+        res = keep_by_text(args.keep_model, args.keep_ids, res, source=f"{args.calib} after {args.calib_tokens} tokens")
+        _log(keep_summary(res) or "")
     assert res.refinement is not None
     ref = res.refinement
-    row: dict[str, Any] = {"init": init, "group_size": g, "param": args.param, "layers": len(res.layer_ids),
-                           "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
-                           "peak_rss_bytes": peak_rss_bytes(), "load_average": _load()}
+    row: dict[str, Any] = {"init": init, "group_size": g, "param": args.param, "loss": args.loss,
+                           "grouping": args.grouping, "center": args.center, "steps": args.steps,
+                           "steps_v": args.steps if args.steps_v is None else args.steps_v, "lr": args.lr,
+                           "block_size": samples.block_size, "layers": len(res.layer_ids),
+                           "wall_s": time.perf_counter() - t0, "refine_s": refine_s, "cpu_s": time.process_time() - c0,
+                           "peak_rss_bytes": peak_rss_bytes(), "load_average": _load(), "keep": ref.get("keep")}
     for side, rows in ref["layers"].items():
         row[side] = {"heldout_init": sum(r["heldout_init"] for r in rows) / len(rows),
                      "heldout_final": sum(r["heldout_final"] for r in rows) / len(rows),
                      "mean_relative_improvement": ref["mean_relative_improvement"][side],
-                     "kept_refined": sum(r["kept"] == "refined" for r in rows), "per_layer": rows}
+                     "kept_refined": sum(k == "refined" for r in rows
+                                             for k in (r["kept"] if isinstance(r["kept"], list) else [r["kept"]])),
+                     "per_layer": rows}
     _log(f"G={g} init={init}: {row['wall_s']:.0f} s wall, {row['cpu_s']:.0f} s CPU, peak RSS "
          f"{row['peak_rss_bytes'] / 2**20:.0f} MiB; held-out " + ", ".join(
              f"{s.upper()} {row[s]['heldout_init']:.4f} -> {row[s]['heldout_final']:.4f}" for s in ("k", "v")))
@@ -132,14 +166,16 @@ def run_one(args: argparse.Namespace, samples: CalibrationSamples, init: str, g:
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    out = ["| G | init | layers | K held-out init → final | V held-out init → final | K/V kept | wall s | CPU s | peak RSS MiB |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| G | init | loss | K held-out init → final | V held-out init → final | K/V kept | keep rule | wall s | "
+           "CPU s | peak RSS MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         k, v = r["k"], r["v"]
-        out.append(f"| {r['group_size']} | {r['init']} | {r['layers']} | {k['heldout_init']:.4f} → {k['heldout_final']:.4f} "
-                   f"({-k['mean_relative_improvement']:+.1%}) | {v['heldout_init']:.4f} → {v['heldout_final']:.4f} "
-                   f"({-v['mean_relative_improvement']:+.1%}) | {k['kept_refined']}/{v['kept_refined']} | "
-                   f"{r['wall_s']:.0f} | {r['cpu_s']:.0f} | {r['peak_rss_bytes'] / 2**20:.0f} |")
+        keep = r.get("keep")
+        rule = f"{keep['chosen']} (KL {keep['kl'][keep['chosen']]:.4f} vs init {keep['kl']['init']:.4f})" if keep else "—"
+        out.append(f"| {r['group_size']} | {r['init']} | {r.get('loss', 'block')} | {k['heldout_init']:.4f} → "
+                   f"{k['heldout_final']:.4f} ({-k['mean_relative_improvement']:+.1%}) | {v['heldout_init']:.4f} → "
+                   f"{v['heldout_final']:.4f} ({-v['mean_relative_improvement']:+.1%}) | {k['kept_refined']}/"
+                   f"{v['kept_refined']} | {rule} | {r['wall_s']:.0f} | {r['cpu_s']:.0f} | {r['peak_rss_bytes'] / 2**20:.0f} |")
     return "\n".join(out) + "\n"
 
 
@@ -166,7 +202,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--best", type=Path, help="write the best init per G to BEST/refined_g<G>")
     p.add_argument("--json-out", type=Path)
     p.add_argument("--markdown", type=Path)
-    return p.parse_args(argv)
+    p.add_argument("--loss", default="served", choices=("served", "block"))
+    p.add_argument("--block-size", type=int, default=None, help="tokens per block (default: 1024 served, 256 block)")
+    p.add_argument("--grouping", default="layer", choices=("layer", "kv_head"))
+    p.add_argument("--center", default=None, choices=("none", "k", "kv"))
+    p.add_argument("--lr", type=float, default=RefineConfig().lr)
+    p.add_argument("--steps-v", type=int, default=None, help="V steps (default: --steps; 0 keeps V at its init)")
+    p.add_argument("--queries-per-block", type=int, default=RefineConfig().queries_per_block)
+    p.add_argument("--keep-tokens", type=int, default=0, help="judge each run on this many held-out tokens (real mode)")
+    p.add_argument("--prototype", action="store_true", help="the prototype recipe (see the module docstring)")
+    args = p.parse_args(argv)
+    if args.prototype:
+        args.inits, args.loss, args.block_size, args.lr, args.steps, args.steps_v = "hadamard", "block", 1024, 2e-3, 300, 0
+        args.sample_tokens = 3072  # two 1,024-token training blocks and one held out
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         report["peak_rss_after_reservoir_bytes"] = peak_rss_bytes()
     elif args.dump:
         t0 = time.perf_counter()
-        samples, stats = samples_from_dump(args.dump, max_tokens=args.sample_tokens, seed=args.seed), None
+        samples, stats = samples_from_dump(args.dump, max_tokens=args.sample_tokens, seed=args.seed,
+                                            block_size=_options(args).blocks), None
         info = {"kind": "dump", "path": str(args.dump)}
         report["calibration"] = dict(info, reservoir_bytes=samples.nbytes(), read_s=time.perf_counter() - t0)
     else:
@@ -197,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
             report["runs"].append(row)
             score = row["k"]["heldout_final"] + row["v"]["heldout_final"]  # same held-out blocks for every init
             if not args.layers and args.save:
-                write_fitted(res, args.save / f"refined_{init}_g{g}", tag=f"{args.calib}-{args.calib_tokens}")
+                name = "prototype" if args.prototype else f"refined_{init}_{args.loss}_{args.grouping}_c{args.center or 'none'}"
+                write_fitted(res, args.save / f"{name}_g{g}", tag=f"{args.calib}-{args.calib_tokens}")
             if g not in best or score < best[g][0]:
                 best[g] = (score, res)
             _write(args, report, t_all)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Annotated, Any, Iterable, Iterator, Optional
+from typing import Annotated, Any, Iterable, Iterator, List, Optional
 
 import click
 import typer
@@ -140,7 +140,21 @@ InitOpt = Annotated[str, typer.Option("--init", click_type=choice(vocab.REFINE_I
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of --refine: sample reservoir, held-out split, minibatches.")]
 SampleTokensOpt = Annotated[Optional[int], typer.Option(
     "--sample-tokens", min=1,
-    help="Calibration tokens kept per layer for --refine (blocks of 256; default 14336).")]
+    help="Calibration tokens kept per layer for --refine (whole blocks of --block-size; default 14336).")]
+LossOpt = Annotated[str, typer.Option(
+    "--loss", click_type=choice(vocab.REFINE_LOSSES),
+    help="Loss of --refine: served (only the query-key pairs that are INT2 when served, keys older than the "
+         "recent window and outside the sink, weighted by the queries' attention) or block (every pair of a "
+         "block, unweighted: the loss of earlier releases).")]
+BlockSizeOpt = Annotated[Optional[int], typer.Option(
+    "--block-size", min=16,
+    help="Tokens per calibration block of --refine (default 1024 for --loss served, 256 for block).")]
+KeepTextOpt = Annotated[Optional[List[Path]], typer.Option(
+    "--keep-text",
+    help="Held-out text (repeatable) on which --refine's result is judged against its init by a short KL "
+         "evaluation: the refined, init and mixed K/V sets are compared and the one with the lowest KL is kept.")]
+KeepTokensOpt = Annotated[int, typer.Option(
+    "--keep-tokens", min=512, help="Tokens of --keep-text the keep rule evaluates (windows of 2048).")]
 
 
 def config_changes(**knobs: Any) -> dict[str, Any]:

@@ -31,7 +31,18 @@ from typing import TYPE_CHECKING, Annotated, Any, List, Optional
 import typer
 
 from .. import vocab
-from ._options import InitOpt, JsonOpt, RefineOpt, SampleTokensOpt, SeedOpt, choice
+from ._options import (
+    BlockSizeOpt,
+    InitOpt,
+    JsonOpt,
+    KeepTextOpt,
+    KeepTokensOpt,
+    LossOpt,
+    RefineOpt,
+    SampleTokensOpt,
+    SeedOpt,
+    choice,
+)
 from ._output import console, emit_json, print_note, progress_reporter
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -90,11 +101,44 @@ def _parse_layers(text: Optional[str]) -> Optional[list[int]]:
     return ids
 
 
-def _refine_options(steps: int, init: str, seed: int, sample_tokens: Optional[int]) -> Any:
+def _refine_options(steps: int, init: str, seed: int, sample_tokens: Optional[int], loss: str,
+                    block_size: Optional[int]) -> Any:
     from ..fit import RefineOptions
 
     extra = {"sample_tokens": sample_tokens} if sample_tokens is not None else {}
-    return RefineOptions(steps=steps, init=init, seed=seed, **extra)
+    return RefineOptions(steps=steps, init=init, seed=seed, loss=loss, block_size=block_size, **extra)
+
+
+def _keep(result: "FitResult", lm: Any, tokenizer: Any, texts: list[Path], tokens: int, skip: int, what: str) -> "FitResult":
+    """The keep rule on held-out text (:func:`rotationzoo.evaluate.keep.keep_by_text`), with progress."""
+    from ..evaluate.inputs import tokenize_texts
+    from ..evaluate.keep import keep_by_text, keep_summary
+
+    ids = tokenize_texts(tokenizer, texts, tokens=tokens, skip=skip)
+    with progress_reporter("keep rule") as progress:
+        kept = keep_by_text(lm, ids, result, progress=progress, source=what)
+    print_note(keep_summary(kept) or "")
+    return kept
+
+
+def _keep_model(keep_text: Optional[list[Path]], keep_model: Optional[str]) -> Optional[tuple[Any, Any, list[Path]]]:
+    """``(model, tokenizer, texts)`` for ``fit --refine --keep-text``, checked and loaded up front."""
+    from ..errors import CLIError
+
+    if not keep_text:
+        if keep_model:
+            raise CLIError("--keep-model is the model --keep-text is evaluated with; add --keep-text FILE")
+        return None
+    from ..evaluate.inputs import check_texts, find_smollm2_gguf
+    from ..integrations.transformers import load_model
+
+    texts = check_texts(keep_text, option="--keep-text")
+    path = keep_model or find_smollm2_gguf()
+    if path is None:
+        raise CLIError("--keep-text needs --keep-model PATH (the SmolLM2 GGUF default is not installed)")
+    print_note(f"loading {path} for the keep rule")
+    lm, tokenizer = load_model(str(path), dtype="auto")
+    return lm, tokenizer, list(texts)
 
 
 def _min_tokens(min_tokens: Optional[int]) -> int:
@@ -185,6 +229,13 @@ def fit_command(
     init: InitOpt = "hadamard",
     seed: SeedOpt = 0,
     sample_tokens: SampleTokensOpt = None,
+    loss: LossOpt = "served",
+    block_size: BlockSizeOpt = None,
+    keep_text: KeepTextOpt = None,
+    keep_tokens: KeepTokensOpt = 4096,
+    keep_model: Annotated[Optional[str], typer.Option(
+        "--keep-model", help="Local transformers model folder or .gguf file that --keep-text is evaluated with "
+                             "(default: the SmolLM2-135M-Instruct GGUF, as rotationzoo eval).")] = None,
     grouping: GroupingOpt = None,
     min_tokens: MinTokensOpt = None,
     center: CenterOpt = None,
@@ -213,6 +264,8 @@ def fit_command(
 
       rotationzoo fit --dump qkv/ --out rot-refined/ --refine 200 --init oscar -g 64
 
+      rotationzoo fit --dump qkv/ --out rot-r/ --refine 100 --init oscar --grouping kv_head --center k -g 16 --keep-text held_out.txt --keep-model model.gguf
+
       rotationzoo fit --dump qkv/ --out rot-kvhead/ --grouping kv_head
 
       rotationzoo fit --dump qkv/ --out rot-v2/ --objective cov_eig_hadamard_perhead
@@ -238,9 +291,15 @@ def fit_command(
     are named k_rotation_<target>_<composition>-kv_head.pt.
 
     With --refine, each layer's rotation starts from --init and is learned against the INT2
-    store's error (K: attention logits, V: attention outputs) on a reservoir of --sample-tokens
-    tokens per layer; a layer keeps the learned rotation only if it lowers the loss on held-out
-    blocks (--objective and --composition are not used then).
+    store's error on a reservoir of --sample-tokens tokens per layer (blocks of --block-size). The
+    default --loss served counts only the query-key pairs that are INT2 when served (keys older than
+    the recent window, outside the sink), K as the attention-weighted score error and V as the error
+    those far values add to the attention output; --loss block counts every pair of a block. A layer
+    keeps the learned rotation only if it lowers the loss on held-out blocks (--objective and
+    --composition are not used then). --init oscar --grouping kv_head --center k starts from the
+    oscar2_center closed form (k_mean kept). With --keep-text the whole result is then judged by the
+    model on held-out text: the init, refined and mixed K/V pairs are evaluated (KL, the eval
+    protocol) and the lowest kept, so refinement cannot make the model worse on those tokens.
 
     The dump is checked before any activation is read: its folders and files must lie inside it
     and be regular files, and every chunk an inspected torch.save archive of one tensor within the
@@ -257,11 +316,16 @@ def fit_command(
         if dump is None:
             raise CLIError("--refine needs --dump DIR (the calibration samples)")
         _check_recipe("qqt_sst", None, grouping, center, True)
-        result = _refine_from_dump(dump, _refine_options(refine, init, seed, sample_tokens), group_size,
-                                   keep_first_chunk, layer_ids, workers, grouping or "layer", min_tokens, center,
-                                   tp_size)
+        options = _refine_options(refine, init, seed, sample_tokens, loss, block_size)
+        judge = _keep_model(keep_text, keep_model)  # texts checked, model loaded: before the dump is read
+        result = _refine_from_dump(dump, options, group_size, keep_first_chunk, layer_ids, workers,
+                                   grouping or "layer", min_tokens, center, tp_size)
+        if judge is not None:
+            result = _keep(result, judge[0], judge[1], judge[2], keep_tokens, 0, "--keep-text")
         _report(result, write_fitted(result, out, model=model, tag=tag, fmt=fmt), as_json)
         return
+    if keep_text or keep_model:
+        raise CLIError("--keep-text / --keep-model judge --refine's result; add --refine STEPS")
     _check_recipe(objective, composition, grouping, center, False)  # before the dump is opened
     source = None if dump is None else open_dump(dump, keep_first_chunk=keep_first_chunk, layers=layer_ids,
                                                  tp_size=tp_size)
@@ -315,6 +379,10 @@ def calibrate_command(
     init: InitOpt = "hadamard",
     seed: SeedOpt = 0,
     sample_tokens: SampleTokensOpt = None,
+    loss: LossOpt = "served",
+    block_size: BlockSizeOpt = None,
+    keep_text: KeepTextOpt = None,
+    keep_tokens: KeepTokensOpt = 4096,
     grouping: GroupingOpt = None,
     min_tokens: MinTokensOpt = None,
     center: CenterOpt = None,
@@ -342,19 +410,28 @@ def calibrate_command(
 
       rotationzoo calibrate --model ./Qwen3-8B --text calib.txt --tokens 20000 --out rot-c/ --objective oscar2_center
 
-    --refine learns the rotations as `rotationzoo fit --refine` does, on samples kept during the capture.
+      rotationzoo calibrate --model model.gguf --text calib.txt --tokens 20000 --out rot/ --refine 100 --init oscar --grouping kv_head --center k -g 16
+
+    --refine learns the rotations as `rotationzoo fit --refine` does, on samples kept during the capture,
+    then judges them by the model on held-out text (the keep rule): --keep-text if given, else the
+    --keep-tokens tokens of the calibration text that follow the calibration ones (skipped, with a
+    note, when the text has too few).
     Every file records its calibration: prompt_sha256 (of the token windows run, the authors'
     definition), text_sha256, tokens, the model's revision (and a .gguf file's sha256).
     """
+    from ..errors import CLIError
     from ..fit import write_fitted
     from ..fit.fitter import check_token_budget
     from ..integrations.transformers import calibrate, check_text_files, load_model
     from ..integrations.transformers.loading import model_provenance
 
-    options = _refine_options(refine, init, seed, sample_tokens) if refine is not None else None
+    options = _refine_options(refine, init, seed, sample_tokens, loss, block_size) if refine is not None else None
     check_token_budget(tokens, _min_tokens(min_tokens))  # before the model loads
     _check_recipe(objective, composition, grouping, center, refine is not None)
     texts = check_text_files(text, what="calibration text", option="--text")  # before the model is loaded
+    if keep_text and refine is None:
+        raise CLIError("--keep-text judges --refine's result; add --refine STEPS")
+    held_out = list(check_text_files(keep_text, what="held-out text", option="--keep-text")) if keep_text else None
     print_note(f"loading {model} ({dtype}, {device})")
     lm, tokenizer = load_model(model, dtype=dtype, device=device)
     mid = model_id or Path(model).name
@@ -366,8 +443,32 @@ def calibrate_command(
             min_tokens=_min_tokens(min_tokens), center=center,  # type: ignore[arg-type]
             provenance=model_provenance(lm, model, model_revision),
         )
+    if options is not None:
+        result = _keep_calibrated(result, lm, tokenizer, held_out, list(texts), tokens, keep_tokens)
     written = write_fitted(result, out, model=mid, tag=tag, fmt=fmt)
     _report(result, written, as_json)
+
+
+def _keep_calibrated(result: "FitResult", lm: Any, tokenizer: Any, held_out: Optional[list[Path]], texts: list[Path],
+                     tokens: int, keep_tokens: int) -> "FitResult":
+    """``calibrate --refine``'s keep rule: on --keep-text, else on the calibration text past the calibrated
+    tokens (skipped, with a note, when too few follow them)."""
+    from ..errors import ConfigError
+    from ..evaluate.inputs import tokenize_texts
+    from ..evaluate.protocol import min_int2_window
+
+    if held_out:
+        return _keep(result, lm, tokenizer, held_out, keep_tokens, 0, "--keep-text")
+    need = min_int2_window(result.serving_config()) + 64
+    try:
+        left = len(tokenize_texts(tokenizer, texts, tokens=keep_tokens, skip=tokens))
+    except ConfigError:  # nothing follows the calibrated tokens
+        left = 0
+    if left < need:
+        print_note(f"keep rule skipped: the calibration text holds {left} tokens after the {tokens} calibrated ones, "
+                   f"fewer than the {need} one window needs; give --keep-text FILE")
+        return result
+    return _keep(result, lm, tokenizer, texts, keep_tokens, tokens, "calibration text after the calibrated tokens")
 
 
 def register(app: typer.Typer) -> None:

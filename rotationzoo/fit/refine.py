@@ -55,7 +55,7 @@ from ..hadamard import hadamard_matrix
 from ..progress import Progress, Tally
 from .accumulate import LayerAccumulator
 from .compose import rotation_from_covariance
-from .refine_loss import LOSS_NAMES, LayerData, RefineConfig, heldout_loss, layer_data, numerators, total_loss
+from .refine_loss import LayerData, RefineConfig, heldout_loss, layer_data, numerators, total_loss
 from .samples import CalibrationSamples, LayerSamples
 from .ste import fake_quantize_int2
 
@@ -124,12 +124,14 @@ class LayerRefinement:
         side: ``"k"`` or ``"v"``.
         rotation: fp64 ``[d, d]`` (or ``[H_kv, d, d]`` with ``per_head``), the kept rotation.
         record: init, loss, steps, seed, held-out loss before/after, kept, wall time...
+        init: the init rotation, same shape (what a keep rule judged on text falls back to).
     """
 
     layer_id: int
     side: str
     rotation: torch.Tensor
     record: dict[str, Any] = field(default_factory=dict)
+    init: torch.Tensor | None = None
 
 
 def _split(num_blocks: int, cfg: RefineConfig, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,7 +190,7 @@ def refine_layer(
     final_heads = heldout_loss(rotation if cfg.per_head else rotation[None], data, hold, cfg)
     final = total_loss(final_heads, data, hold)
     record = {
-        "layer_id": samples.layer_id, "side": side, "init": init_name, "loss": LOSS_NAMES[side],
+        "layer_id": samples.layer_id, "side": side, "init": init_name, "loss": cfg.loss_name(side),
         "per_head": cfg.per_head, "steps": steps, "lr": cfg.lr, "param": cfg.param, "seed": cfg.seed,
         "batch_blocks": cfg.batch_blocks, "train_blocks": len(train), "heldout_blocks": len(hold),
         "block_size": samples.block_size, "heldout_init": b_tot, "heldout_refined": a_tot, "heldout_final": final,
@@ -199,7 +201,7 @@ def refine_layer(
     }
     if progress is not None:
         progress(steps + 1, steps + 1, what)
-    return LayerRefinement(samples.layer_id, side, rotation, record)
+    return LayerRefinement(samples.layer_id, side, rotation, record, r_init if cfg.per_head else r_init[0])
 
 
 
@@ -268,6 +270,7 @@ class RefineResult:
         config: the settings.
         wall_s: total seconds.
         workers: jobs run concurrently.
+        inits: the init rotations, as ``rotations``.
     """
 
     layer_ids: tuple[int, ...]
@@ -278,19 +281,21 @@ class RefineResult:
     config: RefineConfig
     wall_s: float = 0.0
     workers: int = 1
+    inits: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
 
-    def stacked(self, side: str) -> torch.Tensor:
-        """fp32 ``[L, d, d]`` (``[L, H_kv, d, d]`` per head) of one side."""
-        if side not in self.rotations:
+    def stacked(self, side: str, *, init: bool = False) -> torch.Tensor:
+        """fp32 ``[L, d, d]`` (``[L, H_kv, d, d]`` per head) of one side (its inits with ``init``)."""
+        src = self.inits if init else self.rotations
+        if side not in src:
             raise FitError(f"side {side!r} was not refined (sides: {', '.join(self.rotations)})")
-        return torch.stack([self.rotations[side][i] for i in self.layer_ids]).to(torch.float32).contiguous()
+        return torch.stack([src[side][i] for i in self.layer_ids]).to(torch.float32).contiguous()
 
-    def rotation_set(self, side: str, objective: str | None = None) -> RotationSet:
+    def rotation_set(self, side: str, objective: str | None = None, *, init: bool = False) -> RotationSet:
         """A :class:`~rotationzoo.format.RotationSet`: one matrix per layer, or ``[L, H_kv, d, d]``
-        with ``source_grouping = "kv_head"`` when refined per head."""
-        init = self.records[0]["init"] if self.records else "given"
-        return RotationSet(rotations=self.stacked(side), layer_ids=self.layer_ids,
-                           objective=objective or f"refined_{LOSS_NAMES[side]}_from_{init}",
+        with ``source_grouping = "kv_head"`` when refined per head (the inits with ``init``)."""
+        start = self.records[0]["init"] if self.records else "given"
+        return RotationSet(rotations=self.stacked(side, init=init), layer_ids=self.layer_ids,
+                           objective=objective or (start if init else f"refined_{self.config.loss_name(side)}_from_{start}"),
                            source_grouping="kv_head" if self.config.per_head else "layer")
 
     def summary(self) -> dict[str, Any]:
@@ -365,11 +370,13 @@ def refine_rotations(
     finally:
         torch.set_num_threads(threads_before)
     out: dict[str, dict[int, torch.Tensor]] = {s: {} for s in cfg.sides}
+    inits: dict[str, dict[int, torch.Tensor]] = {s: {} for s in cfg.sides}
     for res in done:
         out[res.side][res.layer_id] = res.rotation
+        inits[res.side][res.layer_id] = res.init if res.init is not None else res.rotation
     return RefineResult(layer_ids=ids, head_dim=first.head_dim, num_kv_heads=first.num_kv_heads, rotations=out,
                         records=[res.record for res in done], config=cfg, wall_s=time.perf_counter() - t0,
-                        workers=workers)
+                        workers=workers, inits=inits)
 
 
 def _resolve_init(init: Any, samples: LayerSamples, side: str, lid: int, ids: tuple[int, ...],

@@ -40,7 +40,7 @@ from .accumulate import kinds_for
 from .fitter import DEFAULT_MIN_TOKENS, check_grouping, check_min_tokens, check_tokens, fit_rotations
 from .refine import RefineResult, refine_rotations, relative_improvement
 from .recipes import resolve_center
-from .refine_loss import LOSS_NAMES, RefineConfig
+from .refine_loss import LOSSES, SERVED_BLOCK_SIZE, RefineConfig
 from .result import FitResult, FitStats, peak_rss_bytes
 from .samples import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_TOKENS, CalibrationSamples
 
@@ -57,26 +57,45 @@ def _check_init(init: str) -> None:
 
 @dataclass(frozen=True)
 class RefineOptions:
-    """What ``--refine STEPS --init NAME --seed S --sample-tokens N`` ask for.
+    """What ``--refine STEPS --init NAME --seed S --sample-tokens N --loss L --block-size B`` ask for.
 
     Attributes:
         steps: optimizer steps per layer and side.
         init: ``"hadamard"``, ``"oscar"`` or ``"r_pbr_hg"``.
         seed: seeds the reservoir, the split and the minibatches.
-        sample_tokens: calibration tokens kept per layer (reservoir of 256-token blocks).
+        sample_tokens: calibration tokens kept per layer (a reservoir of whole blocks).
+        loss: ``"served"`` or ``"block"`` (:class:`~rotationzoo.fit.refine_loss.RefineConfig`).
+        block_size: tokens per calibration block (``None``: 1,024 for ``served``, 256 for ``block``).
     """
 
     steps: int = DEFAULT_STEPS
     init: str = "hadamard"
     seed: int = 0
     sample_tokens: int = DEFAULT_MAX_TOKENS
+    loss: str = "served"
+    block_size: int | None = None
 
     def __post_init__(self) -> None:
         _check_init(self.init)
+        if self.loss not in LOSSES:
+            raise FitError(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
+        if self.block_size is not None and not 16 <= self.block_size <= self.sample_tokens:
+            raise FitError(f"block_size must be from 16 to sample_tokens ({self.sample_tokens}), got {self.block_size}")
         if self.steps < 0:
             raise FitError(f"refinement steps must be ≥ 0, got {self.steps}")
-        if self.sample_tokens < DEFAULT_BLOCK_SIZE:
-            raise FitError(f"sample_tokens must be ≥ {DEFAULT_BLOCK_SIZE} (one block), got {self.sample_tokens}")
+        if self.sample_tokens < self.blocks:
+            raise FitError(f"sample_tokens must be ≥ {self.blocks} (one block), got {self.sample_tokens}")
+
+    @property
+    def blocks(self) -> int:
+        """The calibration block length in effect."""
+        if self.block_size is not None:
+            return self.block_size
+        return SERVED_BLOCK_SIZE if self.loss == "served" else DEFAULT_BLOCK_SIZE
+
+    def config(self, base: RefineConfig | None = None) -> RefineConfig:
+        """``base`` (default settings) with this ``loss``."""
+        return replace(base or RefineConfig(), loss=self.loss)
 
 
 def samples_from_dump(
@@ -180,7 +199,7 @@ def refinement_summary(res: RefineResult, init: str, init_label: str, samples: C
     return {
         "init": init,
         "init_composition": init_label,
-        "loss": {side: LOSS_NAMES[side] for side in cfg.sides},
+        "loss": {side: cfg.loss_name(side) for side in cfg.sides},
         "steps": {"k": cfg.steps_k, "v": cfg.steps_v},
         "seed": cfg.seed,
         "optimizer": "adam",
@@ -211,6 +230,7 @@ def refine_fit(
     grouping: Grouping = "layer",
     min_tokens: int = DEFAULT_MIN_TOKENS,
     center: Center | None = None,
+    steps_v: int | None = None,
 ) -> FitResult:
     """Learn every layer's K and V rotation against the INT2 store's error; a fit result to write.
 
@@ -239,6 +259,7 @@ def refine_fit(
         center: ``"k"`` / ``"kv"``: start from the centered closed form (the means from ``statistics``,
             else from the samples), learn on the centered keys (and values) and keep ``k_mean``
             (``v_mean``) in the result, as :func:`~rotationzoo.fit.fit_rotations` writes them.
+        steps_v: V steps when they differ from ``steps`` (0: V stays at its init, as K-only recipes do).
 
     Returns:
         A :class:`~rotationzoo.fit.FitResult` with ``objective = "refined"`` and ``refinement`` set.
@@ -250,7 +271,8 @@ def refine_fit(
         raise FitError("config.per_head=True learns one rotation per KV head; pass grouping='kv_head'")
     if group_size is None:
         group_size = base.int2kv.group_size
-    cfg = replace(base, steps_k=int(steps), steps_v=int(steps), seed=int(seed), per_head=per_head,
+    cfg = replace(base, steps_k=int(steps), steps_v=int(steps if steps_v is None else steps_v), seed=int(seed),
+                  per_head=per_head,
                   int2kv=replace(base.int2kv, group_size=group_size))
     if tuple(cfg.sides) != ("k", "v"):
         raise FitError("refine_fit writes a pair: rotations for both K and V")
@@ -266,13 +288,16 @@ def refine_fit(
     assert first is not None
     info = dict(source_info or {})
     result = FitResult(
-        k=_centered(res.rotation_set("k", f"refined_k_logit_{label}"), means, "k"),
-        v=_centered(res.rotation_set("v", f"refined_v_attn_out_{label}"), means, "v"),
-        objective="refined", composition=label, group_size=group_size, targets=dict(LOSS_NAMES),
+        k=_centered(res.rotation_set("k", f"refined_{cfg.loss_name('k')}_{label}"), means, "k"),
+        v=_centered(res.rotation_set("v", f"refined_{cfg.loss_name('v')}_{label}"), means, "v"),
+        objective="refined", composition=label, group_size=group_size,
+        targets={side: cfg.loss_name(side) for side in ("k", "v")},
         layer_ids=ids, head_dim=first.head_dim, num_q_heads=first.num_q_heads, num_kv_heads=first.num_kv_heads,
         tokens={lid: samples.layers[lid].tokens_seen for lid in ids}, prompts=info.get("prompts"),
         source=info, model=model if model is not None else info.get("model"),
         refinement=refinement_summary(res, init, label, samples), center=centered, int2kv=cfg.int2kv,
+        init=(_centered(res.rotation_set("k", label, init=True), means, "k"),
+              _centered(res.rotation_set("v", label, init=True), means, "v")),
     )
     result.stats = FitStats(wall_s=time.perf_counter() - t0, peak_rss_bytes=peak_rss_bytes(), num_workers=res.workers)
     return result
@@ -312,12 +337,12 @@ def refine_dump(
     d = dump if isinstance(dump, Dump) else open_dump(dump, keep_first_chunk=keep_first_chunk, layers=layers)
     check_tokens(d.plan(kinds_for(("qqt", "sst"))).tokens, check_min_tokens(min_tokens))
     d.info()  # rotationzoo_dump.json checked too, before any chunk is read
-    samples = samples_from_dump(d, max_tokens=options.sample_tokens, seed=options.seed,
+    samples = samples_from_dump(d, max_tokens=options.sample_tokens, seed=options.seed, block_size=options.blocks,
                                 progress=prefixed(progress, "samples"))
     dump_info = d.info()
     info = {"kind": "dump", "path": str(d.root), "prompts": dump_info.get("prompts", d.prompt_count())}
     result = refine_fit(samples, options.init, steps=options.steps, group_size=group_size, seed=options.seed,
-                        statistics=d, config=config, num_workers=num_workers, progress=progress, source_info=info,
+                        statistics=d, config=options.config(config), num_workers=num_workers, progress=progress, source_info=info,
                         model=dump_info.get("model"), grouping=grouping, min_tokens=min_tokens, center=center)
     result.keep_first_chunk = d.keep_first_chunk
     return result

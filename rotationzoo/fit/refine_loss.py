@@ -1,8 +1,27 @@
-"""The losses learned rotations minimise: K attention-logit error and V attention-output error.
+"""The losses learned rotations minimise, their settings and their per-layer training tensors.
 
-See :mod:`rotationzoo.fit.refine` for the objective; this module holds the settings
-(:class:`RefineConfig`), the per-layer training tensors built from calibration blocks and the
-(held-out) loss of a rotation on them.
+Two losses (``RefineConfig.loss``), see :mod:`rotationzoo.fit.refine` for the optimisation:
+
+* ``"served"`` (default): only the (query, key) pairs that are INT2 when served count: the key at
+  least ``recent_tokens + 1`` positions older than its query and outside the sink
+  (``position ≥ prefix_tokens``), exactly the split of :mod:`rotationzoo.integrations.transformers`'
+  simulated attention. ``queries_per_block`` queries of each block that read such keys are drawn
+  (seeded); their exact attention weights ``a_ij`` over the block (causal softmax of the captured
+  q, k, scale ``d^-½``) weight both losses:
+
+  - **K, attention-weighted score error** ``Σ a_ij (q_i·(k̃_j − k_j))² / Σ a_ij (q_i·k_j)²`` over
+    the INT2 pairs (every query head of the KV head's group): the logit error where the softmax
+    looks, which is what moves the attention distribution;
+  - **V, far attention-output error** ``Σ_i ‖Σ_j a_ij (ṽ_j − v_j)‖² / Σ_i ‖o_i‖²``: the error the
+    INT2 values add to each drawn query's output, relative to that output.
+
+  Blocks must be longer than ``prefix_tokens + recent_tokens`` (1,024 tokens by default, see
+  :data:`SERVED_BLOCK_SIZE`); a block is attended on its own, so its first keys stand in for a
+  long context's older ones.
+* ``"block"``: every (query, key) pair of a block, unweighted: K attention-logit error
+  ``Σ ‖Q_h (K̃_h − K_h)ᵀ‖² / Σ ‖Q_h K_hᵀ‖²`` and V attention-output error with the block's causal
+  attention (the loss of earlier releases; with 1,024-token blocks, K only, Hadamard init and
+  ``lr = 2e-3`` it is the ``prototype`` recipe of ``tools/bench_refine.py``).
 """
 
 from __future__ import annotations
@@ -14,12 +33,20 @@ import torch
 
 from ..errors import FitError
 from ..int2kv import Int2KVConfig
+from ..vocab import REFINE_LOSSES
 from ..kernels.layout import clip_index as _clip_index
 from .samples import LayerSamples
 from .ste import fake_quantize_int2
 
-#: Loss names recorded per side.
-LOSS_NAMES = {"k": "k_logit", "v": "v_attn_out"}
+#: Loss names recorded per side, per ``RefineConfig.loss``.
+LOSS_NAMES_BY_LOSS = {"block": {"k": "k_logit", "v": "v_attn_out"},
+                      "served": {"k": "k_served_score", "v": "v_served_out"}}
+#: The names of the ``"block"`` loss (kept for the files earlier releases wrote).
+LOSS_NAMES = LOSS_NAMES_BY_LOSS["block"]
+#: The losses (``RefineConfig.loss``).
+LOSSES: tuple[str, ...] = REFINE_LOSSES
+#: Calibration block length the served loss is meant for (its pairs need ``i − j > recent_tokens``).
+SERVED_BLOCK_SIZE = 1024
 
 
 @dataclass
@@ -43,7 +70,11 @@ class RefineConfig:
         holdout: share of blocks held out for the keep decision (at least one block).
         per_head: one rotation per KV head (``[H_kv, d, d]`` per layer) instead of per layer.
         seed: seeds the split and the minibatches (with the layer id).
-        softmax_scale: attention scale for the V weights (``None``: ``d^-½``).
+        softmax_scale: attention scale for the attention weights (``None``: ``d^-½``).
+        loss: ``"served"`` (the pairs that are INT2 when served, attention-weighted; see the module
+            docstring) or ``"block"`` (every pair of a block).
+        queries_per_block: queries drawn per block for the served loss (each reads the block's INT2
+            keys); the cost of a step is linear in it.
     """
 
     sides: tuple[str, ...] = ("k", "v")
@@ -58,8 +89,15 @@ class RefineConfig:
     per_head: bool = False
     seed: int = 0
     softmax_scale: float | None = None
+    loss: str = "served"
+    queries_per_block: int = 128
 
     def __post_init__(self) -> None:
+        if self.loss not in LOSSES:
+            raise FitError(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
+        if isinstance(self.queries_per_block, bool) or not isinstance(self.queries_per_block, int) \
+                or self.queries_per_block < 1:
+            raise FitError(f"queries_per_block must be an integer ≥ 1, got {self.queries_per_block!r}")
         bad = [s for s in self.sides if s not in ("k", "v")]
         if bad or not self.sides:
             raise FitError(f"sides must be a non-empty subset of ('k', 'v'), got {self.sides!r}")
@@ -77,6 +115,10 @@ class RefineConfig:
         if self.int2kv.clip_search != "exact":
             raise FitError(f"refinement clips rows at their exact thresholds; int2kv.clip_search="
                            f"{self.int2kv.clip_search!r} is not modelled: refine with clip_search='exact'")
+
+    def loss_name(self, side: str) -> str:
+        """The recorded name of ``side``'s loss (``"k_served_score"``, ``"v_attn_out"``, ...)."""
+        return LOSS_NAMES_BY_LOSS[self.loss][side]
 
     @property
     def group_size(self) -> int | None:
@@ -111,14 +153,19 @@ class RefineConfig:
 
 @dataclass
 class LayerData:
-    """fp32 training tensors of one layer, blocks first: ``x [B, H, n, d]``, ``m [B, H, d, d]``,
-    ``w [B, H, n, n]``, ``mask [B, 1, n, 1]``, ``den [B, H]``."""
+    """fp32 training tensors of one layer, blocks first: rows ``x [B, H, n, d]``, ``mask [B, 1, n, 1]``,
+    ``den [B, H]`` and the ``metric``: the ``"block"`` loss's query Gram ``[B, H, d, d]`` (K) or
+    ``W = Σ AᵀA`` ``[B, H, n, n]`` (V); the ``"served"`` loss's far attention weights
+    ``[B, H, g·m, n]`` of the ``m`` drawn queries (per KV head, its ``g`` query heads), with those
+    queries ``[B, H, g·m, d]`` in ``queries`` (K)."""
 
     x: torch.Tensor
     metric: torch.Tensor
     mask: torch.Tensor
     den: torch.Tensor
     side: str
+    loss: str = "block"
+    queries: torch.Tensor | None = None
 
 
 def _heads_first(t: torch.Tensor) -> torch.Tensor:
@@ -153,6 +200,52 @@ def _block_attention_weights(q: torch.Tensor, k: torch.Tensor, scale: float, chu
     return out
 
 
+def _drawn_queries(pos: torch.Tensor, n: int, cfg: RefineConfig, layer_id: int) -> torch.Tensor:
+    """``[B, m]`` in-block positions of the queries the served loss draws: each reads at least one
+    INT2 key of its block (``i − recent − 1 ≥ max(0, prefix − block start)``), seeded by layer."""
+    recent, prefix = cfg.int2kv.recent_tokens, cfg.prefix
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + layer_id + 7919)
+    out = []
+    for p in pos.tolist():
+        first = recent + 1 + max(0, prefix - int(p))  # the first query with an INT2 key in this block
+        count = n - first
+        if count < 1:
+            raise FitError(f"layer {layer_id}: a {n}-token calibration block starting at position {p} holds no "
+                           f"(query, key) pair that is INT2 when served (sink {prefix} + recent {recent} tokens); "
+                           f"use blocks of ≥ {SERVED_BLOCK_SIZE} tokens or loss='block'")
+        m = min(cfg.queries_per_block, count)
+        out.append(first + torch.randperm(count, generator=gen)[:m].sort().values)
+    m = min(len(t) for t in out)
+    return torch.stack([t[:m] if len(t) == m else t[torch.linspace(0, len(t) - 1, m).long()] for t in out])
+
+
+def _served_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, cfg: RefineConfig,
+                    scale: float, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Far attention weights ``[B, Hkv, g·m, n]``, the drawn queries ``[B, Hkv, g·m, d]`` and each
+    drawn query's squared output norm summed per KV head ``[B, Hkv]``, one block at a time."""
+    b, n, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    sel = _drawn_queries(pos, n, cfg, layer_id)
+    m = sel.shape[1]
+    weights = torch.empty(b, hkv, g * m, n, dtype=torch.float32)
+    queries = torch.empty(b, hkv, g * m, d, dtype=torch.float32)
+    out_energy = torch.empty(b, hkv, dtype=torch.float64)
+    cols = torch.arange(n)
+    for i in range(b):
+        qi = q[i, sel[i]].to(torch.float32).permute(1, 0, 2)  # [Hq, m, d]
+        ki = k[i].to(torch.float32).permute(1, 0, 2).repeat_interleave(g, dim=0)  # [Hq, n, d]
+        vi = v[i].to(torch.float32).permute(1, 0, 2).repeat_interleave(g, dim=0)
+        rows = sel[i][:, None]
+        scores = (qi @ ki.transpose(-1, -2)) * scale
+        a = torch.softmax(scores.masked_fill(cols[None, :] > rows, float("-inf")), dim=-1)  # [Hq, m, n]
+        out_energy[i] = (a @ vi).square().sum(dim=(-1, -2)).reshape(hkv, g).sum(-1).to(torch.float64)
+        far = (cols[None, :] < rows - cfg.int2kv.recent_tokens) & (cols[None, :] + int(pos[i]) >= cfg.prefix)
+        weights[i] = (a * far).reshape(hkv, g * m, n)
+        queries[i] = qi.reshape(hkv, g * m, d)
+    return weights, queries, out_energy
+
+
 def layer_data(samples: LayerSamples, side: str, cfg: RefineConfig, mean: torch.Tensor | None = None) -> LayerData:
     """The fp32 training tensors of one layer and side (queries are reduced to what the loss needs:
     their Gram per KV group for K, the block's attention weights for V). ``mean`` (``[H_kv, d]`` or
@@ -165,12 +258,19 @@ def layer_data(samples: LayerSamples, side: str, cfg: RefineConfig, mean: torch.
     mask = ((pos[:, None] + torch.arange(n)[None, :]) >= cfg.prefix).to(torch.float32)[:, None, :, None]
     centered = (lambda x: x) if mean is None else (lambda x: x - mean.to(torch.float32).expand(
         shape.num_kv_heads, shape.head_dim)[None, :, None, :])
+    scale = cfg.softmax_scale if cfg.softmax_scale is not None else shape.head_dim ** -0.5
+    if cfg.loss == "served":
+        weights, queries, out_energy = _served_tensors(q, k, v, pos, cfg, scale, samples.layer_id)
+        x = centered(_heads_first(k if side == "k" else v))
+        if side == "k":
+            den = (weights * (queries @ x.transpose(-1, -2)).square()).sum(dim=(-1, -2)).to(torch.float64)
+            return LayerData(x=x, metric=weights, mask=mask, den=den, side=side, loss="served", queries=queries)
+        return LayerData(x=x, metric=weights, mask=mask, den=out_energy, side=side, loss="served")
     if side == "k":
         metric = _query_grams(q, shape.num_kv_heads)  # [B, Hkv, d, d]
         x = centered(_heads_first(k))
         den = ((x @ metric) * x).sum(dim=(-1, -2))
     else:
-        scale = cfg.softmax_scale if cfg.softmax_scale is not None else shape.head_dim ** -0.5
         metric = _block_attention_weights(q, k, scale)  # [B, Hkv, n, n]
         x = centered(_heads_first(v))
         den = ((metric @ x) * x).sum(dim=(-1, -2))
@@ -187,6 +287,14 @@ def numerators(r: torch.Tensor, data: LayerData, idx: torch.Tensor, cfg: RefineC
                             round_rows=cfg.round_rows).reshape(x.shape)
     e = (xq - x) * data.mask[idx]
     metric = data.metric[idx]
+    if data.loss == "served":
+        if data.side == "k":
+            assert data.queries is not None
+            s = (data.queries[idx] @ r) @ e.transpose(-1, -2)  # [b, H, g·m, n]: the drawn queries' score errors
+            num = (metric * s.square()).sum(dim=(-1, -2))
+        else:
+            num = (metric @ e).square().sum(dim=(-1, -2))
+        return num.sum(dim=0).to(torch.float64)
     if data.side == "k":
         mr = r.transpose(-1, -2) @ metric @ r
         num = ((e @ mr) * e).sum(dim=(-1, -2))
@@ -211,4 +319,4 @@ def total_loss(per_head: torch.Tensor, data: LayerData, idx: torch.Tensor) -> fl
 
 
 
-__all__ = ["LOSS_NAMES", "RefineConfig"]
+__all__ = ["LOSSES", "LOSS_NAMES", "LOSS_NAMES_BY_LOSS", "SERVED_BLOCK_SIZE", "RefineConfig"]

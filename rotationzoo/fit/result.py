@@ -104,6 +104,8 @@ class FitResult:
         int2kv: the INT2-KV settings the rotations were fitted for (the refinement's
             ``config.int2kv``; for closed forms ``None``: :meth:`serving_config` gives the defaults at
             :attr:`group_size`), written once, as the manifest's ``int2kv`` block.
+        init: for learned rotations, the ``(K, V)`` sets refinement started from (with the same
+            means), what a keep rule judged on text may fall back to; not written.
     """
 
     k: RotationSet | None
@@ -128,6 +130,7 @@ class FitResult:
     center: str = "none"
     means: dict[str, torch.Tensor] = field(default_factory=dict)
     int2kv: Int2KVConfig | None = None
+    init: tuple[RotationSet, RotationSet] | None = None
 
     def serving_config(self) -> Int2KVConfig:
         """The INT2-KV settings to serve these rotations with: :attr:`int2kv`, else the defaults at the

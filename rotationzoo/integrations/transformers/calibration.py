@@ -27,7 +27,7 @@ from ...fit.compose import check_composition
 from ...fit.fitter import DEFAULT_MIN_TOKENS, PROVENANCE_KEYS, check_token_budget
 from ...fit.recipes import V2_COMPOSITION, V2_OBJECTIVE, resolve_center, resolve_composition, resolve_grouping
 from ...fit.dump import Dump, DumpWriter
-from ...fit.samples import DEFAULT_MAX_TOKENS, CalibrationSamples
+from ...fit.samples import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_TOKENS, CalibrationSamples
 from ...progress import Progress, Tally
 from ...fit.stream import second_pass_from_dump
 from .capture import QKVCapture
@@ -153,10 +153,12 @@ def calibrate(
         texts_are_paths=texts_are_paths, progress=progress, dump_out=dump_out, overwrite_dump=overwrite_dump,
         sample_tokens=refine.sample_tokens if refine is not None else 0,
         sample_seed=refine.seed if refine is not None else 0, grouping=group, provenance=provenance,
+        sample_block_size=refine.blocks if refine is not None else DEFAULT_BLOCK_SIZE,
     )
     if refine is not None:
         assert stats.samples is not None
         return refine_fit(stats.samples, refine.init, steps=refine.steps, group_size=group_size, seed=refine.seed,
+                          config=refine.config(),
                           statistics=stats.accumulators, source_info=stats.info, model=model_id,
                           grouping=group, progress=progress, min_tokens=min_tokens, center=center)  # type: ignore[arg-type]
     return fit_rotations(
@@ -254,6 +256,7 @@ def collect_statistics(
     overwrite_dump: bool = False,
     sample_tokens: int = DEFAULT_MAX_TOKENS,
     sample_seed: int = 0,
+    sample_block_size: int = DEFAULT_BLOCK_SIZE,
     grouping: str = "layer",
     provenance: Mapping[str, Any] | None = None,
 ) -> CapturedStatistics:
@@ -289,6 +292,7 @@ def collect_statistics(
             for SmolLM2-135M, 5.91 GiB for 36 layers of 32 + 8 heads at ``d = 128``; see
             :mod:`rotationzoo.fit.samples`). ``0`` keeps none.
         sample_seed: reservoir seed.
+        sample_block_size: tokens per kept block.
         grouping: ``"kv_head"`` accumulates ktk / vtv per KV head, so that per-head rotations can
             be fitted from them (qqt and sst statistics serve both groupings; the V2 recipe always
             accumulates them per head).
@@ -318,7 +322,8 @@ def collect_statistics(
     tmp = tempfile.TemporaryDirectory(prefix="rotationzoo-kv-") if spill and dump_out is None else None
     writer = (DumpWriter(dump_out, overwrite=overwrite_dump) if dump_out is not None
               else DumpWriter(tmp.name, kinds=("k", "v")) if tmp is not None else None)
-    samples = CalibrationSamples(max_tokens=sample_tokens, seed=sample_seed) if sample_tokens > 0 else None
+    samples = (CalibrationSamples(max_tokens=sample_tokens, seed=sample_seed, block_size=sample_block_size)
+               if sample_tokens > 0 else None)
     collector = _Collector(targets, writer, samples, per_head=per_head)
     try:
         _forward_windows(model, windows, collector, warmup=dump_out is not None, progress=progress)

@@ -1,0 +1,134 @@
+"""The keep rule of learned rotations, judged on held-out text.
+
+A refinement lowers its calibration loss, which is a stand-in for what serving suffers; whether the
+model is better off is decided here, by the model itself. :func:`keep_by_text` runs a short KL
+evaluation (the protocol of ``rotationzoo eval``: each window one forward in which every position reads
+its BF16 sink and recent window exactly and all older keys/values as INT2 rows) of four candidate
+pairs on the same held-out tokens:
+
+* ``init``: the rotations refinement started from (K and V);
+* ``refined``: the refined K and V;
+* ``refined_k``: refined K, init V; ``refined_v``: init K, refined V.
+
+The candidate with the lowest mean KL to the unquantized model is kept; ``init`` wins ties, so the
+result is never worse than its init on these tokens. The decision, every candidate's KL and the
+tokens are recorded in the result's ``refinement["keep"]`` (the manifest's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+from ..errors import EvaluationError
+from ..format import RotationSet
+from ..int2kv import Int2KVConfig
+from ..integrations.transformers import OscarKV, model_shape
+from ..progress import Progress
+from .metrics import compare, hidden_states
+from .protocol import min_int2_window
+
+#: Candidate names, in the order they are evaluated (ties go to the first).
+CANDIDATES: tuple[str, ...] = ("init", "refined", "refined_k", "refined_v")
+#: Tokens per forward of the keep evaluation.
+KEEP_WINDOW = 2048
+#: Held-out tokens evaluated by default.
+DEFAULT_KEEP_TOKENS = 4096
+
+
+def _candidates(result: Any) -> dict[str, tuple[RotationSet, RotationSet]]:
+    if result.init is None or result.k is None or result.v is None:
+        raise EvaluationError("the keep rule judges learned rotations against their init; this fit result has no "
+                              "init (fit it with --refine)")
+    k0, v0 = result.init
+    return {"init": (k0, v0), "refined": (result.k, result.v), "refined_k": (result.k, v0), "refined_v": (k0, result.v)}
+
+
+def _check_shape(model: Any, result: Any) -> None:
+    shape = model_shape(model)
+    missing = sorted(set(result.layer_ids) - set(shape.layer_ids))
+    if missing or shape.head_dim != result.head_dim or (result.num_kv_heads and shape.num_kv_heads != result.num_kv_heads):
+        raise EvaluationError(
+            f"the keep model does not match the rotations (model: {len(shape.layer_ids)} layers, "
+            f"{shape.num_kv_heads} KV heads, head_dim {shape.head_dim}; rotations: layers {list(result.layer_ids)[:4]}…, "
+            f"{result.num_kv_heads} KV heads, head_dim {result.head_dim}); pass the model the rotations were fitted for")
+
+
+def keep_by_text(
+    model: Any,
+    ids: Sequence[int],
+    result: Any,
+    *,
+    config: Int2KVConfig | None = None,
+    window: int = KEEP_WINDOW,
+    progress: Progress | None = None,
+    source: str | None = None,
+) -> Any:
+    """Judge a refined :class:`~rotationzoo.fit.FitResult` against its init on held-out tokens ``ids``.
+
+    Args:
+        model: the causal LM the rotations were fitted for.
+        ids: held-out token ids (not used for calibration); cut into windows of ``window`` tokens
+            (the last one dropped when shorter than the INT2 window needs).
+        result: a refined fit result (``result.init`` holds the sets it started from).
+        config: the INT2-KV settings to judge with (default: the result's own, ``serving_config()``).
+        window: tokens per forward.
+        progress: ``progress(done, total, what)``: forwards run.
+        source: what the tokens are (recorded).
+
+    Returns:
+        A copy of ``result`` with the kept K and V sets and ``refinement["keep"]`` =
+        ``{"chosen", "kl": {candidate: mean KL}, "tokens", "windows", "window", "source"}``.
+
+    Raises:
+        EvaluationError: no init, a model of another shape, or too few tokens for one window.
+    """
+    cands = _candidates(result)
+    _check_shape(model, result)
+    cfg = config or result.serving_config()
+    first = cfg.prefix_tokens + cfg.recent_tokens + 2  # the first target predicted from a position reading INT2 keys
+    wins = [list(ids[a:a + window]) for a in range(0, len(ids), window)]
+    wins = [w for w in wins if len(w) >= min_int2_window(cfg) + 64]
+    if not wins:
+        raise EvaluationError(f"the keep rule needs a held-out window of at least {min_int2_window(cfg) + 64} tokens; "
+                              f"got {len(ids)} (give a longer --keep-text)")
+    kv = {name: OscarKV.from_rotations(pair, cfg) for name, pair in cands.items()}
+    sums = {name: 0.0 for name in cands}
+    scored = 0
+    total = len(wins) * (1 + len(cands))
+    done = 0
+    for w in wins:
+        h_fp, _ = hidden_states(model, w)
+        others = {}
+        for name in cands:
+            others[name], _ = hidden_states(model, w, kv[name])
+            done += 1
+            if progress is not None:
+                progress(done, total, f"keep rule: {name}")
+        _, metrics = compare(model, w, first, h_fp, others)
+        for name, m in metrics.items():
+            sums[name] += float(m.kl.double().sum())
+        scored += len(w) - first
+        done += 1
+        del h_fp, others
+    kl = {name: sums[name] / max(scored, 1) for name in cands}
+    chosen = min(CANDIDATES, key=lambda n: (kl[n], CANDIDATES.index(n)))
+    k, v = cands[chosen]
+    refinement = dict(result.refinement or {})
+    refinement["keep"] = {"chosen": chosen, "kl": kl, "tokens": scored, "windows": len(wins), "window": window,
+                          "source": source, "int2kv": cfg.to_json()}
+    return dataclasses.replace(result, k=k, v=v, refinement=refinement)
+
+
+def keep_summary(result: Any) -> str | None:
+    """One line on the keep decision of ``result`` (``None`` when none was made)."""
+    keep = (result.refinement or {}).get("keep")
+    if not keep:
+        return None
+    init = keep["kl"]["init"]
+    parts = ", ".join(f"{n} {keep['kl'][n]:.4f}" for n in CANDIDATES)
+    rel = (keep["kl"][keep["chosen"]] / init - 1.0) if init > 0 else 0.0
+    return f"keep rule on {keep['tokens']} held-out tokens: KL {parts}; kept {keep['chosen']} ({rel:+.1%} vs init)"
+
+
+__all__ = ["CANDIDATES", "DEFAULT_KEEP_TOKENS", "KEEP_WINDOW", "keep_by_text", "keep_summary"]
