@@ -86,6 +86,19 @@ def test_cli_refine_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
     assert "--refine needs --dump" in capsys.readouterr().err
     with pytest.raises(Exception, match="unknown init"):
         RefineOptions(init="random")
+    text = tmp_path / "held_out.txt"
+    text.write_text("held out text\n", encoding="utf-8")
+    assert _cli(["fit", "--out", str(tmp_path / "o"), "--objective", "hadamard", "--num-layers", "2",
+                 "--head-dim", "64", "--keep-text", str(text)]) == 1
+    assert "judge --refine's result; add --refine STEPS" in capsys.readouterr().err
+    assert _cli(["fit", "--dump", str(tmp_path), "--out", str(tmp_path / "o"), "--refine", "5",
+                 "--keep-model", "m.gguf"]) == 1
+    assert "--keep-model is the model --keep-text is evaluated with; add --keep-text FILE" in capsys.readouterr().err
+    with pytest.raises(Exception, match="loss must be one of served, block"):
+        RefineOptions(loss="kl")
+    with pytest.raises(Exception, match="block_size must be from 16 to sample_tokens"):
+        RefineOptions(block_size=8)
+    assert RefineOptions().blocks == 1024 and RefineOptions(loss="block").blocks == 256
 
 
 def test_refine_dump_oscar_init_from_the_whole_dump(dump: Path) -> None:

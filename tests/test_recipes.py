@@ -297,6 +297,28 @@ def test_refinement_starts_from_the_centered_init_and_keeps_the_means(long_dump)
     assert torch.allclose(stepped.k.k_mean, fit_rotations(dump, "qqt_sst", center="k").k.k_mean)
 
 
+def test_refinement_starts_from_any_given_closed_form(long_dump):
+    """The V2 recipe and oscar2_center (a FitResult) as inits: 0 steps give them back, the means kept."""
+    from rotationzoo.fit import refine_fit, samples_from_dump
+    from rotationzoo.fit.refine_loss import RefineConfig
+
+    samples = samples_from_dump(long_dump, max_tokens=1024)
+    cfg = RefineConfig(loss="block")
+    for objective, center in (("cov_eig_hadamard_perhead", "none"), ("oscar2_center", "k")):
+        closed = fit_rotations(long_dump, objective)
+        res = refine_fit(samples, closed, steps=0, grouping="kv_head", center=center, config=cfg)
+        assert res.refinement["init"] == "given" and res.composition == closed.k.objective
+        for side in ("k", "v"):
+            assert torch.allclose(getattr(res, side).rotations, getattr(closed, side).rotations, atol=1e-6)
+        assert (res.k.k_mean is None) == (center == "none")
+        if center == "k":
+            assert torch.equal(res.k.k_mean, closed.k.k_mean)
+    with pytest.raises(FitError, match="centers 'k' but center='none'"):
+        refine_fit(samples, closed, steps=0, grouping="kv_head", config=cfg)
+    with pytest.raises(FitError, match="a pair with K and V rotation sets"):
+        refine_fit(samples, object(), steps=0, config=cfg)
+
+
 def test_fitted_centering_leaves_the_logits_unchanged_with_int2_off(tmp_path):
     transformers = pytest.importorskip("transformers")  # noqa: F841
     from test_transformers_int2 import cfg, tiny_llama

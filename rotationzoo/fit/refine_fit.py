@@ -151,6 +151,21 @@ def _init_source(init: str, samples: CalibrationSamples, statistics: Any, group_
     return ("hadamard" if comp is None else fit), label, means
 
 
+def _given_init(init: Any, center: str) -> tuple[Any, str, dict[str, dict[int, torch.Tensor]]]:
+    """A given pair (a :class:`FitResult`, a loaded pair: anything with ``.k`` / ``.v`` rotation sets) as the
+    init: its label (the K set's objective) and its own means, which must match ``center``."""
+    k, v = getattr(init, "k", None), getattr(init, "v", None)
+    if not isinstance(k, RotationSet) or not isinstance(v, RotationSet):
+        raise FitError(f"init must be one of {', '.join(REFINE_INITS)} or a pair with K and V rotation sets "
+                       f"(a FitResult, a loaded pair), got {type(init).__name__}")
+    has = "kv" if v.v_mean is not None else ("k" if k.k_mean is not None else "none")
+    if has != center:
+        raise FitError(f"the given init centers {has!r} but center={center!r}; pass the init's own centering")
+    means = {side: {lid: t for lid, t in zip(rs.layer_ids, getattr(rs, f"{side}_mean"))}
+             for side, rs in (("k", k), ("v", v)) if getattr(rs, f"{side}_mean") is not None}
+    return init, k.objective, means
+
+
 def _sample_means(samples: CalibrationSamples, layers: tuple[int, ...], grouping: str,
                   center: str) -> dict[str, dict[int, torch.Tensor]]:
     """The kept blocks' own key / value means (``[H_kv, d]``, or ``[d]`` for one rotation per layer)."""
@@ -215,7 +230,7 @@ def refinement_summary(res: RefineResult, init: str, init_label: str, samples: C
 
 def refine_fit(
     samples: CalibrationSamples,
-    init: str = "hadamard",
+    init: Any = "hadamard",
     *,
     steps: int = DEFAULT_STEPS,
     group_size: int | None = None,
@@ -237,7 +252,10 @@ def refine_fit(
     Args:
         samples: calibration blocks per layer (:func:`samples_from_dump`, or ``stats.samples`` of
             :func:`~rotationzoo.integrations.transformers.collect_statistics`).
-        init: ``"hadamard"``, ``"oscar"`` (``r_h_pbr``) or ``"r_pbr_hg"`` (with ``G = group_size``).
+        init: ``"hadamard"``, ``"oscar"`` (``r_h_pbr``) or ``"r_pbr_hg"`` (with ``G = group_size``), or a given
+            pair: any closed form's :class:`~rotationzoo.fit.FitResult` (e.g. ``cov_eig_hadamard_perhead``,
+            ``oscar2_center``) or loaded rotations, per layer or per KV head (``grouping`` must match), its
+            ``k_mean`` / ``v_mean`` kept (``center`` must say the same).
         steps: optimizer steps per layer and side (0: the init, with its held-out loss recorded).
         group_size: INT2 group ``G`` of the loss (``None``: ``config.int2kv.group_size``, whose
             ``None`` is head_dim).
@@ -281,8 +299,12 @@ def refine_fit(
         raise FitError("no calibration samples to refine on")
     centered = resolve_center("qqt_sst", center, ("qqt", "sst"))
     _check_samples(samples, ids, check_min_tokens(min_tokens))
-    src, label, means = _init_source(init, samples, statistics, group_size, ids, grouping, progress, min_tokens,
-                                     centered)
+    if isinstance(init, str):
+        src, label, means = _init_source(init, samples, statistics, group_size, ids, grouping, progress, min_tokens,
+                                         centered)
+    else:
+        src, label, means = _given_init(init, centered)
+        init = "given"
     res = refine_rotations(samples, src, cfg, layers=ids, num_workers=num_workers, progress=progress, means=means)
     first = samples.layers[ids[0]].shape
     assert first is not None
