@@ -173,6 +173,22 @@ def test_evaluate_reports_metrics_exposure_and_paired_ci(model, ids, tmp_path) -
     assert data["config"]["group_size"] == 32 and data["protocol"]["draws"] == 2
 
 
+def test_compare_all_pairs_every_int2_method_with_every_other(model, ids) -> None:
+    conf = Int2KVConfig(group_size=32, prefix_tokens=4, recent_tokens=8)
+    methods = [MethodSpec.fp(), MethodSpec.none(), MethodSpec.hadamard(), MethodSpec.from_source("rand", random_pair())]
+    report = evaluate(model, ids[:300], methods, conf, EvalProtocol(draws=2, block_tokens=32, resamples=100,
+                                                                    compare_all=True))
+    fp, none, had, rand = report.results
+    assert fp.vs_methods == {} and set(rand.vs_methods) == {"none", "hadamard"} and set(had.vs_methods) == {"none", "rand"}
+    d, back = rand.vs_methods["hadamard"]["kl"], had.vs_methods["rand"]["kl"]
+    assert d.delta == pytest.approx(rand.kl - had.kl) and back.delta == pytest.approx(-d.delta)
+    assert d.delta == pytest.approx(rand.vs_baseline["kl"].delta)  # the baseline pair is the same comparison
+    assert rand.vs_methods["none"]["nll"].delta == pytest.approx(rand.nll - none.nll)
+    assert json.loads(json.dumps(report.to_dict()))["results"][3]["vs_methods"]["hadamard"]["kl"]["delta"] == d.delta
+    plain = evaluate(model, ids[:300], methods, conf, EvalProtocol(draws=2, block_tokens=32, resamples=100))
+    assert all(r.vs_methods == {} for r in plain.results)
+
+
 def test_sign_draws_change_rounding_not_math(model, ids) -> None:
     r = random_pair().k.rotations
     flipped = sign_flip(r, 0, 0, "k")

@@ -173,7 +173,8 @@ def run_grid(args: argparse.Namespace) -> dict[str, Any]:
         for g in groups:
             t0 = time.perf_counter()
             config = Int2KVConfig(group_size=g)
-            protocol = EvalProtocol(context=args.context, draws=args.draws, resamples=args.resamples, probe=probe)
+            protocol = EvalProtocol(context=args.context, draws=args.draws, resamples=args.resamples, probe=probe,
+                                    compare_all=True)  # every pair of methods, paired (vs_methods in the JSON)
             methods = _methods(g, fits, extras)
             last = [0.0]
 

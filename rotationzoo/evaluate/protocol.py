@@ -67,6 +67,8 @@ class EvalProtocol:
         confidence: interval coverage.
         error_windows: leading windows over which per-layer attention-output errors are measured.
         probe: the copy probe, or ``None``.
+        compare_all: also compare every INT2 method with every other one, paired on the same tokens
+            and draws (``MethodResult.vs_methods``), not only with the baseline.
     """
 
     context: int | None = None
@@ -79,6 +81,7 @@ class EvalProtocol:
     confidence: float = 0.95
     error_windows: int = 0
     probe: CopyProbe | None = field(default=None)
+    compare_all: bool = False
 
     def __post_init__(self) -> None:
         if self.context is not None and self.context < 2:

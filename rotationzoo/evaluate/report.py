@@ -36,6 +36,8 @@ class MethodResult:
             (``None`` for the baseline itself and for ``fp``).
         layer_errors: per layer ``‖o − o_fp‖ / ‖o_fp‖`` of the attention output (first windows).
         wall_s: seconds spent in this method's forwards.
+        vs_methods: with ``EvalProtocol.compare_all``, ``{other method: {"nll": …, "kl": …}}``, this
+            method minus the other, paired as ``vs_baseline``.
     """
 
     method: str
@@ -58,10 +60,12 @@ class MethodResult:
     vs_baseline: dict[str, PairedDifference] | None = None
     layer_errors: dict[int, float] = field(default_factory=dict)
     wall_s: float = 0.0
+    vs_methods: dict[str, dict[str, PairedDifference]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["vs_baseline"] = {k: v.to_json() for k, v in self.vs_baseline.items()} if self.vs_baseline else None
+        d["vs_methods"] = {m: {k: v.to_json() for k, v in diffs.items()} for m, diffs in self.vs_methods.items()}
         d["layer_errors"] = {str(k): v for k, v in self.layer_errors.items()}
         return d
 

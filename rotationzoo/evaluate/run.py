@@ -126,9 +126,19 @@ def _result(spec: MethodSpec, main: _Collected, probe: _Collected | None, runs: 
 def _compare(results: list[MethodResult], methods: Sequence[MethodSpec], main: _Collected, probe: _Collected | None,
              runs: Sequence[Run], protocol: EvalProtocol) -> None:
     by_name = {m.name: m for m in methods}
+    if protocol.compare_all:
+        for r in results:
+            spec = by_name[r.method]
+            for other in methods:
+                if spec.kind != "fp" and other.kind != "fp" and other.name != spec.name:
+                    r.vs_methods[other.name] = {k: paired_difference(
+                        main.stacked(spec, runs, k), main.stacked(other, runs, k), block=protocol.block_tokens,
+                        resamples=protocol.resamples, confidence=protocol.confidence, seed=protocol.seed)
+                        for k in ("nll", "kl")}
     if protocol.baseline not in by_name:
         return
     base = by_name[protocol.baseline]
+
     def diff(data: _Collected, metric: str, spec: MethodSpec, block: int) -> PairedDifference:
         return paired_difference(data.stacked(spec, runs, metric), data.stacked(base, runs, metric), block=block,
                                  resamples=protocol.resamples, confidence=protocol.confidence, seed=protocol.seed)
