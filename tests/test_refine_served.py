@@ -165,6 +165,8 @@ def test_keep_rule_never_keeps_a_set_the_model_finds_worse(keep_inputs) -> None:
     assert set(keep["kl"]) == {"init", "refined", "refined_k", "refined_v"} and keep["windows"] == 3
     assert keep["kl"]["refined_v"] > 10 * keep["kl"]["init"] and keep["kl"]["refined"] > 10 * keep["kl"]["init"]
     assert keep["chosen"] in ("init", "refined_k")
+    worse = keep["vs_init"]["refined_v"]
+    assert worse["verdict"] == "worse" and worse["delta"] == pytest.approx(keep["kl"]["refined_v"] - keep["kl"]["init"])
     assert torch.equal(res.v.rotations, h) and res.refinement["init"] == "hadamard"
     want_k = q.float().expand(2, D, D) if keep["chosen"] == "refined_k" else h
     assert torch.equal(res.k.rotations, want_k)

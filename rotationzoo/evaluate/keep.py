@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
+import torch
+
 from ..errors import EvaluationError
 from ..format import RotationSet
 from ..int2kv import Int2KVConfig
@@ -27,6 +29,7 @@ from ..integrations.transformers import OscarKV, model_shape
 from ..progress import Progress
 from .metrics import compare, hidden_states
 from .protocol import min_int2_window
+from .stats import paired_difference
 
 #: Candidate names, in the order they are evaluated (ties go to the first).
 CANDIDATES: tuple[str, ...] = ("init", "refined", "refined_k", "refined_v")
@@ -78,7 +81,8 @@ def keep_by_text(
 
     Returns:
         A copy of ``result`` with the kept K and V sets and ``refinement["keep"]`` =
-        ``{"chosen", "kl": {candidate: mean KL}, "tokens", "windows", "window", "source"}``.
+        ``{"chosen", "kl": {candidate: mean KL}, "vs_init": {candidate: ΔKL vs init with a 95 % block-bootstrap
+        interval}, "tokens", "windows", "window", "source", "int2kv"}``.
 
     Raises:
         EvaluationError: no init, a model of another shape, or too few tokens for one window.
@@ -93,7 +97,7 @@ def keep_by_text(
         raise EvaluationError(f"the keep rule needs a held-out window of at least {min_int2_window(cfg) + 64} tokens; "
                               f"got {len(ids)} (give a longer --keep-text)")
     kv = {name: OscarKV.from_rotations(pair, cfg) for name, pair in cands.items()}
-    sums = {name: 0.0 for name in cands}
+    per_token: dict[str, list[Any]] = {name: [] for name in cands}
     scored = 0
     total = len(wins) * (1 + len(cands))
     done = 0
@@ -107,16 +111,18 @@ def keep_by_text(
                 progress(done, total, f"keep rule: {name}")
         _, metrics = compare(model, w, first, h_fp, others)
         for name, m in metrics.items():
-            sums[name] += float(m.kl.double().sum())
+            per_token[name].append(m.kl)
         scored += len(w) - first
         done += 1
         del h_fp, others
-    kl = {name: sums[name] / max(scored, 1) for name in cands}
+    tokens_kl = {name: torch.cat(parts).double() for name, parts in per_token.items()}
+    kl = {name: float(t.mean()) for name, t in tokens_kl.items()}
     chosen = min(CANDIDATES, key=lambda n: (kl[n], CANDIDATES.index(n)))
     k, v = cands[chosen]
+    vs_init = {name: paired_difference(tokens_kl[name], tokens_kl["init"]).to_json() for name in CANDIDATES[1:]}
     refinement = dict(result.refinement or {})
-    refinement["keep"] = {"chosen": chosen, "kl": kl, "tokens": scored, "windows": len(wins), "window": window,
-                          "source": source, "int2kv": cfg.to_json()}
+    refinement["keep"] = {"chosen": chosen, "kl": kl, "vs_init": vs_init, "tokens": scored, "windows": len(wins),
+                          "window": window, "source": source, "int2kv": cfg.to_json()}
     return dataclasses.replace(result, k=k, v=v, refinement=refinement)
 
 
@@ -128,7 +134,10 @@ def keep_summary(result: Any) -> str | None:
     init = keep["kl"]["init"]
     parts = ", ".join(f"{n} {keep['kl'][n]:.4f}" for n in CANDIDATES)
     rel = (keep["kl"][keep["chosen"]] / init - 1.0) if init > 0 else 0.0
-    return f"keep rule on {keep['tokens']} held-out tokens: KL {parts}; kept {keep['chosen']} ({rel:+.1%} vs init)"
+    ci = keep.get("vs_init", {}).get(keep["chosen"])
+    interval = f", ΔKL [{ci['lo']:+.4f}, {ci['hi']:+.4f}]" if ci else ""
+    return (f"keep rule on {keep['tokens']} held-out tokens: KL {parts}; kept {keep['chosen']} "
+            f"({rel:+.1%} vs init{interval})")
 
 
 __all__ = ["CANDIDATES", "DEFAULT_KEEP_TOKENS", "KEEP_WINDOW", "keep_by_text", "keep_summary"]
