@@ -168,6 +168,7 @@ def test_keep_rule_never_keeps_a_set_the_model_finds_worse(keep_inputs) -> None:
     worse = keep["vs_init"]["refined_v"]
     assert worse["verdict"] == "worse" and worse["delta"] == pytest.approx(keep["kl"]["refined_v"] - keep["kl"]["init"])
     assert torch.equal(res.v.rotations, h) and res.refinement["init"] == "hadamard"
+    assert res.targets["v"] == "kept_init" and res.side_objective("v") == "refined_kept_init_hadamard"
     want_k = q.float().expand(2, D, D) if keep["chosen"] == "refined_k" else h
     assert torch.equal(res.k.rotations, want_k)
     assert "kept " + keep["chosen"] in (keep_summary(res) or "")

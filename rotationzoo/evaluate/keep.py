@@ -80,7 +80,8 @@ def keep_by_text(
         source: what the tokens are (recorded).
 
     Returns:
-        A copy of ``result`` with the kept K and V sets and ``refinement["keep"]`` =
+        A copy of ``result`` with the kept K and V sets (a side kept at its init is written as
+        ``refined_kept_init_<init>``: the run's file, holding the init) and ``refinement["keep"]`` =
         ``{"chosen", "kl": {candidate: mean KL}, "vs_init": {candidate: ΔKL vs init with a 95 % block-bootstrap
         interval}, "tokens", "windows", "window", "source", "int2kv"}``.
 
@@ -120,10 +121,12 @@ def keep_by_text(
     chosen = min(CANDIDATES, key=lambda n: (kl[n], CANDIDATES.index(n)))
     k, v = cands[chosen]
     vs_init = {name: paired_difference(tokens_kl[name], tokens_kl["init"]).to_json() for name in CANDIDATES[1:]}
+    kept_init = {"init": ("k", "v"), "refined": (), "refined_k": ("v",), "refined_v": ("k",)}[chosen]
+    targets = {side: ("kept_init" if side in kept_init else t) for side, t in result.targets.items()}
     refinement = dict(result.refinement or {})
     refinement["keep"] = {"chosen": chosen, "kl": kl, "vs_init": vs_init, "tokens": scored, "windows": len(wins),
                           "window": window, "source": source, "int2kv": cfg.to_json()}
-    return dataclasses.replace(result, k=k, v=v, refinement=refinement)
+    return dataclasses.replace(result, k=k, v=v, refinement=refinement, targets=targets)
 
 
 def keep_summary(result: Any) -> str | None:

@@ -1,19 +1,19 @@
 """Learn per-layer rotations against the error an INT2 KV store actually makes.
 
 Starting from an init rotation (the data-free Hadamard ``H_d``, an OSCAR ``U·H·P_br`` or
-``U·P_br·H_G`` matrix, or any given one), each layer's ``R`` is optimized on the orthogonal
-group to minimise, on calibration blocks (:mod:`rotationzoo.fit.samples`):
+``U·P_br·H_G`` matrix, per layer or per KV head, or any given one), each layer's ``R`` is optimized
+on the orthogonal group to minimise, on calibration blocks (:mod:`rotationzoo.fit.samples`), one of
+the losses of :mod:`rotationzoo.fit.refine_loss` (``RefineConfig.loss``):
 
-* **K, attention-logit error** ``Σ ‖Q_h (K̃_h − K_h)ᵀ‖² / Σ ‖Q_h K_hᵀ‖²``: every query of the
-  KV head's group against every key *of the same block* (all pairs, not only causal ones: a key
-  stored as INT2 is read by the queries that come after it, and a block's queries stand in for
-  those). Per block and head this is ``tr(E M Eᵀ)`` with the query Gram ``M = Q_hᵀQ_h``, so the
-  cost is that of one extra ``d × d`` product per row;
-* **V, attention-output error** ``Σ ‖A (Ṽ_h − V_h)‖² / Σ ‖A V_h‖²`` with the exact causal
-  softmax weights ``A`` of the block computed once from the captured q, k (scale ``d^-½``),
-  summed over the group's query heads: ``tr(Eᵀ W E)`` with ``W = Σ_j A_jᵀ A_j``. The output
-  projection is left out (the error is measured in the head's value space). A block is attended
-  on its own, which stands in for the (query, old value) pairs of a long context.
+* ``"served"`` (default): only the (query, key) pairs that are INT2 when served (key older than the
+  recent window from its query, outside the sink), K as the attention-weighted score error and V as
+  the error those far values add to the drawn queries' attention outputs;
+* ``"block"``: every pair of a block: **K, attention-logit error**
+  ``Σ ‖Q_h (K̃_h − K_h)ᵀ‖² / Σ ‖Q_h K_hᵀ‖²`` (per block and head ``tr(E M Eᵀ)`` with the query Gram
+  ``M = Q_hᵀQ_h``), and **V, attention-output error** ``Σ ‖A (Ṽ_h − V_h)‖² / Σ ‖A V_h‖²`` with the
+  exact causal softmax weights ``A`` of the block (``tr(Eᵀ W E)``, ``W = Σ_j A_jᵀ A_j``).
+
+The output projection is left out (the error is measured in the head's value space).
 
 ``K̃ = dequant(quant(bf16(K·R)))·Rᵀ`` with the kernels' quantizer (:func:`fake_quantize_int2`).
 Rows whose position in their sequence is below ``prefix`` stay in the BF16 sink when served and
@@ -35,7 +35,8 @@ pulls each element towards its current grid point.)
 
 A held-out share of the blocks decides: a layer (a head with ``per_head``) keeps the refined
 rotation only when its held-out loss is lower than the init's, so refinement never makes a layer
-worse on held-out data. Results are re-orthogonalised in fp64 (polar factor). The split and the
+worse on held-out data (whether the model is better off is judged on held-out text by
+:func:`rotationzoo.evaluate.keep.keep_by_text`). Results are re-orthogonalised in fp64 (polar factor). The split and the
 minibatches are seeded from ``(seed, layer)``, and :func:`refine_rotations` runs every (layer,
 side) single-threaded, so a seed gives bit-identical rotations whatever the number of workers.
 """
