@@ -316,8 +316,10 @@ def test_cli_calibrate_refine_keeps_what_the_model_judges_best(tmp_path):
     assert keep["chosen"] == min(keep["kl"], key=lambda n: keep["kl"][n])
     assert m["refinement"]["loss"] == {"k": "k_served_score", "v": "v_served_out"}
     assert m["refinement"]["samples"]["block_size"] == 1024
-    k = read_rotation(tmp_path / "rot" / "k_rotation_refined_k_served_score_hadamard-kv_head.pt")
-    assert k.rotations.shape == (LAYERS, HKV, 64, 64)
+    kept_k = keep["chosen"] in ("refined", "refined_k")  # a side kept at its init is named so
+    name = "refined_k_served_score_hadamard" if kept_k else "refined_kept_init_hadamard"
+    k = read_rotation(tmp_path / "rot" / f"k_rotation_{name}-kv_head.pt")
+    assert k.rotations.shape == (LAYERS, HKV, 64, 64) and m["files"]["k"]["objective"] == name
     r = CliRunner().invoke(app, ["calibrate", "--model", str(root), "--text", str(root / "calib_a.txt"),
                                  "--tokens", "600", "--out", str(tmp_path / "x"), "--keep-text", str(root / "calib_b.txt")])
     assert r.exit_code == 1 and "--keep-text judges --refine's result" in str(r.exception)
