@@ -253,7 +253,7 @@ def test_cli_calibrate_then_fit(tiny_model_dir, tmp_path):
         "--sample-tokens", "512", "--seed", "2",
     ])
     assert r.exit_code == 0, r.output
-    assert "keep rule skipped: the calibration text holds 101 tokens after the 600 calibrated ones" in r.output
+    assert "keep rule skipped: give --keep-text FILE" in r.output
     m = json.loads((tmp_path / "rot3" / "rotationzoo.json").read_text())
     assert m["objective"] == "refined" and m["refinement"]["init_composition"] == "r_pbr_hg16"
     assert "keep" not in m["refinement"]
@@ -295,24 +295,24 @@ def test_calibrate_records_its_provenance_and_a_dump_fit_keeps_it(tiny_model_dir
 
 
 def test_cli_calibrate_refine_keeps_what_the_model_judges_best(tmp_path):
-    """calibrate --refine --loss served on 1,024-token blocks, then the keep rule on the text after the
-    calibrated tokens (head_dim 64: the INT2 kernels' smallest; a 40-word vocabulary makes the value
+    """calibrate --refine --loss served on 1,024-token blocks, then the keep rule on --keep-text (head_dim 64: the INT2 kernels' smallest; a 40-word vocabulary makes the value
     covariance rank-deficient, hence the Hadamard init); the manifest records the decision."""
     from typer.testing import CliRunner
 
     from rotationzoo.cli.main import app
 
-    root = _tiny_model_dir(tmp_path / "m", head_dim=64, words=(3000, 10))
+    root = _tiny_model_dir(tmp_path / "m", head_dim=64, words=(2100, 1000))
     r = CliRunner().invoke(app, [
         "calibrate", "--model", str(root), "--text", str(root / "calib_a.txt"), "--tokens", "2048",
         "--seq-len", "1024", "--out", str(tmp_path / "rot"), "--refine", "2", "--init", "hadamard", "-g", "16",
         "--sample-tokens", "2048", "--grouping", "kv_head", "--keep-tokens", "900",
+        "--keep-text", str(root / "calib_b.txt"),
     ])
     assert r.exit_code == 0, r.output
     assert "keep rule on " in r.output and "; kept " in r.output
     m = json.loads((tmp_path / "rot" / "rotationzoo.json").read_text())
     keep = m["refinement"]["keep"]
-    assert keep["windows"] == 1 and keep["source"] == "calibration text after the calibrated tokens"
+    assert keep["windows"] == 1 and keep["source"] == "--keep-text" and keep["tokens"] == 900 - 64 - 256 - 2
     assert keep["chosen"] == min(keep["kl"], key=lambda n: keep["kl"][n])
     assert m["refinement"]["loss"] == {"k": "k_served_score", "v": "v_served_out"}
     assert m["refinement"]["samples"]["block_size"] == 1024

@@ -151,8 +151,9 @@ BlockSizeOpt = Annotated[Optional[int], typer.Option(
     help="Tokens per calibration block of --refine (default 1024 for --loss served, 256 for block).")]
 KeepTextOpt = Annotated[Optional[List[Path]], typer.Option(
     "--keep-text",
-    help="Held-out text (repeatable) on which --refine's result is judged against its init by a short KL "
-         "evaluation: the refined, init and mixed K/V sets are compared and the one with the lowest KL is kept.")]
+    help="Held-out text (repeatable), other than the calibration text, on which --refine's result is judged "
+         "against its init by a short KL evaluation: the refined, init and mixed K/V sets are compared and the "
+         "one with the lowest KL is kept.")]
 KeepTokensOpt = Annotated[int, typer.Option(
     "--keep-tokens", min=512, help="Tokens of --keep-text the keep rule evaluates (windows of 2048).")]
 

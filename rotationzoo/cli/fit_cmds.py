@@ -410,12 +410,11 @@ def calibrate_command(
 
       rotationzoo calibrate --model ./Qwen3-8B --text calib.txt --tokens 20000 --out rot-c/ --objective oscar2_center
 
-      rotationzoo calibrate --model model.gguf --text calib.txt --tokens 20000 --out rot/ --refine 100 --init oscar --grouping kv_head --center k -g 16
+      rotationzoo calibrate --model model.gguf --text calib.txt --tokens 20000 --out rot/ --refine 100 --init oscar --grouping kv_head --center k -g 16 --keep-text other.txt
 
-    --refine learns the rotations as `rotationzoo fit --refine` does, on samples kept during the capture,
-    then judges them by the model on held-out text (the keep rule): --keep-text if given, else the
-    --keep-tokens tokens of the calibration text that follow the calibration ones (skipped, with a
-    note, when the text has too few).
+    --refine learns the rotations as `rotationzoo fit --refine` does, on samples kept during the capture;
+    with --keep-text (a text other than the calibration one) the model then judges them against their
+    init on --keep-tokens tokens of it (the keep rule).
     Every file records its calibration: prompt_sha256 (of the token windows run, the authors'
     definition), text_sha256, tokens, the model's revision (and a .gguf file's sha256).
     """
@@ -444,31 +443,19 @@ def calibrate_command(
             provenance=model_provenance(lm, model, model_revision),
         )
     if options is not None:
-        result = _keep_calibrated(result, lm, tokenizer, held_out, list(texts), tokens, keep_tokens)
+        result = _keep_calibrated(result, lm, tokenizer, held_out, keep_tokens)
     written = write_fitted(result, out, model=mid, tag=tag, fmt=fmt)
     _report(result, written, as_json)
 
 
-def _keep_calibrated(result: "FitResult", lm: Any, tokenizer: Any, held_out: Optional[list[Path]], texts: list[Path],
-                     tokens: int, keep_tokens: int) -> "FitResult":
-    """``calibrate --refine``'s keep rule: on --keep-text, else on the calibration text past the calibrated
-    tokens (skipped, with a note, when too few follow them)."""
-    from ..errors import ConfigError
-    from ..evaluate.inputs import tokenize_texts
-    from ..evaluate.protocol import min_int2_window
-
+def _keep_calibrated(result: "FitResult", lm: Any, tokenizer: Any, held_out: Optional[list[Path]],
+                     keep_tokens: int) -> "FitResult":
+    """``calibrate --refine``'s keep rule, on --keep-text (skipped, with a note, without it)."""
     if held_out:
         return _keep(result, lm, tokenizer, held_out, keep_tokens, 0, "--keep-text")
-    need = min_int2_window(result.serving_config()) + 64
-    try:
-        left = len(tokenize_texts(tokenizer, texts, tokens=keep_tokens, skip=tokens))
-    except ConfigError:  # nothing follows the calibrated tokens
-        left = 0
-    if left < need:
-        print_note(f"keep rule skipped: the calibration text holds {left} tokens after the {tokens} calibrated ones, "
-                   f"fewer than the {need} one window needs; give --keep-text FILE")
-        return result
-    return _keep(result, lm, tokenizer, texts, keep_tokens, tokens, "calibration text after the calibrated tokens")
+    print_note("keep rule skipped: give --keep-text FILE, a text other than the calibration one (the calibration "
+               "text's own continuation overstates what refinement gains on other text: docs/fitting.md)")
+    return result
 
 
 def register(app: typer.Typer) -> None:
