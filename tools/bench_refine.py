@@ -25,7 +25,8 @@ Two modes:
 re-implementation of a quick prototype learned-rotation fit: Hadamard init, the ``block`` loss on
 1,024-token blocks, K only (V stays Hadamard), Adam ``lr = 2e-3``, 300 steps, 2,048 training tokens
 per layer (plus one held-out block). With ``--keep-tokens N`` (real mode) each run is then judged by
-the model on the ``N`` tokens of the calibration text that follow the calibration ones
+the model on ``N`` tokens of ``--keep-text`` (default: the calibration text after the calibration
+tokens, a screen that ranks runs on the calibration novel only, see docs/fitting.md)
 (:func:`rotationzoo.evaluate.keep.keep_by_text`), and its cost is part of the run's.
 
 End-to-end quality (KL, perplexity, copy probe) is measured by ``tools/bench_real_model.py
@@ -96,7 +97,9 @@ def capture(args: argparse.Namespace) -> Any:
         from rotationzoo.evaluate.inputs import tokenize_texts
 
         args.keep_model = model
-        args.keep_ids = tokenize_texts(tok, [text], tokens=args.keep_tokens, skip=args.calib_tokens)
+        held = args.texts_dir / f"{args.keep_text}.txt" if args.keep_text else text
+        args.keep_ids = tokenize_texts(tok, [held], tokens=args.keep_tokens, skip=0 if args.keep_text else args.calib_tokens)
+        args.keep_source = f"{args.keep_text}" if args.keep_text else f"{args.calib} after {args.calib_tokens} tokens"
     del model
     assert stats.samples is not None
     _log(f"captured {stats.tokens} tokens per layer ({stats.info['prompts']} sequences) in "
@@ -142,7 +145,7 @@ def run_one(args: argparse.Namespace, samples: CalibrationSamples, init: str, g:
     if getattr(args, "keep_model", None) is not None and not args.layers:
         from rotationzoo.evaluate.keep import keep_by_text, keep_summary
 
-        res = keep_by_text(args.keep_model, args.keep_ids, res, source=f"{args.calib} after {args.calib_tokens} tokens")
+        res = keep_by_text(args.keep_model, args.keep_ids, res, source=args.keep_source)
         _log(keep_summary(res) or "")
     assert res.refinement is not None
     ref = res.refinement
@@ -210,6 +213,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps-v", type=int, default=None, help="V steps (default: --steps; 0 keeps V at its init)")
     p.add_argument("--queries-per-block", type=int, default=RefineConfig().queries_per_block)
     p.add_argument("--keep-tokens", type=int, default=0, help="judge each run on this many held-out tokens (real mode)")
+    p.add_argument("--keep-text", help="the held-out text of --keep-tokens (a tools/texts.py name; default: the "
+                                       "calibration text after the calibration tokens, which overstates refinement)")
     p.add_argument("--prototype", action="store_true", help="the prototype recipe (see the module docstring)")
     args = p.parse_args(argv)
     if args.prototype:
