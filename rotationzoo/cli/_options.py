@@ -154,6 +154,8 @@ KeepTextOpt = Annotated[Optional[List[Path]], typer.Option(
     help="Held-out text (repeatable), other than the calibration text, on which --refine's result is judged "
          "against its init by a short KL evaluation: the refined, init and mixed K/V sets are compared and the "
          "one with the lowest KL is kept.")]
+#: Default of --keep-tokens.
+KEEP_TOKENS = 4096
 KeepTokensOpt = Annotated[int, typer.Option(
     "--keep-tokens", min=512, help="Tokens of --keep-text the keep rule evaluates (windows of 2048).")]
 

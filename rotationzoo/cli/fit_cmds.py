@@ -32,6 +32,7 @@ import typer
 
 from .. import vocab
 from ._options import (
+    KEEP_TOKENS,
     BlockSizeOpt,
     InitOpt,
     JsonOpt,
@@ -232,7 +233,7 @@ def fit_command(
     loss: LossOpt = "served",
     block_size: BlockSizeOpt = None,
     keep_text: KeepTextOpt = None,
-    keep_tokens: KeepTokensOpt = 4096,
+    keep_tokens: KeepTokensOpt = KEEP_TOKENS,
     keep_model: Annotated[Optional[str], typer.Option(
         "--keep-model", help="Local transformers model folder or .gguf file that --keep-text is evaluated with "
                              "(default: the SmolLM2-135M-Instruct GGUF, as rotationzoo eval).")] = None,
@@ -321,7 +322,8 @@ def fit_command(
         result = _refine_from_dump(dump, options, group_size, keep_first_chunk, layer_ids, workers,
                                    grouping or "layer", min_tokens, center, tp_size)
         if judge is not None:
-            result = _keep(result, judge[0], judge[1], judge[2], keep_tokens, 0, "--keep-text")
+            lm, tokenizer, held_out = judge
+            result = _keep(result, lm, tokenizer, held_out, keep_tokens, 0, "--keep-text")
         _report(result, write_fitted(result, out, model=model, tag=tag, fmt=fmt), as_json)
         return
     if keep_text or keep_model:
@@ -382,7 +384,7 @@ def calibrate_command(
     loss: LossOpt = "served",
     block_size: BlockSizeOpt = None,
     keep_text: KeepTextOpt = None,
-    keep_tokens: KeepTokensOpt = 4096,
+    keep_tokens: KeepTokensOpt = KEEP_TOKENS,
     grouping: GroupingOpt = None,
     min_tokens: MinTokensOpt = None,
     center: CenterOpt = None,

@@ -35,8 +35,6 @@ from .stats import paired_difference
 CANDIDATES: tuple[str, ...] = ("init", "refined", "refined_k", "refined_v")
 #: Tokens per forward of the keep evaluation.
 KEEP_WINDOW = 2048
-#: Held-out tokens evaluated by default.
-DEFAULT_KEEP_TOKENS = 4096
 
 
 def _candidates(result: Any) -> dict[str, tuple[RotationSet, RotationSet]]:
@@ -105,8 +103,9 @@ def keep_by_text(
     for w in wins:
         h_fp, _ = hidden_states(model, w)
         others = {}
-        for name in cands:
-            others[name], _ = hidden_states(model, w, kv[name])
+        for name in ("fp", *cands):
+            if name != "fp":
+                others[name], _ = hidden_states(model, w, kv[name])
             done += 1
             if progress is not None:
                 progress(done, total, f"keep rule: {name}")
@@ -114,7 +113,6 @@ def keep_by_text(
         for name, m in metrics.items():
             per_token[name].append(m.kl)
         scored += len(w) - first
-        done += 1
         del h_fp, others
     tokens_kl = {name: torch.cat(parts).double() for name, parts in per_token.items()}
     kl = {name: float(t.mean()) for name, t in tokens_kl.items()}
@@ -143,4 +141,4 @@ def keep_summary(result: Any) -> str | None:
             f"({rel:+.1%} vs init{interval})")
 
 
-__all__ = ["CANDIDATES", "DEFAULT_KEEP_TOKENS", "KEEP_WINDOW", "keep_by_text", "keep_summary"]
+__all__ = ["CANDIDATES", "KEEP_WINDOW", "keep_by_text", "keep_summary"]

@@ -146,8 +146,7 @@ def _init_source(init: str, samples: CalibrationSamples, statistics: Any, group_
     fit = fit_rotations(statistics, "qqt_sst", comp or "r_h_pbr", group_size=g if comp == "r_pbr_hg" else None,
                         layers=layers, grouping=grouping, progress=prefixed(progress, f"{label} init"),
                         min_tokens=min_tokens, center=center)  # type: ignore[arg-type]
-    means = {side: {lid: t for lid, t in zip(rs.layer_ids, getattr(rs, f"{side}_mean"))}
-             for side, rs in (("k", fit.k), ("v", fit.v)) if rs is not None and getattr(rs, f"{side}_mean") is not None}
+    means = _set_means(fit.k, fit.v)
     return ("hadamard" if comp is None else fit), label, means
 
 
@@ -161,9 +160,13 @@ def _given_init(init: Any, center: str) -> tuple[Any, str, dict[str, dict[int, t
     has = "kv" if v.v_mean is not None else ("k" if k.k_mean is not None else "none")
     if has != center:
         raise FitError(f"the given init centers {has!r} but center={center!r}; pass the init's own centering")
-    means = {side: {lid: t for lid, t in zip(rs.layer_ids, getattr(rs, f"{side}_mean"))}
-             for side, rs in (("k", k), ("v", v)) if getattr(rs, f"{side}_mean") is not None}
-    return init, k.objective, means
+    return init, k.objective, _set_means(k, v)
+
+
+def _set_means(k: RotationSet | None, v: RotationSet | None) -> dict[str, dict[int, torch.Tensor]]:
+    """``{"k": {layer: k_mean}, "v": {layer: v_mean}}`` of the sets that carry a mean."""
+    return {side: {lid: t for lid, t in zip(rs.layer_ids, getattr(rs, f"{side}_mean"))}
+            for side, rs in (("k", k), ("v", v)) if rs is not None and getattr(rs, f"{side}_mean") is not None}
 
 
 def _sample_means(samples: CalibrationSamples, layers: tuple[int, ...], grouping: str,
