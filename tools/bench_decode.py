@@ -197,6 +197,7 @@ def cpu_variants(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from rotationzoo.kernels import decode_attention_int2
+    from rotationzoo.kernels.native import native_available
 
     torch.set_num_threads(1)
     results = []
@@ -215,6 +216,9 @@ def cpu_variants(args: argparse.Namespace) -> dict[str, Any]:
                                                                              backend="torch"),
                 "codes: per-query byte tables (K)": lambda: _query_tables(q, k, v, rot),
             }
+            if native_available():
+                variants["C kernel (library, backend auto)"] = lambda: decode_attention_int2(
+                    q, k, v, k_rotation=rot, v_rotation=rot, backend="auto")
             want = variants["codes: byte lookup (library)"]()
             for name, fn in variants.items():
                 times = []

@@ -231,7 +231,10 @@ def quantize_int2(
         clip_search: how the clip threshold is found: ``"exact"`` (the sorted value, as the
             SGLang prefill store) or ``"bisect"`` (the ``log2(d)``-step bisection of its decode
             flush, which clips slightly more; exact for ``d < 64``).
-        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        backend: ``"auto"`` (Triton for CUDA tensors; on CPU the C quantizer of
+            :mod:`rotationzoo.kernels.native`, bit-identical to the reference, for unrotated rows with
+            uniform levels and fp32/bf16 scale/zero where a C compiler works, else the reference),
+            ``"torch"`` (the PyTorch reference) or ``"triton"``.
 
     Returns:
         ``(codes, scales_zeros)``: ``codes`` uint8 ``[..., d/4]`` (quarter-interleaved, 4 codes per
@@ -253,6 +256,11 @@ def quantize_int2(
                                                     clip_search=clip_search)
     r = _check_rotation(rotation, tuple(x.shape), x.device)
     if _backend(backend, x.device) == "torch":
+        if backend == "auto" and x.device.type == "cpu":
+            from . import native
+
+            if native.quantize_native_supported(x, rotation=r, lloyd_max=lm, scale_dtype=sdt):
+                return native.quantize_rows_native(x, clip_index=ci, group_size=gs, clip_search=cs, scale_dtype=sdt)
         return _ref.quantize_int2_torch(x, rotation=r, clip_index=ci, group_size=gs, lloyd_max=lm, scale_dtype=sdt,
                                         clip_search=cs)
 

@@ -155,8 +155,9 @@ def decode_attention_int2(
             :mod:`rotationzoo.kernels.decode_plan`); the result does not depend on it beyond fp32
             rounding.
         dtype: output dtype (default the query's).
-        backend: ``"auto"`` (Triton for CUDA tensors, the PyTorch reference otherwise), ``"torch"``
-            or ``"triton"``.
+        backend: ``"auto"``: Triton for CUDA tensors; on CPU the C kernel
+            (:mod:`rotationzoo.kernels.native`, compiled on first use) where a C compiler works, else
+            the PyTorch reference. ``"torch"``: always the PyTorch reference; ``"triton"``.
 
     Returns:
         ``[B, Hq, S, d]`` in ``dtype``, in the model's basis.
@@ -233,6 +234,13 @@ def decode_attention_int2(
     if not isinstance(causal, bool):
         raise KernelInputError(f"causal must be true or false, got {causal!r}")
     if pick_backend(backend, dev) == "torch":
+        if backend == "auto" and dev.type == "cpu":
+            from . import native
+
+            if native.native_available():
+                return native.decode_attention_native(query, k, v, q_rotation=rq, o_rotation=ro, scale=float(scale),
+                                                      causal=causal, num_splits=num_splits, dtype=out_dtype)
+            native.warn_unavailable_once()
         from .decode_reference import decode_attention_torch
 
         return decode_attention_torch(query, k, v, q_rotation=rq, o_rotation=ro, scale=float(scale), causal=causal,

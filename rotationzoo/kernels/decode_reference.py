@@ -63,7 +63,7 @@ def rotate_queries(query: torch.Tensor, rotation: torch.Tensor | None, num_kv_he
     return q * scale
 
 
-def _out_rotate(o: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
+def rotate_output(o: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
     """``o [B, H_kv, rows, d] @ R`` (shared or per KV head) in fp32."""
     if rotation is None:
         return o
@@ -197,8 +197,8 @@ def decode_attention_torch(
     dims, _ = _byte_order(d, 1, q.device)
     acc = torch.empty_like(state.acc)
     acc[..., dims] = state.acc  # back to the natural dim order
-    out = _out_rotate(acc / state.l[..., None], o_rotation)
+    out = rotate_output(acc / state.l[..., None], o_rotation)
     return out.reshape(b, hq, s, d).to(dtype)
 
 
-__all__ = ["decode_attention_torch", "rotate_queries", "unpack_tile"]
+__all__ = ["decode_attention_torch", "rotate_output", "rotate_queries", "unpack_tile"]
