@@ -16,10 +16,12 @@ Accessors are functions (not import-time constants) so tests and long-lived proc
 ``ROTATIONZOO_PINS``          the file of sha256 pinned on first use (default: user config dir)
 ``ROTATIONZOO_ALLOW_HTTP_LOOPBACK``  ``1``: accept ``http://`` URLs to a loopback host (tests)
 ``ROTATIONZOO_DEBUG``         ``1``: the CLI prints tracebacks (as ``--debug``)
+``ROTATIONZOO_NATIVE``        ``0``: CPU kernels stay on the PyTorch reference; no C compiler is
+                              run (default ``1``: :mod:`rotationzoo.kernels.native`)
 ===========================  ===============================================================
 
 Boolean variables (``ROTATIONZOO_OFFLINE``, ``HF_HUB_OFFLINE``, ``ROTATIONZOO_ALLOW_HTTP_LOOPBACK``,
-``ROTATIONZOO_DEBUG``) take ``1``, ``true``, ``yes`` or ``on`` for true and ``0``, ``false``,
+``ROTATIONZOO_DEBUG``, ``ROTATIONZOO_NATIVE``) take ``1``, ``true``, ``yes`` or ``on`` for true and ``0``, ``false``,
 ``no`` or ``off`` for false, in any case; unset, empty or blank is the default. Anything else
 (``Y``, ``2``, ``offline``, `` 1``) is refused with one :class:`~rotationzoo.errors.ConfigError`
 line naming the variable, rather than silently read as false. The true spellings are exactly
@@ -157,6 +159,12 @@ def allow_http_loopback() -> bool:
 def debug() -> bool:
     """``ROTATIONZOO_DEBUG``: the CLI prints tracebacks (the default of ``--debug``)."""
     return env_bool("ROTATIONZOO_DEBUG")
+
+
+def native_kernels() -> bool:
+    """``ROTATIONZOO_NATIVE`` (default true): build and run the C kernels for CPUs
+    (:mod:`rotationzoo.kernels.native`); false keeps CPU kernels on the PyTorch reference."""
+    return env_bool("ROTATIONZOO_NATIVE", default=True)
 
 
 def offline_reason() -> str:

@@ -136,7 +136,7 @@ print("WARNINGS", len(seen), str(seen[0].message) if seen else "")
 """
 
 
-@pytest.mark.parametrize("env,reason", [({"ROTATIONZOO_NATIVE": "0"}, "ROTATIONZOO_NATIVE=0"),
+@pytest.mark.parametrize("env,reason", [({"ROTATIONZOO_NATIVE": "0"}, "ROTATIONZOO_NATIVE is false"),
                                         ({"CC": "/nonexistent/cc", "PATH": "/nonexistent"}, "no C compiler found")])
 def test_without_the_c_kernels_auto_runs_the_reference_and_says_why_once(env, reason):
     run_env = dict(os.environ, **env)

@@ -25,11 +25,9 @@ from importlib import resources
 
 import torch
 
+from ..config import native_kernels
 from .decode_reference import rotate_output, rotate_queries
 from .layout import bisect_iters
-
-ENV_NATIVE = "ROTATIONZOO_NATIVE"
-"""Set to ``0`` to keep CPU decode attention on the PyTorch reference (no compiler is run)."""
 
 NATIVE_SPLIT_TOKENS = 1024
 """Fewest key positions per work item of the C kernel (more items only when the threads need them)."""
@@ -67,8 +65,8 @@ def _compile(cc: str, name: str, work: str) -> ctypes.CDLL | str:
 
 def _build() -> dict[str, ctypes.CDLL] | str:
     """The loaded libraries, or why they could not be built (one line)."""
-    if os.environ.get(ENV_NATIVE, "1").strip().lower() in ("0", "false", "no", "off"):
-        return f"{ENV_NATIVE}=0"
+    if not native_kernels():
+        return "ROTATIONZOO_NATIVE is false"
     cc = _compiler()
     if cc is None:
         return "no C compiler found (set CC, or install cc/gcc/clang)"
@@ -220,5 +218,5 @@ def decode_attention_native(
     return rotate_output(out, o_rotation).reshape(b, hq, s, d).to(dtype)
 
 
-__all__ = ["ENV_NATIVE", "NATIVE_SPLIT_TOKENS", "decode_attention_native", "native_available", "native_splits",
+__all__ = ["NATIVE_SPLIT_TOKENS", "decode_attention_native", "native_available", "native_splits",
            "native_unavailable_reason", "quantize_native_supported", "quantize_rows_native", "warn_unavailable_once"]

@@ -13,6 +13,7 @@ attention (softmax ignores a constant added to every score of a query), and so i
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -260,11 +261,17 @@ def unrotate(x: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
     return torch.matmul(x.float(), _per_head(rt, x.shape[1])[None]).to(x.dtype)
 
 
+@functools.lru_cache(maxsize=64)
+def _with_clip_search(config: Int2KVConfig, clip_search: str | None) -> Int2KVConfig:
+    """``config`` with another ``clip_search`` (kept: a decode step quantizes two rows per layer)."""
+    return config.replace(clip_search=clip_search)
+
+
 def quantize_rows(x: torch.Tensor, oscar: OscarKV, side: str, *, clip_search: str | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """INT2 codes and scales/zeros of rotated rows ``x [..., d]`` with ``oscar``'s settings for ``side``
     (``clip_search`` overrides the config's, for rows a prefill demotes)."""
-    cfg = oscar.config.replace(clip_search=clip_search)
+    cfg = _with_clip_search(oscar.config, clip_search)
     return quantize_int2(x.contiguous(), config=cfg, side=side, backend=oscar.backend)  # type: ignore[arg-type]
 
 
