@@ -256,7 +256,7 @@ def quantize_int2(
                                                     clip_search=clip_search)
     r = _check_rotation(rotation, tuple(x.shape), x.device)
     if _backend(backend, x.device) == "torch":
-        if backend == "auto" and x.device.type == "cpu":
+        if backend == "auto":
             from . import native
 
             if native.quantize_native_supported(x, rotation=r, lloyd_max=lm, scale_dtype=sdt):

@@ -186,20 +186,14 @@ def decode_attention_native(
     windows = [keys[0], keys[3], values[0], values[3]]
     bf16 = all(t.dtype == torch.bfloat16 for t in windows)
 
-    def window(t: torch.Tensor) -> torch.Tensor:
-        t = t if bf16 else t.to(torch.float32)
-        return t if t.stride(-1) == 1 else t.contiguous()
-
-    def int2(t: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
-        t = t.to(dt)
-        return t if t.stride(-1) == 1 else t.contiguous()
-
+    window = torch.bfloat16 if bf16 else torch.float32
     kept = []  # the tensors the C code reads, alive until it returns
     parts: list[int] = []
     for side in (keys, values):
-        sink, codes, sz, recent = window(side[0]), int2(side[1], torch.uint8), int2(side[2], torch.float32), window(side[3])
-        kept += [sink, codes, sz, recent]
-        for t in (sink, codes, sz, recent):
+        for t, dt in zip(side, (window, torch.uint8, torch.float32, window)):
+            t = t.to(dt)
+            t = t if t.stride(-1) == 1 else t.contiguous()  # the C code walks the last dimension
+            kept.append(t)
             parts += _part(t)
     p, n, r = keys[0].shape[2], keys[1].shape[2], keys[3].shape[2]
     total = p + n + r
