@@ -145,3 +145,23 @@ def test_refined_folder_records_one_int2kv_block(dump: Path, tmp_path: Path) -> 
     assert m["int2kv"] == want.to_json() and "int2kv" not in m["refinement"]["config"]
     assert "clip_ratio" not in m and "clip_k" not in json.dumps(m)
     assert resolve_pair(str(tmp_path / "r")).recorded_config == want
+
+
+def test_queries_per_block_reaches_the_served_loss_and_the_manifest(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    g = torch.Generator().manual_seed(5)
+    n = 1100  # one 1,024-token served block per sequence
+    body = [{"q": torch.randn(n, 2, D, generator=g), "k": torch.randn(n, 1, D, generator=g),
+             "v": torch.randn(n, 1, D, generator=g), "seq_lens": [n]} for _ in range(3)]
+    dump = write_dump(tmp_path / "dump", {0: [body[0], *body]})
+    out = tmp_path / "out"
+    assert _cli(["fit", "--dump", str(dump), "--out", str(out), "--refine", "2", "-g", "16", "--sample-tokens", "3072",
+                 "--queries-per-block", "8"]) == 0
+    ref = json.loads((out / "rotationzoo.json").read_text())["refinement"]
+    assert ref["config"]["queries_per_block"] == 8 and ref["config"]["loss"] == "served"
+    assert RefineOptions().config().queries_per_block == 128
+    with pytest.raises(Exception, match="queries_per_block is a setting of the served loss"):
+        RefineOptions(loss="block", queries_per_block=8)
+    with pytest.raises(Exception, match="queries_per_block must be an integer ≥ 1"):
+        RefineOptions(queries_per_block=0)
+    assert _cli(["fit", "--dump", str(dump), "--out", str(out), "--refine", "2", "--queries-per-block", "0"]) == 2
+    assert "--queries-per-block" in capsys.readouterr().err

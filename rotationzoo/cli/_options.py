@@ -149,6 +149,9 @@ LossOpt = Annotated[str, typer.Option(
 BlockSizeOpt = Annotated[Optional[int], typer.Option(
     "--block-size", min=16,
     help="Tokens per calibration block of --refine (default 1024 for --loss served, 256 for block).")]
+QueriesPerBlockOpt = Annotated[Optional[int], typer.Option(
+    "--queries-per-block", min=1,
+    help="Queries drawn per calibration block by --loss served (default 128; a step's cost is linear in it).")]
 KeepTextOpt = Annotated[Optional[List[Path]], typer.Option(
     "--keep-text",
     help="Held-out text (repeatable), other than the calibration text, on which --refine's result is judged "

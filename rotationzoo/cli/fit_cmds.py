@@ -39,6 +39,7 @@ from ._options import (
     KeepTextOpt,
     KeepTokensOpt,
     LossOpt,
+    QueriesPerBlockOpt,
     RefineOpt,
     SampleTokensOpt,
     SeedOpt,
@@ -103,11 +104,12 @@ def _parse_layers(text: Optional[str]) -> Optional[list[int]]:
 
 
 def _refine_options(steps: int, init: str, seed: int, sample_tokens: Optional[int], loss: str,
-                    block_size: Optional[int]) -> Any:
+                    block_size: Optional[int], queries_per_block: Optional[int]) -> Any:
     from ..fit import RefineOptions
 
     extra = {"sample_tokens": sample_tokens} if sample_tokens is not None else {}
-    return RefineOptions(steps=steps, init=init, seed=seed, loss=loss, block_size=block_size, **extra)
+    return RefineOptions(steps=steps, init=init, seed=seed, loss=loss, block_size=block_size,
+                         queries_per_block=queries_per_block, **extra)
 
 
 def _keep(result: "FitResult", lm: Any, tokenizer: Any, texts: list[Path], tokens: int, skip: int, what: str) -> "FitResult":
@@ -232,6 +234,7 @@ def fit_command(
     sample_tokens: SampleTokensOpt = None,
     loss: LossOpt = "served",
     block_size: BlockSizeOpt = None,
+    queries_per_block: QueriesPerBlockOpt = None,
     keep_text: KeepTextOpt = None,
     keep_tokens: KeepTokensOpt = KEEP_TOKENS,
     keep_model: Annotated[Optional[str], typer.Option(
@@ -317,7 +320,7 @@ def fit_command(
         if dump is None:
             raise CLIError("--refine needs --dump DIR (the calibration samples)")
         _check_recipe("qqt_sst", None, grouping, center, True)
-        options = _refine_options(refine, init, seed, sample_tokens, loss, block_size)
+        options = _refine_options(refine, init, seed, sample_tokens, loss, block_size, queries_per_block)
         judge = _keep_model(keep_text, keep_model)  # texts checked, model loaded: before the dump is read
         result = _refine_from_dump(dump, options, group_size, keep_first_chunk, layer_ids, workers,
                                    grouping or "layer", min_tokens, center, tp_size)
@@ -383,6 +386,7 @@ def calibrate_command(
     sample_tokens: SampleTokensOpt = None,
     loss: LossOpt = "served",
     block_size: BlockSizeOpt = None,
+    queries_per_block: QueriesPerBlockOpt = None,
     keep_text: KeepTextOpt = None,
     keep_tokens: KeepTokensOpt = KEEP_TOKENS,
     grouping: GroupingOpt = None,
@@ -426,7 +430,7 @@ def calibrate_command(
     from ..integrations.transformers import calibrate, check_text_files, load_model
     from ..integrations.transformers.loading import model_provenance
 
-    options = _refine_options(refine, init, seed, sample_tokens, loss, block_size) if refine is not None else None
+    options = _refine_options(refine, init, seed, sample_tokens, loss, block_size, queries_per_block) if refine is not None else None
     check_token_budget(tokens, _min_tokens(min_tokens))  # before the model loads
     _check_recipe(objective, composition, grouping, center, refine is not None)
     texts = check_text_files(text, what="calibration text", option="--text")  # before the model is loaded

@@ -57,7 +57,8 @@ def _check_init(init: str) -> None:
 
 @dataclass(frozen=True)
 class RefineOptions:
-    """What ``--refine STEPS --init NAME --seed S --sample-tokens N --loss L --block-size B`` ask for.
+    """What ``--refine STEPS --init NAME --seed S --sample-tokens N --loss L --block-size B
+    --queries-per-block Q`` ask for.
 
     Attributes:
         steps: optimizer steps per layer and side.
@@ -66,6 +67,8 @@ class RefineOptions:
         sample_tokens: calibration tokens kept per layer (a reservoir of whole blocks).
         loss: ``"served"`` or ``"block"`` (:class:`~rotationzoo.fit.refine_loss.RefineConfig`).
         block_size: tokens per calibration block (``None``: 1,024 for ``served``, 256 for ``block``).
+        queries_per_block: queries drawn per block by the served loss (``None``: the
+            :class:`~rotationzoo.fit.refine_loss.RefineConfig` default, 128); a step's cost is linear in it.
     """
 
     steps: int = DEFAULT_STEPS
@@ -74,6 +77,7 @@ class RefineOptions:
     sample_tokens: int = DEFAULT_MAX_TOKENS
     loss: str = "served"
     block_size: int | None = None
+    queries_per_block: int | None = None
 
     def __post_init__(self) -> None:
         _check_init(self.init)
@@ -81,6 +85,10 @@ class RefineOptions:
             raise FitError(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
         if self.block_size is not None and not 16 <= self.block_size <= self.sample_tokens:
             raise FitError(f"block_size must be from 16 to sample_tokens ({self.sample_tokens}), got {self.block_size}")
+        if self.queries_per_block is not None and self.loss != "served":
+            raise FitError(f"queries_per_block is a setting of the served loss; drop it or use loss 'served', not {self.loss!r}")
+        if self.queries_per_block is not None:
+            replace(RefineConfig(), queries_per_block=self.queries_per_block)  # its range check
         if self.steps < 0:
             raise FitError(f"refinement steps must be ≥ 0, got {self.steps}")
         if self.sample_tokens < self.blocks:
@@ -94,8 +102,9 @@ class RefineOptions:
         return SERVED_BLOCK_SIZE if self.loss == "served" else DEFAULT_BLOCK_SIZE
 
     def config(self, base: RefineConfig | None = None) -> RefineConfig:
-        """``base`` (default settings) with this ``loss``."""
-        return replace(base or RefineConfig(), loss=self.loss)
+        """``base`` (default settings) with this ``loss`` (and ``queries_per_block``, when given)."""
+        extra = {} if self.queries_per_block is None else {"queries_per_block": self.queries_per_block}
+        return replace(base or RefineConfig(), loss=self.loss, **extra)
 
 
 def samples_from_dump(
