@@ -416,11 +416,13 @@ def calibrate_command(
 
       rotationzoo calibrate --model ./Qwen3-8B --text calib.txt --tokens 20000 --out rot-c/ --objective oscar2_center
 
-      rotationzoo calibrate --model model.gguf --text calib.txt --tokens 20000 --out rot/ --refine 100 --init oscar --grouping kv_head --center k -g 16 --keep-text other.txt
+      rotationzoo calibrate --model model.gguf --text calib.txt --tokens 20000 --out rot/ --refine 100 --init oscar --grouping kv_head --center k -g 16 --seq-len 8192 --queries-per-block 64 --keep-text other.txt
 
     --refine learns the rotations as `rotationzoo fit --refine` does, on samples kept during the capture;
     with --keep-text (a text other than the calibration one) the model then judges them against their
     init on --keep-tokens tokens of it (the keep rule).
+    A refined rotation fits the key positions it was calibrated on: give --seq-len as long as the
+    context that will be served (refined at 2048, it did not carry to 8K windows; docs/fitting.md).
     Every file records its calibration: prompt_sha256 (of the token windows run, the authors'
     definition), text_sha256, tokens, the model's revision (and a .gguf file's sha256).
     """
