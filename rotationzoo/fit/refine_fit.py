@@ -103,8 +103,8 @@ class RefineOptions:
 
     def config(self, base: RefineConfig | None = None) -> RefineConfig:
         """``base`` (default settings) with this ``loss`` (and ``queries_per_block``, when given)."""
-        extra = {} if self.queries_per_block is None else {"queries_per_block": self.queries_per_block}
-        return replace(base or RefineConfig(), loss=self.loss, **extra)
+        cfg = replace(base or RefineConfig(), loss=self.loss)
+        return cfg if self.queries_per_block is None else replace(cfg, queries_per_block=self.queries_per_block)
 
 
 def samples_from_dump(
