@@ -85,10 +85,10 @@ class RefineOptions:
             raise FitError(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
         if self.block_size is not None and not 16 <= self.block_size <= self.sample_tokens:
             raise FitError(f"block_size must be from 16 to sample_tokens ({self.sample_tokens}), got {self.block_size}")
-        if self.queries_per_block is not None and self.loss != "served":
-            raise FitError(f"queries_per_block is a setting of the served loss; drop it or use loss 'served', not {self.loss!r}")
         if self.queries_per_block is not None:
-            replace(RefineConfig(), queries_per_block=self.queries_per_block)  # its range check
+            if self.loss != "served":
+                raise FitError(f"queries_per_block is a setting of the served loss; drop it or use loss 'served', not {self.loss!r}")
+            self.config()  # RefineConfig's range check
         if self.steps < 0:
             raise FitError(f"refinement steps must be ≥ 0, got {self.steps}")
         if self.sample_tokens < self.blocks:
