@@ -305,14 +305,16 @@ def test_cli_calibrate_refine_keeps_what_the_model_judges_best(tmp_path):
     r = CliRunner().invoke(app, [
         "calibrate", "--model", str(root), "--text", str(root / "calib_a.txt"), "--tokens", "2048",
         "--seq-len", "1024", "--out", str(tmp_path / "rot"), "--refine", "2", "--init", "hadamard", "-g", "16",
-        "--sample-tokens", "2048", "--grouping", "kv_head", "--keep-tokens", "900",
+        "--sample-tokens", "2048", "--grouping", "kv_head", "--keep-tokens", "900", "--keep-context", "512",
         "--keep-text", str(root / "calib_b.txt"),
     ])
     assert r.exit_code == 0, r.output
-    assert "keep rule on " in r.output and "; kept " in r.output
+    assert "keep rule on " in r.output and "; kept " in r.output and "1 × 512-token windows" in r.output
     m = json.loads((tmp_path / "rot" / "rotationzoo.json").read_text())
     keep = m["refinement"]["keep"]
-    assert keep["windows"] == 1 and keep["source"] == "--keep-text" and keep["tokens"] == 900 - 64 - 256 - 2
+    assert keep["windows"] == 1 and keep["window"] == 512 and keep["source"] == "--keep-text"
+    assert keep["tokens"] == 512 - 64 - 256 - 2  # one whole window; the 388 tokens after it are not scored
+    assert m["refinement"]["samples"]["context"] == 1024
     assert keep["chosen"] == min(keep["kl"], key=lambda n: keep["kl"][n])
     assert m["refinement"]["loss"] == {"k": "k_served_score", "v": "v_served_out"}
     assert m["refinement"]["samples"]["block_size"] == 1024
@@ -322,4 +324,42 @@ def test_cli_calibrate_refine_keeps_what_the_model_judges_best(tmp_path):
     assert k.rotations.shape == (LAYERS, HKV, 64, 64) and m["files"]["k"]["objective"] == name
     r = CliRunner().invoke(app, ["calibrate", "--model", str(root), "--text", str(root / "calib_a.txt"),
                                  "--tokens", "600", "--out", str(tmp_path / "x"), "--keep-text", str(root / "calib_b.txt")])
-    assert r.exit_code == 1 and "--keep-text judges --refine's result" in str(r.exception)
+    assert r.exit_code == 1 and "--keep-text / --keep-model / --keep-tokens / --keep-context judge --refine's result" \
+        in str(r.exception)
+    # the keep window defaults to the calibration context (--seq-len): 900 tokens hold none, refused before loading
+    r = CliRunner().invoke(app, ["calibrate", "--model", str(root), "--text", str(root / "calib_a.txt"),
+                                 "--tokens", "2048", "--seq-len", "1024", "--out", str(tmp_path / "y"), "--refine", "2",
+                                 "--keep-tokens", "900", "--keep-text", str(root / "calib_b.txt")])
+    assert r.exit_code == 1 and "loading" not in r.output
+    assert "--keep-tokens 900 is less than one keep window of 1024 tokens (the calibration context" in str(r.exception)
+    r = CliRunner().invoke(app, ["calibrate", "--model", str(root), "--text", str(root / "calib_a.txt"),
+                                 "--tokens", "2048", "--out", str(tmp_path / "y"), "--refine", "2",
+                                 "--keep-context", "1024"])
+    assert r.exit_code == 1 and "set the keep rule on --keep-text; add --keep-text FILE" in str(r.exception)
+
+
+def test_cli_fit_refine_keep_window_is_the_dump_context(tmp_path):
+    """fit --refine --keep-text judges whole windows as long as the dump's prompts (the context the refinement saw),
+    and a held-out text shorter than one window is refused before the dump's activations are read."""
+    from typer.testing import CliRunner
+
+    from rotationzoo.cli.main import app
+    from rotationzoo.fit import open_dump
+
+    root = _tiny_model_dir(tmp_path / "m", head_dim=64, words=(2100, 1100))
+    r = CliRunner().invoke(app, ["calibrate", "--model", str(root), "--text", str(root / "calib_a.txt"), "--tokens",
+                                 "2048", "--seq-len", "1024", "--out", str(tmp_path / "rot"), "--dump-out",
+                                 str(tmp_path / "dump")])
+    assert r.exit_code == 0, r.output
+    assert open_dump(tmp_path / "dump").context() == 1024
+    refine = ["fit", "--dump", str(tmp_path / "dump"), "--refine", "2", "--init", "hadamard", "-g", "16",
+              "--sample-tokens", "2048", "--grouping", "kv_head", "--keep-model", str(root)]
+    r = CliRunner().invoke(app, [*refine, "--out", str(tmp_path / "refined"), "--keep-text", str(root / "calib_b.txt")])
+    assert r.exit_code == 0, r.output
+    keep = json.loads((tmp_path / "refined" / "rotationzoo.json").read_text())["refinement"]["keep"]
+    assert keep["window"] == 1024 and keep["windows"] == 1 and keep["tokens"] == 1024 - 64 - 256 - 2
+    short = tmp_path / "short.txt"
+    short.write_text(" ".join(WORDS[:5] * 100), encoding="utf-8")  # 501 tokens
+    r = CliRunner().invoke(app, [*refine, "--out", str(tmp_path / "none"), "--keep-text", str(short)])
+    assert r.exit_code == 1 and not (tmp_path / "none").exists()
+    assert "--keep-text holds 501 tokens, fewer than one keep window of 1024 (the calibration context" in str(r.exception)

@@ -158,7 +158,7 @@ def test_queries_per_block_reaches_the_served_loss_and_the_manifest(tmp_path: Pa
                  "--queries-per-block", "8"]) == 0
     ref = json.loads((out / "rotationzoo.json").read_text())["refinement"]
     assert ref["config"]["queries_per_block"] == 8 and ref["config"]["loss"] == "served"
-    assert RefineOptions().config().queries_per_block == 128
+    assert RefineOptions().config().queries_per_block == 64
     with pytest.raises(Exception, match="queries_per_block is a setting of the served loss"):
         RefineOptions(loss="block", queries_per_block=8)
     with pytest.raises(Exception, match="queries_per_block must be an integer ≥ 1"):

@@ -151,16 +151,20 @@ BlockSizeOpt = Annotated[Optional[int], typer.Option(
     help="Tokens per calibration block of --refine (default 1024 for --loss served, 256 for block).")]
 QueriesPerBlockOpt = Annotated[Optional[int], typer.Option(
     "--queries-per-block", min=1,
-    help="Queries drawn per calibration block by --loss served (default 128; a step's cost is linear in it).")]
+    help="Queries drawn per calibration block by --loss served (default 64; a step's cost is linear in it).")]
 KeepTextOpt = Annotated[Optional[List[Path]], typer.Option(
     "--keep-text",
     help="Held-out text (repeatable), other than the calibration text, on which --refine's result is judged "
          "against its init by a short KL evaluation: the refined, init and mixed K/V sets are compared and the "
          "one with the lowest KL is kept.")]
-#: Default of --keep-tokens.
-KEEP_TOKENS = 4096
-KeepTokensOpt = Annotated[int, typer.Option(
-    "--keep-tokens", min=512, help="Tokens of --keep-text the keep rule evaluates (windows of 2048).")]
+KeepTokensOpt = Annotated[Optional[int], typer.Option(
+    "--keep-tokens", min=512,
+    help="Tokens of --keep-text the keep rule evaluates, in whole windows of --keep-context (default: 4096, at "
+         "least one window).")]
+KeepContextOpt = Annotated[Optional[int], typer.Option(
+    "--keep-context", min=512,
+    help="Tokens per window of the keep rule (default: the calibration context, the longest calibration "
+         "sequence: --seq-len for calibrate, the dump's prompts for fit).")]
 
 
 def config_changes(**knobs: Any) -> dict[str, Any]:

@@ -31,11 +31,12 @@ from typing import TYPE_CHECKING, Annotated, Any, List, Optional
 import typer
 
 from .. import vocab
+from ._keep import check_keep_knobs, keep_calibrated, keep_ids, keep_model_and_ids, keep_plan, keep_rule
 from ._options import (
-    KEEP_TOKENS,
     BlockSizeOpt,
     InitOpt,
     JsonOpt,
+    KeepContextOpt,
     KeepTextOpt,
     KeepTokensOpt,
     LossOpt,
@@ -112,38 +113,6 @@ def _refine_options(steps: int, init: str, seed: int, sample_tokens: Optional[in
                          queries_per_block=queries_per_block, **extra)
 
 
-def _keep(result: "FitResult", lm: Any, tokenizer: Any, texts: list[Path], tokens: int, skip: int, what: str) -> "FitResult":
-    """The keep rule on held-out text (:func:`rotationzoo.evaluate.keep.keep_by_text`), with progress."""
-    from ..evaluate.inputs import tokenize_texts
-    from ..evaluate.keep import keep_by_text, keep_summary
-
-    ids = tokenize_texts(tokenizer, texts, tokens=tokens, skip=skip)
-    with progress_reporter("keep rule") as progress:
-        kept = keep_by_text(lm, ids, result, progress=progress, source=what)
-    print_note(keep_summary(kept) or "")
-    return kept
-
-
-def _keep_model(keep_text: Optional[list[Path]], keep_model: Optional[str]) -> Optional[tuple[Any, Any, list[Path]]]:
-    """``(model, tokenizer, texts)`` for ``fit --refine --keep-text``, checked and loaded up front."""
-    from ..errors import CLIError
-
-    if not keep_text:
-        if keep_model:
-            raise CLIError("--keep-model is the model --keep-text is evaluated with; add --keep-text FILE")
-        return None
-    from ..evaluate.inputs import check_texts, find_smollm2_gguf
-    from ..integrations.transformers import load_model
-
-    texts = check_texts(keep_text, option="--keep-text")
-    path = keep_model or find_smollm2_gguf()
-    if path is None:
-        raise CLIError("--keep-text needs --keep-model PATH (the SmolLM2 GGUF default is not installed)")
-    print_note(f"loading {path} for the keep rule")
-    lm, tokenizer = load_model(str(path), dtype="auto")
-    return lm, tokenizer, list(texts)
-
-
 def _min_tokens(min_tokens: Optional[int]) -> int:
     """``--min-tokens``, or the library's default when not given."""
     from ..fit.fitter import DEFAULT_MIN_TOKENS
@@ -151,12 +120,10 @@ def _min_tokens(min_tokens: Optional[int]) -> int:
     return DEFAULT_MIN_TOKENS if min_tokens is None else min_tokens
 
 
-def _refine_from_dump(dump: Path, options: Any, group_size: Optional[int], keep_first_chunk: bool,
-                      layer_ids: Optional[list[int]], workers: Optional[int], grouping: str,
-                      min_tokens: Optional[int], center: Optional[str], tp_size: Optional[int]) -> "FitResult":
-    from ..fit import open_dump, refine_dump
+def _refine_from_dump(opened: Any, options: Any, group_size: Optional[int], workers: Optional[int], grouping: str,
+                      min_tokens: Optional[int], center: Optional[str]) -> "FitResult":
+    from ..fit import refine_dump
 
-    opened = open_dump(dump, keep_first_chunk=keep_first_chunk, layers=layer_ids, tp_size=tp_size)
     with progress_reporter("refine") as progress:
         return refine_dump(opened, options, group_size=group_size, num_workers=workers, progress=progress,
                            grouping=grouping, min_tokens=_min_tokens(min_tokens),  # type: ignore[arg-type]
@@ -236,7 +203,8 @@ def fit_command(
     block_size: BlockSizeOpt = None,
     queries_per_block: QueriesPerBlockOpt = None,
     keep_text: KeepTextOpt = None,
-    keep_tokens: KeepTokensOpt = KEEP_TOKENS,
+    keep_tokens: KeepTokensOpt = None,
+    keep_context: KeepContextOpt = None,
     keep_model: Annotated[Optional[str], typer.Option(
         "--keep-model", help="Local transformers model folder or .gguf file that --keep-text is evaluated with "
                              "(default: the SmolLM2-135M-Instruct GGUF, as rotationzoo eval).")] = None,
@@ -320,17 +288,18 @@ def fit_command(
         if dump is None:
             raise CLIError("--refine needs --dump DIR (the calibration samples)")
         _check_recipe("qqt_sst", None, grouping, center, True)
+        check_keep_knobs(keep_text, keep_tokens, keep_context, refine, keep_model)
         options = _refine_options(refine, init, seed, sample_tokens, loss, block_size, queries_per_block)
-        judge = _keep_model(keep_text, keep_model)  # texts checked, model loaded: before the dump is read
-        result = _refine_from_dump(dump, options, group_size, keep_first_chunk, layer_ids, workers,
-                                   grouping or "layer", min_tokens, center, tp_size)
+        opened = open_dump(dump, keep_first_chunk=keep_first_chunk, layers=layer_ids, tp_size=tp_size)
+        # texts checked, model loaded, held-out tokens read: before the dump's activations are read
+        judge = keep_model_and_ids(keep_text, keep_model, keep_tokens, keep_context, opened.context() if keep_text else 0)
+        result = _refine_from_dump(opened, options, group_size, workers, grouping or "layer", min_tokens, center)
         if judge is not None:
-            lm, tokenizer, held_out = judge
-            result = _keep(result, lm, tokenizer, held_out, keep_tokens, 0, "--keep-text")
+            lm, held_ids = judge
+            result = keep_rule(result, lm, held_ids, keep_tokens, keep_context)
         _report(result, write_fitted(result, out, model=model, tag=tag, fmt=fmt), as_json)
         return
-    if keep_text or keep_model:
-        raise CLIError("--keep-text / --keep-model judge --refine's result; add --refine STEPS")
+    check_keep_knobs(keep_text, keep_tokens, keep_context, refine, keep_model)
     _check_recipe(objective, composition, grouping, center, False)  # before the dump is opened
     source = None if dump is None else open_dump(dump, keep_first_chunk=keep_first_chunk, layers=layer_ids,
                                                  tp_size=tp_size)
@@ -388,7 +357,8 @@ def calibrate_command(
     block_size: BlockSizeOpt = None,
     queries_per_block: QueriesPerBlockOpt = None,
     keep_text: KeepTextOpt = None,
-    keep_tokens: KeepTokensOpt = KEEP_TOKENS,
+    keep_tokens: KeepTokensOpt = None,
+    keep_context: KeepContextOpt = None,
     grouping: GroupingOpt = None,
     min_tokens: MinTokensOpt = None,
     center: CenterOpt = None,
@@ -436,11 +406,12 @@ def calibrate_command(
     check_token_budget(tokens, _min_tokens(min_tokens))  # before the model loads
     _check_recipe(objective, composition, grouping, center, refine is not None)
     texts = check_text_files(text, what="calibration text", option="--text")  # before the model is loaded
-    if keep_text and refine is None:
-        raise CLIError("--keep-text judges --refine's result; add --refine STEPS")
+    check_keep_knobs(keep_text, keep_tokens, keep_context, refine)
     held_out = list(check_text_files(keep_text, what="held-out text", option="--keep-text")) if keep_text else None
+    plan = keep_plan(keep_tokens, keep_context, min(seq_len, tokens)) if held_out else None
     print_note(f"loading {model} ({dtype}, {device})")
     lm, tokenizer = load_model(model, dtype=dtype, device=device)
+    held_ids = keep_ids(tokenizer, held_out, plan) if held_out and plan else None
     mid = model_id or Path(model).name
     with progress_reporter("calibrate") as progress:  # stderr: a bar on a terminal, else a few lines
         result = calibrate(
@@ -451,19 +422,9 @@ def calibrate_command(
             provenance=model_provenance(lm, model, model_revision),
         )
     if options is not None:
-        result = _keep_calibrated(result, lm, tokenizer, held_out, keep_tokens)
+        result = keep_calibrated(result, lm, held_ids, keep_tokens, keep_context)
     written = write_fitted(result, out, model=mid, tag=tag, fmt=fmt)
     _report(result, written, as_json)
-
-
-def _keep_calibrated(result: "FitResult", lm: Any, tokenizer: Any, held_out: Optional[list[Path]],
-                     keep_tokens: int) -> "FitResult":
-    """``calibrate --refine``'s keep rule, on --keep-text (skipped, with a note, without it)."""
-    if held_out:
-        return _keep(result, lm, tokenizer, held_out, keep_tokens, 0, "--keep-text")
-    print_note("keep rule skipped: give --keep-text FILE, a text other than the calibration one (the calibration "
-               "text's own continuation overstates what refinement gains on other text: docs/fitting.md)")
-    return result
 
 
 def register(app: typer.Typer) -> None:

@@ -11,8 +11,10 @@ pairs on the same held-out tokens:
 * ``refined_k``: refined K, init V; ``refined_v``: init K, refined V.
 
 The candidate with the lowest mean KL to the unquantized model is kept; ``init`` wins ties, so the
-result is never worse than its init on these tokens. The decision, every candidate's KL and the
-tokens are recorded in the result's ``refinement["keep"]`` (the manifest's).
+result is never worse than its init on these tokens. The windows are as long as the context the
+calibration saw (:func:`keep_window`): a refined rotation fits the key positions it was calibrated
+on, and judged on shorter windows it can win there and lose at its own context. The decision,
+every candidate's KL and the tokens are recorded in the result's ``refinement["keep"]`` (the manifest's).
 """
 
 from __future__ import annotations
@@ -33,8 +35,25 @@ from .stats import paired_difference
 
 #: Candidate names, in the order they are evaluated (ties go to the first).
 CANDIDATES: tuple[str, ...] = ("init", "refined", "refined_k", "refined_v")
-#: Tokens per forward of the keep evaluation.
+#: Tokens per forward of the keep evaluation when the calibration context is not known.
 KEEP_WINDOW = 2048
+#: Fewest held-out tokens the keep rule evaluates by default (at least one window).
+KEEP_TOKENS = 4096
+
+
+def keep_window(result: Any) -> int:
+    """Tokens per keep-rule window for ``result``: the longest calibration sequence its samples came from.
+
+    That is the context the refinement was fitted at (``refinement["samples"]["context"]``, recorded by
+    :func:`~rotationzoo.fit.refine_fit`); :data:`KEEP_WINDOW` for results that do not record it.
+    """
+    context = ((result.refinement or {}).get("samples") or {}).get("context")
+    return int(context) if context else KEEP_WINDOW
+
+
+def keep_tokens(window: int) -> int:
+    """Default held-out tokens for windows of ``window`` tokens: :data:`KEEP_TOKENS`, at least one window."""
+    return max(KEEP_TOKENS, int(window))
 
 
 def _candidates(result: Any) -> dict[str, tuple[RotationSet, RotationSet]]:
@@ -61,7 +80,7 @@ def keep_by_text(
     result: Any,
     *,
     config: Int2KVConfig | None = None,
-    window: int = KEEP_WINDOW,
+    window: int | None = None,
     progress: Progress | None = None,
     source: str | None = None,
 ) -> Any:
@@ -69,11 +88,11 @@ def keep_by_text(
 
     Args:
         model: the causal LM the rotations were fitted for.
-        ids: held-out token ids (not used for calibration); cut into windows of ``window`` tokens
-            (the last one dropped when shorter than the INT2 window needs).
+        ids: held-out token ids (not used for calibration); cut into whole windows of ``window``
+            tokens (tokens after the last whole window are not used).
         result: a refined fit result (``result.init`` holds the sets it started from).
         config: the INT2-KV settings to judge with (default: the result's own, ``serving_config()``).
-        window: tokens per forward.
+        window: tokens per forward (default: :func:`keep_window`, the calibration context).
         progress: ``progress(done, total, what)``: forwards run.
         source: what the tokens are (recorded).
 
@@ -84,17 +103,22 @@ def keep_by_text(
         interval}, "tokens", "windows", "window", "source", "int2kv"}``.
 
     Raises:
-        EvaluationError: no init, a model of another shape, or too few tokens for one window.
+        EvaluationError: no init, a model of another shape, a window too short to hold INT2 reads, or
+            fewer tokens than one window.
     """
     cands = _candidates(result)
     _check_shape(model, result)
     cfg = config or result.serving_config()
+    window = keep_window(result) if window is None else int(window)
     first = cfg.prefix_tokens + cfg.recent_tokens + 2  # the first target predicted from a position reading INT2 keys
-    wins = [list(ids[a:a + window]) for a in range(0, len(ids), window)]
-    wins = [w for w in wins if len(w) >= min_int2_window(cfg) + 64]
+    if window < min_int2_window(cfg) + 64:
+        raise EvaluationError(f"the keep rule needs windows of at least {min_int2_window(cfg) + 64} tokens to score "
+                              f"INT2 reads; got {window} (give a longer --keep-context)")
+    wins = [list(ids[a:a + window]) for a in range(0, len(ids) - window + 1, window)]
     if not wins:
-        raise EvaluationError(f"the keep rule needs a held-out window of at least {min_int2_window(cfg) + 64} tokens; "
-                              f"got {len(ids)} (give a longer --keep-text)")
+        raise EvaluationError(f"the keep rule judges whole windows of {window} tokens (the calibration context); got "
+                              f"{len(ids)} held-out tokens (give at least {window} with --keep-tokens, a longer "
+                              f"--keep-text, or a shorter --keep-context)")
     kv = {name: OscarKV.from_rotations(pair, cfg) for name, pair in cands.items()}
     per_token: dict[str, list[Any]] = {name: [] for name in cands}
     scored = 0
@@ -137,8 +161,9 @@ def keep_summary(result: Any) -> str | None:
     rel = (keep["kl"][keep["chosen"]] / init - 1.0) if init > 0 else 0.0
     ci = keep.get("vs_init", {}).get(keep["chosen"])
     interval = f", ΔKL [{ci['lo']:+.4f}, {ci['hi']:+.4f}]" if ci else ""
-    return (f"keep rule on {keep['tokens']} held-out tokens: KL {parts}; kept {keep['chosen']} "
+    return (f"keep rule on {keep['tokens']} held-out tokens ({keep['windows']} × {keep['window']}-token windows): "
+            f"KL {parts}; kept {keep['chosen']} "
             f"({rel:+.1%} vs init{interval})")
 
 
-__all__ = ["CANDIDATES", "KEEP_WINDOW", "keep_by_text", "keep_summary"]
+__all__ = ["CANDIDATES", "KEEP_TOKENS", "KEEP_WINDOW", "keep_by_text", "keep_summary", "keep_tokens", "keep_window"]

@@ -355,6 +355,16 @@ class Dump:
             self._seq_lens[key] = read_seq_lens(self._file(layer_id, "seq_lens", chunk_id), real, rows, self.limits)
         return list(self._seq_lens[key])
 
+    def context(self, kinds: Sequence[str] = ("q", "k", "v")) -> int:
+        """The longest sequence of the used chunks of the first layer, in tokens (headers only).
+
+        Each chunk holds the sequences its ``seq_lens`` file lists, or one sequence of all its rows.
+        This is the context a fit from the dump saw (what :attr:`CalibrationSamples.context
+        <rotationzoo.fit.samples.CalibrationSamples.context>` records once the chunks are read).
+        """
+        layer = self.layer_ids[0]
+        return max(max(self.seq_lens(layer, c) or [self._rows(layer, c)]) for c in self.chunk_ids(layer, kinds))
+
     def prompt_count(self) -> int | None:
         """The authors' ``prompt<N>`` tag value: Σ ``len(seq_lens)`` over every chunk of the first layer.
 

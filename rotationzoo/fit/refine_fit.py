@@ -68,7 +68,7 @@ class RefineOptions:
         loss: ``"served"`` or ``"block"`` (:class:`~rotationzoo.fit.refine_loss.RefineConfig`).
         block_size: tokens per calibration block (``None``: 1,024 for ``served``, 256 for ``block``).
         queries_per_block: queries drawn per block by the served loss (``None``: the
-            :class:`~rotationzoo.fit.refine_loss.RefineConfig` default, 128); a step's cost is linear in it.
+            :class:`~rotationzoo.fit.refine_loss.RefineConfig` default, 64); a step's cost is linear in it.
     """
 
     steps: int = DEFAULT_STEPS

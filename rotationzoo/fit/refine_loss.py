@@ -90,7 +90,7 @@ class RefineConfig:
     seed: int = 0
     softmax_scale: float | None = None
     loss: str = "served"
-    queries_per_block: int = 128
+    queries_per_block: int = 64
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:

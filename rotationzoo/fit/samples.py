@@ -87,6 +87,8 @@ class LayerSamples:
         q, k, v: ``[num_blocks, block_size, H, d]`` kept blocks (``None`` before the first block).
         positions: ``[num_blocks]`` int64, position of each block's first token in its sequence.
         blocks_seen, tokens_seen, tokens_dropped: counters over everything offered.
+        context: the longest sequence offered, in tokens (position of its last token + 1): the
+            context the calibration saw, and so the one a refinement learned from these blocks fits.
     """
 
     def __init__(
@@ -118,6 +120,7 @@ class LayerSamples:
         self.blocks_seen = 0
         self.tokens_seen = 0
         self.tokens_dropped = 0
+        self.context = 0
 
     @property
     def num_blocks(self) -> int:
@@ -184,6 +187,7 @@ class LayerSamples:
         """
         n = self._check(q, k, v)
         self.tokens_seen += n
+        self.context = max(self.context, int(start) + n)
         whole = n // self.block_size
         self.tokens_dropped += n - whole * self.block_size
         if whole and self.q is None:
@@ -268,6 +272,11 @@ class CalibrationSamples:
         """Layers with at least one kept block, ascending."""
         return tuple(sorted(lid for lid, s in self.layers.items() if s.num_blocks))
 
+    @property
+    def context(self) -> int:
+        """The longest calibration sequence offered to any layer, in tokens (0 before the first)."""
+        return max((s.context for s in self.layers.values()), default=0)
+
     def nbytes(self) -> int:
         """Bytes held by all reservoirs."""
         return sum(s.nbytes() for s in self.layers.values())
@@ -313,6 +322,7 @@ class CalibrationSamples:
             "max_tokens": self.max_tokens,
             "dtype": str(self.dtype).replace("torch.", ""),
             "seed": self.seed,
+            "context": self.context,
             "nbytes": self.nbytes(),
             "layers": {
                 str(lid): {"blocks": s.num_blocks, "blocks_seen": s.blocks_seen, "tokens_seen": s.tokens_seen,
