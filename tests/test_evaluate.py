@@ -18,6 +18,7 @@ from rotationzoo.evaluate.metrics import compare, hidden_states  # noqa: E402
 from rotationzoo.evaluate.protocol import int2_keys  # noqa: E402
 from rotationzoo.format import RotationSet, write_rotation  # noqa: E402
 from rotationzoo.int2kv import Int2KVConfig  # noqa: E402
+from rotationzoo.integrations.transformers import model_shape  # noqa: E402
 from rotationzoo.pair import RotationPair  # noqa: E402
 
 D = 64
@@ -196,6 +197,36 @@ def test_sign_draws_change_rounding_not_math(model, ids) -> None:
     assert torch.equal(sign_flip(r, 0, 0, "k"), flipped) and not torch.equal(sign_flip(r, 1, 0, "k"), flipped)
     eye = torch.eye(D)
     assert torch.allclose(flipped[0] @ flipped[0].T, eye, atol=1e-5)
+
+
+def test_sign_draws_leave_learned_sides_as_given(model, ids) -> None:
+    """A side learned by refinement is evaluated as the file holds it (its signs were learned with the INT2
+    rounding); a closed-form side, and a side the keep rule left at its init, still gets R·D."""
+    from rotationzoo.evaluate.run import _runs
+
+    base = random_pair()
+    k, v = base.k, base.v
+    learned = RotationPair({"k": RotationSet(k.rotations, k.layer_ids, objective="refined_k_served_score_r_h_pbr"),
+                            "v": RotationSet(v.rotations, v.layer_ids, objective="refined_kept_init_r_h_pbr")},
+                           source="refined")
+    spec = MethodSpec.from_source("refined", learned)
+    assert spec.learned_sides == ("k",) and spec.drawn
+    conf, shape = Int2KVConfig(group_size=16), model_shape(model)
+    kv = spec.oscar(shape, conf, draw=0)
+    assert torch.equal(kv.k_rotations, k.rotations)  # learned: as given
+    assert torch.equal(kv.v_rotations, sign_flip(v.rotations, 0, 0, "v"))  # kept at its closed-form init: drawn
+    both = MethodSpec.from_source("both", RotationPair(
+        {"k": learned.k, "v": RotationSet(v.rotations, v.layer_ids, objective="refined_v_served_out_r_h_pbr")},
+        source="both"))
+    closed = MethodSpec.from_source("closed", base)
+    assert both.learned_sides == ("k", "v") and not both.drawn and closed.learned_sides == () and closed.drawn
+    runs = _runs([MethodSpec.fp(), MethodSpec.hadamard(), closed, both], EvalProtocol(draws=3))
+    assert [r for r in runs if r[0] == "both"] == [("both", None)]  # evaluated once, as given
+    assert len([r for r in runs if r[0] == "closed"]) == 3
+    small = Int2KVConfig(group_size=16, prefix_tokens=4, recent_tokens=8)
+    report = evaluate(model, ids[:300], [MethodSpec.fp(), MethodSpec.hadamard(), both], small,
+                      EvalProtocol(draws=2, block_tokens=32, resamples=100))
+    assert [r.draws for r in report.results if r.method in ("hadamard", "both")] == [2, 1]
 
 
 def test_mismatched_rotations_are_refused_before_running(model, ids) -> None:

@@ -311,7 +311,7 @@ def markdown(out: dict[str, Any]) -> str:
     for run in out["runs"]:
         lines += [f"### {run['texts'][0]}, G = {run['config']['group_size']}", "",
                   f"{run['tokens']} tokens, one {run['context']}-token window; "
-                  f"{run['protocol']['draws']} sign draws per rotation method", "",
+                  f"{run['protocol']['draws']} sign draws per rotation method (learned rotations as given)", "",
                   "| method | ppl | KL (nats) | top-1 | copy acc | INT2 pairs | BPE | ΔNLL vs hadamard [95% CI] "
                   "| ΔKL vs hadamard [95% CI] | verdict (KL) |",
                   "|---|---|---|---|---|---|---|---|---|---|"]

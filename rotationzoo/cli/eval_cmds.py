@@ -135,7 +135,9 @@ def eval_command(
     context: Annotated[Optional[int], typer.Option("--context", min=2, help="Tokens per scoring window (default: the "
                        "model's context length, or the text length).")] = None,
     stride: Annotated[Optional[int], typer.Option("--stride", min=1, help="Tokens between window starts (default: --context).")] = None,
-    draws: Annotated[int, typer.Option("--draws", min=1, help="Sign draws R·D per rotation method (the noise floor).")] = 1,
+    draws: Annotated[int, typer.Option(
+        "--draws", min=1, help="Sign draws R·D per rotation method (the noise floor); rotations learned by --refine "
+                               "are evaluated as given (their signs were learned).")] = 1,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the sign draws and the bootstrap.")] = 0,
     baseline: Annotated[str, typer.Option("--baseline", help="Method the others are compared with.")] = "hadamard",
     probe: Annotated[Optional[str], typer.Option("--probe", click_type=choice(("copy",)),
@@ -168,6 +170,8 @@ def eval_command(
     (the project's kernels): what a decode step at that position reads from the OSCAR cache. Every
     method is compared with --baseline on the same tokens: ΔNLL and ΔKL with a 95% block-bootstrap
     CI that also resamples the --draws sign draws; "no detectable difference" when the CI holds 0.
+    A side learned by --refine is evaluated as the file holds it: its column signs were learned
+    with the INT2 rounding, so a sign draw would evaluate another rotation.
     The model is never downloaded. Progress goes to stderr (a bar on a terminal, else a few lines).
 
     INT2-KV settings (group size, clip ratios, windows, dtypes): those of the rotations (--rotations,

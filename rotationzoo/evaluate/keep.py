@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import torch
 
 from ..errors import EvaluationError
+from ..fit.result import KEPT_INIT
 from ..format import RotationSet
 from ..int2kv import Int2KVConfig
 from ..integrations.transformers import OscarKV, model_shape
@@ -144,7 +145,7 @@ def keep_by_text(
     k, v = cands[chosen]
     vs_init = {name: paired_difference(tokens_kl[name], tokens_kl["init"]).to_json() for name in CANDIDATES[1:]}
     kept_init = {"init": ("k", "v"), "refined": (), "refined_k": ("v",), "refined_v": ("k",)}[chosen]
-    targets = {side: ("kept_init" if side in kept_init else t) for side, t in result.targets.items()}
+    targets = {side: (KEPT_INIT if side in kept_init else t) for side, t in result.targets.items()}
     refinement = dict(result.refinement or {})
     refinement["keep"] = {"chosen": chosen, "kl": kl, "vs_init": vs_init, "tokens": scored, "windows": len(wins),
                           "window": window, "source": source, "int2kv": cfg.to_json()}

@@ -3,7 +3,10 @@
 Rotations come from :func:`rotationzoo.pair.resolve_pair` (a folder, ``k.pt,v.pt``, an exported
 file, ``MODEL[@TAG]``, a fit result). Every rotation method can be evaluated over sign draws:
 ``R·D`` with ``D`` a seeded random ±1 diagonal per layer (and KV head) and side, an equally valid
-variant of the same rotation (the method's math does not change, its rounding does).
+variant of the same rotation (the method's math does not change, its rounding does). A side learned
+by refinement is the exception: it was fitted to the INT2 rounding of its own column signs, so
+``R·D`` would evaluate another, unlearned rotation; sign draws leave it as given (the file served),
+and a method learned on both sides is evaluated once.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any, Literal
 import torch
 
 from ..errors import EvaluationError
+from ..fit.result import learned_objective
 from ..hadamard import hadamard_matrix
 from ..int2kv import Int2KVConfig
 from ..integrations.transformers import ModelShape, OscarKV
@@ -73,6 +77,16 @@ class MethodSpec:
     def rotated(self) -> bool:
         return self.kind in ("hadamard", "rotations")
 
+    @property
+    def learned_sides(self) -> tuple[str, ...]:
+        """Sides whose rotations were learned by refinement: sign draws leave them as given."""
+        return tuple(side for side in ("k", "v") if learned_objective(self.objectives.get(side)))
+
+    @property
+    def drawn(self) -> bool:
+        """Whether sign draws change this method (a rotation with a side that was not learned)."""
+        return self.rotated and len(self.learned_sides) < 2
+
     def check_fits(self, shape: ModelShape) -> None:
         """Refuse rotations that do not fit the model (one line, before anything runs).
 
@@ -112,8 +126,10 @@ class MethodSpec:
             base = OscarKV.from_rotations(self.pair, config, backend=backend)
         if draw is None:
             return base
-        # R·D is as valid as R; its inverse transpose is R^{-T}·D (D = D^{-1}), so companions flip alike
-        flip = (lambda t, side: sign_flip(t, draw, seed, side) if t is not None else None)
+        # R·D is as valid as R; its inverse transpose is R^{-T}·D (D = D^{-1}), so companions flip alike;
+        # a learned side stays as given
+        learned = self.learned_sides
+        flip = (lambda t, side: sign_flip(t, draw, seed, side) if t is not None and side not in learned else t)
         return OscarKV(flip(base.k_rotations, "k"), flip(base.v_rotations, "v"), layer_ids=base.layer_ids,
                        config=config, backend=backend, k_mean=base.k_mean, v_mean=base.v_mean,
                        q_rotations=flip(base.q_rotations, "k"), o_rotations=flip(base.o_rotations, "v"))

@@ -59,7 +59,9 @@ class EvalProtocol:
             length when shorter).
         stride: tokens between window starts (``None``: ``context``, non-overlapping).
         draws: sign draws per rotation method (``R·D``, ``D`` a seeded random ±1 diagonal per
-            layer): equally valid variants whose spread is the noise floor of a comparison.
+            layer): equally valid variants whose spread is the noise floor of a comparison. A side
+            learned by refinement is left as given (:attr:`MethodSpec.learned_sides
+            <rotationzoo.evaluate.methods.MethodSpec.learned_sides>`).
         seed: seed of the sign draws and the bootstrap.
         baseline: method every other method is compared with.
         block_tokens: tokens per bootstrap block.

@@ -20,7 +20,7 @@ class MethodResult:
 
     Attributes:
         method, kind, source, objectives: what was evaluated.
-        draws: sign draws (1 for ``fp`` and ``none``).
+        draws: sign draws (1 for ``fp``, ``none`` and rotations learned on both sides, evaluated as given).
         perplexity: ``exp(nll)``.
         nll: mean negative log-likelihood per scored token (nats); ``nll_spread``: standard
             deviation of the per-draw means.

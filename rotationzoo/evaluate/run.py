@@ -53,7 +53,7 @@ def _runs(methods: Sequence[MethodSpec], protocol: EvalProtocol) -> list[Run]:
     for spec in methods:
         if spec.kind == "fp":
             continue
-        out.extend((spec.name, d) for d in (range(protocol.draws) if spec.rotated else [None]))
+        out.extend((spec.name, d) for d in (range(protocol.draws) if spec.drawn else [None]))
     return out
 
 

@@ -29,6 +29,18 @@ OBJECTIVE_TARGETS: dict[str, tuple[str | None, str | None]] = {
     "oscar2_perhead": ("qqt", "sst"),
     "oscar2_center": ("qqt", "sst"),
 }
+#: Target of a side the keep rule left at its init (its objective: ``refined_kept_init_<init>``).
+KEPT_INIT = "kept_init"
+
+
+def learned_objective(objective: str | None) -> bool:
+    """Whether a file's ``objective`` names a rotation learned by refinement (``refined_k_served_score_…``).
+
+    A learned rotation is fitted to the INT2 store's rounding, which is not symmetric under flipping
+    the signs of its columns, so ``R·D`` is another, unlearned rotation; a closed form's column signs
+    are a convention. A side the keep rule left at its init (``refined_kept_init_…``) is a closed form.
+    """
+    return objective is not None and objective.startswith("refined_") and not objective.startswith(f"refined_{KEPT_INIT}_")
 
 
 def peak_rss_bytes() -> int:
@@ -204,7 +216,7 @@ class FitResult:
             return recipe
         target = self.targets.get(side)
         if self.objective == "refined" and target is not None:
-            return f"refined_{target}_{self.composition}"  # refined_k_logit_hadamard
+            return f"refined_{target}_{self.composition}"  # refined_k_logit_hadamard, refined_kept_init_hadamard
         if target is None:
             raise FitError(f"objective {self.objective!r} produces no {side.upper()} rotations")
         return f"{target}_{self.composition_label}"
