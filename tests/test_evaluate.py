@@ -306,7 +306,8 @@ def test_cli_eval(tmp_path, capsys) -> None:
     out_json, out_png = tmp_path / "e.json", tmp_path / "e.png"
     rc = main(["eval", "--model", str(folder), "--rotations", str(tmp_path / "rot"), "--text", str(text),
                "--context", "128", "--group-size", "32", "--prefix-tokens", "4", "--recent-tokens", "8", "--draws", "2",
-               "--methods", f"fp,none,hadamard,oscar,exported={tmp_path / 'pair.safetensors'}",
+               "--methods", f"fp,none,hadamard,oscar,exported={tmp_path / 'pair.safetensors'},"
+                            f"files={tmp_path / 'rot' / 'k_rotation_hadamard.pt'},{tmp_path / 'rot' / 'v_rotation_hadamard.pt'}",
                "--probe", "copy", "--probe-tokens", "8", "--probe-count", "2",
                "--plot", str(out_png), "--json-out", str(out_json)])
     captured = capsys.readouterr()
@@ -314,9 +315,9 @@ def test_cli_eval(tmp_path, capsys) -> None:
     assert "ΔKL vs hadamard" in captured.out and "exported" in captured.out
     data = json.loads(out_json.read_text())
     rows = {r["method"]: r for r in data["results"]}
-    assert set(rows) == {"fp", "none", "hadamard", "oscar", "exported"}
-    # the same Hadamard matrices through a folder, an exported file and the built-in method
-    for name in ("oscar", "exported"):
+    assert set(rows) == {"fp", "none", "hadamard", "oscar", "exported", "files"}
+    # the same Hadamard matrices through a folder, an exported file, a K.pt,V.pt pair and the built-in method
+    for name in ("oscar", "exported", "files"):
         assert rows[name]["kl"] == pytest.approx(rows["hadamard"]["kl"], rel=1e-6)
         assert rows[name]["vs_baseline"]["kl"]["verdict"] == "no detectable difference"
     assert rows["oscar"]["copy"]["tokens"] == 2 * 7 and data["context"] == 128
@@ -325,6 +326,15 @@ def test_cli_eval(tmp_path, capsys) -> None:
                "--prefix-tokens", "4", "--recent-tokens", "8", "--baseline", "none", "--json"])
     assert rc == 0
     assert json.loads(capsys.readouterr().out)["results"][1]["method"] == "none"
+
+
+def test_parse_methods_takes_a_k_v_file_pair() -> None:
+    from rotationzoo.cli.eval_cmds import parse_methods
+
+    assert parse_methods("fp,a=k.pt,v.pt,hadamard,b=dir/,c=x.pt") == [
+        ("fp", None), ("a", "k.pt,v.pt"), ("hadamard", None), ("b", "dir/"), ("c", "x.pt")]
+    with pytest.raises(Exception, match="unknown method 'v.pt'"):
+        parse_methods("fp,a=dir/,v.pt")  # only a K .pt file takes a V file after it
 
 
 def test_cli_eval_errors(tmp_path, capsys) -> None:

@@ -41,7 +41,10 @@ from ._output import console, emit_json, print_note, print_warning, progress_rep
 
 
 def parse_methods(text: str) -> list[tuple[str, Optional[str]]]:
-    """``fp,none,hadamard,oscar,hg16=rot-g16/`` → ``[(name, source or None), ...]``."""
+    """``fp,none,hadamard,oscar,hg16=rot-g16/,mine=K.pt,V.pt`` → ``[(name, source or None), ...]``.
+
+    A part ending in ``.pt`` right after ``NAME=K.pt`` is that method's V file (the ``K.pt,V.pt`` form).
+    """
     from ..errors import CLIError
     from ..evaluate import BUILTIN_METHODS
 
@@ -52,6 +55,10 @@ def parse_methods(text: str) -> list[tuple[str, Optional[str]]]:
             continue
         name, eq, src = part.partition("=")
         name = name.strip()
+        prev = out[-1][1] if out else None
+        if not eq and part.endswith(".pt") and prev is not None and prev.endswith(".pt") and "," not in prev:
+            out[-1] = (out[-1][0], f"{prev},{part}")
+            continue
         if eq and not src.strip():
             raise CLIError(f"--methods: {part!r} needs rotations after '=' ({RotationsHelp})")
         if not eq and name not in (*BUILTIN_METHODS, "oscar"):
@@ -128,7 +135,8 @@ def eval_command(
                          "A registry entry also sets the INT2-KV settings to its serving defaults; a fitted "
                          "folder, the group size it was fitted for.")] = None,
     methods: Annotated[str, typer.Option("--methods", help="Comma-separated: fp (unquantized), none (INT2, no rotation), "
-                       "hadamard, oscar (--rotations), or NAME=ROTATIONS.")] = "fp,none,hadamard,oscar",
+                       "hadamard, oscar (--rotations), or NAME=ROTATIONS (a folder, K.pt,V.pt, an exported file, "
+                       "MODEL@TAG).")] = "fp,none,hadamard,oscar",
     tokens: Annotated[Optional[int], typer.Option("--tokens", min=2, help="Evaluate N tokens of the text, at most "
                       "4194304 (default: all; then at most 16 MiB of text).")] = None,
     skip: Annotated[int, typer.Option("--skip", min=0, help="Skip the first N tokens of the text.")] = 0,
