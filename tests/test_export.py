@@ -85,12 +85,14 @@ def test_safetensors_from_bundled_model_has_model_and_tag(tmp_path):
     default = pair.entry.name
     assert back.model == "HuggingFaceTB/SmolLM2-135M-Instruct" and back.tag == default
     assert back.metadata["model"] == back.model and back.metadata["tag"] == default
-    assert torch.equal(back.k.rotations, pair.k.rotations)
-    assert pair.k.eigenvalues is not None and pair.v.eigenvalues is not None  # the fitter wrote them
-    assert torch.equal(back.k.eigenvalues, pair.k.eigenvalues) and torch.equal(back.v.eigenvalues, pair.v.eigenvalues)
+    assert torch.equal(back.k.rotations, pair.k.rotations) and torch.equal(back.k.k_mean, pair.k.k_mean)
     # the export records where it came from; reading it back is keyed by the export's own bytes
     assert {s: back.metadata[f"{s}.sha256"] for s in "kv"} == pair.sha256
     assert back.sha256 == {s: sha256_file(out) for s in "kv"}
+    closed = "SmolLM2-135M-Instruct@emma-seq20000_prompt10-oscar2_center"  # a closed form: the fitter wrote eigenvalues
+    fitted, back = rotationzoo.load(closed), read_exported(export_safetensors(closed, tmp_path / "c.safetensors"))
+    assert fitted.k.eigenvalues is not None and fitted.v.eigenvalues is not None
+    assert torch.equal(back.k.eigenvalues, fitted.k.eigenvalues) and torch.equal(back.v.eigenvalues, fitted.v.eigenvalues)
 
 
 def test_export_accepts_pair_sets_and_single_side(pair_dir, tmp_path):
