@@ -12,8 +12,7 @@ The pickle in ``data.pkl`` is inspected in two passes: :func:`scan_pickle` walks
 checked by name), then the standard library's pure-Python unpickler, whose ``find_class`` returns
 only this module's recording functions, rebuilds the plain containers with :class:`TensorMeta`
 records in place of tensors (and refuses dict keys whose hashes can be made to collide). No object
-from an arbitrary global is ever constructed. This module imports only the standard library and
-:mod:`rotationzoo.errors`.
+from an arbitrary global is ever constructed. Imports: the standard library, errors and safefile.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from .errors import RotationFileError, UnsafeRotationFileError
+from .safefile import open_regular
 
 #: Largest ``d`` (rotation size) a file may declare; published files use 64 … 256.
 MAX_HEAD_DIM = 4096
@@ -486,7 +486,7 @@ def inspect_torch_zip(path: Path, limits: Limits, *, fileobj: IO[bytes] | None =
 def refuse_legacy_pickle(path: Path, limits: Limits) -> None:
     """Refuse a pre-zip (legacy) torch file, naming any code it would run; always raises."""
     name = str(path)
-    with open(path, "rb") as f:
+    with open_regular(path, what="rotation file", error=RotationFileError) as f:
         data = f.read(limits.max_pickle_bytes)
     try:
         inspect_pickle(data, name, limits)

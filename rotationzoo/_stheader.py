@@ -9,11 +9,13 @@ the total stays under the byte cap, before ``safetensors`` reads a single tensor
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from ._inspect import BIG_INT, Limits, TensorMeta, check_view, exc_line, refuse, safe_repr
 from .errors import RotationFileError
+from .safefile import open_regular
 
 #: safetensors dtype codes, mapped to the names :class:`~rotationzoo._inspect.TensorMeta` uses.
 SAFETENSORS_DTYPES: dict[str, tuple[str, int]] = {
@@ -39,8 +41,8 @@ def inspect_safetensors(path: Path, limits: Limits) -> tuple[dict[str, str], dic
         The string metadata and a :class:`TensorMeta` per tensor name.
     """
     name = str(path)
-    size = path.stat().st_size
-    with open(path, "rb") as f:
+    with open_regular(path, what="rotation file", error=RotationFileError) as f:
+        size = os.fstat(f.fileno()).st_size
         n = int.from_bytes(f.read(8), "little")
         if n > limits.max_header_bytes or 8 + n > size:
             raise refuse(name, f"its safetensors header declares {n} bytes (file {size}, limit {limits.max_header_bytes})")

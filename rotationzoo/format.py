@@ -72,6 +72,7 @@ from ._schema import (  # noqa: F401  (public names of this module)
 from .errors import RotationFileError, TorchVersionError, UnsafeRotationFileError
 from .headdims import HeadDims
 from .rotation_set import RotationSet, stack_layers
+from .safefile import check_regular, open_regular
 
 _SAFETENSORS_MAGIC_MAX_HEADER = 100 * 1024 * 1024
 
@@ -120,7 +121,7 @@ class RotationFormatWarning(UserWarning):
 
 def detect_kind(path: Path) -> str:
     """``"pt"`` (a torch zip archive or legacy pickle) or ``"safetensors"``, from the bytes."""
-    with open(path, "rb") as f:
+    with open_regular(path, what="rotation file", error=RotationFileError) as f:
         head = f.read(16)
     if head[:4] == b"PK\x03\x04":
         return "pt"
@@ -183,9 +184,13 @@ def read_rotation(
         TorchVersionError: a ``.pt`` file and torch older than 2.6.
     """
     p = Path(path)
-    if not p.is_file():
-        raise RotationFileError(f"{p}: no such file")
-    if p.stat().st_size == 0:
+    try:  # a FIFO, a device or a /proc file is refused by its type, never opened
+        st = check_regular(p, what="rotation file", error=RotationFileError)
+    except FileNotFoundError:
+        raise RotationFileError(f"{p}: no such file") from None
+    except OSError as exc:
+        raise RotationFileError(f"{p}: cannot be read ({exc.strerror or exc})") from None
+    if st.st_size == 0:
         raise RotationFileError(f"{p}: file is empty")
     limits = make_limits(max_head_dim, max_layers, max_bytes, head_dim=head_dim, num_layers=num_layers,
                          num_kv_heads=num_kv_heads)
@@ -197,7 +202,8 @@ def read_rotation(
         check_torch_version()
         if not _is_zip(p):
             refuse_legacy_pickle(p, limits)
-        plan, _ = inspect_torch_zip(p, limits)
+        with open_regular(p, what="rotation file", error=RotationFileError) as f:
+            plan, _ = inspect_torch_zip(p, limits, fileobj=f)
         _check_expected(_schema.parse(plan, str(p), limits), str(p), expect)
         rs = set_from_dict(_torch_load_safe(p), path=p, limits=limits)
     if str(map_location) != "cpu":
@@ -218,7 +224,7 @@ def check_torch_version(version: str | None = None) -> None:
 
 
 def _is_zip(p: Path) -> bool:
-    with open(p, "rb") as f:
+    with open_regular(p, what="rotation file", error=RotationFileError) as f:
         return f.read(4) == b"PK\x03\x04"
 
 
@@ -241,7 +247,10 @@ def _check_expected(parsed: Parsed, name: str, expect: tuple[HeadDims | None, in
 def _torch_load_safe(p: Path) -> Any:
     """``torch.load(weights_only=True)`` of an inspected archive; typed errors only."""
     try:
-        return torch.load(p, map_location="cpu", weights_only=True)
+        with open_regular(p, what="rotation file", error=RotationFileError) as f:
+            return torch.load(f, map_location="cpu", weights_only=True)
+    except RotationFileError:
+        raise
     except pickle.UnpicklingError as exc:
         found = re.search(r"GLOBAL ([\w.]+)", str(exc))
         what = f"references '{found[1]}'" if found else "asks for objects other than tensors and plain data"

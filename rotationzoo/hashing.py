@@ -7,15 +7,21 @@ import os
 from pathlib import Path
 from typing import Callable, TypeVar
 
-from .errors import RotationFileError
+from .errors import RotationFileError, RotationZooError
+from .safefile import open_regular
 
 _T = TypeVar("_T")
 
 
-def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
-    """Hex sha256 of a file, read in 1 MiB chunks."""
+def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 20, *,
+                error: type[RotationZooError] = RotationFileError) -> str:
+    """Hex sha256 of a file, read in 1 MiB chunks.
+
+    Only a regular file is opened (:func:`~rotationzoo.safefile.open_regular`): a FIFO, a device or
+    a ``/proc`` file raises ``error`` at once instead of blocking or never ending.
+    """
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path, what="file", error=error) as f:
         for block in iter(lambda: f.read(chunk), b""):
             h.update(block)
     return h.hexdigest()

@@ -28,6 +28,7 @@ from .._version import __version__
 from ..errors import ExportError, MissingDependencyError
 from ..format import RotationSet
 from ..registry.model import SIDES
+from ..safefile import check_regular, open_regular
 from .common import (
     EXPORT_FORMAT_VERSION,
     LAYER_ID,
@@ -57,11 +58,12 @@ def gguf_module() -> Any:
 
 
 def is_gguf(path: Path) -> bool:
-    """True when ``path`` starts with the GGUF magic bytes."""
+    """True when ``path`` is a regular file starting with the GGUF magic bytes (a FIFO or a device
+    is never opened: see :func:`~rotationzoo.safefile.open_regular`)."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path, what="GGUF file", error=ExportError) as f:
             return f.read(4) == b"GGUF"
-    except OSError:
+    except (OSError, ExportError):
         return False
 
 
@@ -160,8 +162,10 @@ def _field(reader: Any, key: str, path: Path) -> Any:
 
 
 def _open_reader(path: Path, gguf: Any, what: str) -> Any:
-    if not path.is_file():
-        raise ExportError(f"{path}: {what} not found")
+    try:
+        check_regular(path, what=what, error=ExportError)
+    except OSError:
+        raise ExportError(f"{path}: {what} not found") from None
     if not is_gguf(path):
         raise ExportError(f"{path}: not a GGUF file (no GGUF magic)")
     try:

@@ -32,6 +32,7 @@ from ..errors import ExportError
 from ..format import RotationSet
 from ..headdims import HeadDims
 from ..registry.model import SIDES
+from ..safefile import check_regular, open_regular
 from .common import EXPORT_FORMAT_VERSION, LAYER_ID, Sets, atomic_path, check_metadata, parse_version, sides_of
 
 #: ``format`` metadata value of a pair file.
@@ -86,7 +87,8 @@ def is_pair_safetensors(path: Path) -> bool:
     from safetensors import safe_open
 
     try:
-        with open(path, "rb") as raw:  # a header beyond a pair file's bound: not one (and not parsed)
+        # a header beyond a pair file's bound: not one (and not parsed)
+        with open_regular(path, what="pair file", error=ExportError) as raw:
             if int.from_bytes(raw.read(8), "little") > make_limits(max_layers=2 * MAX_LAYERS).max_header_bytes:
                 return False
         with safe_open(str(path), framework="pt") as f:
@@ -139,8 +141,10 @@ def read_pair_safetensors(path: Path) -> tuple[dict[str, RotationSet], dict[str,
     """
     from safetensors import SafetensorError, safe_open
 
-    if not path.is_file():
-        raise ExportError(f"{path}: no such file")
+    try:
+        check_regular(path, what="pair file", error=ExportError)
+    except OSError:
+        raise ExportError(f"{path}: no such file") from None
     limits = make_limits(max_layers=2 * MAX_LAYERS)  # both sides in one file
     meta, header = inspect_safetensors(path, limits)  # dtypes, shapes, offsets: before any tensor is read
     for key in header:

@@ -1,0 +1,217 @@
+"""Regular files only, and lock waits with a deadline: the checks made before any file is opened.
+
+Every file rotationzoo reads from a place a user or another process can write to (the cache, its
+markers, the pin file, a dump, a text, a model) goes through :func:`check_regular` /
+:func:`open_regular`: a FIFO, a device, a socket, a folder or a kernel pseudo-file (``/proc``,
+``/sys``, ``/dev``) is refused by its type, with one line, before it could block a read or feed it
+endless bytes. :func:`open_regular` opens with ``O_NONBLOCK`` and checks the descriptor again
+(``fstat``), so a FIFO swapped in between the check and the open is refused too, never waited on.
+
+:func:`file_lock` takes a lock file with a deadline: a lock file that cannot be created is an
+error at once (never a retry loop), and a lock another process holds past the deadline is an error
+that says so.
+
+Example::
+
+    from rotationzoo.safefile import open_regular
+    with open_regular(path, what="pin file", error=ConfigError, hint="fix ROTATIONZOO_PINS") as f:
+        data = f.read(1 << 20)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+from pathlib import Path
+from typing import BinaryIO, Iterator
+
+from .errors import ConfigError, ModelLoadError, RotationZooError
+
+#: Kernel pseudo-filesystems: their "regular" files are endless or change on every read.
+PSEUDO_ROOTS: tuple[str, ...] = ("/proc", "/sys", "/dev")
+
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+ErrorType = type[RotationZooError]
+
+
+def file_kind(mode: int) -> str:
+    """What a ``st_mode`` is, in words: ``"a FIFO"``, ``"a character device"``, ``"a folder"``, …"""
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder"),
+                       (stat.S_ISLNK, "a symlink"), (stat.S_ISREG, "a regular file")):
+        if test(mode):
+            return name
+    return "not a plain file"
+
+
+def _pseudo_devices() -> set[int]:
+    devs = set()
+    for root in PSEUDO_ROOTS:
+        with contextlib.suppress(OSError):
+            devs.add(os.stat(root).st_dev)
+    return devs
+
+
+def pseudo_file(path: str | os.PathLike[str], st: os.stat_result | None = None) -> str | None:
+    """``"a /proc pseudo-file"`` (or ``/sys``, ``/dev``) when ``path`` resolves there or lies on the
+    same filesystem, else ``None``."""
+    real = os.path.realpath(path)
+    for root in PSEUDO_ROOTS:
+        if real == root or real.startswith(root + os.sep):
+            return f"a {root} pseudo-file"
+    if st is not None and st.st_dev in _pseudo_devices():
+        return "a kernel pseudo-file"
+    return None
+
+
+def _refusal(path: str | os.PathLike[str], kind: str, what: str, hint: str | None) -> str:
+    return (f"{path}: {kind}, not a regular file; the {what} must be a regular file, so nothing was read from it"
+            + (f"; {hint}" if hint else ""))
+
+
+def _checked(path: str | os.PathLike[str], st: os.stat_result, what: str, error: ErrorType,
+             hint: str | None, shown: str | None = None) -> os.stat_result:
+    if not stat.S_ISREG(st.st_mode):
+        raise error(_refusal(shown or path, file_kind(st.st_mode), what, hint))
+    pseudo = pseudo_file(path, st)
+    if pseudo is not None:
+        raise error(_refusal(shown or path, pseudo, what, hint))
+    return st
+
+
+def check_regular(path: str | os.PathLike[str], *, what: str = "file", error: ErrorType = ConfigError,
+                  hint: str | None = None, follow_symlinks: bool = True) -> os.stat_result:
+    """``os.stat`` of ``path`` after checking that it is a regular file outside ``/proc``, ``/sys``
+    and ``/dev`` (links followed unless ``follow_symlinks`` is false, then a link is refused).
+
+    Raises:
+        error: it is not (one line naming the path, what it is, and ``hint``).
+        OSError: it cannot be stat'ed (``FileNotFoundError`` when missing), as ``os.stat`` raises.
+    """
+    st = os.stat(path, follow_symlinks=follow_symlinks)
+    return _checked(path, st, what, error, hint)
+
+
+def open_regular(path: str | os.PathLike[str], *, what: str = "file", error: ErrorType = ConfigError,
+                 hint: str | None = None, follow_symlinks: bool = True) -> BinaryIO:
+    """Open a regular file for reading in binary mode, never blocking on what it turns out to be.
+
+    The path is checked (:func:`check_regular`), opened with ``O_NONBLOCK`` (a FIFO swapped in is
+    not waited on) and the descriptor checked again with ``fstat``.
+
+    Raises:
+        error: not a regular file, or a kernel pseudo-file.
+        OSError: it cannot be opened, as ``os.open`` raises.
+    """
+    check_regular(path, what=what, error=error, hint=hint, follow_symlinks=follow_symlinks)
+    flags = os.O_RDONLY | _NONBLOCK | _CLOEXEC | (0 if follow_symlinks else _NOFOLLOW)
+    fd = os.open(path, flags)
+    try:
+        _checked(path, os.fstat(fd), what, error, hint)
+        if _NONBLOCK:  # a regular file reads the same either way; later readers expect blocking reads
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_regular(path: str | os.PathLike[str], max_bytes: int, *, what: str = "file",
+                 error: ErrorType = ConfigError, hint: str | None = None) -> bytes:
+    """The bytes of a regular file of at most ``max_bytes`` (see :func:`open_regular`).
+
+    Raises:
+        error: not a regular file, or larger than ``max_bytes``.
+        OSError: it cannot be read.
+    """
+    with open_regular(path, what=what, error=error, hint=hint) as f:
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise error(f"{path}: more than the {max_bytes} B a {what} may hold" + (f"; {hint}" if hint else ""))
+    return data
+
+
+def check_model_files(path: str | os.PathLike[str], *, option: str | None = None) -> Path:
+    """A local model (a GGUF file, or a transformers folder) whose files are all regular files.
+
+    A file is checked as a regular file outside ``/proc``, ``/sys`` and ``/dev``; a folder's entries
+    (``config.json``, weights, tokenizer files; links followed) likewise, without opening any of
+    them. Call it before a model is loaded: a FIFO or a device given as a model would block the
+    loader or feed it endless bytes.
+
+    Args:
+        path: the model file or folder.
+        option: how the caller names it in messages (``--model``).
+
+    Raises:
+        ModelLoadError: missing, or it (or a file in the folder) is not a regular file.
+    """
+    p = Path(path).expanduser()
+    label = f"{option} {p}" if option else str(p)
+    hint = "give a GGUF file or a transformers model folder"
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        raise ModelLoadError(f"{label}: no such file or folder; {hint}") from None
+    except OSError as exc:
+        raise ModelLoadError(f"{label}: cannot be read ({exc.strerror or exc}); {hint}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        _checked(p, st, "model", ModelLoadError, hint, label)
+        return p
+    try:
+        entries = sorted(os.scandir(p), key=lambda e: e.name)
+    except OSError as exc:
+        raise ModelLoadError(f"{label}: cannot list the folder ({exc.strerror or exc}); {hint}") from None
+    for e in entries:
+        if e.name.startswith("."):
+            continue
+        try:
+            est = os.stat(e.path)
+        except OSError as exc:
+            raise ModelLoadError(f"{label}: {e.name} cannot be read ({exc.strerror or exc})") from None
+        if not stat.S_ISDIR(est.st_mode):
+            _checked(e.path, est, "model's file", ModelLoadError, "a model folder holds regular files only",
+                     os.path.join(label, e.name))
+    return p
+
+
+@contextlib.contextmanager
+def file_lock(path: str | os.PathLike[str], *, timeout: float, what: str, error: ErrorType,
+              hint: str | None = None) -> Iterator[None]:
+    """Hold the ``filelock`` lock file ``path`` for the block, waiting at most ``timeout`` seconds.
+
+    The lock file is created (or opened) first, without following a link and without blocking: one
+    that cannot be created, or that is not a regular file, is an error at once.
+
+    Raises:
+        error: the lock file cannot be created or is not a regular file, or another process held
+            the lock for ``timeout`` seconds.
+    """
+    from filelock import FileLock, Timeout
+
+    p = os.fspath(path)
+    tail = f"; {hint}" if hint else ""
+    try:
+        fd = os.open(p, os.O_RDWR | os.O_CREAT | _NONBLOCK | _CLOEXEC | _NOFOLLOW, 0o644)
+    except OSError as exc:
+        raise error(f"cannot create the lock file {p} of the {what} ({exc.strerror or exc}){tail}") from None
+    try:
+        _checked(p, os.fstat(fd), f"lock file of the {what}", error, hint)
+    finally:
+        os.close(fd)
+    lock = FileLock(p, timeout=timeout)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise error(f"the {what} is locked by another process ({p}) and was not released within {timeout:g} s; "
+                    f"try again once it is done{tail}") from None
+    except OSError as exc:
+        raise error(f"cannot take the lock file {p} of the {what} ({exc.strerror or exc}){tail}") from None
+    try:
+        yield
+    finally:
+        lock.release()
