@@ -22,6 +22,7 @@ from typing import Any, Mapping
 from ..errors import CacheError, RotationZooError
 from ..hashing import sha256_file
 from ..registry import TagEntry, get_model, load_registry
+from ..safefile import file_kind, file_lock
 from .layout import (
     DERIVED_AREA,
     FILES_AREA,
@@ -97,8 +98,19 @@ def _records(root: Path, area: str) -> list[CacheRecord]:
             continue
         m = read_marker(p) or {}
         out.append(CacheRecord(p, area, m.get("model"), m.get("tag"), m.get("side"), st.st_size,
-                               m.get("sha256"), m.get("source"), m.get("inputs")))
+                               m.get("sha256"), m.get("source"), m.get("inputs"), problem=_marker_problem(p, m)))
     return out
+
+
+def _marker_problem(path: Path, marker: Mapping[str, Any]) -> str | None:
+    """Why a file has no usable marker when one is there (a FIFO, a device: never opened), else ``None``."""
+    if marker:
+        return None
+    try:
+        st = os.lstat(marker_path(path))
+    except OSError:
+        return None
+    return None if stat.S_ISREG(st.st_mode) else f"its marker is {file_kind(st.st_mode)}, not a regular file (never opened)"
 
 
 def cache_records(cache_dir: str | os.PathLike[str] | None = None) -> list[CacheRecord]:
@@ -165,7 +177,12 @@ def verify_cache(cache_dir: str | os.PathLike[str] | None = None, *, remove_bad:
             except RotationZooError:
                 registry_sha = None
         try:
-            sha = sha256_file(r.path)
+            sha = sha256_file(r.path, error=CacheError)  # a FIFO swapped in is refused, never waited on
+        except CacheError:
+            r.ok, r.problem = False, "not a regular file (never opened)"
+            if remove_bad:
+                remove_inside(root, [r.path, marker_path(r.path)])
+            continue
         except OSError as exc:
             r.ok, r.problem = False, f"cannot be read ({exc.strerror or exc})"
             continue
@@ -178,16 +195,14 @@ def verify_cache(cache_dir: str | os.PathLike[str] | None = None, *, remove_bad:
 
 def _unlocked(root: Path, path: Path) -> bool:
     """True when no download holds the lock of the entry folder ``path`` is in."""
-    from filelock import FileLock, Timeout
-
     folder = path.parent
     lock = root / LOCKS_AREA / f"{folder.parent.name}--{folder.name}.lock"
     if not lock.exists():
         return True
     try:
-        with FileLock(str(lock), timeout=0):
+        with file_lock(lock, timeout=0, what="download", error=CacheError):
             return True
-    except Timeout:
+    except CacheError:  # held, or a lock file that is not one: keep the file
         return False
 
 
@@ -320,4 +335,7 @@ def derived_hit(path: Path, inputs: Mapping[str, str]) -> bool:
     marker = read_marker(path)
     if marker is None or path.is_symlink() or not path.is_file() or marker.get("inputs") != dict(inputs):
         return False
-    return path.stat().st_size == marker["size"] and sha256_file(path) == marker.get("sha256")
+    try:
+        return path.stat().st_size == marker["size"] and sha256_file(path, error=CacheError) == marker.get("sha256")
+    except (OSError, CacheError):
+        return False

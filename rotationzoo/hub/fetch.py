@@ -1,13 +1,17 @@
 """Fetching one entry's files: sources in order with failover, verification, atomic cache writes.
 
-Every downloaded file is checked against the registry (size, sha256) and structurally validated
-before it enters the cache; a file that fails is removed from every cache involved, downloaded once
-more, and only then is an :class:`~rotationzoo.errors.IntegrityError` raised. Files the registry does
-not pin are compared with the user's pin file (:mod:`.pins`, trust on first use).
+Every downloaded file is copied into a temporary file beside its place in the cache, and that copy
+is checked against the registry (size, sha256) and structurally validated; its marker is written
+from the copy's sha256 and only then is the copy renamed into place. A file that fails is removed
+from every cache involved, downloaded once more, and only then is an
+:class:`~rotationzoo.errors.IntegrityError` raised. Files the registry does not pin are compared with
+the user's pin file (:mod:`.pins`, trust on first use).
 
-A source that cannot serve the file (host unreachable, 404, 5xx after bounded retries, a wrong
-declared size: see :mod:`.network`) is skipped at once for the next one; when all fail,
-:class:`~rotationzoo.errors.FetchError` lists one line per source and a hint.
+A source that cannot serve the file (host unreachable, 404, a 5xx or a dropped connection after
+``ROTATIONZOO_RETRIES`` retries, a wrong declared size: see :mod:`.network` and
+:func:`.sources.download`) is skipped for the next one; when all fail,
+:class:`~rotationzoo.errors.FetchError` lists one line per source and a hint. Downloads of one entry
+are serialised by a lock file waited on for at most :data:`LOCK_WAIT_S` seconds.
 
 A warm hit re-hashes the cached file (a few milliseconds for a rotation file: see
 docs/performance.md) and never follows a symlink: a swapped or linked file is not served.
@@ -28,8 +32,9 @@ from typing import Callable
 
 from .. import config
 from ..errors import CacheError, ConfigError, FetchError, IntegrityError, OfflineError, RegistryError, RotationZooError
-from ..hashing import sha256_file
+from ..hashing import read_hashed, sha256_file
 from ..registry import SIDES, FileEntry, Source, TagEntry
+from ..safefile import file_lock, open_regular
 from ..registry.safety import check_revision
 from ..vocab import SOURCE_CHOICES
 from . import network, pins
@@ -40,19 +45,20 @@ from .layout import (
     entry_dir,
     inside,
     lock_path,
-    marker_path,
     partial_files,
     read_marker,
     regular_file,
     remove_inside,
     write_marker,
 )
-from .sources import DOWNLOADERS, MAX_DOWNLOAD_BYTES, Download, bundled_path, describe_exc, hf_endpoint, ms_endpoint
+from .sources import MAX_DOWNLOAD_BYTES, Download, bundled_path, describe_exc, download, hf_endpoint, ms_endpoint
 
 log = logging.getLogger("rotationzoo")
 
 #: Called with one line of human-readable status (source chosen, failover, retries).
 Reporter = Callable[[str], None]
+#: Longest wait, in seconds, for another process's download of the same entry (its lock).
+LOCK_WAIT_S = 60.0
 
 
 class UnpinnedEntryWarning(UserWarning):
@@ -90,8 +96,8 @@ def warm_hit(path: Path, expected_sha256: str | None) -> dict | None:
     try:
         if path.stat().st_size != marker["size"]:
             return None
-        sha = sha256_file(path)
-    except OSError:
+        sha = sha256_file(path, error=CacheError)  # a FIFO swapped in is refused, never waited on
+    except (OSError, CacheError):
         return None
     if sha != marker["sha256"] or (expected_sha256 is not None and sha != expected_sha256):
         return None
@@ -139,7 +145,8 @@ def cached_copy(entry: TagEntry, side: str, root: Path, revision: str | None = N
 
 
 def _check(path: Path, f: FileEntry, entry: TagEntry) -> tuple[str | None, str]:
-    """(problem or None, observed sha256). Size and sha256 against the registry, then structure."""
+    """(problem or None, observed sha256). Size and sha256 against the registry, then structure; the
+    bytes validated are the bytes hashed (:func:`~rotationzoo.hashing.read_hashed`)."""
     size = path.stat().st_size
     sha = sha256_file(path)
     if f.size is not None and size != f.size:
@@ -152,8 +159,10 @@ def _check(path: Path, f: FileEntry, entry: TagEntry) -> tuple[str | None, str]:
     arch = entry.architecture
     ids = arch.expected_layer_ids()
     try:
-        rs = read_rotation(path, head_dim=arch.head_dims, num_layers=len(ids) if ids else None,
-                           num_kv_heads=arch.num_kv_heads)
+        rs, read_sha = read_hashed(path, lambda p: read_rotation(
+            p, head_dim=arch.head_dims, num_layers=len(ids) if ids else None, num_kv_heads=arch.num_kv_heads))
+        if read_sha != sha:
+            return f"changed while it was checked (sha256 {sha}, then {read_sha})", read_sha
         validate(rs, layer_ids=ids, head_dim=arch.head_dims, num_kv_heads=arch.num_kv_heads)
     except RotationZooError as exc:
         return f"not a valid rotation file for {entry.model_id}: {exc}", sha
@@ -173,16 +182,17 @@ def _select_sources(f: FileEntry, source: str) -> list[Source]:
 
 
 def record_verified(path: Path, entry: TagEntry, side: str, *, sha: str, source: str,
-                    revision: str | None = None, commit: str | None = None) -> dict:
+                    revision: str | None = None, commit: str | None = None, of: Path | None = None) -> dict:
     """Write the marker that makes ``path`` a verified cached file of ``entry``'s ``side``.
 
-    Only call it for bytes checked against the registry (size, sha256, structure).
+    Only call it for bytes checked against the registry (size, sha256, structure); ``of``: the checked
+    copy that is about to be renamed to ``path`` (see :func:`~rotationzoo.hub.layout.write_marker`).
     """
     return write_marker(path, {
         "model": entry.model_id, "tag": entry.name, "side": side, "sha256": sha,
         "registry_sha256": entry.files[side].sha256, "source": source, "revision": revision, "commit": commit,
         "verified_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    })
+    }, of=of)
 
 
 def _fetch_bundled(entry: TagEntry, side: str, src: Source) -> CachedFile:
@@ -209,19 +219,23 @@ def _inside_download(root: Path, got: Download) -> None:
                              f"{root.resolve()}; refusing to read or remove it; remove the link") from None
 
 
-def _accept(got: Download, target: Path, f: FileEntry, entry: TagEntry, root: Path) -> tuple[str | None, str]:
-    """Copy a download out of the client's cache, check the copy, and move it into place if good."""
+def _accept(got: Download, target: Path, f: FileEntry, entry: TagEntry, root: Path,
+            place: Callable[[Path, str], dict]) -> tuple[str | None, str, dict | None]:
+    """Copy a download out of the client's cache into a temporary file beside ``target``, check the
+    copy, and when it is good call ``place(copy, sha256)`` (pin check, marker from the copy) and only
+    then rename the copy to ``target``. Returns (problem or None, sha256, the marker written)."""
     _inside_download(root, got)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{f.filename}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
     tmp = Path(tmp_name)
     try:
-        if got.path.resolve() != tmp.resolve():
-            shutil.copyfile(got.path, tmp)
+        with os.fdopen(fd, "wb") as out, open_regular(got.path, what="downloaded file", error=CacheError) as src:
+            shutil.copyfileobj(src, out, 1 << 20)
         problem, sha = _check(tmp, f, entry)
+        marker = None
         if problem is None:
+            marker = place(tmp, sha)
             os.replace(tmp, target)
-        return problem, sha
+        return problem, sha, marker
     finally:
         remove_inside(root, [tmp])
 
@@ -272,33 +286,32 @@ def _from_source(entry: TagEntry, side: str, src: Source, *, root: Path, revisio
         got: Download | None = None
         if src.is_hub:  # the client writes there: no link in it may lead out of the cache
             check_links(root, HUB_AREA, src.type)
+
+        def place(copy: Path, sha: str) -> dict:
+            """The copy is good: compare it with the pin (unpinned files), then mark it (before the rename)."""
+            assert got is not None
+            commit = got.commit or listed_commit
+            if f.sha256 is None and pins.check_or_pin(entry, side, sha, source=label, revision=rev, commit=commit,
+                                                      accept_new=accept_new) == "new":
+                _warn_unpinned(entry, side, sha)
+            return record_verified(target, entry, side, sha=sha, source=label, revision=rev, commit=commit, of=copy)
+
         try:
             with network.quiet_clients():
-                got = DOWNLOADERS[src.type](src, f, hub_cache=root / HUB_AREA, dest_dir=target.parent, revision=rev,
-                                            force=force or attempt > 1)
-            problem, sha = _accept(got, target, f, entry, root)
+                got = download(src, f, hub_cache=root / HUB_AREA, dest_dir=target.parent, revision=rev,
+                               force=force or attempt > 1, say=say)
+            problem, sha, marker = _accept(got, target, f, entry, root, place)
         except BaseException:
             if got is not None and src.type == "url":
                 remove_inside(root, got.purge)
             raise
-        if problem is None:
+        if problem is None and marker is not None:
             if src.type == "url":
                 remove_inside(root, got.purge)
-            commit = got.commit or listed_commit
-            if f.sha256 is None:
-                try:
-                    state = pins.check_or_pin(entry, side, sha, source=label, revision=rev, commit=commit,
-                                              accept_new=accept_new)
-                except IntegrityError:
-                    remove_inside(root, [target, marker_path(target)])
-                    raise
-                if state == "new":
-                    _warn_unpinned(entry, side, sha)
-            marker = record_verified(target, entry, side, sha=sha, source=label, revision=rev, commit=commit)
             say(f"{side.upper()} {f.filename}: verified from {label}")
             return CachedFile(side, target, sha, marker["size"], label, rev)
-        # bad bytes: remove them from every cache involved, then try once more
-        remove_inside(root, [*got.purge, target, marker_path(target)])
+        # bad bytes: remove them from every cache involved (never put in place), then try once more
+        remove_inside(root, got.purge)
         bad_hashes.append(sha)
         if attempt == 1:
             say(f"{label}: {f.filename}: {problem}; removed the bad copy, downloading again")
@@ -464,11 +477,10 @@ def fetch_entry(
                 f"(offline because {offline_reason()})"
             )
         return out
-    from filelock import FileLock
-
     lp = lock_path(root, entry, revision)
     _writable(lp.parent)
-    with FileLock(str(lp)), network.using(timeout=timeout):
+    with file_lock(lp, timeout=LOCK_WAIT_S, what=f"download of {entry.key}", error=CacheError,
+                   hint="set ROTATIONZOO_CACHE or --cache-dir to a writable folder"), network.using(timeout=timeout):
         for side in missing:
             out.files[side] = fetch_file(entry, side, root=root, source=source, revision=revision,
                                          offline=False, force=force, accept_new=accept_new, report=report)

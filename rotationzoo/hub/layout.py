@@ -22,15 +22,18 @@ read defensively (:func:`read_marker` returns ``None`` for anything but a well-f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import stat
+import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
 from .. import config
 from ..errors import CacheError
+from ..safefile import file_kind, open_regular
 from ..registry import TagEntry
 
 MARKER_SUFFIX = ".verified"
@@ -104,17 +107,19 @@ MAX_MARKER_BYTES = 64 << 10
 def read_marker(path: Path) -> dict[str, Any] | None:
     """The marker of ``path``, or ``None`` when absent, unreadable or malformed.
 
-    A well-formed marker is a JSON object (at most 64 KiB, not a symlink) with a 64-hex ``sha256`` and
+    A well-formed marker is a JSON object in a regular file (at most 64 KiB, not a symlink; a FIFO or a
+    device is never opened, see :func:`~rotationzoo.safefile.open_regular`) with a 64-hex ``sha256`` and
     an integer ``size``; optional fields of the wrong type are dropped, ``inputs`` must map sides to
     sha256s.
     """
     mp = marker_path(path)
     try:
-        if mp.is_symlink() or mp.stat().st_size > MAX_MARKER_BYTES:
+        with open_regular(mp, what="verification marker", error=CacheError, follow_symlinks=False) as f:
+            raw = f.read(MAX_MARKER_BYTES + 1)
+        if len(raw) > MAX_MARKER_BYTES:
             return None
-        with open(mp, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError, RecursionError):
+        data = json.loads(raw.decode("utf-8"))
+    except (OSError, ValueError, RecursionError, CacheError):
         return None
     if not isinstance(data, dict):
         return None
@@ -154,14 +159,24 @@ def regular_file(path: Path) -> bool:
         return False
 
 
-def write_marker(path: Path, marker: dict[str, Any]) -> dict[str, Any]:
-    """Write ``marker`` beside ``path`` atomically (with the file's current size and mtime)."""
-    st = path.stat()
+def write_marker(path: Path, marker: dict[str, Any], *, of: Path | None = None) -> dict[str, Any]:
+    """Write ``marker`` beside ``path`` atomically, with the size and mtime of ``of`` (default:
+    ``path`` itself). ``of`` is the verified copy that is about to be moved to ``path`` (a rename
+    keeps both), so the marker is written from the bytes that were checked, before they are in place."""
+    st = os.stat(of if of is not None else path)
+    if not stat.S_ISREG(st.st_mode):
+        raise CacheError(f"{of or path}: {file_kind(st.st_mode)}, not a regular file; no marker was written for it")
     marker = {**marker, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
     mp = marker_path(path)
-    tmp = mp.with_name(f".{mp.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(marker, indent=1))
-    os.replace(tmp, mp)
+    fd, tmp = tempfile.mkstemp(prefix=f".{mp.name}.", suffix=".tmp", dir=mp.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps(marker, indent=1))
+        os.replace(tmp, mp)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     return marker
 
 

@@ -25,7 +25,6 @@ import json
 import os
 import re
 import shlex
-import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from typing import Any
 from .. import config
 from ..errors import ConfigError, IntegrityError
 from ..registry import TagEntry
+from ..safefile import check_regular, file_lock, read_regular
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -58,32 +58,30 @@ def pin_key(entry: TagEntry, side: str, source: str) -> str:
     return f"{file_key(entry, side)}|{source}"
 
 
+_HINT = "fix or delete the pin file, or point ROTATIONZOO_PINS at another file"
+#: Longest wait, in seconds, for another process writing the pin file (it holds the lock for milliseconds).
+LOCK_WAIT_S = 10.0
+
+
 def _bad(path: Path, what: str) -> ConfigError:
     return ConfigError(f"{path}: {what}; fix or delete the pin file (ROTATIONZOO_PINS)")
 
 
 def _read_text(path: Path) -> str | None:
-    """The pin file's text, or ``None`` when absent; only a regular file of bounded size is opened."""
+    """The pin file's text, or ``None`` when absent; only a regular file of bounded size is opened
+    (a FIFO, a device or a ``/proc`` file is refused by its type, without blocking)."""
     try:
-        st = os.stat(path)
+        st = check_regular(path, what="pin file", error=ConfigError, hint=_HINT)
     except FileNotFoundError:
         return None
     except OSError as exc:
         raise _bad(path, f"cannot read the pin file ({exc.strerror or exc})") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise _bad(path, "the pin file is not a regular file")
     if st.st_size > MAX_PIN_FILE_BYTES:
         raise _bad(path, f"the pin file holds {st.st_size} B, more than the {MAX_PIN_FILE_BYTES} B a pin file may")
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # swapped after the stat
-                raise _bad(path, "the pin file is not a regular file")
-            data = f.read(MAX_PIN_FILE_BYTES + 1)
+        data = read_regular(path, MAX_PIN_FILE_BYTES, what="pin file", error=ConfigError, hint=_HINT)
     except OSError as exc:
         raise _bad(path, f"cannot read the pin file ({exc.strerror or exc})") from None
-    if len(data) > MAX_PIN_FILE_BYTES:
-        raise _bad(path, f"the pin file holds more than the {MAX_PIN_FILE_BYTES} B a pin file may")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
@@ -182,18 +180,16 @@ def check_or_pin(entry: TagEntry, side: str, sha: str, *, source: str, revision:
         IntegrityError: the file differs from the pin and ``accept_new`` is false.
         ConfigError: the pin file cannot be read or written (named in the message).
     """
-    from filelock import FileLock
-
     path = config.pins_file()
     key = pin_key(entry, side, source)
+    hint = "set ROTATIONZOO_PINS to a writable file"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        lock = FileLock(str(path.with_name(path.name + ".lock")))
-        lock.acquire()
     except OSError as exc:
-        raise ConfigError(f"cannot write the pin file {path} ({exc.strerror or exc}); set ROTATIONZOO_PINS to a "
-                          f"writable file") from None
-    try:
+        raise ConfigError(f"cannot write the pin file {path} ({exc.strerror or exc}); {hint}") from None
+    read_pins(path)  # a pin file that is not one (a FIFO, /proc/...) is refused before its lock is taken
+    with file_lock(path.with_name(path.name + ".lock"), timeout=LOCK_WAIT_S, what=f"pin file {path}",
+                   error=ConfigError, hint=hint):
         pins = read_pins(path)
         old = pins.get(key)
         if old is not None and old["sha256"] == sha:
@@ -208,5 +204,3 @@ def check_or_pin(entry: TagEntry, side: str, sha: str, *, source: str, revision:
                      "pinned_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         _write(pins, path)
         return "new" if old is None else "repinned"
-    finally:
-        lock.release()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import http.client
 import io
 import os
 import re
@@ -84,15 +85,74 @@ def _hf_bars() -> Iterator[None]:
 
 def _bounded(call: Callable[[], str], error: type[transfer.TransferStopped] = transfer.TransferStopped) -> str:
     """Run a hub client's download under the deadlines (:mod:`.transfer`); a missed one is the
-    source's failure (``Unavailable``, kind ``timeout``), whatever the client made of it."""
+    source's failure (``Unavailable``, kind ``timeout``), whatever the client made of it. An answer
+    the client would sleep and retry on (408, 429, 5xx: kind ``http``) and a dropped connection are
+    ``Unavailable`` too, marked retryable (see :func:`download`)."""
     transfer.hook_clients()
     with transfer.transfer(limits(), client=True, error=error) as t:
         try:
             return call()
-        except Exception:
+        except Exception as exc:
             if t.stopped is not None:
-                raise Unavailable(t.stopped.reason, t.stopped.kind) from None
+                raise Unavailable(t.stopped.reason, t.stopped.kind, retryable=t.stopped.kind == "http") from None
+            dropped = dropped_connection(exc)
+            if dropped is not None:
+                raise Unavailable(f"connection dropped ({dropped})", "error", retryable=True) from None
             raise
+
+
+#: Exception types (by name, anywhere in an exception's class hierarchy or its causes) that mean the
+#: connection broke before a whole answer arrived: httpx / httpcore, urllib3 / requests, http.client.
+_DROPPED = frozenset({
+    "ConnectionError", "ConnectionResetError", "ConnectionAbortedError", "BrokenPipeError", "RemoteDisconnected",
+    "IncompleteRead", "RemoteProtocolError", "ReadError", "WriteError", "ConnectError", "NetworkError",
+    "ProtocolError", "ChunkedEncodingError",
+})
+
+
+def dropped_connection(exc: BaseException) -> str | None:
+    """One line naming the broken connection behind ``exc`` (a reset, a server that hung up, a body
+    cut short), or ``None`` when ``exc`` is something else (an HTTP status, a timeout, a local error)."""
+    seen: list[BaseException] = []
+    e: BaseException | None = exc
+    while e is not None and len(seen) < 8 and e not in seen:
+        seen.append(e)
+        names = {c.__name__ for c in type(e).__mro__}
+        if "TimeoutError" in names or "TimeoutException" in names or isinstance(e, transfer.TransferStopped):
+            return None
+        if names & _DROPPED:
+            text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            return shorten(f"{type(e).__name__}: {text}" if text else type(e).__name__, 80)
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def download(src: Source, f: FileEntry, *, hub_cache: Path, dest_dir: Path, revision: str | None, force: bool,
+             say: Callable[[str], None] | None = None) -> Download:
+    """Download one file from one source (:data:`DOWNLOADERS`), retrying a 5xx / 408 / 429 answer or a
+    dropped connection on any of its requests ``ROTATIONZOO_RETRIES`` times (0.5 s, 1 s, 2 s … apart,
+    at most 4 s), each attempt under fresh deadlines. A timeout, a 404 or anything else is not retried.
+
+    Raises:
+        Unavailable: the source cannot serve the file (retries included: ``(N attempts)`` in the reason).
+        Exception: whatever else the downloader raised.
+    """
+    retries = config.retries()
+    for attempt in range(retries + 1):
+        try:
+            return DOWNLOADERS[src.type](src, f, hub_cache=hub_cache, dest_dir=dest_dir, revision=revision,
+                                         force=force)
+        except Unavailable as exc:
+            if not exc.retryable or attempt == retries:
+                if attempt:
+                    exc.reason += f" ({attempt + 1} attempts)"
+                raise
+            reason = exc.reason
+        delay = min(0.5 * 2**attempt, 4.0)
+        if say is not None:
+            say(f"{src.describe()}: {f.filename}: {reason}; retrying in {delay:g} s")
+        time.sleep(delay)
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def download_huggingface(src: Source, f: FileEntry, *, hub_cache: Path, dest_dir: Path, revision: str | None,
@@ -175,20 +235,11 @@ def download_modelscope(src: Source, f: FileEntry, *, hub_cache: Path, dest_dir:
 def download_url(src: Source, f: FileEntry, *, hub_cache: Path, dest_dir: Path, revision: str | None,
                  force: bool) -> Download:
     """Stream ``src.url`` into ``dest_dir/.url-*.part``, never past the expected size (pinned) or
-    :data:`MAX_DOWNLOAD_BYTES` (unpinned); 5xx and timeouts are retried like a hub pre-flight."""
+    :data:`MAX_DOWNLOAD_BYTES` (unpinned). One attempt: 5xx, 408, 429, silent timeouts and dropped
+    connections raise a retryable :class:`Unavailable` for :func:`download` to retry."""
     assert src.url is not None
     limit = f.size if f.size is not None else MAX_DOWNLOAD_BYTES
-    attempts = config.retries() + 1
-    for attempt in range(attempts):
-        try:
-            return _stream_url(src.url, f.filename, dest_dir, limit)
-        except Unavailable as exc:
-            if not exc.retryable or attempt == attempts - 1:
-                if attempt:
-                    exc.reason += f" ({attempt + 1} attempts)"
-                raise
-            time.sleep(min(0.5 * 2**attempt, 4.0))
-    raise AssertionError("unreachable")  # pragma: no cover
+    return _stream_url(src.url, f.filename, dest_dir, limit)
 
 
 def _stream_url(url: str, name: str, dest_dir: Path, limit: int) -> Download:
@@ -238,6 +289,10 @@ def _stream_url_in(url: str, name: str, dest_dir: Path, limit: int, timeout: flo
         except TimeoutError:
             os.unlink(tmp)
             raise Unavailable(f"stalled for {timeout:g} s mid-download", "timeout", retryable=True) from None
+        except (OSError, http.client.HTTPException) as exc:  # a reset, a body cut short
+            os.unlink(tmp)
+            raise Unavailable(f"connection dropped mid-download ({shorten(str(exc) or type(exc).__name__, 60)})",
+                              "error", retryable=True) from None
         except BaseException:
             os.unlink(tmp)
             raise

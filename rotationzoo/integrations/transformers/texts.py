@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
 from ...errors import ConfigError
+from ...safefile import pseudo_file
 
 #: Bytes read from the start of every text by :func:`check_text_files`.
 SNIFF_BYTES = 64 * 1024
@@ -63,9 +64,14 @@ def _open_regular(path: Path, label: str, what: str) -> int:
         raise ConfigError(f"{label}: {what} file not found") from None
     except OSError as exc:
         raise ConfigError(f"{label}: cannot read the {what} ({exc.strerror or exc})") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         raise ConfigError(f"{label}: not a regular file; give a {what} file")
+    pseudo = pseudo_file(path, st)  # /proc, /sys, /dev: "regular" files that never end or change as read
+    if pseudo is not None:
+        os.close(fd)
+        raise ConfigError(f"{label}: {pseudo}, not a regular file; give a {what} file")
     return fd
 
 
@@ -129,6 +135,8 @@ def check_text_files(paths: Iterable[str | os.PathLike[str]], *, what: str = "te
             raise ConfigError(f"{label}: a folder, not {_article(what)} file")
         if not stat.S_ISREG(st.st_mode):
             raise ConfigError(f"{label}: not a regular file (a FIFO, device or socket); give {_article(what)} file")
+        if pseudo_file(path, st) is not None:
+            raise ConfigError(f"{label}: {pseudo_file(path, st)}, not a regular file; give {_article(what)} file")
         if st.st_size == 0:
             raise ConfigError(f"{label}: the {what} file is empty")
         fd = _open_regular(path, label, what)
