@@ -8,7 +8,9 @@ model revision, TP size, …) and, beside them, ``.oscar_<pair_id>.pending.json`
 ``.oscar_<pair_id>.complete.json`` once done. A folder with a pending manifest is refused everywhere
 (its files may be half written); :func:`import_calibrated` copies a complete pair into the cache's
 ``imported/`` area, checked and with markers, so that it outlives the server's folder and can be
-served, evaluated or published like any other pair.
+served, evaluated or published like any other pair. What is checked, hashed and marked is the copy
+the cache keeps, never the source (which may change while it is read); a K and a V recording
+different calibrations are refused unless ``allow_mixed=True`` (``--allow-mixed``).
 
 Example::
 
@@ -23,18 +25,21 @@ import json
 import os
 import re
 import shutil
-import stat
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
+from ._inspect import MAX_BYTES
 from .errors import CacheError, PairError
-from .hashing import sha256_file
+from .format import read_rotation
+from .hashing import read_hashed, sha256_file
 from .hub.layout import IMPORTED_AREA, area_dir, cache_root, inside, write_marker
 from .localpair import COMPLETE_GLOB, check_not_pending, find_pair_files
 from .pair import RotationPair, read_pair
+from .registry import SIDES
+from .safefile import open_regular, read_regular
 
 #: Largest manifest read.
 MAX_MANIFEST_BYTES = 64 << 10
@@ -74,10 +79,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
         PairError: not a regular file of at most :data:`MAX_MANIFEST_BYTES`, or not a JSON object.
     """
     try:
-        st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MANIFEST_BYTES:
-            raise PairError(f"{path}: not a manifest (a regular file of at most {MAX_MANIFEST_BYTES} B expected)")
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_regular(path, MAX_MANIFEST_BYTES, what="manifest", error=PairError).decode("utf-8"))
     except (OSError, ValueError, RecursionError) as exc:
         raise PairError(f"{path}: cannot read the manifest ({str(exc)[:80]})") from None
     if not isinstance(data, dict):
@@ -103,79 +105,140 @@ class ImportResult:
                 "calibration": self.calibration, "manifest": self.manifest}
 
 
-def read_calibrated(folder: str | os.PathLike[str]) -> tuple[RotationPair, dict[str, Any]]:
-    """The validated pair of a start-up calibration folder and its complete manifest (``{}`` if none).
-
-    Raises:
-        PairError: a publication is pending, the manifest names other files than the folder holds, or
-            its generation id is not the files' own.
-        RotationZooError: the files are not a valid pair.
-    """
-    d = Path(folder).expanduser()
-    check_not_pending(d)
-    files = find_pair_files(d)
+def _manifest_of(d: Path, files: dict[str, Path]) -> dict[str, Any]:
+    """The folder's newest complete manifest (``{}`` if none), refused when it names other files."""
     manifests = sorted(d.glob(COMPLETE_GLOB))
     manifest = read_manifest(manifests[-1]) if manifests else {}
-    for s in ("k", "v"):
+    for s in SIDES:
         named = manifest.get(f"{s}_path")
         if isinstance(named, str) and Path(named).name != files[s].name:
             raise PairError(f"{d}: the manifest names {Path(named).name} as the {s.upper()} file, the folder holds "
                             f"{files[s].name}; refusing to guess which is the published pair")
-    pair = read_pair(d).validate()
+    return manifest
+
+
+def check_provenance(d: Path, pair: RotationPair, manifest: Mapping[str, Any], *, allow_mixed: bool = False) -> None:
+    """Refuse a K and a V of different provenance: another calibration ``generation_id`` recorded in
+    each file (or recorded in one only), or a file whose id is not the manifest's.
+
+    Raises:
+        PairError: the pair mixes two calibrations and ``allow_mixed`` is false.
+    """
+    if allow_mixed:
+        return
+    own = {s: (rs.calibration or {}).get("generation_id") for s, rs in pair}
+    if own["k"] != own["v"]:
+        raise PairError(f"{d}: the K file was written by calibration {own['k']!r}, the V file by {own['v']!r}; the "
+                        f"folder mixes two calibrations (pass --allow-mixed / allow_mixed=True to import it anyway)")
     gen = manifest.get("generation_id")
-    for s, rs in pair:
-        own = (rs.calibration or {}).get("generation_id")
-        if gen is not None and own is not None and own != gen:
-            raise PairError(f"{d}: the {s.upper()} file was written by calibration {own!r}, the manifest says {gen!r}; "
-                            f"the folder mixes two calibrations")
+    for s in SIDES:
+        if gen is not None and own[s] is not None and own[s] != gen:
+            raise PairError(f"{d}: the {s.upper()} file was written by calibration {own[s]!r}, the manifest says "
+                            f"{gen!r}; the folder mixes two calibrations (pass --allow-mixed / allow_mixed=True to "
+                            f"import it anyway)")
+
+
+def read_calibrated(folder: str | os.PathLike[str], *, allow_mixed: bool = False
+                    ) -> tuple[RotationPair, dict[str, Any]]:
+    """The validated pair of a start-up calibration folder and its complete manifest (``{}`` if none).
+
+    Raises:
+        PairError: a publication is pending, the manifest names other files than the folder holds, or
+            K and V (or a file and the manifest) record different calibrations and ``allow_mixed`` is
+            false (see :func:`check_provenance`).
+        RotationZooError: the files are not a valid pair.
+    """
+    d = Path(folder).expanduser()
+    check_not_pending(d)
+    manifest = _manifest_of(d, find_pair_files(d))
+    pair = read_pair(d).validate()
+    check_provenance(d, pair, manifest, allow_mixed=allow_mixed)
     return pair, manifest
 
 
+def _copy_regular(src: Path, dst: Path) -> None:
+    """Copy a regular file of at most :data:`~rotationzoo._inspect.MAX_BYTES` (a FIFO or a device is
+    refused without blocking, see :func:`~rotationzoo.safefile.open_regular`)."""
+    with open_regular(src, what="rotation file", error=PairError) as f, open(dst, "xb") as out:
+        copied = 0
+        while block := f.read(1 << 20):
+            copied += len(block)
+            if copied > MAX_BYTES:
+                raise PairError(f"{src}: more than the {MAX_BYTES} B a rotation file may hold; not imported")
+            out.write(block)
+
+
+def _read_copies(copies: Mapping[str, Path], source: str) -> RotationPair:
+    """The copies, read once each with the sha256 of exactly the bytes read, validated as a pair."""
+    read = {s: read_hashed(p, read_rotation) for s, p in copies.items()}
+    pair = RotationPair({s: rs for s, (rs, _) in read.items()}, paths=dict(copies),
+                        sha256={s: sha for s, (_, sha) in read.items()}, source=source)
+    return pair.validate()
+
+
+def _same_import(dest: Path, copies: Mapping[str, Path], sha: Mapping[str, str]) -> bool:
+    """Whether ``dest`` already holds exactly these files (by sha256)."""
+    try:
+        return all(sha256_file(dest / p.name, error=CacheError) == sha[s] for s, p in copies.items())
+    except (OSError, CacheError):
+        return False
+
+
 def import_calibrated(folder: str | os.PathLike[str], *, name: str | None = None,
-                      cache_dir: str | os.PathLike[str] | None = None, force: bool = False) -> ImportResult:
+                      cache_dir: str | os.PathLike[str] | None = None, force: bool = False,
+                      allow_mixed: bool = False) -> ImportResult:
     """Copy a complete start-up calibration pair into ``<cache>/imported/<name>/`` (``name``: the folder's).
 
-    Nothing is imported from a folder with a pending manifest, and an existing import of another pair
-    under the same name is kept unless ``force``.
+    The files are copied first, into a staging folder inside the cache; the copies (never the
+    source, which may change meanwhile) are read, validated and hashed, their markers are written from
+    those hashes, and only then is the staging folder renamed into place. Nothing is imported from a
+    folder with a pending manifest (checked before and after copying), nor a K and V of different
+    provenance unless ``allow_mixed`` (see :func:`check_provenance`), and an existing import of
+    another pair under the same name is kept unless ``force``.
 
     Raises:
-        PairError: see :func:`read_calibrated`; a bad or taken name.
+        PairError: see :func:`read_calibrated`; a bad or taken name; a source that is not a regular file.
         CacheError: the cache cannot be written.
     """
     src = Path(folder).expanduser()
-    pair, manifest = read_calibrated(src)
+    check_not_pending(src)
+    files = find_pair_files(src)
+    manifest = _manifest_of(src, files)
     name = name or src.resolve().name
     if not _NAME.fullmatch(name) or name in (".", ".."):
         raise PairError(f"import name {name[:80]!r}: letters, digits and . _ - (at most 128, not starting with . or -)")
     root = cache_root(cache_dir)
     dest = inside(root, area_dir(root, IMPORTED_AREA) / name)
-    sha = {s: sha256_file(p) for s, p in pair.paths.items()}
-    if dest.exists() and not force:
-        have = {s: sha256_file(dest / p.name) for s, p in pair.paths.items() if (dest / p.name).is_file()}
-        if have != sha:
-            raise PairError(f"{dest}: another pair is imported under the name {name!r}; give --name or --force")
     staging: Path | None = None
+    old: Path | None = None
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=dest.parent))
-        paths: dict[str, Path] = {}
-        for s, p in pair.paths.items():
-            shutil.copyfile(p, staging / p.name)
-            if sha256_file(staging / p.name) != sha[s]:
-                raise PairError(f"{p}: changed while it was imported; try again")
-            paths[s] = dest / p.name
-        if dest.exists():
-            shutil.rmtree(dest)
+        copies = {s: staging / p.name for s, p in files.items()}
+        for s, p in files.items():
+            _copy_regular(p, copies[s])
+        check_not_pending(src)  # a publication that began while we copied: its files may be half written
+        pair = _read_copies(copies, str(src))
+        check_provenance(src, pair, manifest, allow_mixed=allow_mixed)
+        sha = dict(pair.sha256)
+        if dest.exists() and not force and not _same_import(dest, copies, sha):
+            raise PairError(f"{dest}: another pair is imported under the name {name!r}; give --name or --force")
+        calibration = next((rs.calibration for _, rs in pair if rs.calibration), None)
+        for s, c in copies.items():
+            write_marker(c, {"kind": "imported", "side": s, "sha256": sha[s], "source": str(src),
+                             "model": str((calibration or {}).get("model_path") or "") or None, "tag": name,
+                             "verified_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+        if dest.exists():  # the old import stays whole until the new one is in place
+            old = Path(tempfile.mkdtemp(prefix=f".{name}.old.", dir=dest.parent))
+            os.replace(dest, old / name)
         os.replace(staging, dest)
+        staging = None
     except OSError as exc:
         raise CacheError(f"cannot import into {dest} ({exc.strerror or exc}); set ROTATIONZOO_CACHE to a writable "
                          f"folder") from None
     finally:
-        if staging is not None and staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-    calibration = next((rs.calibration for _, rs in pair if rs.calibration), None)
-    for s, p in paths.items():
-        write_marker(p, {"kind": "imported", "side": s, "sha256": sha[s], "source": str(src),
-                         "model": str((calibration or {}).get("model_path") or "") or None, "tag": name,
-                         "verified_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+        for left in (staging, old):
+            if left is not None and left.exists():
+                shutil.rmtree(left, ignore_errors=True)
+    paths = {s: dest / p.name for s, p in copies.items()}
     return ImportResult(name, dest, src, paths, sha, calibration, manifest)

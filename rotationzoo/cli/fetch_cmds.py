@@ -187,22 +187,28 @@ def cmd_cache_import(
                                                   "($HF_HOME/oscar-rotations/<model>-<digest12>/), or any pair folder.")],
     name: Annotated[Optional[str], typer.Option("--name", help="Name under imported/ (default: the folder's name).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace another pair imported under the same name.")] = False,
+    allow_mixed: Annotated[bool, typer.Option(
+        "--allow-mixed", help="Import a K and a V of different provenance (files recording different calibration "
+                              "generation ids, or an id other than the manifest's); refused without it.")] = False,
     cache_dir: CacheDirOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Copy a rotation pair the authors' server calibrated at start-up into the cache, with its provenance.
 
     Refused while the folder holds a .oscar_*.pending.json (the server is still writing it, or was
-    interrupted); the files are validated, copied to <cache>/imported/NAME/ with markers (cache ls,
-    verify and rm know them), and the calibration they record is printed (generation id, prompt
-    sha256, tokens, model revision). Serve, evaluate or publish the imported folder like any pair.
+    interrupted), and when K and V record different calibrations (unless --allow-mixed). The files
+    are copied into the cache first; the copies are validated and hashed, their markers written from
+    those hashes, and only then moved to <cache>/imported/NAME/ (cache ls, verify and rm know them), so
+    a source changing meanwhile is never kept as verified. The calibration they record is printed
+    (generation id, prompt sha256, tokens, model revision). Serve, evaluate or publish the imported
+    folder like any pair.
 
     Examples:  rotationzoo cache import ~/.cache/huggingface/oscar-rotations/Qwen3-8B-0123456789ab  |
-    rotationzoo cache import ./calib --name qwen3-8b-gpqa --json
+    rotationzoo cache import ./calib --name qwen3-8b-gpqa --json  |  rotationzoo cache import ./calib --allow-mixed
     """
     from ..calibrated import import_calibrated
 
-    got = import_calibrated(folder, name=name, cache_dir=cache_dir, force=force)
+    got = import_calibrated(folder, name=name, cache_dir=cache_dir, force=force, allow_mixed=allow_mixed)
     if json_out:
         emit_json(got.to_json())
         return
