@@ -122,25 +122,35 @@ def test_quantize_auto_on_cpu_is_the_c_quantizer_and_equals_the_reference():
 _FALLBACK = """
 import warnings, torch
 from rotationzoo.kernels import decode_attention_int2, native, quantize_int2
-print("REASON", native.native_unavailable_reason())
 x = torch.randn(1, 2, 40, 64)
-codes, sz = quantize_int2(x, clip_ratio=0.96)
-rc, rs = quantize_int2(x, clip_ratio=0.96, backend="torch")
-assert torch.equal(codes, rc) and torch.equal(sz, rs)
-kv = (x[:, :, :4], codes, sz, x[:, :, :4])
 with warnings.catch_warnings(record=True) as seen:
     warnings.simplefilter("always")
+    codes, sz = quantize_int2(x, clip_ratio=0.96)
+    kv = (x[:, :, :4], codes, sz, x[:, :, :4])
     out = decode_attention_int2(torch.randn(1, 4, 1, 64), kv, kv)
     decode_attention_int2(torch.randn(1, 4, 1, 64), kv, kv)
+    quantize_int2(x, clip_ratio=0.96)
+rc, rs = quantize_int2(x, clip_ratio=0.96, backend="torch")
+assert torch.equal(codes, rc) and torch.equal(sz, rs)
+print("REASON", native.native_unavailable_reason())
 print("WARNINGS", len(seen), str(seen[0].message) if seen else "")
 """
 
 
-@pytest.mark.parametrize("env,reason", [({"ROTATIONZOO_NATIVE": "0"}, "ROTATIONZOO_NATIVE is false"),
-                                        ({"CC": "/nonexistent/cc", "PATH": "/nonexistent"}, "no C compiler found")])
-def test_without_the_c_kernels_auto_runs_the_reference_and_says_why_once(env, reason):
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("env,reason,message", [
+    ({"ROTATIONZOO_NATIVE": "0"}, "ROTATIONZOO_NATIVE is false",
+     "rotationzoo: CPU decode attention runs the PyTorch reference (several times slower): ROTATIONZOO_NATIVE is false"),
+    ({"CC": "/nonexistent/cc", "PATH": "/nonexistent"}, "CC='/nonexistent/cc' does not exist",
+     "rotationzoo: the C kernels for CPUs are not used, the PyTorch reference runs instead (slower): "
+     "CC='/nonexistent/cc' does not exist; set CC to a C compiler (cc, gcc or clang) or unset it"),
+    ({"CC": "", "PATH": "/nonexistent"}, "no C compiler found",
+     "rotationzoo: the C kernels for CPUs are not used, the PyTorch reference runs instead (slower): "
+     "no C compiler found (install cc, gcc or clang, or set CC)"),
+])
+def test_without_the_c_kernels_auto_runs_the_reference_and_says_why_once(env, reason, message):
     run_env = dict(os.environ, **env)
     proc = subprocess.run([sys.executable, "-c", _FALLBACK], capture_output=True, text=True, env=run_env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert f"REASON {reason}" in proc.stdout
-    assert "WARNINGS 1 rotationzoo: CPU decode attention runs the PyTorch reference" in proc.stdout
+    assert f"WARNINGS 1 {message}\n" in proc.stdout, proc.stdout

@@ -8,6 +8,7 @@ import importlib.util
 import torch
 
 from ..errors import BackendUnavailableError, KernelInputError
+from .native import fork_guard
 
 _TRITON_IMPORT_ERROR: list[BaseException | None] = []
 
@@ -28,7 +29,8 @@ def pick_backend(backend: str, device: torch.device) -> str:
     """``"torch"`` or ``"triton"`` for ``backend`` (``"auto"``, ``"torch"`` or ``"triton"``) on ``device``.
 
     ``"auto"`` is triton for CUDA tensors when triton imports, torch otherwise; ``"triton"`` needs
-    CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``.
+    CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``. In a forked process, the first call
+    for CPU tensors runs :func:`~rotationzoo.kernels.native.fork_guard` (torch to one thread).
 
     Raises:
         KernelInputError: an unknown backend name.
@@ -36,6 +38,8 @@ def pick_backend(backend: str, device: torch.device) -> str:
     """
     if backend not in ("auto", "torch", "triton"):
         raise KernelInputError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    if device.type == "cpu":
+        fork_guard()
     if backend == "torch":
         return "torch"
     if backend == "auto":

@@ -158,11 +158,19 @@ static void run_item(job_t *j, int64_t item, float *scores, float *row) {
 }
 
 /* Runs the work items on the OpenMP threads of the process (torch's own pool when torch loaded
- * libgomp first, so the two never compete for cores). Returns 1 when a tile buffer could not be
- * allocated. */
+ * libgomp first, so the two never compete for cores); with one thread no parallel region is
+ * entered at all, so a process forked after its parent used the OpenMP pool can still call it.
+ * Returns 1 when a tile buffer could not be allocated. */
 static int run_all(job_t *j, int threads) {
     const int64_t items = j->b * j->h * j->splits;
     int error = 0;
+    if (threads <= 1) {
+        float *scores = (float *)malloc((size_t)(j->rows * TILE + MAX_D) * sizeof(float));
+        if (scores == NULL) return 1;
+        for (int64_t item = 0; item < items; item++) run_item(j, item, scores, scores + j->rows * TILE);
+        free(scores);
+        return 0;
+    }
 #pragma omp parallel num_threads(threads) reduction(| : error)
     {
         float *scores = (float *)malloc((size_t)(j->rows * TILE + MAX_D) * sizeof(float));
