@@ -29,6 +29,19 @@ from .decode_plan import reference_tile_tokens
 
 _NEG_INF = float("-inf")
 
+MAX_DEQUANT = 2.0 ** 64
+"""Decode attention's domain for INT2 rows: a row with a group whose scale or zero is not finite, or
+whose ``|s| · max(|z|, |3 − z|)`` (the largest magnitude it dequantizes to) exceeds this, is read as
+NaN by every backend (the same fp32 test), so an overflow never depends on a backend's summation
+order. The quantizer writes such rows only for non-finite inputs (NaN scales) or inputs past 2^64."""
+
+
+def flagged_scales(sz: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, z)`` of fp32 ``sz [..., 2·groups]``; every scale of a row outside :data:`MAX_DEQUANT` is NaN."""
+    s, z = sz[..., 0::2], sz[..., 1::2]
+    bound = s.abs() * torch.maximum(z.abs(), (3.0 - z).abs())
+    return s.masked_fill(~(bound <= MAX_DEQUANT).all(dim=-1, keepdim=True), float("nan")), z
+
 
 @functools.lru_cache(maxsize=8)
 def _byte_codes(device: torch.device) -> torch.Tensor:
@@ -134,8 +147,7 @@ def _int2(state: _Softmax, q: torch.Tensor, keys: tuple[torch.Tensor, torch.Tens
     _, vonehot = _byte_order(d, vgroups, q.device)
     for a in range(0, kc.shape[2], tile):
         n = min(tile, kc.shape[2] - a)
-        ks = ksz[:, :, a:a + n].to(torch.float32)
-        s, z = ks[..., 0::2], ks[..., 1::2]  # [B, H, n, groups]
+        s, z = flagged_scales(ksz[:, :, a:a + n].to(torch.float32))  # [B, H, n, groups]
         raw = qk @ unpack_tile(kc[:, :, a:a + n]).transpose(-1, -2)  # [B, H, rows·groups, n]
         if groups == 1:  # s·(q·c − z·Σq)
             scores = raw.sub_(qsum * z[..., 0][:, :, None, :]).mul_(s[..., 0][:, :, None, :])
@@ -144,8 +156,7 @@ def _int2(state: _Softmax, q: torch.Tensor, keys: tuple[torch.Tensor, torch.Tens
             scores = (raw * s.transpose(-1, -2)[:, :, None]).sum(dim=-2) - qsum @ (s * z).transpose(-1, -2)
         pos = torch.arange(first + a, first + a + n, device=q.device)
         p, alpha = state.fold(_mask(scores, pos, limit))
-        vs = vsz[:, :, a:a + n].to(torch.float32)
-        sv, zv = vs[..., 0::2], vs[..., 1::2]
+        sv, zv = flagged_scales(vsz[:, :, a:a + n].to(torch.float32))
         cv = unpack_tile(vc[:, :, a:a + n])  # [B, H, n, d] byte order
         if vgroups == 1:  # Σ (p s) c − Σ p s z
             w = p * sv[..., 0][:, :, None, :]
@@ -201,4 +212,4 @@ def decode_attention_torch(
     return out.reshape(b, hq, s, d).to(dtype)
 
 
-__all__ = ["decode_attention_torch", "rotate_output", "rotate_queries", "unpack_tile"]
+__all__ = ["MAX_DEQUANT", "decode_attention_torch", "flagged_scales", "rotate_output", "rotate_queries", "unpack_tile"]

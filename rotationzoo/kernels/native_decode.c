@@ -9,8 +9,11 @@
  * folded into an fp32 online softmax; the ranges are merged by their log-sum-exp. Nothing but one
  * tile of scores per thread is ever materialized. Ranges run on `threads` OpenMP threads.
  *
- * A NaN score (the kernels' flag for a non-finite stored row) makes its query row NaN, as
- * dequantize-then-attend would.
+ * An INT2 row is read as NaN when any of its groups has a scale or zero that is not finite or that
+ * could dequantize past MAX_DEQUANT (|s| * max(|z|, |3 - z|) > 2^64, the same test as the
+ * reference's, in the same fp32 operations): a NaN score (the quantizer flags a non-finite input row
+ * with NaN scales) makes its query row NaN, and a NaN value row every query row of its head, as in
+ * the PyTorch reference and the Triton kernel.
  */
 #include <math.h>
 #include <stdint.h>
@@ -19,6 +22,7 @@
 
 #define TILE 64
 #define MAX_D 256
+#define MAX_DEQUANT 0x1p64f /* decode_reference.MAX_DEQUANT */
 
 typedef struct {
     const void *p;    /* first element */
@@ -65,6 +69,15 @@ static inline __attribute__((always_inline)) void int2_row(const job_t *j, int s
     const uint8_t *bytes = (const uint8_t *)c->p + bi * c->sb + hi * c->sh + idx * c->st;
     const float *sz = (const float *)z->p + bi * z->sb + hi * z->sh + idx * z->st;
     const int64_t quarter = d / 4, g = d / j->groups[side];
+    int bad = 0;
+    for (int k = 0; k < j->groups[side]; k++) {
+        const float za = fabsf(sz[2 * k + 1]), zb = fabsf(3.0f - sz[2 * k + 1]);
+        bad |= !(fabsf(sz[2 * k]) * (za > zb ? za : zb) <= MAX_DEQUANT);
+    }
+    if (bad) {
+        for (int64_t i = 0; i < d; i++) out[i] = NAN;
+        return;
+    }
     for (int a = 0; a < 4; a++) {
         const int shift = 2 * a;
         float *dst = out + a * quarter;

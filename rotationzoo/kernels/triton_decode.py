@@ -125,6 +125,7 @@ def _decode_split_kernel(
                 scores += _k_quarter(qk1, qs1, kb, kz_rows, tm, 1, Q, GK, NQK, MP, BN, SPLIT_DOT)
                 scores += _k_quarter(qk2, qs2, kb, kz_rows, tm, 2, Q, GK, NQK, MP, BN, SPLIT_DOT)
                 scores += _k_quarter(qk3, qs3, kb, kz_rows, tm, 3, Q, GK, NQK, MP, BN, SPLIT_DOT)
+            scores = tl.where(_rows_ok(kz_rows, tm, D // GK)[None, :], scores, float("nan"))  # outside the domain
             ok = tm[None, :]
             if CAUSAL:
                 ok = ok & ((n_sink + t)[None, :] <= limit[:, None])
@@ -137,6 +138,7 @@ def _decode_split_kernel(
             m_i = m_new
             vb = tl.load(vc_ptr + vc_base + t64[:, None] * svc_t + jq[None, :], mask=tm[:, None], other=0).to(tl.int16)
             vz_rows = vz_ptr + vz_base + t64[None, :] * svz_t
+            p = tl.where(_rows_ok(vz_rows, tm, D // GV)[None, :], p, float("nan"))  # every dim NaN
             if GV == D:  # Σ (p·s) c − Σ p·s·z, the same weights for every quarter
                 w = p * tl.load(vz_rows, mask=tm[None, :], other=0.0).to(tl.float32)
                 wz = tl.reduce(w * tl.load(vz_rows + 1, mask=tm[None, :], other=0.0).to(tl.float32), 1, _SUM_FN)
@@ -276,6 +278,16 @@ def _v_quarter(acc, zacc, p, alpha, vb, sz_rows, tm, A: tl.constexpr, Q: tl.cons
 
 
 @triton.jit
+def _rows_ok(sz_rows, tm, NG: tl.constexpr):
+    """``[BN]``: each group of the token has ``|s|·max(|z|, |3 − z|) ≤ 2^64`` (decode_reference.MAX_DEQUANT)."""
+    g = tl.arange(0, NG)
+    s = tl.load(sz_rows + (2 * g)[:, None], mask=tm[None, :], other=0.0).to(tl.float32)
+    z = tl.load(sz_rows + (2 * g + 1)[:, None], mask=tm[None, :], other=0.0).to(tl.float32)
+    ok = tl.abs(s) * tl.maximum(tl.abs(z), tl.abs(3.0 - z)) <= 18446744073709551616.0
+    return tl.min(ok.to(tl.int32), 0) > 0
+
+
+@triton.jit
 def _code_quarter(bytes16, SHIFT: tl.constexpr, SPLIT_DOT: tl.constexpr):
     """Codes at bits ``SHIFT, SHIFT+1`` of ``[BN, Q]`` int16 code bytes (one quarter of the dims): bf16
     compiled, fp32 interpreted.
@@ -366,8 +378,8 @@ def _dot_fw(a, w, SPLIT_DOT: tl.constexpr, HP_KIND: tl.constexpr):
 
 # --- build (per Triton mode) --------------------------------------------------------------------
 
-_HELPERS = ("_query_quarter", "_k_quarter", "_v_quarter", "_code_quarter", "_window_quarter", "_store_quarter",
-            "_dot_ff", "_dot_fc", "_dot_fw")
+_HELPERS = ("_query_quarter", "_k_quarter", "_v_quarter", "_rows_ok", "_code_quarter", "_window_quarter",
+            "_store_quarter", "_dot_ff", "_dot_fc", "_dot_fw")
 
 
 def _copies(namespace: dict, wrap, aot: bool = False) -> types.SimpleNamespace:
