@@ -12,7 +12,8 @@ Accessors are functions (not import-time constants) so tests and long-lived proc
 ``ROTATIONZOO_MIN_RATE``      bytes per second a download's body must keep up with: a body of
                               S bytes ends within TIMEOUT + S / MIN_RATE seconds (default 32768;
                               0: no rate rule, only the silent-read timeout)
-``ROTATIONZOO_RETRIES``       extra attempts of a source after a 5xx or a timeout (default 2)
+``ROTATIONZOO_RETRIES``       extra attempts of a source after a 5xx, a dropped connection (on
+                              the pre-flight or the download) or a silent pre-flight (default 2)
 ``ROTATIONZOO_PINS``          the file of sha256 pinned on first use (default: user config dir)
 ``ROTATIONZOO_ALLOW_HTTP_LOOPBACK``  ``1``: accept ``http://`` URLs to a loopback host (tests)
 ``ROTATIONZOO_DEBUG``         ``1``: the CLI prints tracebacks (as ``--debug``)
@@ -137,7 +138,8 @@ def min_rate() -> float:
 
 
 def retries() -> int:
-    """Extra attempts of one source after a 5xx or a timeout: ``ROTATIONZOO_RETRIES`` (default 2)."""
+    """Extra attempts of one source after a 5xx / 408 / 429 or a dropped connection (on any request of a
+    download) or a silent pre-flight: ``ROTATIONZOO_RETRIES`` (default 2)."""
     return int(_number("ROTATIONZOO_RETRIES", 2, int))
 
 

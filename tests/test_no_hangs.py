@@ -172,6 +172,24 @@ def test_a_pin_file_that_is_not_a_regular_file_fails_fetch_at_once(zoo, capsys, 
     assert pins in err and "not a regular file" in err and "ROTATIONZOO_PINS" in err
 
 
+def test_pins_in_proc_fail_the_cli_in_well_under_five_seconds(zoo, monkeypatch) -> None:
+    """``ROTATIONZOO_PINS=/proc/version rotationzoo fetch …``, interpreter start included: the pin file
+    is checked before anything is downloaded or validated."""
+    import subprocess
+    import sys
+
+    if not Path("/proc/version").exists():
+        pytest.skip("no /proc here")
+    zoo.write_registry(pinned=False)
+    env = {**os.environ, "ROTATIONZOO_PINS": "/proc/version"}
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "rotationzoo.cli.main", "fetch", MODEL], capture_output=True,
+                       text=True, timeout=60, env=env)
+    assert time.monotonic() - t0 < FAST
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "/proc/version: a /proc pseudo-file, not a regular file" in r.stderr
+
+
 @pytest.mark.parametrize("where", ["folder", "proc"])
 def test_a_pin_lock_that_cannot_be_created_fails_at_once(zoo, monkeypatch, tmp_path, where) -> None:
     """The pin file reads as absent but its lock cannot be created (a folder in its place, or a pin
@@ -343,3 +361,14 @@ def test_a_proc_file_as_a_text_is_refused_by_type() -> None:
 
     with pytest.raises(ConfigError, match="/proc pseudo-file"):
         check_text_files(["/proc/version"], option="--text")
+
+
+def test_a_proc_file_in_a_dump_is_refused_by_type() -> None:
+    from rotationzoo.errors import DumpError
+    from rotationzoo.fit.dump_schema import check_regular, open_regular
+
+    if not Path("/proc/version").exists():
+        pytest.skip("no /proc here")
+    for check in (check_regular, open_regular):
+        with pytest.raises(DumpError, match=r"not a regular file \(a /proc pseudo-file\)"):
+            check(Path("layer_0/k/0.pt"), "/proc/version")

@@ -38,6 +38,7 @@ from .._inspect import (
     safe_repr,
 )
 from ..errors import DumpError, RotationFileError
+from ..safefile import file_kind, pseudo_file
 from ..kernels.layout import MIN_GROUP_SIZE
 
 #: Tensor kinds of a dump, in the order they are written.
@@ -193,24 +194,22 @@ def scan_dir(folder: Path, real: str, max_entries: int) -> list[str]:
     return names
 
 
+def _refuse_irregular(path: Path, real: str, st: os.stat_result) -> os.stat_result:
+    kind = file_kind(st.st_mode) if not stat.S_ISREG(st.st_mode) else pseudo_file(real, st)
+    if kind is not None:
+        raise DumpError(f"{path}: not a regular file ({kind}); a dump holds only files written by torch.save "
+                        "(refused without reading it)")
+    return st
+
+
 def check_regular(path: Path, real: str) -> os.stat_result:
-    """``os.stat`` of a file that must be a regular file (never opened if it is not)."""
+    """``os.stat`` of a file that must be a regular file outside ``/proc``, ``/sys`` and ``/dev``
+    (never opened if it is not)."""
     try:
         st = os.stat(real)
     except OSError as exc:
         raise DumpError(f"{path}: cannot open ({exc_line(exc)})") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise DumpError(f"{path}: not a regular file ({_file_kind(st.st_mode)}); a dump holds only files written "
-                        "by torch.save (refused without reading it)")
-    return st
-
-
-def _file_kind(mode: int) -> str:
-    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")):
-        if test(mode):
-            return name
-    return "not a plain file"
+    return _refuse_irregular(path, real, st)
 
 
 def open_regular(path: Path, real: str) -> tuple[IO[bytes], os.stat_result]:
@@ -221,10 +220,7 @@ def open_regular(path: Path, real: str) -> tuple[IO[bytes], os.stat_result]:
     except OSError as exc:
         raise DumpError(f"{path}: cannot open ({exc_line(exc)})") from None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise DumpError(f"{path}: not a regular file ({_file_kind(st.st_mode)}); a dump holds only files "
-                            "written by torch.save (refused without reading it)")
+        st = _refuse_irregular(path, real, os.fstat(fd))
         return os.fdopen(fd, "rb"), st
     except BaseException:
         os.close(fd)

@@ -458,6 +458,8 @@ def fetch_entry(
             check_revision(revision, "--revision")
         except RegistryError as exc:
             raise ConfigError(str(exc)) from None
+    if any(f.sha256 is None for f in entry.files.values()):
+        pins.read_pins()  # an unusable pin file fails here, before any download or validation
     out = EntryFiles(entry, {} if force or accept_new else _warm_files(entry, root, source, revision))
     missing = [s for s in SIDES if s not in out.files]
     if not missing:

@@ -72,7 +72,7 @@ def _read_text(path: Path) -> str | None:
     (a FIFO, a device or a ``/proc`` file is refused by its type, without blocking)."""
     try:
         st = check_regular(path, what="pin file", error=ConfigError, hint=_HINT)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # absent (writing it will say why it cannot be)
         return None
     except OSError as exc:
         raise _bad(path, f"cannot read the pin file ({exc.strerror or exc})") from None
