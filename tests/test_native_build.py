@@ -50,6 +50,7 @@ print(json.dumps({
     "seconds": seconds,
     "warnings": [str(w.message) for w in seen],
     "categories": [w.category.__name__ for w in seen],
+    "files": [w.filename for w in seen],
     "decode": native.native_available("decode"),
     "quantize": native.native_available("quantize"),
     "reason": native.native_unavailable_reason("decode"),
@@ -119,6 +120,7 @@ def test_an_unusable_cc_is_named_once_and_the_reference_runs(tmp_path, kind):
     assert not report["decode"] and not report["quantize"]
     assert len(report["warnings"]) == 1, report["warnings"]
     assert f"CC={cc!r} {why}; set CC to a C compiler" in report["warnings"][0]
+    assert report["files"] == ["<string>"]  # attributed to the caller, not to rotationzoo
     assert report["reason"].startswith(f"CC={cc!r} {why}")
 
 

@@ -34,6 +34,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -207,11 +208,22 @@ def _compile(cc: str, name: str) -> ctypes.CDLL:
         shutil.rmtree(work, ignore_errors=True)  # a loaded library stays mapped
 
 
-def _warn_once(key: str, message: str, stacklevel: int = 5) -> None:
-    """One warning per cause and process (``stacklevel`` counted from the caller of this function)."""
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _warn(message: str) -> None:
+    """A :class:`NativeKernelWarning` attributed to the first caller outside rotationzoo."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, NativeKernelWarning, stacklevel=level + 1)
+
+
+def _warn_once(key: str, message: str) -> None:
+    """One warning per cause and process."""
     if key not in _WARNED:
         _WARNED.add(key)
-        warnings.warn(message, NativeKernelWarning, stacklevel=stacklevel + 1)
+        _warn(message)
 
 
 def _build(name: str) -> ctypes.CDLL | str:
@@ -263,7 +275,7 @@ def warn_unavailable_once() -> None:
     reason = native_unavailable_reason("decode")
     if reason is not None:
         _warn_once(reason, f"rotationzoo: CPU decode attention runs the PyTorch reference (several times slower): "
-                           f"{reason}", stacklevel=3)
+                           f"{reason}")
 
 
 def _after_fork_in_child() -> None:
@@ -286,10 +298,9 @@ def fork_guard() -> None:
     threads = torch.get_num_threads()
     if threads > 1:
         torch.set_num_threads(1)
-        warnings.warn(f"rotationzoo: in a forked process torch's OpenMP threads hang once the parent has used them, "
-                      f"so torch and the INT2 kernels run on 1 thread here instead of {threads}; start workers "
-                      f"with the 'spawn' or 'forkserver' method to keep every thread", NativeKernelWarning,
-                      stacklevel=4)  # fork_guard ← pick_backend ← the kernel ← its caller
+        _warn(f"rotationzoo: in a forked process torch's OpenMP threads hang once the parent has used them, so "
+              f"torch and the INT2 kernels run on 1 thread here instead of {threads}; start workers with the "
+              f"'spawn' or 'forkserver' method to keep every thread")
 
 
 def quantize_native_supported(x: torch.Tensor, *, rotation: torch.Tensor | None, lloyd_max: bool,
