@@ -15,6 +15,7 @@ from .hashing import read_hashed
 from .headdims import HeadDims
 from .pairfile import file_kind, read_pair_file
 from .registry import SIDES
+from .safefile import read_regular
 from .validation import DEFAULT_ATOL, ValidationReport, pair_disagreement, validate, verify_file
 
 #: Suffixes of single-side rotation files.
@@ -36,10 +37,17 @@ def infer_side(path: Path | None, objective: str | None) -> str | None:
     return None
 
 
+#: Largest fit manifest read beside a pair.
+MAX_MANIFEST_BYTES = 4 << 20
+
+
 def _manifest(d: Path) -> dict[str, Any]:
+    """The fit manifest of a folder, or ``{}`` when absent, unreadable or not a regular file (a FIFO in
+    its place is never opened: see :func:`~rotationzoo.safefile.read_regular`)."""
     try:
-        data = json.loads((d / MANIFEST_NAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        raw = read_regular(d / MANIFEST_NAME, MAX_MANIFEST_BYTES, what="manifest", error=PairError)
+        data = json.loads(raw.decode("utf-8"))
+    except (OSError, ValueError, RecursionError):
         return {}
     return data if isinstance(data, dict) else {}
 

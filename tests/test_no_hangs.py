@@ -372,3 +372,19 @@ def test_a_proc_file_in_a_dump_is_refused_by_type() -> None:
     for check in (check_regular, open_regular):
         with pytest.raises(DumpError, match=r"not a regular file \(a /proc pseudo-file\)"):
             check(Path("layer_0/k/0.pt"), "/proc/version")
+
+
+def test_a_fifo_as_the_manifest_of_a_pair_folder_never_blocks_load(tmp_path) -> None:
+    import torch
+    from helpers import random_orthogonal
+
+    from rotationzoo import RotationSet, write_rotation
+    from rotationzoo.fit.output import MANIFEST_NAME
+
+    for side, obj, seed in (("k", "qqt_r_h_pbr", 1), ("v", "sst_r_h_pbr", 2)):
+        write_rotation(tmp_path / "pair" / f"{side}_rotation_{obj}.pt",
+                       RotationSet(random_orthogonal(2, 16, seed), range(2), obj, torch.rand(2, 16)))
+    os.mkfifo(tmp_path / "pair" / MANIFEST_NAME)
+    t0 = time.monotonic()
+    pair = rotationzoo.load(tmp_path / "pair")
+    assert time.monotonic() - t0 < FAST and pair.layer_ids == (0, 1)
