@@ -19,13 +19,7 @@ import torch
 from ...errors import EvaluationError
 from .common import base_attention, base_implementation, register_attention, require_transformers, switch_attention
 from .cache import cache_classes
-from .oscar import OSCAR_TAG, OscarKV, fake_quantize
-
-#: Prefix of the attention implementations registered for the OSCAR path.
-OSCAR_IMPL_PREFIX = "rotationzoo_oscar"
-_ACTIVE_OSCAR: contextvars.ContextVar["OscarSession | None"] = contextvars.ContextVar(
-    "rotationzoo_active_oscar", default=None
-)
+from .oscar import ACTIVE_SESSION, OSCAR_IMPL_PREFIX, OSCAR_TAG, OscarKV, fake_quantize
 
 
 class _LayerErrors:
@@ -393,7 +387,7 @@ def oscar_attention_name(base: str = "sdpa") -> str:
             out, weights = base_attention(module, base)(module, q, key.to(query.dtype), value.to(query.dtype),
                                                         attention_mask, **kwargs)
             return layer.transform.output(out.transpose(1, 2)).transpose(1, 2), weights
-        session = _ACTIVE_OSCAR.get()
+        session = ACTIVE_SESSION.get()
         if session is None:
             return base_attention(module, base)(module, query, key, value, attention_mask, **kwargs)
         return _simulate(session, module, query, key, value, attention_mask, kwargs.get("scaling")), None
@@ -431,17 +425,17 @@ class oscar_kv:  # noqa: N801 - used as a context manager, like a function
         self._token: contextvars.Token | None = None
 
     def __enter__(self) -> OscarSession:
-        if _ACTIVE_OSCAR.get() is not None:
+        if ACTIVE_SESSION.get() is not None:
             raise EvaluationError("an OSCAR KV context is already active")
         model = self.session.model
         self._prev = getattr(model.config, "_attn_implementation", None) or "sdpa"
         switch_attention(model, oscar_attention_name(base_implementation(model, OSCAR_IMPL_PREFIX)))
-        self._token = _ACTIVE_OSCAR.set(self.session)
+        self._token = ACTIVE_SESSION.set(self.session)
         return self.session
 
     def __exit__(self, *exc: Any) -> None:
         if self._token is not None:
-            _ACTIVE_OSCAR.reset(self._token)
+            ACTIVE_SESSION.reset(self._token)
             self._token = None
         if self._prev is not None:
             switch_attention(self.session.model, self._prev)

@@ -15,10 +15,15 @@ from ...errors import EvaluationError
 from ...kernels import Int2KV, decode_attention_int2
 from ...kernels.decode_plan import DECODE_MAX_QUERIES
 from .common import require_transformers
-from .oscar import OSCAR_TAG, LayerTransform, OscarKV, dequantize_rows, quantize_rows
+from .oscar import ACTIVE_SESSION, OSCAR_IMPL_PREFIX, OSCAR_TAG, LayerTransform, OscarKV, dequantize_rows, quantize_rows
 
 INT2_GROWTH_TOKENS = 256
 """Fewest tokens of room added when an INT2 buffer of the cache is full (it grows by an eighth)."""
+
+CROP_TOKENS = 128
+"""Most rows demoted to INT2 by the last forward that the cache keeps in ``hp_dtype`` as well, so that
+:meth:`crop` can undo that forward's tokens exactly (assisted and prompt-lookup decoding verify a few
+drafted tokens, then drop the rejected ones)."""
 
 
 _INT2_NAMES = ("codes_k", "sz_k", "codes_v", "sz_v")
@@ -42,7 +47,7 @@ class _LayerBody:
     """
 
     is_compileable = False
-    is_croppable = False
+    is_croppable = True  # the last forward's tokens, exactly (crop)
     is_sliding = False
     supports_early_init = False
 
@@ -67,6 +72,11 @@ class _LayerBody:
         self.pending: tuple[Int2KV, Int2KV] | None = None
         self.cumulative_length = 0
         self.consumed = True
+        # what the last forward did, so that crop() can undo it: its token count, and the rows it demoted to
+        # INT2 (at most CROP_TOKENS, the newest) kept in hp_dtype as well
+        self._last_tokens = 0
+        self._demoted: dict[str, torch.Tensor | None] = {"k": None, "v": None}
+        self._demoted_count = {"k": 0, "v": 0}
 
     # the INT2 tier: views of the first tokens of the buffers
     def _int2_view(self, name: str) -> torch.Tensor | None:
@@ -85,6 +95,8 @@ class _LayerBody:
         b, h, _, d = key_states.shape
         dv = value_states.shape[-1]
         self.transform = self.oscar.layer(self.layer_idx, self.device)
+        self.transform.keys(key_states[:, :, :0], wdt)  # one line if the rotations do not fit, before anything is kept
+        self.transform.values(value_states[:, :, :0], wdt)
         self.r_k, self.r_v = self.transform.r_k, self.transform.r_v
         empty = lambda n: key_states.new_zeros((b, h, 0, n), dtype=wdt)  # noqa: E731
         self.sink_k, self.recent_k = empty(d), empty(d)
@@ -142,6 +154,7 @@ class _LayerBody:
         recent = torch.cat([getattr(self, f"recent_{side}"), x[:, :, take:]], dim=2)
         view = Int2KV(sink, getattr(self, f"codes_{side}"), getattr(self, f"sz_{side}"), recent)
         extra = recent.shape[2] - cfg.recent_tokens
+        self._demoted[side], self._demoted_count[side] = None, max(extra, 0)
         if extra > 0:
             old, recent = recent[:, :, :extra], recent[:, :, extra:]
             if o.quantize_k if side == "k" else o.quantize_v:
@@ -149,20 +162,33 @@ class _LayerBody:
             else:  # not quantized: keep the rows in the codes slot
                 c, s = old, old.new_zeros(old.shape[:-1] + (0,))
             self._append_int2(side, c, s)
+            self._demoted[side] = old[:, :, -CROP_TOKENS:].clone()
         setattr(self, f"recent_{side}", recent.contiguous())
         return view
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+        session = ACTIVE_SESSION.get()
+        impl = getattr(getattr(getattr(session, "model", None), "config", None), "_attn_implementation", None)
+        if session is None or not str(impl).startswith(OSCAR_IMPL_PREFIX):  # the plain attention would read
+            raise EvaluationError(                                            # rotated keys: no logits at all
+                "OscarInt2Cache used outside oscar_kv(model, ...): its keys are stored rotated and only the OSCAR "
+                "attention reads them; run the forward inside `with oscar_kv(model, oscar) as kv:`")
         if not self.consumed:
             raise EvaluationError(
                 "OscarInt2Cache returned rotated keys that were not read by the OSCAR attention: run the model "
                 "inside rotationzoo.integrations.transformers.oscar_kv(model, ...)"
             )
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        else:
+            held = self.sink_k.shape if self.sink_k is not None else key_states.shape
+            if key_states.shape[:2] != held[:2] or key_states.shape[-1] != held[-1]:
+                raise EvaluationError(f"layer {self.layer_idx}: keys {list(key_states.shape)} do not continue the "
+                                      f"cached [batch, KV heads, tokens, head_dim] = {list(held)}; call cache.reset() "
+                                      f"before another prompt batch")
         wdt = self.oscar.hp_dtype
-        kr = self.transform.keys(key_states, wdt)
+        kr = self.transform.keys(key_states, wdt)  # one line when the rotations do not fit the model
         vr = self.transform.values(value_states, wdt)
         if key_states.shape[2] <= DECODE_MAX_QUERIES and self.oscar.quantize_k and self.oscar.quantize_v:
             self.pending = (self._store("k", kr), self._store("v", vr))
@@ -174,6 +200,7 @@ class _LayerBody:
             self._store("k", kr)
             self._store("v", vr)
         self.cumulative_length += key_states.shape[2]
+        self._last_tokens = int(key_states.shape[2])
         setattr(keys, OSCAR_TAG, self)
         self.consumed = False
         return keys, values
@@ -214,8 +241,55 @@ class _LayerBody:
         self._clear()
         self.is_initialized = False
 
+    @property
+    def batch_size(self) -> int:
+        """Sequences held (raises ``AttributeError`` before the first forward, as transformers expects)."""
+        if not self.is_initialized or self.sink_k is None:
+            raise AttributeError("batch_size")
+        return int(self.sink_k.shape[0])
+
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("OscarInt2Cache cannot be cropped (INT2 tokens cannot be restored)")
+        """Drop the last ``-tokens_to_remove`` tokens (transformers' convention: a negative count; ``0`` does
+        nothing), exactly as if they had never been added: at most the tokens of the last forward, whose
+        demoted rows the cache still holds in ``hp_dtype`` (up to :data:`CROP_TOKENS`).
+
+        Raises:
+            EvaluationError: a positive count (an absolute length), or more tokens than can be undone.
+        """
+        n = -int(tokens_to_remove)
+        if tokens_to_remove > 0:
+            raise EvaluationError(f"crop({tokens_to_remove}): give the number of tokens to remove as a negative "
+                                  f"count, as transformers' caches do")
+        if n == 0 or not self.is_initialized:
+            return
+        if n > self._last_tokens or any(min(n, c) > (0 if d is None else d.shape[2])
+                                        for c, d in ((self._demoted_count[s], self._demoted[s]) for s in "kv")):
+            raise EvaluationError(
+                f"OscarInt2Cache can undo only the tokens of its last forward ({self._last_tokens}) whose INT2 rows it "
+                f"still holds exactly (at most {CROP_TOKENS}); cannot remove {n}: INT2 tokens cannot be restored")
+        for side in "kv":
+            self._undo(side, n)
+        self.cumulative_length -= n
+        self._last_tokens -= n
+        self.pending = None
+
+    def _undo(self, side: str, n: int) -> None:
+        """Remove the newest ``n`` rows of ``side`` and move back the rows their arrival demoted."""
+        sink, recent = getattr(self, f"sink_{side}"), getattr(self, f"recent_{side}")
+        log = self._demoted[side]
+        back = min(n, self._demoted_count[side])  # INT2 rows that leave the tier: back into the window, or removed
+        if log is not None and back:
+            rows = torch.cat([log[:, :, log.shape[2] - back:], recent], dim=2)
+            self._demoted[side] = log[:, :, :log.shape[2] - back]
+        else:
+            rows = recent
+        keep = rows.shape[2] - n  # at most recent_tokens: back <= n
+        if keep < 0:  # the removed tokens reach into the sink (a sequence shorter than prefix_tokens)
+            setattr(self, f"sink_{side}", sink[:, :, :sink.shape[2] + keep].contiguous())
+            keep = 0
+        setattr(self, f"recent_{side}", rows[:, :, :keep].contiguous())
+        self._n_int2[side] -= back
+        self._demoted_count[side] -= back
 
     def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         for name in _WINDOW_NAMES:
@@ -226,6 +300,10 @@ class _LayerBody:
             t = self._int2_view(name)
             if t is not None:
                 self._buf[name] = fn(t)
+        for side in "kv":
+            log = self._demoted[side]
+            if log is not None:
+                self._demoted[side] = fn(log)
         self.pending = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -249,6 +327,8 @@ class _LayerBody:
     def _tensors(self, reserved: bool) -> list[torch.Tensor]:
         out = [getattr(self, n) for n in _WINDOW_NAMES]
         out += [self._buf[n] if reserved else self._int2_view(n) for n in _INT2_NAMES]
+        if reserved:  # the last forward's demoted rows, kept for crop()
+            out += [self._demoted["k"], self._demoted["v"]]
         return [t for t in out if t is not None]
 
     def nbytes(self) -> int:
@@ -256,7 +336,8 @@ class _LayerBody:
         return sum(t.numel() * t.element_size() for t in self._tensors(False))
 
     def reserved_bytes(self) -> int:
-        """Bytes allocated, including the INT2 buffers' room for tokens not demoted yet."""
+        """Bytes allocated, including the INT2 buffers' room for tokens not demoted yet and the last forward's
+        demoted rows kept for :meth:`crop`."""
         return sum(t.numel() * t.element_size() for t in self._tensors(True))
 
     def stored_tokens(self) -> dict[str, int]:

@@ -13,6 +13,7 @@ attention (softmax ignores a constant added to every score of a query), and so i
 
 from __future__ import annotations
 
+import contextvars
 import functools
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -22,10 +23,16 @@ import torch
 from ...errors import EvaluationError
 from ...int2kv import Int2KVConfig
 from ...kernels import dequantize_int2, fake_quantize_int2, quantize_int2
+from ...validation import DEFAULT_ATOL, DEFAULT_INVERSE_ATOL, inverse_errors, measure_matrices
 
 #: Attribute set on the key tensor an ``OscarInt2Cache`` layer returns (its layer object).
 OSCAR_TAG = "_rotationzoo_oscar_layer"
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+#: Prefix of the attention implementations registered for the OSCAR path.
+OSCAR_IMPL_PREFIX = "rotationzoo_oscar"
+#: The ``OscarSession`` of the ``oscar_kv`` block being run (``None`` outside one): the OSCAR attention
+#: reads it, and the INT2 cache refuses to store keys outside one.
+ACTIVE_SESSION: contextvars.ContextVar[Any] = contextvars.ContextVar("rotationzoo_active_oscar", default=None)
 
 
 class OscarKV:
@@ -82,6 +89,7 @@ class OscarKV:
         else:
             ids = tuple(range(next(iter(sizes)))) if sizes else ()
         f32 = (lambda t: t.float() if t is not None else None)
+        _check_numerics(("k", k_rotations, q_rotations, k_mean), ("v", v_rotations, o_rotations, v_mean), layer_ids=ids)
         self.k_rotations, self.v_rotations = f32(k_rotations), f32(v_rotations)
         self.q_rotations, self.o_rotations = f32(q_rotations), f32(o_rotations)
         self.k_mean, self.v_mean = f32(k_mean), f32(v_mean)
@@ -155,6 +163,7 @@ class OscarKV:
     def layer(self, layer_id: int, device: torch.device | str = "cpu") -> "LayerTransform":
         """Everything layer ``layer_id`` applies: rotations, query / output transforms, means."""
         return LayerTransform(
+            layer_id=int(layer_id),
             r_k=self.rotation("k", layer_id, device), r_v=self.rotation("v", layer_id, device),
             q_rot=self._per_layer("q_rotation", self.q_rotations, layer_id, device),
             o_rot=self._per_layer("o_rotation", self.o_rotations, layer_id, device),
@@ -189,14 +198,40 @@ class LayerTransform:
     o_rot: torch.Tensor | None = None
     k_mean: torch.Tensor | None = None
     v_mean: torch.Tensor | None = None
+    layer_id: int | None = None
 
     def keys(self, k: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        """``(k − μ_K) @ R_K`` for ``k [B, H_kv, S, d]``."""
+        """``(k − μ_K) @ R_K`` for ``k [B, H_kv, S, d]``.
+
+        Raises:
+            EvaluationError: the rotations or the mean do not fit the keys (head_dim, KV heads).
+        """
+        self._fits(k, "K", self.r_k, self.k_mean)
         return rotate(k, self.r_k, out_dtype, mean=self.k_mean)
 
     def values(self, v: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        """``(v − μ_V) @ R_V``."""
+        """``(v − μ_V) @ R_V`` (raises :class:`EvaluationError` as :meth:`keys` does)."""
+        self._fits(v, "V", self.r_v, self.v_mean)
         return rotate(v, self.r_v, out_dtype, mean=self.v_mean)
+
+    def _fits(self, x: torch.Tensor, side: str, r: torch.Tensor | None, mean: torch.Tensor | None) -> None:
+        """One line when ``x [B, H_kv, S, d]`` is not what this layer's rotation / mean were made for."""
+        if x.dim() != 4:
+            raise EvaluationError(f"the OSCAR path expects {side} as [batch, KV heads, tokens, head_dim], got "
+                                  f"{list(x.shape)}")
+        heads, d = int(x.shape[1]), int(x.shape[-1])
+        where = f"layer {self.layer_id}" if self.layer_id is not None else "this layer"
+        for what, t, vector in (("rotation", r, False), ("mean", mean, True)):
+            if t is None:
+                continue
+            td = int(t.shape[-1])
+            if td != d:
+                raise EvaluationError(f"{where}: the {side} {what} is for head_dim {td}, the model's {side} has head_dim "
+                                      f"{d}; use rotations made for this model")
+            per_head = t.dim() == (2 if vector else 3)
+            if per_head and int(t.shape[0]) != heads:
+                raise EvaluationError(f"{where}: {int(t.shape[0])} per-KV-head {side} {what}s, the model has {heads} KV "
+                                      f"heads; use rotations made for this model")
 
     @property
     def query_matrix(self) -> torch.Tensor | None:
@@ -226,6 +261,41 @@ class LayerTransform:
         if mean.dim() == 2:  # [H_kv, d] -> the query heads that read each KV head
             mean = _per_head(mean, out.shape[1])[:, None, :]
         return (out.float() + mean).to(out.dtype)
+
+
+def _check_numerics(*sides: tuple[str, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+                    layer_ids: Sequence[int]) -> None:
+    """The checks a rotation file gets (:mod:`rotationzoo.validation`), on tensors given directly: finite,
+    orthogonal within ``DEFAULT_ATOL`` (or, with an inverse companion, ``max|QᵀR − I|`` within
+    ``DEFAULT_INVERSE_ATOL``), finite means."""
+    for side, r, inverse, mean in sides:
+        if r is None:
+            continue
+        if not r.is_floating_point() or r.shape[-1] < 1:
+            raise EvaluationError(f"{side}_rotations must be a non-empty floating point tensor, got {r.dtype} "
+                                  f"{list(r.shape)}")
+        nonfinite, errors = measure_matrices(r)
+        mats = r.shape[:-2]
+        for label, bad in (("non-finite values (NaN or inf)", nonfinite > 0),
+                           (f"not orthogonal (max|RRᵀ−I| > {DEFAULT_ATOL:.0e})",
+                            (errors > DEFAULT_ATOL) if inverse is None else torch.zeros(mats, dtype=torch.bool))):
+            if bool(bad.any()):
+                first = bad.nonzero()[0].tolist()
+                lid = layer_ids[first[0]] if first[0] < len(layer_ids) else first[0]
+                head = f", KV head {first[1]}" if len(first) > 1 else ""
+                worst = f" = {float(errors[tuple(first)]):.3e}" if "orthogonal" in label else ""
+                raise EvaluationError(f"{side}_rotations: layer {lid}{head}: {label}{worst}; {int(bad.sum())} of "
+                                      f"{bad.numel()} matrices; give the rotations a file would hold "
+                                      f"(rotationzoo verify checks one)")
+        if inverse is not None:
+            if not bool(torch.isfinite(inverse).all()):
+                raise EvaluationError(f"the {side} inverse companion holds non-finite values (NaN or inf)")
+            inv = float(inverse_errors(r, inverse).max())
+            if not inv <= DEFAULT_INVERSE_ATOL:
+                raise EvaluationError(f"the {side} inverse companion is not the rotation's inverse transpose: "
+                                      f"max|QᵀR−I| = {inv:.3e} > {DEFAULT_INVERSE_ATOL:.0e}")
+        if mean is not None and not bool(torch.isfinite(mean).all()):
+            raise EvaluationError(f"{side}_mean holds non-finite values (NaN or inf)")
 
 
 def _per_head(r: torch.Tensor, heads: int) -> torch.Tensor:
