@@ -176,6 +176,9 @@ def _layer_fields(entry: Any, lid: int, name: str, limits: Limits) -> dict[str, 
                                 f"not a rotation file")
     else:
         raise RotationFileError(f"{name}: layer {lid}: expected a dict with a 'rotation' tensor")
+    if "rotation" not in fields:  # {"rotation": None, ...}
+        raise RotationFileError(f"{name}: layer {lid}: 'rotation' is {safe_repr(entry.get('rotation'))}; expected a "
+                                f"[d, d] or [H_kv, d, d] tensor")
     for key, t in fields.items():
         _check_tensor(t, key, lid, name, limits)
     return fields

@@ -78,23 +78,49 @@ def keep_rule(result: "FitResult", lm: Any, ids: list[int], tokens: Optional[int
 
 
 def keep_model_and_ids(keep_text: Optional[list[Path]], keep_model: Optional[str], keep_tokens: Optional[int],
-                       keep_context: Optional[int], bound: int) -> Optional[tuple[Any, list[int]]]:
-    """``(model, held-out ids)`` for ``fit --refine --keep-text``, checked, loaded and read up front."""
+                       keep_context: Optional[int], bound: int, fits: Any = None) -> Optional[tuple[Any, list[int]]]:
+    """``(model, held-out ids)`` for ``fit --refine --keep-text``, checked, loaded and read up front.
+
+    Before the weights load: the texts, the model file (a GGUF cut short), whether rotations of
+    ``fits`` (a dump's :class:`~rotationzoo.fit.dump.DumpShape` and layer ids, ``(shape, layer_ids)``)
+    fit the model, and the held-out text's token count (with the tokenizer alone).
+    """
     from ..errors import CLIError
 
     if not keep_text:
         return None
     from ..evaluate.inputs import check_texts, find_smollm2_gguf
-    from ..integrations.transformers import load_model
+    from ..integrations.transformers import load_model, load_tokenizer, peek_model
 
     texts = check_texts(keep_text, option="--keep-text")
     plan = keep_plan(keep_tokens, keep_context, bound)
     path = keep_model or find_smollm2_gguf()
     if path is None:
         raise CLIError("--keep-text needs --keep-model PATH (the SmolLM2 GGUF default is not installed)")
+    shape = peek_model(str(path), option="--keep-model")
+    if fits is not None:
+        _check_fits(fits, shape, str(path))
+    tokenizer = load_tokenizer(str(path))
+    ids = keep_ids(tokenizer, list(texts), plan)
     print_note(f"loading {path} for the keep rule")
-    lm, tokenizer = load_model(str(path), dtype="auto")
-    return lm, keep_ids(tokenizer, list(texts), plan)
+    lm, _ = load_model(str(path), dtype="auto", tokenizer=tokenizer)
+    return lm, ids
+
+
+def _check_fits(fits: Any, shape: Any, path: str) -> None:
+    """Refuse a --keep-model that the rotations fitted from the dump cannot run on (before it loads)."""
+    from ..errors import CLIError
+
+    dump_shape, layer_ids = fits
+    got = (dump_shape.head_dim, dump_shape.num_kv_heads)
+    if got != (shape.head_dim, shape.num_kv_heads):
+        raise CLIError(f"--keep-model {path} has head_dim {shape.head_dim} and {shape.num_kv_heads} KV heads; the dump "
+                       f"has head_dim {got[0]} and {got[1]} KV heads: judge with the model the dump was captured from")
+    missing = sorted(set(shape.layer_ids) - set(layer_ids))
+    if missing:
+        raise CLIError(f"--keep-model {path} has {len(shape.layer_ids)} layers; the dump lacks layers "
+                       f"{', '.join(map(str, missing[:8]))}{' ...' if len(missing) > 8 else ''}: judge with the "
+                       f"model the dump was captured from (or fit every layer)")
 
 
 def keep_calibrated(result: "FitResult", lm: Any, held_ids: Optional[list[int]], keep_tokens: Optional[int],

@@ -197,8 +197,8 @@ def eval_command(
 
       rotationzoo eval --model ./Qwen3-8B -r Qwen3-8B --text seq20000_prompt83_group128 --text a.txt --methods fp,hadamard,oscar,g32=rot-g32/ -g 32
     """
-    from ..evaluate import CopyProbe, EvalProtocol, check_texts, evaluate, tokenize_texts
-    from ..integrations.transformers import load_model
+    from ..evaluate import CopyProbe, EvalProtocol, check_evaluation, check_texts, evaluate, tokenize_texts
+    from ..integrations.transformers import load_model, load_tokenizer, peek_model
 
     texts = check_texts(text, option="--text", tokens=tokens)  # every text, before the model is loaded
     wanted = parse_methods(methods)
@@ -214,9 +214,15 @@ def eval_command(
                             error_windows=error_windows,
                             probe=CopyProbe(probe_tokens, probe_filler, probe_count) if probe == "copy" else None)
     model = _model_path(model)
-    print_note(f"loading {model} ({dtype}, {device}); INT2 KV: {config.label()}")  # stderr: what takes time
-    lm, tokenizer = load_model(model, dtype=dtype, device=device)
+    # everything that needs no weights, before the weights load: the model file (a GGUF cut short), the
+    # methods against the model's shape, the baseline, then the texts' token count
+    shape = peek_model(model, option="--model")
+    check_evaluation(specs, shape, config, protocol)
+    tokenizer = load_tokenizer(model)
     ids = tokenize_texts(tokenizer, texts, tokens=tokens, skip=skip)
+    check_evaluation(specs, shape, config, protocol, len(ids))
+    print_note(f"loading {model} ({dtype}, {device}); INT2 KV: {config.label()}")  # stderr: what takes time
+    lm, _ = load_model(model, dtype=dtype, device=device, tokenizer=tokenizer)
     with progress_reporter("eval") as progress:  # stderr: a bar on a terminal, else a few lines
         report = evaluate(lm, ids, specs, config, protocol, model_name=model, texts=[str(t) for t in texts],
                           progress=progress)

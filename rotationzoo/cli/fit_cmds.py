@@ -292,7 +292,8 @@ def fit_command(
         options = _refine_options(refine, init, seed, sample_tokens, loss, block_size, queries_per_block)
         opened = open_dump(dump, keep_first_chunk=keep_first_chunk, layers=layer_ids, tp_size=tp_size)
         # texts checked, model loaded, held-out tokens read: before the dump's activations are read
-        judge = keep_model_and_ids(keep_text, keep_model, keep_tokens, keep_context, opened.context() if keep_text else 0)
+        judge = keep_model_and_ids(keep_text, keep_model, keep_tokens, keep_context, opened.context() if keep_text else 0,
+                                   fits=(opened.shape(), opened.layer_ids) if keep_text else None)
         result = _refine_from_dump(opened, options, group_size, workers, grouping or "layer", min_tokens, center)
         if judge is not None:
             lm, held_ids = judge
@@ -399,7 +400,7 @@ def calibrate_command(
     from ..errors import CLIError
     from ..fit import write_fitted
     from ..fit.fitter import check_token_budget
-    from ..integrations.transformers import calibrate, check_text_files, load_model
+    from ..integrations.transformers import calibrate, check_text_files, load_model, load_tokenizer, peek_model
     from ..integrations.transformers.loading import model_provenance
 
     options = _refine_options(refine, init, seed, sample_tokens, loss, block_size, queries_per_block) if refine is not None else None
@@ -409,9 +410,11 @@ def calibrate_command(
     check_keep_knobs(keep_text, keep_tokens, keep_context, refine)
     held_out = list(check_text_files(keep_text, what="held-out text", option="--keep-text")) if keep_text else None
     plan = keep_plan(keep_tokens, keep_context, min(seq_len, tokens)) if held_out else None
+    peek_model(model, option="--model")  # a model file cut short fails here, before anything loads
+    tokenizer = load_tokenizer(model)
+    held_ids = keep_ids(tokenizer, held_out, plan) if held_out and plan else None  # a short text, before the weights
     print_note(f"loading {model} ({dtype}, {device})")
-    lm, tokenizer = load_model(model, dtype=dtype, device=device)
-    held_ids = keep_ids(tokenizer, held_out, plan) if held_out and plan else None
+    lm, _ = load_model(model, dtype=dtype, device=device, tokenizer=tokenizer)
     mid = model_id or Path(model).name
     with progress_reporter("calibrate") as progress:  # stderr: a bar on a terminal, else a few lines
         result = calibrate(

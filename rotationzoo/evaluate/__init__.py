@@ -48,7 +48,7 @@ from .protocol import (
     windows,
 )
 from .report import EvalReport, MethodResult, environment, results_table, summary_line
-from .run import Progress, evaluate
+from .run import Progress, check_evaluation, evaluate
 from .stats import PairedDifference, paired_difference
 
 __all__ = [
@@ -62,6 +62,7 @@ __all__ = [
     "MethodSpec",
     "PairedDifference",
     "Progress",
+    "check_evaluation",
     "check_int2_window",
     "check_texts",
     "environment",

@@ -57,7 +57,20 @@ def _runs(methods: Sequence[MethodSpec], protocol: EvalProtocol) -> list[Run]:
     return out
 
 
-def _check(methods: Sequence[MethodSpec], shape: ModelShape, config: Int2KVConfig, protocol: EvalProtocol) -> None:
+def check_evaluation(methods: Sequence[MethodSpec], shape: ModelShape, config: Int2KVConfig,
+                     protocol: EvalProtocol, tokens: int | None = None) -> int | None:
+    """Every refusal :func:`evaluate` would make, from the model's shape alone: call it before the model
+    loads (the shape from :func:`~rotationzoo.integrations.transformers.peek_model`), and again with
+    ``tokens`` once the texts are tokenized.
+
+    Returns:
+        The window length (``None`` without ``tokens``).
+
+    Raises:
+        EvaluationError: unnamed or duplicate methods, an unknown baseline, rotations that do not fit the
+            model, a group size the model's head_dim cannot run.
+        ConfigError: with ``tokens``, windows too short to quantize anything.
+    """
     names = [m.name for m in methods]
     if len(set(names)) != len(names):
         raise EvaluationError(f"method names must be unique, got {', '.join(names)}")
@@ -72,6 +85,12 @@ def _check(methods: Sequence[MethodSpec], shape: ModelShape, config: Int2KVConfi
         raise EvaluationError(f"{exc} (the model's head_dim is {shape.head_dim})") from None
     for m in methods:
         m.check_fits(shape)
+    if tokens is None:
+        return None
+    context = resolve_context(protocol, shape.context_length, tokens)
+    if any(m.kind != "fp" for m in methods):
+        check_int2_window(context, config, f"windows of {context} tokens")
+    return context
 
 
 def _pass(model: Any, seqs: Sequence[tuple[list[int], int]], methods: Sequence[MethodSpec], runs: Sequence[Run],
@@ -190,10 +209,8 @@ def evaluate(
     config = config or Int2KVConfig()
     protocol = protocol or EvalProtocol()
     shape = model_shape(model)
-    _check(methods, shape, config, protocol)
-    context = resolve_context(protocol, shape.context_length, len(ids))
-    if any(m.kind != "fp" for m in methods):
-        check_int2_window(context, config, f"windows of {context} tokens")
+    context = check_evaluation(methods, shape, config, protocol, len(ids))
+    assert context is not None
     stride = protocol.stride or context
     wins = windows(len(ids), context, stride)
     seqs = [(list(ids[b:e]), first - b) for b, e, first in wins]

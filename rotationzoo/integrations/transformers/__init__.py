@@ -1,7 +1,8 @@
 """``transformers`` integration: load a local model, capture post-RoPE Q/K/V and calibrate, and run
 a model with an OSCAR INT2 KV cache.
 
-Modules: :mod:`~.loading` (``load_model``, ``model_shape``), :mod:`~.capture` (``QKVCapture``),
+Modules: :mod:`~.loading` (``load_model``, ``load_tokenizer``, ``model_shape``), :mod:`~.modelfile` (``peek_model``: the shape
+before loading), :mod:`~.capture` (``QKVCapture``),
 :mod:`~.calibration` (``calibrate``, ``collect_statistics``, ``capture_to_dump``), :mod:`~.texts`
 (``check_text_files``, ``read_token_ids``: texts checked up front, read in bounded pieces), :mod:`~.oscar`
 (``OscarKV``: rotations + :class:`~rotationzoo.int2kv.Int2KVConfig`), :mod:`~.attention`
@@ -41,7 +42,8 @@ from .calibration import (
     token_windows,
 )
 from .capture import CAPTURE_IMPL_PREFIX, QKVCallback, QKVCapture, capture_attention_name
-from .loading import ModelShape, load_model, model_shape
+from .loading import ModelShape, load_model, load_tokenizer, model_shape
+from .modelfile import peek_model
 from .oscar import OscarKV
 from .texts import check_text_files, read_token_ids
 
@@ -64,9 +66,11 @@ __all__ = [
     "check_text_files",
     "collect_statistics",
     "load_model",
+    "load_tokenizer",
     "model_shape",
     "oscar_attention_name",
     "oscar_kv",
+    "peek_model",
     "read_token_ids",
     "simulated_int2_attention",
     "token_windows",

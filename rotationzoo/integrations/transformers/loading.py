@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-from dataclasses import dataclass
+import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from ...errors import ModelLoadError
 from ...hashing import sha256_file
+from ...safefile import check_model_files
 from .common import require_transformers
+from .modelfile import ModelShape, model_shape, read_gguf_header, shape_of_config
+
+__all__ = ["ModelShape", "load_model", "load_tokenizer", "model_provenance", "model_shape", "shape_of_config"]
 
 
 def load_model(
@@ -20,6 +25,7 @@ def load_model(
     *,
     dtype: str | torch.dtype | None = "auto",
     device: str | torch.device = "cpu",
+    tokenizer: Any = None,
 ) -> tuple[Any, Any]:
     """Load a causal LM and its tokenizer from a local folder or a local ``.gguf`` file, offline.
 
@@ -29,71 +35,71 @@ def load_model(
         dtype: ``"auto"`` (the checkpoint's dtype), a dtype name (``"bfloat16"``, ...) or a
             ``torch.dtype``.
         device: where to put the model.
+        tokenizer: the tokenizer, if already loaded (:func:`load_tokenizer`); else it is loaded too.
 
     Returns:
         ``(model, tokenizer)``, the model in eval mode.
 
     Raises:
-        ModelLoadError: the path does not exist, is neither a folder nor a ``.gguf`` file, or loading fails.
+        ModelLoadError: the path does not exist, is neither a folder nor a ``.gguf`` file, a GGUF file
+            is cut short, or loading fails.
         MissingDependencyError: transformers is not installed.
     """
     transformers = require_transformers()
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise ModelLoadError(f"model {path} not found; give a local model folder or a .gguf file (nothing is downloaded)")
-    kwargs: dict[str, Any] = {"local_files_only": True}
-    if path.is_file():
-        if path.suffix.lower() != ".gguf":
-            raise ModelLoadError(f"{path}: not a .gguf file; give a model folder (config.json) or a .gguf file")
-        folder, kwargs["gguf_file"] = path.parent, path.name
-    else:
-        folder = path
-        if not (folder / "config.json").is_file():
-            raise ModelLoadError(f"{folder}: no config.json; not a transformers model folder")
+    path, folder, kwargs = _where(model)
     torch_dtype: Any = dtype
     if isinstance(dtype, str) and dtype != "auto":
         torch_dtype = getattr(torch, dtype, None)
         if not isinstance(torch_dtype, torch.dtype):
             raise ModelLoadError(f"unknown dtype {dtype!r}; use auto, bfloat16, float16 or float32")
-    try:
-        tok = transformers.AutoTokenizer.from_pretrained(str(folder), **kwargs)
+    tok = tokenizer if tokenizer is not None else load_tokenizer(path)
+    with _load_errors(path):
         lm = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch_dtype, **kwargs)
-    except (OSError, ValueError, KeyError, RuntimeError, ImportError) as exc:
-        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelLoadError(f"cannot load {path} with transformers: {msg}") from None
     lm.to(device)
     lm.eval()
     return lm, tok
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """What the OSCAR path needs to know about a decoder.
+def load_tokenizer(model: str | os.PathLike[str]) -> Any:
+    """The tokenizer of a local model folder or ``.gguf`` file, offline, without the weights (so that texts
+    can be tokenized and checked before a long model load).
 
-    Attributes:
-        head_dim: ``d``.
-        num_q_heads: query heads per layer.
-        num_kv_heads: key/value heads per layer.
-        layer_ids: attention layer indices.
-        context_length: the model's maximum context (``max_position_embeddings``), if known.
+    Raises:
+        ModelLoadError: as :func:`load_model`.
     """
-
-    head_dim: int
-    num_q_heads: int
-    num_kv_heads: int
-    layer_ids: tuple[int, ...]
-    context_length: int | None
+    transformers = require_transformers()
+    path, folder, kwargs = _where(model)
+    with _load_errors(path):
+        return transformers.AutoTokenizer.from_pretrained(str(folder), **kwargs)
 
 
-def model_shape(model: Any) -> ModelShape:
-    """The :class:`ModelShape` of a transformers decoder (from its text config)."""
-    cfg = model.config
-    cfg = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
-    heads = int(cfg.num_attention_heads)
-    d = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-    ctx = getattr(cfg, "max_position_embeddings", None)
-    return ModelShape(head_dim=d, num_q_heads=heads, num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
-                      layer_ids=tuple(range(int(cfg.num_hidden_layers))), context_length=int(ctx) if ctx else None)
+def _where(model: str | os.PathLike[str]) -> tuple[Path, Path, dict[str, Any]]:
+    """``(path, folder, from_pretrained keywords)`` of a model, its files checked first (regular files; a GGUF
+    file's header complete and every tensor byte present)."""
+    if not os.path.lexists(Path(model).expanduser()):
+        raise ModelLoadError(f"model {model} not found; give a local model folder or a .gguf file (nothing is "
+                             f"downloaded)")
+    path = check_model_files(model)
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"{path}: not a .gguf file; give a model folder (config.json) or a .gguf file")
+        read_gguf_header(path)  # a file cut short fails here, in milliseconds, with one line
+        return path, path.parent, {**kwargs, "gguf_file": path.name}
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path}: no config.json; not a transformers model folder")
+    return path, path, kwargs
+
+
+@contextlib.contextmanager
+def _load_errors(path: Path) -> Iterator[None]:
+    """transformers' and gguf's loading errors as one :class:`ModelLoadError` line."""
+    try:
+        yield
+    except (OSError, ValueError, KeyError, RuntimeError, ImportError, struct.error, IndexError, EOFError,
+            TypeError, AttributeError) as exc:
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"cannot load {path} with transformers: {msg}") from None
 
 
 _SNAPSHOT = re.compile(r"(?:^|/)snapshots/([0-9a-f]{40})(?:/|$)")
