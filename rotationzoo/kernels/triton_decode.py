@@ -16,7 +16,8 @@ Groups smaller than ``d`` use block-diagonal query rows: row ``(r, g)`` holds qu
 the dims of group ``g``, so one ``tl.dot`` gives every group's partial product (and the sum over
 groups the plain one, for the window tokens). Compiled, products run on tensor cores with fp32
 operands split into a bf16 (or fp16) high and low part (codes 0..3 and bf16 window rows are exact);
-interpreted, they are plain fp32 products. Kernels are built on first use for the current Triton mode.
+interpreted, they are plain fp32 products. Kernels are built on first use for the current Triton mode;
+their tile helpers live in :mod:`~rotationzoo.kernels.triton_decode_tiles`.
 """
 
 import functools
@@ -28,6 +29,19 @@ import triton.language as tl
 
 from . import decode_plan
 from .decode_reference import rotate_queries
+from .triton_decode_tiles import (  # noqa: F401  (the kernels' helpers: re-created with them per mode)
+    _code_quarter,
+    _dot_fc,
+    _dot_ff,
+    _dot_fw,
+    _k_quarter,
+    _outside,
+    _query_quarter,
+    _store_quarter,
+    _tile_outside,
+    _v_quarter,
+    _window_quarter,
+)
 from .triton_launch import Launch, _num_sms, interpret_mode, kernel_copies
 
 __all__ = ["Launch", "decode_aot_kernels", "decode_attention_triton", "decode_launch", "merge_launch"]
@@ -120,12 +134,16 @@ def _decode_split_kernel(
                 ks = tl.load(kz_rows, mask=tm[None, :], other=0.0).to(tl.float32)  # [1, BN]
                 kz = tl.load(kz_rows + 1, mask=tm[None, :], other=0.0).to(tl.float32)
                 scores = (raw - (qs0 + qs1 + qs2 + qs3) * kz) * ks
-            else:
-                scores = _k_quarter(qk0, qs0, kb, kz_rows, tm, 0, Q, GK, NQK, MP, BN, SPLIT_DOT)
-                scores += _k_quarter(qk1, qs1, kb, kz_rows, tm, 1, Q, GK, NQK, MP, BN, SPLIT_DOT)
-                scores += _k_quarter(qk2, qs2, kb, kz_rows, tm, 2, Q, GK, NQK, MP, BN, SPLIT_DOT)
-                scores += _k_quarter(qk3, qs3, kb, kz_rows, tm, 3, Q, GK, NQK, MP, BN, SPLIT_DOT)
-            scores = tl.where(_rows_ok(kz_rows, tm, D // GK)[None, :], scores, float("nan"))  # outside the domain
+                kbad = _outside(ks, kz)
+            else:  # each quarter also says which tokens hold a group outside the domain
+                scores, kbad = _k_quarter(qk0, qs0, kb, kz_rows, tm, 0, Q, GK, NQK, MP, BN, SPLIT_DOT)
+                part, bad = _k_quarter(qk1, qs1, kb, kz_rows, tm, 1, Q, GK, NQK, MP, BN, SPLIT_DOT)
+                scores, kbad = scores + part, tl.maximum(kbad, bad)
+                part, bad = _k_quarter(qk2, qs2, kb, kz_rows, tm, 2, Q, GK, NQK, MP, BN, SPLIT_DOT)
+                scores, kbad = scores + part, tl.maximum(kbad, bad)
+                part, bad = _k_quarter(qk3, qs3, kb, kz_rows, tm, 3, Q, GK, NQK, MP, BN, SPLIT_DOT)
+                scores, kbad = scores + part, tl.maximum(kbad, bad)
+            scores = tl.where(kbad > 0, float("nan"), scores)  # a key row outside the domain: NaN where it is seen
             ok = tm[None, :]
             if CAUSAL:
                 ok = ok & ((n_sink + t)[None, :] <= limit[:, None])
@@ -138,16 +156,19 @@ def _decode_split_kernel(
             m_i = m_new
             vb = tl.load(vc_ptr + vc_base + t64[:, None] * svc_t + jq[None, :], mask=tm[:, None], other=0).to(tl.int16)
             vz_rows = vz_ptr + vz_base + t64[None, :] * svz_t
-            p = tl.where(_rows_ok(vz_rows, tm, D // GV)[None, :], p, float("nan"))  # every dim NaN
             if GV == D:  # Σ (p·s) c − Σ p·s·z, the same weights for every quarter
-                w = p * tl.load(vz_rows, mask=tm[None, :], other=0.0).to(tl.float32)
-                wz = tl.reduce(w * tl.load(vz_rows + 1, mask=tm[None, :], other=0.0).to(tl.float32), 1, _SUM_FN)
+                vs = tl.load(vz_rows, mask=tm[None, :], other=0.0).to(tl.float32)
+                vz = tl.load(vz_rows + 1, mask=tm[None, :], other=0.0).to(tl.float32)
+                p = tl.where(tl.reduce(_outside(vs, vz), 1, _MAX_FN)[:, None] > 0, float("nan"), p)
+                w = p * vs
+                wz = tl.reduce(w * vz, 1, _SUM_FN)
                 acc0 = _dot_fc(w, _code_quarter(vb, 0, SPLIT_DOT), SPLIT_DOT, acc0 * alpha[:, None])
                 acc1 = _dot_fc(w, _code_quarter(vb, 2, SPLIT_DOT), SPLIT_DOT, acc1 * alpha[:, None])
                 acc2 = _dot_fc(w, _code_quarter(vb, 4, SPLIT_DOT), SPLIT_DOT, acc2 * alpha[:, None])
                 acc3 = _dot_fc(w, _code_quarter(vb, 6, SPLIT_DOT), SPLIT_DOT, acc3 * alpha[:, None])
                 zacc0 = zacc0 * alpha[:, None] + wz[:, None]
-            else:
+            else:  # a value row outside the domain: every query row of the KV head NaN
+                p = tl.where(_tile_outside(vz_rows, tm, D // GV) > 0, float("nan"), p)
                 acc0, zacc0 = _v_quarter(acc0, zacc0, p, alpha, vb, vz_rows, tm, 0, Q, GV, NQV, MP, BN, SPLIT_DOT)
                 acc1, zacc1 = _v_quarter(acc1, zacc1, p, alpha, vb, vz_rows, tm, 1, Q, GV, NQV, MP, BN, SPLIT_DOT)
                 acc2, zacc2 = _v_quarter(acc2, zacc2, p, alpha, vb, vz_rows, tm, 2, Q, GV, NQV, MP, BN, SPLIT_DOT)
@@ -239,147 +260,10 @@ def _decode_merge_kernel(
         tl.store(out_ptr + o_base[:, None] + dims[None, :], res.to(out_ptr.dtype.element_ty), mask=keep[:, None])
 
 
-@triton.jit
-def _query_quarter(q_ptr, q_base, row_ok, rk_rows, qk_scale, A: tl.constexpr, Q: tl.constexpr, G: tl.constexpr,
-                   NQ: tl.constexpr):
-    """Columns ``A·Q …`` of the scaled query rows, row ``(r, k)`` masked to the quarter's ``k``-th group:
-    ``[MP·NQ, Q]``."""
-    qr = tl.load(q_ptr + q_base[:, None] + (A * Q + tl.arange(0, Q))[None, :], mask=row_ok[:, None], other=0.0)
-    if NQ > 1:
-        qr = tl.where((tl.arange(0, Q)[None, :] // G) == (rk_rows % NQ)[:, None], qr, 0.0)
-    return qr * qk_scale
-
-
-@triton.jit
-def _k_quarter(qk, qsum, kb, sz_rows, tm, A: tl.constexpr, Q: tl.constexpr, G: tl.constexpr, NQ: tl.constexpr,
-               MP: tl.constexpr, BN: tl.constexpr, SPLIT_DOT: tl.constexpr):
-    """Quarter ``A``'s share of the scores ``Σ_g s_g (q_g·c_g − z_g Σ q_g)`` over its groups: ``[MP, BN]``."""
-    raw = _dot_fc(qk, tl.trans(_code_quarter(kb, 2 * A, SPLIT_DOT)), SPLIT_DOT, tl.full([MP * NQ, BN], 0.0, tl.float32))
-    g = (A * Q) // G + tl.arange(0, NQ)
-    s = tl.load(sz_rows + (2 * g)[:, None], mask=tm[None, :], other=0.0).to(tl.float32)  # [NQ, BN]
-    z = tl.load(sz_rows + (2 * g + 1)[:, None], mask=tm[None, :], other=0.0).to(tl.float32)
-    out = tl.reduce(tl.reshape(raw, (MP, NQ, BN)) * s[None, :, :], 1, _SUM_FN)
-    return out - tl.reduce(qsum[:, :, None] * (s * z)[None, :, :], 1, _SUM_FN)
-
-
-@triton.jit
-def _v_quarter(acc, zacc, p, alpha, vb, sz_rows, tm, A: tl.constexpr, Q: tl.constexpr, G: tl.constexpr,
-               NQ: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, SPLIT_DOT: tl.constexpr):
-    """Fold a tile into quarter ``A``'s output: ``acc`` rows ``(r, k)`` gain ``Σ (p s_k) c``, ``zacc``
-    ``Σ p s_k z_k`` (group ``k`` of the quarter)."""
-    g = (A * Q) // G + tl.arange(0, NQ)
-    s = tl.load(sz_rows + (2 * g)[:, None], mask=tm[None, :], other=0.0).to(tl.float32)
-    z = tl.load(sz_rows + (2 * g + 1)[:, None], mask=tm[None, :], other=0.0).to(tl.float32)
-    w3 = p[:, None, :] * s[None, :, :]  # [MP, NQ, BN]
-    alpha_r = tl.reshape(tl.broadcast_to(alpha[:, None], (MP, NQ)), (MP * NQ,))
-    acc = _dot_fc(tl.reshape(w3, (MP * NQ, BN)), _code_quarter(vb, 2 * A, SPLIT_DOT), SPLIT_DOT, acc * alpha_r[:, None])
-    zacc = zacc * alpha[:, None] + tl.reduce(w3 * z[None, :, :], 2, _SUM_FN)
-    return acc, zacc
-
-
-@triton.jit
-def _rows_ok(sz_rows, tm, NG: tl.constexpr):
-    """``[BN]``: each group of the token has ``|s|·max(|z|, |3 − z|) ≤ 2^64`` (decode_reference.MAX_DEQUANT)."""
-    g = tl.arange(0, NG)
-    s = tl.load(sz_rows + (2 * g)[:, None], mask=tm[None, :], other=0.0).to(tl.float32)
-    z = tl.load(sz_rows + (2 * g + 1)[:, None], mask=tm[None, :], other=0.0).to(tl.float32)
-    ok = tl.abs(s) * tl.maximum(tl.abs(z), tl.abs(3.0 - z)) <= 18446744073709551616.0
-    return tl.min(ok.to(tl.int32), 0) > 0
-
-
-@triton.jit
-def _code_quarter(bytes16, SHIFT: tl.constexpr, SPLIT_DOT: tl.constexpr):
-    """Codes at bits ``SHIFT, SHIFT+1`` of ``[BN, Q]`` int16 code bytes (one quarter of the dims): bf16
-    compiled, fp32 interpreted.
-
-    The bits ``0x4300 | c`` are the bf16 number ``128 + c`` (exponent 7, the code in the two lowest
-    mantissa bits); subtracting 128 (exact) leaves ``c``: a shift-and-or and a subtraction per code
-    instead of an integer-to-float conversion.
-    """
-    c = (((bytes16 >> SHIFT) & 3) | 0x4300).to(tl.bfloat16, bitcast=True)
-    if SPLIT_DOT:
-        out = c - 128.0
-    else:  # the interpreter has no bf16 arithmetic
-        out = c.to(tl.float32) - 128.0
-    return out
-
-
-@triton.jit
-def _window_quarter(sink_rows, recent_rows, in_sink, in_rec, jq, A: tl.constexpr, Q: tl.constexpr):
-    """Columns ``A·Q …`` of a window tile: rows from the sink or the recent tokens (window dtype)."""
-    cols = A * Q + jq
-    return (tl.load(sink_rows + cols[None, :], mask=in_sink[:, None], other=0.0)
-            + tl.load(recent_rows + cols[None, :], mask=in_rec[:, None], other=0.0))
-
-
-@triton.jit
-def _store_quarter(o_rows, acc, zacc, inv, keep, jq, A: tl.constexpr, Q: tl.constexpr, G: tl.constexpr,
-                   NQ: tl.constexpr, MP: tl.constexpr):
-    """Columns ``A·Q …`` of the normalised partial output: column ``j`` from row ``(r, k(j))`` of ``acc``
-    minus ``zacc[r, k(j)]`` (``k(j)``: the quarter's group of column ``j``)."""
-    if NQ > 1:
-        onehot = ((jq[None, :] // G) == tl.arange(0, NQ)[:, None]).to(tl.float32)  # [NQ, Q]
-        out = tl.reduce(tl.reshape(acc, (MP, NQ, Q)) * onehot[None, :, :], 1, _SUM_FN)
-        out = out - tl.reduce(zacc[:, :, None] * onehot[None, :, :], 1, _SUM_FN)
-    else:
-        out = acc - zacc
-    tl.store(o_rows + (A * Q + jq)[None, :], out * inv[:, None], mask=keep[:, None])
-
-
-@triton.jit
-def _dot_ff(a, b, SPLIT_DOT: tl.constexpr):
-    """fp32 × fp32 → fp32: three bf16 products (hi·hi + hi·lo + lo·hi) compiled, one fp32 product
-    interpreted. (Each helper has one ``return``: Triton compiles the code after a constexpr branch
-    that returns, too.)"""
-    if SPLIT_DOT:
-        a_hi = a.to(tl.bfloat16)
-        a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
-        b_hi = b.to(tl.bfloat16)
-        b_lo = (b - b_hi.to(tl.float32)).to(tl.bfloat16)
-        out = tl.dot(a_hi, b_hi, out_dtype=tl.float32)
-        out = tl.dot(a_hi, b_lo, out, out_dtype=tl.float32)
-        out = tl.dot(a_lo, b_hi, out, out_dtype=tl.float32)
-    else:
-        out = tl.dot(a, b, input_precision="ieee", out_dtype=tl.float32)
-    return out
-
-
-@triton.jit
-def _dot_fc(a, c, SPLIT_DOT: tl.constexpr, acc):
-    """``acc + a @ c`` for fp32 ``a`` and codes ``c`` (exact in bf16): two bf16 products compiled
-    (``a`` split into high and low parts), one fp32 product interpreted."""
-    if SPLIT_DOT:
-        a_hi = a.to(tl.bfloat16)
-        a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
-        out = tl.dot(a_lo, c, tl.dot(a_hi, c, acc, out_dtype=tl.float32), out_dtype=tl.float32)
-    else:
-        out = tl.dot(a, c, acc, input_precision="ieee", out_dtype=tl.float32)
-    return out
-
-
-@triton.jit
-def _dot_fw(a, w, SPLIT_DOT: tl.constexpr, HP_KIND: tl.constexpr):
-    """fp32 × window rows (stored bf16 / fp16 / fp32) → fp32: the window dtype is exact in its own
-    16-bit type, so two products of ``a`` split in that type; fp32 windows take the fp32 product."""
-    if SPLIT_DOT and HP_KIND == 0:
-        a_hi = a.to(tl.bfloat16)
-        a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
-        wb = w.to(tl.bfloat16)
-        out = tl.dot(a_lo, wb, tl.dot(a_hi, wb, out_dtype=tl.float32), out_dtype=tl.float32)
-    elif SPLIT_DOT and HP_KIND == 1:
-        a_hi = a.to(tl.float16)
-        a_lo = (a - a_hi.to(tl.float32)).to(tl.float16)
-        wh = w.to(tl.float16)
-        out = tl.dot(a_lo, wh, tl.dot(a_hi, wh, out_dtype=tl.float32), out_dtype=tl.float32)
-    else:
-        out = tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
-    return out
-
-
 # --- build (per Triton mode) --------------------------------------------------------------------
 
-_HELPERS = ("_query_quarter", "_k_quarter", "_v_quarter", "_rows_ok", "_code_quarter", "_window_quarter",
-            "_store_quarter", "_dot_ff", "_dot_fc", "_dot_fw")
+_HELPERS = ("_query_quarter", "_k_quarter", "_v_quarter", "_outside", "_tile_outside", "_code_quarter",
+            "_window_quarter", "_store_quarter", "_dot_ff", "_dot_fc", "_dot_fw")
 
 
 def _copies(namespace: dict, wrap, aot: bool = False) -> types.SimpleNamespace:
