@@ -159,11 +159,11 @@ def test_keep_rule_never_keeps_a_set_the_model_finds_worse(keep_inputs) -> None:
 
     model, ids, h = keep_inputs
     q, _ = torch.linalg.qr(torch.randn(D, D, generator=torch.Generator().manual_seed(1), dtype=torch.float64))
-    broken_v = 4.0 * h  # not orthogonal: un-rotating the output scales it by 16
-    res = keep_by_text(model, ids, _result(q.float().expand(2, D, D), broken_v, h, h), window=128)
+    worse_v = q.float().expand(2, D, D)  # a random rotation: the model measurably prefers the init's Hadamard V
+    res = keep_by_text(model, ids, _result(q.float().expand(2, D, D), worse_v, h, h), window=128)
     keep = res.refinement["keep"]
     assert set(keep["kl"]) == {"init", "refined", "refined_k", "refined_v"} and keep["windows"] == 3
-    assert keep["kl"]["refined_v"] > 10 * keep["kl"]["init"] and keep["kl"]["refined"] > 10 * keep["kl"]["init"]
+    assert keep["kl"]["refined_v"] > keep["kl"]["init"] and keep["kl"]["refined"] > keep["kl"]["init"]
     assert keep["chosen"] in ("init", "refined_k")
     worse = keep["vs_init"]["refined_v"]
     assert worse["verdict"] == "worse" and worse["delta"] == pytest.approx(keep["kl"]["refined_v"] - keep["kl"]["init"])
