@@ -36,11 +36,9 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Mapping
 
 from .errors import ConfigError
+from .kvformat import DTYPE_BITS, KVFormat
 from .numbers import check_int, check_real, shown
 from .vocab import CLIP_SEARCHES, DTYPE_NAMES, ClipSearch, DtypeName
-
-#: Bits of one stored value of each dtype.
-DTYPE_BITS: dict[str, int] = {"bfloat16": 16, "float16": 16, "float32": 32}
 #: The head dimensions the INT2 kernels run (``rotationzoo.kernels`` re-exports them).
 HEAD_DIMS: tuple[int, ...] = (64, 128, 256)
 #: Smallest quantization group (contiguous dims sharing one scale/zero pair).
@@ -192,21 +190,41 @@ class Int2KVConfig:
         """``prefix_tokens + recent_tokens``."""
         return self.prefix_tokens + self.recent_tokens
 
+    def kv_format(self) -> KVFormat:
+        """This store as a :class:`~rotationzoo.kvformat.KVFormat` (INT2 codes along each row)."""
+        return KVFormat(code="int2", group_size=self.group_size, scale_dtype=self.scale_dtype,
+                        k_clip_ratio=self.k_clip_ratio, v_clip_ratio=self.v_clip_ratio, lloyd_max=self.lloyd_max,
+                        clip_search=self.clip_search, prefix_tokens=self.prefix_tokens,
+                        recent_tokens=self.recent_tokens, hp_dtype=self.hp_dtype)
+
+    @classmethod
+    def from_format(cls, fmt: KVFormat) -> "Int2KVConfig":
+        """The OSCAR store of an INT2 format (codes along each row, scales per group).
+
+        Raises:
+            ConfigError: another code, axis or scale layout (the INT2 kernels store only this one).
+        """
+        if fmt.code != "int2" or fmt.axis != "token" or fmt.scale != "group":
+            raise ConfigError(f"{fmt.name} is not an INT2 store of this project's kernels (int2 codes along each row)")
+        return cls(k_clip_ratio=fmt.k_clip_ratio, v_clip_ratio=fmt.v_clip_ratio, group_size=fmt.group_size,
+                   prefix_tokens=fmt.prefix_tokens, recent_tokens=fmt.recent_tokens, hp_dtype=fmt.hp_dtype,
+                   scale_dtype=fmt.scale_dtype, lloyd_max=fmt.lloyd_max, clip_search=fmt.clip_search)
+
     def int2_bits(self, head_dim: int) -> float:
         """Stored bits per element of an INT2 token: ``2 + 2·bits(scale_dtype)/G``."""
-        return 2.0 + 2.0 * DTYPE_BITS[self.scale_dtype] / self.group_for(head_dim)
+        self.group_for(head_dim)  # the kernels' group-size rule
+        return self.kv_format().quantized_bits(head_dim)
 
     def bits_per_element(self, head_dim: int, context_len: int) -> float:
-        """Average stored bits per cached K/V element at ``context_len`` tokens (the paper's BPE).
+        """Average stored bits per cached K/V element at ``context_len`` tokens (the paper's BPE): the one
+        formula, :meth:`KVFormat.bits_per_element <rotationzoo.kvformat.KVFormat.bits_per_element>`.
 
         ``W = min(L, prefix + recent)`` window tokens cost ``bits(hp_dtype)``; the others
         :meth:`int2_bits`: ``BPE(L) = ((L − W)·b_int2 + W·b_hp) / L``. With d = G = 128, 16-bit
         scale/zero and 64 + 256 windows, ``BPE(131072) = 2.2836`` (the paper's 2.28).
         """
-        if context_len < 1:
-            raise ConfigError(f"context_len must be >= 1, got {context_len}")
-        w = min(context_len, self.window_tokens)
-        return ((context_len - w) * self.int2_bits(head_dim) + w * DTYPE_BITS[self.hp_dtype]) / context_len
+        self.group_for(head_dim)
+        return self.kv_format().bits_per_element(head_dim, context_len)
 
     def label(self, head_dim: int | None = None) -> str:
         """Short description, e.g. ``G64 clip 0.96/0.92 win 64+256 fp32``."""

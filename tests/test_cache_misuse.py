@@ -148,11 +148,9 @@ def test_reset_between_prompts_equals_a_fresh_cache(model, ids) -> None:
     assert torch.equal(again, fresh)
 
 
-def _state(cache) -> list[torch.Tensor]:
-    out = []
-    for layer in cache.layers:
-        out += [layer.sink_k, layer.sink_v, layer.recent_k, layer.recent_v,
-                layer.codes_k, layer.sz_k, layer.codes_v, layer.sz_v]
+def _state(layer) -> list[torch.Tensor]:
+    out = [layer.sink_k, layer.sink_v, layer.recent_k, layer.recent_v, layer.codes_k, layer.sz_k, layer.codes_v,
+           layer.sz_v]
     return [t if t is not None and t.numel() else torch.empty(0) for t in out]
 
 
@@ -163,26 +161,35 @@ def _state(cache) -> list[torch.Tensor]:
     (20, 1, 1),   # one decode step
     (10, 24, 20),  # a forward longer than a decode step (the prefill path)
 ])
-def test_crop_undoes_the_last_forward_exactly(model, ids, prefill, draft, remove) -> None:
-    """crop(-n) after a forward of ``draft`` tokens leaves the state of never having seen the last n."""
+def test_crop_undoes_the_last_forward_exactly(model, prefill, draft, remove) -> None:
+    """crop(-n) after a forward of ``draft`` tokens leaves the state of never having seen the last n, bit for
+    bit. The layer is fed the same key/value rows either way (a model's own rows may differ by rounding
+    with how tokens are grouped into forwards: its matrix products follow their shapes)."""
     oscar = OscarKV(rotations(), rotations(seed=2), config=small())
+    g = torch.Generator().manual_seed(prefill + draft)
+    k, v = (torch.randn(1, 2, prefill + draft + 2, D, generator=g) for _ in range(2))
     keep = prefill + draft - remove
+
+    def feed(layer, a: int, b: int) -> None:
+        layer.update(k[:, :, a:b], v[:, :, a:b])
+        layer.consumed = True  # what the OSCAR attention does with the keys it reads
+        layer.pending = None
+
     with torch.no_grad(), oscar_kv(model, oscar) as kv:
-        cropped, ref = kv.new_cache(), kv.new_cache()
-        model(ids[:, :prefill], cache=cropped)
-        model(ids[:, prefill:prefill + draft], cache=cropped)
+        cropped, ref = kv.new_cache().layers[0], kv.new_cache().layers[0]
+        feed(cropped, 0, prefill)
+        feed(cropped, prefill, prefill + draft)
         cropped.crop(-remove)
-        model(ids[:, :prefill], cache=ref)
+        feed(ref, 0, prefill)
         if keep > prefill:
-            model(ids[:, prefill:keep], cache=ref)
+            feed(ref, prefill, keep)
         else:
             ref.crop(-(prefill - keep))
         assert cropped.get_seq_length() == ref.get_seq_length() == keep
-        for a, b in zip(_state(cropped), _state(ref)):
-            assert torch.equal(a, b)
-        nxt_a = model(ids[:, keep:keep + 2], cache=cropped).logits
-        nxt_b = model(ids[:, keep:keep + 2], cache=ref).logits
-    assert torch.equal(nxt_a, nxt_b)
+        for layer in (cropped, ref):
+            feed(layer, keep, keep + 2)  # and both go on alike
+    for a, b in zip(_state(cropped), _state(ref)):
+        assert torch.equal(a, b)
 
 
 def test_crop_refuses_what_it_cannot_restore(model, ids) -> None:

@@ -156,7 +156,10 @@ def test_evaluate_reports_metrics_exposure_and_paired_ci(model, ids, tmp_path) -
     assert report.context == 256 == report.stride and report.windows == 3  # the model's context length
     fp, none, had, rand = report.results
     assert (fp.kl, fp.top1, fp.bpe) == (0.0, 1.0, 32.0) and fp.vs_baseline is None and had.vs_baseline is None
-    assert none.draws == 1 and had.draws == rand.draws == 2 and fp.tokens_scored == none.tokens_scored == 699 - 2
+    # every method as served, plus two sign draws of each rotation reported as a spread beside it
+    assert none.draws == 0 and had.draws == rand.draws == 2 and fp.tokens_scored == none.tokens_scored == 699 - 2
+    assert len(had.draw_kl) == 2 and had.kl_spread == pytest.approx(float(torch.tensor(had.draw_kl).std()))
+    assert had.kl not in had.draw_kl and had.format == conf.kv_format().name and had.rotation == "hadamard"
     assert none.kl > 0 and 0 < had.top1 < 1
     assert rand.bpe == pytest.approx(conf.bits_per_element(D, 256))
     ex = had.exposure
@@ -167,8 +170,8 @@ def test_evaluate_reports_metrics_exposure_and_paired_ci(model, ids, tmp_path) -
     d = rand.vs_baseline["kl"]
     assert d.lo <= d.delta <= d.hi and d.delta == pytest.approx(rand.kl - had.kl)
     assert rand.copy is not None and rand.copy["tokens"] == 3 * 11
-    assert seen[0] == (0, (3 + 3) * (1 + 1 + 2 + 2))  # the total before the first forward: an ETA at once
-    assert seen[-1] == (report_units := (3 + 3) * (1 + 1 + 2 + 2), report_units)
+    assert seen[0] == (0, (3 + 3) * (1 + 1 + 3 + 3))  # the total before the first forward: an ETA at once
+    assert seen[-1] == (report_units := (3 + 3) * (1 + 1 + 3 + 3), report_units)
     data = json.loads(report.to_json(tmp_path / "r.json"))
     assert data["results"][3]["vs_baseline"]["kl"]["verdict"] in ("better", "worse", "no detectable difference")
     assert data["config"]["group_size"] == 32 and data["protocol"]["draws"] == 2
@@ -222,11 +225,11 @@ def test_sign_draws_leave_learned_sides_as_given(model, ids) -> None:
     assert both.learned_sides == ("k", "v") and not both.drawn and closed.learned_sides == () and closed.drawn
     runs = _runs([MethodSpec.fp(), MethodSpec.hadamard(), closed, both], EvalProtocol(draws=3))
     assert [r for r in runs if r[0] == "both"] == [("both", None)]  # evaluated once, as given
-    assert len([r for r in runs if r[0] == "closed"]) == 3
+    assert [r for r in runs if r[0] == "closed"] == [("closed", None), ("closed", 0), ("closed", 1), ("closed", 2)]
     small = Int2KVConfig(group_size=16, prefix_tokens=4, recent_tokens=8)
     report = evaluate(model, ids[:300], [MethodSpec.fp(), MethodSpec.hadamard(), both], small,
                       EvalProtocol(draws=2, block_tokens=32, resamples=100))
-    assert [r.draws for r in report.results if r.method in ("hadamard", "both")] == [2, 1]
+    assert [r.draws for r in report.results if r.method in ("hadamard", "both")] == [2, 0]
 
 
 def test_mismatched_rotations_are_refused_before_running(model, ids) -> None:
@@ -329,7 +332,7 @@ def test_cli_eval(tmp_path, capsys) -> None:
 
 
 def test_parse_methods_takes_a_k_v_file_pair() -> None:
-    from rotationzoo.cli.eval_cmds import parse_methods
+    from rotationzoo.workflows import parse_methods
 
     assert parse_methods("fp,a=k.pt,v.pt,hadamard,b=dir/,c=x.pt") == [
         ("fp", None), ("a", "k.pt,v.pt"), ("hadamard", None), ("b", "dir/"), ("c", "x.pt")]

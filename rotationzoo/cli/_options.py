@@ -15,6 +15,7 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 from .. import vocab
+from ..workflows.evaluation import ROTATIONS_HELP
 from ._output import json_requested
 
 
@@ -109,8 +110,7 @@ TimeoutOpt = Annotated[Optional[float], typer.Option(
     "--timeout", help="Seconds each network step may take (default: ROTATIONZOO_TIMEOUT or 10).")]
 SideOpt = Annotated[Optional[str], typer.Option("--side", click_type=choice(vocab.SIDES),
                                                 help="k | v: which side a single file is, or which side to keep.")]
-RotationsHelp = ("a folder with k_rotation*.pt + v_rotation*.pt, 'K.pt,V.pt', an exported .safetensors/.gguf file, "
-                 "or a registry id MODEL[@TAG]")
+RotationsHelp = ROTATIONS_HELP
 
 # -- INT2-KV settings (Int2KVConfig fields); None = keep the default / the entry's serving value --
 KClipOpt = Annotated[Optional[float], typer.Option("--k-clip-ratio", help="Per-row clip ratio of keys (0 disables).")]

@@ -37,8 +37,8 @@ from .inputs import (
     find_smollm2_gguf,
     tokenize_texts,
 )
-from .methods import BUILTIN_METHODS, MethodSpec, sign_flip
-from .plot import plot_report
+from .methods import BUILTIN_METHODS, MethodSpec, formats_grid, sign_flip
+from .plot import plot_frontier, plot_report
 from .protocol import (
     CopyProbe,
     EvalProtocol,
@@ -68,8 +68,10 @@ __all__ = [
     "environment",
     "evaluate",
     "find_smollm2_gguf",
+    "formats_grid",
     "min_int2_window",
     "paired_difference",
+    "plot_frontier",
     "plot_report",
     "probe_sequences",
     "results_table",

@@ -12,8 +12,8 @@ and a method learned on both sides is evaluated once.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, Sequence
 
 import torch
 
@@ -22,6 +22,7 @@ from ..fit.result import learned_objective
 from ..hadamard import hadamard_matrix
 from ..int2kv import Int2KVConfig
 from ..integrations.transformers import ModelShape, OscarKV
+from ..kvformat import KVFormat
 from ..pair import RotationPair, resolve_pair
 
 MethodKind = Literal["fp", "none", "hadamard", "rotations"]
@@ -40,6 +41,8 @@ class MethodSpec:
             ``"rotations"`` (``pair``).
         pair: the rotations of a ``"rotations"`` method.
         source: where they came from, for the report.
+        kv_format: the cache format it is evaluated in (``None``: the evaluation's INT2 settings).
+        method: the rotation method's own name (``name`` is ``method@format`` in a formats grid).
     """
 
     name: str
@@ -47,6 +50,16 @@ class MethodSpec:
     pair: RotationPair | None = None
     source: str | None = None
     objectives: dict[str, str] = field(default_factory=dict)
+    kv_format: KVFormat | None = None
+    method: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.method:
+            self.method = self.name
+
+    def in_format(self, fmt: KVFormat, *, named: bool = True) -> "MethodSpec":
+        """This method stored in ``fmt`` (named ``method@format`` unless ``named`` is false)."""
+        return replace(self, kv_format=fmt, name=f"{self.method}@{fmt.name}" if named else self.method)
 
     @classmethod
     def fp(cls) -> "MethodSpec":
@@ -111,19 +124,25 @@ class MethodSpec:
                 raise EvaluationError(f"method {self.name!r}: per-KV-head {side.upper()} rotations for "
                                       f"{rs.num_kv_heads} heads, the model has {shape.num_kv_heads}")
 
+    def format_of(self, config: Int2KVConfig) -> KVFormat:
+        """The format this method is evaluated in: its own, else ``config``'s."""
+        return self.kv_format if self.kv_format is not None else config.kv_format()
+
     def oscar(self, shape: ModelShape, config: Int2KVConfig, *, draw: int | None = None, seed: int = 0,
               backend: str = "auto") -> OscarKV | None:
-        """The :class:`OscarKV` of this method (``None`` for ``fp``), with sign draw ``draw`` applied."""
+        """The :class:`OscarKV` of this method (``None`` for ``fp``) in its format (:meth:`format_of`), with
+        sign draw ``draw`` applied (``None``: as served)."""
         if self.kind == "fp":
             return None
+        fmt = self.format_of(config)
         if self.kind == "none":
-            return OscarKV(None, None, config=config, backend=backend)
+            return OscarKV(None, None, kv_format=fmt, backend=backend)
         if self.kind == "hadamard":
             h = hadamard_matrix(shape.head_dim, dtype=torch.float32).expand(len(shape.layer_ids), -1, -1)
-            base = OscarKV(h.contiguous(), h.contiguous(), layer_ids=shape.layer_ids, config=config, backend=backend)
+            base = OscarKV(h.contiguous(), h.contiguous(), layer_ids=shape.layer_ids, kv_format=fmt, backend=backend)
         else:
             assert self.pair is not None
-            base = OscarKV.from_rotations(self.pair, config, backend=backend)
+            base = OscarKV.from_rotations(self.pair, kv_format=fmt, backend=backend)
         if draw is None:
             return base
         # R·D is as valid as R; its inverse transpose is R^{-T}·D (D = D^{-1}), so companions flip alike;
@@ -131,8 +150,25 @@ class MethodSpec:
         learned = self.learned_sides
         flip = (lambda t, side: sign_flip(t, draw, seed, side) if t is not None and side not in learned else t)
         return OscarKV(flip(base.k_rotations, "k"), flip(base.v_rotations, "v"), layer_ids=base.layer_ids,
-                       config=config, backend=backend, k_mean=base.k_mean, v_mean=base.v_mean,
+                       kv_format=fmt, backend=backend, k_mean=base.k_mean, v_mean=base.v_mean,
                        q_rotations=flip(base.q_rotations, "k"), o_rotations=flip(base.o_rotations, "v"))
+
+
+def formats_grid(methods: Sequence[MethodSpec], formats: Sequence[KVFormat]) -> list[MethodSpec]:
+    """Every method in every format (``fp`` once, unquantized), rows named ``method@format``; one format
+    keeps the methods' own names."""
+    if not formats:
+        return list(methods)
+    names = [f.name for f in formats]
+    if len(set(names)) != len(names):
+        raise EvaluationError(f"a format is listed twice: {', '.join(names)}")
+    out: list[MethodSpec] = []
+    for m in methods:
+        if m.kind == "fp":
+            out.append(m)
+            continue
+        out.extend(m.in_format(f, named=len(formats) > 1) for f in formats)
+    return out
 
 
 def _ids(ids: tuple[int, ...]) -> str:

@@ -5,10 +5,11 @@ Windows: the text's token ids are cut into windows of ``context`` tokens (each o
 scored target. The model's context length is the default ``context``, so that INT2 keys dominate
 what a token attends to, as in long generation.
 
-INT2 exposure: query position ``i`` of a window reads key ``j`` (``j ≤ i``) as INT2 when
+Exposure: query position ``i`` of a window reads key ``j`` (``j ≤ i``) quantized when
 ``prefix_tokens ≤ j ≤ i − recent_tokens − 1``, i.e. ``max(0, i − recent_tokens − prefix_tokens)`` of
-its ``i + 1`` keys. A result reports the fraction of (query, key) pairs read as INT2 and the
-fraction of scored tokens that read at least one INT2 key.
+its ``i + 1`` keys (a KIVI format: the ``R·⌊(i + 1)/R⌋`` keys of its full residual blocks). A result
+reports the fraction of (query, key) pairs read quantized and the fraction of scored tokens that read at
+least one quantized key.
 
 Copy probe: sequences ``[lead-in: prefix_tokens] [P: passage_tokens] [filler: filler_tokens] [P]``
 cut from the evaluation text, scored on the second ``P`` only (tokens 2 … L of it, which have a
@@ -26,6 +27,7 @@ import torch
 
 from ..errors import ConfigError
 from ..int2kv import Int2KVConfig
+from ..kvformat import KVFormat
 from .stats import DEFAULT_BLOCK_TOKENS, DEFAULT_RESAMPLES
 
 
@@ -58,9 +60,12 @@ class EvalProtocol:
         context: tokens per scoring window (``None``: the model's context length, or the text
             length when shorter).
         stride: tokens between window starts (``None``: ``context``, non-overlapping).
-        draws: sign draws per rotation method (``R·D``, ``D`` a seeded random ±1 diagonal per
-            layer): equally valid variants whose spread is the noise floor of a comparison. A side
-            learned by refinement is left as given (:attr:`MethodSpec.learned_sides
+        draws: sign draws per rotation method beside its as-served run (``R·D``, ``D`` a seeded random
+            ±1 diagonal per layer): equally valid variants that no one serves, whose spread says how much
+            of a difference the rounding of one particular rotation makes. ``0`` (default): the rotations
+            exactly as their files hold them (Hadamard as the published matrix). Every metric and every
+            comparison is of the as-served run; the draws are reported as a spread beside it. A side
+            learned by refinement is never drawn (:attr:`MethodSpec.learned_sides
             <rotationzoo.evaluate.methods.MethodSpec.learned_sides>`).
         seed: seed of the sign draws and the bootstrap.
         baseline: method every other method is compared with.
@@ -75,7 +80,7 @@ class EvalProtocol:
 
     context: int | None = None
     stride: int | None = None
-    draws: int = 1
+    draws: int = 0
     seed: int = 0
     baseline: str = "hadamard"
     block_tokens: int = DEFAULT_BLOCK_TOKENS
@@ -90,8 +95,8 @@ class EvalProtocol:
             raise ConfigError(f"context must be at least 2 tokens, got {self.context}")
         if self.stride is not None and self.stride < 1:
             raise ConfigError(f"stride must be at least 1 token, got {self.stride}")
-        if self.draws < 1:
-            raise ConfigError(f"draws must be at least 1, got {self.draws}")
+        if self.draws < 0:
+            raise ConfigError(f"draws must be 0 (as served) or more, got {self.draws}")
         if not 0 < self.confidence < 1:
             raise ConfigError(f"confidence must be in (0, 1), got {self.confidence}")
         if self.block_tokens < 1 or self.resamples < 1:
@@ -126,50 +131,63 @@ def windows(n: int, context: int, stride: int) -> list[tuple[int, int, int]]:
         begin += stride
 
 
-def min_int2_window(config: Int2KVConfig) -> int:
-    """Fewest tokens a window needs for one scored token to read a key as INT2.
+def _format(config: Int2KVConfig | KVFormat) -> KVFormat:
+    return config if isinstance(config, KVFormat) else config.kv_format()
+
+
+def min_int2_window(config: Int2KVConfig | KVFormat) -> int:
+    """Fewest tokens a window needs for one scored token to read a key quantized.
 
     The scored query positions of a window of ``n`` tokens are ``0 … n − 2`` (the last token has no
-    target), and position ``i`` reads INT2 keys only when ``i > prefix_tokens + recent_tokens``.
+    target); position ``i`` reads quantized keys only when ``i > prefix_tokens + recent_tokens`` (a KIVI
+    format: once ``i + 1 ≥ R``).
     """
-    return config.prefix_tokens + config.recent_tokens + 3
+    fmt = _format(config)
+    if fmt.axis == "kivi":
+        return fmt.recent_tokens + 1
+    return fmt.prefix_tokens + fmt.recent_tokens + 3
 
 
-def check_int2_window(tokens: int, config: Int2KVConfig, what: str = "a window") -> None:
-    """Refuse a window that would quantize nothing (every key it reads stays in the BF16 windows).
+def check_int2_window(tokens: int, config: Int2KVConfig | KVFormat, what: str = "a window") -> None:
+    """Refuse a window that would quantize nothing (every key it reads stays in the full-precision windows).
 
     Args:
         tokens: the window length (or the whole text's, when shorter).
-        config: the INT2-KV settings (their sink and recent windows).
+        config: the INT2-KV settings or the format (their sink and recent windows).
         what: what ``tokens`` is, for the message (``"--context 100"``).
 
     Raises:
         ConfigError: ``tokens < min_int2_window(config)``.
     """
     need = min_int2_window(config)
+    fmt = _format(config)
     if tokens < need:
+        kept = (f"KIVI's residual of {fmt.recent_tokens} tokens stays" if fmt.axis == "kivi" else
+                f"{fmt.prefix_tokens} sink + {fmt.recent_tokens} recent tokens stay")
         raise ConfigError(
-            f"{what}: nothing would be quantized: a window needs at least {need} tokens to read a key as INT2 "
-            f"({config.prefix_tokens} sink + {config.recent_tokens} recent tokens stay in {config.hp_dtype}); "
-            f"give at least {need} tokens, or smaller --prefix-tokens / --recent-tokens"
+            f"{what}: nothing would be quantized: a window needs at least {need} tokens to read a key quantized "
+            f"({kept} in {fmt.hp_dtype}); give at least {need} tokens, or smaller --prefix-tokens / --recent-tokens"
         )
 
 
-def int2_keys(query_pos: torch.Tensor, config: Int2KVConfig) -> torch.Tensor:
-    """How many keys query positions ``query_pos`` (within their forward) read as INT2."""
-    return (query_pos - config.recent_tokens - config.prefix_tokens).clamp_min(0)
+def int2_keys(query_pos: torch.Tensor, config: Int2KVConfig | KVFormat) -> torch.Tensor:
+    """How many keys query positions ``query_pos`` (within their forward) read quantized."""
+    fmt = _format(config)
+    if fmt.axis == "kivi":
+        return fmt.recent_tokens * torch.div(query_pos + 1, fmt.recent_tokens, rounding_mode="floor")
+    return (query_pos - fmt.recent_tokens - fmt.prefix_tokens).clamp_min(0)
 
 
 @dataclass
 class Exposure:
-    """Running INT2 exposure of scored tokens (see the module docstring)."""
+    """Running exposure of scored tokens to quantized keys (see the module docstring)."""
 
     pairs_int2: float = 0.0
     pairs: float = 0.0
     tokens_with_int2: int = 0
     tokens: int = 0
 
-    def add(self, query_pos: torch.Tensor, config: Int2KVConfig) -> None:
+    def add(self, query_pos: torch.Tensor, config: Int2KVConfig | KVFormat) -> None:
         k = int2_keys(query_pos, config)
         self.pairs_int2 += float(k.sum())
         self.pairs += float((query_pos + 1).sum())

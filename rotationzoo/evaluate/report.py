@@ -19,21 +19,28 @@ class MethodResult:
     """Everything measured for one method (means over its sign draws and all scored tokens).
 
     Attributes:
-        method, kind, source, objectives: what was evaluated.
-        draws: sign draws (1 for ``fp``, ``none`` and rotations learned on both sides, evaluated as given).
+        method, kind, source, objectives: what was evaluated (``method`` is ``rotation@format`` in a
+            formats grid); rotation: the rotation method's own name; format: the cache format's name
+            (``None`` for ``fp``).
+        draws: sign draws evaluated beside the as-served run (0: none asked, or not drawable).
         perplexity: ``exp(nll)``.
-        nll: mean negative log-likelihood per scored token (nats); ``nll_spread``: standard
-            deviation of the per-draw means.
-        kl: mean ``KL(p_fp ‖ p_method)`` per token (nats); ``kl_spread`` likewise.
+        nll: mean negative log-likelihood per scored token (nats), as served; ``nll_spread``: standard
+            deviation of the sign draws' means (``draw_nll``), 0 without two draws.
+        kl: mean ``KL(p_fp ‖ p_method)`` per token (nats), as served; ``kl_spread`` / ``draw_kl`` likewise.
         top1: agreement of the method's argmax with the unquantized model's.
         accuracy: agreement of the argmax with the next token.
         tokens_scored, context_len: scored tokens and the window length.
-        bpe: stored bits per K/V element at ``context_len`` (16 for ``fp``: the model's KV dtype bits).
+        bpe: stored bits per K/V element at ``context_len`` in the method's format (codes, scales and zeros,
+            windows; :meth:`rotationzoo.kvformat.KVFormat.bits_per_element`); for ``fp`` the model's KV
+            dtype bits.
         exposure: ``{"pairs": …, "tokens": …}``: fraction of (query, key) pairs read as INT2 and of
             scored tokens reading at least one INT2 key.
-        copy: copy-probe ``{"accuracy", "nll", "tokens"}`` (``None`` without the probe).
-        vs_baseline: ``{"nll": PairedDifference, "kl": …, "copy_nll": …}`` against the baseline
-            (``None`` for the baseline itself and for ``fp``).
+        copy: copy-probe ``{"accuracy", "nll", "tokens", "lo", "hi"}`` (``lo``/``hi``: the accuracy's interval;
+            ``None`` without the probe).
+        vs_fp: ``{"nll": …, "kl": …}``: the method against the unquantized model on the same tokens (ΔNLL,
+            and KL itself) with their intervals; ``None`` for ``fp``.
+        vs_baseline: ``{"nll": PairedDifference, "kl": …, "copy_nll": …}`` against ``baseline`` (the
+            baseline method in the same format; ``None`` for the baseline itself and for ``fp``).
         layer_errors: per layer ``‖o − o_fp‖ / ‖o_fp‖`` of the attention output (first windows).
         wall_s: seconds spent in this method's forwards.
         vs_methods: with ``EvalProtocol.compare_all``, ``{other method: {"nll": …, "kl": …}}``, this
@@ -61,10 +68,17 @@ class MethodResult:
     layer_errors: dict[int, float] = field(default_factory=dict)
     wall_s: float = 0.0
     vs_methods: dict[str, dict[str, PairedDifference]] = field(default_factory=dict)
+    rotation: str = ""
+    format: str | None = None
+    draw_kl: list[float] = field(default_factory=list)
+    draw_nll: list[float] = field(default_factory=list)
+    baseline: str | None = None
+    vs_fp: dict[str, PairedDifference] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["vs_baseline"] = {k: v.to_json() for k, v in self.vs_baseline.items()} if self.vs_baseline else None
+        d["vs_fp"] = {k: v.to_json() for k, v in self.vs_fp.items()} if self.vs_fp else None
         d["vs_methods"] = {m: {k: v.to_json() for k, v in diffs.items()} for m, diffs in self.vs_methods.items()}
         d["layer_errors"] = {str(k): v for k, v in self.layer_errors.items()}
         return d
@@ -165,7 +179,7 @@ def results_table(report: EvalReport, *, title: str | None = None) -> Any:
         table.add_column(c, justify="left" if c in ("method", cols[-1]) else "right")
     for r in report.results:
         vs = r.vs_baseline or {}
-        spread = f" ±{r.kl_spread:.4f}" if r.draws > 1 else ""
+        spread = f" ±{r.kl_spread:.4f}" if r.draws > 1 else ""  # the sign draws' spread beside the served value
         table.add_row(
             r.method, str(r.draws), f"{r.bpe:.2f}", f"{r.perplexity:.3f}", f"{r.kl:.4f}{spread}",
             f"{100 * r.top1:.1f}%", f"{100 * r.exposure.get('pairs', 0.0):.1f}%",
@@ -177,9 +191,12 @@ def results_table(report: EvalReport, *, title: str | None = None) -> Any:
 
 def summary_line(report: EvalReport) -> str:
     """One line under the table: windows, BPE formula, time."""
-    return (f"{report.windows} window(s) of {report.context} tokens; BPE = bits per K/V element at that context; "
-            f"Δ = method − {report.baseline}, {100 * report.protocol.get('confidence', 0.95):.0f}% block-bootstrap "
-            f"CI ({report.protocol.get('block_tokens')}-token blocks, sign draws resampled); {report.wall_s:.0f} s")
+    draws = report.protocol.get("draws") or 0
+    served = "rotations as served" + (f", ± the spread of {draws} sign draws" if draws else "")
+    return (f"{report.windows} window(s) of {report.context} tokens; BPE = stored bits per K/V element at that "
+            f"context; {served}; Δ = method − {report.baseline} (in the same format), "
+            f"{100 * report.protocol.get('confidence', 0.95):.0f}% block-bootstrap CI "
+            f"({report.protocol.get('block_tokens')}-token blocks); {report.wall_s:.0f} s")
 
 
 def by_name(results: Sequence[MethodResult]) -> dict[str, MethodResult]:

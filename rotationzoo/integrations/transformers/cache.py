@@ -15,7 +15,16 @@ from ...errors import EvaluationError
 from ...kernels import Int2KV, decode_attention_int2
 from ...kernels.decode_plan import DECODE_MAX_QUERIES
 from .common import require_transformers
-from .oscar import ACTIVE_SESSION, OSCAR_IMPL_PREFIX, OSCAR_TAG, LayerTransform, OscarKV, dequantize_rows, quantize_rows
+from .oscar import (
+    ACTIVE_SESSION,
+    OSCAR_IMPL_PREFIX,
+    OSCAR_TAG,
+    LayerTransform,
+    OscarKV,
+    dequantize_rows,
+    int2_store,
+    quantize_rows,
+)
 
 INT2_GROWTH_TOKENS = 256
 """Fewest tokens of room added when an INT2 buffer of the cache is full (it grows by an eighth)."""
@@ -89,6 +98,7 @@ class _LayerBody:
     sz_v = property(lambda self: self._int2_view("sz_v"), doc="Value scales/zeros.")
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        int2_store(self.oscar)  # one line for a format the cache does not store (FP8, KIVI, …)
         self.device = key_states.device
         self.dtype = key_states.dtype
         wdt = self.oscar.hp_dtype
@@ -145,7 +155,7 @@ class _LayerBody:
         ``config.clip_search`` (``"bisect"`` is the fork's decode-flush search).
         """
         o = self.oscar
-        cfg = o.config
+        cfg = int2_store(o)
         sink = getattr(self, f"sink_{side}")
         take = min(max(cfg.prefix_tokens - sink.shape[2], 0), x.shape[2])
         if take:
@@ -216,7 +226,7 @@ class _LayerBody:
             return None
         self.pending = None
         t = self.transform  # centering, q_rotation / o_rotation and v_mean included
-        out = decode_attention_int2(query, k, v, config=self.oscar.config, q_rotation=t.query_matrix,
+        out = decode_attention_int2(query, k, v, config=int2_store(self.oscar), q_rotation=t.query_matrix,
                                     o_rotation=t.output_matrix, scale=scale,
                                     backend=self.oscar.backend)  # type: ignore[arg-type]
         return out if t.v_mean is None else t.with_v_mean(out)

@@ -23,6 +23,8 @@ import torch
 from ...errors import EvaluationError
 from ...int2kv import Int2KVConfig
 from ...kernels import dequantize_int2, fake_quantize_int2, quantize_int2
+from ...kernels.formats import fake_quantize_format
+from ...kvformat import KVFormat
 from ...validation import DEFAULT_ATOL, DEFAULT_INVERSE_ATOL, inverse_errors, measure_matrices
 
 #: Attribute set on the key tensor an ``OscarInt2Cache`` layer returns (its layer object).
@@ -44,6 +46,8 @@ class OscarKV:
         v_rotations: ``None`` or the same shapes for values; outputs are un-rotated with ``R_Vᵀ``.
         layer_ids: model layer index of each matrix (default ``0 … L−1``).
         config: the INT2-KV settings (:class:`~rotationzoo.int2kv.Int2KVConfig`).
+        kv_format: instead of ``config``, any :class:`~rotationzoo.kvformat.KVFormat` (FP8, INT3/INT4,
+            KIVI, …): evaluated by the decode-time simulation; the INT2 cache stores INT2 formats only.
         quantize_k: quantize keys (``False`` keeps them rotated in ``hp_dtype``).
         quantize_v: quantize values.
         backend: kernel backend, ``"auto"`` (Triton for CUDA tensors, the PyTorch reference
@@ -61,6 +65,7 @@ class OscarKV:
         *,
         layer_ids: Sequence[int] | None = None,
         config: Int2KVConfig | None = None,
+        kv_format: KVFormat | None = None,
         quantize_k: bool = True,
         quantize_v: bool = True,
         backend: str = "auto",
@@ -95,7 +100,13 @@ class OscarKV:
         self.k_mean, self.v_mean = f32(k_mean), f32(v_mean)
         self.layer_ids = ids
         self._index = {lid: i for i, lid in enumerate(ids)}
-        self.config = config if config is not None else Int2KVConfig()
+        if config is not None and kv_format is not None and config.kv_format() != kv_format:
+            raise EvaluationError(f"give config or kv_format, not two different ones ({config.label()} vs {kv_format})")
+        self.kv_format = kv_format if kv_format is not None else (config or Int2KVConfig()).kv_format()
+        int2 = self.kv_format.code == "int2" and self.kv_format.axis == "token"
+        #: the INT2 store (``None`` for other formats, which only the simulation evaluates)
+        self.config: Int2KVConfig | None = config if config is not None else (
+            Int2KVConfig.from_format(self.kv_format) if int2 else None)
         self.quantize_k = bool(quantize_k)
         self.quantize_v = bool(quantize_v)
         self.backend = backend
@@ -134,11 +145,12 @@ class OscarKV:
                    o_rotations=stack(v, "o_rotation"), v_mean=stack(v, "v_mean"), **kwargs)
 
     def replace(self, **changes: Any) -> "OscarKV":
-        """A copy with ``config`` knobs (``k_clip_ratio=…``) or ``quantize_k/quantize_v/backend``
-        changed; the rotations are shared."""
+        """A copy with format knobs (``k_clip_ratio=…``, ``recent_tokens=…``; ``kv_format=`` a whole format) or
+        ``quantize_k/quantize_v/backend`` changed; the rotations are shared."""
         own = {k: changes.pop(k) for k in ("quantize_k", "quantize_v", "backend") if k in changes}
+        fmt = changes.pop("kv_format", None) or self.kv_format
         return OscarKV(self.k_rotations, self.v_rotations, layer_ids=self.layer_ids or None,
-                       config=self.config.replace(**changes),
+                       kv_format=fmt.replace(**changes),
                        quantize_k=own.get("quantize_k", self.quantize_k), quantize_v=own.get("quantize_v", self.quantize_v),
                        backend=own.get("backend", self.backend), k_mean=self.k_mean, v_mean=self.v_mean,
                        q_rotations=self.q_rotations, o_rotations=self.o_rotations)
@@ -173,12 +185,13 @@ class OscarKV:
 
     @property
     def hp_dtype(self) -> torch.dtype:
-        return DTYPES[self.config.hp_dtype]
+        return DTYPES[self.kv_format.hp_dtype]
 
     def describe(self) -> dict[str, Any]:
         """JSON-friendly settings."""
         return {
-            **self.config.to_json(),
+            **(self.config.to_json() if self.config is not None else {}),
+            "format": self.kv_format.name,
             "quantize_k": self.quantize_k,
             "quantize_v": self.quantize_v,
             "rotated": {"k": self.k_rotations is not None, "v": self.v_rotations is not None},
@@ -337,23 +350,34 @@ def _with_clip_search(config: Int2KVConfig, clip_search: str | None) -> Int2KVCo
     return config.replace(clip_search=clip_search)
 
 
+def int2_store(oscar: OscarKV) -> Int2KVConfig:
+    """``oscar``'s INT2 store, or one line saying that its format is simulated only."""
+    if oscar.config is None:
+        raise EvaluationError(f"the INT2 cache stores INT2 rows; {oscar.kv_format.name} is evaluated by the "
+                              f"decode-time simulation only (a forward without the cache, as rotationzoo eval runs)")
+    return oscar.config
+
+
 def quantize_rows(x: torch.Tensor, oscar: OscarKV, side: str, *, clip_search: str | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """INT2 codes and scales/zeros of rotated rows ``x [..., d]`` with ``oscar``'s settings for ``side``
     (``clip_search`` overrides the config's, for rows a prefill demotes)."""
-    cfg = _with_clip_search(oscar.config, clip_search)
+    cfg = _with_clip_search(int2_store(oscar), clip_search)
     return quantize_int2(x.contiguous(), config=cfg, side=side, backend=oscar.backend)  # type: ignore[arg-type]
 
 
 def dequantize_rows(codes: torch.Tensor, sz: torch.Tensor, oscar: OscarKV, dtype: torch.dtype) -> torch.Tensor:
     """Rows back from INT2 (still rotated), in ``dtype``."""
     out_dtype = dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
-    return dequantize_int2(codes, sz, dtype=out_dtype, config=oscar.config,
+    return dequantize_int2(codes, sz, dtype=out_dtype, config=int2_store(oscar),
                            backend=oscar.backend).to(dtype)  # type: ignore[arg-type]
 
 
 def fake_quantize(x: torch.Tensor, oscar: OscarKV, side: str, dtype: torch.dtype) -> torch.Tensor:
-    """``dequantize(quantize(x))``: what an INT2 token reads back (the kernels' values, bit for bit)."""
+    """``dequantize(quantize(x))`` in ``oscar``'s format: what a quantized token reads back (INT2 rows: the
+    kernels' values, bit for bit; other formats: :func:`~rotationzoo.kernels.formats.fake_quantize_format`)."""
     out_dtype = dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+    if oscar.config is None:
+        return fake_quantize_format(x, oscar.kv_format, side, dtype=out_dtype, backend=oscar.backend).to(dtype)
     return fake_quantize_int2(x.contiguous(), config=oscar.config, side=side, dtype=out_dtype,  # type: ignore[arg-type]
                               backend=oscar.backend).to(dtype)  # type: ignore[arg-type]

@@ -1,0 +1,27 @@
+"""Workflows: what a command does, callable from Python with the command's defaults.
+
+The floor between what users run (:mod:`rotationzoo.evaluate`, :mod:`rotationzoo.fit`,
+:mod:`rotationzoo.integrations`) and the command line (:mod:`rotationzoo.cli`): policy that a command needs
+and no lower layer owns lives here (which settings an evaluation uses, how methods and formats are named),
+so that the CLI only turns flags into a request and prints.
+
+Modules: :mod:`~.evaluation` (``rotationzoo eval``: :class:`EvalRequest`, :func:`run_evaluation`).
+"""
+
+from __future__ import annotations
+
+from .evaluation import (
+    SERVED,
+    EvalPlan,
+    EvalRequest,
+    base_config,
+    method_specs,
+    model_path,
+    parse_formats,
+    parse_methods,
+    plan_evaluation,
+    run_evaluation,
+)
+
+__all__ = ["SERVED", "EvalPlan", "EvalRequest", "base_config", "method_specs", "model_path", "parse_formats",
+           "parse_methods", "plan_evaluation", "run_evaluation"]
