@@ -152,8 +152,11 @@ def _refuse_other_artefacts(obj: Mapping, name: str) -> None:
     if "rotation" in obj and (isinstance(transform, Mapping) and "latent" in transform or "mean" in obj):
         latent = safe_repr(transform.get("latent")) if isinstance(transform, Mapping) else "?"
         raise RotationFileError(f"{name}: an MLA latent rotation (one layer_<id>.pt of a latent-rotation folder, "
-                                f"latent {latent}), not a K/V rotation file; rotationzoo does not load MLA latent "
-                                f"rotations")
+                                f"latent {latent}), not a K/V rotation file; check its folder with rotationzoo verify "
+                                f"and load it with rotationzoo.load_latent")
+    if {"codebooks_per_layer", "codebooks_stage1"} & set(obj):
+        raise RotationFileError(f"{name}: a PQ codebook file (codebooks_per_layer), not a rotation file; it is served "
+                                f"by the authors' tree through SGLANG_OSCAR_PQ_K_CODEBOOK / _V_CODEBOOK")
 
 
 def _layer_fields(entry: Any, lid: int, name: str, limits: Limits) -> dict[str, Any]:

@@ -202,13 +202,29 @@ def read_rotation(
         check_torch_version()
         if not _is_zip(p):
             refuse_legacy_pickle(p, limits)
-        with open_regular(p, what="rotation file", error=RotationFileError) as f:
-            plan, _ = inspect_torch_zip(p, limits, fileobj=f)
+        plan = _inspect_named(p, limits)
         _check_expected(_schema.parse(plan, str(p), limits), str(p), expect)
         rs = set_from_dict(_torch_load_safe(p), path=p, limits=limits)
     if str(map_location) != "cpu":
         rs = rs.to(device=map_location)
     return rs
+
+
+def _inspect_named(p: Path, limits: Limits) -> Any:
+    """The inspected pickle of ``p``; a refusal of a file that is a known other artefact (a PQ codebook, a
+    calibration dump) says what it is instead (:func:`rotationzoo.artefacts.identify_torch_file`)."""
+    from .artefacts import identify_torch_file
+
+    try:
+        with open_regular(p, what="rotation file", error=RotationFileError) as f:
+            return inspect_torch_zip(p, limits, fileobj=f)[0]
+    except UnsafeRotationFileError:
+        raise
+    except RotationFileError:
+        kind = identify_torch_file(p)
+        if kind is None:
+            raise
+        raise RotationFileError(f"{p}: {kind}") from None
 
 
 def check_torch_version(version: str | None = None) -> None:
