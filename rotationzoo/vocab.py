@@ -24,20 +24,23 @@ Hub = Literal["huggingface", "modelscope"]
 HUBS: tuple[str, ...] = get_args(Hub)
 
 #: Engine targets ``serve-args`` prepares a launch for: the authors' current SGLang tree (the
-#: default), their May 2026 SGLang fork, the vLLM port and the authors' llama.cpp branch.
-Engine = Literal["sglang", "sglang-legacy", "vllm", "llamacpp"]
+#: default), their May 2026 SGLang fork, the vLLM port of pull request 46774, a vLLM OSCAR prototype
+#: tree with other window variable names, and the authors' llama.cpp branch.
+Engine = Literal["sglang", "sglang-legacy", "vllm", "vllm-prototype", "llamacpp"]
 ENGINES: tuple[str, ...] = get_args(Engine)
 #: What an engine target may be asked to read (``rotationzoo.engines`` says which target reads which):
 #: one rotation per layer (V1), one per KV head (V2), a ``format_version`` 3 file (read as its
 #: rotations), key centering, the non-orthogonal companions ``q_rotation`` / ``o_rotation``,
-#: value centering, layers of different shapes, and the Lloyd-Max INT2 levels (a serving setting).
-FileKind = Literal["v1", "v2", "v3", "k_mean", "companions", "v_mean", "ragged", "lloyd_max"]
+#: value centering, layers of different shapes, the Lloyd-Max INT2 levels (a serving setting), and an
+#: MLA latent rotation set (a folder of ``layer_<id>.pt`` files of the shared latent).
+FileKind = Literal["v1", "v2", "v3", "k_mean", "companions", "v_mean", "ragged", "lloyd_max", "mla"]
 FILE_KINDS: tuple[str, ...] = get_args(FileKind)
 #: Attention backends of the SGLang targets (the OSCAR INT2 decode kernels are triton kernels).
 AttentionBackend = Literal["triton", "fa3"]
 ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
-#: SGLang's ``--mamba-scheduler-strategy`` for hybrid (linear-attention) models: ``extra_buffer``
-#: keeps the prefix cache on with the INT2 cache's 8-token pages.
+#: SGLang's Mamba radix-cache strategy for hybrid (linear-attention) models (``--mamba-radix-cache-strategy``,
+#: formerly ``--mamba-scheduler-strategy``): ``extra_buffer`` keeps the prefix cache on with the INT2
+#: cache's 8-token pages.
 MambaSchedulerStrategy = Literal["extra_buffer"]
 MAMBA_SCHEDULER_STRATEGIES: tuple[str, ...] = get_args(MambaSchedulerStrategy)
 #: Renderings of a launch.

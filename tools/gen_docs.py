@@ -148,7 +148,7 @@ def render_zoo() -> str:
             out.append(f"    - launch: TP {lc.tp_size}, backends {lc.attention_backend} / {lc.prefill_attention_backend} "
                        f"/ {lc.decode_attention_backend}, V-rotation absorption {'on' if lc.absorb_v_rotation else 'off'}, "
                        f"prefix cache {'off' if lc.disable_radix_cache else 'on'}"
-                       + (f", `--mamba-scheduler-strategy {lc.mamba_scheduler_strategy}`"
+                       + (f", `--mamba-radix-cache-strategy {lc.mamba_scheduler_strategy}`"
                           if lc.mamba_scheduler_strategy else "")
                        + (f" (recipe `{lc.recipe}`)" if lc.recipe else ""))
             for side in ("k", "v"):
@@ -163,14 +163,22 @@ def render_zoo() -> str:
     out += ["## MLA latent sets", "",
             "Models whose rotations are an MLA latent set: a folder of `layer_<id>.pt` files, one `[rank, rank]` "
             "rotation of the shared latent per layer, read by the authors' current tree through "
-            "`SGLANG_OSCAR_MLA_KV_ROTATION_PATH`. They are not K/V pairs: rotationzoo lists them, and `fetch`, "
-            "`load` and `serve-args` refuse them with one line.", "",
-            "| model | aliases | where it lives | recipe |", "|---|---|---|---|"]
+            "`SGLANG_OSCAR_MLA_KV_ROTATION_PATH`. A published set is fetched layer by layer and pinned on first use; "
+            "one the authors keep only in their image is imported from a copy (`rotationzoo cache import FOLDER "
+            "--latent MODEL`). Every layer file is checked and the folder must cover the model's latent layers; "
+            "see [serving](serving.md#mla-latent-sets).", "",
+            "| model | aliases | set | rank | layers | bits | where it lives | recipe |",
+            "|---|---|---|---|---|---|---|---|"]
     for m in latent:
-        assert m.mla_latent is not None
-        out.append(f"| `{m.id}` | {_cell(', '.join(m.aliases))} | {_cell(m.mla_latent.location)} | "
-                   f"`{m.mla_latent.recipe}` |" if m.mla_latent.recipe else
-                   f"| `{m.id}` | {_cell(', '.join(m.aliases))} | {_cell(m.mla_latent.location)} | – |")
+        lat = m.mla_latent
+        assert lat is not None
+        ids = lat.expected_layer_ids
+        layers = (f"{len(ids)} ({ids[0]} … {ids[-1]})" if ids else
+                  f"{lat.layer_count} (ids not known)" if lat.layer_count else "from the folder")
+        where = (", ".join(f"`{s.describe()}`" for s in lat.sources) + f" `{lat.path}/`" if lat.published
+                 else _cell(lat.location))
+        out.append(f"| `{m.id}` | {_cell(', '.join(m.aliases))} | `{lat.name}` | {lat.rank} | {layers} | {lat.bits} | "
+                   f"{where} | " + (f"`{lat.recipe}` |" if lat.recipe else "– |"))
     out.append("")
     for m in latent:
         out += [f"### {m.id}", "", m.description, ""] if m.description else []

@@ -156,7 +156,7 @@ def _lint_file(f: Mapping[str, Any], side: str, tname: str, tag_sources: Any, wh
     _safe(lambda value, at: bounds.check_file_numbers(value, size, at), sha, f"{where}: files.{side}", rep)
     if (sha is None) != (size is None):
         rep.warnings.append(f"{where}: files.{side} has {'size' if sha is None else 'sha256'} but not the other")
-    _safe(safety.check_relpath, path, f"{where}: files.{side}", rep)
+    _safe(safety.check_file_path, path, f"{where}: files.{side}", rep)
     srcs = f.get("sources", tag_sources)
     if not srcs:
         rep.errors.append(f"{where}: files.{side} has no sources")

@@ -21,11 +21,13 @@ from ..numbers import shown
 from ..sharding import kv_heads_per_rank
 from ..vocab import GROUPINGS
 from . import bounds, safety
+from .latent import parse_latent as _parse_latent
 from .model import (
     SIDES,
     SOURCE_TYPES,
     Architecture,
     Calibration,
+    Conflict,
     FileEntry,
     LatentSet,
     ModelEntry,
@@ -107,6 +109,33 @@ def parse_launch(raw: Any, arch: Architecture, grouping: str, where: str) -> Lau
     return cfg
 
 
+def _text(value: Any, where: str, limit: int = 400) -> str:
+    if not isinstance(value, str) or not 1 <= len(value) <= limit or not value.isprintable():
+        raise RegistryError(f"{where} must be a printable string of 1 to {limit} characters, got {shown(value)}")
+    return value
+
+
+def parse_conflicts(raw: Any, where: str) -> tuple[Conflict, ...]:
+    """A tag's ``conflicts``: ``[{about, chosen, sources: [{source, says}, ...]}]`` (printable text)."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or len(raw) > 16:
+        raise RegistryError(f"{where} must be a list of at most 16 objects, got {shown(raw)}")
+    out = []
+    for i, c in enumerate(raw):
+        w = f"{where}[{i}]"
+        if not isinstance(c, Mapping) or set(c) != {"about", "chosen", "sources"} or not isinstance(c["sources"], list) \
+                or not 2 <= len(c["sources"]) <= 8:
+            raise RegistryError(f"{w} must be an object with about, chosen and 2 to 8 sources, got {shown(c)}")
+        sources = []
+        for j, s in enumerate(c["sources"]):
+            if not isinstance(s, Mapping) or set(s) != {"source", "says"}:
+                raise RegistryError(f"{w}.sources[{j}] must be an object with source and says")
+            sources.append((_text(s["source"], f"{w}.sources[{j}].source", 200), _text(s["says"], f"{w}.sources[{j}].says")))
+        out.append(Conflict(_text(c["about"], f"{w}.about", 200), _text(c["chosen"], f"{w}.chosen", 200), tuple(sources)))
+    return tuple(out)
+
+
 def parse_grouping(raw: Any, where: str) -> str:
     """A tag's ``grouping``: ``layer`` (the default) or ``kv_head``."""
     if raw is None:
@@ -117,17 +146,8 @@ def parse_grouping(raw: Any, where: str) -> str:
 
 
 def parse_latent(raw: Any, where: str) -> LatentSet:
-    """A model's ``mla_latent`` block: ``location`` (printable, at most 200 characters) and ``recipe``."""
-    if not isinstance(raw, Mapping) or set(raw) - {"location", "recipe"} or "location" not in raw:
-        raise RegistryError(f"{where} must be an object with location (and recipe), got {shown(raw)}")
-    loc = raw["location"]
-    if not isinstance(loc, str) or not 1 <= len(loc) <= 200 or not loc.isprintable():
-        raise RegistryError(f"{where}.location must be a printable string of 1 to 200 characters, got {shown(loc)}")
-    try:
-        LaunchConfig(recipe=raw.get("recipe"))  # the one rule for recipe names
-    except ConfigError as exc:
-        raise RegistryError(f"{where}: {exc}") from None
-    return LatentSet(location=loc, recipe=raw.get("recipe"))
+    """A model's ``mla_latent`` block (see :mod:`.latent`)."""
+    return _parse_latent(raw, where, _parse_source)
 
 
 def _parse_source(raw: Mapping[str, Any], where: str) -> Source:
@@ -157,7 +177,10 @@ def _parse_files(t: Mapping[str, Any], where: str) -> dict[str, FileEntry]:
                 if "sources" in f else tag_sources)
         if not srcs:
             raise RegistryError(f"{fw}: no sources (give 'sources' on the tag or the file)")
-        path = safety.check_relpath(f["path"], f"{fw}.path")
+        path = safety.check_file_path(f["path"], f"{fw}.path")
+        if "*" in path and any(not src.is_hub for src in srcs):
+            raise RegistryError(f"{fw}.path: a path with '*' is resolved by listing a hub folder; give huggingface "
+                                f"or modelscope sources only")
         if path.endswith(".verified"):
             raise RegistryError(f"{fw}.path: {path!r} ends like a cache verification marker")
         bounds.check_file_numbers(f.get("sha256"), f.get("size"), fw)
@@ -187,6 +210,7 @@ def _parse_tag(mid: str, tname: str, t: Mapping[str, Any], arch: Architecture, w
         architecture=arch,
         launch=parse_launch(t.get("launch"), arch, grouping, f"{where}.launch"),
         grouping=grouping,  # type: ignore[arg-type]
+        conflicts=parse_conflicts(t.get("conflicts"), f"{where}.conflicts"),
     )
 
 
@@ -208,6 +232,8 @@ def parse_model(raw: Mapping[str, Any], where: str, origin: str) -> ModelEntry:
             default_tag=raw["default_tag"],
             tags=tags,
             origin=origin,
+            prebuilt_gguf=tuple(safety.check_model_id(r, f"{where}.prebuilt_gguf[{i}]")
+                                for i, r in enumerate(raw.get("prebuilt_gguf") or [])),
         )
     except RegistryError:
         raise

@@ -95,7 +95,14 @@ class FileEntry:
 
     @property
     def filename(self) -> str:
-        return self.path.rsplit("/", 1)[-1]
+        """The file's name in the cache: the path's last part (``k_rotation.pt`` for ``k_rotation_*.pt``)."""
+        name = self.path.rsplit("/", 1)[-1]
+        return name.replace("_*", "").replace("-*", "").replace("*", "") if self.pattern else name
+
+    @property
+    def pattern(self) -> bool:
+        """The path names the one file of its folder matching a ``*`` (resolved at the source)."""
+        return "*" in self.path
 
     @property
     def pinned(self) -> bool:
@@ -126,6 +133,23 @@ class Result:
     bf16: float | None = None
     oscar_int2: float | None = None
     source: str | None = None
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """Two sources of the authors that disagree on a setting: what each says, and which the entry follows."""
+
+    about: str
+    chosen: str
+    sources: tuple[tuple[str, str], ...]  # (source, what it says)
+
+    def describe(self) -> str:
+        said = "; ".join(f"{src} says {says}" for src, says in self.sources)
+        return f"the authors' sources disagree on {self.about}: {said}; the entry follows {self.chosen}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"about": self.about, "chosen": self.chosen,
+                "sources": [{"source": src, "says": says} for src, says in self.sources]}
 
 
 @dataclass(frozen=True)
@@ -190,6 +214,10 @@ class TagEntry:
     architecture: Architecture
     launch: LaunchConfig = LaunchConfig()
     grouping: Grouping = "layer"
+    #: set when the entry stands for an MLA latent set's files (see :meth:`LatentSet.entry`)
+    latent: "LatentSet | None" = None
+    #: settings on which the authors' own sources disagree (shown by ``info`` and ``serve-args``)
+    conflicts: tuple[Conflict, ...] = ()
 
     @property
     def key(self) -> str:
@@ -211,6 +239,7 @@ class TagEntry:
             "serving": self.serving.to_json(),
             "launch": self.launch.to_json(),
             "results": [asdict(r) for r in self.results],
+            "conflicts": [c.to_json() for c in self.conflicts],
             "files": {
                 side: {
                     "path": f.path,
@@ -225,28 +254,110 @@ class TagEntry:
 
 #: The variable through which the authors' current tree reads an MLA latent rotation folder.
 MLA_LATENT_ENV = "SGLANG_OSCAR_MLA_KV_ROTATION_PATH"
+#: Attention backends of the MLA recipes (GLM-5.3 serves DSA sparse attention through ``nsa``).
+MLA_ATTENTION_BACKENDS = ("triton", "nsa")
+#: Bits per latent value the packed pool implements.
+MLA_BITS = (2, 4)
+
+
+def latent_file_key(layer_id: int) -> str:
+    """The key of one layer's file in a latent set's :class:`TagEntry` (``layer_12``)."""
+    return f"layer_{layer_id}"
 
 
 @dataclass(frozen=True)
 class LatentSet:
     """An MLA latent rotation set (GLM-5.2 / 5.3, Kimi-K3): a folder of ``layer_<id>.pt`` files, each a
-    ``[rank, rank]`` rotation of the shared latent ``c_kv`` with its mean and eigenvalues. It is not a
-    K/V pair: rotationzoo lists it (where it lives, the recipe that serves it) and does not load it.
+    ``[rank, rank]`` rotation of the shared latent ``c_kv`` (a bare tensor, or the OSCAR-2 dict with its
+    mean and inverse), and the settings of the recipe that serves it.
 
     Attributes:
-        location: where the folder lives (the authors' OSCAR image path).
+        location: where the authors keep the folder in their OSCAR image (printable text).
         recipe: the authors' recipe that serves it (``rotation/run/glm-5.2.sh@51b618f1``).
+        name: the set's name (its cache folder), e.g. ``c_kv_rcov_phblock_g128``.
+        path: the folder inside the hub repositories of ``sources`` (``None``: not published).
+        sources: where the folder's files can be downloaded, tried in order (empty: import a copy
+            with ``rotationzoo cache import FOLDER --latent MODEL``).
+        rank: the latent width (``kv_lora_rank``).
+        num_layers, layer_ids, layer_count: the model's latent layers: ``0 … num_layers-1``, an
+            explicit list, or only their number (ids unknown); with none of them the folder's ids must
+            run from 0 without a gap.
+        bits: bits per latent value in the packed pool (2, or 4 for a latent that 2 bits cannot hold).
+        group_size: latent values per scale/zero pair; ``lloyd_max``: pinned on/off, ``None`` = the
+            pool's default (on at 2 bits).
+        prefix_tokens, recent_tokens: the BF16 sink and recent windows.
+        tp_size, pp_size, attention backends, mamba_scheduler_strategy: the recipe's launch.
+        hp_subspace: the folder (inside the hub repositories) of ``[k, rank]`` high-precision
+            subspaces, when the set has one.
+        notes: what the authors measured or say about it, shown by ``info``.
     """
 
     location: str
     recipe: str | None = None
+    name: str = "latent"
+    path: str | None = None
+    sources: tuple[Source, ...] = ()
+    rank: int = 512
+    num_layers: int | None = None
+    layer_ids: tuple[int, ...] | None = None
+    layer_count: int | None = None
+    bits: int = 2
+    group_size: int = 128
+    lloyd_max: bool | None = None
+    prefix_tokens: int = 64
+    recent_tokens: int = 256
+    tp_size: int = 1
+    pp_size: int = 1
+    attention_backend: str = "triton"
+    prefill_attention_backend: str = "triton"
+    decode_attention_backend: str = "triton"
+    mamba_scheduler_strategy: str | None = None
+    hp_subspace: str | None = None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def expected_layer_ids(self) -> tuple[int, ...] | None:
+        """The latent layer ids the folder must cover, when the registry knows them."""
+        if self.layer_ids is not None:
+            return self.layer_ids
+        return tuple(range(self.num_layers)) if self.num_layers else None
+
+    @property
+    def published(self) -> bool:
+        return bool(self.sources) and self.path is not None
+
+    def entry(self, model_id: str, layer_ids: tuple[int, ...] | None = None, *, subspace: bool = False) -> TagEntry:
+        """The set as a :class:`TagEntry` whose files are its ``layer_<id>.pt`` (keyed ``layer_<id>``), so
+        the hub fetches, pins, marks and caches them as it does K/V files. ``layer_ids`` overrides the
+        expected ids (a set whose ids the registry does not know: those found in a copy); ``subspace``
+        gives the high-precision subspace folder's entry instead (tag ``<name>-hp``)."""
+        ids = layer_ids if layer_ids is not None else self.expected_layer_ids or ()
+        folder = self.hp_subspace if subspace else self.path
+        files = {latent_file_key(i): FileEntry(side=latent_file_key(i),  # type: ignore[arg-type]
+                                               path=f"{folder or self.name}/layer_{i}.pt", sha256=None, size=None,
+                                               sources=self.sources)
+                 for i in ids}
+        arch = Architecture(head_dim=self.rank, num_layers=max(ids) + 1 if ids else None,
+                            attention_layer_ids=tuple(ids) or None)
+        return TagEntry(model_id=model_id, name=self.name + ("-hp" if subspace else ""),
+                        description=f"MLA latent rotation set {self.name}", calibration=Calibration(),
+                        objectives={}, serving=Int2KVConfig(prefix_tokens=self.prefix_tokens,
+                                                            recent_tokens=self.recent_tokens),
+                        results=(), files=files, architecture=arch, latent=self)
 
     def describe(self, model_id: str) -> str:
-        """One line: what the set is, where it lives, how the authors' tree reads it."""
-        via = f" by the recipe {self.recipe}" if self.recipe else ""
-        return (f"{model_id} has an MLA latent rotation set, not a K/V pair: a folder of layer_<id>.pt files (one "
-                f"[rank, rank] rotation of the shared latent per layer) at {self.location}, read through "
-                f"{MLA_LATENT_ENV}{via}; rotationzoo lists it and does not load it (yet)")
+        """One line: what the set is, where it comes from, how the authors' tree reads it."""
+        where = (f"{', '.join(s.describe() for s in self.sources)} ({self.path}/)" if self.published
+                 else f"not published in a hub; the authors keep it at {self.location}")
+        return (f"{model_id} has an MLA latent rotation set {self.name}, not a K/V pair: a folder of layer_<id>.pt "
+                f"files (one [{self.rank}, {self.rank}] rotation of the shared latent per layer) from {where}, read "
+                f"through {MLA_LATENT_ENV}")
+
+    def to_json(self) -> dict[str, Any]:
+        out = {k: v for k, v in asdict(self).items() if v is not None and k != "sources"}
+        out["sources"] = [s.to_json() for s in self.sources]
+        out["env"] = MLA_LATENT_ENV
+        return out
 
 
 @dataclass(frozen=True)
@@ -265,6 +376,8 @@ class ModelEntry:
     tags: Mapping[str, TagEntry]
     origin: str = "bundled"
     mla_latent: LatentSet | None = None
+    #: Hugging Face repositories of ready-made llama.cpp model GGUFs with the rotations appended
+    prebuilt_gguf: tuple[str, ...] = ()
 
     def tag(self, name: str | None = None) -> TagEntry:
         """The named tag (default tag when ``None``); matching is case-insensitive.
@@ -300,10 +413,10 @@ class ModelEntry:
             "default_tag": self.default_tag,
             "tags": list(self.tags),
             "origin": self.origin,
+            "prebuilt_gguf": list(self.prebuilt_gguf),
         }
         if self.mla_latent is not None:
-            out["mla_latent"] = {**{k: v for k, v in asdict(self.mla_latent).items() if v is not None},
-                                 "env": MLA_LATENT_ENV, "loaded_by_rotationzoo": False}
+            out["mla_latent"] = self.mla_latent.to_json()
         if full:
             out["tags"] = {name: t.to_json() for name, t in self.tags.items()}
         return out

@@ -69,6 +69,24 @@ def check_relpath(value: object, where: str) -> str:
     return str(value)
 
 
+_PATTERN_PART = re.compile(r"^[A-Za-z0-9._+-]*\*[A-Za-z0-9._+-]*$")
+
+
+def check_file_path(value: object, where: str) -> str:
+    """A file's path in a registry entry: a relative path (:func:`check_relpath`) whose last part may hold
+    one ``*`` (``Qwen3.8-27B/k_rotation_*.pt``): the one file of its folder that matches it, as the authors'
+    recipes find a zoo folder's files; resolved at the source when the file is fetched."""
+    if isinstance(value, str) and "*" in value:
+        head, _, last = value.rpartition("/")
+        if last.count("*") != 1 or not _PATTERN_PART.match(last) or last.startswith("*") or (head and "*" in head):
+            raise RegistryError(f"{where}: path {value!r} may hold one '*' in its last part only, after a prefix "
+                                f"(k_rotation_*.pt)")
+        if head:
+            check_relpath(head, where)
+        return value
+    return check_relpath(value, where)
+
+
 def check_revision(value: object, where: str) -> str:
     """A branch, tag or commit sha (``/`` allowed between safe parts)."""
     ok = (isinstance(value, str) and 0 < len(value) <= 200 and not value.startswith("/") and _no_dots(value)
