@@ -32,7 +32,7 @@ from typing import Callable
 
 from .. import config
 from ..errors import CacheError, ConfigError, FetchError, IntegrityError, OfflineError, RegistryError, RotationZooError
-from ..hashing import read_hashed, sha256_file
+from ..hashing import sha256_file
 from ..registry import SIDES, FileEntry, Source, TagEntry
 from ..safefile import file_lock, open_regular
 from ..registry.safety import check_revision
@@ -51,6 +51,8 @@ from .layout import (
     remove_inside,
     write_marker,
 )
+from .checks import check_downloaded as _check
+from .discover import resolve
 from .sources import MAX_DOWNLOAD_BYTES, Download, bundled_path, describe_exc, download, hf_endpoint, ms_endpoint
 
 log = logging.getLogger("rotationzoo")
@@ -142,31 +144,6 @@ def cached_copy(entry: TagEntry, side: str, root: Path, revision: str | None = N
                              commit=marker.get("commit")) == "new":
             _warn_unpinned(entry, side, sha)
     return _hit(side, target, marker)
-
-
-def _check(path: Path, f: FileEntry, entry: TagEntry) -> tuple[str | None, str]:
-    """(problem or None, observed sha256). Size and sha256 against the registry, then structure; the
-    bytes validated are the bytes hashed (:func:`~rotationzoo.hashing.read_hashed`)."""
-    size = path.stat().st_size
-    sha = sha256_file(path)
-    if f.size is not None and size != f.size:
-        return f"size {size} B, expected {f.size} B (truncated or wrong file); sha256 {sha}", sha
-    if f.sha256 is not None and sha != f.sha256:
-        return f"sha256 mismatch: expected {f.sha256}, got {sha}", sha
-    from ..format import read_rotation  # torch: only once bytes have arrived
-    from ..validation import validate
-
-    arch = entry.architecture
-    ids = arch.expected_layer_ids()
-    try:
-        rs, read_sha = read_hashed(path, lambda p: read_rotation(
-            p, head_dim=arch.head_dims, num_layers=len(ids) if ids else None, num_kv_heads=arch.num_kv_heads))
-        if read_sha != sha:
-            return f"changed while it was checked (sha256 {sha}, then {read_sha})", read_sha
-        validate(rs, layer_ids=ids, head_dim=arch.head_dims, num_kv_heads=arch.num_kv_heads)
-    except RotationZooError as exc:
-        return f"not a valid rotation file for {entry.model_id}: {exc}", sha
-    return None, sha
 
 
 def _select_sources(f: FileEntry, source: str) -> list[Source]:
@@ -281,7 +258,8 @@ def _from_source(entry: TagEntry, side: str, src: Source, *, root: Path, revisio
     target = entry_dir(root, entry, revision) / f.filename
     bad_hashes: list[str] = []
     problem = None
-    listed_commit = _preflight(src, f, rev, say)
+    got_f = resolve(src, f, rev, say) if src.is_hub and rev is not None else f  # a '*' path: the one match
+    listed_commit = _preflight(src, got_f, rev, say)
     for attempt in (1, 2):
         got: Download | None = None
         if src.is_hub:  # the client writes there: no link in it may lead out of the cache
@@ -298,7 +276,7 @@ def _from_source(entry: TagEntry, side: str, src: Source, *, root: Path, revisio
 
         try:
             with network.quiet_clients():
-                got = download(src, f, hub_cache=root / HUB_AREA, dest_dir=target.parent, revision=rev,
+                got = download(src, got_f, hub_cache=root / HUB_AREA, dest_dir=target.parent, revision=rev,
                                force=force or attempt > 1, say=say)
             problem, sha, marker = _accept(got, target, f, entry, root, place)
         except BaseException:
