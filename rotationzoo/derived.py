@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from .errors import RotationZooError, ServingError
 from .export import export_gguf
@@ -117,9 +118,13 @@ def _gguf_holds(path: Path, pair: RotationPair) -> bool:
         sets, _ = read_gguf(path)
     except RotationZooError:
         return False
+    def layers(rot: Any) -> list[Any]:
+        return list(rot) if isinstance(rot, tuple) else list(rot.unbind(0))
+
     return sets.keys() == {"k", "v"} and all(
         sets[s].layer_ids == rs.layer_ids
-        and torch.equal(sets[s].stacked(), rs.stacked(what="a GGUF").detach().to("cpu", torch.float64).to(torch.float32))
+        and all(a.shape == b.shape and torch.equal(a, b.detach().to("cpu", torch.float64).to(torch.float32))
+                for a, b in zip(layers(sets[s].rotations), layers(rs.rotations)))
         for s, rs in pair)
 
 

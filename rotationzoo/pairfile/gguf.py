@@ -5,6 +5,11 @@ Layout::
     blk.<layer>.attn_k_rot.weight   F32, holds M_Kᵀ   so that ggml_mul_mat(rot, K) == K @ M_K
     blk.<layer>.attn_v_rot.weight   F32, holds M_Vᵀ
 
+Each tensor has its layer's own size: the branch creates them as ``{n_embd_head_k(il),
+n_embd_head_k(il)}`` (``src/models/gemma4.cpp``), so a ragged pair (Gemma-4: 256 on sliding-window
+layers, 512 on full-attention ones) is written layer by layer, its ``rotationzoo.head_dim`` the
+per-layer spec (``256,5:512,…``).
+
 A GGUF tensor stored from a numpy array ``A [rows, cols]`` has ggml shape ``ne = [cols, rows]``;
 ``ggml_mul_mat(a, b)`` computes ``b @ aᵀ`` on row vectors, so storing ``A = Mᵀ`` yields
 ``K @ M``. Metadata keys (``rotationzoo.*``: model, tag, layer_ids, head_dim, per-side objective
@@ -27,6 +32,7 @@ from .._schema import make_limits, parse
 from .._version import __version__
 from ..errors import ExportError, MissingDependencyError
 from ..format import RotationSet
+from ..headdims import HeadDims
 from ..registry.model import SIDES
 from ..safefile import check_regular, open_regular
 from .common import (
@@ -89,9 +95,12 @@ def check_gguf_exportable(sets: Sets, out: Path | str) -> None:
         if not rs.orthogonal or rs.q_rotation is not None or rs.o_rotation is not None:
             raise ExportError(f"{out}: {side} rotations are not orthogonal (they need q_rotation / o_rotation); the "
                               f"llama.cpp branch applies Rᵀ as the inverse; export to safetensors instead")
-        if rs.ragged:
-            raise ExportError(f"{out}: {side} layers differ in head_dim ({rs.head_dims}); the llama.cpp GGUF layout "
-                              f"needs one head_dim; export to safetensors instead")
+
+
+def _layers(rs: RotationSet) -> list[torch.Tensor]:
+    """Each layer's ``[d, d]`` rotation (a ragged set holds one tensor per layer)."""
+    rot = rs.rotations
+    return list(rot) if isinstance(rot, tuple) else list(rot.unbind(0))
 
 
 def _transposed_tensors(sets: Sets) -> list[tuple[str, Any]]:
@@ -100,9 +109,9 @@ def _transposed_tensors(sets: Sets) -> list[tuple[str, Any]]:
     out = []
     for s in sides_of(sets):
         rs = sets[s]
-        rot = rs.stacked(what="a GGUF export").detach().to("cpu").double()
-        for i, lid in enumerate(rs.layer_ids):
-            out.append((GGUF_TENSOR.format(layer=lid, side=s), np.ascontiguousarray(rot[i].numpy().T, dtype=np.float32)))
+        for lid, r in zip(rs.layer_ids, _layers(rs)):
+            m = r.detach().to("cpu").double()
+            out.append((GGUF_TENSOR.format(layer=lid, side=s), np.ascontiguousarray(m.numpy().T, dtype=np.float32)))
     return out
 
 
@@ -113,7 +122,10 @@ def _add_metadata(w: Any, sets: Sets, model: str | None, tag: str | None, sha256
     w.add_key_value(pre + "export_format_version", EXPORT_FORMAT_VERSION, T.UINT32)
     w.add_key_value(pre + "version", __version__, T.STRING)
     w.add_key_value(pre + "transposed", True, T.BOOL)  # tensors hold Mᵀ
-    w.add_key_value(pre + "head_dim", first.head_dim, T.UINT32)
+    if first.ragged:  # the per-layer spec, as a safetensors pair file writes it
+        w.add_key_value(pre + "head_dim", str(first.head_dims), T.STRING)
+    else:
+        w.add_key_value(pre + "head_dim", first.head_dim, T.UINT32)
     w.add_key_value(pre + "layer_ids", [int(i) for i in first.layer_ids], T.ARRAY, sub_type=T.INT32)
     w.add_key_value(pre + "sides", ",".join(sides_of(sets)), T.STRING)
     if model:
@@ -201,8 +213,13 @@ def _check_base(base: Path, reader: Any, sets: Sets, gguf: Any) -> str:
         emb = _int_field(reader, gguf.Keys.LLM.EMBEDDING_LENGTH.format(arch=arch), base)
         heads = _int_field(reader, gguf.Keys.Attention.HEAD_COUNT.format(arch=arch), base)
         key_len = emb // heads if emb and heads else None
-    if key_len is not None and key_len != first.head_dim:
-        raise ExportError(f"{base}: the model's head size is {key_len}, the rotations are {first.head_dim}×{first.head_dim}")
+    swa_len = _int_field(reader, gguf.Keys.Attention.KEY_LENGTH_SWA.format(arch=arch), base)
+    sizes = {key_len, swa_len} - {None}
+    dims = sorted({int(r.shape[-1]) for r in _layers(first)})
+    if sizes and not set(dims) <= sizes:
+        have = " and ".join(map(str, sorted(x for x in sizes if x is not None)))
+        raise ExportError(f"{base}: the model's head size is {have}, the rotations are "
+                          f"{' and '.join(f'{d}×{d}' for d in dims)}")
     return str(arch)
 
 
@@ -321,7 +338,7 @@ def read_gguf(path: Path) -> tuple[dict[str, RotationSet], dict[str, str]]:
         raise ExportError(f"{path}: {GGUF_KEY_PREFIX}transposed is {safe_repr(meta[GGUF_KEY_PREFIX + 'transposed'])}; "
                           "this layout holds Mᵀ, as the llama.cpp branch reads it")
     limits = make_limits()
-    layout: dict[str, tuple[tuple[int, ...], int]] = {}
+    layout: dict[str, tuple[tuple[int, ...], Any]] = {}
     described: dict[str, tuple[int | str, str]] = {}
     for s in sides_of(found):
         plan = {"format_version": parse_version(meta.get(f"{s}.format_version", "1")),
@@ -329,16 +346,20 @@ def read_gguf(path: Path) -> tuple[dict[str, RotationSet], dict[str, str]]:
                 "layers": {i: {"layer_id": i, "rotation": TensorMeta(str(a.dtype), tuple(a.shape), (int(a.shape[1]), 1))}
                            for i, a in sorted(found[s].items())}}
         parsed = parse(plan, str(path), limits)  # layer count, d, bytes, version, objective
-        ids, d = tuple(lid for lid, _ in parsed.layers), int(parsed.layers[0][1]["rotation"].shape[-1])
-        if any(int(f["rotation"].shape[-1]) != d for _, f in parsed.layers):
-            raise ExportError(f"{path}: {s.upper()} rotation tensors of different sizes; a GGUF holds one head_dim")
-        layout[s], described[s] = (ids, d), (parsed.version, parsed.objective)
+        ids = tuple(lid for lid, _ in parsed.layers)
+        dims = HeadDims.of({lid: int(f["rotation"].shape[-1]) for lid, f in parsed.layers})
+        assert dims is not None
+        layout[s], described[s] = (ids, dims if not dims.uniform else dims.default), (parsed.version, parsed.objective)
     check_metadata(meta, layout, str(path))
     sets = {}
     for s, (ids, d) in layout.items():
-        rot = np.empty((len(ids), d, d), dtype=np.float32)
-        for n, i in enumerate(ids):
-            rot[n] = found[s][i].T  # stored Mᵀ -> M, cast to fp32 in the one copy
-        sets[s] = RotationSet(rotations=torch.from_numpy(rot), layer_ids=ids, objective=described[s][1],
+        if isinstance(d, int):
+            rot = np.empty((len(ids), d, d), dtype=np.float32)
+            for n, i in enumerate(ids):
+                rot[n] = found[s][i].T  # stored Mᵀ -> M, cast to fp32 in the one copy
+            rotations: Any = torch.from_numpy(rot)
+        else:  # layers of different sizes: one tensor per layer
+            rotations = tuple(torch.from_numpy(np.ascontiguousarray(found[s][i].T, dtype=np.float32)) for i in ids)
+        sets[s] = RotationSet(rotations=rotations, layer_ids=ids, objective=described[s][1],
                               format_version=described[s][0], path=path)
     return sets, meta
