@@ -38,6 +38,10 @@ _LAZY = {
     "FetchResult": "api",
     "RotationPair": "pair",
     "resolve_pair": "pair",
+    # MLA latent sets
+    "load_latent": "mla",
+    "verify_latent": "mla",
+    "LoadedLatent": "mla",
     # INT2 KV settings, serving and export
     "Int2KVConfig": "int2kv",
     "launch_spec": "serving",
@@ -66,6 +70,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .export import export_gguf, export_safetensors
     from .format import RotationSet, read_rotation, write_rotation
     from .int2kv import Int2KVConfig
+    from .mla import LoadedLatent, load_latent, verify_latent
     from .pair import RotationPair, resolve_pair
     from .registry import ModelEntry, Registry, TagEntry, get_entry, get_model, list_models
     from .serving import launch_spec

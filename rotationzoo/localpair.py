@@ -128,7 +128,7 @@ def find_pair_files(directory: str | os.PathLike[str]) -> dict[str, Path]:
     chosen = {s: p for s in SIDES if (p := _pick(d, s, files)) is not None}
     if not chosen and any(re.fullmatch(r"layer_\d+\.pt", f.name) for f in files):
         raise PairError(f"{d}: an MLA latent rotation folder (layer_<id>.pt files), not a K/V rotation pair; "
-                          f"rotationzoo does not load MLA latent rotations")
+                        f"check it with `rotationzoo verify {d}` and load it with rotationzoo.load_latent")
     if not chosen:
         names = ", ".join(f.name for f in files[:8]) or "no .pt/.safetensors files"
         raise PairError(f"{d}: no rotation pair found (expected k_rotation*.pt and v_rotation*.pt; found {names})")
@@ -164,7 +164,17 @@ def verify_path(path: str | os.PathLike[str], *, atol: float = DEFAULT_ATOL, lay
             _check_agreement(Path(text), {s: r[0] for s, r in pair.items()})
         return [r for reps in pair.values() for r in reps]
     if not p.exists() and _registry_id(text):
+        if _latent_id(text):
+            from .mla import verify_latent
+
+            return [verify_latent(text, atol=atol, fetch=dict(fetch or {}))]
         return _verify_registered(text, expect, dict(fetch or {}))
+    if p.is_dir() and _is_latent(p):
+        from .mla import verify_latent
+
+        dims = HeadDims.of(head_dim)
+        return [verify_latent(p, layer_ids=layer_ids, num_layers=num_layers, atol=atol,
+                              rank=dims.default if dims is not None else None)]
     if p.is_dir():
         try:
             files = find_pair_files(p)
@@ -190,6 +200,22 @@ def verify_path(path: str | os.PathLike[str], *, atol: float = DEFAULT_ATOL, lay
             reports[s] = rep
     _check_agreement(p, reports)
     return list(reports.values())
+
+
+def _is_latent(folder: Path) -> bool:
+    """A folder of ``layer_<id>.pt`` latent rotation files and no K/V rotation files."""
+    from .latent import is_latent_folder
+
+    return is_latent_folder(folder) and not any(folder.glob("[kv]_rotation*"))
+
+
+def _latent_id(text: str) -> bool:
+    from .mla import latent_model
+
+    try:
+        return latent_model(text) is not None
+    except RotationZooError:
+        return True  # a tag other than the set's: verify_latent says so
 
 
 def _registry_id(text: str) -> bool:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, Callable
 
-from .engines import check_engine, sglang_page_size
+from .engines import VLLM_DEFAULT_BLOCK, check_engine, target
 from .errors import ConfigError
 from .int2kv import DTYPE_BITS, MAX_CONTEXT_TOKENS, Int2KVConfig
 from .numbers import check_int, check_real, shown
@@ -39,7 +39,7 @@ KV_FORMATS: tuple[str, ...] = ("bf16", "fp8", "oscar_int2")
 #: ``gpu_memory_utilization`` is 0.9; SGLang's ``mem_fraction_static`` is about 0.88).
 DEFAULT_RESERVE = 0.1
 #: Tokens per KV page (block) of each engine; SGLang's is the fork's quantised page ``4·itemsize(hp_dtype)``.
-VLLM_BLOCK_TOKENS = 16
+VLLM_BLOCK_TOKENS = VLLM_DEFAULT_BLOCK
 #: Bits per parameter of each ``architecture.weight_dtype``.
 WEIGHT_DTYPE_BITS: dict[str, int] = {"float32": 32, "bfloat16": 16, "float16": 16, "float8": 8}
 #: Most concurrent sequences a plan may ask for (``batch``): 2^20 = 1,048,576.
@@ -90,11 +90,9 @@ def gib_bytes(gib: float, what: str = "weights_gib") -> int:
 
 
 def engine_page_size(engine: str, hp_dtype: str = "bfloat16") -> int:
-    """Tokens per KV page: the SGLang targets ``4 · itemsize(hp_dtype)`` (8 for bfloat16), vllm 16, llamacpp 1."""
-    e = check_engine(engine)
-    if e.startswith("sglang"):
-        return sglang_page_size(hp_dtype)
-    return VLLM_BLOCK_TOKENS if e == "vllm" else 1
+    """Tokens per KV page, from the engine table: the SGLang targets ``4 · itemsize(hp_dtype)`` (8 for
+    bfloat16), the vLLM targets 16, llama.cpp 1."""
+    return target(engine).page_size(hp_dtype)
 
 
 @dataclass(frozen=True)
@@ -279,22 +277,6 @@ def _check_inputs(context: int, batch: int, gpu_memory_bytes: int | None, reserv
     return check_real(reserve, "reserve", low=0.0, high=1.0, high_open=True)
 
 
-def _engine_notes(engine: str, config: Int2KVConfig, page: int) -> list[str]:
-    notes = []
-    if engine.startswith("sglang"):
-        for name in ("prefix_tokens", "recent_tokens"):
-            if getattr(config, name) % page:
-                notes.append(f"{name}={getattr(config, name)} is not a multiple of the quantised page size {page}; "
-                             "SGLang's INT2 cache rejects it")
-    elif engine == "vllm":
-        notes.append("the vLLM port stores its own layout (fp16 scale/zero, no BF16 windows, first and last 2 layers "
-                     "unquantised); oscar_int2 here is the Int2KVConfig layout in 16-token blocks")
-    else:
-        notes.append("the llama.cpp branch stores q2_0 blocks (32 values, fp16 scale and min: 3.0 bits per element), "
-                     "not this layout; oscar_int2 here is the Int2KVConfig layout")
-    return notes
-
-
 def plan(
     model_or_entry: Any,
     *,
@@ -316,7 +298,7 @@ def plan(
         batch: concurrent sequences for the totals and ``max_context`` (default 1).
         gpu_memory_bytes: memory of the GPU (or of all GPUs holding one replica); without it no
             capacity figures are computed.
-        engine: ``sglang``, ``sglang-legacy``, ``vllm`` or ``llamacpp``: the page size capacities are rounded to.
+        engine: a target of :data:`rotationzoo.engines.TARGETS`: the page size capacities are rounded to.
         weights_bytes: bytes of the weights; default ``num_parameters × bytes(weight_dtype)`` of
             the registry architecture.
         config: INT2-KV settings; default the entry's serving settings, its windows included
@@ -360,7 +342,7 @@ def plan(
             raise ConfigError(f"{name}: the registry has no num_parameters/weight_dtype; give the weights' size "
                               "(weights_bytes, or --weights-gib on the command line)")
         budget = int(gpu_memory_bytes * (1 - reserve)) - weights
-    notes = _engine_notes(e, cfg, page)
+    notes = target(e).plan_notes(cfg, page)
     if cfg.lloyd_max and g != d:
         notes.append(f"lloyd_max with group_size {g} < head_dim {d}: rotationzoo's kernels and transformers cache "
                      "need one group per row for Lloyd-Max levels (the bytes planned are the same)")

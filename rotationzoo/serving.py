@@ -33,8 +33,10 @@ from typing import Any, Literal, get_args
 
 from .engines import (
     ENGINES,
+    EngineTarget,
+    arg_path,
+    check_options,
     kv_head_counts,
-    llamacpp_args,
     llamacpp_env,
     pair_kinds,
     prepare,
@@ -47,146 +49,18 @@ from .engines import (
 from .derived import ensure_rotation_files, ensure_rotations_gguf, rotations_gguf_path
 from .errors import RegistryError, RotationZooError, ServingError
 from .launch import LaunchConfig
-from .numbers import shown
+from .numbers import check_int, shown
+from .launchspec import OUTPUT_FORMATS, LaunchSpec, OutputFormat, check_printable
+from .serving_mla import latent_model, latent_spec
 from .pair import RotationPair, looks_like_path, resolve_pair
-from .registry import get_entry, split_model_tag
+from .registry import get_entry, get_model, split_model_tag
 from .registry.safety import check_model_id
 from .sharding import kv_heads_per_rank
 
-OutputFormat = Literal["shell", "env", "json"]
-OUTPUT_FORMATS: tuple[str, ...] = get_args(OutputFormat)
-#: Name of the rotations GGUF kept in the cache's derived area (this project's choice).
 #: What the launch loads when the rotations name no usable model id and no ``--model-path`` is given.
 MODEL_PLACEHOLDER = "MODEL"
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-
-
-def _check_printable(value: str, what: str) -> str:
-    """``value`` unless it holds a control character (a newline would start a new line of a
-    pasted command or of an env file); the launch is then refused rather than printed."""
-    if not isinstance(value, str):
-        raise ServingError(f"{what} must be a string, got {type(value).__name__}")
-    if _CONTROL.search(value):
-        raise ServingError(f"{what} {shown(value)} holds a control character (newline, tab, escape …); a launch line "
-                           "cannot carry it safely: rename the file or folder, or pass a plain --model-path")
-    return value
-
-
-def _arg_path(path: str | os.PathLike[str]) -> str:
-    """A path as a command-line argument: a relative one starting with ``-`` gets ``./`` (never read as an option)."""
-    text = str(path)
-    return f"./{text}" if text.startswith("-") else text
-
-
-@dataclass
-class LaunchSpec:
-    """Everything needed to start one engine with one rotation pair.
-
-    Attributes:
-        engine: ``"sglang"``, ``"sglang-legacy"``, ``"vllm"`` or ``"llamacpp"``.
-        model: registry model id (e.g. ``"Qwen/Qwen3-8B"``), or the pair's source when not from the registry.
-        tag: calibration tag (``None`` when not from the registry).
-        env: environment variables, in launch order.
-        args: the command line (``argv``).
-        files: local files the launch uses: ``k``, ``v`` (and ``gguf`` for llama.cpp); none for a
-            start-up calibration launch.
-        prepare: commands (``argv`` lists) to run once before ``args`` (llama.cpp: build the
-            model GGUF with the rotations appended).
-        notes: caveats for this engine and entry.
-        ranks: ``{"rank", "kv_heads", "of"}`` per tensor-parallel rank (and per KV-head count of a file
-            whose layers differ), when the KV heads are known.
-        checks: lines the server's log must show for the rotations to have been read as meant.
-    """
-
-    engine: str
-    model: str
-    tag: str | None
-    env: dict[str, str]
-    args: list[str]
-    files: dict[str, str]
-    prepare: list[list[str]] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    ranks: list[dict[str, Any]] = field(default_factory=list)
-    checks: list[str] = field(default_factory=list)
-
-    def check(self) -> None:
-        """Refuse what cannot be printed into a shell line or an env file safely: variable names
-        that are not shell identifiers, and values or arguments holding control characters.
-
-        Raises:
-            ServingError: one line naming the bad name or value.
-        """
-        for k, v in self.env.items():
-            if not isinstance(k, str) or not _ENV_NAME.match(k):
-                raise ServingError(f"environment variable name {shown(k)} is not a shell identifier ([A-Za-z_][A-Za-z0-9_]*)")
-            _check_printable(v, k)
-        for i, a in enumerate(self.args):
-            _check_printable(a, f"argument {i}")
-        for c in self.prepare:
-            for a in c:
-                _check_printable(a, "preparation argument")
-
-    @property
-    def command(self) -> str:
-        """The launch as one shell line: ``K=V … argv`` (every value shell-quoted)."""
-        self.check()
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
-        return (env + " " if env else "") + shlex.join(self.args)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "engine": self.engine,
-            "model": self.model,
-            "tag": self.tag,
-            "env": dict(self.env),
-            "args": list(self.args),
-            "command": self.command,
-            "files": dict(self.files),
-            "prepare": [shlex.join(c) for c in self.prepare],
-            "notes": list(self.notes),
-            "ranks": [dict(r) for r in self.ranks],
-            "checks": list(self.checks),
-        }
-
-    def render(self, fmt: str = "shell") -> str:
-        """Text for ``fmt``:
-
-        - ``shell``: copy-pasteable; preparation commands joined with ``&&``, one variable per line;
-        - ``env``: ``KEY=VALUE`` lines (values shell-quoted with :func:`shlex.quote` when needed),
-          safe to ``set -a; source``: names are shell identifiers, values one line each;
-        - ``json``: :meth:`to_json`, indented.
-
-        Every value and argument is quoted with :func:`shlex.quote`; a name that is not a shell
-        identifier or a value with a control character is refused (:meth:`check`).
-        """
-        self.check()
-        if fmt == "json":
-            return json.dumps(self.to_json(), indent=2)
-        if fmt == "env":
-            return "\n".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
-        if fmt == "shell":
-            lines = [shlex.join(c) + " && \\" for c in self.prepare]
-            lines += [f"{k}={shlex.quote(v)} \\" for k, v in self.env.items()]
-            lines.append(shlex.join(self.args))
-            return "\n".join(lines)
-        raise ServingError(f"unknown output format {shown(fmt)}; expected one of {', '.join(OUTPUT_FORMATS)}")
-
-
-def _llamacpp_launch(pair: RotationPair, model_path: str | None, cache_dir: Any,
-                     files: dict[str, str]) -> tuple[dict[str, str], list[str], list[list[str]]]:
-    gguf_path = ensure_rotations_gguf(pair, cache_dir=cache_dir)
-    files["gguf"] = str(gguf_path)
-    if model_path:
-        base = Path(model_path).expanduser()
-        merged = str(base.with_name(f"{base.stem}-rot-kv.gguf"))
-        files["base_gguf"] = str(base)
-    else:
-        base, merged = Path("MODEL.gguf"), "MODEL-rot-kv.gguf"
-    files["model_gguf"] = merged
-    prepare = [["rotationzoo", "export", _arg_path(gguf_path), "--to", "gguf", "--base-gguf", _arg_path(base),
-                "--out", _arg_path(merged)]]
-    return llamacpp_env(pair.config()), llamacpp_args(_arg_path(merged)), prepare
+#: Largest KV block a launch may name (``--block-size``).
+MAX_BLOCK_TOKENS = 1 << 16
 
 
 def _engine_model(pair: RotationPair, model_path: str | None) -> tuple[str, str | None]:
@@ -201,7 +75,7 @@ def _engine_model(pair: RotationPair, model_path: str | None) -> tuple[str, str 
         if str(model_path).startswith("-"):
             raise ServingError(f"--model-path {shown(model_path)} starts with '-', which the engine would read as an "
                                "option; write ./ before a relative path")
-        return _check_printable(str(model_path), "--model-path"), None
+        return check_printable(str(model_path), "--model-path"), None
     recorded = pair.model
     try:
         return check_model_id(recorded, "model"), None  # the registry's rule for model ids
@@ -227,6 +101,9 @@ def launch_spec(
     absorb_v_rotation: bool | None = None,
     disable_radix_cache: bool | None = None,
     calibrate: bool = False,
+    block_size: int | None = None,
+    k_clip_per_layer: str | os.PathLike[str] | None = None,
+    k_clip_per_head: str | os.PathLike[str] | None = None,
 ) -> LaunchSpec:
     """Resolve rotations (fetching and verifying registry files if needed) and build a launch.
 
@@ -235,10 +112,12 @@ def launch_spec(
             or any source :func:`~rotationzoo.pair.resolve_pair` accepts (a folder, ``k.pt,v.pt``).
         tag: calibration tag (the model's default when ``None``).
         engine: a target of :data:`rotationzoo.engines.TARGETS`: ``"sglang"`` (the authors' current
-            tree, the default), ``"sglang-legacy"`` (their May 2026 fork), ``"vllm"``, ``"llamacpp"``.
+            tree, the default), ``"sglang-legacy"`` (their May 2026 fork), ``"vllm"`` (the port of
+            vLLM pull request 46774), ``"vllm-prototype"``, ``"llamacpp"``.
         model_path: what the engine loads instead of the registry model id: a local checkpoint
-            folder (SGLang, vLLM), or for llama.cpp the model's GGUF file (without rotations);
-            the launch then uses ``<stem>-rot-kv.gguf`` beside it, built by the ``prepare`` step.
+            folder, or for a target that reads the rotations from a model GGUF (llama.cpp) the
+            model's GGUF file (without rotations); the launch then uses ``<stem>-rot-kv.gguf``
+            beside it, built by the ``prepare`` step.
         source, revision, cache_dir, offline, timeout: the fetch options, as for :func:`rotationzoo.fetch`.
         tp_size: tensor-parallel ranks instead of the entry's (``launch.tp_size``); the KV heads must
             split over them by the authors' rule (:func:`rotationzoo.sharding.kv_heads_per_rank`).
@@ -247,6 +126,11 @@ def launch_spec(
         disable_radix_cache: serve without the prefix cache (SGLang targets).
         calibrate: print the settings that make the authors' current tree fit a pair at start-up
             instead of rotation paths (a registry model; nothing is fetched).
+        block_size: the engine's KV block size (vLLM targets' ``--block-size``); the vLLM port keeps
+            whole blocks of the sink, so a sink shorter than one block is refused.
+        k_clip_per_layer, k_clip_per_head: K clip tables for the current tree (a JSON file, or a comma
+            list per layer), read and checked against the rotations' layers and KV heads first
+            (:mod:`rotationzoo.artefacts`).
 
     Returns:
         A :class:`LaunchSpec`; ``render("shell" | "env" | "json")`` prints it.
@@ -256,16 +140,23 @@ def launch_spec(
         ConfigError: a TP size the KV heads cannot be split over.
     """
     t = target(engine)
-    e = t.name
-    if e == "llamacpp" and model_path and Path(model_path).suffix.lower() != ".gguf":
-        raise ServingError(f"--model-path for llamacpp is the model's GGUF file, got {model_path!r}")
+    if t.model_file == "gguf" and model_path and Path(model_path).suffix.lower() != ".gguf":
+        raise ServingError(f"--model-path for {t.name} is the model's GGUF file, got {model_path!r}")
     knobs: dict[str, Any] = {"tp_size": tp_size, "absorb_v_rotation": absorb_v_rotation,
-                             "disable_radix_cache": disable_radix_cache}
+                             "disable_radix_cache": disable_radix_cache, "block_size": block_size}
+    check_options(t, **knobs, calibrate=calibrate, k_clip_per_layer=k_clip_per_layer, k_clip_per_head=k_clip_per_head)
+    if block_size is not None:
+        check_int(block_size, "block_size", low=1, high=MAX_BLOCK_TOKENS, hint=" tokens")
     if tp_size is not None:
         LaunchConfig(tp_size=tp_size)  # its bounds, before anything is downloaded
-        _precheck_heads(model, tag, tp_size)
+    if not calibrate:
+        _precheck(t, model, tag, tp_size)
     if calibrate:
         return _calibration_spec(t, model, tag, model_path, knobs)
+    latent = latent_model(model, tag)
+    if latent is not None:
+        return latent_spec(t, latent, model_path=model_path, source=source, revision=revision, cache_dir=cache_dir,
+                           offline=offline, timeout=timeout, knobs=knobs)
     pair = resolve_pair(model, tag, source=source, revision=revision, cache_dir=cache_dir, offline=offline,
                         timeout=timeout)
     missing = [s for s in ("k", "v") if s not in pair.sets or s not in pair.paths]
@@ -276,44 +167,74 @@ def launch_spec(
     name = pair.model or pair.source
     loads, unnamed = _engine_model(pair, model_path)
     arch = pair.entry.architecture if pair.entry is not None else None
+    heads = kv_head_counts(pair)
+    clip_layer, clip_head = _clip_tables(k_clip_per_layer, k_clip_per_head, pair.k.layer_ids,
+                                         heads[0] if heads else arch.num_kv_heads if arch is not None else None)
     inp = prepare(t, config=cfg, launch=pair.entry.launch if pair.entry is not None else LaunchConfig(),
                   paths=files, model=loads, head_dims=pair.head_dims, kinds=pair_kinds(pair, cfg),
-                  source=pair.source or "rotations", kv_head_counts=kv_head_counts(pair),
-                  model_kv_heads=arch.num_kv_heads if arch is not None else None, **knobs)
-    if e != "llamacpp" and files["k"] == files["v"]:  # one file holds both sides: the engine reads two
+                  source=pair.source or "rotations", kv_head_counts=heads,
+                  model_kv_heads=arch.num_kv_heads if arch is not None else None,
+                  hybrid=bool(arch is not None and arch.attention_layer_ids), model_path=model_path,
+                  k_clip_per_layer=clip_layer, k_clip_per_head=clip_head, **knobs)
+    notes_first = []
+    if t.rotations_as == "gguf":  # the engine reads the rotations from the model GGUF: export them once
+        inp = replace(inp, gguf=str(ensure_rotations_gguf(pair, cache_dir=cache_dir)))
+    elif files["k"] == files["v"]:  # one file holds both sides: the engine reads two
         files.update({s: str(p) for s, p in ensure_rotation_files(pair, cache_dir=cache_dir).items()})
         notes_first = [f"{pair.source} holds K and V in one file; the launch reads the K and V .pt files "
                        f"written from it into the cache's derived area"]
         inp = replace(inp, paths=dict(files))
-    else:
-        notes_first = []
     built = t.build(inp)
-    env, args, prepare_cmds = built.env, built.args, list[list[str]]()
-    if e == "llamacpp":
-        env, args, prepare_cmds = _llamacpp_launch(pair, model_path, cache_dir, files)
+    files.update(built.files)
     notes = notes_first + built.notes
     if pair.entry is None:
         notes.insert(0, "these rotations are not from the registry: default INT2-KV settings "
                         f"({cfg.label(pair.head_dims.default)}) were used")
-    if e == "llamacpp" and not model_path:
-        notes.insert(0, "replace MODEL.gguf with the model's GGUF file (or pass --model-path)")
-    elif unnamed:
+    if unnamed and t.model_file == "checkpoint":
         notes.insert(0, unnamed)
-    return LaunchSpec(engine=e, model=name, tag=pair.tag, env=env, args=args, files=files, prepare=prepare_cmds,
-                      notes=notes, ranks=[r.to_json() for r in inp.ranks], checks=built.checks)
+    if pair.entry is not None:
+        notes += [c.describe() for c in pair.entry.conflicts]
+        prebuilt = get_model(pair.entry.model_id).prebuilt_gguf if t.model_file == "gguf" else ()
+        if prebuilt:
+            notes.append(f"ready-made model GGUFs with the authors' rotations appended: {', '.join(prebuilt)} "
+                         "(Hugging Face)")
+    return LaunchSpec(engine=t.name, model=name, tag=pair.tag, env=built.env, args=built.args, files=files,
+                      prepare=built.prepare, notes=notes, ranks=[r.to_json() for r in inp.ranks], checks=built.checks)
 
 
-def _precheck_heads(model: Any, tag: str | None, tp_size: int) -> None:
-    """For a registry model whose KV heads are known, refuse a TP size they cannot be split over before
-    its files are downloaded (the files' own heads are checked again once read)."""
+def _clip_tables(per_layer: str | os.PathLike[str] | None, per_head: str | os.PathLike[str] | None,
+                 layer_ids: tuple[int, ...], kv_heads: int | None) -> tuple[str | None, str | None]:
+    """K clip tables checked against the rotations (:mod:`rotationzoo.artefacts`), as the launch names them
+    (per layer, per head): a table file by its absolute path, a comma list as given."""
+    from .artefacts import read_k_clip_per_head, read_k_clip_per_layer
+
+    layer = head = None
+    if per_layer is not None:
+        read_k_clip_per_layer(per_layer, layer_ids)
+        p = Path(os.fspath(per_layer)).expanduser()
+        layer = check_printable(str(p.resolve()) if p.is_file() else os.fspath(per_layer), "--k-clip-per-layer")
+    if per_head is not None:
+        read_k_clip_per_head(per_head, layer_ids, kv_heads)
+        head = check_printable(str(Path(os.fspath(per_head)).expanduser().resolve()), "--k-clip-per-head")
+    return layer, head
+
+
+def _precheck(t: EngineTarget, model: Any, tag: str | None, tp_size: int | None) -> None:
+    """For a registry model, refuse before its files are downloaded what the launch would refuse after:
+    a hybrid model on a target that does not serve them, a TP size its KV heads cannot be split over
+    (the files' own heads are checked again once read)."""
     if not isinstance(model, str) or Path(model).expanduser().exists() or looks_like_path(model):
         return
     base, at_tag = split_model_tag(model)
     try:
-        arch = get_entry(base, at_tag or tag).architecture
+        entry = get_entry(base, at_tag or tag)
     except RotationZooError:
         return  # resolve_pair reports it, with the same message
-    if arch.num_kv_heads:
+    arch = entry.architecture
+    if arch.attention_layer_ids and not t.hybrid_models:
+        prepare(t, config=entry.serving, launch=entry.launch, paths=None, model=entry.model_id, head_dims=None,
+                kinds=frozenset(), source=entry.key, hybrid=True)
+    if arch.num_kv_heads and tp_size is not None:
         kv_heads_per_rank(arch.num_kv_heads, tp_size)
 
 
@@ -332,14 +253,15 @@ def _calibration_spec(t: Any, model: Any, tag: str | None, model_path: str | Non
     if model_path is not None and str(model_path).startswith("-"):
         raise ServingError(f"--model-path {shown(model_path)} starts with '-', which the engine would read as an "
                            "option; write ./ before a relative path")
-    loads = _check_printable(str(model_path), "--model-path") if model_path is not None else entry.model_id
+    loads = check_printable(str(model_path), "--model-path") if model_path is not None else entry.model_id
     kinds = frozenset({"v1", "lloyd_max"} if entry.serving.lloyd_max else {"v1"})
     inp = prepare(t, config=entry.serving, launch=entry.launch, paths=None, model=loads, head_dims=arch.head_dims,
                   kinds=kinds, source=entry.key, model_kv_heads=arch.num_kv_heads, calibrate=True, **knobs)
     built = t.build(inp)
     notes = [_calibration_destination(loads, model_path is None), *built.notes,
              "start-up calibration needs a single node, DP = PP = 1, no HiCache and no torch.compile; "
-             "SGLANG_OSCAR_CALIBRATION_PROMPTS_PATH names a JSONL of {\"messages\": …} prompts (empty: GPQA-Diamond)"]
+             "SGLANG_OSCAR_CALIBRATION_PROMPTS_PATH names a JSONL of {\"messages\": …} prompts (empty: GPQA-Diamond)",
+             *(c.describe() for c in entry.conflicts)]
     if entry.grouping == "kv_head":
         notes.insert(0, f"start-up calibration fits one shared rotation per layer, but {entry.key} serves per-KV-head "
                         "rotations: on such models a shared rotation can collapse accuracy (Qwen3-30B-A3B: GPQA 43.9 "

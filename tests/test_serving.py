@@ -203,18 +203,67 @@ def test_model_path_override(qwen_cache):
 
 
 def test_vllm(qwen_cache, capsys):
+    """The port of vLLM pull request 46774: the entry's windows as SINK / RECENT, its staging arena."""
     rc, out, err = run_cli(capsys, "serve-args", QWEN, "--engine", "vllm", "--format", "json")
     assert rc == 0, err
     data = json.loads(out)
+    s = get_entry(QWEN).serving
     assert data["env"] == {
         "VLLM_OSCAR_K_ROTATION_PATH": str(qwen_cache["k"]),
         "VLLM_OSCAR_V_ROTATION_PATH": str(qwen_cache["v"]),
         "VLLM_OSCAR_K_CLIP_RATIO": "0.96",
         "VLLM_OSCAR_V_CLIP_RATIO": "0.92",
         "VLLM_OSCAR_GROUP_SIZE": "128",
+        "VLLM_OSCAR_SINK_TOKENS": str(s.prefix_tokens),
+        "VLLM_OSCAR_RECENT_TOKENS": str(s.recent_tokens),
+        "VLLM_OSCAR_STAGING_TOKENS": "8192",
     }
     assert data["args"] == ["vllm", "serve", "Qwen/Qwen3-8B", "--kv-cache-dtype", "oscar_int2"]
-    assert any("sink/recent" in n for n in data["notes"])
+    assert any("pull request 46774" in n for n in data["notes"])
+
+
+def test_vllm_sink_rounded_to_zero_by_the_block_size_is_refused(qwen_cache, capsys):
+    """The port keeps whole KV blocks of the sink: Qwen3-8B's sink of 128 tokens is 0 blocks of 256."""
+    assert get_entry(QWEN).serving.prefix_tokens == 128
+    rc, out, err = run_cli(capsys, "serve-args", QWEN, "--engine", "vllm", "--block-size", "256")
+    assert rc == 1 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "sink of 128 tokens rounds down to 0 at --block-size 256" in err and "--block-size 128" in err
+    spec = launch_spec(QWEN, engine="vllm", block_size=128)  # one whole block: kept
+    assert spec.args[-2:] == ["--block-size", "128"] and spec.env["VLLM_OSCAR_SINK_TOKENS"] == "128"
+    spec = launch_spec(QWEN, engine="vllm", block_size=96)  # rounded down, said so
+    assert any("128 tokens become 96 at --block-size 96" in n for n in spec.notes)
+    with pytest.raises(ServingError, match="--block-size does not apply to sglang"):
+        launch_spec(QWEN, engine="sglang", block_size=64)
+
+
+def test_vllm_refuses_hybrid_models_and_groups_below_head_dim(cache_dir, capsys):
+    from rotationzoo.engines import TARGETS
+
+    assert not TARGETS["vllm"].hybrid_models and TARGETS["vllm-prototype"].hybrid_models
+    hybrid = get_entry("Qwen3.5-4B")
+    seed_cache(cache_dir, hybrid)
+    with pytest.raises(ServingError, match="hybrid model"):
+        launch_spec("Qwen3.5-4B", engine="vllm")
+    from rotationzoo.engines import LaunchInput, target
+    from rotationzoo.headdims import HeadDims
+    from rotationzoo.int2kv import Int2KVConfig
+    from rotationzoo.launch import LaunchConfig
+
+    inp = LaunchInput(config=Int2KVConfig(group_size=64), launch=LaunchConfig(), paths={"k": "k", "v": "v"},
+                      model="m", head_dims=HeadDims(128), kinds=frozenset({"v1"}))
+    with pytest.raises(ServingError, match="group_size 64 is smaller than head_dim 128"):
+        target("vllm").build(inp)
+
+
+def test_vllm_prototype_spells_the_windows_its_way(qwen_cache, capsys):
+    rc, out, err = run_cli(capsys, "serve-args", QWEN, "--engine", "vllm-prototype", "--format", "json")
+    assert rc == 0, err
+    data = json.loads(out)
+    s = get_entry(QWEN).serving
+    assert data["env"]["VLLM_OSCAR_PREFIX_TOKENS"] == str(s.prefix_tokens)
+    assert data["env"]["VLLM_OSCAR_RECENT_TOKENS"] == str(s.recent_tokens)
+    assert "VLLM_OSCAR_SINK_TOKENS" not in data["env"] and "VLLM_OSCAR_ABSORB_V_ROTATION" not in data["env"]
+    assert any("validate_prototype_settings" in n and "prefix_tokens=128 (expects 64)" in n for n in data["notes"])
 
 
 # -- llama.cpp -----------------------------------------------------------------------------------
@@ -231,10 +280,13 @@ def test_llamacpp_exports_the_rotation_gguf(qwen_cache, capsys, tmp_path):
     data = json.loads(out)
     assert data["files"]["gguf"] == str(gguf_path) and gguf_path.is_file()
     s = get_entry(QWEN).serving
-    assert data["env"] == {"LLAMA_KV_NO_HADAMARD": "1", "LLAMA_KV_CLIP_RATIO": "0.96",
-                           "LLAMA_KV_HP_SINK": str(s.prefix_tokens), "LLAMA_KV_HP_RECENT": str(s.recent_tokens)}
+    assert data["env"] == {"LLAMA_KV_FUSED_FA": "1", "LLAMA_KV_NO_HADAMARD": "1", "LLAMA_KV_CLIP_RATIO": "0.96",
+                           "LLAMA_KV_HP_SINK": str(s.prefix_tokens), "LLAMA_KV_HP_RECENT": str(s.recent_tokens),
+                           "LLAMA_KV_V_ROT": "1"}
     merged = str(tmp_path / "qwen3-8b-q4_k_m-rot-kv.gguf")
-    assert data["args"] == ["llama-server", "-m", merged, "--cache-type-k", "q2_0", "--cache-type-v", "q2_0"]
+    assert data["args"] == ["llama-server", "-m", merged, "-fa", "on", "-ngl", "99", "--cache-type-k", "q2_0",
+                            "--cache-type-v", "q2_0"]
+    assert any("LLAMA_ATTN_ROT_DISABLE=1" in n and "on top of these rotations" in n for n in data["notes"])
     assert data["prepare"] == [shlex.join(["rotationzoo", "export", str(gguf_path), "--to", "gguf",
                                            "--base-gguf", str(base), "--out", merged])]
     back = read_exported_gguf(gguf_path)
@@ -333,7 +385,7 @@ def test_every_registry_entry_renders_for_every_engine():
     paths = {"k": "/x/k.pt", "v": "/x/v.pt"}
     for model in load_registry():
         for entry in model.tags.values():
-            for engine in ("sglang", "sglang-legacy", "vllm", "llamacpp"):
+            for engine in ("sglang", "sglang-legacy", "vllm", "vllm-prototype", "llamacpp"):
                 env = serve_env(entry.serving, engine, paths)
                 assert env and all(isinstance(v, str) and v for v in env.values())
 
@@ -347,7 +399,7 @@ def test_bad_inputs(qwen_cache, capsys):
     with pytest.raises(ServingError):
         rotationzoo.load("SmolLM2-135M-Instruct").serve_env("trt")
     rc, _, err = run_cli(capsys, "serve-args", QWEN, "--engine", "tgi")
-    assert rc == 1 and "unknown engine 'tgi'; expected one of sglang, sglang-legacy, vllm, llamacpp" in err
+    assert rc == 1 and "unknown engine 'tgi'; expected one of sglang, sglang-legacy, vllm, vllm-prototype, llamacpp" in err
     rc, _, err = run_cli(capsys, "serve-args", QWEN, "--engine", "vllm", "--format", "yaml")
     assert rc == 2 and "Invalid value for '--format'" in err
     rc, _, err = run_cli(capsys, "serve-args", "Qwen3-9B", "--engine", "vllm")

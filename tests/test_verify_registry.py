@@ -74,7 +74,9 @@ def test_offline_check_of_the_bundled_registry(cache_dir, capsys) -> None:
     status = {(c.model, c.tag): c.status for c in checks}
     assert status[("HuggingFaceTB/SmolLM2-135M-Instruct", "hadamard")] == "ok"  # bundled: always checkable
     assert set(status.values()) == {"ok", "missing"}  # nothing else is cached, nothing was downloaded
-    assert len(checks) == sum(len(m.get("tags", {})) for m in json.loads((ROOT / "registry.json").read_text())["models"])
+    models = json.loads((ROOT / "registry.json").read_text())["models"]
+    assert len(checks) == sum(len(m.get("tags", {})) + ("mla_latent" in m) for m in models)  # a latent set is one
+    assert status[("zai-org/GLM-5.2-FP8", "c_kv_rcov_phblock_g128")] == "missing"
     assert main(["verify", "--registry", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["ok"] and out["download"] is False and out["counts"]["failed"] == 0

@@ -58,10 +58,12 @@ def cmd_fetch(
     """Download (once), verify (size, sha256, structure) and cache a model's K and V rotation files.
 
     Prints the two local paths (or JSON with model, tag, source, and path + sha256 of k and v).
-    Sources are tried in the registry's order; an unreachable one is skipped at once.
+    Sources are tried in the registry's order; an unreachable one is skipped at once. For a model whose
+    rotations are an MLA latent set (GLM-5.2), every layer_<id>.pt is fetched and checked, and the
+    folder is printed.
 
     Examples:  rotationzoo fetch Qwen3-8B  |  rotationzoo fetch -m qwen3-8b --source modelscope --json
-    |  rotationzoo fetch Qwen3-8B --accept-new
+    |  rotationzoo fetch Qwen3-8B --accept-new  |  rotationzoo fetch GLM-5.2
     """
     import warnings
 
@@ -82,6 +84,20 @@ def cmd_fetch(
         if show:
             console(stderr=True).print(f"[dim]{escape(plain(msg))}[/]", markup=True)
 
+    from ..mla import latent_model
+
+    if latent_model(name, tag) is not None:  # an MLA latent set: a folder of layer files
+        from .latent_cmds import fetch_latent_cmd
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fetch_latent_cmd(name, source=source, revision=revision, cache_dir=cache_dir, offline=offline,
+                             timeout=timeout, force=force, accept_new=accept_new, report=report, json_out=json_out,
+                             messages=messages)
+        for w in caught[:1]:  # one line for the set, not one per layer file
+            print_warning(f"{len(caught)} latent layer files are not pinned in the registry; each was validated and "
+                          f"pinned on first use" if len(caught) > 1 else str(w.message))
+        return
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         res = fetch(name, tag, source=source, revision=revision, cache_dir=cache_dir, offline=offline or None,
@@ -190,6 +206,12 @@ def cmd_cache_import(
     allow_mixed: Annotated[bool, typer.Option(
         "--allow-mixed", help="Import a K and a V of different provenance (files recording different calibration "
                               "generation ids, or an id other than the manifest's); refused without it.")] = False,
+    latent: Annotated[Optional[str], typer.Option("--latent", metavar="MODEL", help="Import FOLDER as MODEL's MLA "
+                      "latent set (layer_<id>.pt files), checked against its latent layers first.")] = None,
+    subspace: Annotated[bool, typer.Option("--subspace", help="With --latent: FOLDER is the set's high-precision "
+                        "subspace folder ([k, rank] files).")] = False,
+    accept_new: Annotated[bool, typer.Option("--accept-new", help="With --latent: replace files imported from the "
+                          "same folder before that differ now.")] = False,
     cache_dir: CacheDirOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -203,9 +225,22 @@ def cmd_cache_import(
     (generation id, prompt sha256, tokens, model revision). Serve, evaluate or publish the imported
     folder like any pair.
 
+    With --latent MODEL, FOLDER is a copy of MODEL's MLA latent set (layer_<id>.pt files, e.g. from the
+    authors' image): it must cover the model's latent layers, every file is checked, pinned to the folder
+    and kept under the cache's files/ area, where fetch, load_latent and serve-args find it.
+
     Examples:  rotationzoo cache import ~/.cache/huggingface/oscar-rotations/Qwen3-8B-0123456789ab  |
-    rotationzoo cache import ./calib --name qwen3-8b-gpqa --json  |  rotationzoo cache import ./calib --allow-mixed
+    rotationzoo cache import ./calib --name qwen3-8b-gpqa --json  |  rotationzoo cache import ./calib --allow-mixed  |
+    rotationzoo cache import ./k3_latent_rot --latent Kimi-K3
     """
+    if latent is not None:
+        from .latent_cmds import import_latent_cmd
+
+        import_latent_cmd(str(folder), latent, cache_dir=cache_dir, accept_new=accept_new, subspace=subspace,
+                          json_out=json_out)
+        return
+    if subspace or accept_new:
+        raise CLIError("--subspace and --accept-new go with --latent MODEL")
     from ..calibrated import import_calibrated
 
     got = import_calibrated(folder, name=name, cache_dir=cache_dir, force=force, allow_mixed=allow_mixed)

@@ -108,20 +108,6 @@ def _default(m: ModelEntry) -> str:
     return m.default_tag if m.default_tag is not None else "(MLA latent set)" if m.mla_latent else "-"
 
 
-def _info_latent(m: ModelEntry, json_out: bool) -> None:
-    """``info`` of a model whose rotations are an MLA latent set: what it is, where it lives."""
-    assert m.mla_latent is not None
-    if json_out:
-        emit_json(m.to_json())
-        return
-    c = console()
-    c.print(f"[bold]{m.id}[/]  (aliases: {', '.join(m.aliases) or '-'})")
-    if m.description:
-        c.print(m.description, markup=False)
-    c.print(f"rotations: {m.mla_latent.describe(m.id)}", markup=False)
-    c.print("fetch, load and serve-args refuse it: it is not a K/V pair", markup=False)
-
-
 def cmd_info(
     model: Annotated[str, typer.Argument(help="Model id or alias, case-insensitive (e.g. Qwen3-8B).")],
     tag: TagOpt = None,
@@ -138,8 +124,10 @@ def cmd_info(
 
     name, at_tag = split_model_tag(model)
     m = get_model(name)
-    if m.mla_latent is not None and tag is None and at_tag is None:
-        _info_latent(m, json_out)
+    if m.mla_latent is not None and (tag or at_tag) in (None, m.mla_latent.name):
+        from .latent_cmds import print_latent_info
+
+        print_latent_info(m, json_out)
         return
     entry = m.tag(tag or at_tag)
     pins = {side: (pin_state(entry, side), local_pins(entry, side)) for side in entry.files}
@@ -178,10 +166,17 @@ def cmd_info(
             f"backends {lc.attention_backend} / {lc.prefill_attention_backend} / {lc.decode_attention_backend}, "
             f"V-rotation absorption {'on' if lc.absorb_v_rotation else 'off'}, prefix cache "
             f"{'off' if lc.disable_radix_cache else 'on'}"
-            + (f", mamba scheduler {lc.mamba_scheduler_strategy}" if lc.mamba_scheduler_strategy else "")
+            + (f", --mamba-radix-cache-strategy {lc.mamba_scheduler_strategy}" if lc.mamba_scheduler_strategy else "")
             + (f" (recipe {lc.recipe})" if lc.recipe else ""), markup=False)
     for r in entry.results:
         c.print(f"result: {r.benchmark} BF16 {r.bf16} → OSCAR INT2 {r.oscar_int2} ({r.source})")
+    for conflict in entry.conflicts:
+        c.print(f"conflict: {conflict.about}", markup=False)
+        for where, says in conflict.sources:
+            c.print(f"    {where}: {says}", markup=False)
+        c.print(f"    the entry follows {conflict.chosen}", markup=False)
+    for repo in m.prebuilt_gguf:
+        c.print(f"llama.cpp: ready-made model GGUFs with these rotations appended: huggingface:{repo}", markup=False)
     for side, f in entry.files.items():
         state, local = pins[side]
         if f.sha256:
@@ -276,14 +271,20 @@ def cmd_verify(
     from ..headdims import HeadDims
     from ..pair import verify_path
 
-    layer_ids, num_kv_heads = None, None
+    layer_ids: tuple[int, ...] | None = None
+    num_kv_heads: int | None = None
     dims = HeadDims.parse(head_dim) if head_dim is not None else None  # checked by head_dims_option
     if model is not None:
         from ..registry import get_model
 
-        arch = get_model(model).tag().architecture  # an MLA latent model: one line saying what it has instead
-        layer_ids, num_kv_heads = arch.expected_layer_ids(), arch.num_kv_heads
-        dims = dims or arch.head_dims
+        m = get_model(model)
+        if m.mla_latent is not None:  # an MLA latent set: its layers and rank
+            ids = m.mla_latent.expected_layer_ids
+            layer_ids, dims = (tuple(ids) if ids is not None else None), dims or HeadDims(m.mla_latent.rank)
+        else:
+            arch = m.tag().architecture
+            layer_ids, num_kv_heads = arch.expected_layer_ids(), arch.num_kv_heads
+            dims = dims or arch.head_dims
     fetch = dict(source=source, revision=revision, cache_dir=cache_dir, offline=offline or None, timeout=timeout)
     reports = [r for p in paths
                for r in verify_path(p, atol=atol, layer_ids=layer_ids, num_layers=num_layers, head_dim=dims,

@@ -7,6 +7,7 @@ Examples::
     rotationzoo serve-args Qwen3-8B --engine sglang-legacy
     rotationzoo serve-args Qwen3-8B --calibrate
     rotationzoo serve-args Qwen3-8B --engine vllm --format env > oscar.env
+    rotationzoo serve-args GLM-5.2                   # an MLA latent set: SGLANG_OSCAR_MLA_KV_ROTATION_PATH ...
     rotationzoo serve-args Qwen3-8B --engine llamacpp --model-path qwen3-8b-q4_k_m.gguf --json
     rotationzoo export Qwen3-8B --to safetensors --out qwen3-8b-oscar.safetensors
     rotationzoo export Qwen3-8B --to gguf --out qwen3-8b-rot.gguf
@@ -46,7 +47,8 @@ def _format_callback(value: str) -> str:
 def cmd_serve_args(
     model: Annotated[str, typer.Argument(metavar="ROTATIONS", help=f"What to serve: {RotationsHelp}.")],
     engine: Annotated[str, typer.Option("--engine", "-e", help="sglang (the authors' current SGLang tree, the "
-                                        "default) | sglang-legacy (their May 2026 fork) | vllm (the OSCAR port) | "
+                                        "default) | sglang-legacy (their May 2026 fork) | vllm (the port of vLLM "
+                                        "pull request 46774) | vllm-prototype (a vLLM OSCAR prototype tree) | "
                                         "llamacpp (the authors' branch); llama.cpp / llama-cpp work too.")] = "sglang",
     tag: TagOpt = None,
     fmt: Annotated[str, typer.Option("--format", "-f", click_type=choice(vocab.LAUNCH_FORMATS),
@@ -68,6 +70,15 @@ def cmd_serve_args(
     calibrate: Annotated[bool, typer.Option("--calibrate", help="Print the start-up calibration settings instead of "
                          "rotation paths: the authors' current tree fits a pair when it starts (a registry model; "
                          "nothing is downloaded).")] = False,
+    block_size: Annotated[Optional[int], typer.Option("--block-size", metavar="TOKENS", min=1, help="vLLM targets: "
+                          "the KV block size to launch with (vLLM's own flag); the port keeps whole blocks of the "
+                          "sink, so a sink shorter than one block is refused.")] = None,
+    k_clip_per_layer: Annotated[Optional[str], typer.Option("--k-clip-per-layer", metavar="FILE|R,R,...", help="sglang: "
+                                "a per-layer K clip table (JSON {layer: ratio} or list in global layer order, or a "
+                                "comma list), checked against the rotations' layers.")] = None,
+    k_clip_per_head: Annotated[Optional[str], typer.Option("--k-clip-per-head", metavar="FILE", help="sglang: a "
+                               "per-head K clip table (JSON {\"<layer>,<head>\": ratio}), checked against the layers "
+                               "and KV heads.")] = None,
     cache_dir: CacheDirOpt = None,
     offline: OfflineOpt = False,
     timeout: TimeoutOpt = None,
@@ -83,10 +94,13 @@ def cmd_serve_args(
     writes a rotations GGUF into the cache's derived area (see `rotationzoo cache ls`) and prints the
     step that appends it to the model GGUF; for the other engines a pair held in one file
     (pair.safetensors, a rotations GGUF) is written there as K and V .pt files, which the launch names.
+    A model whose rotations are an MLA latent set (GLM-5.2, Kimi-K3, ...) is served from its checked
+    folder of layer_<id>.pt files (fetched, or imported with `rotationzoo cache import FOLDER --latent MODEL`).
 
     Examples:  rotationzoo serve-args Qwen3-30B-A3B  |  rotationzoo serve-args Qwen3-30B-A3B --tp 4  |
     rotationzoo serve-args Qwen3-8B -e sglang-legacy  |  rotationzoo serve-args Qwen3-8B --calibrate  |
-    rotationzoo serve-args Qwen3-8B -e vllm --format env  |
+    rotationzoo serve-args Qwen3-8B -e vllm --format env  |  rotationzoo serve-args Qwen3-8B -e vllm --block-size 64  |
+    rotationzoo serve-args GLM-5.2 --json  |  rotationzoo serve-args Qwen3-8B --k-clip-per-layer clip.json  |
     rotationzoo serve-args Qwen3-4B-Thinking -e llamacpp --model-path qwen3-4b-q4_k_m.gguf --json
     """
     import warnings
@@ -98,7 +112,8 @@ def cmd_serve_args(
         spec = launch_spec(model, tag, engine=engine, model_path=model_path, source=source, revision=revision,
                            cache_dir=cache_dir, offline=offline or None, timeout=timeout, tp_size=tp_size,
                            absorb_v_rotation=absorb_v_rotation, disable_radix_cache=disable_radix_cache or None,
-                           calibrate=calibrate)
+                           calibrate=calibrate, block_size=block_size, k_clip_per_layer=k_clip_per_layer,
+                           k_clip_per_head=k_clip_per_head)
     for w in caught:  # an unpinned file pinned on first use: one line, as `fetch` says it
         print_warning(str(w.message))
     if json_out or fmt == "json":
@@ -161,7 +176,7 @@ def cmd_export(
         return
     what = f"{info['model']}@{info['tag']}" if info["model"] else rotations
     console().print(f"wrote {path} ({to}, {info['bytes']:,} bytes): {what}, sides {'+'.join(info['sides']).upper()}, "
-                    f"{info['layers']} layers × d={info['head_dim']}")
+                    f"{info['layers']} layers × d={got.head_dims}")
 
 
 def register(app: typer.Typer) -> None:

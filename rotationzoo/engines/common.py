@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Mapping
 
 from ..errors import ServingError
@@ -33,6 +34,38 @@ class RankHeads:
 
 
 @dataclass(frozen=True)
+class LatentLaunch:
+    """An MLA latent set to launch with (see :class:`rotationzoo.registry.LatentSet`): its verified local
+    folder of ``layer_<id>.pt`` files and the settings of the model's recipe.
+
+    Attributes:
+        folder: the local folder every latent layer file was verified in.
+        rank: ``kv_lora_rank`` (the latent width each ``[rank, rank]`` rotation acts on).
+        layers: how many latent layers the folder holds (all of them checked).
+        bits: bits per latent value in the packed pool (2, or 4 where the latent is not INT2-representable).
+        group_size: latent values sharing one scale/zero pair.
+        lloyd_max: ``True`` / ``False`` to pin the Lloyd-Max levels, ``None`` for the pool's default.
+        hp_subspace: the verified folder of ``[k, rank]`` high-precision subspaces, if the set has one.
+        pp_size: pipeline-parallel stages of the recipe.
+        attention_backend, prefill_attention_backend, decode_attention_backend: the recipe's backends.
+        companions: some layers carry ``q_rotation`` (a non-orthogonal transform) or a ``mean``.
+    """
+
+    folder: str
+    rank: int
+    layers: int
+    bits: int = 2
+    group_size: int = 128
+    lloyd_max: bool | None = None
+    hp_subspace: str | None = None
+    pp_size: int = 1
+    attention_backend: str = "triton"
+    prefill_attention_backend: str = "triton"
+    decode_attention_backend: str = "triton"
+    companions: bool = False
+
+
+@dataclass(frozen=True)
 class LaunchInput:
     """Everything a builder needs, already checked: the settings, the files and what they hold.
 
@@ -50,6 +83,12 @@ class LaunchInput:
         sharded: whether ``ranks`` slice the rotations themselves (per-KV-head files).
         calibrate: a start-up calibration launch (no rotation files).
         model_kv_heads: the model's KV heads, when known.
+        hybrid: the model mixes attention with linear-attention (Mamba-style) layers.
+        block_size: the engine's KV block (page) size asked for, when the target takes one.
+        gguf: the rotations GGUF the launch merges into the model GGUF (targets that read a GGUF).
+        model_path: what the caller asked the engine to load (``--model-path``), if anything.
+        latent: the MLA latent set to launch with, instead of K/V files.
+        k_clip_per_layer, k_clip_per_head: checked K clip tables (a file, or a comma list per layer).
     """
 
     config: Int2KVConfig
@@ -65,20 +104,41 @@ class LaunchInput:
     sharded: bool = False
     calibrate: bool = False
     model_kv_heads: int | None = None
+    hybrid: bool = False
+    block_size: int | None = None
+    gguf: str | None = None
+    model_path: str | None = None
+    latent: LatentLaunch | None = None
+    k_clip_per_layer: str | None = None
+    k_clip_per_head: str | None = None
 
 
 @dataclass
 class Launch:
-    """A builder's output: environment (in launch order), argv, caveats and log lines to look for."""
+    """A builder's output: environment (in launch order), argv, caveats, log lines to look for, the
+    commands to run first (``prepare``) and the local files the launch names beyond the rotations."""
 
     env: dict[str, str]
     args: list[str]
     notes: list[str] = field(default_factory=list)
     checks: list[str] = field(default_factory=list)
+    prepare: list[list[str]] = field(default_factory=list)
+    files: dict[str, str] = field(default_factory=dict)
+
+
+def arg_path(path: str | Path) -> str:
+    """A path as a command-line argument: a relative one starting with ``-`` gets ``./`` (never read as an option)."""
+    text = str(path)
+    return f"./{text}" if text.startswith("-") else text
 
 
 def ratio(x: float) -> str:
     return repr(float(x))
+
+
+def one_token_page(hp_dtype: str) -> int:
+    """A page of one token (llama.cpp's cache cells): the planner rounds nothing."""
+    return 1
 
 
 def sglang_page_size(hp_dtype: str) -> int:

@@ -9,12 +9,21 @@ Lloyd-Max levels (unset, the pool's own default applies), windows, group size an
 entry. It reads one rotation per layer, one per KV head (``[per-head: N kv heads]`` in its log),
 ragged layers, and the OSCAR-2 companions ``k_mean`` / ``q_rotation`` / ``o_rotation``; not
 ``v_mean``. Without rotation files (``calibrate``) it fits a shared pair at start-up.
+
+MLA models (GLM-5.2, GLM-5.3, Kimi-K3) quantise their shared latent instead: a folder of
+``layer_<id>.pt`` latent rotations through ``SGLANG_OSCAR_MLA_KV_ROTATION_PATH``, packed
+(``SGLANG_OSCAR_MLA_KV_PACKED=1``) at ``SGLANG_OSCAR_MLA_KV_BITS`` bits, in a KV cache pinned to
+``bfloat16`` (``int2`` aborts on a DSA model; ``auto`` follows the GPU generation), with no
+``--kv-cache-quant-group-size`` (the pool reads ``SGLANG_OSCAR_MLA_KV_GROUP_SIZE``).
 """
 
 from __future__ import annotations
 
 from ..int2kv import Int2KVConfig
 from .common import SGLANG_HP_MAX_SPLITS, Launch, LaunchInput, group_size, rank_notes, ratio, window_notes
+
+#: SGLang's flag for the Mamba radix cache of hybrid models (``--mamba-scheduler-strategy`` is its old alias).
+MAMBA_FLAG = "--mamba-radix-cache-strategy"
 
 #: Start-up calibration settings and the defaults of the authors' tree (``SGLANG_OSCAR_CALIBRATION_*``).
 CALIBRATION_ENV: dict[str, str] = {
@@ -62,7 +71,7 @@ def sglang_args(inp: LaunchInput) -> list[str]:
         "--decode-attention-backend", lc.decode_attention_backend,
     ]
     if lc.mamba_scheduler_strategy:
-        args += ["--mamba-scheduler-strategy", lc.mamba_scheduler_strategy]
+        args += [MAMBA_FLAG, lc.mamba_scheduler_strategy]
     if lc.disable_radix_cache:
         args.append("--disable-radix-cache")
     return args
@@ -100,7 +109,87 @@ def _notes(inp: LaunchInput) -> list[str]:
     return notes + rank_notes(inp)
 
 
+def mla_env(inp: LaunchInput) -> dict[str, str]:
+    """Environment of the current tree for an MLA latent set (the generic driver's MLA branch)."""
+    lat, cfg = inp.latent, inp.config
+    assert lat is not None
+    env = {
+        "SGLANG_ENABLE_MIXED_KV_WINDOWS": "1",
+        "SGLANG_MIXED_KV_PREFIX_TOKENS": str(int(cfg.prefix_tokens)),
+        "SGLANG_MIXED_KV_RECENT_TOKENS": str(int(cfg.recent_tokens)),
+        "SGLANG_OSCAR_MLA_KV_ROTATION_PATH": lat.folder,
+        "SGLANG_OSCAR_MLA_KV_GROUP_SIZE": str(lat.group_size),
+        "SGLANG_OSCAR_MLA_KV_PACKED": "1",
+        "SGLANG_OSCAR_MLA_KV_BITS": str(lat.bits),
+    }
+    if lat.hp_subspace:
+        env["SGLANG_OSCAR_MLA_KV_HP_SUBSPACE_PATH"] = lat.hp_subspace
+    if lat.bits != 2:  # the group-factored decode is 2-bit only and turns itself on at 8K context
+        env["SGLANG_OSCAR_MLA_PACKED_GF"] = "0"
+    lloyd = False if lat.bits != 2 else lat.lloyd_max  # Lloyd-Max levels are a 2-bit codebook
+    if lloyd is not None:
+        env["SGLANG_LLOYD_MAX"] = "1" if lloyd else "0"
+    return env
+
+
+def mla_args(inp: LaunchInput) -> list[str]:
+    lat, lc = inp.latent, inp.launch
+    assert lat is not None
+    args = ["python", "-m", "sglang.launch_server", "--model-path", inp.model,
+            "--tensor-parallel-size", str(lc.tp_size)]
+    if lat.pp_size > 1:
+        args += ["--pipeline-parallel-size", str(lat.pp_size)]
+    args += ["--kv-cache-dtype", "bfloat16", "--attention-backend", lat.attention_backend,
+             "--prefill-attention-backend", lat.prefill_attention_backend,
+             "--decode-attention-backend", lat.decode_attention_backend]
+    if lc.mamba_scheduler_strategy:
+        args += [MAMBA_FLAG, lc.mamba_scheduler_strategy]
+    if lc.disable_radix_cache:
+        args.append("--disable-radix-cache")
+    return args
+
+
+def _mla_notes(inp: LaunchInput) -> list[str]:
+    lat, lc = inp.latent, inp.launch
+    assert lat is not None
+    notes = []
+    if lc.recipe:
+        notes.append(f"settings from the authors' recipe {lc.recipe} (FutureMLS-Lab/OSCAR)")
+    notes.append(f"the latent folder holds {lat.layers} layer_<id>.pt files, each checked (the server would replace a "
+                 "missing one by identity)")
+    notes.append("--kv-cache-dtype bfloat16 is pinned: int2 aborts on a DSA model, and auto gives fp8_e4m3 on SM100+, "
+                 "which cannot hold the rotations")
+    if lat.bits != 2:
+        notes.append(f"{lat.bits}-bit latent: SGLANG_OSCAR_MLA_PACKED_GF=0 (the group-factored decode is 2-bit only) "
+                     "and SGLANG_LLOYD_MAX=0 (a 2-bit codebook)")
+    elif lat.lloyd_max is None:
+        notes.append("SGLANG_LLOYD_MAX is not set: the packed pool's own default applies (Lloyd-Max on at 2 bits)")
+    if lat.pp_size > 1 or lc.tp_size * lat.pp_size > 8:
+        notes.append("the recipe spans more than one node: add --nnodes, --node-rank and --dist-init-addr per node")
+    return notes
+
+
+def _mla_checks(inp: LaunchInput) -> list[str]:
+    lat, cfg = inp.latent, inp.config
+    assert lat is not None
+    return [f"the server log says 'loaded {lat.layers} rotations' from {lat.folder}; a log saying 'not found — no "
+            "rotation' means the path was not read",
+            f"the server log says 'BF16 latent windows: sink={cfg.prefix_tokens} recent={cfg.recent_tokens}'"]
+
+
 def build(inp: LaunchInput) -> Launch:
+    if inp.latent is not None:
+        return Launch(mla_env(inp), mla_args(inp), _mla_notes(inp) + rank_notes(inp), _mla_checks(inp))
     paths = inp.paths or {}
     env = sglang_env(inp.config, paths.get("k"), paths.get("v"), absorb=inp.absorb)
+    if inp.k_clip_per_layer is not None:  # the tree's per-layer / per-head K clip tables (unified_kv_pool.py)
+        env["SGLANG_OSCAR_K_CLIP_PER_LAYER"] = inp.k_clip_per_layer
+    if inp.k_clip_per_head is not None:
+        env["SGLANG_OSCAR_K_CLIP_PER_HEAD"] = inp.k_clip_per_head
     return Launch(env, sglang_args(inp), _notes(inp), _checks(inp))
+
+
+def sglang_plan_notes(config: Int2KVConfig, page: int) -> list[str]:
+    """Windows that are not whole quantised pages (SGLang's INT2 cache rejects them)."""
+    return [f"{name}={getattr(config, name)} is not a multiple of the quantised page size {page}; SGLang's INT2 cache "
+            "rejects it" for name in ("prefix_tokens", "recent_tokens") if getattr(config, name) % page]

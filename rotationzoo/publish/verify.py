@@ -54,6 +54,50 @@ def _changed_copies(entry: TagEntry, cache_dir: str | os.PathLike[str] | None) -
     return out
 
 
+def _changed_layers(model: str, cache_dir: str | os.PathLike[str] | None) -> list[str]:
+    """Problems of cached latent layer files that a cache hit refused (changed on disk since verification)."""
+    from ..hub.latent import latent_entry
+    from ..hub.layout import read_marker
+
+    root = cache_root(cache_dir)
+    folder = entry_dir(root, latent_entry(get_model(model), root))
+    out = []
+    for p in sorted(folder.glob("layer_*.pt")) if folder.is_dir() else []:
+        if read_marker(p) is not None and warm_hit(p, None) is None:
+            out.append(f"{p}: sha256 {sha256_file(p)} (changed on disk since it was verified)")
+    return out
+
+
+def _latent_check(model: str, name: str, *, offline: bool, download: bool, source: str,
+                  cache_dir: str | os.PathLike[str] | None, atol: float) -> EntryCheck:
+    """One MLA latent set: every layer file present (cached, or downloaded), checked and covering the model.
+    The registry pins no latent file, so a good set is ``"unpinned"`` with each layer's observed sha256."""
+    from ..mla import load_latent
+
+    check = EntryCheck(model, name, "failed")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UnpinnedEntryWarning)
+            lat = load_latent(model, cache_dir=cache_dir, offline=offline, source_type=source, atol=atol)
+    except OfflineError as exc:
+        changed = _changed_layers(model, cache_dir)
+        if changed:  # present but not served: the bytes changed after verification
+            check.problems.extend(changed)
+        else:
+            check.status = "missing"
+            check.problems.append("not in the cache (pass --download to fetch it, or `rotationzoo cache import "
+                                  "FOLDER --latent`)" if not download else str(exc))
+    except RotationZooError as exc:
+        check.problems.append(str(exc))
+    else:
+        assert lat.files is not None
+        for lid, f in sorted(lat.files.files.items()):
+            check.files[f"layer_{lid}"] = {"path": str(f.path), "sha256": f.sha256, "registry_sha256": None,
+                                           "size": f.size, "source": f.source}
+        check.status = "unpinned"
+    return check
+
+
 def verify_registry(
     *,
     download: bool = False,
@@ -83,7 +127,12 @@ def verify_registry(
     offline = not download or config.offline()  # ROTATIONZOO_OFFLINE wins over --download
     models = [get_model(model)] if model is not None else list(load_registry())
     checks: list[EntryCheck] = []
-    for m in models:  # an MLA latent model has no K/V tags: nothing to verify
+    for m in models:
+        if m.mla_latent is not None:  # an MLA latent model: its set, layer by layer, instead of K/V tags
+            check = _latent_check(m.id, m.mla_latent.name, offline=offline, download=download, source=source,
+                                  cache_dir=cache_dir, atol=atol)
+            say(f"{m.id}@{check.tag}: {check.status}" + (f" ({check.problems[0]})" if check.status == "failed" else ""))
+            checks.append(check)
         for tname, entry in m.tags.items():
             arch = entry.architecture
             ids = arch.expected_layer_ids()

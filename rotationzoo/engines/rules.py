@@ -1,0 +1,218 @@
+"""The checks every launch goes through, driven by the engine table: file kinds a target does not
+read, knobs it does not take, models it does not serve, V-rotation absorption, tensor-parallel ranks."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+from ..errors import ServingError
+from ..headdims import HeadDims
+from ..int2kv import Int2KVConfig
+from ..launch import LaunchConfig
+from ..sharding import kv_heads_per_rank
+from ..vocab import FILE_KINDS
+from .common import LatentLaunch, LaunchInput, RankHeads
+from .table import OPTIONS, EngineTarget, target
+
+_KIND_TEXT = {
+    "v1": "one rotation per layer",
+    "v2": "per-KV-head rotations ([L, H_kv, d, d])",
+    "v3": "a format_version 3 file",
+    "k_mean": "key centering (k_mean)",
+    "companions": "a non-orthogonal transform (q_rotation / o_rotation)",
+    "v_mean": "value centering (v_mean, a rotationzoo extension)",
+    "ragged": "layers of different head_dim or KV-head count",
+    "lloyd_max": "Lloyd-Max INT2 levels",
+    "mla": "an MLA latent rotation set (layer_<id>.pt files)",
+}
+#: What absorption cannot be used with: it folds one orthogonal R_V per layer into the weights.
+NO_ABSORPTION = frozenset({"v2", "k_mean", "companions", "v_mean", "mla"})
+
+
+def pair_kinds(sets: Any, config: Int2KVConfig | None = None) -> frozenset[str]:
+    """What rotation sets hold (``{"k": RotationSet, …}`` or a pair's ``(side, set)`` items), as file kinds."""
+    items = sets.items() if isinstance(sets, Mapping) else iter(sets)
+    kinds: set[str] = set()
+    for _, rs in items:
+        kinds.add("v2" if rs.per_head else "v1")
+        if rs.layout_version == 3:
+            kinds.add("v3")
+        if rs.k_mean is not None:
+            kinds.add("k_mean")
+        if rs.v_mean is not None:
+            kinds.add("v_mean")
+        if rs.q_rotation is not None or rs.o_rotation is not None or not rs.orthogonal:
+            kinds.add("companions")
+        if rs.ragged:
+            kinds.add("ragged")
+    if config is not None and config.lloyd_max:
+        kinds.add("lloyd_max")
+    return frozenset(kinds)
+
+
+def refuse(t: EngineTarget, kinds: frozenset[str], source: str) -> None:
+    """Refuse, in one line, rotations holding a kind ``t`` does not read (Lloyd-Max levels only get a note).
+
+    Raises:
+        ServingError: names the kind, the target, and where such files are served.
+    """
+    for kind in FILE_KINDS:
+        if kind not in kinds or kind in t.reads or kind == "lloyd_max":
+            continue
+        if kind == "v_mean":
+            hint = "serve them with rotationzoo.integrations.transformers, or fit without value centering"
+        else:
+            hint = "serve them with --engine sglang (the authors' current tree)"
+            if kind == "v2":
+                hint += ", or fit with --grouping layer"
+        raise ServingError(f"{source}: {_KIND_TEXT[kind]} cannot be served by {t.name} ({t.title}), which does not "
+                           f"read {'it' if kind in ('v3', 'k_mean', 'v_mean', 'mla') else 'them'}; {hint}")
+
+
+def absorption(t: EngineTarget, kinds: frozenset[str], launch: LaunchConfig, requested: bool | None,
+               calibrate: bool, source: str) -> tuple[bool, str | None]:
+    """Whether V-rotation absorption is on, and a note when the entry's setting was overridden.
+
+    A target that ``absorbs`` ``"always"`` (the May 2026 fork's reference line) absorbs unless asked not
+    to. Otherwise absorption is the entry's setting, and off for per-KV-head, centered or non-orthogonal
+    files and for start-up calibration: it folds one orthogonal ``R_V`` per layer into the weights
+    (Qwen3-30B-A3B per head: GPQA 34.3 with it, 58.6 without).
+
+    Raises:
+        ServingError: absorption asked for (``--absorb-v-rotation``) where it is wrong.
+    """
+    if t.absorbs == "always":
+        return (True if requested is None else requested), None
+    bad = sorted(kinds & NO_ABSORPTION)
+    why = ("start-up calibration keeps the V rotation at runtime" if calibrate else
+           f"the rotations hold {', '.join(_KIND_TEXT[k] for k in bad)}") if (calibrate or bad) else None
+    if requested and why:
+        raise ServingError(f"{source}: --absorb-v-rotation folds one orthogonal R_V per layer into the weights, but "
+                           f"{why}; serve without it (Qwen3-30B-A3B per head: GPQA 34.3 with absorption, 58.6 "
+                           "without)")
+    wanted = launch.absorb_v_rotation if requested is None else requested
+    if wanted and why:
+        return False, f"SGLANG_OSCAR_ABSORB_V_ROTATION=0 although the entry asks for absorption: {why}"
+    return wanted, None
+
+
+def rank_heads(kv_head_counts: tuple[int, ...], tp_size: int) -> tuple[RankHeads, ...]:
+    """The KV heads of each rank for every distinct head count (the authors' rule, :func:`kv_heads_per_rank`).
+
+    Raises:
+        ConfigError: heads that cannot be split over ``tp_size`` ranks (one line, with sizes that work).
+    """
+    out: list[RankHeads] = []
+    for h in dict.fromkeys(kv_head_counts):
+        out += [RankHeads(r, heads, h) for r, heads in enumerate(kv_heads_per_rank(h, tp_size))]
+    return tuple(sorted(out, key=lambda r: (r.rank, r.of)))
+
+
+_SWITCHES = frozenset({"disable_radix_cache", "calibrate"})
+
+
+def check_options(t: EngineTarget, **given: Any) -> None:
+    """Refuse an option ``t`` does not take (:data:`~.table.OPTIONS`): one given, not ``None`` (for the
+    on/off switches ``disable_radix_cache`` and ``calibrate``, one that is on).
+
+    Raises:
+        ServingError: one line naming the option and those the target takes.
+    """
+    for knob in OPTIONS:
+        value = given.get(knob)
+        asked = bool(value) if knob in _SWITCHES else value is not None
+        if asked and knob not in t.options:
+            takes = [_flag(o) for o in OPTIONS if o in t.options]
+            raise ServingError(f"{_flag(knob)} does not apply to {t.name} ({t.title})"
+                               + (f"; it takes {', '.join(takes)}" if takes else "")
+                               + ("; start-up calibration is a feature of --engine sglang" if knob == "calibrate"
+                                  else ""))
+
+
+def prepare(t: EngineTarget, *, config: Int2KVConfig, launch: LaunchConfig, paths: Mapping[str, str] | None,
+            model: str, head_dims: HeadDims | None, kinds: frozenset[str], source: str,
+            kv_head_counts: tuple[int, ...] = (), model_kv_heads: int | None = None, tp_size: int | None = None,
+            absorb_v_rotation: bool | None = None, disable_radix_cache: bool | None = None,
+            calibrate: bool = False, block_size: int | None = None, hybrid: bool = False,
+            model_path: str | None = None, latent: LatentLaunch | None = None,
+            k_clip_per_layer: str | None = None, k_clip_per_head: str | None = None) -> LaunchInput:
+    """Check the request against ``t`` and the files, apply the overrides, and decide absorption and sharding.
+
+    ``kv_head_counts`` are the KV-head counts of a per-KV-head file's layers (empty for one rotation
+    per layer); ``model_kv_heads`` the model's, when known; ``hybrid`` whether the model mixes
+    attention with linear-attention layers; ``latent`` an MLA latent set launched instead of K/V files.
+
+    Raises:
+        ServingError: a knob the target does not take, rotations or a model it cannot serve, absorption
+            where it is wrong.
+        ConfigError: a TP size outside 1 … 1024 or one the KV heads cannot be split over.
+    """
+    check_options(t, tp_size=tp_size, absorb_v_rotation=absorb_v_rotation, disable_radix_cache=disable_radix_cache,
+                  calibrate=calibrate, block_size=block_size, k_clip_per_layer=k_clip_per_layer,
+                  k_clip_per_head=k_clip_per_head)
+    if latent is not None and (calibrate or absorb_v_rotation):
+        raise ServingError(f"{source}: {'--calibrate' if calibrate else '--absorb-v-rotation'} is for K/V rotations; "
+                           "an MLA latent set is served as it is")
+    refuse(t, kinds, source)
+    if hybrid and not t.hybrid_models and latent is None:
+        raise ServingError(f"{source}: the model mixes attention with linear-attention layers (a hybrid model), "
+                           f"which {t.name} ({t.title}) does not serve; serve it with --engine sglang")
+    lc = launch.replace(tp_size=tp_size, disable_radix_cache=disable_radix_cache or None)
+    absorb, note = absorption(t, kinds, lc, absorb_v_rotation, calibrate, source)
+    counts = kv_head_counts or ((model_kv_heads,) if model_kv_heads and latent is None else ())
+    ranks = rank_heads(counts, lc.tp_size) if counts else ()
+    return LaunchInput(config=config, launch=lc, paths=paths, model=model, head_dims=head_dims, kinds=kinds,
+                       per_head_kv_heads=kv_head_counts[0] if kv_head_counts else None, absorb=absorb,
+                       absorb_note=note, ranks=ranks, sharded=bool(kv_head_counts), calibrate=calibrate,
+                       model_kv_heads=model_kv_heads, hybrid=hybrid, block_size=block_size,
+                       model_path=model_path, latent=latent, k_clip_per_layer=k_clip_per_layer,
+                       k_clip_per_head=k_clip_per_head)
+
+
+def _flag(knob: str) -> str:
+    """The ``serve-args`` flag of a launch knob (``tp_size`` → ``--tp-size``)."""
+    return "--" + knob.replace("_", "-")
+
+
+def serve_env(config: Int2KVConfig, engine: str, paths: Mapping[str, str | os.PathLike[str]],
+              head_dim: int | None = None, *, pair: Any = None) -> dict[str, str]:
+    """Environment variables for ``engine`` given INT2-KV settings and local ``paths`` ``{"k", "v"}``.
+
+    Args:
+        config: the serving settings (``entry.serving`` or ``pair.config()``).
+        engine: a target of :data:`~rotationzoo.engines.TARGETS` (``"sglang"``, ``"sglang-legacy"``,
+            ``"vllm"``, ``"vllm-prototype"``, ``"llamacpp"``).
+        paths: local rotation files ``{"k": path, "v": path}`` (unused by a target that reads the
+            rotations from the model GGUF).
+        head_dim: the model's head_dim, for a configuration whose ``group_size`` is ``None``.
+        pair: the :class:`~rotationzoo.pair.RotationPair` the paths belong to, if any: its files decide
+            what the target must read (and refuses) and whether absorption may be on; its registry entry
+            gives the launch knobs.
+
+    Returns:
+        ``{NAME: value}`` as strings, in the engine's launch order.
+    """
+    t = target(engine)
+    if t.rotations_as == "pt":
+        missing = [s for s in ("k", "v") if s not in paths]
+        if missing:
+            raise ServingError(f"serve_env needs local paths for k and v (missing {', '.join(missing)})")
+    entry = getattr(pair, "entry", None)
+    launch = entry.launch if entry is not None else LaunchConfig()
+    kinds = pair_kinds(pair, config) if pair is not None else frozenset({"v1"})
+    dims = pair.head_dims if pair is not None else HeadDims(head_dim) if head_dim else None
+    inp = prepare(t, config=config, launch=launch, model="MODEL", head_dims=dims, kinds=kinds,
+                  paths={s: str(p) for s, p in paths.items()}, kv_head_counts=kv_head_counts(pair) if pair else (),
+                  source=str(getattr(pair, "source", "") or "rotations"))
+    return t.build(inp).env
+
+
+def kv_head_counts(sets: Any) -> tuple[int, ...]:
+    """The KV-head count of each layer of the first per-KV-head side (empty for one rotation per layer)."""
+    items = sets.items() if isinstance(sets, Mapping) else iter(sets)
+    for _, rs in items:
+        if rs.per_head:
+            layers = rs.rotations if isinstance(rs.rotations, tuple) else rs.rotations.unbind(0)
+            return tuple(int(r.shape[0]) for r in layers)
+    return ()
