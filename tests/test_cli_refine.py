@@ -165,3 +165,23 @@ def test_queries_per_block_reaches_the_served_loss_and_the_manifest(tmp_path: Pa
         RefineOptions(queries_per_block=0)
     assert _cli(["fit", "--dump", str(dump), "--out", str(out), "--refine", "2", "--queries-per-block", "0"]) == 2
     assert "--queries-per-block" in capsys.readouterr().err
+
+
+def test_refine_trains_for_the_store_it_is_served_in(dump: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--serving MODEL@TAG and the INT2-KV options set the store the served loss models; the manifest records it
+    (what eval then evaluates the folder in); without --refine they are refused in one line."""
+    from rotationzoo.int2kv import Int2KVConfig
+    from rotationzoo.registry import get_entry
+
+    out = tmp_path / "out"
+    assert _cli(["fit", "--dump", str(dump), "--out", str(out), "--refine", "1", "-g", "32", "--loss", "block",
+                 "--serving", "SmolLM2-135M-Instruct", "--scale-dtype", "bfloat16", "--recent-tokens", "128"]) == 0
+    capsys.readouterr()
+    m = json.loads((out / "rotationzoo.json").read_text())
+    want = get_entry("SmolLM2-135M-Instruct").serving.replace(group_size=32, scale_dtype="bfloat16", recent_tokens=128)
+    assert Int2KVConfig.from_json(m["int2kv"]) == want
+    assert _cli(["fit", "--dump", str(dump), "--out", str(tmp_path / "o2"), "--scale-dtype", "bfloat16"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --scale-dtype: the INT2 store that --refine trains for; add --refine STEPS"]
+    opts = RefineOptions(int2kv=Int2KVConfig(scale_dtype="bfloat16"))
+    assert opts.config().int2kv.scale_dtype == "bfloat16" and RefineOptions().config().int2kv == Int2KVConfig()

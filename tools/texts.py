@@ -1,9 +1,21 @@
 #!/usr/bin/env python
-"""Extract public-domain English texts shipped in Debian packages, for calibration and evaluation.
+"""Extract English texts shipped in Debian packages, for calibration and evaluation.
 
-- Jane Austen's novels (``emma``, ``persuasion``, ``prideprejudice``, ...) from ``r-cran-janeaustenr``;
+Design texts (calibration, the keep rule, every earlier comparison):
+
+- Jane Austen's novels (``emma``, ``persuasion``, ``prideprejudice``, ``mansfieldpark``, ...) from
+  ``r-cran-janeaustenr``;
 - Herman Melville's *Moby Dick* (``mobydick``, Project Gutenberg #2701, public domain) from the
   data of ``r-cran-tokenizers``.
+
+Held-out texts (:data:`HELD_OUT`: never used for a design choice; one of each kind):
+
+- ``kjv``: narrative, the King James Bible from Genesis on (public domain), from ``sword-text-kjv`` (a SWORD
+  zText module: zlib blocks of OSIS markup; notes and markup removed here);
+- ``debianref``: technical prose, the *Debian Reference* (GPL-2+), the plain-text rendering in
+  ``debian-reference-en``;
+- ``pystdlib``: code, modules of the Python 3.11 standard library (PSF licence) from ``libpython3.11-stdlib``,
+  in a fixed order, each after a ``# file:`` line.
 
 Both R packages store their texts in an R lazy-load database (``data/Rdata.rdx`` index +
 ``data/Rdata.rdb`` blobs: zlib-compressed, XDR-serialised R objects). This reads them with a small
@@ -160,18 +172,66 @@ def read_lazyload_db(data_dir: Path) -> dict[str, Any]:
 PACKAGES = {"r-cran-janeaustenr": "janeaustenr", "r-cran-tokenizers": "tokenizers"}
 #: Texts of r-cran-tokenizers (everything else comes from r-cran-janeaustenr).
 TOKENIZERS_TEXTS = ("mobydick",)
+#: Held-out texts: name -> (kind, Debian package). Never used for a design choice.
+HELD_OUT: dict[str, tuple[str, str]] = {
+    "kjv": ("narrative", "sword-text-kjv"),
+    "debianref": ("technical prose", "debian-reference-en"),
+    "pystdlib": ("code", "libpython3.11-stdlib"),
+}
+#: Standard-library modules of ``pystdlib``, in order.
+PYTHON_MODULES = ("tarfile.py", "dataclasses.py", "http/client.py", "shutil.py", "statistics.py", "asyncio/base_events.py",
+                  "imaplib.py", "smtplib.py", "difflib.py", "mailbox.py")
 
 
-def _package_dir(package: str, deb: Path | None, pkg_dir: Path | None) -> Path:
-    if pkg_dir is not None:
-        return pkg_dir
+def _unpacked(package: str, deb: Path | None) -> Path:
+    """The root of a Debian package's files (downloaded with ``apt-get download`` unless ``deb`` is given)."""
     work = Path(tempfile.mkdtemp(prefix=f"{package}-"))
     if deb is None:
         subprocess.run(["apt-get", "download", package], cwd=work, check=True, stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL)
         deb = next(work.glob(f"{package}_*.deb"))
     subprocess.run(["dpkg-deb", "-x", str(deb), str(work / "x")], check=True)
-    return work / "x" / "usr/lib/R/site-library" / PACKAGES[package]
+    return work / "x"
+
+
+def _package_dir(package: str, deb: Path | None, pkg_dir: Path | None) -> Path:
+    if pkg_dir is not None:
+        return pkg_dir
+    return _unpacked(package, deb) / "usr/lib/R/site-library" / PACKAGES[package]
+
+
+def kjv_text(root: Path) -> str:
+    """The King James Bible of a SWORD zText module (``*.bzs``: 12-byte block entries offset, size, raw size;
+    ``*.bzz``: zlib blocks of OSIS), notes and markup removed, one paragraph per ``¶``/paragraph mark."""
+    import re
+
+    mod = next((root / "usr/share/sword/modules/texts/ztext").iterdir())
+    parts = []
+    for testament in ("ot", "nt"):
+        index, blob = (mod / f"{testament}.bzs").read_bytes(), (mod / f"{testament}.bzz").read_bytes()
+        for i in range(len(index) // 12):
+            offset, size, _ = struct.unpack_from("<III", index, 12 * i)
+            parts.append(zlib.decompress(blob[offset:offset + size]).decode("utf-8", errors="replace"))
+    osis = "".join(parts)
+    osis = re.sub(r"<note\b.*?</note>", " ", osis, flags=re.S)
+    osis = re.sub(r"<div\b[^>]*type=\"x-p\"[^>]*/>", "\n\n", osis)
+    text = re.sub(r"<[^>]+>", "", osis).replace("¶", "\n\n")
+    paras = [" ".join(p.split()) for p in text.split("\n\n")]
+    return "\n\n".join(p for p in paras if p) + "\n"
+
+
+def debian_reference_text(root: Path) -> str:
+    """The plain-text *Debian Reference*."""
+    return gzip.decompress((root / "usr/share/debian-reference/debian-reference.en.txt.gz").read_bytes()).decode("utf-8")
+
+
+def python_code_text(root: Path) -> str:
+    """:data:`PYTHON_MODULES` of the standard library, each after a ``# file:`` line."""
+    lib = root / "usr/lib/python3.11"
+    return "".join(f"# file: {name}\n{(lib / name).read_text(encoding='utf-8')}\n" for name in PYTHON_MODULES)
+
+
+_HELD_OUT_READERS = {"kjv": kjv_text, "debianref": debian_reference_text, "pystdlib": python_code_text}
 
 
 def gutenberg_text(raw: str) -> str:
@@ -203,12 +263,26 @@ def novel_text(lines: list[str | None]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("novels", nargs="*", help="names such as emma, persuasion, prideprejudice, mobydick")
+    ap.add_argument("novels", nargs="*", help="names such as emma, persuasion, prideprejudice, mobydick; the held-out "
+                                              "kjv, debianref, pystdlib")
     ap.add_argument("--deb", type=Path, help="a downloaded .deb of the package holding the texts asked for")
     ap.add_argument("--pkg-dir", type=Path, help="an unpacked R package folder holding the texts asked for")
     ap.add_argument("--out-dir", type=Path, default=Path("bench-out/texts"))
     ap.add_argument("--list", action="store_true", help="list the texts and their sizes")
     args = ap.parse_args(argv)
+    held = [n for n in args.novels if n in HELD_OUT]
+    if held:
+        if args.deb is not None and len(held) > 1:
+            print("error: --deb holds one package; ask for one held-out text", file=sys.stderr)
+            return 1
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        for name in held:
+            path = args.out_dir / f"{name}.txt"
+            path.write_text(_HELD_OUT_READERS[name](_unpacked(HELD_OUT[name][1], args.deb)), encoding="utf-8")
+            print(path)
+        args.novels = [n for n in args.novels if n not in HELD_OUT]
+        if not args.novels:
+            return 0
     wanted = {("r-cran-tokenizers" if n in TOKENIZERS_TEXTS else "r-cran-janeaustenr") for n in args.novels}
     if args.list or not args.novels:
         wanted = set(PACKAGES)
@@ -226,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.list or not args.novels:
         for name, text in texts.items():
             print(f"{name:16s} {len(text):9d} chars")
+        for name, (kind, package) in HELD_OUT.items():
+            print(f"{name:16s} held out: {kind} ({package})")
         return 0
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for name in args.novels:

@@ -111,6 +111,9 @@ TimeoutOpt = Annotated[Optional[float], typer.Option(
 SideOpt = Annotated[Optional[str], typer.Option("--side", click_type=choice(vocab.SIDES),
                                                 help="k | v: which side a single file is, or which side to keep.")]
 RotationsHelp = ROTATIONS_HELP
+ServingOpt = Annotated[Optional[str], typer.Option(
+    "--serving", help="With --refine: train for the INT2 store of this registry entry, MODEL[@TAG] (its group size, "
+                      "scale/zero dtype, windows and clip ratios); -g and the INT2-KV options below override it.")]
 
 # -- INT2-KV settings (Int2KVConfig fields); None = keep the default / the entry's serving value --
 KClipOpt = Annotated[Optional[float], typer.Option("--k-clip-ratio", help="Per-row clip ratio of keys (0 disables).")]

@@ -31,6 +31,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from ..errors import FitError
+from ..int2kv import Int2KVConfig
 from ..progress import Progress, prefixed
 from ..format import RotationSet
 from ..vocab import REFINE_INITS, Center, Grouping
@@ -69,6 +70,8 @@ class RefineOptions:
         block_size: tokens per calibration block (``None``: 1,024 for ``served``, 256 for ``block``).
         queries_per_block: queries drawn per block by the served loss (``None``: the
             :class:`~rotationzoo.fit.refine_loss.RefineConfig` default, 64); a step's cost is linear in it.
+        int2kv: the INT2 store the loss trains for (scale/zero dtype, windows, clip ratios; the group size
+            comes from ``group_size`` when given): ``None`` keeps :class:`RefineConfig`'s default.
     """
 
     steps: int = DEFAULT_STEPS
@@ -78,6 +81,7 @@ class RefineOptions:
     loss: str = "served"
     block_size: int | None = None
     queries_per_block: int | None = None
+    int2kv: Int2KVConfig | None = None
 
     def __post_init__(self) -> None:
         _check_init(self.init)
@@ -102,8 +106,10 @@ class RefineOptions:
         return SERVED_BLOCK_SIZE if self.loss == "served" else DEFAULT_BLOCK_SIZE
 
     def config(self, base: RefineConfig | None = None) -> RefineConfig:
-        """``base`` (default settings) with this ``loss`` (and ``queries_per_block``, when given)."""
+        """``base`` (default settings) with this ``loss`` (and ``queries_per_block`` and ``int2kv``, when given)."""
         cfg = replace(base or RefineConfig(), loss=self.loss)
+        if self.int2kv is not None:
+            cfg = replace(cfg, int2kv=self.int2kv)
         return cfg if self.queries_per_block is None else replace(cfg, queries_per_block=self.queries_per_block)
 
 
