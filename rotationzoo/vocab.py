@@ -94,5 +94,5 @@ RefineLoss = Literal["served", "block"]
 REFINE_LOSSES: tuple[str, ...] = get_args(RefineLoss)
 
 #: Kernel backends.
-Backend = Literal["auto", "torch", "triton"]
+Backend = Literal["auto", "torch", "cpu", "triton"]
 BACKENDS: tuple[str, ...] = get_args(Backend)

@@ -10,3 +10,18 @@ def random_orthogonal(n_layers: int, d: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     q, _ = torch.linalg.qr(torch.randn(n_layers, d, d, dtype=torch.float64, generator=g))
     return q.float().contiguous()
+
+
+def int2_config(clip: float = 0.0, group: int | None = None, *, lloyd_max: bool = False,
+                scale: torch.dtype = torch.float32, search: str = "exact", side: str = "k") -> "Int2KVConfig":
+    """An :class:`~rotationzoo.int2kv.Int2KVConfig` with the clip ratio ``clip`` on ``side`` (the other 0),
+    group size, Lloyd-Max, scale dtype (a torch dtype) and clip search: the settings a kernel test
+    used to spell as loose keywords."""
+    from rotationzoo.dtypes import TORCH_DTYPES
+    from rotationzoo.int2kv import Int2KVConfig
+
+    name = next(k for k, v in TORCH_DTYPES.items() if v == scale)
+    clips = {"k_clip_ratio": max(float(clip), 0.0) if side == "k" else 0.0,
+             "v_clip_ratio": max(float(clip), 0.0) if side == "v" else 0.0}
+    return Int2KVConfig(group_size=group, lloyd_max=lloyd_max, scale_dtype=name, clip_search=search,  # type: ignore[arg-type]
+                        **clips)

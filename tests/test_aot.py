@@ -35,8 +35,9 @@ def quant(d, group, *, rotate, clip, lloyd_max=False, has_loc=True, scale="fp32"
 # the decode flush's bisection into the paged store with a rotation at d = 256, the launches
 # ptxas spilled in without an explicit register ceiling (sm_90, sm_80), a grouped dequantize, the
 # d = 256 dequantize that spilled on sm_80 with 4 warps, and decode attention: the serving case
-# (Qwen3-8B's 4 query rows per KV head, G = d, fp32 scale/zero), SmolLM2's (3 rows, G = 16, fp16
-# scale/zero) and the merge with the output rotation.
+# (Qwen3-8B's 4 query rows per KV head, G = d, fp32 scale/zero), with a boolean mask, SmolLM2's
+# (3 rows, G = 16, fp16 scale/zero), 16 draft rows with two groups per quarter (spilled 64 B on sm_90
+# with 64-token tiles) and the merge with the output rotation.
 SUBSET = [
     quant(128, 128, rotate=True, clip="top"),
     quant(128, 16, rotate=True, clip="top", scale="bf16"),
@@ -49,6 +50,8 @@ SUBSET = [
     dict(kind="dequantize", d=256, group=128, scale="fp16", out="fp16", source="heuristic"),  # 8 B on sm_80, 4 warps
     dict(kind="decode", d=128, group=128, scale="fp32", hp="bf16", gq=4, s=1, rotate=True, source="heuristic"),
     dict(kind="decode", d=64, group=16, scale="fp16", hp="bf16", gq=3, s=1, rotate=True, source="heuristic"),
+    dict(kind="decode", d=128, group=128, scale="fp32", hp="bf16", gq=4, s=1, rotate=True, mask=True, source="heuristic"),
+    dict(kind="decode", d=128, group=16, scale="bf16", hp="fp16", gq=4, s=4, rotate=True, source="heuristic"),
     dict(kind="decode_merge", d=128, gq=4, s=1, rotate=True, out="bf16", source="heuristic"),
 ]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "rotationzoo"
-LOWER = ("errors", "config", "hashing", "safefile", "hadamard", "vocab", "numbers", "kvformat", "int2kv", "launch", "progress", "headdims", "registry",
+LOWER = ("errors", "config", "dtypes", "hashing", "safefile", "hadamard", "vocab", "numbers", "kvformat", "int2kv", "launch", "progress", "headdims", "registry",
          "format", "rotation_set", "sharding", "validation",
          "_inspect", "_schema", "_stheader", "hub", "kernels", "fit", "latent", "artefacts")
 HIGHER = ("api", "pair", "localpair", "calibrated", "pairfile", "engines", "planner", "serving", "derived", "export", "publish", "evaluate", "demo",

@@ -14,6 +14,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from rotationzoo.errors import KernelInputError
 from rotationzoo.int2kv import Int2KVConfig
 from rotationzoo.kernels import Int2KV, decode_attention_int2, dequantize_int2, quantize_int2
+from rotationzoo.kernels.decode_reference import decode_attention_torch
+
+from helpers import int2_config
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -33,7 +36,7 @@ def make_cache(b, hkv, d, p, n, r, *, group=None, lloyd_max=False, hp=torch.bflo
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(b, hkv, p + n + r, d, generator=g) * (1 + torch.rand(b, hkv, 1, d, generator=g) * 3)
     x = x.to(DEVICE)
-    codes, sz = quantize_int2(x[:, :, p:p + n], group_size=group, lloyd_max=lloyd_max, scale_dtype=scale, clip_ratio=0.96)
+    codes, sz = quantize_int2(x[:, :, p:p + n], config=int2_config(0.96, group, lloyd_max=lloyd_max, scale=scale))
     sink, recent = x[:, :, :p].to(hp), x[:, :, p + n:].to(hp)
     dense = torch.cat([sink.float(), dequantize_int2(codes, sz, dtype=torch.float32), recent.float()], dim=2)
     return Int2KV(sink, codes, sz, recent), dense
@@ -171,7 +174,9 @@ def test_bad_arguments_get_one_line_errors():
         (dict(config=Int2KVConfig(group_size=16)), "group size 16"),
         (dict(config=Int2KVConfig(scale_dtype="float16")), "scale_dtype"),
         (dict(config=Int2KVConfig(hp_dtype="float16")), "hp_dtype"),
-        (dict(config=Int2KVConfig(group_size=64), group_size=32), "conflicts with config.group_size"),
+        (dict(mask=torch.ones(1, 4, 1, 24, dtype=torch.bool).to(DEVICE)), "mask must be booleans"),
+        (dict(mask=torch.ones(1, 1, 1, 25).to(DEVICE)), "mask must be booleans"),
+        (dict(mask=torch.ones(1, 2, 1, 25, dtype=torch.bool).to(DEVICE)), r"mask must be booleans \[1 or 1, 4 or 1"),
         (dict(scale=-1.0), "positive"),
         (dict(num_splits=0), "num_splits"),
         (dict(keys=k._replace(sink=k.sink.half())), "share one dtype"),
@@ -184,9 +189,38 @@ def test_bad_arguments_get_one_line_errors():
         with pytest.raises(KernelInputError, match=match) as exc:
             decode_attention_int2(kw.pop("query"), kw.pop("keys"), kw.pop("values"), backend="torch", **kw)
         assert "\n" not in str(exc.value)
-    # the config the cache was written with is accepted, and so is a keyword that repeats it
+    # the config the cache was written with is accepted
     cfg = Int2KVConfig(group_size=None, hp_dtype="bfloat16", scale_dtype="float32")
-    decode_attention_int2(q, k, k, config=cfg, group_size=64, backend="torch")
+    decode_attention_int2(q, k, k, config=cfg, backend="torch")
+    with pytest.raises(TypeError):
+        decode_attention_int2(q, k, k, group_size=64, backend="torch")  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_mask_restricts_what_each_query_row_sees(backend):
+    """mask (booleans [B or 1, Hq or 1, S, L]) on top of the causal rule: padding, sliding windows."""
+    if backend == "triton":
+        pytest.importorskip("triton", reason="triton is not installed")
+    b, hq, hkv, s, d = 2, 4, 2, 2, 64
+    k, kd = make_cache(b, hkv, d, 3, 70, 6, seed=30)
+    v, vd = make_cache(b, hkv, d, 3, 70, 6, seed=31)
+    g = torch.Generator().manual_seed(32)
+    q = torch.randn(b, hq, s, d, generator=g).to(DEVICE)
+    total = 79
+    for heads in (1, hq):
+        mask = torch.rand(b, heads, s, total, generator=g) > 0.4
+        mask[0, :, :, :9] = False  # left padding
+        mask[1, :, :, -20:] = True
+        got = decode_attention_int2(q, k, v, mask=mask.to(DEVICE), backend=backend, dtype=torch.float32)
+        for bi in range(b):
+            for h in range(hq):
+                kh = h // (hq // hkv)
+                for t in range(s):
+                    seen = mask[bi, h if heads > 1 else 0, t].clone()
+                    seen[total - s + t + 1:] = False  # causal
+                    sc = (kd[bi, kh, seen].double().cpu() @ q[bi, h, t].double().cpu()) * d ** -0.5
+                    want = torch.softmax(sc, 0) @ vd[bi, kh, seen].double().cpu()
+                    torch.testing.assert_close(got[bi, h, t].double().cpu(), want, atol=2e-5, rtol=2e-5)
 
 
 # -- transient memory ------------------------------------------------------------------------------
@@ -237,9 +271,10 @@ def test_reference_transient_memory_is_one_tile():
     history_bytes = 2 * 4 * b * hkv * n * d  # K and V dequantized in fp32
     parts = [t for side in (k, v) for t in side] + [q]
 
-    def peak(splits):
+    def peak(splits):  # the reference itself: inside its torch operator a dispatch mode sees only the result
         with LiveTensorBytes(parts) as mode:
-            decode_attention_int2(q, k, v, num_splits=splits, backend="torch")
+            decode_attention_torch(q, tuple(k), tuple(v), q_rotation=None, o_rotation=None, scale=d ** -0.5,
+                                   causal=True, num_splits=splits, dtype=torch.float32)
         return mode.peak
 
     tiled = peak(n // tile)

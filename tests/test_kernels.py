@@ -20,11 +20,14 @@ from rotationzoo.kernels import (
     byte_index_and_shift,
     clip_index,
     dequantize_int2,
+    fake_quantize_int2,
     quantize_int2,
     quantize_int2_into,
 )
 from rotationzoo.kernels import layout
 from rotationzoo.kernels.reference import pack_codes, unpack_codes
+
+from helpers import int2_config
 
 F32 = np.float32
 LM_T = F32(0.9810652732849121)
@@ -263,7 +266,7 @@ def test_quantize_matches_naive(d, group, ci):
     sdt = _SCALE_DTYPES[(ci + group // 16) % 3]
     shape = (7, d) if ci % 2 else (3, 3, d)  # odd row counts
     x = rand(shape, dtype, seed=ci * 1000 + d + group, heavy=ci % 3 == 0)
-    got = quantize_int2(x, clip_ratio=clip, group_size=group, scale_dtype=sdt, backend="torch")
+    got = quantize_int2(x, config=int2_config(clip, group, scale=sdt), backend="torch")
     want = naive_quantize(x, clip, group, False, sdt)
     assert got[0].shape == (*shape[:-1], d // 4)
     assert got[1].shape == (*shape[:-1], 2 * d // group)
@@ -275,13 +278,13 @@ def test_quantize_matches_naive(d, group, ci):
 @pytest.mark.parametrize("dtype", _DTYPES)
 def test_lloyd_max_matches_naive(d, clip, dtype):
     x = rand((5, d), dtype, seed=d + int(clip * 100), heavy=True)
-    got = quantize_int2(x, clip_ratio=clip, lloyd_max=True, backend="torch")
+    got = quantize_int2(x, config=int2_config(clip, lloyd_max=True), backend="torch")
     assert_same_bytes(got, naive_quantize(x, clip, None, True))
 
 
 def test_lloyd_max_levels():
     x = rand((64, 128), seed=3)
-    codes, sz = quantize_int2(x, lloyd_max=True, backend="torch")
+    codes, sz = quantize_int2(x, config=int2_config(lloyd_max=True), backend="torch")
     y = dequantize_int2(codes, sz, dtype=torch.float32, backend="torch")
     xf = x.double()
     mean = xf.mean(-1, keepdim=True)
@@ -310,9 +313,9 @@ def test_special_rows_match_naive():
     x = torch.stack(rows)
     for clip in (0.0, 0.96, 0.5):
         for group in (128, 32):
-            got = quantize_int2(x, clip_ratio=clip, group_size=group, backend="torch")
+            got = quantize_int2(x, config=int2_config(clip, group), backend="torch")
             assert_same_bytes(got, naive_quantize(x, clip, group))
-        got = quantize_int2(x, clip_ratio=clip, lloyd_max=True, backend="torch")
+        got = quantize_int2(x, config=int2_config(clip, lloyd_max=True), backend="torch")
         assert_same_bytes(got, naive_quantize(x, clip, None, True))
     codes, sz = quantize_int2(x[:4], backend="torch")
     assert not codes.any()  # constant rows -> all codes 0
@@ -328,7 +331,7 @@ def test_nan_inf_policy():
     x[2, :2] = float("-inf")
     x[3, :3] = float("inf")  # clip 0.96 at d=64 keeps the 3rd largest: inf survives
     for clip in (0.0, 0.96):
-        codes, sz = quantize_int2(x, clip_ratio=clip, group_size=16, backend="torch")
+        codes, sz = quantize_int2(x, config=int2_config(clip, 16), backend="torch")
         assert_same_bytes((codes, sz), naive_quantize(x, clip, 16))
         bad = torch.isnan(sz).any(-1)
         assert torch.equal(torch.isnan(sz).all(-1), bad)
@@ -342,15 +345,15 @@ def test_nan_inf_policy():
     assert torch.isfinite(thr)
     y = x[1:2].clone()
     y[0, 5] = thr
-    got = quantize_int2(x[1:2], clip_ratio=0.96, backend="torch")
-    assert_same_bytes(got, quantize_int2(y, clip_ratio=0.96, backend="torch"))
+    got = quantize_int2(x[1:2], config=int2_config(0.96), backend="torch")
+    assert_same_bytes(got, quantize_int2(y, config=int2_config(0.96), backend="torch"))
 
 
 def test_codes_use_unrounded_scale_zero():
     x = rand((9, 128), seed=5)
-    c32, s32 = quantize_int2(x, clip_ratio=0.96, group_size=32, backend="torch")
+    c32, s32 = quantize_int2(x, config=int2_config(0.96, 32), backend="torch")
     for sdt in (torch.bfloat16, torch.float16):
-        c, s = quantize_int2(x, clip_ratio=0.96, group_size=32, scale_dtype=sdt, backend="torch")
+        c, s = quantize_int2(x, config=int2_config(0.96, 32, scale=sdt), backend="torch")
         assert torch.equal(c, c32)
         assert torch.equal(bits(s), bits(s32.to(sdt)))
 
@@ -359,7 +362,7 @@ def test_rotation_against_naive():
     d = 128
     x = rand((40, 2, d), torch.bfloat16, seed=6, heavy=True)
     r = orthogonal(d, seed=1)
-    codes, sz = quantize_int2(x, rotation=r, clip_ratio=0.96, backend="torch")
+    codes, sz = quantize_int2(x, config=int2_config(0.96), rotation=r, backend="torch")
     # independent rotation: fp64 products of the bf16 operands, rounded to bf16 once
     rot = (x.to(torch.bfloat16).double() @ r.to(torch.bfloat16).double()).to(torch.bfloat16)
     want = naive_quantize(rot, 0.96)
@@ -369,16 +372,16 @@ def test_rotation_against_naive():
     # and exactly the pre-rotated path for the reference's own rotation
     from rotationzoo.kernels.reference import bf16_matmul
 
-    assert_same_bytes((codes, sz), quantize_int2(bf16_matmul(x, r), clip_ratio=0.96, backend="torch"))
+    assert_same_bytes((codes, sz), quantize_int2(bf16_matmul(x, r), config=int2_config(0.96), backend="torch"))
 
 
 def test_per_head_rotation_equals_per_head_calls():
     d, h = 64, 3
     x = rand((11, h, d), torch.float16, seed=7)
     r = torch.stack([orthogonal(d, seed=s) for s in range(h)])
-    codes, sz = quantize_int2(x, rotation=r, clip_ratio=0.92, backend="torch")
+    codes, sz = quantize_int2(x, config=int2_config(0.92), rotation=r, backend="torch")
     for i in range(h):
-        c, s = quantize_int2(x[:, i], rotation=r[i], clip_ratio=0.92, backend="torch")
+        c, s = quantize_int2(x[:, i], config=int2_config(0.92), rotation=r[i], backend="torch")
         assert torch.equal(codes[:, i], c) and torch.equal(bits(sz[:, i]), bits(s))
     back = dequantize_int2(codes, sz, rotation=r, dtype=torch.float32, backend="torch")
     for i in range(h):
@@ -401,7 +404,7 @@ def test_empty_input():
 @pytest.mark.parametrize("sdt", _SCALE_DTYPES)
 def test_dequantize_matches_naive_and_step_bound(d, group, sdt):
     x = rand((13, d), seed=d + group, heavy=True)
-    codes, sz = quantize_int2(x, clip_ratio=0.92, group_size=group, scale_dtype=sdt, backend="torch")
+    codes, sz = quantize_int2(x, config=int2_config(0.92, group, scale=sdt), backend="torch")
     y = dequantize_int2(codes, sz, dtype=torch.float32, backend="torch")
     assert torch.equal(y, naive_dequantize(codes, sz, group))
     for odt in (torch.bfloat16, torch.float16):
@@ -423,7 +426,7 @@ def test_round_trip_with_rotation_restores_basis():
     d = 128
     x = rand((300, 2, d), torch.bfloat16, seed=8, heavy=True)
     r = orthogonal(d, seed=2)
-    codes, sz = quantize_int2(x, rotation=r, clip_ratio=0.96, backend="torch")
+    codes, sz = quantize_int2(x, config=int2_config(0.96), rotation=r, backend="torch")
     back = dequantize_int2(codes, sz, rotation=r, dtype=torch.float32, backend="torch")
     # the same error measured in fp64: rotate, quantize error in the rotated basis, un-rotate
     x_rot = x.double() @ r.double()
@@ -437,7 +440,7 @@ def test_round_trip_with_rotation_restores_basis():
     floor = (exact_back - back.double()).pow(2).mean().sqrt() / exact_back.pow(2).mean().sqrt()
     assert floor < 2**-8
     # rows point the right way in the original basis (a wrong basis gives cosines near 0)
-    codes, sz = quantize_int2(x, rotation=r, group_size=16, backend="torch")
+    codes, sz = quantize_int2(x, config=int2_config(0.0, 16), rotation=r, backend="torch")
     back = dequantize_int2(codes, sz, rotation=r, dtype=torch.float32, backend="torch")
     cos = torch.nn.functional.cosine_similarity(back.double().reshape(-1, d), x.double().reshape(-1, d), dim=-1)
     print(f"rotated INT2 g16 round trip: cosine mean {cos.mean():.4f} min {cos.min():.4f}")
@@ -454,8 +457,8 @@ def test_paged_store_skips_negative_and_out_of_range_slots(sdt):
     loc = torch.tensor([4, -1, 0, 11, 12, 7, -100, 2, 5], dtype=torch.int32)
     codes_buf = torch.full((slots, h, d // 4), 0xAB, dtype=torch.uint8)
     sz_buf = torch.full((slots, h, 4), -7.0, dtype=sdt)
-    quantize_int2_into(x, loc, codes_buf, sz_buf, clip_ratio=0.96, backend="torch")
-    codes, sz = quantize_int2(x, clip_ratio=0.96, group_size=32, scale_dtype=sdt, backend="torch")
+    quantize_int2_into(x, loc, codes_buf, sz_buf, config=int2_config(0.96, 32, scale=sdt), backend="torch")
+    codes, sz = quantize_int2(x, config=int2_config(0.96, 32, scale=sdt), backend="torch")
     written = set()
     for i, s in enumerate(loc.tolist()):
         if 0 <= s < slots:
@@ -473,8 +476,8 @@ def test_paged_store_with_rotation_and_int64_loc():
     loc = torch.tensor([5, 4, 3, 2, 1, 0], dtype=torch.int64)
     codes_buf = torch.zeros(6, h, d // 4, dtype=torch.uint8)
     sz_buf = torch.zeros(6, h, 2)
-    quantize_int2_into(x, loc, codes_buf, sz_buf, rotation=r, clip_ratio=0.92, backend="torch")
-    codes, sz = quantize_int2(x, rotation=r, clip_ratio=0.92, backend="torch")
+    quantize_int2_into(x, loc, codes_buf, sz_buf, config=int2_config(0.92), rotation=r, backend="torch")
+    codes, sz = quantize_int2(x, config=int2_config(0.92), rotation=r, backend="torch")
     assert torch.equal(codes_buf.flip(0), codes) and torch.equal(sz_buf.flip(0), sz)
     quantize_int2_into(x[:0], loc[:0], codes_buf, sz_buf, backend="torch")  # no rows: no-op
 
@@ -495,14 +498,10 @@ def test_bad_inputs_raise_kernel_input_error():
         lambda: quantize_int2(x.to(torch.int32)),
         lambda: quantize_int2(torch.tensor(1.0)),
         lambda: quantize_int2(x.numpy()),
-        lambda: quantize_int2(x, group_size=8),
-        lambda: quantize_int2(x, group_size=48),
-        lambda: quantize_int2(x, group_size=256),
-        lambda: quantize_int2(x, clip_ratio=1.5),
-        lambda: quantize_int2(x, clip_ratio=float("nan")),
-        lambda: quantize_int2(x, clip_ratio="0.9"),
-        lambda: quantize_int2(x, lloyd_max=True, group_size=64),
-        lambda: quantize_int2(x, scale_dtype=torch.float64),
+        lambda: quantize_int2(x, config=int2_config(0.0, 256)),  # more than head_dim
+        lambda: quantize_int2(x, config=int2_config(0.0, 64, lloyd_max=True)),
+        lambda: quantize_int2(x, config={"group_size": 16}),
+        lambda: quantize_int2(x, side="q"),
         lambda: quantize_int2(x, rotation=torch.eye(64)),
         lambda: quantize_int2(x, rotation=torch.eye(128, dtype=torch.int64)),
         lambda: quantize_int2(x, rotation=torch.eye(128).expand(3, 128, 128)),  # x has 4 "heads"
@@ -512,7 +511,8 @@ def test_bad_inputs_raise_kernel_input_error():
         lambda: dequantize_int2(torch.zeros(4, 24, dtype=torch.uint8), torch.zeros(4, 2)),
         lambda: dequantize_int2(cu, torch.zeros(4, 3)),
         lambda: dequantize_int2(cu, torch.zeros(5, 2)),
-        lambda: dequantize_int2(cu, torch.zeros(4, 2), group_size=64),
+        lambda: dequantize_int2(cu, torch.zeros(4, 2), config=int2_config(0.0, 64)),
+        lambda: dequantize_int2(cu, torch.zeros(4, 2), config=int2_config(scale=torch.bfloat16)),
         lambda: dequantize_int2(cu, torch.zeros(4, 32)),  # group 8
         lambda: dequantize_int2(cu, torch.zeros(4, 2, dtype=torch.float64)),
         lambda: dequantize_int2(cu, torch.zeros(4, 2), dtype=torch.int8),
@@ -522,8 +522,9 @@ def test_bad_inputs_raise_kernel_input_error():
         lambda: quantize_int2_into(x3, loc[:3], cbuf, sbuf),
         lambda: quantize_int2_into(x3, loc, torch.zeros(4, 2, 32, dtype=torch.uint8), torch.zeros(4, 2, 2)),
         lambda: quantize_int2_into(x3, loc, cbuf, torch.zeros(5, 1, 2)),
-        lambda: quantize_int2_into(x3, loc, cbuf, sbuf, group_size=64),
-        lambda: quantize_int2_into(x3, loc, cbuf, torch.zeros(4, 1, 4), lloyd_max=True),
+        lambda: quantize_int2_into(x3, loc, cbuf, sbuf, config=int2_config(0.0, 64)),
+        lambda: quantize_int2_into(x3, loc, cbuf, torch.zeros(4, 1, 4), config=int2_config(lloyd_max=True)),
+        lambda: quantize_int2_into(x3, loc, cbuf, sbuf.bfloat16(), config=int2_config()),  # not the config's dtype
     ]
     for i, call in enumerate(bad_calls):
         with pytest.raises(KernelInputError) as info:
@@ -537,8 +538,34 @@ def test_error_messages_name_what_was_expected():
         quantize_int2(rand((2, 96)))
     with pytest.raises(KernelInputError, match="bfloat16, float16, float32"):
         quantize_int2(rand((2, 128)).double())
-    with pytest.raises(KernelInputError, match="128, 64, 32, 16"):
-        quantize_int2(rand((2, 128)), group_size=8)
+    with pytest.raises(KernelInputError, match="group_size 256 .* 128, 64, 32, 16"):
+        quantize_int2(rand((2, 128)), config=int2_config(0.0, 256))
+
+
+@pytest.mark.parametrize("bad", [dict(group_size=8), dict(group_size=48), dict(k_clip_ratio=1.5),
+                                 dict(k_clip_ratio=float("nan")), dict(k_clip_ratio="0.9"), dict(scale_dtype="float64")])
+def test_bad_settings_are_refused_by_the_config(bad):
+    """The settings come only as an Int2KVConfig, which refuses a bad value when it is made."""
+    from rotationzoo.errors import ConfigError
+    from rotationzoo.int2kv import Int2KVConfig
+
+    with pytest.raises(ConfigError):
+        Int2KVConfig(**bad)
+
+
+def test_the_loose_keywords_are_gone():
+    """clip_ratio / group_size / lloyd_max / scale_dtype / clip_search are not keywords of the entry
+    points any more: the settings travel as one config."""
+    x = rand((2, 64))
+    for kw in ("clip_ratio", "group_size", "lloyd_max", "scale_dtype", "clip_search"):
+        with pytest.raises(TypeError):
+            quantize_int2(x, **{kw: None})
+        with pytest.raises(TypeError):
+            fake_quantize_int2(x, **{kw: None})
+    codes, sz = quantize_int2(x)
+    for kw in ("group_size", "lloyd_max"):
+        with pytest.raises(TypeError):
+            dequantize_int2(codes, sz, **{kw: None})
 
 
 def test_triton_backend_unavailable_on_cpu_without_interpreter(monkeypatch):
@@ -563,21 +590,20 @@ def test_import_does_not_pull_triton():
 
 
 @pytest.mark.parametrize("knobs", [
-    {}, {"clip_ratio": 0.96}, {"clip_ratio": 0.92, "group_size": 16}, {"lloyd_max": True, "clip_ratio": 0.96},
-    {"clip_ratio": 0.96, "clip_search": "bisect"}, {"scale_dtype": torch.bfloat16, "group_size": 32},
-    {"scale_dtype": torch.float16, "clip_ratio": 0.5},
+    {}, {"clip": 0.96}, {"clip": 0.92, "group": 16}, {"lloyd_max": True, "clip": 0.96},
+    {"clip": 0.96, "search": "bisect"}, {"scale": torch.bfloat16, "group": 32},
+    {"scale": torch.float16, "clip": 0.5},
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fake_quantize_equals_the_round_trip(knobs, dtype) -> None:
     """fake_quantize_int2 reads back exactly what quantize_int2 + dequantize_int2 give (NaN rows too)."""
-    from rotationzoo.kernels import fake_quantize_int2
-
     g = torch.Generator().manual_seed(len(knobs))
     x = (torch.randn(300, 2, 128, generator=g) * torch.rand(300, 2, 1, generator=g) * 10).to(dtype)
     x[3, 1, 7] = float("nan")
     x[5, 0] = 0.0
-    codes, sz = quantize_int2(x, backend="torch", **knobs)
+    cfg = int2_config(**knobs)
+    codes, sz = quantize_int2(x, config=cfg, backend="torch")
     ref = dequantize_int2(codes, sz, dtype=torch.float32, backend="torch")
-    got = fake_quantize_int2(x, dtype=torch.float32, backend="torch", **knobs)
+    got = fake_quantize_int2(x, config=cfg, dtype=torch.float32, backend="torch")
     assert torch.equal(got.isnan(), ref.isnan()) and torch.equal(got.nan_to_num(), ref.nan_to_num())
-    assert fake_quantize_int2(x, backend="torch", **knobs).dtype == dtype
+    assert fake_quantize_int2(x, config=cfg, backend="torch").dtype == dtype

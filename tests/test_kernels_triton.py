@@ -26,6 +26,8 @@ from rotationzoo.kernels import dequantize_int2, quantize_int2, quantize_int2_in
 from rotationzoo.kernels import triton_int2  # noqa: E402
 from rotationzoo.kernels.reference import unpack_codes  # noqa: E402
 
+from helpers import int2_config  # noqa: E402
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -84,7 +86,7 @@ def test_prerotated_bit_exact(case):
     d, group, clip = _CASES[case]
     rows = 70 if case % 2 else 7  # 70 crosses a 64-row tile, 7 is a partial tile
     x = rand((rows, 2, d), _DTYPES[case % 3], seed=case, heavy=True)
-    tri, ref = both(x, clip_ratio=clip, group_size=group, scale_dtype=_SDTYPES[(case // 3) % 3])
+    tri, ref = both(x, config=int2_config(clip, group, scale=_SDTYPES[(case // 3) % 3]))
     assert_same_bytes(tri, ref)
 
 
@@ -105,26 +107,26 @@ def test_bisection_clip_bit_exact(case):
     x[1, 0] = 0.0
     x[2, 1, 3] = float("nan")
     x[4, 0, :5] = 7.0  # ties at the top
-    tri, ref = both(x, clip_ratio=clip, group_size=group, scale_dtype=sdt, clip_search="bisect")
+    tri, ref = both(x, config=int2_config(clip, group, scale=sdt, search="bisect"))
     assert torch.equal(tri[0], ref[0])
     nan = torch.isnan(ref[1])  # the flagged row: NaN in both, payloads not compared
     assert torch.equal(torch.isnan(tri[1]), nan) and nan.any()
     assert torch.equal(bits(tri[1][~nan]), bits(ref[1][~nan]))
-    exact = quantize_int2(x, clip_ratio=clip, group_size=group, scale_dtype=sdt, backend="torch")
+    exact = quantize_int2(x, config=int2_config(clip, group, scale=sdt), backend="torch")
     assert not torch.equal(bits(ref[1]), bits(exact[1])), "the bisection clips differently from the exact search"
 
 
 def test_bisection_clip_lloyd_max_rotation_and_paged_store():
     d, t, h, slots = 128, 20, 2, 32
     x = rand((t, h, d), torch.bfloat16, seed=77, heavy=True)
-    assert_same_bytes(*both(x, clip_ratio=0.96, lloyd_max=True, clip_search="bisect"))
+    assert_same_bytes(*both(x, config=int2_config(0.96, lloyd_max=True, search="bisect")))
     r = orthogonal(d, seed=6)
     loc = torch.randperm(slots, generator=torch.Generator().manual_seed(1))[:t].to(DEVICE)
     bufs = {}
     for backend in ("triton", "torch"):
         codes_buf = torch.zeros(slots, h, d // 4, dtype=torch.uint8, device=DEVICE)
         sz_buf = torch.zeros(slots, h, 2, dtype=torch.float32, device=DEVICE)
-        quantize_int2_into(x, loc, codes_buf, sz_buf, rotation=r, clip_ratio=0.92, clip_search="bisect",
+        quantize_int2_into(x, loc, codes_buf, sz_buf, config=int2_config(0.92, search="bisect"), rotation=r,
                            backend=backend)
         bufs[backend] = (codes_buf, sz_buf)
     if DEVICE.type == "cpu":  # the interpreter's fp32 matmul reproduces the reference exactly
@@ -138,7 +140,7 @@ def test_bisection_clip_lloyd_max_rotation_and_paged_store():
 def test_lloyd_max_bit_exact(d):
     x = rand((9, d), torch.bfloat16, seed=d, heavy=True)
     for clip in (0.0, 0.96):
-        assert_same_bytes(*both(x, clip_ratio=clip, lloyd_max=True))
+        assert_same_bytes(*both(x, config=int2_config(clip, lloyd_max=True)))
 
 
 def test_special_rows_and_nan_inf_policy():
@@ -155,7 +157,7 @@ def test_special_rows_and_nan_inf_policy():
     x[8, ::2] = 0.0
     for clip in (0.0, 0.96):
         for group in (64, 16):
-            tri, ref = both(x, clip_ratio=clip, group_size=group)
+            tri, ref = both(x, config=int2_config(clip, group))
             assert torch.equal(tri[0], ref[0])
             assert torch.equal(torch.isnan(tri[1]), torch.isnan(ref[1]))
             ok = ~torch.isnan(ref[1])
@@ -168,8 +170,8 @@ def test_non_contiguous_input_and_launch_overrides():
     d = 128
     base = rand((40, 3, d), torch.bfloat16, seed=5)
     x = base[::2, 1:]  # strided rows and heads
-    want = quantize_int2(x, clip_ratio=0.96, group_size=32, backend="torch")
-    assert_same_bytes(quantize_int2(x, clip_ratio=0.96, group_size=32, backend="triton"), want)
+    want = quantize_int2(x, config=int2_config(0.96, 32), backend="torch")
+    assert_same_bytes(quantize_int2(x, config=int2_config(0.96, 32), backend="triton"), want)
     x3 = x.reshape(-1, 1, d)
     for bt, progs in ((16, 1), (32, 3)):
         codes = torch.empty(x3.shape[0], 1, d // 4, dtype=torch.uint8, device=DEVICE)
@@ -184,7 +186,7 @@ def test_non_contiguous_input_and_launch_overrides():
 def test_in_kernel_rotation_codes_agree(d, rows):
     x = rand((rows, 2, d), torch.bfloat16, seed=d, heavy=True)
     r = orthogonal(d, seed=d)
-    tri, ref = both(x, rotation=r, clip_ratio=0.96)
+    tri, ref = both(x, config=int2_config(0.96), rotation=r)
     q_tri, q_ref = unpack_codes(tri[0]).int(), unpack_codes(ref[0]).int()
     frac = (q_tri != q_ref).float().mean().item()
     rows_same = (tri[1] == ref[1]).all(-1).float().mean().item()
@@ -200,7 +202,7 @@ def test_per_head_rotation():
     d, h = 64, 3
     x = rand((20, h, d), torch.float16, seed=8)
     r = torch.stack([orthogonal(d, seed=s) for s in range(h)])
-    tri, ref = both(x, rotation=r, clip_ratio=0.92)
+    tri, ref = both(x, config=int2_config(0.92), rotation=r)
     q_tri, q_ref = unpack_codes(tri[0]).int(), unpack_codes(ref[0]).int()
     assert (q_tri != q_ref).float().mean() <= 1e-3 and (q_tri - q_ref).abs().max() <= 1
     back_t = dequantize_int2(*ref, rotation=r, dtype=torch.float32, backend="triton")
@@ -214,7 +216,7 @@ _DEQ_CASES = [(64, 16, torch.bfloat16), (128, 128, torch.float32), (128, 32, tor
 @pytest.mark.parametrize("d,group,sdt", _DEQ_CASES)
 def test_dequant_kernel_equals_reference(d, group, sdt):
     x = rand((37, d), torch.float32, seed=d + group, heavy=True)
-    codes, sz = quantize_int2(x, clip_ratio=0.92, group_size=group, scale_dtype=sdt, backend="torch")
+    codes, sz = quantize_int2(x, config=int2_config(0.92, group, scale=sdt), backend="torch")
     for odt in (torch.bfloat16, torch.float16, torch.float32):
         got = dequantize_int2(codes, sz, dtype=odt, backend="triton")
         want = dequantize_int2(codes, sz, dtype=odt, backend="torch")
@@ -236,7 +238,7 @@ def test_paged_store(sdt):
     for backend in ("triton", "torch"):
         codes_buf = torch.full((slots, h, d // 4), 0xAB, dtype=torch.uint8, device=DEVICE)
         sz_buf = torch.full((slots, h, 8), -7.0, dtype=sdt, device=DEVICE)
-        quantize_int2_into(x, loc, codes_buf, sz_buf, clip_ratio=0.96, backend=backend)
+        quantize_int2_into(x, loc, codes_buf, sz_buf, config=int2_config(0.96, d // 4, scale=sdt), backend=backend)
         bufs[backend] = (codes_buf, sz_buf)
     assert_same_bytes(bufs["triton"], bufs["torch"])
     untouched = sorted(set(range(slots)) - {s for s in loc.tolist() if 0 <= s < slots})
@@ -247,7 +249,8 @@ def test_paged_store(sdt):
     for backend in ("triton", "torch"):
         codes_buf = torch.zeros(slots, h, d // 4, dtype=torch.uint8, device=DEVICE)
         sz_buf = torch.zeros(slots, h, 2, dtype=sdt, device=DEVICE)
-        quantize_int2_into(x, loc.long(), codes_buf, sz_buf, rotation=r, clip_ratio=0.92, backend=backend)
+        quantize_int2_into(x, loc.long(), codes_buf, sz_buf, config=int2_config(0.92, scale=sdt), rotation=r,
+                           backend=backend)
         out[backend] = unpack_codes(codes_buf).int()
     assert (out["triton"] != out["torch"]).float().mean() <= 1e-3
 
@@ -275,8 +278,8 @@ def test_interpreter_enabled_after_triton_was_imported(tmp_path):
         os.environ["TRITON_INTERPRET"] = "1"
         from rotationzoo.kernels import quantize_int2
         x = torch.randn(9, 64, dtype=torch.bfloat16)
-        a = quantize_int2(x, clip_ratio=0.96, backend="triton")
-        b = quantize_int2(x, clip_ratio=0.96, backend="torch")
+        a = quantize_int2(x, config=int2_config(0.96), backend="triton")
+        b = quantize_int2(x, config=int2_config(0.96), backend="torch")
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
         print("ok")
         """

@@ -18,6 +18,8 @@ from rotationzoo.kernels import quantize_int2
 from rotationzoo.planner import MAX_BATCH, MAX_MEMORY_BYTES, gib_bytes, parse_size, plan
 from rotationzoo.registry import Architecture
 
+from helpers import int2_config
+
 NINES_400 = "9" * 400
 GIB = 2**30
 
@@ -148,9 +150,10 @@ CANDIDATES = (None, 1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024)
 
 
 def _kernel_runs(d: int, g: int | None, lloyd_max: bool = False) -> bool:
+    """The kernels take the group size in a config: a size the config refuses never reaches them."""
     try:
-        quantize_int2(torch.ones(1, d), group_size=g, lloyd_max=lloyd_max, backend="torch")
-    except KernelInputError:
+        quantize_int2(torch.ones(1, d), config=int2_config(0.0, g, lloyd_max=lloyd_max), backend="torch")
+    except (KernelInputError, ConfigError):
         return False
     return True
 

@@ -12,7 +12,7 @@ from rotationzoo.fit import refine as refine_mod
 from rotationzoo.fit.dump import open_dump, write_dump
 from rotationzoo.fit.refine import (
     RefineConfig,
-    fake_quantize_int2,
+    ste_quantize_int2,
     refine_layer,
     refine_rotations,
 )
@@ -23,6 +23,8 @@ from rotationzoo.int2kv import Int2KVConfig
 from rotationzoo.kernels import dequantize_int2, quantize_int2
 from rotationzoo.kernels.layout import clip_index
 from rotationzoo.validation import validate
+
+from helpers import int2_config
 
 D = 64
 OUTLIERS = (0, 1, 2, 3)
@@ -59,12 +61,12 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_forward_equals_kernels(d: int, group: int, clip: float, scale_dtype: torch.dtype) -> None:
     x = _rows(300, d)
     xb = x.to(torch.bfloat16).to(torch.float32)
-    codes, sz = quantize_int2(xb, clip_ratio=clip, group_size=group, scale_dtype=scale_dtype, backend="torch")
+    codes, sz = quantize_int2(xb, config=int2_config(clip, group, scale=scale_dtype), backend="torch")
     ref = dequantize_int2(codes, sz, dtype=torch.float32, backend="torch")
     ci = clip_index(clip, d)
-    assert _same(fake_quantize_int2(xb, clip_index=ci, group_size=group, scale_dtype=scale_dtype), ref)
+    assert _same(ste_quantize_int2(xb, clip_index=ci, group_size=group, scale_dtype=scale_dtype), ref)
     # the fp32 rows rounded to bf16 inside, as the served rows are
-    out = fake_quantize_int2(x, clip_index=ci, group_size=group, scale_dtype=scale_dtype, round_rows=torch.bfloat16)
+    out = ste_quantize_int2(x, clip_index=ci, group_size=group, scale_dtype=scale_dtype, round_rows=torch.bfloat16)
     assert _same(out, ref)
     assert not out.isnan().any() or scale_dtype == torch.float16
 
@@ -92,7 +94,7 @@ def test_straight_through_gradient(clip: float, group: int) -> None:
     x = torch.randn(200, D, generator=g, requires_grad=True)
     w = torch.randn(200, D, generator=g)
     ci = clip_index(clip, D)
-    (fake_quantize_int2(x, clip_index=ci, group_size=group) * w).sum().backward()
+    (ste_quantize_int2(x, clip_index=ci, group_size=group) * w).sum().backward()
     got, x.grad = x.grad, None
     (_surrogate(x, ci, group) * w).sum().backward()
     assert torch.allclose(got, x.grad, atol=1e-5)

@@ -11,7 +11,7 @@ from rotationzoo.errors import EvaluationError, FitError
 from rotationzoo.fit.refine import refine_layer
 from rotationzoo.fit.refine_loss import RefineConfig, _drawn_queries, layer_data, numerators
 from rotationzoo.fit.samples import LayerSamples
-from rotationzoo.fit.ste import fake_quantize_int2
+from rotationzoo.fit.ste import ste_quantize_int2
 from rotationzoo.hadamard import hadamard_matrix
 from rotationzoo.int2kv import Int2KVConfig
 from rotationzoo.kernels.layout import clip_index
@@ -45,7 +45,7 @@ def _direct(samples: LayerSamples, side: str, r: torch.Tensor, cfg: RefineConfig
     for b in range(q.shape[0]):
         for h in range(HKV):
             x = (k if side == "k" else v)[b, :, h].float() @ r.float()
-            xq = fake_quantize_int2(x, clip_index=ci, group_size=16, scale_dtype=torch.float32,
+            xq = ste_quantize_int2(x, clip_index=ci, group_size=16, scale_dtype=torch.float32,
                                     round_rows=torch.bfloat16)
             e = (xq - x).double()
             for j in range(g):

@@ -17,6 +17,8 @@ from rotationzoo.integrations.transformers import (  # noqa: E402
 )
 from rotationzoo.kernels import dequantize_int2, quantize_int2  # noqa: E402
 
+from helpers import int2_config  # noqa: E402
+
 D = 64
 
 
@@ -137,8 +139,8 @@ def test_windows_zero_matches_direct_reference(model, ids) -> None:
     # direct reference in the original basis: quantize k·R (fp32 rotation, as the OSCAR path does;
     # the kernels' fused rotation rounds to bf16 first, which moves ~1 % of the codes by one step),
     # un-rotate the dequantized rows with Rᵀ, attend with the unrotated query
-    ck, sk = quantize_int2(k @ r_k, group_size=D)
-    cv, sv = quantize_int2(v @ r_v, group_size=D)
+    ck, sk = quantize_int2(k @ r_k, config=int2_config(0.0, D))
+    cv, sv = quantize_int2(v @ r_v, config=int2_config(0.0, D))
     k_hat = dequantize_int2(ck, sk, dtype=torch.float32) @ r_k.T
     v_hat = dequantize_int2(cv, sv, dtype=torch.float32) @ r_v.T
     ref = _naive_attention(q, k, v, k_hat, v_hat, 0, 0, D ** -0.5).transpose(1, 2)
@@ -192,7 +194,7 @@ def test_cache_codes_are_the_kernels_codes(model, ids) -> None:
         model(ids, cache=cache)
     layer = cache.layers[0]
     k_rot = (keys["k"].float() @ r[0]).to(torch.bfloat16)
-    codes, sz = quantize_int2(k_rot[:, :, 4:-8], clip_ratio=0.96, group_size=32, scale_dtype=torch.float16)
+    codes, sz = quantize_int2(k_rot[:, :, 4:-8], config=int2_config(0.96, 32, scale=torch.float16))
     assert torch.equal(layer.codes_k, codes)
     assert torch.equal(layer.sz_k, sz)
     assert torch.equal(layer.sink_k, k_rot[:, :, :4])
@@ -269,16 +271,16 @@ def test_layer_errors_are_collected(model, ids) -> None:
                                    {"scale_dtype": "bfloat16", "group_size": 32}])
 def test_config_knobs_reach_the_quantizer(model, knobs) -> None:
     """Lloyd-Max, the bisection clip and the scale dtype are applied to the INT2 rows exactly as the kernels do."""
-    from rotationzoo.integrations.transformers.oscar import DTYPES, quantize_rows
+    from rotationzoo.dtypes import TORCH_DTYPES
+    from rotationzoo.integrations.transformers.oscar import quantize_rows
 
     conf = Int2KVConfig(**knobs)
     oscar = OscarKV(None, None, config=conf)
     x = torch.randn(1, 2, 40, D, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     codes, sz = quantize_rows(x, oscar, "k")
-    want_c, want_s = quantize_int2(x, clip_ratio=conf.k_clip_ratio, group_size=conf.group_size,
-                                   lloyd_max=conf.lloyd_max, scale_dtype=DTYPES[conf.scale_dtype],
-                                   clip_search=conf.clip_search)
-    plain_c, _ = quantize_int2(x, clip_ratio=conf.k_clip_ratio, group_size=conf.group_size)
+    want_c, want_s = quantize_int2(x, config=int2_config(conf.k_clip_ratio, conf.group_size, lloyd_max=conf.lloyd_max,
+                                                         scale=TORCH_DTYPES[conf.scale_dtype], search=conf.clip_search))
+    plain_c, _ = quantize_int2(x, config=int2_config(conf.k_clip_ratio, conf.group_size))
     assert torch.equal(codes, want_c) and torch.equal(sz, want_s)
     assert not torch.equal(codes, plain_c) or sz.dtype != torch.float32  # the knob changed something
 

@@ -36,6 +36,8 @@ def decode_variants(head_dims, quick: bool) -> list[dict]:
                                  source="heuristic")
                         if not quick or _representative(v):
                             out.append(v)
+                        if (gq, s) in ((4, 1), (4, 4)) and g == d and sdt == "fp32" and hp == "bf16":
+                            out.append(dict(v, mask=True))  # a boolean mask (padding, sliding windows)
     return out
 
 
@@ -100,16 +102,17 @@ def launch(v: dict):
         return (torch.empty(1, KV_HEADS, PREFIX, d, dtype=hp), torch.empty(1, KV_HEADS, n, d // 4, dtype=torch.uint8),
                 torch.empty(1, KV_HEADS, n, 2 * ng, dtype=dt[v["scale"]]), torch.empty(1, KV_HEADS, RECENT, d, dtype=hp))
 
-    tile = v.get("block_rows") or decode_plan.decode_tile_tokens(d)
+    tile = v.get("block_rows") or decode_plan.decode_tile_tokens(d, max(1, d // 4 // v["group"]))
     splits = decode_plan.triton_splits(n, KV_HEADS, 132, tile)
     windows = decode_plan.window_splits(PREFIX + RECENT)
     rows = v["gq"] * v["s"]
     po = torch.empty(KV_HEADS, splits[0] + windows, rows, d)
     pl = torch.empty(KV_HEADS, splits[0] + windows, rows)
     q_rows = torch.empty(1, KV_HEADS, rows, d)  # the rotated query rows (rotated before the launch)
+    mask = torch.empty(1, 1, v["s"], CONTEXT, dtype=torch.bool) if v.get("mask") else None
     return kern.split, td.decode_launch(
-        q, q_rows, side(), side(), po, pl, scale=d ** -0.5, causal=True, splits=splits, windows=windows, interpret=False,
-        block_tokens=v.get("block_rows"), num_warps=v.get("num_warps"), num_stages=v.get("num_stages"))
+        q, q_rows, side(), side(), po, pl, scale=d ** -0.5, causal=True, splits=splits, windows=windows, mask=mask,
+        interpret=False, block_tokens=v.get("block_rows"), num_warps=v.get("num_warps"), num_stages=v.get("num_stages"))
 
 
 def bytes_per_row(v: dict) -> float:
@@ -129,7 +132,7 @@ def name(r: dict) -> str:
     if r["kind"] == "decode_merge":
         return f"decode-merge d={r['d']} rows={r['gq']}x{r['s']} rotate={int(r['rotate'])} out={r['out']}"
     return (f"decode d={r['d']} G={r['group']} scale={r['scale']} hp={r['hp']} rows={r['gq']}x{r['s']} "
-            f"rotate={int(r['rotate'])}")
+            f"rotate={int(r['rotate'])}" + (" mask" if r.get("mask") else ""))
 
 
 def table_rows(records: list[dict]) -> list[list[str]]:

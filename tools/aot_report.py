@@ -401,8 +401,8 @@ def bandwidth_estimate(rec: dict, machine: dict = H200) -> dict:
 
 
 def _key(rec: dict) -> tuple:
-    fields = ["kind", "d", "group", "rotate", "clip", "lloyd_max", "has_loc", "scale", "out", "hp", "gq", "s", "source",
-              "target"]
+    fields = ["kind", "d", "group", "rotate", "clip", "lloyd_max", "has_loc", "scale", "out", "hp", "gq", "s", "mask",
+              "source", "target"]
     if rec["source"] != "heuristic":  # heuristic records gain their launch fields when compiled
         fields += ["block_rows", "num_warps", "num_stages"]
     return tuple(rec.get(k) for k in fields)

@@ -175,15 +175,19 @@ def _synthetic_cache(b: int, hq: int, hkv: int, d: int, context: int, group: int
                      prefix: int = 64, recent: int = 256, scale_dtype: Any = None) -> dict[str, Any]:
     import torch
 
+    from rotationzoo.dtypes import TORCH_DTYPES
+    from rotationzoo.int2kv import Int2KVConfig
     from rotationzoo.kernels import Int2KV, quantize_int2
 
     g = torch.Generator(device=device).manual_seed(0)
     n = max(0, context - prefix - recent)
     sdt = scale_dtype or torch.float32
+    cfg = Int2KVConfig(k_clip_ratio=0.0, group_size=group,
+                       scale_dtype=next(k for k, v in TORCH_DTYPES.items() if v == sdt))  # type: ignore[arg-type]
 
     def side() -> Int2KV:
         x = torch.randn(b, hkv, context, d, generator=g, device=device)
-        codes, sz = quantize_int2(x[:, :, prefix:prefix + n], group_size=group, scale_dtype=sdt)
+        codes, sz = quantize_int2(x[:, :, prefix:prefix + n], config=cfg)
         return Int2KV(x[:, :, :prefix].bfloat16(), codes, sz, x[:, :, prefix + n:].bfloat16())
 
     q = torch.randn(b, hq, 1, d, generator=g, device=device)

@@ -70,6 +70,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _config(clip: float, group: int, sdt):
+    """The INT2 settings of one measurement as the kernels take them (K side: ``clip`` on keys)."""
+    from rotationzoo.dtypes import TORCH_DTYPES
+    from rotationzoo.int2kv import Int2KVConfig
+
+    name = next(k for k, v in TORCH_DTYPES.items() if v == sdt)
+    return Int2KVConfig(k_clip_ratio=max(clip, 0.0), group_size=group, scale_dtype=name)  # type: ignore[arg-type]
+
+
 def bytes_per_row(kind: str, d: int, group: int, s_bytes: int) -> float:
     """Bytes moved per (token, head) row; see the module docstring."""
     meta = 2 * (d // group) * s_bytes
@@ -178,9 +187,7 @@ def bench_one(t: int, args, device: str, timer, sdt, s_bytes: int) -> dict:
     row["codes_differ_fused_vs_two_step"] = float((q1 != q2).float().mean())
     row["max_code_delta_fused_vs_two_step"] = int((q1 - q2).abs().max())
     if rows <= 65536 * 8:
-        ref_codes, _ = quantize_int2(
-            x, rotation=r, clip_ratio=args.clip, group_size=group, scale_dtype=sdt, backend="torch"
-        )
+        ref_codes, _ = quantize_int2(x, config=_config(args.clip, group, sdt), rotation=r, backend="torch")
         q3 = unpack_codes(ref_codes.view(rows, 1, d // 4)).int()
         row["codes_differ_fused_vs_reference"] = float((q1 != q3).float().mean())
     row.update(byte_equality(x[: min(t, 65536)], args.clip, group, sdt))
@@ -232,9 +239,9 @@ def byte_equality(x, clip: float, group: int, sdt) -> dict:
             return torch.equal(a.contiguous().view(view), b.contiguous().view(view))
         return torch.equal(a, b)
 
-    kw = dict(clip_ratio=clip, group_size=group, scale_dtype=sdt)
-    tri = quantize_int2(x, backend="triton", **kw)
-    ref = quantize_int2(x, backend="torch", **kw)
+    cfg = _config(clip, group, sdt)
+    tri = quantize_int2(x, config=cfg, backend="triton")
+    ref = quantize_int2(x, config=cfg, backend="torch")
     deq_t = dequantize_int2(*ref, backend="triton")
     deq_r = dequantize_int2(*ref, backend="torch")
     return {

@@ -15,7 +15,8 @@ the losses of :mod:`rotationzoo.fit.refine_loss` (``RefineConfig.loss``):
 
 The output projection is left out (the error is measured in the head's value space).
 
-``K̃ = dequant(quant(bf16(K·R)))·Rᵀ`` with the kernels' quantizer (:func:`fake_quantize_int2`).
+``K̃ = dequant(quant(bf16(K·R)))·Rᵀ`` with the kernels' quantizer (:func:`~rotationzoo.fit.ste.ste_quantize_int2`,
+a straight-through version of :func:`rotationzoo.kernels.fake_quantize_int2`).
 Rows whose position in their sequence is below ``prefix`` stay in the BF16 sink when served and
 add no error. Both losses are measured in the rotated basis (``‖A E Rᵀ‖ = ‖A E‖``; for K the Gram
 is rotated, ``Rᵀ M R``), against the exact fp32 ``K·R``: the BF16 rounding of the served rows is
@@ -58,7 +59,7 @@ from .accumulate import LayerAccumulator
 from .compose import rotation_from_covariance
 from .refine_loss import LayerData, RefineConfig, heldout_loss, layer_data, numerators, total_loss
 from .samples import CalibrationSamples, LayerSamples
-from .ste import fake_quantize_int2
+from .ste import ste_quantize_int2
 
 #: Init rotations computed from the samples themselves (besides a given matrix).
 INITS: tuple[str, ...] = ("hadamard", "r_h_pbr", "r_pbr_hg")
@@ -413,7 +414,7 @@ __all__ = [
     "LayerRefinement",
     "RefineConfig",
     "RefineResult",
-    "fake_quantize_int2",
+    "ste_quantize_int2",
     "init_rotation",
     "polar",
     "refine_layer",

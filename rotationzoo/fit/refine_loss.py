@@ -31,12 +31,13 @@ from typing import Any
 
 import torch
 
+from ..dtypes import TORCH_DTYPES
 from ..errors import FitError
 from ..int2kv import Int2KVConfig
 from ..vocab import REFINE_LOSSES
 from ..kernels.layout import clip_index as _clip_index
 from .samples import LayerSamples
-from .ste import fake_quantize_int2
+from .ste import ste_quantize_int2
 
 #: Loss names recorded per side, per ``RefineConfig.loss``.
 LOSS_NAMES_BY_LOSS = {"block": {"k": "k_logit", "v": "v_attn_out"},
@@ -133,11 +134,11 @@ class RefineConfig:
 
     @property
     def scale_dtype(self) -> torch.dtype:
-        return getattr(torch, self.int2kv.scale_dtype)
+        return TORCH_DTYPES[self.int2kv.scale_dtype]
 
     @property
     def round_rows(self) -> torch.dtype:
-        return getattr(torch, self.int2kv.hp_dtype)
+        return TORCH_DTYPES[self.int2kv.hp_dtype]
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly settings (``int2kv`` as :meth:`Int2KVConfig.to_json`)."""
@@ -283,7 +284,7 @@ def numerators(r: torch.Tensor, data: LayerData, idx: torch.Tensor, cfg: RefineC
     d = x.shape[-1]
     gs = cfg.group_size or d
     ci = _clip_index(cfg.clip_ratio(data.side), d)
-    xq = fake_quantize_int2(x.reshape(-1, d), clip_index=ci, group_size=gs, scale_dtype=cfg.scale_dtype,
+    xq = ste_quantize_int2(x.reshape(-1, d), clip_index=ci, group_size=gs, scale_dtype=cfg.scale_dtype,
                             round_rows=cfg.round_rows).reshape(x.shape)
     e = (xq - x) * data.mask[idx]
     metric = data.metric[idx]

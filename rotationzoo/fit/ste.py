@@ -2,7 +2,8 @@
 
 Forward values are exactly those of :func:`rotationzoo.kernels.quantize_int2` followed by
 :func:`~rotationzoo.kernels.dequantize_int2` (``backend="torch"``): row clip, per-group asymmetric
-INT2, scale/zero rounded to the stored dtype. See :func:`fake_quantize_int2` for the gradient.
+INT2, scale/zero rounded to the stored dtype, the values of :func:`rotationzoo.kernels.fake_quantize_int2`.
+See :func:`ste_quantize_int2` for the gradient (the kernels' function has none).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from ..kernels.reference import RANGE_EPS
 
 class _FakeInt2(torch.autograd.Function):
     """Forward: the kernels' clip + INT2 + dequant of ``bf16``-rounded rows; backward: see
-    :func:`fake_quantize_int2`. Hand-written so that one step costs a dozen passes over the rows."""
+    :func:`ste_quantize_int2`. Hand-written so that one step costs a dozen passes over the rows."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, clip_index: int, group_size: int, scale_dtype: torch.dtype,
@@ -65,7 +66,7 @@ class _FakeInt2(torch.autograd.Function):
         return gx, None, None, None, None
 
 
-def fake_quantize_int2(
+def ste_quantize_int2(
     x: torch.Tensor,
     *,
     clip_index: int,
@@ -90,8 +91,8 @@ def fake_quantize_int2(
     straight-through rounding with a differentiable scale and zero gives the same gradient.)
     """
     if x.dim() != 2:
-        raise FitError(f"fake_quantize_int2 takes rows [n, d], got {list(x.shape)}")
+        raise FitError(f"ste_quantize_int2 takes rows [n, d], got {list(x.shape)}")
     return _FakeInt2.apply(x, int(clip_index), int(group_size), scale_dtype, round_rows)
 
 
-__all__ = ["fake_quantize_int2"]
+__all__ = ["ste_quantize_int2"]

@@ -8,9 +8,8 @@ Quick use::
     k_hat = dequantize_int2(codes, sz, rotation=R_k, config=cfg)       # back in the original basis
 
 Every entry point takes the INT2-KV settings as one ``config`` (:class:`~rotationzoo.int2kv.Int2KVConfig`,
-``side`` picking its K or V clip ratio) or, for compatibility, as loose keywords; a keyword given
-together with a config must repeat the config's value (see :mod:`rotationzoo.kernels.settings`).
-:func:`decode_attention_int2` is attention over the cache layout read straight from the codes.
+``side`` picking its K or V clip ratio); without one: no clip, one group per row, uniform levels, fp32
+scale/zero. :func:`decode_attention_int2` is attention over the cache layout read straight from the codes.
 
 Format (byte-compatible with the SGLang OSCAR caches): for each row of ``d`` values (one token, one
 KV head) the codes are ``d/4`` bytes, quarter-interleaved (byte ``j`` holds dims ``j, j+d/4, j+d/2,
@@ -19,29 +18,31 @@ j+3d/4`` in bits 0-1, 2-3, 4-5, 6-7; see :func:`byte_index_and_shift`), and the 
 dequantize as ``(q - z_g) * s_g``. The full description, with the NaN/inf policy, is in
 ``docs/kernels.md``.
 
-Backends: ``"torch"`` (:mod:`rotationzoo.kernels.reference`, any device) and ``"triton"``
+Backends: ``"torch"`` (:mod:`rotationzoo.kernels.reference`, any device), ``"cpu"`` (the C++ kernels of
+:mod:`rotationzoo.kernels.native`: decode attention and the uniform quantizer) and ``"triton"``
 (:mod:`rotationzoo.kernels.triton_int2`; CUDA, or CPU tensors under ``TRITON_INTERPRET=1``).
-``"auto"`` picks triton for CUDA tensors when triton is installed, torch otherwise.
+``"auto"`` picks triton for CUDA tensors when triton is installed, the C++ kernels for CPU tensors
+where they can be built, torch otherwise. Each kernel is a torch operator (:mod:`rotationzoo.kernels.ops`).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
-from ..errors import KernelInputError
+from ..errors import BackendUnavailableError, KernelInputError
 from ..int2kv import Int2KVConfig
 from . import layout
 from . import reference as _ref
-from .backend import pick_backend as _backend
+from .backend import pick_backend
 from .backend import triton_available
 from .decode import Int2KV, decode_attention_int2
+from .ops import quantize_cpu_fn
 from .layout import HEAD_DIMS, allowed_group_sizes, byte_index_and_shift, clip_index, packed_dim
-from .settings import TORCH_DTYPES
+from ..dtypes import TORCH_DTYPES
 from .settings import resolve as _settings
-from ..vocab import CLIP_SEARCHES, Backend, ClipSearch, Side
+from ..vocab import CLIP_SEARCHES, Backend, Side
 
 
 INPUT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
@@ -168,31 +169,52 @@ def _check_sz_dtype(config: Int2KVConfig | None, sz: torch.Tensor, what: str) ->
                                f"config.scale_dtype={config.scale_dtype!r}")
 
 
-def _group_from_sz(d: int, sz_last: int, group_size: int | None, what: str) -> int:
+def _group_from_sz(d: int, sz_last: int, config: Int2KVConfig | None, what: str) -> int:
     if sz_last < 2 or sz_last % 2:
         raise KernelInputError(f"{what} last dimension must be 2 * groups (interleaved scale/zero), got {sz_last}")
     groups = sz_last // 2
     if d % groups:
         raise KernelInputError(f"{what} holds {groups} groups, which does not divide head_dim {d}")
     inferred = d // groups
-    if group_size is not None and group_size != inferred:
-        raise KernelInputError(
-            f"group_size {group_size} disagrees with {what}: {groups} groups of head_dim {d} means {inferred}"
-        )
+    if config is not None:
+        want = _settings(config, "k", d).group_size
+        if want != inferred:
+            raise KernelInputError(f"config's group size {want} disagrees with {what}: {groups} groups of head_dim {d} "
+                                   f"means {inferred}")
     return _check_group(d, inferred)
 
 
 # --- public API ---------------------------------------------------------------------------------
 
 
-def _quantize_settings(config: Int2KVConfig | None, side: str, d: int,
-                       **loose: Any) -> tuple[float, int, int, bool, torch.dtype, str]:
-    """``(clip_ratio, group_size, clip_index, lloyd_max, scale_dtype, clip_search)`` of a quantize call
-    at head_dim ``d``: the config and the loose keywords merged (:func:`~.settings.resolve`) and checked."""
-    st = _settings(config, side, head_dim=d, **loose)
+def _quantize_settings(config: Int2KVConfig | None, side: str, d: int) -> tuple[int, int, bool, torch.dtype, str]:
+    """``(group_size, clip_index, lloyd_max, scale_dtype, clip_search)`` of a quantize call at head_dim
+    ``d`` (:func:`~.settings.resolve`), checked."""
+    st = _settings(config, side, d)
     gs = _check_group(d, st.group_size)
-    return (st.clip_ratio, gs, _check_clip(st.clip_ratio, d), _check_lloyd_max(st.lloyd_max, d, gs),
+    return (gs, _check_clip(st.clip_ratio, d), _check_lloyd_max(st.lloyd_max, d, gs),
             _check_scale_dtype(st.scale_dtype), _check_clip_search(st.clip_search))
+
+
+def _rows_backend(backend: str, device: torch.device, lloyd_max: bool) -> str:
+    """The quantizer's backend: the C++ quantizer has uniform levels only (``auto`` then runs torch)."""
+    be = pick_backend(backend, device, "quantize")
+    if be == "cpu" and lloyd_max:
+        if backend == "cpu":
+            raise BackendUnavailableError("backend 'cpu': the C++ quantizer writes uniform levels only; use "
+                                          "backend='torch' or 'auto' for lloyd_max")
+        return "torch"
+    return be
+
+
+def _quantize_rows(x: torch.Tensor, r: torch.Tensor | None, be: str, ci: int, gs: int, lm: bool, sdt: torch.dtype,
+                   cs: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and scales/zeros of ``x [..., d]`` by the torch or C++ backend (bit-identical)."""
+    if be == "cpu":
+        v = _ref.bf16_matmul(x, r) if r is not None else x
+        return quantize_cpu_fn()(v, ci, gs, cs, sdt)
+    return _ref.quantize_int2_torch(x, rotation=r, clip_index=ci, group_size=gs, lloyd_max=lm, scale_dtype=sdt,
+                                    clip_search=cs)
 
 
 def quantize_int2(
@@ -201,11 +223,6 @@ def quantize_int2(
     rotation: torch.Tensor | None = None,
     config: Int2KVConfig | None = None,
     side: Side = "k",
-    clip_ratio: float | None = None,
-    group_size: int | None = None,
-    lloyd_max: bool | None = None,
-    scale_dtype: torch.dtype | None = None,
-    clip_search: ClipSearch | None = None,
     backend: Backend = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate (optional), clip, quantize to INT2 and pack rows of ``x``.
@@ -218,27 +235,23 @@ def quantize_int2(
             The rotation runs in bf16: ``bf16(x) @ bf16(R)`` with fp32 accumulation, the result
             rounded to bf16 before the clip (the SGLang prefill GEMM ``k.to(bf16) @ R_K``). Per-layer
             matrices are the caller's business: call once per layer with that layer's ``R``.
-        config: the INT2-KV settings (clip ratio of ``side``, group size, Lloyd-Max, scale dtype,
-            clip search); the keywords below may then only repeat its values.
+        config: the INT2-KV settings (:class:`~rotationzoo.int2kv.Int2KVConfig`): the clip ratio of
+            ``side`` (the threshold is ``sort(|row|)[int(ratio * d)]``, floor, clamped to ``d - 1``;
+            ``0`` disables; SGLang/OSCAR use 0.96 for K and 0.92 for V), the group size (contiguous
+            dims sharing one (scale, zero): ``d, d/2, …``, at least 16; ``None`` means ``d``), Lloyd-Max
+            levels (``group_size == d``), the scale dtype (codes are always computed from the unrounded
+            fp32 scale and zero) and the clip search (``"exact"``: the sorted value, as the SGLang
+            prefill store; ``"bisect"``: the ``log2(d)``-step bisection of its decode flush). Without
+            one: no clip, one group per row, uniform levels, fp32 scale/zero, exact.
         side: ``"k"`` or ``"v"``: which clip ratio of ``config`` applies.
-        clip_ratio: per-row clip (default 0 without a config); the threshold is ``sort(|row|)[int(clip_ratio * d)]`` (floor,
-            clamped to ``d - 1``); ``<= 0`` disables. SGLang/OSCAR use 0.96 (K) and 0.92 (V).
-        group_size: contiguous dims sharing one (scale, zero): ``d, d/2, d/4, ...``, at least 16;
-            ``None`` means ``d`` (one pair per row, the published configuration).
-        lloyd_max: approximate Lloyd-Max levels (``SGLANG_LLOYD_MAX=1``); needs ``group_size == d``.
-        scale_dtype: dtype of the stored scale/zero (fp32 default; bf16 or fp16). Codes are always
-            computed from the unrounded fp32 scale and zero.
-        clip_search: how the clip threshold is found: ``"exact"`` (the sorted value, as the
-            SGLang prefill store) or ``"bisect"`` (the ``log2(d)``-step bisection of its decode
-            flush, which clips slightly more; exact for ``d < 64``).
-        backend: ``"auto"`` (Triton for CUDA tensors; on CPU the C quantizer of
-            :mod:`rotationzoo.kernels.native`, bit-identical to the reference, for unrotated rows with
-            uniform levels and fp32/bf16 scale/zero where a C compiler works, else the reference),
-            ``"torch"`` (the PyTorch reference) or ``"triton"``.
+        backend: ``"auto"`` (Triton for CUDA tensors; on CPU the C++ quantizer of
+            :mod:`rotationzoo.kernels.native`, bit-identical to the reference, where it can be built,
+            for uniform levels; else the reference), ``"torch"`` (the PyTorch reference), ``"cpu"``
+            (the C++ quantizer; uniform levels only) or ``"triton"``.
 
     Returns:
         ``(codes, scales_zeros)``: ``codes`` uint8 ``[..., d/4]`` (quarter-interleaved, 4 codes per
-        byte) and ``scales_zeros`` ``[..., 2 * d / group_size]`` in ``scale_dtype``, interleaved
+        byte) and ``scales_zeros`` ``[..., 2 * d / group_size]`` in the scale dtype, interleaved
         ``[s0, z0, s1, z1, ...]``. Rows holding a NaN, or a ±inf that the clip did not remove, get
         codes 0 and NaN scale/zero.
 
@@ -247,22 +260,15 @@ def quantize_int2(
 
     Raises:
         KernelInputError: unsupported shape, dtype, group size, clip ratio or rotation.
-        BackendUnavailableError: ``backend="triton"`` cannot run here.
+        BackendUnavailableError: the backend cannot run here.
     """
     x = _check_values(x)
     d = x.shape[-1]
-    ratio, gs, ci, lm, sdt, cs = _quantize_settings(config, side, d, clip_ratio=clip_ratio, group_size=group_size,
-                                                    lloyd_max=lloyd_max, scale_dtype=scale_dtype,
-                                                    clip_search=clip_search)
+    gs, ci, lm, sdt, cs = _quantize_settings(config, side, d)
     r = _check_rotation(rotation, tuple(x.shape), x.device)
-    if _backend(backend, x.device) == "torch":
-        if backend == "auto":
-            from . import native
-
-            if native.quantize_native_supported(x, rotation=r, lloyd_max=lm, scale_dtype=sdt):
-                return native.quantize_rows_native(x, clip_index=ci, group_size=gs, clip_search=cs, scale_dtype=sdt)
-        return _ref.quantize_int2_torch(x, rotation=r, clip_index=ci, group_size=gs, lloyd_max=lm, scale_dtype=sdt,
-                                        clip_search=cs)
+    be = _rows_backend(backend, x.device, lm)
+    if be != "triton":
+        return _quantize_rows(x, r, be, ci, gs, lm, sdt, cs)
 
     from .triton_int2 import quantize_triton
 
@@ -280,10 +286,8 @@ def dequantize_int2(
     codes: torch.Tensor,
     scales_zeros: torch.Tensor,
     *,
-    group_size: int | None = None,
     rotation: torch.Tensor | None = None,
     dtype: torch.dtype = torch.bfloat16,
-    lloyd_max: bool | None = None,
     config: Int2KVConfig | None = None,
     backend: Backend = "auto",
 ) -> torch.Tensor:
@@ -291,24 +295,24 @@ def dequantize_int2(
 
     Args:
         codes: uint8 ``[..., d/4]`` as returned by :func:`quantize_int2` (``d`` in 64, 128, 256).
-        scales_zeros: ``[..., 2 * d / group_size]`` fp32/bf16/fp16, same leading shape as ``codes``.
-        group_size: ``None`` infers it from ``scales_zeros``; if given it must agree.
+        scales_zeros: ``[..., 2 * d / group_size]`` fp32/bf16/fp16, same leading shape as ``codes``;
+            the group size is read from its last dimension.
         rotation: ``None``, or the ``R [d, d]`` / ``[H, d, d]`` used to quantize: the result is
             un-rotated as ``x_hat @ Rᵀ`` in bf16 (bf16 operands, fp32 accumulation, bf16 result; the
             SGLang output un-rotation), then cast to ``dtype``.
         dtype: output dtype, bf16 (default), fp16 or fp32. The fp32 dequant is rounded once to it.
-        lloyd_max: accepted for symmetry with :func:`quantize_int2`; Lloyd-Max codes dequantize with
-            the same formula (it only requires ``group_size == d``).
-        config: the INT2-KV settings the codes were written with (group size, Lloyd-Max, and
-            ``scale_dtype``, which must be the dtype of ``scales_zeros``).
-        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        config: the INT2-KV settings the codes were written with (its group size, Lloyd-Max's
+            ``group_size == d``, and ``scale_dtype``, which must be the dtype of ``scales_zeros``);
+            Lloyd-Max codes dequantize with the same formula.
+        backend: ``"auto"``, ``"torch"``, ``"cpu"`` (no C++ dequantizer: the reference, which is CPU
+            code) or ``"triton"``.
 
     Returns:
         ``[..., d]`` tensor of ``dtype``.
 
     Raises:
         KernelInputError: mismatched or unsupported shapes/dtypes.
-        BackendUnavailableError: ``backend="triton"`` cannot run here.
+        BackendUnavailableError: the backend cannot run here.
     """
     codes = _check_tensor(codes, "codes")
     sz = _check_tensor(scales_zeros, "scales_zeros")
@@ -332,14 +336,13 @@ def dequantize_int2(
         )
     if sz.device != codes.device:
         raise KernelInputError(f"scales_zeros is on {sz.device} but codes is on {codes.device}")
-    st = _settings(config, "k", group_size=group_size, lloyd_max=lloyd_max, head_dim=d)
     _check_sz_dtype(config, sz, "scales_zeros")
-    gs = _group_from_sz(d, sz.shape[-1], st.group_size, "scales_zeros")
-    _check_lloyd_max(st.lloyd_max, d, gs)
+    gs = _group_from_sz(d, sz.shape[-1], config, "scales_zeros")
+    _check_lloyd_max(config is not None and config.lloyd_max, d, gs)
     if dtype not in OUTPUT_DTYPES:
         raise KernelInputError(f"dtype {dtype} is not supported; expected one of {_names(OUTPUT_DTYPES)}")
     r = _check_rotation(rotation, (*codes.shape[:-1], d), codes.device, "codes")
-    if _backend(backend, codes.device) == "torch":
+    if pick_backend(backend, codes.device, None) != "triton":
         return _ref.dequantize_int2_torch(codes, sz, group_size=gs, rotation=r, dtype=dtype)
 
     from .triton_int2 import dequantize_triton
@@ -361,40 +364,34 @@ def fake_quantize_int2(
     *,
     config: Int2KVConfig | None = None,
     side: Side = "k",
-    clip_ratio: float | None = None,
-    group_size: int | None = None,
-    lloyd_max: bool | None = None,
-    scale_dtype: torch.dtype | None = None,
-    clip_search: ClipSearch | None = None,
     dtype: torch.dtype | None = None,
     backend: Backend = "auto",
 ) -> torch.Tensor:
     """What INT2 rows read back: ``dequantize_int2(*quantize_int2(x, ...))``, bit for bit.
 
     The PyTorch backend skips the packing (:func:`~rotationzoo.kernels.reference.fake_quantize_rows`);
-    the Triton backend runs the two kernels. No rotation: rotate ``x`` first if needed.
+    the other backends run their quantizer and the dequantizer. No rotation: rotate ``x`` first if needed.
+    (Not differentiable; the straight-through version for fitting is
+    :func:`rotationzoo.fit.ste.ste_quantize_int2`.)
 
     Args:
         x: ``[..., d]`` values (bf16, fp16 or fp32).
-        config, side, clip_ratio, group_size, lloyd_max, scale_dtype, clip_search, backend: as for
-            :func:`quantize_int2`.
+        config, side, backend: as for :func:`quantize_int2`.
         dtype: output dtype (default ``x.dtype``).
     """
     x = _check_values(x)
     d = x.shape[-1]
-    ratio, gs, ci, lm, sdt, cs = _quantize_settings(config, side, d, clip_ratio=clip_ratio, group_size=group_size,
-                                                    lloyd_max=lloyd_max, scale_dtype=scale_dtype,
-                                                    clip_search=clip_search)
+    gs, ci, lm, sdt, cs = _quantize_settings(config, side, d)
     out_dtype = dtype or x.dtype
     if out_dtype not in OUTPUT_DTYPES:
         raise KernelInputError(f"dtype {out_dtype} is not supported; expected one of {_names(OUTPUT_DTYPES)}")
-    if _backend(backend, x.device) == "torch":
+    be = _rows_backend(backend, x.device, lm)
+    if be == "torch":
         out = _ref.fake_quantize_rows(x.reshape(-1, d), clip_index=ci, group_size=gs, lloyd_max=lm, scale_dtype=sdt,
                                       clip_search=cs, dtype=out_dtype)
         return out.reshape(x.shape)
-    codes, sz = quantize_int2(x, clip_ratio=ratio, group_size=gs, lloyd_max=lm, scale_dtype=sdt,
-                              clip_search=cs, backend=backend)  # type: ignore[arg-type]
-    return dequantize_int2(codes, sz, group_size=gs, dtype=out_dtype, backend=backend)
+    codes, sz = quantize_int2(x, config=config, side=side, backend=backend)
+    return dequantize_int2(codes, sz, dtype=out_dtype, backend="torch" if be == "cpu" else backend)
 
 
 def quantize_int2_into(
@@ -406,32 +403,27 @@ def quantize_int2_into(
     rotation: torch.Tensor | None = None,
     config: Int2KVConfig | None = None,
     side: Side = "k",
-    clip_ratio: float | None = None,
-    group_size: int | None = None,
-    lloyd_max: bool | None = None,
-    clip_search: ClipSearch | None = None,
     backend: Backend = "auto",
 ) -> None:
     """Quantize ``x`` and write row ``t`` into slot ``loc[t]`` of a paged INT2 cache (in place).
 
     The store layout is SGLang's: ``codes_buf [slots, H, d/4]`` uint8 and
-    ``sz_buf [slots, H, 2 * groups]`` (its dtype is the scale dtype). Rows whose slot is negative,
-    or ``>= slots`` (like SGLang's ``hp_global_offset``: slots past the INT2 tier), are skipped and
-    their slots left untouched. Duplicate slots: one of the rows wins, unspecified which.
+    ``sz_buf [slots, H, 2 * groups]`` (its dtype is the scale dtype; its last dimension gives the group
+    size). Rows whose slot is negative, or ``>= slots`` (like SGLang's ``hp_global_offset``: slots
+    past the INT2 tier), are skipped and their slots left untouched. Duplicate slots: one of the rows
+    wins, unspecified which.
 
     Args:
         x: ``[T, H, d]`` bf16/fp16/fp32 (any strides).
         loc: ``[T]`` int32/int64 slot ids, on the same device.
         codes_buf: ``[slots, H, d/4]`` uint8.
         sz_buf: ``[slots, H, 2 * d / group_size]`` fp32/bf16/fp16.
-        rotation, config, side, clip_ratio, lloyd_max, clip_search, backend: as in :func:`quantize_int2`
-            (``clip_search="bisect"`` is what the decode flush writes); a config's ``scale_dtype``
-            must be the dtype of ``sz_buf``.
-        group_size: ``None`` infers it from ``sz_buf``; if given it must agree.
+        rotation, config, side, backend: as in :func:`quantize_int2` (``clip_search="bisect"`` is what
+            the decode flush writes); a config's ``scale_dtype`` must be the dtype of ``sz_buf``.
 
     Raises:
         KernelInputError: shape/dtype/device mismatch among the arguments.
-        BackendUnavailableError: ``backend="triton"`` cannot run here.
+        BackendUnavailableError: the backend cannot run here.
     """
     x = _check_values(x)
     if x.dim() != 3:
@@ -455,19 +447,23 @@ def quantize_int2_into(
     for name, t_ in (("loc", loc), ("codes_buf", codes_buf), ("sz_buf", sz_buf)):
         if t_.device != x.device:
             raise KernelInputError(f"{name} is on {t_.device} but x is on {x.device}")
-    st = _settings(config, side, clip_ratio=clip_ratio, group_size=group_size, lloyd_max=lloyd_max,
-                   clip_search=clip_search, head_dim=d)
+    st = _settings(config, side, d)
     _check_sz_dtype(config, sz_buf, "sz_buf")
-    gs = _group_from_sz(d, sz_buf.shape[-1], st.group_size, "sz_buf")
+    gs = _group_from_sz(d, sz_buf.shape[-1], config, "sz_buf")
     ci = _check_clip(st.clip_ratio, d)
     lm = _check_lloyd_max(st.lloyd_max, d, gs)
     cs = _check_clip_search(st.clip_search)
     r = _check_rotation(rotation, tuple(x.shape), x.device)
     if t == 0:
         return
-    if _backend(backend, x.device) == "torch":
-        _ref.quantize_int2_into_torch(x, loc, codes_buf, sz_buf, rotation=r, clip_index=ci, group_size=gs, lloyd_max=lm,
-                                      clip_search=cs)
+    be = _rows_backend(backend, x.device, lm)
+    if be != "triton":
+        codes, sz = _quantize_rows(x, r, be, ci, gs, lm, sz_buf.dtype, cs)
+        loc = loc.to(torch.int64)
+        keep = (loc >= 0) & (loc < codes_buf.shape[0])
+        idx = loc[keep]
+        codes_buf[idx] = codes[keep]
+        sz_buf[idx] = sz[keep]
         return
 
     from .triton_int2 import quantize_triton

@@ -1,4 +1,5 @@
-"""Which backend runs a kernel call: ``"torch"`` (the PyTorch reference) or ``"triton"``."""
+"""Which backend runs a kernel call: ``"torch"`` (the PyTorch reference), ``"cpu"`` (the C++ kernels
+of :mod:`rotationzoo.kernels.native`) or ``"triton"``."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import importlib.util
 import torch
 
 from ..errors import BackendUnavailableError, KernelInputError
-from .native import fork_guard
+from . import native
 
 _TRITON_IMPORT_ERROR: list[BaseException | None] = []
+
+BACKEND_NAMES = ("auto", "torch", "cpu", "triton")
+"""What ``backend=`` accepts."""
 
 
 def triton_available() -> bool:
@@ -25,27 +29,59 @@ def triton_available() -> bool:
     return _TRITON_IMPORT_ERROR[0] is None
 
 
-def pick_backend(backend: str, device: torch.device) -> str:
-    """``"torch"`` or ``"triton"`` for ``backend`` (``"auto"``, ``"torch"`` or ``"triton"``) on ``device``.
+def _cpu_kernel_reason(kernel: str) -> str:
+    """Why the C++ ``kernel`` cannot run here (``""`` when it can); under ``torch.compile`` this is
+    evaluated once, while tracing, and its result kept as a constant of the graph."""
+    if native.native_available(kernel):
+        return ""
+    return native.native_unavailable_reason(kernel) or "not built"
 
-    ``"auto"`` is triton for CUDA tensors when triton imports, torch otherwise; ``"triton"`` needs
-    CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``. In a forked process, the first call
-    for CPU tensors runs :func:`~rotationzoo.kernels.native.fork_guard` (torch to one thread).
+
+# what torch.compiler.assume_constant_result does, without importing dynamo (and with it triton) here
+_cpu_kernel_reason._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def pick_backend(backend: str, device: torch.device, kernel: str | None = "decode") -> str:
+    """``"torch"``, ``"cpu"`` or ``"triton"`` for ``backend`` (one of :data:`BACKEND_NAMES`) on ``device``.
+
+    ``"auto"`` is triton for CUDA tensors when triton imports; on CPU tensors the C++ ``kernel``
+    (``"decode"`` or ``"quantize"``) where it can be built, else the reference (one
+    :class:`~rotationzoo.kernels.native.NativeKernelWarning` says why); torch elsewhere. ``"cpu"`` needs
+    CPU tensors and the C++ kernel (``kernel=None``: an operation without one, which runs the reference
+    there); ``"triton"`` needs CUDA tensors, or CPU tensors under
+    ``TRITON_INTERPRET=1``. In a forked process, the first call for CPU tensors runs
+    :func:`~rotationzoo.kernels.native.fork_guard` (torch to one thread).
 
     Raises:
         KernelInputError: an unknown backend name.
-        BackendUnavailableError: ``"triton"`` cannot run here.
+        BackendUnavailableError: the backend cannot run here.
     """
-    if backend not in ("auto", "torch", "triton"):
-        raise KernelInputError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    if backend not in BACKEND_NAMES:
+        raise KernelInputError(f"backend must be 'auto', 'torch', 'cpu' or 'triton', got {backend!r}")
     if device.type == "cpu":
-        fork_guard()
+        native.fork_guard()
     if backend == "torch":
         return "torch"
     if backend == "auto":
         if device.type == "cuda" and importlib.util.find_spec("triton") is not None and triton_available():
             return "triton"
+        if device.type == "cpu" and kernel is not None:
+            if not _cpu_kernel_reason(kernel):
+                return "cpu"
+            if kernel == "decode" and not torch.compiler.is_compiling():
+                native.warn_unavailable_once()
         return "torch"
+    if backend == "cpu":
+        if device.type != "cpu":
+            raise BackendUnavailableError(f"backend 'cpu' (the C++ kernels) needs CPU tensors, got a tensor on {device}; "
+                                          f"use backend='auto'")
+        if kernel is None:
+            return "torch"
+        reason = _cpu_kernel_reason(kernel)
+        if reason:
+            raise BackendUnavailableError(f"backend 'cpu': the C++ {kernel} kernel cannot run here: {reason}; use "
+                                          f"backend='auto' or 'torch'")
+        return "cpu"
     if not triton_available():
         raise BackendUnavailableError(
             f"backend 'triton' needs the triton package, which failed to import "
@@ -59,5 +95,5 @@ def pick_backend(backend: str, device: torch.device) -> str:
         return "triton"
     raise BackendUnavailableError(
         f"backend 'triton' needs CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 set "
-        f"(Triton's slow CPU interpreter); got a tensor on {device}. Use backend='torch' or 'auto'."
+        f"(Triton's slow CPU interpreter); got a tensor on {device}. Use backend='torch', 'cpu' or 'auto'."
     )

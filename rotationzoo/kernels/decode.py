@@ -3,9 +3,10 @@
 The history of each side (keys, values) is in the cache's own layout (:class:`Int2KV`): the BF16
 sink, the INT2 codes with their scales/zeros, the BF16 recent tokens, all ``[B, H_kv, n, ·]`` and in
 the rotated basis. Nothing is dequantized as a whole: the PyTorch backend walks the history in tiles
-(:mod:`rotationzoo.kernels.decode_reference`), the Triton backend splits it across programs
-(:mod:`rotationzoo.kernels.triton_decode`); both fold the pieces with an fp32 online softmax and merge
-them by their log-sum-exp.
+(:mod:`rotationzoo.kernels.decode_reference`), the C++ backend in tiles per thread
+(:mod:`rotationzoo.kernels.native_ops`), the Triton backend splits it across programs
+(:mod:`rotationzoo.kernels.triton_decode`); all fold the pieces with an fp32 online softmax and merge
+them by their log-sum-exp. Each backend is a torch operator (:mod:`rotationzoo.kernels.ops`).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from ..errors import KernelInputError
 from ..int2kv import Int2KVConfig
 from . import layout
 from .backend import pick_backend
-from .settings import TORCH_DTYPES
-from .settings import resolve as _settings
+from .ops import decode_fn
+from ..dtypes import TORCH_DTYPES
 from ..vocab import Backend
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
@@ -122,7 +123,7 @@ def decode_attention_int2(
     o_rotation: torch.Tensor | None = None,
     scale: float | None = None,
     causal: bool = True,
-    group_size: int | None = None,
+    mask: torch.Tensor | None = None,
     num_splits: int | None = None,
     dtype: torch.dtype | None = None,
     backend: Backend = "auto",
@@ -140,7 +141,7 @@ def decode_attention_int2(
         keys, values: the cache (:class:`Int2KV` or a ``(sink, codes, scales_zeros, recent)`` tuple),
             the new tokens already appended as the last recent rows.
         config: the INT2-KV settings the cache was written with (group size, Lloyd-Max, scale dtype
-            and window dtype are checked against the tensors); ``group_size`` may only repeat it.
+            and window dtype are checked against the tensors).
         k_rotation, v_rotation: ``R_K``, ``R_V``: ``[d, d]`` shared or ``[H_kv, d, d]`` per KV head.
         q_rotation, o_rotation: explicit matrices for non-orthogonal transforms (same shapes), as a
             rotation file stores them (``R_K^{-T}``, ``R_V^{-T}``): queries are multiplied by
@@ -150,22 +151,26 @@ def decode_attention_int2(
         scale: softmax scale (default ``d ** -0.5``).
         causal: query token ``t`` of ``S`` sees keys up to position ``P + N + R − S + t`` (the new
             tokens among themselves causally); ``False``: every query sees every key.
-        group_size: ``None`` infers it from ``scales_zeros``; if given it must agree.
+        mask: ``None``, or booleans ``[B or 1, Hq or 1, S, L]`` (``True``: may attend; ``L = P + N + R``)
+            applied on top of ``causal`` (padding, a sliding window), read by the kernels on the
+            device: no host synchronisation. A query row that sees no key gets NaN.
         num_splits: how many ranges the INT2 tokens are cut into (default: the backend's plan,
             :mod:`rotationzoo.kernels.decode_plan`); the result does not depend on it beyond fp32
             rounding.
         dtype: output dtype (default the query's).
-        backend: ``"auto"``: Triton for CUDA tensors; on CPU the C kernel
-            (:mod:`rotationzoo.kernels.native`, compiled on first use) where a C compiler works, else
-            the PyTorch reference. ``"torch"``: always the PyTorch reference; ``"triton"``.
+        backend: ``"auto"``: Triton for CUDA tensors; on CPU the C++ kernel
+            (:mod:`rotationzoo.kernels.native`, built on first use and cached) where a compiler works,
+            else the PyTorch reference. ``"torch"``: the PyTorch reference; ``"cpu"``: the C++ kernel
+            (:class:`~rotationzoo.errors.BackendUnavailableError` where it cannot be built); ``"triton"``.
 
     Returns:
         ``[B, Hq, S, d]`` in ``dtype``, in the model's basis.
 
-    Accuracy: fp32 scores, softmax and sums throughout (the two backends differ only in summation
-    order: ≤ 1e-5 relative under the Triton interpreter; compiled, the products run on tensor cores
-    as two or three bf16 terms each, ≤ 1e-3 relative). Rows whose scale/zero are NaN (the kernels'
-    flag for a non-finite input row) make the output NaN, as dequantize-then-attend would.
+    Accuracy: fp32 scores, softmax and sums throughout (the backends differ only in summation order:
+    ≤ 1e-5 relative for the C++ kernel and under the Triton interpreter; compiled, the Triton
+    products run on tensor cores as two or three bf16 terms each, ≤ 1e-3 relative). Rows whose
+    scale/zero are NaN (the kernels' flag for a non-finite input row) make the output NaN, as
+    dequantize-then-attend would.
 
     Raises:
         KernelInputError: shapes, dtypes, devices or settings that do not fit together.
@@ -198,13 +203,15 @@ def decode_attention_int2(
         raise KernelInputError("the cache holds no token: nothing to attend to")
     if causal and s > total:
         raise KernelInputError(f"causal attention of {s} query tokens needs them in the cache; it holds {total}")
-    st = _settings(config, "k", group_size=group_size, head_dim=d)
+    if config is not None and not isinstance(config, Int2KVConfig):
+        raise KernelInputError(f"config must be a rotationzoo.Int2KVConfig, got {type(config).__name__}")
+    want_group = config.group_for(d) if config is not None else None
     for name, side in (("keys", k), ("values", v)):
         if side[1].shape[2]:
             g = _groups(side[2], d, name)
-            if st.group_size is not None and g != st.group_size:
-                raise KernelInputError(f"{name}.scales_zeros holds groups of {g}, not the group size {st.group_size}")
-            if st.lloyd_max and g != d:
+            if want_group is not None and g != want_group:
+                raise KernelInputError(f"{name}.scales_zeros holds groups of {g}, not the group size {want_group}")
+            if config is not None and config.lloyd_max and g != d:
                 raise KernelInputError(f"lloyd_max codes use one (scale, zero) per row: group size must be {d}, got {g}")
             if config is not None and side[2].dtype != TORCH_DTYPES[config.scale_dtype]:
                 raise KernelInputError(f"{name}.scales_zeros dtype {side[2].dtype} disagrees with "
@@ -233,22 +240,17 @@ def decode_attention_int2(
         raise KernelInputError(f"dtype {out_dtype} is not supported; expected one of {_names(_FLOATS)}")
     if not isinstance(causal, bool):
         raise KernelInputError(f"causal must be true or false, got {causal!r}")
-    if pick_backend(backend, dev) == "torch":
-        if backend == "auto" and dev.type == "cpu":
-            from . import native
-
-            if native.native_available():
-                return native.decode_attention_native(query, k, v, q_rotation=rq, o_rotation=ro, scale=float(scale),
-                                                      causal=causal, num_splits=num_splits, dtype=out_dtype)
-            native.warn_unavailable_once()
-        from .decode_reference import decode_attention_torch
-
-        return decode_attention_torch(query, k, v, q_rotation=rq, o_rotation=ro, scale=float(scale), causal=causal,
-                                      num_splits=num_splits, dtype=out_dtype)
-    from .triton_decode import decode_attention_triton
-
-    return decode_attention_triton(query, k, v, q_rotation=rq, o_rotation=ro, scale=float(scale), causal=causal,
-                                   num_splits=num_splits, dtype=out_dtype)
+    if mask is not None:
+        if (not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[0] not in (1, b)
+                or mask.shape[1] not in (1, hq) or tuple(mask.shape[2:]) != (s, total)):
+            got = f"{mask.dtype} {list(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise KernelInputError(f"mask must be booleans [{b} or 1, {hq} or 1, {s}, {total}], got {got}")
+        if mask.dtype != torch.bool:
+            raise KernelInputError(f"mask must be booleans (True = attend), got {mask.dtype}")
+        if mask.device != dev:
+            raise KernelInputError(f"mask is on {mask.device} but the query is on {dev}")
+    out = decode_fn(pick_backend(backend, dev))(query, *k, *v, rq, ro, mask, float(scale), causal, num_splits or 0)
+    return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
 __all__ = ["Int2KV", "decode_attention_int2"]

@@ -40,7 +40,13 @@ _DECODE_LAUNCH: dict[int, tuple[int, int, int]] = {
 """Split kernel launch per head_dim: ``(tokens per tile, warps, pipeline stages)``, from
 ``tools/aot_report.py`` (no spill on sm_90 or sm_80 in the variants the library launches; at d = 128
 the serving case's estimated issue bound was 32 % of copy at 64 × 4 × 2, 37 % at 128 × 4 × 2 with 243
-registers, which spilled for bf16 scales; at d = 64, 64-token tiles spill)."""
+registers, which spilled for bf16 scales; at d = 64, 64-token tiles spill). Rows with several groups
+per quarter of the dims take :data:`GROUPED_TILE_TOKENS` (see :func:`decode_tile_tokens`)."""
+
+GROUPED_TILE_TOKENS = 32
+"""INT2 tokens per tile when a quarter of the dims holds several groups (``G < d/4``) at d ≥ 128: the
+block-diagonal query rows double the products, and 64-token tiles spilled on sm_90 (d = 128, G = 16,
+16 query rows: 64 B of stack at 64 × 4 × 2; none at 32 × 4 × 2, estimated issue bound 21 % vs 21 %)."""
 
 DECODE_MAX_REGISTERS = 255
 """Register ceiling (ptxas ``.maxnreg``) of the split kernel: the architectural maximum. Without it
@@ -66,9 +72,11 @@ def row_block(rows: int, groups: int) -> int:
     return padded_rows(min(rows, max(1, 16 // groups)), groups)
 
 
-def decode_tile_tokens(d: int) -> int:
-    """INT2 tokens per tile of the Triton split kernel."""
-    return _DECODE_LAUNCH.get(d, (32, 4, 2))[0]
+def decode_tile_tokens(d: int, quarter_groups: int = 1) -> int:
+    """INT2 tokens per tile of the Triton split kernel; ``quarter_groups``: the most (scale, zero) groups
+    of keys or values in a quarter of the dims (``max(1, d / 4 / G)``)."""
+    tile = _DECODE_LAUNCH.get(d, (32, 4, 2))[0]
+    return min(tile, GROUPED_TILE_TOKENS) if quarter_groups > 1 and d >= 128 else tile
 
 
 def decode_num_warps(d: int) -> int:
@@ -125,6 +133,6 @@ def reference_tile_tokens(batch_heads: int, d: int, *, budget: int = REFERENCE_T
 
 __all__ = [
     "DECODE_MAX_QUERIES", "DECODE_MAX_REGISTERS", "HP_TILE", "PROGRAMS_PER_SM", "REFERENCE_MIN_TILE", "REFERENCE_TILE_BYTES",
-    "TRITON_MIN_SPLIT_TOKENS", "decode_num_stages", "decode_num_warps", "decode_tile_tokens", "merge_num_warps", "padded_rows",
+    "GROUPED_TILE_TOKENS", "TRITON_MIN_SPLIT_TOKENS", "decode_num_stages", "decode_num_warps", "decode_tile_tokens", "merge_num_warps", "padded_rows",
     "reference_tile_tokens", "row_block", "split_ranges", "triton_splits", "window_splits",
 ]

@@ -109,27 +109,47 @@ class _Softmax:
         self.acc.mul_(alpha[..., None]).add_(pv)
 
 
-def _mask(scores: torch.Tensor, pos: torch.Tensor, limit: torch.Tensor | None) -> torch.Tensor:
-    """Scores of keys at positions ``pos [n]`` past each row's last visible position set to −inf."""
-    if limit is None:
+class _Visible:
+    """Which key positions each query row sees: the causal limit (``limit [rows]``: the last visible
+    position) and an optional boolean mask ``[B|1, H_kv|1, rows, L]`` (True = attend)."""
+
+    def __init__(self, limit: torch.Tensor | None, mask: torch.Tensor | None) -> None:
+        self.limit = limit
+        self.mask = mask
+
+    def apply(self, scores: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Scores of keys at positions ``pos [n]`` that a row may not see set to −inf."""
+        if self.limit is not None:
+            scores = scores.masked_fill(pos[None, :] > self.limit[:, None], _NEG_INF)
+        if self.mask is not None:
+            scores = scores.masked_fill(~self.mask[..., pos], _NEG_INF)
         return scores
-    return scores.masked_fill(pos[None, :] > limit[:, None], _NEG_INF)
+
+
+def rows_mask(mask: torch.Tensor, num_kv_heads: int, rows: int) -> torch.Tensor:
+    """A boolean ``[B|1, Hq|1, S, L]`` mask as ``[B|1, H_kv|1, rows, L]`` (``rows = g·S``), row ``i·S + s``
+    of KV head ``h`` being token ``s`` of query head ``h·g + i`` (the layout of :func:`rotate_queries`)."""
+    b, hm, s, length = mask.shape
+    mask = mask if mask.dtype == torch.bool else mask.to(torch.bool)
+    if hm == 1:
+        return mask[:, :, None].expand(b, 1, rows // s, s, length).reshape(b, 1, rows, length)
+    return mask.reshape(b, num_kv_heads, rows, length)
 
 
 def _dense(state: _Softmax, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, tile: int,
-           limit: torch.Tensor | None) -> None:
+           visible: _Visible) -> None:
     """Fold window tokens ``k, v [B, H_kv, n, d]`` (any float dtype), key positions ``first …``."""
     dims, _ = _byte_order(q.shape[-1], 1, q.device)
     for a in range(0, k.shape[2], tile):
         kt = k[:, :, a:a + tile].to(torch.float32)
         vt = v[:, :, a:a + tile, dims].to(torch.float32)  # value dims in byte order, like the INT2 tiles
         pos = torch.arange(first + a, first + a + kt.shape[2], device=q.device)
-        p, alpha = state.fold(_mask(q @ kt.transpose(-1, -2), pos, limit))
+        p, alpha = state.fold(visible.apply(q @ kt.transpose(-1, -2), pos))
         state.add(p @ vt, alpha)
 
 
 def _int2(state: _Softmax, q: torch.Tensor, keys: tuple[torch.Tensor, torch.Tensor],
-          values: tuple[torch.Tensor, torch.Tensor], first: int, tile: int, limit: torch.Tensor | None) -> None:
+          values: tuple[torch.Tensor, torch.Tensor], first: int, tile: int, visible: _Visible) -> None:
     """Fold INT2 tokens (codes ``[B, H_kv, n, d/4]``, scales/zeros ``[B, H_kv, n, 2·groups]``) tile by tile."""
     kc, ksz = keys
     vc, vsz = values
@@ -155,7 +175,7 @@ def _int2(state: _Softmax, q: torch.Tensor, keys: tuple[torch.Tensor, torch.Tens
             raw = raw.reshape(b, h, rows, groups, n)
             scores = (raw * s.transpose(-1, -2)[:, :, None]).sum(dim=-2) - qsum @ (s * z).transpose(-1, -2)
         pos = torch.arange(first + a, first + a + n, device=q.device)
-        p, alpha = state.fold(_mask(scores, pos, limit))
+        p, alpha = state.fold(visible.apply(scores, pos))
         sv, zv = flagged_scales(vsz[:, :, a:a + n].to(torch.float32))
         cv = unpack_tile(vc[:, :, a:a + n])  # [B, H, n, d] byte order
         if vgroups == 1:  # Σ (p s) c − Σ p s z
@@ -180,13 +200,16 @@ def decode_attention_torch(
     causal: bool,
     num_splits: int | None,
     dtype: torch.dtype,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference :func:`rotationzoo.kernels.decode_attention_int2` on validated inputs.
 
     ``keys``/``values`` are ``(sink, codes, scales_zeros, recent)`` with every part a tensor (empty
     parts have 0 tokens); ``q_rotation`` multiplies the queries (``q @ R``), ``o_rotation`` the
-    output (``o @ R``). ``num_splits`` sets the INT2 tile to ``ceil(N / num_splits)`` tokens (default
-    :func:`~rotationzoo.kernels.decode_plan.reference_tile_tokens`). Returns ``[B, Hq, S, d]`` in ``dtype``.
+    output (``o @ R``); ``mask`` (``[B|1, Hq|1, S, L]`` booleans, True = attend) restricts what each
+    query row sees beyond the causal rule. ``num_splits`` sets the INT2 tile to ``ceil(N / num_splits)``
+    tokens (default :func:`~rotationzoo.kernels.decode_plan.reference_tile_tokens`). Returns
+    ``[B, Hq, S, d]`` in ``dtype``.
     """
     b, hq, s, d = query.shape
     k_sink, k_codes, k_sz, k_recent = keys
@@ -201,10 +224,11 @@ def decode_attention_torch(
         limit = total - s + torch.arange(rows, device=q.device) % s
     tile = reference_tile_tokens(b * h, d)
     int2_tile = -(-n_len // num_splits) if num_splits else tile
+    visible = _Visible(limit, None if mask is None else rows_mask(mask, h, rows))
     state = _Softmax(b, h, rows, d, q.device)
-    _dense(state, q, k_sink, v_sink, 0, tile, limit)
-    _int2(state, q, (k_codes, k_sz), (v_codes, v_sz), p_len, max(1, int2_tile), limit)
-    _dense(state, q, k_recent, v_recent, p_len + n_len, tile, limit)
+    _dense(state, q, k_sink, v_sink, 0, tile, visible)
+    _int2(state, q, (k_codes, k_sz), (v_codes, v_sz), p_len, max(1, int2_tile), visible)
+    _dense(state, q, k_recent, v_recent, p_len + n_len, tile, visible)
     dims, _ = _byte_order(d, 1, q.device)
     acc = torch.empty_like(state.acc)
     acc[..., dims] = state.acc  # back to the natural dim order
@@ -212,4 +236,5 @@ def decode_attention_torch(
     return out.reshape(b, hq, s, d).to(dtype)
 
 
-__all__ = ["MAX_DEQUANT", "decode_attention_torch", "flagged_scales", "rotate_output", "rotate_queries", "unpack_tile"]
+__all__ = ["MAX_DEQUANT", "decode_attention_torch", "flagged_scales", "rotate_output", "rotate_queries", "rows_mask",
+           "unpack_tile"]

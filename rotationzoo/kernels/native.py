@@ -1,38 +1,48 @@
-"""The C kernels for CPUs: decode attention over the INT2 cache and the uniform INT2 quantizer.
+"""The C++ kernels for CPUs: how they are built, cached and loaded, and when they are not used.
 
 PyTorch has no operator that unpacks INT2 codes inside a matrix product, so the PyTorch reference
 (:mod:`rotationzoo.kernels.decode_reference`) writes each tile's codes out as fp32 and reads them
-back: about the bytes an fp32 cache costs, plus the codes. ``native_decode.c`` dequantizes each
-row in registers instead and reads only the codes, scales/zeros and windows; ``native_quantize.c``
-is the reference quantizer bit for bit.
+back. ``native_decode.cpp`` (with its vectorized inner loops in ``native_decode_simd.cpp``) reads
+only the codes, scales/zeros and windows; ``native_quantize.cpp`` is the reference quantizer bit for
+bit. :mod:`rotationzoo.kernels.native_ops` calls them and registers them as torch operators.
 
-**Build.** Each kernel is compiled on its first use with the system C compiler (``$CC`` if set,
-else ``cc``, ``gcc`` or ``clang`` from ``PATH``; resolved to an absolute path, logged at debug
-level) into a fresh temporary folder that is removed right after loading. The compiler runs with
-fixed arguments (``-x c``, so a C++ driver compiles C), a minimal environment (``PATH``,
-``TMPDIR`` pointing into that folder, ``LANG=C``) and a deadline of :data:`BUILD_TIMEOUT_S`.
-Whatever goes wrong (an unusable ``CC``, no compiler, a compiler that fails or runs past the
-deadline, no temporary folder, a library that does not load or lacks its symbol) is not an error:
-that kernel falls back to the PyTorch reference for the rest of the process and one
+**Build.** Each kernel is built on its first use, on its own, by torch's extension tooling
+(``torch.utils.cpp_extension.load``: the include paths, language standard and link flags of the
+torch build that runs) with flags that follow torch's CPU capability (AVX2 + FMA + F16C where torch
+uses AVX2 or AVX-512, nothing ISA-specific elsewhere; OpenMP where torch uses it, on Linux). The
+build runs in a child Python process with a minimal environment (``PATH``, ``TMPDIR`` inside a
+fresh folder, ``LANG``/``LC_ALL=C``, ``CXX``) and a deadline of :data:`BUILD_TIMEOUT_S`, after which
+it is killed with everything it started. The compiler is ``$CXX``, else ``$CC``, else ``c++``,
+``g++``, ``clang++``, ``cc``, ``gcc`` or ``clang`` from ``PATH`` (resolved to an absolute path,
+logged at debug level). The library is kept under ``<cache>/kernels/``, named by the hash of its
+sources, flags, compiler and torch version, so later processes load it without compiling.
+
+**Fallback.** Whatever goes wrong (an unusable compiler, no ninja, a build that fails or runs past
+the deadline, no temporary folder, a library that does not load or lacks its symbol) is not an
+error: that kernel runs the PyTorch reference for the rest of the process and one
 :class:`NativeKernelWarning` names the cause. A compiler that cannot run or hangs is not run again;
-otherwise the two kernels are built, and fall back, independently. ``ROTATIONZOO_NATIVE=0``
-(read at each call) keeps every CPU kernel on the reference without running a compiler.
+otherwise the kernels are built, and fall back, independently. ``ROTATIONZOO_NATIVE=0`` (read at
+each call) keeps every CPU kernel on the reference without running a compiler.
 
 **Fork.** The OpenMP runtime torch uses (libgomp) cannot run a parallel region in a child forked
 after the parent ran one: the child waits forever for the parent's worker threads. A process
 forked after this module was imported therefore switches torch to one thread
 (``torch.set_num_threads(1)``, as torch's own DataLoader workers do) on its first CPU INT2 kernel
-call and says so once; the C kernels then run single-threaded too. Start workers with the
+call and says so once; the C++ kernels then run single-threaded too. Start workers with the
 ``"spawn"`` or ``"forkserver"`` method to keep every thread.
 """
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import json
 import logging
 import os
+import platform
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -40,43 +50,48 @@ import threading
 import time
 import warnings
 from importlib import resources
+from pathlib import Path
 
 import torch
 
-from ..config import native_kernels
-from .decode_reference import rotate_output, rotate_queries
-from .layout import bisect_iters
+from .. import config
 
 log = logging.getLogger("rotationzoo")
 
-NATIVE_SPLIT_TOKENS = 1024
-"""Fewest key positions per work item of the C kernel (more items only when the threads need them)."""
-
 BUILD_TIMEOUT_S = 30.0
-"""Deadline of one compiler run, in seconds: past it the compiler is killed (with its children), the
-kernels fall back to the reference, and no compiler runs again in this process."""
+"""Deadline of one kernel's build (the child process that runs torch's extension tooling and the
+compiler), in seconds: past it the build is killed with everything it started, the kernels fall back
+to the reference, and no compiler runs again in this process."""
+
+CACHE_AREA = "kernels"
+"""Folder of the cache root (``ROTATIONZOO_CACHE``) holding the built libraries."""
 
 
 class NativeKernelWarning(RuntimeWarning):
-    """A CPU INT2 kernel runs the PyTorch reference instead of C (the message says why), or a forked
+    """A CPU INT2 kernel runs the PyTorch reference instead of C++ (the message says why), or a forked
     process runs them on one thread."""
 
 
-#: Each C source with the flags it is compiled with. The quantizer is bit-exact with the PyTorch
-#: reference, so it gets no contraction and no reassociation; the attention sums in fp32 in its own
-#: order anyway, so it may reassociate (vectorized reductions).
-_SOURCES = {
-    "decode": ("native_decode.c", ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd",
-                                   "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fopenmp")),
-    "quantize": ("native_quantize.c", ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")),
-}
-_I64, _I32, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-#: Each kernel's entry point: symbol, argument types, result type.
-_SYMBOLS: dict[str, tuple[str, list[type], type | None]] = {
-    "decode": ("rz_decode_int2", [_I64] * 8 + [_I32, _PTR, _PTR, _I32, _I32, _I32, _I64, _I32, _PTR, _PTR], _I32),
-    "quantize": ("rz_quantize_uniform", [_I64, _I64, _PTR, _I32, _I64, _I32, _I32, _I64, _I32, _PTR, _PTR, _I32], None),
+#: Each kernel: its sources (the first is the one named in messages), entry point and extra flags.
+#: The quantizer is bit-exact with the PyTorch reference, so it gets no contraction and no
+#: reassociation; decode sums in fp32 in its own order anyway, so it may reassociate.
+KERNELS: dict[str, tuple[tuple[str, ...], str, tuple[str, ...]]] = {
+    "decode": (("native_decode.cpp", "native_decode_simd.cpp", "native_decode.h"), "rz_decode_int2",
+               ("-O3", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fno-math-errno")),
+    "quantize": (("native_quantize.cpp",), "rz_quantize_uniform", ("-O3", "-ffp-contract=off")),
 }
 _WHAT = {"decode": "decode attention", "quantize": "quantization"}
+
+#: The child's build: torch's extension tooling compiles and links the sources (argv: the parent's
+#: sys.path and the build as JSON).
+_BUILD_SCRIPT = r"""
+import json, sys
+sys.path[:] = json.loads(sys.argv[1])
+spec = json.loads(sys.argv[2])
+from torch.utils.cpp_extension import load
+load(name=spec["name"], sources=spec["sources"], build_directory=spec["build"], extra_cflags=spec["cflags"],
+     extra_ldflags=spec["ldflags"], is_python_module=False, verbose=False)
+"""
 
 _LOCK = threading.Lock()
 _LIBS: dict[str, ctypes.CDLL | str] = {}  # kernel → its library, or why it is not built (one line)
@@ -91,8 +106,10 @@ class _NoBuild(Exception):
 
 def _find_compiler() -> str:
     """The compiler's absolute path. Raises :class:`_NoBuild` with the reason."""
-    cc = os.environ.get("CC", "")
-    if cc.strip():
+    for var in ("CXX", "CC"):
+        cc = os.environ.get(var, "")
+        if not cc.strip():
+            continue
         found = shutil.which(cc)
         if found is None:
             if os.sep not in cc:
@@ -103,17 +120,17 @@ def _find_compiler() -> str:
                 why = "is not executable"
             else:
                 why = "does not exist"
-            raise _NoBuild(f"CC={cc!r} {why}; set CC to a C compiler (cc, gcc or clang) or unset it")
+            raise _NoBuild(f"{var}={cc!r} {why}; set {var} to a C++ compiler (c++, g++ or clang++) or unset it")
         path = os.path.abspath(found)
-        log.debug("rotationzoo: C compiler %s (from CC=%r)", path, cc)
+        log.debug("rotationzoo: C++ compiler %s (from %s=%r)", path, var, cc)
         return path
-    for name in ("cc", "gcc", "clang"):
+    for name in ("c++", "g++", "clang++", "cc", "gcc", "clang"):
         found = shutil.which(name)
         if found:
             path = os.path.abspath(found)
-            log.debug("rotationzoo: C compiler %s (%r on PATH)", path, name)
+            log.debug("rotationzoo: C++ compiler %s (%r on PATH)", path, name)
             return path
-    raise _NoBuild("no C compiler found (install cc, gcc or clang, or set CC)")
+    raise _NoBuild("no C++ compiler found (install g++ or clang++, or set CXX)")
 
 
 def _compiler() -> str:
@@ -127,10 +144,85 @@ def _compiler() -> str:
     return _COMPILER[0]
 
 
-def _kill(proc: subprocess.Popen[bytes]) -> None:
-    """Kill the compiler and everything it started (its own session)."""
+def isa_flags() -> list[str]:
+    """Instruction-set flags of the kernels: AVX2 + FMA + F16C where torch itself runs AVX2 or AVX-512
+    code (``torch.backends.cpu.get_cpu_capability()``), none on other machines (the portable loops)."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86"):
+        return []
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
+        capability = torch.backends.cpu.get_cpu_capability()
+    except Exception:  # an older or unusual torch: stay portable
+        return []
+    return ["-mavx2", "-mfma", "-mf16c"] if capability.upper().startswith(("AVX2", "AVX512")) else []
+
+
+def openmp_flags() -> list[str]:
+    """``-fopenmp`` where torch runs on OpenMP on Linux (the kernels then share torch's libgomp pool)."""
+    return ["-fopenmp"] if sys.platform.startswith("linux") and torch.backends.openmp.is_available() else []
+
+
+def build_flags(name: str) -> tuple[list[str], list[str]]:
+    """``(compile flags, link flags)`` of kernel ``name`` beyond those of torch's extension tooling."""
+    omp = openmp_flags()
+    return [*KERNELS[name][2], *isa_flags(), *omp], omp
+
+
+def _source_texts(name: str) -> list[tuple[str, bytes]]:
+    pkg = resources.files(__package__)
+    return [(f, pkg.joinpath(f).read_bytes()) for f in KERNELS[name][0]]
+
+
+def _cache_key(name: str, cc: str, cflags: list[str], ldflags: list[str], sources: list[tuple[str, bytes]]) -> str:
+    """Hash of everything the library depends on: sources, flags, compiler, torch build, machine."""
+    h = hashlib.sha256()
+    try:
+        st = os.stat(cc)
+        cc_id = [cc, st.st_size, st.st_mtime_ns]
+    except OSError:
+        cc_id = [cc]
+    h.update(json.dumps([name, cc_id, cflags, ldflags, torch.__version__, platform.machine(), sys.platform,
+                         sys.version_info[:2]]).encode())
+    for fname, text in sources:
+        h.update(fname.encode() + b"\0" + hashlib.sha256(text).digest())
+    return h.hexdigest()[:20]
+
+
+def _trusted(path: Path) -> bool:
+    """A regular file (not a link) of this user that nobody else may write, in such a folder."""
+    try:
+        for p, want in ((path.parent, stat.S_ISDIR), (path, stat.S_ISREG)):
+            st = os.lstat(p)
+            if not want(st.st_mode) or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+                return False
+            if hasattr(os, "getuid") and st.st_uid != os.getuid():
+                return False
+    except OSError:
+        return False
+    return True
+
+
+def _kill_session(proc: subprocess.Popen[bytes]) -> None:
+    """Kill the build and everything it started: its session (ninja starts each compiler in a process
+    group of its own, so one group is not enough)."""
+    sid = proc.pid
+    victims = []
+    if os.path.isdir("/proc"):
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat", "rb") as f:
+                        fields = f.read().rsplit(b")", 1)[1].split()
+                    if int(fields[3]) == sid:
+                        victims.append(int(entry))
+                except (OSError, IndexError, ValueError):
+                    continue
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    try:
+        os.killpg(sid, signal.SIGKILL)
     except OSError:
         proc.kill()
     try:
@@ -139,82 +231,123 @@ def _kill(proc: subprocess.Popen[bytes]) -> None:
         pass
 
 
-def _first_line(path: str) -> str:
-    try:
-        with open(path, "rb") as f:
-            text = f.read(4096).decode("utf-8", "replace")
-    except OSError:
-        return ""
+def _first_error(text: str) -> str:
+    """The compiler's first error in a build log (torch's tooling wraps it in a Python traceback)."""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    errors = [ln for ln in lines if "error" in ln.lower()]
-    return (errors or lines or [""])[0][:300]
+    wrapper = ("Traceback", "File ", "raise ", "RuntimeError", "subprocess.", "The above exception", "FAILED:", "ninja:")
+    compiler = [ln for ln in lines if "error" in ln.lower() and not ln.startswith(wrapper) and not ln.startswith("[")]
+    picks = compiler or [ln for ln in lines if "error" in ln.lower()] or lines[-1:] or [""]
+    return picks[0][:300]
 
 
-def _run(cc: str, args: list[str], work: str, source: str) -> None:
-    """Run the compiler in ``work`` under the deadline. Raises :class:`_NoBuild` when it cannot start
-    or runs too long, ``RuntimeError`` when it fails."""
-    env = {"PATH": os.environ.get("PATH") or os.defpath, "TMPDIR": work, "LANG": "C", "LC_ALL": "C"}
-    out_log = os.path.join(work, "cc.log")
-    log.debug("rotationzoo: running %s", " ".join([cc, *args]))
+def _run_build(cc: str, name: str, work: str, cflags: list[str], ldflags: list[str]) -> str:
+    """Build kernel ``name`` in ``work`` by torch's extension tooling in a child process under the
+    deadline; returns the library's path. Raises :class:`_NoBuild` when the child cannot start or runs
+    too long, ``RuntimeError`` (one line) when the build fails."""
+    src_dir = os.path.join(work, "src")
+    os.makedirs(src_dir)
+    for fname, body in _source_texts(name):
+        with open(os.path.join(src_dir, fname), "wb") as f:
+            f.write(body)
+    sources = [os.path.join(src_dir, f) for f in KERNELS[name][0] if not f.endswith(".h")]
+    ext = f"rz_{name}"
+    spec = {"name": ext, "sources": sources, "build": work, "cflags": cflags, "ldflags": ldflags}
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH") or os.defpath])
+    env = {"PATH": path, "TMPDIR": work, "LANG": "C", "LC_ALL": "C", "CXX": cc, "MAX_JOBS": "2",
+           "TORCH_DONT_CHECK_COMPILER_ABI": "1"}
+    out_log = os.path.join(work, "build.log")
+    source = KERNELS[name][0][0]
+    log.debug("rotationzoo: building %s with %s %s", source, cc, " ".join(cflags))
     with open(out_log, "wb") as out:
         try:
-            proc = subprocess.Popen([cc, *args], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    env=env, cwd=work, start_new_session=True)
+            proc = subprocess.Popen([sys.executable, "-I", "-c", _BUILD_SCRIPT, json.dumps(sys.path), json.dumps(spec)],
+                                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=work,
+                                    start_new_session=True)
         except OSError as exc:
-            raise _NoBuild(f"C compiler {cc} cannot run: {exc.strerror or exc}; set CC to a working C compiler"
-                           ) from None
+            raise _NoBuild(f"the build of {source} cannot start: {exc.strerror or exc}") from None
         try:
             rc = proc.wait(timeout=BUILD_TIMEOUT_S)
         except BaseException as exc:
-            _kill(proc)
+            _kill_session(proc)
             if isinstance(exc, subprocess.TimeoutExpired):
-                raise _NoBuild(f"C compiler {cc} did not finish {source} within {BUILD_TIMEOUT_S:g} s (killed); "
-                               f"check CC, or set ROTATIONZOO_NATIVE=0") from None
+                raise _NoBuild(f"C++ compiler {cc} did not finish {source} within {BUILD_TIMEOUT_S:g} s (killed); "
+                               f"check CXX, or set ROTATIONZOO_NATIVE=0") from None
             raise
-    if rc != 0:
-        raise RuntimeError(f"C compiler {cc} failed on {source} (exit {rc}): {_first_line(out_log)}")
+    lib = os.path.join(work, f"{ext}.so")
+    if rc != 0 or not os.path.isfile(lib):
+        with open(out_log, "rb") as log_file:
+            text = log_file.read(65536).decode("utf-8", "replace")
+        if "Ninja is required" in text:
+            raise RuntimeError("torch's extension tooling needs ninja, which is not installed (pip install ninja)")
+        raise RuntimeError(f"C++ compiler {cc} failed on {source}: {_first_error(text)}")
+    return lib
 
 
-def _compile(cc: str, name: str) -> ctypes.CDLL:
-    """Build and load one kernel's library. Raises :class:`_NoBuild`, or any other exception with a
-    one-line reason."""
-    source, flags = _SOURCES[name]
-    symbol, argtypes, restype = _SYMBOLS[name]
+def _load(lib_path: str, name: str, cc: str) -> ctypes.CDLL:
+    source, symbol = KERNELS[name][0][0], KERNELS[name][1]
     try:
-        work = tempfile.mkdtemp(prefix="rotationzoo-native-")
+        lib = ctypes.CDLL(lib_path)
     except OSError as exc:
-        raise _NoBuild(f"no temporary folder for the compiler ({exc.strerror or exc}); set TMPDIR to a writable "
-                       f"folder") from None
+        raise RuntimeError(f"the library {cc} built from {source} does not load: {exc}") from None
+    if not hasattr(lib, symbol):
+        raise RuntimeError(f"the library {cc} built from {source} has no symbol {symbol}; set CXX to a C++ compiler")
+    return lib
+
+
+def _build(name: str) -> ctypes.CDLL | str:
+    """One kernel's library (from the cache, else built), or why it cannot be (one line, warned once)."""
     try:
-        lib_path = os.path.join(work, f"rz_{name}.so")
-        with resources.as_file(resources.files(__package__).joinpath(source)) as src:
-            start = time.monotonic()
-            _run(cc, [*flags, "-fPIC", "-shared", "-x", "c", str(src), "-x", "none", "-o", lib_path, "-lm"], work,
-                 source)
-        log.debug("rotationzoo: compiled %s in %.2f s", source, time.monotonic() - start)
+        cc = _compiler()
+        cflags, ldflags = build_flags(name)
+        key = _cache_key(name, cc, cflags, ldflags, _source_texts(name))
+        cache = config.cache_dir() / CACHE_AREA
+        cached = cache / f"rz_{name}-{key}.so"
+        if cached.is_file() and _trusted(cached):
+            log.debug("rotationzoo: %s from the cache (%s)", KERNELS[name][0][0], cached)
+            return _load(str(cached), name, cc)
         try:
-            lib = ctypes.CDLL(lib_path)
+            work = tempfile.mkdtemp(prefix="rotationzoo-native-")
         except OSError as exc:
-            raise RuntimeError(f"the library {cc} built from {source} does not load: {exc}") from None
+            raise _NoBuild(f"no temporary folder for the compiler ({exc.strerror or exc}); set TMPDIR to a writable "
+                           f"folder") from None
         try:
-            fn = getattr(lib, symbol)
-        except AttributeError:
-            raise RuntimeError(f"the library {cc} built from {source} has no symbol {symbol}; set CC to a C "
-                               f"compiler") from None
-        fn.argtypes = argtypes
-        fn.restype = restype
-        return lib
-    finally:
-        shutil.rmtree(work, ignore_errors=True)  # a loaded library stays mapped
+            start = time.monotonic()
+            built = _run_build(cc, name, work, cflags, ldflags)
+            log.debug("rotationzoo: built %s in %.1f s", KERNELS[name][0][0], time.monotonic() - start)
+            try:  # keep it for later processes: written beside, then renamed into place
+                cache.mkdir(parents=True, exist_ok=True, mode=0o700)
+                tmp = cache / f".{cached.name}.{os.getpid()}.tmp"
+                shutil.copyfile(built, tmp)
+                os.chmod(tmp, 0o700)
+                os.replace(tmp, cached)
+                if _trusted(cached):
+                    built = str(cached)
+            except OSError as exc:  # a read-only cache: load it from the build folder
+                log.debug("rotationzoo: %s not cached (%s)", KERNELS[name][0][0], exc)
+            return _load(built, name, cc)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)  # a loaded library stays mapped
+    except _NoBuild as exc:
+        if _COMPILER and _COMPILER[0]:
+            _COMPILER[:] = ["", str(exc)]  # nothing is built again
+        reason = str(exc)
+        _warn_once(reason, f"rotationzoo: the C++ kernels for CPUs are not used, the PyTorch reference runs instead "
+                           f"(slower): {reason}")
+    except Exception as exc:  # every other failure of the build falls back as well
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        _warn_once(reason, f"rotationzoo: CPU {_WHAT[name]} runs the PyTorch reference (slower): {reason}")
+    return reason
 
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _warn(message: str) -> None:
-    """A :class:`NativeKernelWarning` attributed to the first caller outside rotationzoo."""
+    """A :class:`NativeKernelWarning` attributed to the first caller outside rotationzoo (and torch's
+    operator machinery, which runs the kernels)."""
     frame, level = sys._getframe(1), 1
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
+    while frame.f_back is not None and frame.f_code.co_filename.startswith((_PACKAGE, torch_dir)):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, NativeKernelWarning, stacklevel=level + 1)
 
@@ -226,25 +359,9 @@ def _warn_once(key: str, message: str) -> None:
         _warn(message)
 
 
-def _build(name: str) -> ctypes.CDLL | str:
-    """One kernel's library, or why it cannot be built (one line, warned once)."""
-    try:
-        return _compile(_compiler(), name)
-    except _NoBuild as exc:
-        if _COMPILER and _COMPILER[0]:
-            _COMPILER[:] = ["", str(exc)]  # nothing is built again
-        reason = str(exc)
-        _warn_once(reason, f"rotationzoo: the C kernels for CPUs are not used, the PyTorch reference runs instead "
-                           f"(slower): {reason}")
-    except Exception as exc:  # every other failure of the build falls back as well
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        _warn_once(reason, f"rotationzoo: CPU {_WHAT[name]} runs the PyTorch reference (slower): {reason}")
-    return reason
-
-
-def _library(name: str) -> ctypes.CDLL | None:
+def library(name: str) -> ctypes.CDLL | None:
     """The loaded library of kernel ``name`` (built on first use), or ``None`` where it cannot run."""
-    if not native_kernels():
+    if not config.native_kernels():
         return None
     lib = _LIBS.get(name)
     if lib is None:
@@ -256,16 +373,16 @@ def _library(name: str) -> ctypes.CDLL | None:
 
 
 def native_available(kernel: str = "decode") -> bool:
-    """Whether the C ``kernel`` (``"decode"`` or ``"quantize"``) runs here (built on the first call; the
+    """Whether the C++ ``kernel`` (``"decode"`` or ``"quantize"``) runs here (built on the first call; the
     result is kept for the process; ``ROTATIONZOO_NATIVE`` is read at every call)."""
-    return _library(kernel) is not None
+    return library(kernel) is not None
 
 
 def native_unavailable_reason(kernel: str = "decode") -> str | None:
     """Why :func:`native_available` is false (``None`` when it is true)."""
-    if not native_kernels():
+    if not config.native_kernels():
         return "ROTATIONZOO_NATIVE is false"
-    lib = _LIBS.get(kernel) if _library(kernel) is None else None
+    lib = _LIBS.get(kernel) if library(kernel) is None else None
     return lib if isinstance(lib, str) else None
 
 
@@ -303,99 +420,5 @@ def fork_guard() -> None:
               f"'spawn' or 'forkserver' method to keep every thread")
 
 
-def quantize_native_supported(x: torch.Tensor, *, rotation: torch.Tensor | None, lloyd_max: bool,
-                              scale_dtype: torch.dtype) -> bool:
-    """Whether :func:`quantize_rows_native` takes this call: CPU rows, no rotation, uniform levels,
-    fp32 or bf16 scale/zero, and the C kernels built."""
-    return (x.device.type == "cpu" and rotation is None and not lloyd_max
-            and scale_dtype in (torch.float32, torch.bfloat16) and native_available("quantize"))
-
-
-def quantize_rows_native(x: torch.Tensor, *, clip_index: int, group_size: int, clip_search: str,
-                         scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`rotationzoo.kernels.reference.quantize_rows` of ``x [..., d]`` with uniform levels, in C,
-    bit for bit (see ``native_quantize.c``); returns ``(codes [..., d/4], scales_zeros [..., 2·d/G])``."""
-    lib = _library("quantize")
-    assert lib is not None, "quantize_rows_native called where native_available('quantize') is false"
-    d = x.shape[-1]
-    lead = x.shape[:-1]
-    rows = x.reshape(-1, d)
-    if rows.dtype not in (torch.float32, torch.bfloat16):
-        rows = rows.to(torch.float32)  # fp16 → fp32 is exact, as the reference's upcast
-    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) != d):
-        rows = rows.contiguous()
-    n = rows.shape[0]
-    codes = torch.empty((n, d // 4), dtype=torch.uint8)
-    sz = torch.empty((n, 2 * (d // group_size)), dtype=scale_dtype)
-    bisect = bisect_iters(d) if clip_search == "bisect" else 0
-    lib.rz_quantize_uniform(n, d, rows.data_ptr(), int(rows.dtype == torch.bfloat16), d, clip_index, bisect,
-                            group_size, int(scale_dtype == torch.bfloat16), codes.data_ptr(), sz.data_ptr(),
-                            max(1, torch.get_num_threads()))
-    return codes.reshape(*lead, d // 4), sz.reshape(*lead, sz.shape[-1])
-
-
-def _part(t: torch.Tensor) -> list[int]:
-    return [t.data_ptr(), t.stride(0), t.stride(1), t.stride(2)]
-
-
-def native_splits(b: int, h: int, total: int, threads: int) -> int:
-    """Ranges per (sequence, KV head): enough work items for ``threads`` (two each), each at least
-    :data:`NATIVE_SPLIT_TOKENS` key positions."""
-    want = -(-2 * threads // (b * h))
-    return max(1, min(want, total // NATIVE_SPLIT_TOKENS))
-
-
-def decode_attention_native(
-    query: torch.Tensor,
-    keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-    values: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-    *,
-    q_rotation: torch.Tensor | None,
-    o_rotation: torch.Tensor | None,
-    scale: float,
-    causal: bool,
-    num_splits: int | None,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """:func:`rotationzoo.kernels.decode_attention_int2` on validated CPU inputs, in C (see the module
-    docstring); same arguments as :func:`~rotationzoo.kernels.decode_reference.decode_attention_torch`.
-    ``num_splits`` cuts each (sequence, KV head)'s key positions into that many ranges (default
-    :func:`native_splits`)."""
-    lib = _library("decode")
-    assert lib is not None, "decode_attention_native called where native_available() is false"
-    b, hq, s, d = query.shape
-    h = keys[0].shape[1]
-    q = rotate_queries(query, q_rotation, h, scale).contiguous()
-    rows = q.shape[2]
-    windows = [keys[0], keys[3], values[0], values[3]]
-    bf16 = all(t.dtype == torch.bfloat16 for t in windows)
-
-    window = torch.bfloat16 if bf16 else torch.float32
-    kept = []  # the tensors the C code reads, alive until it returns
-    parts: list[int] = []
-    for side in (keys, values):
-        for t, dt in zip(side, (window, torch.uint8, torch.float32, window)):
-            t = t.to(dt)
-            t = t if t.stride(-1) == 1 else t.contiguous()  # the C code walks the last dimension
-            kept.append(t)
-            parts += _part(t)
-    p, n, r = keys[0].shape[2], keys[1].shape[2], keys[3].shape[2]
-    total = p + n + r
-    threads = max(1, torch.get_num_threads())
-    splits = min(num_splits, max(1, total)) if num_splits else native_splits(b, h, total, threads)
-    k_groups = max(1, keys[2].shape[-1] // 2) if n else 1
-    v_groups = max(1, values[2].shape[-1] // 2) if n else 1
-    ws = torch.empty(b * h * splits * rows * (d + 2), dtype=torch.float32)
-    out = torch.empty((b, h, rows, d), dtype=torch.float32)
-    arr = (ctypes.c_int64 * len(parts))(*parts)
-    rc = lib.rz_decode_int2(b, h, rows, s, d, p, n, r, int(causal and s > 1), q.data_ptr(), arr, int(bf16),
-                            k_groups, v_groups, splits, threads, ws.data_ptr(), out.data_ptr())
-    del kept
-    if rc != 0:
-        raise MemoryError("rotationzoo native decode: out of memory for a tile of scores")
-    return rotate_output(out, o_rotation).reshape(b, hq, s, d).to(dtype)
-
-
-__all__ = ["BUILD_TIMEOUT_S", "NATIVE_SPLIT_TOKENS", "NativeKernelWarning", "decode_attention_native", "fork_guard",
-           "native_available", "native_splits", "native_unavailable_reason", "quantize_native_supported",
-           "quantize_rows_native", "warn_unavailable_once"]
+__all__ = ["BUILD_TIMEOUT_S", "CACHE_AREA", "KERNELS", "NativeKernelWarning", "build_flags", "fork_guard", "isa_flags",
+           "library", "native_available", "native_unavailable_reason", "openmp_flags", "warn_unavailable_once"]

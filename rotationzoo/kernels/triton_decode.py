@@ -59,15 +59,16 @@ def _decode_split_kernel(
     q_ptr,
     ks_ptr, kc_ptr, kz_ptr, kr_ptr,
     vs_ptr, vc_ptr, vz_ptr, vr_ptr,
-    po_ptr, pl_ptr,
+    po_ptr, pl_ptr, mk_ptr,
     n_sink, n_int2, n_recent, n_int2_splits, split_tokens, n_kv_heads, n_splits, qk_scale, total,
+    smk_b, smk_h, smk_s, smk_l,
     sq_b, sq_h, sq_r,
     sks_b, sks_h, sks_t, skc_b, skc_h, skc_t, skz_b, skz_h, skz_t, skr_b, skr_h, skr_t,
     svs_b, svs_h, svs_t, svc_b, svc_h, svc_t, svz_b, svz_h, svz_t, svr_b, svr_h, svr_t,
     GQ: tl.constexpr, S: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
     D: tl.constexpr, Q: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
     BN: tl.constexpr, HPT: tl.constexpr,
-    CAUSAL: tl.constexpr, HP_KIND: tl.constexpr, SPLIT_DOT: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HP_KIND: tl.constexpr, SPLIT_DOT: tl.constexpr,
 ):
     """Partial attention of one split (see the module docstring); partials ``[B·H_kv, n_splits, M, D]``.
 
@@ -102,6 +103,8 @@ def _decode_split_kernel(
     qs3 = tl.reshape(tl.reduce(qk3, 1, _SUM_FN), (MP, NQK))
     rows = row0 + tl.arange(0, MP)
     limit = total - S + rows % S  # last key position each query row sees (causal)
+    # the mask row of each query row (query head hk·GQ + r // S, token r % S); rows past M read nothing
+    mk_rows = mk_ptr + b.to(tl.int64) * smk_b + (hk * GQ + rows // S).to(tl.int64) * smk_h + (rows % S) * smk_s
 
     m_i = tl.full([MP], float("-inf"), tl.float32)
     l_i = tl.full([MP], 0.0, tl.float32)
@@ -116,6 +119,8 @@ def _decode_split_kernel(
     if pid < n_int2_splits:
         start = pid * split_tokens
         end = tl.minimum(start + split_tokens, n_int2)
+        qk1u = qk1 * 0.25  # quarters 1 and 2 are read as 4c and 16c (_code_quarter)
+        qk2u = qk2 * 0.0625
         kc_base = b.to(tl.int64) * skc_b + hk.to(tl.int64) * skc_h
         kz_base = b.to(tl.int64) * skz_b + hk.to(tl.int64) * skz_h
         vc_base = b.to(tl.int64) * svc_b + hk.to(tl.int64) * svc_h
@@ -128,18 +133,18 @@ def _decode_split_kernel(
             kz_rows = kz_ptr + kz_base + t64[None, :] * skz_t
             if GK == D:  # one (scale, zero) per row: s·(q·c − z·Σq) with q·c summed over the quarters
                 raw = _dot_fc(qk0, tl.trans(_code_quarter(kb, 0, SPLIT_DOT)), SPLIT_DOT, tl.full([RK, BN], 0.0, tl.float32))
-                raw = _dot_fc(qk1, tl.trans(_code_quarter(kb, 2, SPLIT_DOT)), SPLIT_DOT, raw)
-                raw = _dot_fc(qk2, tl.trans(_code_quarter(kb, 4, SPLIT_DOT)), SPLIT_DOT, raw)
-                raw = _dot_fc(qk3, tl.trans(_code_quarter(kb, 6, SPLIT_DOT)), SPLIT_DOT, raw)
+                raw = _dot_fc(qk1u, tl.trans(_code_quarter(kb, 1, SPLIT_DOT)), SPLIT_DOT, raw)
+                raw = _dot_fc(qk2u, tl.trans(_code_quarter(kb, 2, SPLIT_DOT)), SPLIT_DOT, raw)
+                raw = _dot_fc(qk3, tl.trans(_code_quarter(kb, 3, SPLIT_DOT)), SPLIT_DOT, raw)
                 ks = tl.load(kz_rows, mask=tm[None, :], other=0.0).to(tl.float32)  # [1, BN]
                 kz = tl.load(kz_rows + 1, mask=tm[None, :], other=0.0).to(tl.float32)
                 scores = (raw - (qs0 + qs1 + qs2 + qs3) * kz) * ks
                 kbad = _outside(ks, kz)
             else:  # each quarter also says which tokens hold a group outside the domain
                 scores, kbad = _k_quarter(qk0, qs0, kb, kz_rows, tm, 0, Q, GK, NQK, MP, BN, SPLIT_DOT)
-                part, bad = _k_quarter(qk1, qs1, kb, kz_rows, tm, 1, Q, GK, NQK, MP, BN, SPLIT_DOT)
+                part, bad = _k_quarter(qk1u, qs1, kb, kz_rows, tm, 1, Q, GK, NQK, MP, BN, SPLIT_DOT)
                 scores, kbad = scores + part, tl.maximum(kbad, bad)
-                part, bad = _k_quarter(qk2, qs2, kb, kz_rows, tm, 2, Q, GK, NQK, MP, BN, SPLIT_DOT)
+                part, bad = _k_quarter(qk2u, qs2, kb, kz_rows, tm, 2, Q, GK, NQK, MP, BN, SPLIT_DOT)
                 scores, kbad = scores + part, tl.maximum(kbad, bad)
                 part, bad = _k_quarter(qk3, qs3, kb, kz_rows, tm, 3, Q, GK, NQK, MP, BN, SPLIT_DOT)
                 scores, kbad = scores + part, tl.maximum(kbad, bad)
@@ -147,6 +152,9 @@ def _decode_split_kernel(
             ok = tm[None, :]
             if CAUSAL:
                 ok = ok & ((n_sink + t)[None, :] <= limit[:, None])
+            if HAS_MASK:
+                ok = ok & (tl.load(mk_rows[:, None] + (n_sink + t64)[None, :] * smk_l, mask=ok & (rows < M)[:, None],
+                                   other=0) != 0)
             scores = tl.where(ok, scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.reduce(scores, 1, _MAX_FN))
             m_fin = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -163,9 +171,9 @@ def _decode_split_kernel(
                 w = p * vs
                 wz = tl.reduce(w * vz, 1, _SUM_FN)
                 acc0 = _dot_fc(w, _code_quarter(vb, 0, SPLIT_DOT), SPLIT_DOT, acc0 * alpha[:, None])
-                acc1 = _dot_fc(w, _code_quarter(vb, 2, SPLIT_DOT), SPLIT_DOT, acc1 * alpha[:, None])
-                acc2 = _dot_fc(w, _code_quarter(vb, 4, SPLIT_DOT), SPLIT_DOT, acc2 * alpha[:, None])
-                acc3 = _dot_fc(w, _code_quarter(vb, 6, SPLIT_DOT), SPLIT_DOT, acc3 * alpha[:, None])
+                acc1 = _dot_fc(w, _code_quarter(vb, 1, SPLIT_DOT), SPLIT_DOT, acc1 * alpha[:, None])
+                acc2 = _dot_fc(w, _code_quarter(vb, 2, SPLIT_DOT), SPLIT_DOT, acc2 * alpha[:, None])
+                acc3 = _dot_fc(w, _code_quarter(vb, 3, SPLIT_DOT), SPLIT_DOT, acc3 * alpha[:, None])
                 zacc0 = zacc0 * alpha[:, None] + wz[:, None]
             else:  # a value row outside the domain: every query row of the KV head NaN
                 p = tl.where(_tile_outside(vz_rows, tm, D // GV) > 0, float("nan"), p)
@@ -192,6 +200,9 @@ def _decode_split_kernel(
         ok = (in_sink | in_rec)[None, :]
         if CAUSAL:
             ok = ok & (pos[None, :] <= limit[:, None])
+        if HAS_MASK:
+            ok = ok & (tl.load(mk_rows[:, None] + pos.to(tl.int64)[None, :] * smk_l, mask=ok & (rows < M)[:, None],
+                               other=0) != 0)
         scores = tl.where(ok, scores, float("-inf"))
         m_i = tl.reduce(scores, 1, _MAX_FN)
         m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
@@ -211,10 +222,11 @@ def _decode_split_kernel(
     slot = (bh.to(tl.int64) * n_splits + pid) * M
     keep = rows < M
     o_rows = po_ptr + (slot + rows)[:, None] * D
-    _store_quarter(o_rows, acc0, zacc0, inv, keep, jq, 0, Q, GV, NQV, MP)
-    _store_quarter(o_rows, acc1, zacc1, inv, keep, jq, 1, Q, GV, NQV, MP)
-    _store_quarter(o_rows, acc2, zacc2, inv, keep, jq, 2, Q, GV, NQV, MP)
-    _store_quarter(o_rows, acc3, zacc3, inv, keep, jq, 3, Q, GV, NQV, MP)
+    int2 = pid < n_int2_splits  # INT2 quarters 1 and 2 accumulated 4c and 16c (_code_quarter)
+    _store_quarter(o_rows, acc0, zacc0, inv, keep, jq, 1.0, 0, Q, GV, NQV, MP)
+    _store_quarter(o_rows, acc1, zacc1, inv, keep, jq, tl.where(int2, 0.25, 1.0), 1, Q, GV, NQV, MP)
+    _store_quarter(o_rows, acc2, zacc2, inv, keep, jq, tl.where(int2, 0.0625, 1.0), 2, Q, GV, NQV, MP)
+    _store_quarter(o_rows, acc3, zacc3, inv, keep, jq, 1.0, 3, Q, GV, NQV, MP)
     tl.store(pl_ptr + slot + rows, lse, mask=keep)
 
 
@@ -286,6 +298,11 @@ def decode_aot_kernels() -> types.SimpleNamespace:
     return _copies(dict(globals()), JITFunction, aot=True)
 
 
+def _quarter_groups(d: int, gk: int, gv: int) -> int:
+    """The most groups of keys or values in a quarter of the dims (the tile size depends on it)."""
+    return max(1, (d // 4) // min(gk, gv))
+
+
 def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
@@ -296,13 +313,13 @@ def _rows_last(t: torch.Tensor) -> torch.Tensor:
 
 
 def decode_launch(query, q_rows, keys, values, po, pl, *, scale: float, causal: bool, splits: tuple[int, int],
-                  windows: int, interpret: bool | None = None, block_tokens: int | None = None,
+                  windows: int, mask=None, interpret: bool | None = None, block_tokens: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None) -> Launch:
     """The split kernel's launch for validated inputs, without running it: ``query [B, Hq, S, d]`` (for
     its shape), ``q_rows`` its rotated rows ``[B, H_kv, g·S, d]`` fp32 (unit last stride),
     ``keys``/``values`` as ``(sink, codes, sz, recent)`` with unit last strides, ``splits`` =
     ``(int2 splits, tokens per split)``, ``windows`` the window programs, ``po``/``pl`` the partial
-    buffers."""
+    buffers, ``mask`` ``None`` or booleans ``[B|1, Hq|1, S, L]``."""
     b, hq, s, d = query.shape
     k_sink, k_codes, k_sz, k_recent = keys
     v_sink, v_codes, v_sz, v_recent = values
@@ -314,18 +331,23 @@ def decode_launch(query, q_rows, keys, values, po, pl, *, scale: float, causal: 
     mp = decode_plan.row_block(rows, max(1, d // 4 // max(gk, gv)))
     n_int2_splits, per_split = splits
     total = k_sink.shape[2] + k_codes.shape[2] + k_recent.shape[2]
+    if mask is not None:
+        mk = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+        smk = tuple(mk.stride(i) if mk.shape[i] > 1 else 0 for i in range(4))
+    else:
+        mk, smk = pl, (0, 0, 0, 0)  # never read
     args = (
-        (q_rows, k_sink, k_codes, k_sz, k_recent, v_sink, v_codes, v_sz, v_recent, po, pl,
+        (q_rows, k_sink, k_codes, k_sz, k_recent, v_sink, v_codes, v_sz, v_recent, po, pl, mk,
          k_sink.shape[2], k_codes.shape[2], k_recent.shape[2], n_int2_splits, per_split, h, n_int2_splits + windows,
-         scale * 1.4426950408889634, total)
+         scale * 1.4426950408889634, total) + smk
         + q_rows.stride()[:3]
         + _strides(k_sink) + _strides(k_codes) + _strides(k_sz) + _strides(k_recent)
         + _strides(v_sink) + _strides(v_codes) + _strides(v_sz) + _strides(v_recent)
     )
     kwargs = dict(
         GQ=hq // h, S=s, M=rows, MP=mp, D=d, Q=d // 4, GK=gk, GV=gv,
-        BN=block_tokens or decode_plan.decode_tile_tokens(d), HPT=decode_plan.HP_TILE,
-        CAUSAL=bool(causal and s > 1), HP_KIND=_HP_KIND[k_sink.dtype],
+        BN=block_tokens or decode_plan.decode_tile_tokens(d, _quarter_groups(d, gk, gv)), HPT=decode_plan.HP_TILE,
+        CAUSAL=bool(causal and s > 1), HAS_MASK=mask is not None, HP_KIND=_HP_KIND[k_sink.dtype],
         SPLIT_DOT=not interpret,
         num_warps=num_warps or decode_plan.decode_num_warps(d),
         num_stages=num_stages or decode_plan.decode_num_stages(d),
@@ -354,7 +376,7 @@ def merge_launch(query, out, po, pl, o_rotation, *, n_kv_heads: int, n_splits: i
 
 
 def decode_attention_triton(query, keys, values, *, q_rotation, o_rotation, scale: float, causal: bool,
-                            num_splits: int | None, dtype: torch.dtype) -> torch.Tensor:
+                            num_splits: int | None, dtype: torch.dtype, mask=None) -> torch.Tensor:
     """Run both kernels on validated inputs (see :func:`rotationzoo.kernels.decode_attention_int2`)."""
     b, hq, s, d = query.shape
     keys = tuple(_rows_last(t) for t in keys)
@@ -362,7 +384,9 @@ def decode_attention_triton(query, keys, values, *, q_rotation, o_rotation, scal
     query = _rows_last(query)
     h = keys[0].shape[1]
     n_int2 = keys[1].shape[2]
-    tile = decode_plan.decode_tile_tokens(d)
+    k_sz, v_sz = keys[2], values[2]
+    tile = decode_plan.decode_tile_tokens(d, _quarter_groups(d, d // max(1, k_sz.shape[-1] // 2),
+                                                              d // max(1, v_sz.shape[-1] // 2)))
     if num_splits is not None:
         splits = decode_plan.split_ranges(n_int2, num_splits, tile)
     else:
@@ -377,7 +401,7 @@ def decode_attention_triton(query, keys, values, *, q_rotation, o_rotation, scal
     kern = _kernels(interpret)
     q_rows = rotate_queries(query, q_rotation, h, 1.0)  # one fp32 product, as the reference does
     launch = decode_launch(query, q_rows, keys, values, po, pl, scale=scale, causal=causal, splits=splits,
-                           windows=windows, interpret=interpret)
+                           windows=windows, mask=mask, interpret=interpret)
     kern.split[launch.grid](*launch.args, **launch.kwargs)
     launch = merge_launch(query, out, po, pl, o_rotation, n_kv_heads=h, n_splits=n_splits, interpret=interpret)
     kern.merge[launch.grid](*launch.args, **launch.kwargs)

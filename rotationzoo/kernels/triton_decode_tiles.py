@@ -28,8 +28,9 @@ def _query_quarter(q_ptr, q_base, row_ok, rk_rows, qk_scale, A: tl.constexpr, Q:
 @triton.jit
 def _k_quarter(qk, qsum, kb, sz_rows, tm, A: tl.constexpr, Q: tl.constexpr, G: tl.constexpr, NQ: tl.constexpr,
                MP: tl.constexpr, BN: tl.constexpr, SPLIT_DOT: tl.constexpr):
-    """Quarter ``A``'s share of the scores ``Σ_g s_g (q_g·c_g − z_g Σ q_g)`` over its groups: ``[MP, BN]``."""
-    raw = _dot_fc(qk, tl.trans(_code_quarter(kb, 2 * A, SPLIT_DOT)), SPLIT_DOT, tl.full([MP * NQ, BN], 0.0, tl.float32))
+    """Quarter ``A``'s share of the scores ``Σ_g s_g (q_g·c_g − z_g Σ q_g)`` over its groups: ``[MP, BN]``
+    (``qk``: the query rows divided by ``F(A)`` of :func:`_code_quarter`, ``qsum`` their plain sums)."""
+    raw = _dot_fc(qk, tl.trans(_code_quarter(kb, A, SPLIT_DOT)), SPLIT_DOT, tl.full([MP * NQ, BN], 0.0, tl.float32))
     g = (A * Q) // G + tl.arange(0, NQ)
     s = tl.load(sz_rows + (2 * g)[:, None], mask=tm[None, :], other=0.0).to(tl.float32)  # [NQ, BN]
     z = tl.load(sz_rows + (2 * g + 1)[:, None], mask=tm[None, :], other=0.0).to(tl.float32)
@@ -40,14 +41,14 @@ def _k_quarter(qk, qsum, kb, sz_rows, tm, A: tl.constexpr, Q: tl.constexpr, G: t
 @triton.jit
 def _v_quarter(acc, zacc, p, alpha, vb, sz_rows, tm, A: tl.constexpr, Q: tl.constexpr, G: tl.constexpr,
                NQ: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, SPLIT_DOT: tl.constexpr):
-    """Fold a tile into quarter ``A``'s output: ``acc`` rows ``(r, k)`` gain ``Σ (p s_k) c``, ``zacc``
-    ``Σ p s_k z_k`` (group ``k`` of the quarter)."""
+    """Fold a tile into quarter ``A``'s output: ``acc`` rows ``(r, k)`` gain ``Σ (p s_k) F(A) c`` (divided by
+    ``F(A)`` at the store), ``zacc`` ``Σ p s_k z_k`` (group ``k`` of the quarter)."""
     g = (A * Q) // G + tl.arange(0, NQ)
     s = tl.load(sz_rows + (2 * g)[:, None], mask=tm[None, :], other=0.0).to(tl.float32)
     z = tl.load(sz_rows + (2 * g + 1)[:, None], mask=tm[None, :], other=0.0).to(tl.float32)
     w3 = p[:, None, :] * s[None, :, :]  # [MP, NQ, BN]
     alpha_r = tl.reshape(tl.broadcast_to(alpha[:, None], (MP, NQ)), (MP * NQ,))
-    acc = _dot_fc(tl.reshape(w3, (MP * NQ, BN)), _code_quarter(vb, 2 * A, SPLIT_DOT), SPLIT_DOT, acc * alpha_r[:, None])
+    acc = _dot_fc(tl.reshape(w3, (MP * NQ, BN)), _code_quarter(vb, A, SPLIT_DOT), SPLIT_DOT, acc * alpha_r[:, None])
     zacc = zacc * alpha[:, None] + tl.reduce(w3 * z[None, :, :], 2, _SUM_FN)
     return acc, zacc
 
@@ -68,15 +69,20 @@ def _tile_outside(sz_rows, tm, NG: tl.constexpr):
 
 
 @triton.jit
-def _code_quarter(bytes16, SHIFT: tl.constexpr, SPLIT_DOT: tl.constexpr):
-    """Codes at bits ``SHIFT, SHIFT+1`` of ``[BN, Q]`` int16 code bytes (one quarter of the dims): bf16
-    compiled, fp32 interpreted.
+def _code_quarter(bytes16, A: tl.constexpr, SPLIT_DOT: tl.constexpr):
+    """Quarter ``A`` of ``[BN, Q]`` int16 code bytes (bits ``2A, 2A+1``) times ``F(A)`` = 1, 4, 16, 1: bf16
+    compiled, fp32 interpreted. The caller divides its query rows or weights by ``F(A)`` (exact).
 
-    The bits ``0x4300 | c`` are the bf16 number ``128 + c`` (exponent 7, the code in the two lowest
-    mantissa bits); subtracting 128 (exact) leaves ``c``: a shift-and-or and a subtraction per code
-    instead of an integer-to-float conversion.
+    The bits are masked in place (``bytes & (3 << 2A)`` is ``c·4^A``; only the top quarter is shifted
+    down, ``bytes >> 6``, no mask), and the bits ``0x4300 | x`` are the bf16 number ``128 + x`` (exponent
+    7, ``x < 128`` in the mantissa); subtracting 128 (exact) leaves ``x``: two integer operations and a
+    subtraction per code instead of an integer-to-float conversion.
     """
-    c = (((bytes16 >> SHIFT) & 3) | 0x4300).to(tl.bfloat16, bitcast=True)
+    if A == 3:
+        bits = bytes16 >> 6
+    else:
+        bits = bytes16 & (3 << (2 * A))
+    c = (bits | 0x4300).to(tl.bfloat16, bitcast=True)
     if SPLIT_DOT:
         out = c - 128.0
     else:  # the interpreter has no bf16 arithmetic
@@ -93,10 +99,12 @@ def _window_quarter(sink_rows, recent_rows, in_sink, in_rec, jq, A: tl.constexpr
 
 
 @triton.jit
-def _store_quarter(o_rows, acc, zacc, inv, keep, jq, A: tl.constexpr, Q: tl.constexpr, G: tl.constexpr,
+def _store_quarter(o_rows, acc, zacc, inv, keep, jq, unscale, A: tl.constexpr, Q: tl.constexpr, G: tl.constexpr,
                    NQ: tl.constexpr, MP: tl.constexpr):
     """Columns ``A·Q …`` of the normalised partial output: column ``j`` from row ``(r, k(j))`` of ``acc``
-    minus ``zacc[r, k(j)]`` (``k(j)``: the quarter's group of column ``j``)."""
+    times ``unscale`` (``1 / F(A)`` for INT2 tokens, 1 for window tokens) minus ``zacc[r, k(j)]``
+    (``k(j)``: the quarter's group of column ``j``)."""
+    acc = acc * unscale
     if NQ > 1:
         onehot = ((jq[None, :] // G) == tl.arange(0, NQ)[:, None]).to(tl.float32)  # [NQ, Q]
         out = tl.reduce(tl.reshape(acc, (MP, NQ, Q)) * onehot[None, :, :], 1, _SUM_FN)

@@ -11,6 +11,7 @@ from typing import Any, Iterator
 
 import torch
 
+from ...dtypes import TORCH_DTYPES
 from ...errors import ModelLoadError
 from ...hashing import sha256_file
 from ...safefile import check_model_files
@@ -49,8 +50,8 @@ def load_model(
     path, folder, kwargs = _where(model)
     torch_dtype: Any = dtype
     if isinstance(dtype, str) and dtype != "auto":
-        torch_dtype = getattr(torch, dtype, None)
-        if not isinstance(torch_dtype, torch.dtype):
+        torch_dtype = TORCH_DTYPES.get(dtype)
+        if torch_dtype is None:
             raise ModelLoadError(f"unknown dtype {dtype!r}; use auto, bfloat16, float16 or float32")
     tok = tokenizer if tokenizer is not None else load_tokenizer(path)
     with _load_errors(path):

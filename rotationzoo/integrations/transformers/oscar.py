@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ...dtypes import TORCH_DTYPES
 from ...errors import EvaluationError
 from ...int2kv import Int2KVConfig
 from ...kernels import dequantize_int2, fake_quantize_int2, quantize_int2
@@ -29,7 +30,6 @@ from ...validation import DEFAULT_ATOL, DEFAULT_INVERSE_ATOL, inverse_errors, me
 
 #: Attribute set on the key tensor an ``OscarInt2Cache`` layer returns (its layer object).
 OSCAR_TAG = "_rotationzoo_oscar_layer"
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 #: Prefix of the attention implementations registered for the OSCAR path.
 OSCAR_IMPL_PREFIX = "rotationzoo_oscar"
 #: The ``OscarSession`` of the ``oscar_kv`` block being run (``None`` outside one): the OSCAR attention
@@ -185,7 +185,7 @@ class OscarKV:
 
     @property
     def hp_dtype(self) -> torch.dtype:
-        return DTYPES[self.kv_format.hp_dtype]
+        return TORCH_DTYPES[self.kv_format.hp_dtype]
 
     def describe(self) -> dict[str, Any]:
         """JSON-friendly settings."""

@@ -1,4 +1,4 @@
-/* Clip, uniform INT2-quantize and pack rows, for CPUs: rotationzoo.kernels.native.
+/* Clip, uniform INT2-quantize and pack rows, for CPUs: rotationzoo.kernels.native (C-style C++).
  *
  * Bit for bit the PyTorch reference (reference.py: _levels, clip_rows / bisect_clip_rows,
  * uniform_params, pack_codes, quantize_rows) for uniform levels: every value is computed by the same
@@ -11,6 +11,11 @@
 #include <string.h>
 
 #define MAX_D 256
+
+extern "C" void rz_quantize_uniform(int64_t n, int64_t d, const void *x, int x_bf16, int64_t x_stride, int clip_index,
+                                    int bisect, int64_t group_size, int sz_kind, uint8_t *codes, void *sz, int threads);
+
+namespace {
 
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t u = (uint32_t)x << 16;
@@ -25,6 +30,26 @@ static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
     return (uint16_t)((u + (((u >> 16) & 1) + 0x7FFF)) >> 16);
+}
+
+/* Round to nearest even, as torch's float -> half (c10's fp16_ieee_from_fp32_value: overflow to inf,
+ * subnormals rounded, NaN as a quiet NaN). */
+static inline uint16_t f32_to_f16(float f) {
+    const float to_inf = 0x1.0p+112f, to_zero = 0x1.0p-110f;
+    float base = (fabsf(f) * to_inf) * to_zero;
+    uint32_t w;
+    memcpy(&w, &f, 4);
+    const uint32_t shl1_w = w + w, sign = w & 0x80000000u;
+    uint32_t bias = shl1_w & 0xFF000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    const uint32_t bias_bits = (bias >> 1) + 0x07800000u;
+    float bias_f;
+    memcpy(&bias_f, &bias_bits, 4);
+    base = bias_f + base;
+    uint32_t bits;
+    memcpy(&bits, &base, 4);
+    const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+    return (uint16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
 }
 
 /* The k-th smallest (0-based) of a[0..n) by quickselect (a is reordered). */
@@ -51,16 +76,16 @@ static float select_kth(float *a, int n, int k) {
 typedef struct {
     int64_t d, x_stride, group_size;
     const void *x;
-    int x_bf16, clip_index, bisect, sz_bf16;
+    int x_bf16, clip_index, bisect, sz_kind; /* sz_kind: fp32 (0), bf16 (1), fp16 (2) */
     uint8_t *codes;
     void *sz;
 } qjob_t;
 
 /* One row of rz_quantize_uniform. */
-static inline __attribute__((always_inline)) void quantize_row(const qjob_t *jb, int64_t row) {
+inline __attribute__((always_inline)) void quantize_row(const qjob_t *jb, int64_t row) {
     const int64_t d = jb->d, x_stride = jb->x_stride, group_size = jb->group_size;
     const void *x = jb->x;
-    const int x_bf16 = jb->x_bf16, clip_index = jb->clip_index, bisect = jb->bisect, sz_bf16 = jb->sz_bf16;
+    const int x_bf16 = jb->x_bf16, clip_index = jb->clip_index, bisect = jb->bisect, sz_kind = jb->sz_kind;
     uint8_t *codes = jb->codes;
     void *sz = jb->sz;
     const int64_t groups = d / group_size, quarter = d / 4;
@@ -125,9 +150,12 @@ static inline __attribute__((always_inline)) void quantize_row(const qjob_t *jb,
             q[g * group_size + i] = (uint8_t)f;
         }
         const float s_out = bad ? NAN : scale, z_out = bad ? NAN : zero;
-        if (sz_bf16) {
+        if (sz_kind == 1) {
             out_h[2 * g] = f32_to_bf16(s_out);
             out_h[2 * g + 1] = f32_to_bf16(z_out);
+        } else if (sz_kind == 2) {
+            out_h[2 * g] = f32_to_f16(s_out);
+            out_h[2 * g + 1] = f32_to_f16(z_out);
         } else {
             out_f[2 * g] = s_out;
             out_f[2 * g + 1] = z_out;
@@ -138,14 +166,16 @@ static inline __attribute__((always_inline)) void quantize_row(const qjob_t *jb,
         c[j] = bad ? 0 : (uint8_t)(q[j] | q[j + quarter] << 2 | q[j + 2 * quarter] << 4 | q[j + 3 * quarter] << 6);
 }
 
+} // namespace
+
 /* Rows x[n, d] (fp32, or bf16 when x_bf16) with row stride x_stride elements. clip_index < 0: no
  * clip; bisect > 0: that many bisection passes instead of the exact threshold. Writes codes [n, d/4]
- * and scales_zeros [n, 2 * d / group_size] (fp32, or bf16 when sz_bf16), both contiguous. Runs on
+ * and scales_zeros [n, 2 * d / group_size] (fp32, bf16 or fp16 by sz_kind), both contiguous. Runs on
  * `threads` OpenMP threads; with 1 (or few rows) no parallel region is entered at all, so a process
  * forked after its parent used the OpenMP pool can still call it. */
 void rz_quantize_uniform(int64_t n, int64_t d, const void *x, int x_bf16, int64_t x_stride, int clip_index,
-                         int bisect, int64_t group_size, int sz_bf16, uint8_t *codes, void *sz, int threads) {
-    const qjob_t jb = {d, x_stride, group_size, x, x_bf16, clip_index, bisect, sz_bf16, codes, sz};
+                         int bisect, int64_t group_size, int sz_kind, uint8_t *codes, void *sz, int threads) {
+    const qjob_t jb = {d, x_stride, group_size, x, x_bf16, clip_index, bisect, sz_kind, codes, sz};
     if (threads > 1 && n >= 256) {
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t row = 0; row < n; row++) quantize_row(&jb, row);

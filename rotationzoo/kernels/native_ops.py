@@ -1,0 +1,170 @@
+"""Calls into the C++ kernels of :mod:`rotationzoo.kernels.native` on validated CPU tensors.
+
+:func:`decode_attention_native` is decode attention over the INT2 cache (``native_decode.cpp``),
+:func:`quantize_rows_native` the uniform quantizer (``native_quantize.cpp``, bit for bit the
+reference). Both assume their library is available (:func:`~rotationzoo.kernels.native.native_available`);
+:mod:`rotationzoo.kernels.ops` registers them as torch operators with the reference as their fallback.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+
+from . import native
+from .layout import bisect_iters
+
+NATIVE_SPLIT_TOKENS = 1024
+"""Fewest key positions per work item of the C++ kernel (more items only when the threads need them)."""
+
+_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+class _Part(ctypes.Structure):
+    _fields_ = [("p", ctypes.c_void_p), ("sb", ctypes.c_int64), ("sh", ctypes.c_int64), ("st", ctypes.c_int64)]
+
+
+class _DecodeArgs(ctypes.Structure):
+    """``struct rz_decode_args`` of ``native_decode.cpp``."""
+
+    _fields_ = [(n, ctypes.c_int64) for n in ("b", "h", "rows", "s", "d", "p", "n", "r", "causal", "win_bf16", "gq")] + [  # type: ignore[assignment]
+        ("sz_kind", ctypes.c_int64 * 2), ("groups", ctypes.c_int64 * 2),
+        ("q", ctypes.c_void_p), ("q_sb", ctypes.c_int64), ("q_sh", ctypes.c_int64), ("q_ss", ctypes.c_int64),
+        ("q_rot", ctypes.c_void_p), ("q_rot_sh", ctypes.c_int64), ("o_rot", ctypes.c_void_p), ("o_rot_sh", ctypes.c_int64),
+        ("scale", ctypes.c_float), ("pad0", ctypes.c_float),
+        ("part", (_Part * 4) * 2),
+        ("mask", ctypes.c_void_p), ("mask_sb", ctypes.c_int64), ("mask_sh", ctypes.c_int64), ("mask_ss", ctypes.c_int64),
+        ("mask_st", ctypes.c_int64),
+        ("splits", ctypes.c_int64), ("threads", ctypes.c_int64), ("portable", ctypes.c_int64),
+        ("ws", ctypes.c_void_p), ("out", ctypes.c_void_p),
+    ]
+
+
+_FN: dict[str, Any] = {}
+
+
+def _entry(kernel: str) -> Any:
+    fn = _FN.get(kernel)
+    if fn is None:
+        lib = native.library(kernel)
+        assert lib is not None, f"the C++ {kernel} kernel is not available here"
+        fn = getattr(lib, native.KERNELS[kernel][1])
+        if kernel == "decode":
+            fn.argtypes, fn.restype = [ctypes.POINTER(_DecodeArgs)], ctypes.c_int
+        else:
+            fn.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int,
+                           ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+            fn.restype = None
+        _FN[kernel] = fn
+    return fn
+
+
+def native_splits(b: int, h: int, total: int, threads: int) -> int:
+    """Ranges per (sequence, KV head): enough work items for ``threads`` (two each), each at least
+    :data:`NATIVE_SPLIT_TOKENS` key positions."""
+    want = -(-2 * threads // (b * h))
+    return max(1, min(want, total // NATIVE_SPLIT_TOKENS))
+
+
+def _last_unit(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def decode_attention_native(
+    query: torch.Tensor,
+    keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    values: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    *,
+    q_rotation: torch.Tensor | None,
+    o_rotation: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+    num_splits: int | None,
+    mask: torch.Tensor | None = None,
+    portable: bool = False,
+) -> torch.Tensor:
+    """:func:`rotationzoo.kernels.decode_attention_int2` on validated CPU inputs, in C++: the
+    arguments of :func:`~rotationzoo.kernels.decode_reference.decode_attention_torch` (``o_rotation``
+    multiplies the output, ``o @ R``); returns fp32 ``[B, Hq, S, d]``. ``num_splits`` cuts each
+    (sequence, KV head)'s key positions into that many ranges (default :func:`native_splits`);
+    ``portable`` runs the portable inner loops instead of the vectorized ones (tests)."""
+    b, hq, s, d = query.shape
+    h = keys[0].shape[1]
+    rows = (hq // h) * s
+    a = _DecodeArgs()
+    q = _last_unit(query if query.dtype == torch.float32 else query.to(torch.float32))
+    kept = [q]  # every tensor the C++ code reads, alive until it returns
+    a.q, a.q_sb, a.q_sh, a.q_ss = q.data_ptr(), q.stride(0), q.stride(1), q.stride(2)
+    for side, rot in ((0, q_rotation), (1, o_rotation)):
+        if rot is not None:
+            m32 = rot if rot.dtype == torch.float32 and rot.is_contiguous() else rot.to(torch.float32).contiguous()
+            kept.append(m32)
+            if side == 0:
+                a.q_rot, a.q_rot_sh = m32.data_ptr(), d * d if m32.dim() == 3 else 0
+            else:
+                a.o_rot, a.o_rot_sh = m32.data_ptr(), d * d if m32.dim() == 3 else 0
+    windows = (keys[0], keys[3], values[0], values[3])
+    bf16 = all(t.dtype == torch.bfloat16 for t in windows)
+    window = torch.bfloat16 if bf16 else torch.float32
+    for si, part in enumerate((keys, values)):
+        for k, t in enumerate(part):
+            if k in (0, 3) and t.dtype != window:
+                t = t.to(window)
+            t = _last_unit(t)
+            kept.append(t)
+            a.part[si][k] = _Part(t.data_ptr(), t.stride(0), t.stride(1), t.stride(2))
+        a.sz_kind[si] = _KIND[part[2].dtype]
+        a.groups[si] = max(1, part[2].shape[-1] // 2) if part[1].shape[2] else 1
+    p, n, r = int(keys[0].shape[2]), int(keys[1].shape[2]), int(keys[3].shape[2])
+    total = p + n + r
+    threads = max(1, torch.get_num_threads())
+    splits = min(num_splits, max(1, total)) if num_splits else native_splits(b, h, total, threads)
+    a.b, a.h, a.rows, a.s, a.d, a.p, a.n, a.r = b, h, rows, s, d, p, n, r
+    a.causal, a.win_bf16, a.gq, a.scale = int(causal and s > 1), int(bf16), hq // h, scale
+    if mask is not None:
+        m = mask if mask.dtype == torch.bool else mask.to(torch.bool)
+        kept.append(m)
+        a.mask = m.data_ptr()
+        a.mask_sb, a.mask_sh, a.mask_ss, a.mask_st = (int(m.stride(i)) if m.shape[i] > 1 else 0 for i in range(4))
+    a.splits, a.threads, a.portable = splits, threads, int(portable)
+    ws = torch.empty(b * h * splits * rows * (d + 2), dtype=torch.float32)
+    out = torch.empty((b, hq, s, d), dtype=torch.float32)
+    a.ws, a.out = ws.data_ptr(), out.data_ptr()
+    rc = _entry("decode")(ctypes.byref(a))
+    del kept
+    if rc == 1:
+        raise MemoryError("rotationzoo native decode: out of memory for a tile of scores")
+    if rc != 0:
+        raise RuntimeError(f"rotationzoo native decode: arguments refused (code {rc})")
+    return out
+
+
+def quantize_rows_native(x: torch.Tensor, *, clip_index: int, group_size: int, clip_search: str,
+                         scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rotationzoo.kernels.reference.quantize_rows` of ``x [..., d]`` with uniform levels, in C++,
+    bit for bit (see ``native_quantize.cpp``); returns ``(codes [..., d/4], scales_zeros [..., 2·d/G])``."""
+    d = x.shape[-1]
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, d)
+    if rows.dtype not in (torch.float32, torch.bfloat16):
+        rows = rows.to(torch.float32)  # fp16 → fp32 is exact, as the reference's upcast
+    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) != d):
+        rows = rows.contiguous()
+    n = rows.shape[0]
+    codes = torch.empty((n, d // 4), dtype=torch.uint8)
+    sz = torch.empty((n, 2 * (d // group_size)), dtype=scale_dtype)
+    bisect = bisect_iters(d) if clip_search == "bisect" else 0
+    _entry("quantize")(n, d, rows.data_ptr(), int(rows.dtype == torch.bfloat16), d, clip_index, bisect, group_size,
+                       _KIND[scale_dtype], codes.data_ptr(), sz.data_ptr(), max(1, torch.get_num_threads()))
+    return codes.reshape(*lead, d // 4), sz.reshape(*lead, sz.shape[-1])
+
+
+def simd_compiled() -> bool:
+    """Whether the decode library has its vectorized inner loops (AVX2 + FMA + F16C) compiled in."""
+    lib = native.library("decode")
+    return bool(lib is not None and lib.rz_decode_has_simd())
+
+
+__all__ = ["NATIVE_SPLIT_TOKENS", "decode_attention_native", "native_splits", "quantize_rows_native", "simd_compiled"]
