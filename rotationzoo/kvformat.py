@@ -124,8 +124,9 @@ class KVFormat:
             raise ConfigError(f"{self.code}: a static per-tensor scale is an FP8 layout; INT codes scale per group")
         if not integer and (self.k_clip_ratio or self.v_clip_ratio or self.lloyd_max or self.axis != "token"):
             raise ConfigError(f"{self.code}: clip ratios, Lloyd-Max levels and the kivi axis are INT-code settings")
-        if self.lloyd_max and (self.code != "int2" or self.group_size is not None):
-            raise ConfigError("lloyd_max needs int2 codes with one group per row (group_size None)")
+        if self.lloyd_max and self.code != "int2":
+            raise ConfigError("lloyd_max levels are INT2 levels (one group per row: the kernels check it against "
+                              "head_dim)")
         if self.axis == "kivi" and (self.prefix_tokens or self.group_size is None or self.recent_tokens % self.group_size
                                     or self.k_clip_ratio or self.v_clip_ratio):
             raise ConfigError("kivi: a group size that divides the residual (recent_tokens), no sink, no clip")

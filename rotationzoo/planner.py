@@ -10,7 +10,8 @@ V: ``2 · layers_with_kv · num_kv_heads · head_dim · bits / 8`` bytes, with
 - ``bf16``: 16 bits; ``fp8``: 8 bits (no windows, scales not counted);
 - ``oscar_int2``: ``2 + 2 · bits(scale_dtype) / G`` bits for INT2 tokens (2-bit codes plus one
   scale and one zero per group of ``G`` dims) and ``bits(hp_dtype)`` for the
-  ``min(L, prefix_tokens + recent_tokens)`` window tokens of each sequence.
+  ``min(L, prefix_tokens + recent_tokens)`` window tokens of each sequence: per element, the one formula
+  of :meth:`rotationzoo.kvformat.KVFormat.bits_per_element` (``docs/kv-formats.md``).
 
 ``sequence_bytes`` is exact (what :class:`~rotationzoo.integrations.transformers.OscarInt2Cache`
 holds for ``L`` tokens); ``sequence_bytes_paged`` rounds each tier (prefix window, INT2 history,
@@ -353,6 +354,8 @@ def plan(
         notes.append("the weights alone exceed gpu_memory · (1 − reserve): nothing fits")
     bf16_bytes = shapes[0].nbytes(context)
     formats = tuple(_format_plan(s, context, batch, page, budget, elems, bf16_bytes) for s in shapes)
+    # the one bits-per-element formula (rotationzoo.kvformat) is what the exact bytes above add up to
+    assert math.isclose(formats[2].bits_per_element, cfg.bits_per_element(d, context), rel_tol=1e-12)
     return MemoryPlan(
         model=name, tag=tag, engine=e, page_size=page, context=context, batch=batch, layers_with_kv=layers,
         num_kv_heads=heads, head_dim=d, group_size=g, config=cfg, gpu_memory_bytes=gpu_memory_bytes,

@@ -28,7 +28,7 @@ def test_names_read_back(name) -> None:
 
 
 @pytest.mark.parametrize("bad", ["int5", "int2-g", "fp16", "kivi3", "int2-w64", "int2-c2/0.9", "kivi2-g48-r128",
-                                 "int2-g64-lm", "int4-lm", ""])
+                                 "int4-lm", ""])
 def test_not_a_format_is_one_line(bad) -> None:
     with pytest.raises(ConfigError) as info:
         parse_format(bad)
