@@ -235,3 +235,21 @@ def test_parse_formats_served_and_twice() -> None:
     assert parse_formats(None, served) == []
     with pytest.raises(CLIError, match="twice"):
         parse_formats("int4,int4-bf16-w64+256", served)
+
+
+def test_registry_results_and_info_carry_bits(capsys) -> None:
+    from rotationzoo.cli.main import main
+    from rotationzoo.registry import get_entry
+
+    entry = get_entry("SmolLM2-135M-Instruct")
+    with_context = [r for r in entry.results if r.context]
+    assert with_context and all(r.context == 8192 for r in with_context)
+    assert entry.bits_per_element(8192) == entry.serving.bits_per_element(64, 8192)
+    assert main(["info", "SmolLM2-135M-Instruct", "--json"]) == 0
+    tag = json.loads(capsys.readouterr().out)["tag"]
+    assert tag["format"] == entry.serving.kv_format().name
+    assert tag["results"][0]["bits_per_element"] == pytest.approx(entry.bits_per_element(8192))
+    assert main(["info", "SmolLM2-135M-Instruct"]) == 0
+    out = capsys.readouterr().out
+    assert f"{entry.bits_per_element(8192):.2f} bits/element (8,192 tokens)" in out and "bits/element" in out.split(
+        "format:")[1].splitlines()[0]

@@ -161,6 +161,7 @@ def cmd_info(
     c.print(f"serving: K clip {s.k_clip_ratio}, V clip {s.v_clip_ratio}, group {s.group_size}, "
             f"{s.hp_dtype} sink {s.prefix_tokens} + recent {s.recent_tokens}, scales {s.scale_dtype}, "
             f"Lloyd-Max {'on' if s.lloyd_max else 'off'}")
+    c.print(_bits_line(entry), markup=False)
     lc = entry.launch
     c.print(f"launch: {'per-KV-head' if entry.grouping == 'kv_head' else 'one rotation per layer'}, TP {lc.tp_size}, "
             f"backends {lc.attention_backend} / {lc.prefill_attention_backend} / {lc.decode_attention_backend}, "
@@ -169,7 +170,9 @@ def cmd_info(
             + (f", --mamba-radix-cache-strategy {lc.mamba_scheduler_strategy}" if lc.mamba_scheduler_strategy else "")
             + (f" (recipe {lc.recipe})" if lc.recipe else ""), markup=False)
     for r in entry.results:
-        c.print(f"result: {r.benchmark} BF16 {r.bf16} → OSCAR INT2 {r.oscar_int2} ({r.source})")
+        bpe = entry.bits_per_element(r.context) if r.context else None
+        at = f" at {bpe:.2f} bits/element ({r.context:,} tokens)" if bpe is not None else ""
+        c.print(f"result: {r.benchmark} BF16 {r.bf16} → OSCAR INT2 {r.oscar_int2}{at} ({r.source})", markup=False)
     for conflict in entry.conflicts:
         c.print(f"conflict: {conflict.about}", markup=False)
         for where, says in conflict.sources:
@@ -347,6 +350,17 @@ def _layout(r: ValidationReport) -> str:
     heads = f" ×{r.num_kv_heads or '?'}" if r.source_grouping == "kv_head" else ""
     extra = "".join(f" +{c}" for c in r.companions) + ("" if r.orthogonal is not False else " (non-orth.)")
     return f"V{version}{heads}{extra}"
+
+
+def _bits_line(entry: Any) -> str:
+    """``format …: b bits per INT2 element + W window tokens; x bits/element at 8K, y at 32K, z at 128K``."""
+    fmt = entry.serving.kv_format()
+    d = entry.architecture.head_dim
+    if not d:
+        return f"format: {fmt.name}"
+    at = ", ".join(f"{entry.bits_per_element(t):.2f} at {t // 1024}K" for t in (8192, 32768, 131072))
+    return (f"format: {fmt.name}: {fmt.quantized_bits(d):.3g} bits per INT2 element + {fmt.window_tokens} "
+            f"{fmt.hp_dtype} window tokens; bits/element {at} (BF16: 16)")
 
 
 def register(app: typer.Typer) -> None:

@@ -29,6 +29,7 @@ from typing import Any, Mapping
 
 from .._inspect import MAX_BYTES, MAX_HEAD_DIM, MAX_KV_HEADS, MAX_LAYERS
 from ..errors import RegistryError
+from ..int2kv import MAX_CONTEXT_TOKENS
 from ..numbers import check_int, check_real, shown
 from ..vocab import WEIGHT_DTYPE_NAMES
 
@@ -163,3 +164,5 @@ def check_results(results: Any, where: str) -> None:
         for key in ("bf16", "oscar_int2"):
             if r.get(key) is not None:
                 check_real(r[key], f"{where}[{i}].{key}", low=-1e12, high=1e12, error=RegistryError)
+        if r.get("context") is not None:
+            check_int(r["context"], f"{where}[{i}].context", low=1, high=MAX_CONTEXT_TOKENS, error=RegistryError)

@@ -129,10 +129,15 @@ class Calibration:
 
 @dataclass(frozen=True)
 class Result:
+    """One published score of an entry: the model unquantized (``bf16``) and with this entry's INT2 store
+    (``oscar_int2``); ``context``: the tokens per sequence it was measured at, when one length applies (then
+    :meth:`TagEntry.bits_per_element` gives the score's bits per element, windows included)."""
+
     benchmark: str
     bf16: float | None = None
     oscar_int2: float | None = None
     source: str | None = None
+    context: int | None = None
 
 
 @dataclass(frozen=True)
@@ -228,6 +233,12 @@ class TagEntry:
     def pinned(self) -> bool:
         return all(f.pinned for f in self.files.values())
 
+    def bits_per_element(self, context: int) -> float | None:
+        """Stored bits per K/V element of this entry's INT2 store at ``context`` tokens (codes, scales and
+        zeros, windows; :meth:`rotationzoo.kvformat.KVFormat.bits_per_element`), ``None`` without a head_dim."""
+        d = self.architecture.head_dim
+        return self.serving.kv_format().bits_per_element(d, context) if d else None
+
     def to_json(self) -> dict[str, Any]:
         return {
             "model": self.model_id,
@@ -237,8 +248,10 @@ class TagEntry:
             "objectives": dict(self.objectives),
             "grouping": self.grouping,
             "serving": self.serving.to_json(),
+            "format": self.serving.kv_format().name,
             "launch": self.launch.to_json(),
-            "results": [asdict(r) for r in self.results],
+            "results": [{**asdict(r), "bits_per_element": self.bits_per_element(r.context) if r.context else None}
+                        for r in self.results],
             "conflicts": [c.to_json() for c in self.conflicts],
             "files": {
                 side: {
