@@ -106,18 +106,28 @@ def test_triton_backend_in_the_cache_matches_the_reference():
     torch.testing.assert_close(tri, ref, atol=TOL, rtol=TOL)
 
 
-def test_padding_falls_back_to_the_dequantize_path(monkeypatch):
-    """A left-padded batch has a mask beyond the causal rule: the cache attends the old way."""
+def test_padding_is_read_by_the_kernel_as_a_mask(monkeypatch):
+    """A left-padded batch: the kernel reads the model's mask on the device (every step of both sequences
+    goes through it) and gives the logits of the dequantize-then-SDPA path."""
     model = tiny_llama(seed=10)
     batch = torch.tensor([[0, 0, 0, 5, 6, 7, 8, 9, 10, 11, 12, 13], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]])
     mask = (batch != 0).long()
     count = Counter(monkeypatch)
     oscar = OscarKV(rotations(), rotations(seed=11), config=Int2KVConfig(prefix_tokens=2, recent_tokens=3))
-    with torch.no_grad(), oscar_kv(model, oscar) as kv:
-        out = model.generate(batch, attention_mask=mask, cache=kv.new_cache(), max_new_tokens=5, do_sample=False)
-        single = model.generate(batch[1:], cache=kv.new_cache(), max_new_tokens=5, do_sample=False)
-    assert count.calls == 2 * 5  # only the unpadded sequence used the kernel: its 12-token prompt and 4 steps
-    assert torch.equal(out[1], single[0])
+
+    def run():
+        with torch.no_grad(), oscar_kv(model, oscar) as kv:
+            out = model.generate(batch, attention_mask=mask, cache=kv.new_cache(), max_new_tokens=5, do_sample=False,
+                                 output_scores=True, return_dict_in_generate=True)
+            single = model.generate(batch[1:], cache=kv.new_cache(), max_new_tokens=5, do_sample=False)
+        return out, single
+
+    fast, single = run()
+    assert count.calls == 2 * 5 * 2  # both batches: a 12-token prompt and 4 steps, in both layers
+    assert torch.equal(fast.sequences[1], single[0])
+    monkeypatch.setattr(cache_module, "DECODE_MAX_QUERIES", 0)  # every forward: dequantize, then SDPA
+    slow, _ = run()
+    torch.testing.assert_close(torch.stack(fast.scores), torch.stack(slow.scores), atol=TOL, rtol=TOL)
 
 
 def test_int2_buffers_grow_without_copying_each_step(monkeypatch):

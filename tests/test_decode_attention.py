@@ -212,6 +212,10 @@ def test_a_mask_restricts_what_each_query_row_sees(backend):
         mask[0, :, :, :9] = False  # left padding
         mask[1, :, :, -20:] = True
         got = decode_attention_int2(q, k, v, mask=mask.to(DEVICE), backend=backend, dtype=torch.float32)
+        blind = mask.clone()
+        blind[1, :, 0] = False  # query token 0 of sequence 1 sees no key: zeros, not NaN
+        none = decode_attention_int2(q, k, v, mask=blind.to(DEVICE), backend=backend, dtype=torch.float32)
+        assert (none[1, :, 0] == 0).all() and torch.equal(none[1, :, 1], got[1, :, 1])
         for bi in range(b):
             for h in range(hq):
                 kh = h // (hq // hkv)

@@ -92,6 +92,9 @@ def test_c_decode_applies_a_mask_as_the_reference(heads):
         assert rel_err(got, want) < TOL
     unmasked = decode_attention_int2(q, k, v, backend="cpu", dtype=torch.float32)
     assert rel_err(unmasked, want) > 1e-3  # the mask changed the result
+    mask[1, :, 1] = False  # query token 1 of sequence 1 sees no key: zeros, not NaN
+    blind = decode_attention_int2(q, k, v, mask=mask, backend="cpu", dtype=torch.float32)
+    assert (blind[1, :, 1] == 0).all() and not blind.isnan().any()
 
 
 def test_c_decode_reads_views_of_larger_buffers_and_windows_of_any_dtype():

@@ -153,7 +153,7 @@ def decode_attention_int2(
             tokens among themselves causally); ``False``: every query sees every key.
         mask: ``None``, or booleans ``[B or 1, Hq or 1, S, L]`` (``True``: may attend; ``L = P + N + R``)
             applied on top of ``causal`` (padding, a sliding window), read by the kernels on the
-            device: no host synchronisation. A query row that sees no key gets NaN.
+            device: no host synchronisation. A query row that sees no key gets zeros.
         num_splits: how many ranges the INT2 tokens are cut into (default: the backend's plan,
             :mod:`rotationzoo.kernels.decode_plan`); the result does not depend on it beyond fp32
             rounding.

@@ -232,7 +232,8 @@ def decode_attention_torch(
     dims, _ = _byte_order(d, 1, q.device)
     acc = torch.empty_like(state.acc)
     acc[..., dims] = state.acc  # back to the natural dim order
-    out = rotate_output(acc / state.l[..., None], o_rotation)
+    l = state.l[..., None]
+    out = rotate_output(torch.where(l == 0, 0.0, acc / l), o_rotation)  # a row that sees no key: 0
     return out.reshape(b, hq, s, d).to(dtype)
 
 

@@ -605,7 +605,7 @@ void merge_one(const Job &jb, int64_t bh, float *o) {
             const float *acc = ws_acc + (item * rows + r) * d;
             for (int64_t i = 0; i < d; i++) o[i] += acc[i] * e;
         }
-        const float inv = 1.0f / l;
+        const float inv = l == 0.0f ? 0.0f : 1.0f / l; /* a row that sees no key: 0 */
         float *dst = a->out + ((bi * a->h + hi) * a->gq + r / a->s) * a->s * d + (r % a->s) * d;
         if (ro) {
             for (int64_t j = 0; j < d; j++) dst[j] = 0.0f;

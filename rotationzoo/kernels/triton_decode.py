@@ -252,7 +252,7 @@ def _decode_merge_kernel(
     l_i = tl.full([MP], 0.0, tl.float32)
     for sp in range(n_splits):
         l_i += tl.exp2(tl.load(pl_ptr + base + sp * M + rows, mask=keep, other=float("-inf")) - m_fin)
-    inv = 1.0 / tl.where(keep, l_i, 1.0)
+    inv = tl.where(keep & (l_i != 0.0), 1.0 / tl.where(l_i != 0.0, l_i, 1.0), 0.0)  # no visible key: 0
     o_base = b.to(tl.int64) * so_b + (hk * GQ + rows // S).to(tl.int64) * so_h + (rows % S) * so_s
     res = tl.full([MP, D], 0.0, tl.float32)
     for kb in tl.static_range(D // BK):

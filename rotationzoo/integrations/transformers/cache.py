@@ -15,6 +15,7 @@ from ...errors import EvaluationError
 from ...kernels import Int2KV, decode_attention_int2
 from ...kernels.decode_plan import DECODE_MAX_QUERIES
 from .common import require_transformers
+from .windows import sliding_windows, visible
 from .oscar import (
     ACTIVE_SESSION,
     OSCAR_IMPL_PREFIX,
@@ -50,20 +51,26 @@ class _LayerBody:
 
     A forward of up to :data:`~rotationzoo.kernels.decode_plan.DECODE_MAX_QUERIES` new tokens (a
     decode step) stores them and keeps a view of what they attend to; the OSCAR attention then calls
-    :meth:`attend`, which reads the codes directly (:func:`~rotationzoo.kernels.decode_attention_int2`).
-    A longer forward (a prefill) gets the history dequantized plus the new tokens, as before. Either
-    way the returned key tensor is tagged so that the OSCAR attention knows it comes from this layer.
+    :meth:`attend`, which reads the codes directly (:func:`~rotationzoo.kernels.decode_attention_int2`)
+    with the model's attention mask, if any, read on the device (no host synchronisation). A longer
+    forward (a prefill) gets the history dequantized plus the new tokens, as before. Either way the
+    returned key tensor is tagged so that the OSCAR attention knows it comes from this layer.
+
+    A sliding-window layer (``sliding_window`` ``W``) keeps only the last ``W − 1`` tokens, as
+    transformers' sliding layers do: what falls out of the window leaves the sink, then the front of
+    the INT2 tier (an offset into its buffers, no copy).
     """
 
     is_compileable = False
     is_croppable = True  # the last forward's tokens, exactly (crop)
-    is_sliding = False
     supports_early_init = False
 
-    def __init__(self, oscar: OscarKV, layer_idx: int) -> None:
+    def __init__(self, oscar: OscarKV, layer_idx: int, sliding_window: int | None = None) -> None:
         super().__init__()
         self.oscar = oscar
         self.layer_idx = int(layer_idx)
+        self.sliding_window = None if sliding_window is None else int(sliding_window)
+        self.is_sliding = self.sliding_window is not None
         self.cumulative_length = 0
         self.r_k: torch.Tensor | None = None
         self.r_v: torch.Tensor | None = None
@@ -77,7 +84,9 @@ class _LayerBody:
         self.recent_k: torch.Tensor | None = None
         self.recent_v: torch.Tensor | None = None
         self._buf: dict[str, torch.Tensor | None] = dict.fromkeys(_INT2_NAMES)
-        self._n_int2 = {"k": 0, "v": 0}
+        self._n_int2 = {"k": 0, "v": 0}  # the INT2 tier is buf[:, :, lo:n] of each side
+        self._int2_lo = {"k": 0, "v": 0}
+        self._slid = False  # the last forward dropped tokens out of the sliding window
         self.pending: tuple[Int2KV, Int2KV] | None = None
         self.cumulative_length = 0
         self.consumed = True
@@ -87,10 +96,11 @@ class _LayerBody:
         self._demoted: dict[str, torch.Tensor | None] = {"k": None, "v": None}
         self._demoted_count = {"k": 0, "v": 0}
 
-    # the INT2 tier: views of the first tokens of the buffers
+    # the INT2 tier: views of the buffers
     def _int2_view(self, name: str) -> torch.Tensor | None:
         buf = self._buf[name]
-        return None if buf is None else buf[:, :, : self._n_int2[name[-1]]]
+        side = name[-1]
+        return None if buf is None else buf[:, :, self._int2_lo[side]: self._n_int2[side]]
 
     codes_k = property(lambda self: self._int2_view("codes_k"), doc="INT2 key codes ``[B, H_kv, N, d/4]``.")
     sz_k = property(lambda self: self._int2_view("sz_k"), doc="Key scales/zeros ``[B, H_kv, N, 2·d/G]``.")
@@ -114,17 +124,24 @@ class _LayerBody:
         self.is_initialized = True
 
     def _append_int2(self, side: str, codes: torch.Tensor, sz: torch.Tensor) -> None:
-        """Write demoted rows after the INT2 tokens of ``side``, growing the buffers when full."""
-        n, extra = self._n_int2[side], codes.shape[2]
+        """Write demoted rows after the INT2 tokens of ``side``, growing the buffers when full (a sliding
+        layer's dropped front is not copied)."""
+        lo, n, extra = self._int2_lo[side], self._n_int2[side], codes.shape[2]
+        full = any(self._buf[name] is None or self._buf[name].shape[2] < n + extra  # type: ignore[union-attr]
+                   for name in (f"codes_{side}", f"sz_{side}"))
         for name, rows in ((f"codes_{side}", codes), (f"sz_{side}", sz)):
             buf = self._buf[name]
-            if buf is None or buf.shape[2] < n + extra:
-                cap = n + extra + max(INT2_GROWTH_TOKENS, (n + extra) // 8)
+            if full:
+                cap = n - lo + extra + max(INT2_GROWTH_TOKENS, (n - lo + extra) // 8)
                 grown = rows.new_empty(rows.shape[:2] + (cap,) + rows.shape[3:])
                 if buf is not None:
-                    grown[:, :, :n] = buf[:, :, :n]
+                    grown[:, :, : n - lo] = buf[:, :, lo:n]
                 self._buf[name] = buf = grown
-            buf[:, :, n:n + extra] = rows
+            assert buf is not None
+            start = n - lo if full else n
+            buf[:, :, start:start + extra] = rows
+        if full:
+            self._int2_lo[side], n = 0, n - lo
         self._n_int2[side] = n + extra
 
     def _history(self, side: str) -> torch.Tensor:
@@ -157,7 +174,7 @@ class _LayerBody:
         o = self.oscar
         cfg = int2_store(o)
         sink = getattr(self, f"sink_{side}")
-        take = min(max(cfg.prefix_tokens - sink.shape[2], 0), x.shape[2])
+        take = min(max(cfg.prefix_tokens - self.cumulative_length, 0), x.shape[2])  # positions < prefix
         if take:
             sink = torch.cat([sink, x[:, :, :take]], dim=2)
             setattr(self, f"sink_{side}", sink)
@@ -174,7 +191,25 @@ class _LayerBody:
             self._append_int2(side, c, s)
             self._demoted[side] = old[:, :, -CROP_TOKENS:].clone()
         setattr(self, f"recent_{side}", recent.contiguous())
+        if self.sliding_window is not None:
+            self._slide(side)
         return view
+
+    def _slide(self, side: str) -> None:
+        """Drop the oldest tokens of ``side`` past the last ``sliding_window − 1``: the sink first, then
+        the front of the INT2 tier, then of the recent rows (the view a pending step reads stays as it was)."""
+        assert self.sliding_window is not None
+        sink, recent = getattr(self, f"sink_{side}"), getattr(self, f"recent_{side}")
+        int2 = self._n_int2[side] - self._int2_lo[side]
+        drop = sink.shape[2] + int2 + recent.shape[2] - (self.sliding_window - 1)
+        if drop <= 0:
+            return
+        self._slid = True
+        from_sink = min(drop, sink.shape[2])
+        from_int2 = min(drop - from_sink, int2)
+        setattr(self, f"sink_{side}", sink[:, :, from_sink:])
+        self._int2_lo[side] += from_int2
+        setattr(self, f"recent_{side}", recent[:, :, drop - from_sink - from_int2:])
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,6 +233,7 @@ class _LayerBody:
                                       f"cached [batch, KV heads, tokens, head_dim] = {list(held)}; call cache.reset() "
                                       f"before another prompt batch")
         wdt = self.oscar.hp_dtype
+        self._slid = False
         kr = self.transform.keys(key_states, wdt)  # one line when the rotations do not fit the model
         vr = self.transform.values(value_states, wdt)
         if key_states.shape[2] <= DECODE_MAX_QUERIES and self.oscar.quantize_k and self.oscar.quantize_v:
@@ -217,17 +253,21 @@ class _LayerBody:
 
     def attend(self, query: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor | None:
         """Decode attention of ``query [B, Hq, S, d]`` (model basis) over the pending view, read from the
-        codes; ``[B, Hq, S, d]`` in the model basis, or ``None`` when ``mask`` is more than the causal
-        rule (padding, a sliding window): then :meth:`take_pending` gives keys/values to attend to."""
+        codes, with the model's ``mask`` (``None``: causal; boolean or additive ``[B or 1, 1 or Hq, S, L]``:
+        padding, a sliding window) read by the kernel on the device; ``[B, Hq, S, d]`` in the model basis,
+        or ``None`` for a mask of another shape: then :meth:`take_pending` gives keys/values to attend to.
+        Nothing here reads a tensor's values on the host."""
         assert self.pending is not None
         k, v = self.pending
         total = sum(t.shape[2] for t in (k.sink, k.codes, k.recent) if t is not None)
-        if not _causal_only(mask, query.shape[2], total):
+        b, hq, s = query.shape[:3]
+        if mask is not None and (mask.dim() != 4 or mask.shape[0] not in (1, b) or mask.shape[1] not in (1, hq)
+                                 or tuple(mask.shape[2:]) != (s, total)):
             return None
         self.pending = None
         t = self.transform  # centering, q_rotation / o_rotation and v_mean included
         out = decode_attention_int2(query, k, v, config=int2_store(self.oscar), q_rotation=t.query_matrix,
-                                    o_rotation=t.output_matrix, scale=scale,
+                                    o_rotation=t.output_matrix, scale=scale, mask=visible(mask),
                                     backend=self.oscar.backend)  # type: ignore[arg-type]
         return out if t.v_mean is None else t.with_v_mean(out)
 
@@ -239,13 +279,18 @@ class _LayerBody:
         return self._materialize("k", k), self._materialize("v", v)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.cumulative_length + query_length, 0
+        """``(kv_length, kv_offset)`` of the mask: every token so far, or for a sliding layer the last
+        ``sliding_window − 1`` (what it holds) plus the new ones, as transformers' sliding layers."""
+        if self.sliding_window is None:
+            return self.cumulative_length + query_length, 0
+        held = min(self.cumulative_length, self.sliding_window - 1)
+        return held + query_length, self.cumulative_length - held
 
     def get_seq_length(self) -> int:
         return self.cumulative_length
 
     def get_max_length(self) -> int:
-        return -1
+        return -1 if self.sliding_window is None else self.sliding_window
 
     def reset(self) -> None:
         self._clear()
@@ -272,6 +317,9 @@ class _LayerBody:
                                   f"count, as transformers' caches do")
         if n == 0 or not self.is_initialized:
             return
+        if self._slid:
+            raise EvaluationError(f"OscarInt2Cache cannot remove {n} tokens from sliding-window layer {self.layer_idx}: "
+                                  f"its last forward dropped tokens out of the window")
         if n > self._last_tokens or any(min(n, c) > (0 if d is None else d.shape[2])
                                         for c, d in ((self._demoted_count[s], self._demoted[s]) for s in "kv")):
             raise EvaluationError(
@@ -314,6 +362,8 @@ class _LayerBody:
             log = self._demoted[side]
             if log is not None:
                 self._demoted[side] = fn(log)
+            self._n_int2[side] -= self._int2_lo[side]  # the buffers now start at the tier's first token
+            self._int2_lo[side] = 0
         self.pending = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -355,19 +405,8 @@ class _LayerBody:
         if not self.is_initialized:
             return {"prefix": 0, "int2": 0, "recent": 0}
         assert self.sink_k is not None and self.recent_k is not None
-        return {"prefix": self.sink_k.shape[2], "int2": self._n_int2["k"], "recent": self.recent_k.shape[2]}
-
-
-def _causal_only(mask: torch.Tensor | None, s: int, total: int) -> bool:
-    """Whether ``mask`` (``None``, boolean or additive ``[B or 1, 1, S, L]``) allows exactly the causal
-    pattern: query ``t`` sees keys ``0 … total − s + t``."""
-    if mask is None:
-        return True
-    if mask.dim() != 4 or mask.shape[-2] != s or mask.shape[-1] != total:
-        return False
-    allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
-    want = torch.arange(total, device=mask.device)[None, :] <= (total - s + torch.arange(s, device=mask.device))[:, None]
-    return bool(torch.equal(allowed, want.expand_as(allowed)))
+        return {"prefix": self.sink_k.shape[2], "int2": self._n_int2["k"] - self._int2_lo["k"],
+                "recent": self.recent_k.shape[2]}
 
 
 class _CacheBody:
@@ -388,21 +427,26 @@ class _CacheBody:
     (:func:`rotationzoo.kernels.decode_attention_int2`: Triton on CUDA, the chunked PyTorch
     reference on CPU), never dequantizing it as a whole.
 
+    Sliding-window layers of the model (its ``layer_types``) keep only their window.
+
     Args:
         oscar: settings and rotations.
-        config: the model config (for the layer count).
-        num_layers: the layer count, if no config is given.
+        config: the model config (for the layer count and which layers slide).
+        num_layers: the layer count, if no config is given (every layer then attends to everything).
     """
 
     def __init__(self, oscar: OscarKV, config: Any = None, num_layers: int | None = None) -> None:
+        windows: list[int | None]
         if num_layers is None:
             if config is None:
                 raise EvaluationError("OscarInt2Cache needs the model config or num_layers")
-            text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-            num_layers = int(text.num_hidden_layers)
+            windows = sliding_windows(config)
+        else:
+            windows = [None] * int(num_layers)
         self.oscar = oscar
         self.layers: list[Any]
-        super().__init__(layers=[cache_classes()["OscarInt2Layer"](oscar, i) for i in range(num_layers)])  # type: ignore[call-arg]
+        layer = cache_classes()["OscarInt2Layer"]
+        super().__init__(layers=[layer(oscar, i, w) for i, w in enumerate(windows)])  # type: ignore[call-arg]
 
     def nbytes(self) -> int:
         """Bytes of the cached tokens in all layers."""
@@ -418,7 +462,7 @@ class _CacheBody:
         for layer in self.layers:
             if layer.is_initialized:
                 b, h, _, d = layer.sink_k.shape
-                elems += 2 * b * h * d * layer.cumulative_length
+                elems += 2 * b * h * d * sum(layer.stored_tokens().values())
         return 8.0 * self.nbytes() / elems if elems else 0.0
 
 
