@@ -11,6 +11,7 @@ them by their log-sum-exp. Each backend is a torch operator (:mod:`rotationzoo.k
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -53,35 +54,43 @@ def _names(dtypes: tuple[torch.dtype, ...]) -> str:
 
 def _side(parts: object, name: str, lead: tuple[int, int] | None, d: int, device: torch.device
           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Checked ``(sink, codes, scales_zeros, recent)`` of one side; ``None`` parts become empty tensors."""
+    """Checked ``(sink, codes, scales_zeros, recent)`` of one side; ``None`` parts become empty tensors.
+    (The checks run at every decode step: each reads only metadata, once.)"""
     if not isinstance(parts, tuple) or len(parts) != 4:
         raise KernelInputError(f"{name} must be an Int2KV (sink, codes, scales_zeros, recent), got {type(parts).__name__}")
     sink, codes, sz, recent = parts
-    given = [t for t in (sink, codes, sz, recent) if t is not None]
+    first = None
     for label, t in zip(Int2KV._fields, parts):
-        if t is not None and not isinstance(t, torch.Tensor):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
             raise KernelInputError(f"{name}.{label} must be a torch.Tensor or None, got {type(t).__name__}")
-        if t is not None and (t.dim() != 4 or (lead is not None and tuple(t.shape[:2]) != lead)):
+        shape = t.shape
+        if len(shape) != 4 or (lead is not None and (shape[0], shape[1]) != lead) or (
+                first is not None and (shape[0], shape[1]) != first):
             want = f"[{lead[0]}, {lead[1]}, n, ·]" if lead else "[B, H_kv, n, ·]"
-            raise KernelInputError(f"{name}.{label} must be {want}, got {list(t.shape)}")
-        if t is not None and t.device != device:
+            raise KernelInputError(f"{name}.{label} must be {want}, got {list(shape)}")
+        if t.device != device:
             raise KernelInputError(f"{name}.{label} is on {t.device} but the query is on {device}")
-    if not given:
+        first = (shape[0], shape[1])
+    if first is None:
         raise KernelInputError(f"{name} holds no tensor: give at least one of sink, codes and recent")
     if (codes is None) != (sz is None):
         raise KernelInputError(f"{name}: codes and scales_zeros come together (both or neither)")
-    b, h = lead if lead is not None else tuple(given[0].shape[:2])
+    b, h = first
     for label, t in (("sink", sink), ("recent", recent)):
-        if t is not None and (t.dtype not in _FLOATS or t.shape[-1] != d):
+        if t is not None and (t.dtype not in _FLOATS or t.shape[3] != d):
             raise KernelInputError(f"{name}.{label} must be [{b}, {h}, n, {d}] of {_names(_FLOATS)}, "
                                    f"got {t.dtype} {list(t.shape)}")
     if codes is not None and sz is not None:
-        if codes.dtype != torch.uint8 or codes.shape[-1] != d // 4:
+        if codes.dtype != torch.uint8 or codes.shape[3] != d // 4:
             raise KernelInputError(f"{name}.codes must be uint8 [{b}, {h}, N, {d // 4}], got {codes.dtype} {list(codes.shape)}")
         if sz.dtype not in _SCALES or sz.shape[2] != codes.shape[2]:
             raise KernelInputError(f"{name}.scales_zeros must be [{b}, {h}, {codes.shape[2]}, 2·groups] of "
                                    f"{_names(_SCALES)}, got {sz.dtype} {list(sz.shape)}")
-    hp = next((t.dtype for t in (sink, recent) if t is not None), torch.bfloat16)
+    if sink is not None and codes is not None and recent is not None:
+        return sink, codes, sz, recent
+    hp = sink.dtype if sink is not None else recent.dtype if recent is not None else torch.bfloat16
     empty = lambda n, dt: torch.empty((b, h, 0, n), dtype=dt, device=device)  # noqa: E731
     return (sink if sink is not None else empty(d, hp), codes if codes is not None else empty(d // 4, torch.uint8),
             sz if sz is not None else empty(2, torch.float32), recent if recent is not None else empty(d, hp))
@@ -102,13 +111,29 @@ def _rotation(r: object, name: str, h: int, d: int, device: torch.device) -> tor
 
 def _groups(sz: torch.Tensor, d: int, name: str) -> int:
     last = sz.shape[-1]
-    if last < 2 or last % 2 or d % (last // 2):
+    g = _group_of(d, last)
+    if g is None:
         raise KernelInputError(f"{name}.scales_zeros last dimension must be 2·groups with groups dividing {d}, got {last}")
-    g = d // (last // 2)
+    if isinstance(g, str):
+        raise KernelInputError(f"{name}.scales_zeros: {g}")
+    return g
+
+
+@functools.lru_cache(maxsize=64)
+def _group_of(d: int, last: int) -> int | str | None:
+    """The group size of a ``[..., last]`` scale/zero tensor at head_dim ``d``; ``None`` for a last dimension
+    that is no ``2·groups`` of ``d``, the rule's message for a group size no kernel runs."""
+    if last < 2 or last % 2 or d % (last // 2):
+        return None
     try:
-        return layout.resolve_group_size(d, g)
+        return layout.resolve_group_size(d, d // (last // 2))
     except ValueError as exc:
-        raise KernelInputError(f"{name}.scales_zeros: {exc}") from None
+        return str(exc)
+
+
+@functools.lru_cache(maxsize=64)
+def _config_group(config: Int2KVConfig, d: int) -> int:
+    return config.group_for(d)
 
 
 def decode_attention_int2(
@@ -205,7 +230,7 @@ def decode_attention_int2(
         raise KernelInputError(f"causal attention of {s} query tokens needs them in the cache; it holds {total}")
     if config is not None and not isinstance(config, Int2KVConfig):
         raise KernelInputError(f"config must be a rotationzoo.Int2KVConfig, got {type(config).__name__}")
-    want_group = config.group_for(d) if config is not None else None
+    want_group = _config_group(config, d) if config is not None else None
     for name, side in (("keys", k), ("values", v)):
         if side[1].shape[2]:
             g = _groups(side[2], d, name)

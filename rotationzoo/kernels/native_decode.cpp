@@ -27,6 +27,8 @@
  * with NaN scales) makes its query row NaN, and a NaN value row every query row of its head, as in
  * the PyTorch reference and the Triton kernel.
  */
+#include <stddef.h>
+
 #include "native_decode.h"
 
 extern "C" {
@@ -37,6 +39,8 @@ struct rz_part {
     int64_t sb, sh, st;
 };
 
+/* The arguments, every field 8 bytes: the caller passes them as an array of int64 (pointers as
+ * integers) in this order, and the softmax scale apart. */
 struct rz_decode_args {
     int64_t b, h, rows, s, d, p, n, r; /* sequences, KV heads, query rows per KV head, query tokens,
                                           head_dim, sink / INT2 / recent tokens */
@@ -47,22 +51,23 @@ struct rz_decode_args {
     int64_t groups[2];                 /* (scale, zero) groups per row of keys, values */
     const float *q;                    /* [B, Hq, S, d] fp32 queries in the model's basis */
     int64_t q_sb, q_sh, q_ss;          /* their strides (elements); the last dimension is contiguous */
-    const float *q_rot;                /* [d, d] (or per KV head, stride q_rot_sh) fp32: q' = scale q R; or null */
-    int64_t q_rot_sh;
-    const float *o_rot;                /* [d, d] (or per KV head) fp32: out = o R; or null */
-    int64_t o_rot_sh;
-    float scale;                       /* softmax scale */
-    float pad0;
+    const float *q_rot;                /* [d, d] (or per KV head, stride q_rot_sh) fp32: q' = scale q R (q_rot_t:
+                                          q Rᵀ); or null */
+    int64_t q_rot_sh, q_rot_t;
+    const float *o_rot;                /* [d, d] (or per KV head) fp32: out = o R (o_rot_t: o Rᵀ); or null */
+    int64_t o_rot_sh, o_rot_t;
     struct rz_part part[2][4];         /* [keys, values][sink, codes, scales_zeros, recent] */
     const uint8_t *mask;               /* optional [B|1, Hq|1, S, L] booleans (1 = attend), or null */
     int64_t mask_sb, mask_sh, mask_ss, mask_st;
     int64_t splits, threads, portable; /* ranges per (sequence, head); OpenMP threads; 1: no intrinsics */
-    float *ws;                         /* B * H * splits * rows * (d + 2) floats of partial results */
     float *out;                        /* [B, Hq, S, d] fp32, contiguous */
+    float scale;                       /* softmax scale (set from the argument) */
+    float *ws;                         /* B * H * splits * rows * (d + 2) floats of partial results (allocated here) */
 };
 
-int rz_decode_int2(const struct rz_decode_args *a);
+int rz_decode_int2(const int64_t *args, double scale);
 int rz_decode_has_simd(void);
+int64_t rz_decode_arg_count(void);
 }
 
 namespace {
@@ -106,7 +111,7 @@ inline float load_scalar(const void *base, int64_t idx, int64_t kind) {
 
 struct Job {
     const rz_decode_args *a;
-    int64_t total, split_len, d, q4, gk, gv, kw; /* gk, gv: group sizes; kw: value weight sets */
+    int64_t total, split_len, d, q4, gk, gv, kw; /* gk, gv: group sizes; kw: value groups per row */
 };
 
 /* Per-thread buffers of one tile. */
@@ -115,15 +120,14 @@ struct Scratch {
     float *qs;   /* [rows][d]: query rows times 4^-quarter (INT2 keys) */
     float *qsum; /* [rows][groups_k]: sum of each key group of the query rows */
     float *sc;   /* [rows][TILE]: scores, then weights p */
-    float *w;    /* [rows][kw][TILE]: value weights p * s * 4^-a */
+    float *w;    /* [rows][kw][TILE]: value weights p * s of each value group */
     float *ks, *kz, *vs, *vz; /* [groups][TILE] scales and zeros of the tile's INT2 rows */
     float *kc, *vc;           /* [groups][TILE] s z (values: + bad) */
-    float *vf;                /* [kw][TILE] value scales times 4^-a of each weight set */
     float *kbad, *vbad;       /* [TILE]: NaN where the row is outside the domain, else 0 */
     float *x;    /* [TILE][d]: window rows in fp32 */
     float *ztm;  /* [rows][groups_v]: sum_t p s z of the INT2 values */
     float *tmp;  /* [TILE][RB_MAX]: raw scores, token-major (portable path) */
-    int *kidx;   /* [4 * Q/8]: value weight set of each 8-dim chunk (quarter a, bytes 8c..8c+7) */
+    int *kidx;   /* [4 * Q/8]: value group of each 8-dim chunk (quarter a, bytes 8c..8c+7) */
     int *gidx;   /* [4 * Q/8]: key group of each chunk */
 };
 
@@ -166,10 +170,8 @@ void v_int2_portable(const uint8_t *base, int64_t st, int n, int nn, int rb, con
     float xrow[D];
     for (int t = 0; t < nn; t++) {
         const uint8_t *row = base + (int64_t)(t < n ? t : n - 1) * st;
-        for (int a = 0; a < 4; a++) {
-            const int m = 3 << (2 * a);
-            for (int j = 0; j < Q; j++) xrow[a * Q + j] = (float)(row[j] & m);
-        }
+        for (int a = 0; a < 4; a++)
+            for (int j = 0; j < Q; j++) xrow[a * Q + j] = (float)((row[j] >> (2 * a)) & 3);
         for (int r = 0; r < rb; r++)
             for (int c = 0; c < D / 8; c++) {
                 const float p = w[(r * kw + kidx[c]) * TILE + t];
@@ -426,18 +428,9 @@ void tile(const Job &jb, const Kernels &kn, Scratch &w, State &st, const float *
             for (int g = 0; g < gv; g++) zr[g] *= alpha;
         }
     }
-    /* 3. values: weights p s 4^-a (NaN for a row outside the domain), minus sum p s z per group */
+    /* 3. values: weights p s per group (NaN for a row outside the domain), minus sum p s z per group */
     if (kind == 1) {
         load_scales(a, 1, bi, hi, i0, n, nn, w.vs, w.vz, w.vbad);
-        const int64_t q4 = jb.q4;
-        for (int k = 0; k < kw; k++) { /* weight set k: quarter a(k), group g(k) */
-            const int g = kw == 4 ? (int)((k * q4) / jb.gv) : k;
-            const int aq = kw == 4 ? k : (int)((k * jb.gv) / q4);
-            const float f = aq == 0 ? 1.0f : aq == 1 ? 0.25f : aq == 2 ? 0.0625f : 0.015625f;
-            float *fk = w.vf + k * TILE;
-            const float *sg = w.vs + g * TILE;
-            for (int t = 0; t < nn; t++) fk[t] = sg[t] * f;
-        }
         for (int g = 0; g < gv; g++) {
             float *cg = w.vc + g * TILE;
             const float *sg = w.vs + g * TILE, *zg = w.vz + g * TILE;
@@ -447,8 +440,8 @@ void tile(const Job &jb, const Kernels &kn, Scratch &w, State &st, const float *
             const float *p = w.sc + r * TILE;
             for (int k = 0; k < kw; k++) {
                 float *wr = w.w + (r * kw + k) * TILE;
-                const float *fk = w.vf + k * TILE;
-                for (int t = 0; t < nn; t++) wr[t] = p[t] * fk[t] + w.vbad[t];
+                const float *sk = w.vs + k * TILE;
+                for (int t = 0; t < nn; t++) wr[t] = p[t] * sk[t] + w.vbad[t];
             }
             float *zr = w.ztm + r * gv;
             for (int g = 0; g < gv; g++) {
@@ -495,7 +488,14 @@ void run_item(const Job &jb, const Kernels &kn, Scratch &w, int64_t item) {
     for (int64_t r = 0; r < rows; r++) {
         const float *src = a->q + bi * a->q_sb + (hi * a->gq + r / a->s) * a->q_sh + (r % a->s) * a->q_ss;
         float *dst = q + r * d;
-        if (rq) {
+        if (rq && a->q_rot_t) { /* q'[j] = scale sum_k q[k] R[j][k] */
+            for (int64_t j = 0; j < d; j++) {
+                const float *rj = rq + j * d;
+                float acc = 0.0f;
+                for (int64_t k = 0; k < d; k++) acc += src[k] * rj[k];
+                dst[j] = acc * a->scale;
+            }
+        } else if (rq) {
             for (int64_t j = 0; j < d; j++) dst[j] = 0.0f;
             for (int64_t k = 0; k < d; k++) {
                 const float x = src[k];
@@ -562,7 +562,6 @@ bool alloc_scratch(const Job &jb, Buffers &b) {
     s.vz = p; p += MAX_GROUPS * TILE;
     s.kc = p; p += MAX_GROUPS * TILE;
     s.vc = p; p += MAX_GROUPS * TILE;
-    s.vf = p; p += MAX_GROUPS * TILE;
     s.kbad = p; p += TILE;
     s.vbad = p; p += TILE;
     s.x = p; p += TILE * d;
@@ -574,7 +573,7 @@ bool alloc_scratch(const Job &jb, Buffers &b) {
         for (int64_t c = 0; c < c8; c++) {
             const int64_t dim = aq * jb.q4 + 8 * c;
             s.gidx[aq * c8 + c] = (int)(dim / jb.gk);
-            s.kidx[aq * c8 + c] = (int)(jb.kw == 4 ? aq : dim / jb.gv);
+            s.kidx[aq * c8 + c] = (int)(dim / jb.gv);
         }
     return true;
 }
@@ -607,7 +606,14 @@ void merge_one(const Job &jb, int64_t bh, float *o) {
         }
         const float inv = l == 0.0f ? 0.0f : 1.0f / l; /* a row that sees no key: 0 */
         float *dst = a->out + ((bi * a->h + hi) * a->gq + r / a->s) * a->s * d + (r % a->s) * d;
-        if (ro) {
+        if (ro && a->o_rot_t) { /* out[j] = sum_k o[k] R[j][k] */
+            for (int64_t j = 0; j < d; j++) {
+                const float *rj = ro + j * d;
+                float acc = 0.0f;
+                for (int64_t k = 0; k < d; k++) acc += o[k] * rj[k];
+                dst[j] = acc * inv;
+            }
+        } else if (ro) {
             for (int64_t j = 0; j < d; j++) dst[j] = 0.0f;
             for (int64_t k = 0; k < d; k++) {
                 const float x = o[k] * inv;
@@ -654,8 +660,13 @@ int run_all(const Job &jb, const Kernels &kn, int threads) {
 
 } // namespace
 
-/* Returns 0 on success, 1 when memory ran out, 2 for arguments outside what this kernel takes. */
-int rz_decode_int2(const struct rz_decode_args *a) {
+/* Returns 0 on success, 1 when memory ran out, 2 for arguments outside what this kernel takes.
+ * `args`: rz_decode_arg_count() int64 values, the fields of struct rz_decode_args before `scale`. */
+int rz_decode_int2(const int64_t *args, double scale) {
+    struct rz_decode_args args_copy;
+    memcpy(&args_copy, args, (size_t)rz_decode_arg_count() * sizeof(int64_t));
+    args_copy.scale = (float)scale;
+    const struct rz_decode_args *a = &args_copy;
     if ((a->d != 64 && a->d != 128 && a->d != 256) || a->rows < 1 || a->s < 1 || a->splits < 1) return 2;
     for (int side = 0; side < 2; side++)
         if (a->groups[side] < 1 || a->groups[side] > MAX_GROUPS || a->d % a->groups[side]) return 2;
@@ -667,13 +678,20 @@ int rz_decode_int2(const struct rz_decode_args *a) {
     jb.q4 = a->d / 4;
     jb.gk = a->d / a->groups[0];
     jb.gv = a->d / a->groups[1];
-    jb.kw = jb.gv >= jb.q4 ? 4 : (int)a->groups[1];
+    jb.kw = (int)a->groups[1];
     const Kernels kn = kernels_for(a->d, a->portable != 0);
     const int64_t items = a->b * a->h * a->splits;
     int threads = (int)(a->threads < items ? a->threads : items);
     if (threads < 1) threads = 1;
-    return run_all(jb, kn, threads);
+    args_copy.ws = (float *)malloc((size_t)(items * a->rows * (a->d + 2)) * sizeof(float));
+    if (args_copy.ws == NULL) return 1;
+    const int rc = run_all(jb, kn, threads);
+    free(args_copy.ws);
+    return rc;
 }
 
 /* 1 when the vectorized inner loops were compiled in (AVX2 + FMA + F16C), else 0. */
 int rz_decode_has_simd(void) { return RZ_AVX2; }
+
+/* How many int64 values rz_decode_int2 reads from `args`. */
+int64_t rz_decode_arg_count(void) { return (int64_t)(offsetof(struct rz_decode_args, scale) / sizeof(int64_t)); }

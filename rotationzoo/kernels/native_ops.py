@@ -8,6 +8,7 @@ reference). Both assume their library is available (:func:`~rotationzoo.kernels.
 
 from __future__ import annotations
 
+import array
 import ctypes
 from typing import Any
 
@@ -22,27 +23,8 @@ NATIVE_SPLIT_TOKENS = 1024
 _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-class _Part(ctypes.Structure):
-    _fields_ = [("p", ctypes.c_void_p), ("sb", ctypes.c_int64), ("sh", ctypes.c_int64), ("st", ctypes.c_int64)]
-
-
-class _DecodeArgs(ctypes.Structure):
-    """``struct rz_decode_args`` of ``native_decode.cpp``."""
-
-    _fields_ = [(n, ctypes.c_int64) for n in ("b", "h", "rows", "s", "d", "p", "n", "r", "causal", "win_bf16", "gq")] + [  # type: ignore[assignment]
-        ("sz_kind", ctypes.c_int64 * 2), ("groups", ctypes.c_int64 * 2),
-        ("q", ctypes.c_void_p), ("q_sb", ctypes.c_int64), ("q_sh", ctypes.c_int64), ("q_ss", ctypes.c_int64),
-        ("q_rot", ctypes.c_void_p), ("q_rot_sh", ctypes.c_int64), ("o_rot", ctypes.c_void_p), ("o_rot_sh", ctypes.c_int64),
-        ("scale", ctypes.c_float), ("pad0", ctypes.c_float),
-        ("part", (_Part * 4) * 2),
-        ("mask", ctypes.c_void_p), ("mask_sb", ctypes.c_int64), ("mask_sh", ctypes.c_int64), ("mask_ss", ctypes.c_int64),
-        ("mask_st", ctypes.c_int64),
-        ("splits", ctypes.c_int64), ("threads", ctypes.c_int64), ("portable", ctypes.c_int64),
-        ("ws", ctypes.c_void_p), ("out", ctypes.c_void_p),
-    ]
-
-
 _FN: dict[str, Any] = {}
+_ARGS = [0]  # how many int64 the decode kernel reads (struct rz_decode_args)
 
 
 def _entry(kernel: str) -> Any:
@@ -52,7 +34,10 @@ def _entry(kernel: str) -> Any:
         assert lib is not None, f"the C++ {kernel} kernel is not available here"
         fn = getattr(lib, native.KERNELS[kernel][1])
         if kernel == "decode":
-            fn.argtypes, fn.restype = [ctypes.POINTER(_DecodeArgs)], ctypes.c_int
+            fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_double], ctypes.c_int
+            count = lib.rz_decode_arg_count
+            count.restype = ctypes.c_int64
+            _ARGS[0] = int(count())
         else:
             fn.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int,
                            ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
@@ -69,7 +54,7 @@ def native_splits(b: int, h: int, total: int, threads: int) -> int:
 
 
 def _last_unit(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+    return t if t.stride()[-1] == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
 def decode_attention_native(
@@ -93,52 +78,66 @@ def decode_attention_native(
     b, hq, s, d = query.shape
     h = keys[0].shape[1]
     rows = (hq // h) * s
-    a = _DecodeArgs()
     q = _last_unit(query if query.dtype == torch.float32 else query.to(torch.float32))
     kept = [q]  # every tensor the C++ code reads, alive until it returns
-    a.q, a.q_sb, a.q_sh, a.q_ss = q.data_ptr(), q.stride(0), q.stride(1), q.stride(2)
-    for side, rot in ((0, q_rotation), (1, o_rotation)):
-        if rot is not None:
-            m32 = rot if rot.dtype == torch.float32 and rot.is_contiguous() else rot.to(torch.float32).contiguous()
-            kept.append(m32)
-            if side == 0:
-                a.q_rot, a.q_rot_sh = m32.data_ptr(), d * d if m32.dim() == 3 else 0
-            else:
-                a.o_rot, a.o_rot_sh = m32.data_ptr(), d * d if m32.dim() == 3 else 0
     windows = (keys[0], keys[3], values[0], values[3])
     bf16 = all(t.dtype == torch.bfloat16 for t in windows)
     window = torch.bfloat16 if bf16 else torch.float32
-    for si, part in enumerate((keys, values)):
-        for k, t in enumerate(part):
-            if k in (0, 3) and t.dtype != window:
-                t = t.to(window)
-            t = _last_unit(t)
-            kept.append(t)
-            a.part[si][k] = _Part(t.data_ptr(), t.stride(0), t.stride(1), t.stride(2))
-        a.sz_kind[si] = _KIND[part[2].dtype]
-        a.groups[si] = max(1, part[2].shape[-1] // 2) if part[1].shape[2] else 1
     p, n, r = int(keys[0].shape[2]), int(keys[1].shape[2]), int(keys[3].shape[2])
     total = p + n + r
     threads = max(1, torch.get_num_threads())
     splits = min(num_splits, max(1, total)) if num_splits else native_splits(b, h, total, threads)
-    a.b, a.h, a.rows, a.s, a.d, a.p, a.n, a.r = b, h, rows, s, d, p, n, r
-    a.causal, a.win_bf16, a.gq, a.scale = int(causal and s > 1), int(bf16), hq // h, scale
+    args = [b, h, rows, s, d, p, n, r, int(causal and s > 1), int(bf16), hq // h,
+            _KIND[keys[2].dtype], _KIND[values[2].dtype],
+            max(1, keys[2].shape[-1] // 2) if n else 1, max(1, values[2].shape[-1] // 2) if n else 1,
+            q.data_ptr(), *q.stride()[:3]]
+    args += _matrix(q_rotation, d, kept)
+    args += _matrix(o_rotation, d, kept)
+    for part in (keys, values):
+        for k, t in enumerate(part):
+            if k in (0, 3) and t.dtype != window:
+                t = t.to(window)
+            st = t.stride()
+            if st[-1] != 1 and t.shape[-1] != 1:
+                t = t.contiguous()
+                st = t.stride()
+            kept.append(t)
+            args += (t.data_ptr(), st[0], st[1], st[2])
     if mask is not None:
         m = mask if mask.dtype == torch.bool else mask.to(torch.bool)
         kept.append(m)
-        a.mask = m.data_ptr()
-        a.mask_sb, a.mask_sh, a.mask_ss, a.mask_st = (int(m.stride(i)) if m.shape[i] > 1 else 0 for i in range(4))
-    a.splits, a.threads, a.portable = splits, threads, int(portable)
-    ws = torch.empty(b * h * splits * rows * (d + 2), dtype=torch.float32)
+        args += (m.data_ptr(), *(int(st) if size > 1 else 0 for st, size in zip(m.stride(), m.shape)))
+    else:
+        args += (0, 0, 0, 0, 0)
     out = torch.empty((b, hq, s, d), dtype=torch.float32)
-    a.ws, a.out = ws.data_ptr(), out.data_ptr()
-    rc = _entry("decode")(ctypes.byref(a))
+    args += (splits, threads, int(portable), out.data_ptr())
+    fn = _entry("decode")
+    if len(args) != _ARGS[0]:
+        raise RuntimeError(f"rotationzoo native decode: {len(args)} arguments for a kernel that reads {_ARGS[0]}")
+    packed = array.array("q", args)  # about 4x faster than a ctypes array built from the list
+    rc = fn(packed.buffer_info()[0], scale)
     del kept
     if rc == 1:
         raise MemoryError("rotationzoo native decode: out of memory for a tile of scores")
     if rc != 0:
         raise RuntimeError(f"rotationzoo native decode: arguments refused (code {rc})")
     return out
+
+
+def _matrix(m: torch.Tensor | None, d: int, kept: list[torch.Tensor]) -> tuple[int, int, int]:
+    """``(pointer, per-head stride, transposed)`` of a ``[d, d]`` / ``[H, d, d]`` matrix for the kernel:
+    a transposed view of a contiguous fp32 matrix is passed as it is (``transposed = 1``), anything
+    else as a contiguous fp32 copy."""
+    if m is None:
+        return 0, 0, 0
+    if m.dtype == torch.float32 and m.is_contiguous():
+        base, transposed = m, 0
+    elif m.dtype == torch.float32 and m.transpose(-1, -2).is_contiguous():
+        base, transposed = m.transpose(-1, -2), 1
+    else:
+        base, transposed = m.to(torch.float32).contiguous(), 0
+    kept.append(base)
+    return base.data_ptr(), d * d if base.dim() == 3 else 0, transposed
 
 
 def quantize_rows_native(x: torch.Tensor, *, clip_index: int, group_size: int, clip_search: str,
