@@ -14,18 +14,10 @@ from rotationzoo.int2kv import Int2KVConfig  # noqa: E402
 from rotationzoo.integrations.transformers import OscarKV, oscar_kv  # noqa: E402
 from rotationzoo.integrations.transformers.cache import CROP_TOKENS  # noqa: E402
 
+from test_transformers_int2 import tiny_llama  # noqa: E402
+
 D = 64
 pytestmark = pytest.mark.timeout(120)
-
-
-def tiny_llama(num_kv_heads: int = 2, seed: int = 0, layers: int = 2):
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(
-        vocab_size=96, hidden_size=128, intermediate_size=192, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=num_kv_heads, head_dim=D, max_position_embeddings=1024, pad_token_id=0,
-        bos_token_id=1, eos_token_id=2,
-    )
-    return transformers.LlamaForCausalLM(cfg).eval()
 
 
 def rotations(layers: int = 2, heads: int | None = None, d: int = D, seed: int = 1) -> torch.Tensor:

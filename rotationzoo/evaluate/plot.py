@@ -47,12 +47,7 @@ def plot_report(report: EvalReport, path: str | os.PathLike[str], *, title: str 
         ax.grid(axis="x", alpha=0.3)
     fig.suptitle(title or f"{Path(report.model).name}: {report.windows} × {report.context} tokens, "
                  f"{int(100 * report.protocol.get('confidence', 0.95))}% CI", fontsize=10)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, path)
 
 
 def plot_frontier(reports: Sequence[EvalReport], path: str | os.PathLike[str], *, title: str | None = None) -> Path:
@@ -95,6 +90,10 @@ def plot_frontier(reports: Sequence[EvalReport], path: str | os.PathLike[str], *
                          f"{rep.windows} × {rep.context} tokens", fontsize=8, loc="left")
     if title:
         fig.suptitle(title, fontsize=10)
+    return _save(plt, fig, path)
+
+
+def _save(plt: Any, fig: Any, path: str | os.PathLike[str]) -> Path:
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -202,30 +202,10 @@ def _blocked_int2_attention(
     attention_mask: torch.Tensor | None = None,
     block: int = SIM_QUERY_BLOCK,
 ) -> torch.Tensor:
-    """The general path of :func:`simulated_int2_attention` (padding masks, ``S < L``): blocks of
-    queries attend at once over only the keys they need, through one masked SDPA per block.
-
-    Causal attention where each query reads window keys exactly and older keys as INT2.
-
-    Query ``t`` (absolute position ``i = L − S + t``) reads key/value ``j ≤ i`` from
-    ``k_exact``/``v_exact`` when ``j < prefix`` or ``i − j ≤ recent`` (the sink, the current token
-    and the ``recent`` tokens before it) and from ``k_int2``/``v_int2`` otherwise: what a decode
-    step at position ``i`` reads from the OSCAR cache. Blocks of ``block`` queries are attended
-    at once over only the keys they need, so the cost is about that of one causal attention.
-
-    Args:
-        query: ``[B, Hq, S, d]`` (in the same basis as the keys).
-        k_exact, v_exact: ``[B, Hkv, L, d]`` window versions (``L ≥ S``).
-        k_int2, v_int2: ``[B, Hkv, L, d]`` dequantized INT2 versions.
-        prefix, recent: window sizes.
-        scale: softmax scale.
-        attention_mask: optional ``[B or 1, 1, S, L]`` boolean (True = attend) or additive mask,
-            combined with the causal rule (padding).
-        block: query rows per block.
-
-    Returns:
-        ``[B, Hq, S, d]`` in ``query``'s dtype.
-    """
+    """The general path of :func:`simulated_int2_attention` (padding masks, ``S < L``, any device), with its
+    arguments: blocks of ``block`` queries attend at once over only the keys they need (the sink, the INT2
+    keys ``prefix ≤ j ≤ i − recent − 1``, the exact band), through one masked SDPA per block, so the cost is
+    about that of one causal attention."""
     b, _, s, _ = query.shape
     length = k_exact.shape[2]
     offset = length - s
