@@ -185,3 +185,33 @@ def test_refine_trains_for_the_store_it_is_served_in(dump: Path, tmp_path: Path,
     assert err == ["error: --scale-dtype: the INT2 store that --refine trains for; add --refine STEPS"]
     opts = RefineOptions(int2kv=Int2KVConfig(scale_dtype="bfloat16"))
     assert opts.config().int2kv.scale_dtype == "bfloat16" and RefineOptions().config().int2kv == Int2KVConfig()
+
+
+def test_refine_signs_learns_only_column_signs(dump: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--param signs: each learned matrix is its closed-form init with some columns negated (R0·D), never worse on
+    the held-out blocks, named apart (…signs_<init>) and evaluated as given (its signs were learned)."""
+    from rotationzoo.fit.result import learned_objective
+
+    out = tmp_path / "signs"
+    assert _cli(["fit", "--dump", str(dump), "--out", str(out), "--refine", "1", "--init", "oscar", "-g", "16",
+                 "--loss", "block", "--param", "signs"]) == 0
+    capsys.readouterr()
+    m = json.loads((out / "rotationzoo.json").read_text())
+    assert m["refinement"]["parametrization"] == "signs"
+    flipped = 0
+    for side in ("k", "v"):
+        path = next(out.glob(f"{side}_rotation_*.pt"))
+        rs = read_rotation(path)
+        assert "signs_" in rs.objective and learned_objective(rs.objective)
+        for layer in m["refinement"]["layers"][side]:
+            assert layer["heldout_final"] <= layer["heldout_init"] + 1e-12
+    res = refine_dump(dump, RefineOptions(steps=1, init="oscar", loss="block", param="signs"), group_size=16)
+    for side in ("k", "v"):
+        init, learned = getattr(res.init[0 if side == "k" else 1], "rotations"), getattr(res, side).rotations
+        ratio = learned / init  # ±1 per column wherever the init is not 0
+        signs = torch.sign(ratio[..., :1, :])
+        assert torch.allclose(learned, init * signs, atol=1e-6)
+        flipped += int((signs < 0).sum())
+    assert flipped > 0  # some columns' signs change the rounding enough to be chosen
+    assert _cli(["fit", "--dump", str(dump), "--out", str(tmp_path / "x"), "--param", "signs"]) == 1
+    assert "--param signs: what --refine learns; add --refine STEPS" in capsys.readouterr().err

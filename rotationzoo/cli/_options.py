@@ -111,6 +111,11 @@ TimeoutOpt = Annotated[Optional[float], typer.Option(
 SideOpt = Annotated[Optional[str], typer.Option("--side", click_type=choice(vocab.SIDES),
                                                 help="k | v: which side a single file is, or which side to keep.")]
 RotationsHelp = ROTATIONS_HELP
+ParamOpt = Annotated[str, typer.Option(
+    "--param", click_type=choice(("expm", "cayley", "signs")),
+    help="With --refine: what is learned: the rotation (expm or cayley parametrisation) or, signs, only the init's "
+         "column signs (R0·D, chosen greedily on the calibration blocks; --refine N is then N sweeps over the "
+         "columns), to tell learned signs from a learned rotation.")]
 ServingOpt = Annotated[Optional[str], typer.Option(
     "--serving", help="With --refine: train for the INT2 store of this registry entry, MODEL[@TAG] (its group size, "
                       "scale/zero dtype, windows and clip ratios); -g and the INT2-KV options below override it.")]

@@ -35,6 +35,7 @@ from ._keep import check_keep_knobs, keep_calibrated, keep_ids, keep_model_and_i
 from ._options import (
     BlockSizeOpt,
     KClipOpt,
+    ParamOpt,
     PrefixOpt,
     RecentOpt,
     ScaleDtypeOpt,
@@ -111,21 +112,24 @@ def _parse_layers(text: Optional[str]) -> Optional[list[int]]:
 
 
 def _refine_options(steps: int, init: str, seed: int, sample_tokens: Optional[int], loss: str,
-                    block_size: Optional[int], queries_per_block: Optional[int], int2kv: Any = None) -> Any:
+                    block_size: Optional[int], queries_per_block: Optional[int], int2kv: Any = None,
+                    param: str = "expm") -> Any:
     from ..fit import RefineOptions
 
     extra = {"sample_tokens": sample_tokens} if sample_tokens is not None else {}
     return RefineOptions(steps=steps, init=init, seed=seed, loss=loss, block_size=block_size,
-                         queries_per_block=queries_per_block, int2kv=int2kv, **extra)
+                         queries_per_block=queries_per_block, int2kv=int2kv, param=param, **extra)
 
 
-def _trained_store(refine: Optional[int], serving: Optional[str], **knobs: Any) -> Any:
+def _trained_store(refine: Optional[int], serving: Optional[str], param: str = "expm", **knobs: Any) -> Any:
     """The INT2 store ``--refine`` trains for: ``--serving MODEL@TAG``'s settings (else the defaults) with the
-    INT2-KV options given; ``None`` when neither is given. Refused without ``--refine``."""
+    INT2-KV options given; ``None`` when neither is given. Refused without ``--refine`` (so is ``--param``)."""
     from ..errors import CLIError
     from ..int2kv import Int2KVConfig
     from ..registry import get_entry, split_model_tag
 
+    if param != "expm" and refine is None:
+        raise CLIError(f"--param {param}: what --refine learns; add --refine STEPS")
     given = {k: v for k, v in knobs.items() if v is not None}
     if not given and serving is None:
         return None
@@ -226,6 +230,7 @@ def fit_command(
     block_size: BlockSizeOpt = None,
     queries_per_block: QueriesPerBlockOpt = None,
     serving: ServingOpt = None,
+    param: ParamOpt = "expm",
     scale_dtype: ScaleDtypeOpt = None, prefix_tokens: PrefixOpt = None, recent_tokens: RecentOpt = None,
     k_clip_ratio: KClipOpt = None, v_clip_ratio: VClipOpt = None,
     keep_text: KeepTextOpt = None,
@@ -315,9 +320,9 @@ def fit_command(
             raise CLIError("--refine needs --dump DIR (the calibration samples)")
         _check_recipe("qqt_sst", None, grouping, center, True)
         check_keep_knobs(keep_text, keep_tokens, keep_context, refine, keep_model)
-        store = _trained_store(refine, serving, scale_dtype=scale_dtype, prefix_tokens=prefix_tokens,
+        store = _trained_store(refine, serving, param, scale_dtype=scale_dtype, prefix_tokens=prefix_tokens,
                                recent_tokens=recent_tokens, k_clip_ratio=k_clip_ratio, v_clip_ratio=v_clip_ratio)
-        options = _refine_options(refine, init, seed, sample_tokens, loss, block_size, queries_per_block, store)
+        options = _refine_options(refine, init, seed, sample_tokens, loss, block_size, queries_per_block, store, param)
         opened = open_dump(dump, keep_first_chunk=keep_first_chunk, layers=layer_ids, tp_size=tp_size)
         # texts checked, model loaded, held-out tokens read: before the dump's activations are read
         judge = keep_model_and_ids(keep_text, keep_model, keep_tokens, keep_context, opened.context() if keep_text else 0,
@@ -329,7 +334,7 @@ def fit_command(
         _report(result, write_fitted(result, out, model=model, tag=tag, fmt=fmt), as_json)
         return
     check_keep_knobs(keep_text, keep_tokens, keep_context, refine, keep_model)
-    _trained_store(refine, serving, scale_dtype=scale_dtype, prefix_tokens=prefix_tokens, recent_tokens=recent_tokens,
+    _trained_store(refine, serving, param, scale_dtype=scale_dtype, prefix_tokens=prefix_tokens, recent_tokens=recent_tokens,
                    k_clip_ratio=k_clip_ratio, v_clip_ratio=v_clip_ratio)  # refused without --refine
     _check_recipe(objective, composition, grouping, center, False)  # before the dump is opened
     source = None if dump is None else open_dump(dump, keep_first_chunk=keep_first_chunk, layers=layer_ids,
@@ -388,6 +393,7 @@ def calibrate_command(
     block_size: BlockSizeOpt = None,
     queries_per_block: QueriesPerBlockOpt = None,
     serving: ServingOpt = None,
+    param: ParamOpt = "expm",
     scale_dtype: ScaleDtypeOpt = None, prefix_tokens: PrefixOpt = None, recent_tokens: RecentOpt = None,
     k_clip_ratio: KClipOpt = None, v_clip_ratio: VClipOpt = None,
     keep_text: KeepTextOpt = None,
@@ -436,9 +442,9 @@ def calibrate_command(
     from ..integrations.transformers import calibrate, check_text_files, load_model, load_tokenizer, peek_model
     from ..integrations.transformers.loading import model_provenance
 
-    store = _trained_store(refine, serving, scale_dtype=scale_dtype, prefix_tokens=prefix_tokens,
+    store = _trained_store(refine, serving, param, scale_dtype=scale_dtype, prefix_tokens=prefix_tokens,
                            recent_tokens=recent_tokens, k_clip_ratio=k_clip_ratio, v_clip_ratio=v_clip_ratio)
-    options = (_refine_options(refine, init, seed, sample_tokens, loss, block_size, queries_per_block, store)
+    options = (_refine_options(refine, init, seed, sample_tokens, loss, block_size, queries_per_block, store, param)
                if refine is not None else None)
     check_token_budget(tokens, _min_tokens(min_tokens))  # before the model loads
     _check_recipe(objective, composition, grouping, center, refine is not None)

@@ -82,11 +82,46 @@ def polar(r: torch.Tensor) -> torch.Tensor:
     return u @ vh
 
 
+def _optimize_signs(r0: torch.Tensor, data: LayerData, train: torch.Tensor, passes: int, cfg: RefineConfig,
+                    on_step: Callable[[int], None] | None = None) -> tuple[torch.Tensor, list[float]]:
+    """Column signs only (``param="signs"``): ``R = R0·D`` with ``D`` a ±1 diagonal, chosen greedily on every
+    training block: ``passes`` sweeps over the columns, each column flipped where that lowers the loss (per
+    head with per-head rotations, else for the layer). ``R0·D`` is exactly as orthogonal as ``R0``; only
+    the INT2 store's rounding, which is not symmetric under a sign flip, sees the difference."""
+    r = r0.clone()
+    den = data.den[train].sum(0).clamp_min(1e-30)
+
+    def losses(rr: torch.Tensor) -> torch.Tensor:  # per head (per-head rotations) or of the layer
+        with torch.no_grad():
+            per_head = numerators(rr.to(torch.float32), data, train, cfg)  # [H]
+        return per_head / den if cfg.per_head else per_head.sum() / den.sum()
+
+    current = losses(r)
+    trace = [float(current.sum())]
+    for sweep in range(1, passes + 1):
+        for j in range(r.shape[-1]):
+            flipped = r.clone()
+            flipped[..., :, j].neg_()
+            trial = losses(flipped)
+            better = trial < current
+            if cfg.per_head:
+                r = torch.where(better[:, None, None], flipped, r)
+                current = torch.where(better, trial, current)
+            elif bool(better):
+                r, current = flipped, trial
+        trace.append(float(current.sum()))
+        if on_step is not None:
+            on_step(sweep)
+    return r, trace
+
+
 def _optimize(r0: torch.Tensor, data: LayerData, train: torch.Tensor, steps: int, cfg: RefineConfig,
               gen: torch.Generator, on_step: Callable[[int], None] | None = None) -> tuple[torch.Tensor, list[float]]:
     """Adam (β = 0.9, 0.999, ε = 1e-8) on the skew parameter; returns the fp64 rotation ``[P, d, d]``
     and the minibatch loss trace. Adam is spelled out here (a few lines) rather than taken from
-    ``torch.optim``, whose import costs seconds."""
+    ``torch.optim``, whose import costs seconds. ``param="signs"``: :func:`_optimize_signs`."""
+    if cfg.param == "signs":
+        return _optimize_signs(r0, data, train, steps, cfg, on_step)
     base = r0.clone()
     a = torch.zeros_like(base, requires_grad=True)
     m, v = torch.zeros_like(base), torch.zeros_like(base)

@@ -72,6 +72,8 @@ class RefineOptions:
             :class:`~rotationzoo.fit.refine_loss.RefineConfig` default, 64); a step's cost is linear in it.
         int2kv: the INT2 store the loss trains for (scale/zero dtype, windows, clip ratios; the group size
             comes from ``group_size`` when given): ``None`` keeps :class:`RefineConfig`'s default.
+        param: what is learned (:data:`~rotationzoo.fit.refine_loss.PARAMS`): the rotation (``expm``,
+            ``cayley``) or only the init's column signs (``signs``: ``steps`` sweeps over the columns).
     """
 
     steps: int = DEFAULT_STEPS
@@ -82,6 +84,7 @@ class RefineOptions:
     block_size: int | None = None
     queries_per_block: int | None = None
     int2kv: Int2KVConfig | None = None
+    param: str = "expm"
 
     def __post_init__(self) -> None:
         _check_init(self.init)
@@ -107,7 +110,7 @@ class RefineOptions:
 
     def config(self, base: RefineConfig | None = None) -> RefineConfig:
         """``base`` (default settings) with this ``loss`` (and ``queries_per_block`` and ``int2kv``, when given)."""
-        cfg = replace(base or RefineConfig(), loss=self.loss)
+        cfg = replace(base or RefineConfig(), loss=self.loss, param=self.param)
         if self.int2kv is not None:
             cfg = replace(cfg, int2kv=self.int2kv)
         return cfg if self.queries_per_block is None else replace(cfg, queries_per_block=self.queries_per_block)
@@ -323,14 +326,15 @@ def refine_fit(
     else:
         src, label, means = _given_init(init, centered)
         init = "given"
+    learned = f"signs_{label}" if cfg.param == "signs" else label  # learned signs named apart from a learned rotation
     res = refine_rotations(samples, src, cfg, layers=ids, num_workers=num_workers, progress=progress, means=means)
     first = samples.layers[ids[0]].shape
     assert first is not None
     info = dict(source_info or {})
     result = FitResult(
-        k=_centered(res.rotation_set("k", f"refined_{cfg.loss_name('k')}_{label}"), means, "k"),
-        v=_centered(res.rotation_set("v", f"refined_{cfg.loss_name('v')}_{label}"), means, "v"),
-        objective="refined", composition=label, group_size=group_size,
+        k=_centered(res.rotation_set("k", f"refined_{cfg.loss_name('k')}_{learned}"), means, "k"),
+        v=_centered(res.rotation_set("v", f"refined_{cfg.loss_name('v')}_{learned}"), means, "v"),
+        objective="refined", composition=learned, group_size=group_size,
         targets={side: cfg.loss_name(side) for side in ("k", "v")},
         layer_ids=ids, head_dim=first.head_dim, num_q_heads=first.num_q_heads, num_kv_heads=first.num_kv_heads,
         tokens={lid: samples.layers[lid].tokens_seen for lid in ids}, prompts=info.get("prompts"),

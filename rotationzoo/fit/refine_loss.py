@@ -50,6 +50,10 @@ LOSSES: tuple[str, ...] = REFINE_LOSSES
 SERVED_BLOCK_SIZE = 1024
 
 
+#: What refinement learns: the rotation (``expm``, ``cayley`` parametrisations) or only the init's column signs.
+PARAMS: tuple[str, ...] = ("expm", "cayley", "signs")
+
+
 @dataclass
 class RefineConfig:
     """Settings of :func:`refine_rotations`.
@@ -60,7 +64,9 @@ class RefineConfig:
         lr: Adam learning rate on the skew parameter (radians-ish per step).
         batch_blocks: training blocks per step (all when fewer).
         rebase_every: re-base ``R0 ← R`` every this many steps (0: never).
-        param: ``"expm"`` or ``"cayley"``.
+        param: ``"expm"`` or ``"cayley"`` (how the rotation is parametrised), or ``"signs"``: only the
+            init's column signs are learned (``R0·D``, ``D`` a ±1 diagonal chosen greedily; ``steps`` are
+            sweeps over the columns), so that learned signs can be told apart from a learned rotation.
         int2kv: the INT2-KV settings the loss models (:class:`~rotationzoo.int2kv.Int2KVConfig`, the
             one carrier of them): ``group_size`` (``None`` = head_dim), ``k_clip_ratio`` /
             ``v_clip_ratio`` (kernel semantics, 0 disables), ``scale_dtype`` (what scale/zero are
@@ -102,8 +108,8 @@ class RefineConfig:
         bad = [s for s in self.sides if s not in ("k", "v")]
         if bad or not self.sides:
             raise FitError(f"sides must be a non-empty subset of ('k', 'v'), got {self.sides!r}")
-        if self.param not in ("expm", "cayley"):
-            raise FitError(f"param must be 'expm' or 'cayley', got {self.param!r}")
+        if self.param not in PARAMS:
+            raise FitError(f"param must be one of {', '.join(PARAMS)}, got {self.param!r}")
         if min(self.steps_k, self.steps_v, self.batch_blocks - 1, self.rebase_every) < 0 or not self.lr >= 0:
             raise FitError("steps, rebase_every and lr must be ≥ 0 and batch_blocks ≥ 1")
         if not 0.0 < self.holdout < 1.0:
