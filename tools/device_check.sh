@@ -118,8 +118,9 @@ step bench 140 "$out/int2-kernels.txt" "$py" tools/bench_kernels.py "${bench[@]}
 step noclip 60 "$out/int2-kernels-noclip.txt" "$py" tools/bench_kernels.py "${noclip[@]}" --clip 0 \
   --json-out "$out/int2-kernels-noclip.json"
 
-# 5. decode attention read from the INT2 cache vs SDPA in BF16 (Qwen3-8B geometry; tiny and interpreted in the dry run)
-if [ "$dry" = 1 ]; then decode=(--dry-run); else decode=(); fi
+# 5. decode attention read from the INT2 cache vs SDPA and FlashAttention in BF16 at 32K and 128K (Qwen3-8B
+#    geometry, batch 1 and 8; tiny and interpreted in the dry run)
+if [ "$dry" = 1 ]; then decode=(--dry-run); else decode=(--contexts 32768,131072 --batches 1,8); fi
 step decode 80 "$out/decode.txt" "$py" tools/bench_decode.py --cuda "${decode[@]}" --json-out "$out/decode.json"
 
 if [ -n "$aot_pid" ]; then wait "$aot_pid"; fi
@@ -236,10 +237,12 @@ for label, part in (("clip", bench), ("noclip", noclip)):
               f"{r.get('speedup_fused_vs_two_step', 0):>6.2f}x {r.get('dequant_pct_copy', 0):>6.1f} {'yes' if same else 'NO':>7}")
     if "error" in part:
         print(f"{label:<7} {part['error']}")
-print(f"{'decode':<7} {'ctx':>7} {'B':>2} {'INT2 ms':>8} {'SDPA ms':>8} {'speedup':>7} {'% copy':>6} {'rel err':>8}")
+print(f"{'decode':<7} {'ctx':>7} {'B':>2} {'INT2 ms':>8} {'SDPA ms':>8} {'flash ms':>8} {'vs SDPA':>7} {'vs flash':>8} "
+      f"{'% copy':>6} {'rel err':>8}")
 for r in decode.get("rows", []):
     print(f"{'':<7} {r.get('context', 0):>7} {r.get('batch', 0):>2} {r.get('int2_ms', float('nan')):>8.3f} "
-          f"{r.get('sdpa_ms', float('nan')):>8.3f} {r.get('speedup_vs_sdpa', float('nan')):>6.2f}x "
+          f"{r.get('sdpa_ms', float('nan')):>8.3f} {r.get('flash_ms', float('nan')):>8.3f} "
+          f"{r.get('speedup_vs_sdpa', float('nan')):>6.2f}x {r.get('speedup_vs_flash', float('nan')):>7.2f}x "
           f"{r.get('int2_pct_copy', float('nan')):>6.1f} {r.get('int2_rel_err_vs_reference', float('nan')):>8.1e}")
 if "error" in decode:
     print(f"decode  {decode['error']}")
