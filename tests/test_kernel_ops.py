@@ -35,10 +35,13 @@ def test_decode_operators_pass_opcheck(name):
     mask = torch.ones(1, 1, 2, 138, dtype=torch.bool)
     mask[..., :2] = False
     op = getattr(torch.ops.rotationzoo, name)
-    args = (q, *k, *v, rk, rv.T.contiguous(), mask, 0.125, True, 0)
+    args = (q.bfloat16(), *k, *v, rk, rv.T.contiguous(), mask, 0.125, True, 0)  # a bf16 query, an fp32 result
     torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
     out = op(*args)
     assert out.shape == q.shape and out.dtype == torch.float32
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake = op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+    assert fake.shape == out.shape and fake.dtype == out.dtype
 
 
 @needs_cpp
@@ -61,6 +64,34 @@ def test_compiling_a_function_that_calls_decode_needs_no_graph_break(backend):
     got = compiled(q, k, v)
     want = step(q, k, v)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+_FIRST_CALL_COMPILED = r"""
+import torch
+from rotationzoo.kernels import Int2KV, decode_attention_int2, native
+g = torch.Generator().manual_seed(0)
+x = torch.randn(1, 2, 40, 64, generator=g)
+codes = torch.randint(0, 256, (1, 2, 30, 16), dtype=torch.uint8, generator=g)
+sz = torch.rand(1, 2, 30, 2, generator=g) + 0.5
+kv = Int2KV(x[:, :, :5].bfloat16(), codes, sz, x[:, :, 35:].bfloat16())
+q = torch.randn(1, 4, 1, 64, generator=g)
+fn = torch.compile(lambda t: decode_attention_int2(t, kv, kv, backend="auto"), backend="aot_eager", fullgraph=True)
+out = fn(q)  # the first kernel call of the process happens while tracing: the build runs then, off the graph
+assert native.native_available()
+torch.testing.assert_close(out, decode_attention_int2(q, kv, kv, backend="torch"), rtol=1e-5, atol=1e-5)
+print("OK")
+"""
+
+
+@needs_cpp
+def test_the_first_kernel_call_may_happen_while_compiling():
+    """Whether the C++ kernel runs is decided once while tracing (the build, or the cache lookup, is no
+    part of the graph)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _FIRST_CALL_COMPILED], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
 
 @needs_cpp
