@@ -276,10 +276,12 @@ def test_interpreter_enabled_after_triton_was_imported(tmp_path):
             pass
 
         os.environ["TRITON_INTERPRET"] = "1"
+        from rotationzoo.int2kv import Int2KVConfig
         from rotationzoo.kernels import quantize_int2
         x = torch.randn(9, 64, dtype=torch.bfloat16)
-        a = quantize_int2(x, config=int2_config(0.96), backend="triton")
-        b = quantize_int2(x, config=int2_config(0.96), backend="torch")
+        cfg = Int2KVConfig(k_clip_ratio=0.96, v_clip_ratio=0.0)
+        a = quantize_int2(x, config=cfg, backend="triton")
+        b = quantize_int2(x, config=cfg, backend="torch")
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
         print("ok")
         """

@@ -180,12 +180,13 @@ def test_torch_tooling_builds_with_a_minimal_environment_once_and_the_cache_serv
     dump = tmp_path / "env"
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    script(bin_dir / "rz-test-c++", f'env >> {dump}\necho ---- >> {dump}\nexec {GXX} "$@"\n')
+    dump.mkdir()  # one file per compiler run: ninja may run two at once
+    script(bin_dir / "rz-test-c++", f'env > {dump}/run.$$\nexec {GXX} "$@"\n')
     env = {"CXX": "rz-test-c++", "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
            "CPATH": "/nonexistent", "ROTATIONZOO_PROBE_SECRET": "1"}
     report, err = probe(env, cache=tmp_path / "cache")
     assert report["warnings"] == [] and report["decode"] and report["quantize"], report
-    runs = dump.read_text().split("----")[:-1]
+    runs = [p.read_text() for p in sorted(dump.iterdir())]
     assert len(runs) >= 3  # compile and link of each kernel
     for run in runs:
         seen = dict(line.split("=", 1) for line in run.splitlines() if "=" in line)
@@ -195,10 +196,10 @@ def test_torch_tooling_builds_with_a_minimal_environment_once_and_the_cache_serv
     assert f"LOG rotationzoo: C++ compiler {bin_dir / 'rz-test-c++'} (from CXX='rz-test-c++')" in err
     libs = sorted(p.name for p in (tmp_path / "cache" / "kernels").iterdir())
     assert [n.split("-")[0] for n in libs] == ["rz_decode", "rz_quantize"], libs
-    before = dump.read_text()
+    before = sorted(dump.iterdir())
     report, err = probe(env, cache=tmp_path / "cache")
     assert report["warnings"] == [] and report["decode"] and report["quantize"], report
-    assert dump.read_text() == before, "the cached libraries were compiled again"
+    assert sorted(dump.iterdir()) == before, "the cached libraries were compiled again"
     assert "from the cache" in err
 
 

@@ -228,11 +228,14 @@ def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
 def test_the_simulation_is_the_cache_to_rounding(lm, shipped) -> None:
     """``eval``'s one-forward simulation and the real INT2 cache written token by token read the same
     history: on SmolLM2 with the shipped pair (windows 16 + 32, so that 271 of 320 positions read INT2
-    rows), their KL to the model agrees within 1e-3 (measured 3e-4) and they differ from each other no
-    more than two simulations whose attention outputs differ by fp32 rounding (a relative 1e-7): the
-    INT2 rounding turns any such difference into a few flipped codes, which 30 layers amplify (measured
-    KL(sim ‖ cache) 0.0014 vs 0.0017 for that floor, top-1 agreement 0.952 vs 0.967). A shorter window,
-    another clip search or any other difference in what is read lies far outside the floor."""
+    rows), they differ from each other no more than simulations whose attention outputs differ by fp32
+    rounding (a relative 1e-7, three draws): the INT2 rounding turns any such difference into a few
+    flipped codes, which 30 layers amplify. The floor is what a different CPU's vector width or summation
+    order gives: measured KL(sim ‖ cache) 0.0014–0.0019 vs 0.0017 for the floor, top-1 agreement 0.95–0.97
+    vs 0.967, and the KL to the model moves by up to 0.003 on either side (0.030 vs 0.027 on one machine,
+    3e-4 apart on another). So the KL to the model agrees within three times the largest move a
+    rounding draw makes. A shorter window, another clip search or any other difference in what is read
+    lies far outside the floor."""
     from rotationzoo.integrations.transformers import OscarKV, oscar_kv
 
     model, tok = lm
@@ -250,7 +253,7 @@ def test_the_simulation_is_the_cache_to_rounding(lm, shipped) -> None:
             sim = model(ids, use_cache=False).logits[0]
             hooks = [layer.self_attn.register_forward_hook(rounding) for layer in model.model.layers]
             try:
-                floor = model(ids, use_cache=False).logits[0]
+                floors = [model(ids, use_cache=False).logits[0] for _ in range(3)]
             finally:
                 for h in hooks:
                     h.remove()
@@ -259,14 +262,18 @@ def test_the_simulation_is_the_cache_to_rounding(lm, shipped) -> None:
             real = model.lm_head(torch.cat(hidden))
     first = cfg.prefix_tokens + cfg.recent_tokens + 1  # positions that read INT2 rows
     assert cache.layers[0].stored_tokens()["int2"] == 320 - 48
-    fp, sim, floor, real = fp[first:], sim[first:], floor[first:], real[first:]
+    fp, sim, real = fp[first:], sim[first:], real[first:]
+    floors = [f[first:] for f in floors]
     assert fp.shape[0] >= 256
     kl_sim, kl_real = _kl(fp, sim).mean().item(), _kl(fp, real).mean().item()
-    apart, noise = _kl(sim, real).mean().item(), _kl(sim, floor).mean().item()
+    moves = [abs(kl_sim - _kl(fp, f).mean().item()) for f in floors]
+    apart = _kl(sim, real).mean().item()
+    noise = sum(_kl(sim, f).mean().item() for f in floors) / len(floors)
     top1 = (sim.argmax(-1) == real.argmax(-1)).float().mean().item()
-    top1_floor = (sim.argmax(-1) == floor.argmax(-1)).float().mean().item()
-    print(f"KL to the model: simulation {kl_sim:.5f}, cache {kl_real:.5f}; KL(sim || cache) {apart:.5f} "
-          f"(rounding floor {noise:.5f}); top-1 agreement {top1:.3f} (floor {top1_floor:.3f})")
-    assert abs(kl_sim - kl_real) <= 1e-3
+    top1_floor = sum((sim.argmax(-1) == f.argmax(-1)).float().mean().item() for f in floors) / len(floors)
+    print(f"KL to the model: simulation {kl_sim:.5f}, cache {kl_real:.5f} (a rounding draw moves it by up to "
+          f"{max(moves):.5f}); KL(sim || cache) {apart:.5f} (rounding floor {noise:.5f}); top-1 agreement "
+          f"{top1:.3f} (floor {top1_floor:.3f})")
+    assert abs(kl_sim - kl_real) <= max(1e-3, 3 * max(moves)), (kl_sim, kl_real, moves)
     assert apart <= 2 * noise, (apart, noise)
     assert top1 >= top1_floor - 0.04, (top1, top1_floor)
