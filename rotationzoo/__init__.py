@@ -27,17 +27,17 @@ _LAZY = {
     "ModelEntry": "registry",
     "TagEntry": "registry",
     # rotation files
-    "RotationSet": "format",
-    "read_rotation": "format",
-    "write_rotation": "format",
-    "validate": "validation",
-    "ValidationReport": "validation",
+    "RotationSet": "files.format",
+    "read_rotation": "files.format",
+    "write_rotation": "files.format",
+    "validate": "files.validation",
+    "ValidationReport": "files.validation",
     # fetch / load / resolve
     "fetch": "api",
     "load": "api",
     "FetchResult": "api",
-    "RotationPair": "pair",
-    "resolve_pair": "pair",
+    "RotationPair": "files.pair",
+    "resolve_pair": "files.pair",
     # MLA latent sets
     "load_latent": "mla",
     "verify_latent": "mla",
@@ -68,10 +68,10 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # pragma: no cover
     from .api import FetchResult, fetch, load
     from .export import export_gguf, export_safetensors
-    from .format import RotationSet, read_rotation, write_rotation
+    from .files.format import RotationSet, read_rotation, write_rotation
     from .int2kv import Int2KVConfig
     from .mla import LoadedLatent, load_latent, verify_latent
-    from .pair import RotationPair, resolve_pair
+    from .files.pair import RotationPair, resolve_pair
     from .registry import ModelEntry, Registry, TagEntry, get_entry, get_model, list_models
     from .serving import launch_spec
-    from .validation import ValidationReport, validate
+    from .files.validation import ValidationReport, validate

@@ -22,7 +22,7 @@ from .registry import SIDES, TagEntry, get_entry, split_model_tag
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from .pair import RotationPair
+    from .files.pair import RotationPair
 
 
 @dataclass
@@ -131,11 +131,11 @@ def load(
         atol: orthogonality tolerance for validation.
 
     Returns:
-        :class:`~rotationzoo.pair.RotationPair` whose ``k.rotations`` and ``v.rotations`` are
+        :class:`~rotationzoo.files.pair.RotationPair` whose ``k.rotations`` and ``v.rotations`` are
         ``[L, d, d]`` tensors for the model's attention layers ``pair.layer_ids``, with
         ``pair.entry`` and ``pair.serving`` from the registry.
     """
-    from .pair import load_registered, looks_like_path, resolve_pair  # torch only when tensors are needed
+    from .files.pair import load_registered, looks_like_path, resolve_pair  # torch only when tensors are needed
 
     text = os.fspath(model)
     if isinstance(model, os.PathLike) or Path(text).expanduser().exists() or looks_like_path(text):
@@ -149,7 +149,7 @@ def load(
 
 def __getattr__(name: str) -> Any:
     if name == "RotationPair":
-        from .pair import RotationPair
+        from .files.pair import RotationPair
 
         return RotationPair
     raise AttributeError(name)

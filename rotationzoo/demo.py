@@ -10,7 +10,7 @@ import torch
 
 from .errors import ConfigError
 from .kernels import dequantize_int2, quantize_int2
-from .pair import load_registered
+from .files.pair import load_registered
 from .registry import split_model_tag
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"

@@ -1,11 +1,11 @@
 """Export rotation pairs to one safetensors file or to GGUF (for the authors' llama.cpp branch).
 
 Both layouts hold the K and the V side of a model in one file; they are described in
-:mod:`rotationzoo.pairfile.safetensors` and :mod:`rotationzoo.pairfile.gguf` and in
-``docs/export.md``. Every function takes any source :func:`~rotationzoo.pair.resolve_pair`
+:mod:`rotationzoo.files.pairfile.safetensors` and :mod:`rotationzoo.files.pairfile.gguf` and in
+``docs/export.md``. Every function takes any source :func:`~rotationzoo.files.pair.resolve_pair`
 accepts (a folder, ``k.pt,v.pt``, one rotation file, an exported file, ``MODEL[@TAG]``, a
-:class:`~rotationzoo.pair.RotationPair`), validates it, and writes atomically. The readers return
-a :class:`~rotationzoo.pair.RotationPair` (``read_exported(p).k.rotations`` is ``M``, never
+:class:`~rotationzoo.files.pair.RotationPair`), validates it, and writes atomically. The readers return
+a :class:`~rotationzoo.files.pair.RotationPair` (``read_exported(p).k.rotations`` is ``M``, never
 transposed), and ``rotationzoo verify`` reads exported files too.
 
 Example::
@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ExportError
-from .pair import RotationPair, read_pair, resolve_pair
-from .pairfile import EXPORT_FORMAT_VERSION, file_kind, is_gguf, write_gguf, write_pair_safetensors
-from .pairfile.gguf import GGUF_KEY_PREFIX, GGUF_TENSOR
-from .pairfile.safetensors import SAFETENSORS_FORMAT, pair_metadata
+from .files.pair import RotationPair, read_pair, resolve_pair
+from .files.pairfile import EXPORT_FORMAT_VERSION, file_kind, is_gguf, write_gguf, write_pair_safetensors
+from .files.pairfile.gguf import GGUF_KEY_PREFIX, GGUF_TENSOR
+from .files.pairfile.safetensors import SAFETENSORS_FORMAT, pair_metadata
 from .vocab import EXPORT_FORMATS
 
 
@@ -51,7 +51,7 @@ def export_safetensors(
     """Write K and V rotations (eigenvalues and companions too) into one safetensors file, atomically.
 
     Args:
-        rotations: what to export (anything :func:`~rotationzoo.pair.resolve_pair` accepts).
+        rotations: what to export (anything :func:`~rotationzoo.files.pair.resolve_pair` accepts).
         out: destination file.
         tag: calibration tag for a registry model.
         side: ``"k"`` or ``"v"``: export only that side (or name the side of a single file).

@@ -8,7 +8,7 @@ Example::
     rotationzoo.load_latent("./glm52-rotations", model="GLM-5.2")   # a local copy, against the model's layers
 
 A set is valid when every ``layer_<id>.pt`` reads safely as a ``[rank, rank]`` latent rotation
-(:mod:`rotationzoo.latent`), is finite and orthogonal (or inverted by its ``q_rotation``), and the
+(:mod:`rotationzoo.files.latent`), is finite and orthogonal (or inverted by its ``q_rotation``), and the
 folder covers the model's latent layers exactly; a missing layer is an error naming it.
 """
 
@@ -21,10 +21,10 @@ from typing import Any, Iterable
 
 from .errors import InvalidRotationError, RotationZooError, UnknownModelError, UnknownTagError
 from .hub.latent import LatentFiles, fetch_latent, import_latent
-from .latent import LatentReport, LatentRotations, is_latent_folder, read_latent_folder, validate_latent
+from .files.latent import LatentReport, LatentRotations, is_latent_folder, read_latent_folder, validate_latent
 from .registry import ModelEntry, get_model, split_model_tag
 from .registry.model import LatentSet
-from .validation import DEFAULT_ATOL, ValidationReport
+from .files.validation import DEFAULT_ATOL, ValidationReport
 
 
 @dataclass
@@ -123,7 +123,7 @@ def _model_for(model: str | None) -> ModelEntry | None:
 def verify_latent(source: str | os.PathLike[str], *, layer_ids: Iterable[int] | None = None,
                   num_layers: int | None = None, rank: int | None = None, atol: float = DEFAULT_ATOL,
                   fetch: dict[str, Any] | None = None) -> ValidationReport:
-    """A :class:`~rotationzoo.validation.ValidationReport` of a latent folder or a registry latent set
+    """A :class:`~rotationzoo.files.validation.ValidationReport` of a latent folder or a registry latent set
     (``objective`` ``mla_latent``, ``head_dim`` the rank); never raises for a bad set."""
     text = os.fspath(source)
     try:

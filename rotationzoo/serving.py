@@ -1,7 +1,7 @@
 """Launch settings for the engines that serve OSCAR INT2 KV caches.
 
 :func:`launch_spec` resolves rotations (a registry entry, fetched and verified if needed, or any
-source :func:`~rotationzoo.pair.resolve_pair` accepts), takes the INT2-KV settings from the entry's
+source :func:`~rotationzoo.files.pair.resolve_pair` accepts), takes the INT2-KV settings from the entry's
 ``serving`` block and the launch knobs from its ``launch`` block, checks the files against what the
 engine target reads, and assembles the environment, command line, preparation steps, caveats, the
 KV heads of each tensor-parallel rank and the server log lines to look for (see
@@ -46,13 +46,13 @@ from .engines import (
     target,
     vllm_env,
 )
-from .derived import ensure_rotation_files, ensure_rotations_gguf, rotations_gguf_path
+from .files.derived import ensure_rotation_files, ensure_rotations_gguf, rotations_gguf_path
 from .errors import RegistryError, RotationZooError, ServingError
 from .launch import LaunchConfig
 from .numbers import check_int, shown
 from .launchspec import OUTPUT_FORMATS, LaunchSpec, OutputFormat, check_printable
 from .serving_mla import latent_model, latent_spec
-from .pair import RotationPair, looks_like_path, resolve_pair
+from .files.pair import RotationPair, looks_like_path, resolve_pair
 from .registry import get_entry, get_model, split_model_tag
 from .registry.safety import check_model_id
 from .sharding import kv_heads_per_rank
@@ -108,8 +108,8 @@ def launch_spec(
     """Resolve rotations (fetching and verifying registry files if needed) and build a launch.
 
     Args:
-        model: a registry id or alias (``MODEL[@TAG]``), a :class:`~rotationzoo.pair.RotationPair`,
-            or any source :func:`~rotationzoo.pair.resolve_pair` accepts (a folder, ``k.pt,v.pt``).
+        model: a registry id or alias (``MODEL[@TAG]``), a :class:`~rotationzoo.files.pair.RotationPair`,
+            or any source :func:`~rotationzoo.files.pair.resolve_pair` accepts (a folder, ``k.pt,v.pt``).
         tag: calibration tag (the model's default when ``None``).
         engine: a target of :data:`rotationzoo.engines.TARGETS`: ``"sglang"`` (the authors' current
             tree, the default), ``"sglang-legacy"`` (their May 2026 fork), ``"vllm"`` (the port of
@@ -130,7 +130,7 @@ def launch_spec(
             whole blocks of the sink, so a sink shorter than one block is refused.
         k_clip_per_layer, k_clip_per_head: K clip tables for the current tree (a JSON file, or a comma
             list per layer), read and checked against the rotations' layers and KV heads first
-            (:mod:`rotationzoo.artefacts`).
+            (:mod:`rotationzoo.files.artefacts`).
 
     Returns:
         A :class:`LaunchSpec`; ``render("shell" | "env" | "json")`` prints it.
@@ -204,9 +204,9 @@ def launch_spec(
 
 def _clip_tables(per_layer: str | os.PathLike[str] | None, per_head: str | os.PathLike[str] | None,
                  layer_ids: tuple[int, ...], kv_heads: int | None) -> tuple[str | None, str | None]:
-    """K clip tables checked against the rotations (:mod:`rotationzoo.artefacts`), as the launch names them
+    """K clip tables checked against the rotations (:mod:`rotationzoo.files.artefacts`), as the launch names them
     (per layer, per head): a table file by its absolute path, a comma list as given."""
-    from .artefacts import read_k_clip_per_head, read_k_clip_per_layer
+    from .files.artefacts import read_k_clip_per_head, read_k_clip_per_layer
 
     layer = head = None
     if per_layer is not None:
@@ -271,7 +271,7 @@ def _calibration_spec(t: Any, model: Any, tag: str | None, model_path: str | Non
 
 
 def _calibration_destination(loads: str, hub_id: bool) -> str:
-    from .calibrated import calibration_folder_name
+    from .files.calibrated import calibration_folder_name
 
     folder = calibration_folder_name(loads) if hub_id else f"{Path(loads).name or 'model'}-<digest12>"
     return (f"the server fits the pair at start-up and writes it to $HF_HOME/oscar-rotations/{folder}/ (for the "

@@ -7,18 +7,15 @@ way: rank ``r`` keeps heads ``[b, b + local)`` with ``local = max(1, H // tp)``,
 ``rep = local · tp / H`` (1 unless heads are replicated) and ``b = (r // rep) · local``; its
 companions with a head axis (``k_mean [H, d]``, ``q_rotation``, …) are sharded alike, and ``[d]``
 vectors and one-rotation-per-layer sets are the same on every rank. A bare stacked tensor is never
-sharded: its first axis could be layers or heads.
+sharded: its first axis could be layers or heads. The rule is here (no torch: the registry checks TP sizes
+with it); :func:`rotationzoo.files.rotation_set.shard_set` applies it to a set.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .errors import ConfigError
-
-if TYPE_CHECKING:  # pragma: no cover - the rule itself needs no torch (the registry checks TP sizes with it)
-    from .rotation_set import RotationSet
 
 #: Largest tensor-parallel size accepted.
 MAX_TP = 1024
@@ -57,29 +54,3 @@ def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> list[tuple[int, ...]]:
 def _valid_tps(h: int, near: int) -> list[int]:
     cands = sorted({t for t in range(1, 4 * max(h, near) + 1) if h % t == 0 or t % h == 0}, key=lambda t: (abs(t - near), t))
     return sorted(cands[:3])
-
-
-def shard_set(rs: "RotationSet", tp_size: int, rank: int) -> "RotationSet":
-    """The part of ``rs`` that rank ``rank`` of ``tp_size`` loads: its KV heads of a per-KV-head set (with
-    the companions' head axes), or ``rs`` itself for one rotation per layer.
-
-    Raises:
-        ConfigError: a bad rank, heads that cannot be split (see :func:`kv_heads_per_rank`).
-    """
-    from .rotation_set import COMPANIONS
-
-    tp = _tp(tp_size)
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < tp:
-        raise ConfigError(f"rank must be an integer in [0, {tp}), got {rank!r}")
-    if not rs.per_head:
-        return rs
-    heads = kv_heads_per_rank(rs.num_kv_heads or 1, tp)[rank]
-    lo, hi = heads[0], heads[-1] + 1
-    changes: dict[str, Any] = {"rotations": rs.stacked(what="sharding")[:, lo:hi].contiguous()}
-    for f in ("eigenvalues", *COMPANIONS):
-        value = getattr(rs, f)
-        if value is None:
-            continue
-        t = rs.stacked(f, what="sharding")
-        changes[f] = t[:, lo:hi].contiguous() if t.dim() >= 3 else t  # [L, H, ...] sliced; [L, d] kept
-    return replace(rs, **changes)

@@ -25,3 +25,12 @@ def int2_config(clip: float = 0.0, group: int | None = None, *, lloyd_max: bool 
              "v_clip_ratio": max(float(clip), 0.0) if side == "v" else 0.0}
     return Int2KVConfig(group_size=group, lloyd_max=lloyd_max, scale_dtype=name, clip_search=search,  # type: ignore[arg-type]
                         **clips)
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    """``rotationzoo ARGV...`` in this process: its exit code, stdout and stderr (``capsys`` captures them)."""
+    from rotationzoo.cli.main import main
+
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err

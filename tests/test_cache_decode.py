@@ -152,7 +152,7 @@ def test_int2_buffers_grow_without_copying_each_step(monkeypatch):
 def _companion_sets(kind):
     import layouts
 
-    from rotationzoo.rotation_set import RotationSet
+    from rotationzoo.files.rotation_set import RotationSet
 
     ids, g = (0, 1), torch.Generator().manual_seed(21)
     if kind == "centered":  # per-KV-head rotations with k_mean and v_mean

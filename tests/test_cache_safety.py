@@ -12,9 +12,10 @@ from hubserver import hub_env, hub_server  # noqa: F401  (fixtures)
 from test_fetch import MODEL, REPO_ID, TAG, zoo  # noqa: F401  (fixture)
 
 import rotationzoo
-from rotationzoo.cli.main import main
 from rotationzoo.errors import CacheError
 from rotationzoo.hub import cache_records, remove_cached, verify_cache
+
+from helpers import run_cli
 
 K_NAME = "k_rotation_qqt_r_h_pbr.pt"
 
@@ -35,18 +36,12 @@ def _intact(files: dict[Path, bytes]) -> None:
         assert p.is_file() and p.read_bytes() == data, f"{p} was touched"
 
 
-def _cli(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 @pytest.mark.parametrize("area", ["files", "derived"])
 def test_cache_verify_never_follows_a_linked_area(cache_dir, tmp_path, capsys, area) -> None:
     victim, files = _victim(tmp_path)
     cache_dir.mkdir(parents=True)
     (cache_dir / area).symlink_to(victim)
-    code, out, err = _cli(capsys, "cache", "verify")
+    code, out, err = run_cli(capsys, "cache", "verify")
     assert code == 1 and "is a symlink" in err and len(err.strip().splitlines()) == 1
     _intact(files)
     with pytest.raises(CacheError, match="symlink"):
@@ -93,7 +88,7 @@ def test_cache_rm_all_with_a_linked_area_removes_nothing(zoo, tmp_path, capsys, 
     if link.exists():
         link.rename(zoo.cache / f"{area}.moved")
     link.symlink_to(victim)
-    code, out, err = _cli(capsys, "cache", "rm", "--all", "--yes")
+    code, out, err = run_cli(capsys, "cache", "rm", "--all", "--yes")
     assert code == 1 and "is a symlink" in err and len(err.strip().splitlines()) == 1
     _intact(files)
     with pytest.raises(CacheError):
@@ -113,7 +108,7 @@ def test_cache_rm_model_with_a_linked_tag_folder_removes_nothing(zoo, tmp_path, 
     link.symlink_to(victim)
     with pytest.raises(CacheError, match="symlink"):
         remove_cached(MODEL, cache_dir=zoo.cache)
-    code, out, err = _cli(capsys, "cache", "rm", "--model", MODEL, "--yes")
+    code, out, err = run_cli(capsys, "cache", "rm", "--model", MODEL, "--yes")
     assert code == 1 and "symlink" in err
     _intact(files)
     link.unlink()

@@ -12,10 +12,11 @@ import torch
 
 import layouts
 import rotationzoo
-from rotationzoo.calibrated import import_calibrated
-from rotationzoo.cli.main import main
+from rotationzoo.files.calibrated import import_calibrated
 from rotationzoo.errors import PairError
 from rotationzoo.hub import cache_records, verify_cache
+
+from helpers import run_cli
 
 
 def calibration_folder(root: Path, *, pending: bool = False, generation: str = "g-0001") -> Path:
@@ -33,15 +34,9 @@ def calibration_folder(root: Path, *, pending: bool = False, generation: str = "
     return d
 
 
-def cli(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_a_pending_publication_is_refused_and_nothing_imported(tmp_path, cache_dir, capsys) -> None:
     d = calibration_folder(tmp_path, pending=True)
-    code, _, err = cli(capsys, "cache", "import", str(d))
+    code, _, err = run_cli(capsys, "cache", "import", str(d))
     assert code == 1 and "pending.json is present" in err and len(err.strip().splitlines()) == 1
     assert not (cache_dir / "imported").exists() or not any((cache_dir / "imported").iterdir())
     with pytest.raises(PairError, match="publication of this pair is in progress or was interrupted"):
@@ -54,7 +49,7 @@ def test_a_complete_pair_is_imported_with_its_provenance(tmp_path, cache_dir, ca
     d = calibration_folder(tmp_path)
     pair = rotationzoo.load(d)  # the folder itself loads, calibration kept
     assert pair.k.calibration["prompt_sha256"] == "ab" * 32
-    code, out, _ = cli(capsys, "cache", "import", str(d), "--json")
+    code, out, _ = run_cli(capsys, "cache", "import", str(d), "--json")
     got = json.loads(out)
     assert code == 0 and got["name"] == "Qwen3-8B-0123456789ab" and got["calibration"]["tokens"] == 4096
     imported = Path(got["folder"])
@@ -63,9 +58,9 @@ def test_a_complete_pair_is_imported_with_its_provenance(tmp_path, cache_dir, ca
     recs = [r for r in cache_records(cache_dir) if r.area == "imported"]
     assert sorted(r.side for r in recs) == ["k", "v"] and all(r.sha256 for r in recs)
     assert all(r.ok for r in verify_cache(cache_dir))
-    code, out, _ = cli(capsys, "cache", "import", str(d))  # the same pair again: fine
+    code, out, _ = run_cli(capsys, "cache", "import", str(d))  # the same pair again: fine
     assert code == 0 and "calibration: generation_id g-0001" in out
-    code, _, _ = cli(capsys, "cache", "rm", "--all", "--yes")
+    code, _, _ = run_cli(capsys, "cache", "rm", "--all", "--yes")
     assert code == 0 and not any((cache_dir / "imported").glob("*")) if (cache_dir / "imported").exists() else True
 
 

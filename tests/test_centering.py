@@ -13,7 +13,7 @@ import layouts  # noqa: E402
 from test_transformers_int2 import D, cfg, tiny_llama  # noqa: E402
 
 from rotationzoo.integrations.transformers import OscarKV, oscar_kv  # noqa: E402
-from rotationzoo.rotation_set import RotationSet  # noqa: E402
+from rotationzoo.files.rotation_set import RotationSet  # noqa: E402
 
 L, H = 2, 2
 

@@ -21,12 +21,12 @@ from test_fetch import MODEL, zoo  # noqa: F401  (fixture)
 
 import layouts
 import rotationzoo
-from rotationzoo import calibrated
-from rotationzoo.calibrated import import_calibrated
+from rotationzoo.files import calibrated
+from rotationzoo.files.calibrated import import_calibrated
 from rotationzoo.cli.main import main
 from rotationzoo.errors import IntegrityError, InvalidRotationError, PairError, RotationZooError
 from rotationzoo.hub import read_marker, verify_cache
-from rotationzoo.validation import validate
+from rotationzoo.files.validation import validate
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,17 +9,12 @@ import sys
 import pytest
 
 from rotationzoo.cli import fetch_cmds
-from rotationzoo.cli.main import main
 from rotationzoo.hub import cache_records, derived_path, record_derived
 from rotationzoo.registry import get_entry
 
+from helpers import run_cli
+
 SMOL = "SmolLM2-135M-Instruct"
-
-
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    rc = main(list(argv))
-    cap = capsys.readouterr()
-    return rc, cap.out, cap.err
 
 
 @pytest.fixture
@@ -36,32 +31,32 @@ def filled(cache_dir):
 
 
 def test_cache_ls_ends_with_a_total(filled, capsys) -> None:
-    rc, out, _ = run(capsys, "cache", "ls")
+    rc, out, _ = run_cli(capsys, "cache", "ls")
     assert rc == 0
     assert out.rstrip().splitlines()[-1] == f"total: 3 files, 6.8 KiB (7,000 bytes) in {filled}"
-    rc, out, _ = run(capsys, "cache", "ls", "--json")
+    rc, out, _ = run_cli(capsys, "cache", "ls", "--json")
     assert json.loads(out)["bytes"] == 7000
 
 
 def test_cache_rm_dry_run_lists_sizes_and_removes_nothing(filled, capsys) -> None:
-    rc, out, _ = run(capsys, "cache", "rm", "--model", SMOL, "--dry-run")
+    rc, out, _ = run_cli(capsys, "cache", "rm", "--model", SMOL, "--dry-run")
     lines = out.rstrip().splitlines()
     assert rc == 0 and len(lines) == 3 and "Qwen" not in out
     assert lines[-1] == "would remove 2 files, 2.9 KiB (3,000 bytes)"
     assert "1000 B" in out and "2.0 KiB" in out
-    rc, out, _ = run(capsys, "cache", "rm", "--model", SMOL, "--tag", "hadamard", "--dry-run", "--json")
+    rc, out, _ = run_cli(capsys, "cache", "rm", "--model", SMOL, "--tag", "hadamard", "--dry-run", "--json")
     got = json.loads(out)
     assert rc == 0 and got["dry_run"] and got["bytes"] == 1000 and len(got["files"]) == 1
-    rc, out, _ = run(capsys, "cache", "rm", "--all", "--dry-run")
+    rc, out, _ = run_cli(capsys, "cache", "rm", "--all", "--dry-run")
     assert out.rstrip().endswith("would remove 3 files, 6.8 KiB (7,000 bytes)")
     assert len(cache_records(filled)) == 3
 
 
 def test_cache_rm_refuses_without_yes_when_stdin_is_not_a_terminal(filled, capsys) -> None:
-    rc, out, err = run(capsys, "cache", "rm", "--model", SMOL)
+    rc, out, err = run_cli(capsys, "cache", "rm", "--model", SMOL)
     assert rc == 1 and out == "" and err.count("\n") == 1 and "--yes" in err and "2 files" in err
     assert len(cache_records(filled)) == 3
-    rc, out, _ = run(capsys, "cache", "rm", "--model", SMOL, "--tag", "hadamard", "--yes")
+    rc, out, _ = run_cli(capsys, "cache", "rm", "--model", SMOL, "--tag", "hadamard", "--yes")
     assert rc == 0 and out == "removed 1 file, 1000 B (1,000 bytes)\n"
     assert {r.tag for r in cache_records(filled)} == {get_entry(SMOL).name, "seq20000_prompt83_group128"}
 
@@ -70,13 +65,13 @@ def test_cache_rm_refuses_without_yes_when_stdin_is_not_a_terminal(filled, capsy
 def test_cache_rm_asks_on_a_terminal(filled, capsys, monkeypatch, answer, kept) -> None:
     monkeypatch.setattr(fetch_cmds, "stdin_is_tty", lambda: True)
     monkeypatch.setattr(sys, "stdin", io.StringIO(answer))
-    rc, _, err = run(capsys, "cache", "rm", "--model", SMOL)
+    rc, _, err = run_cli(capsys, "cache", "rm", "--model", SMOL)
     assert "remove 2 files, 2.9 KiB (3,000 bytes)? [y/N]" in err
     assert rc == (1 if kept == 3 else 0) and len(cache_records(filled)) == kept
 
 
 def test_cache_rm_all_with_yes(filled, capsys) -> None:
-    rc, out, _ = run(capsys, "cache", "rm", "--all", "--yes", "--json")
+    rc, out, _ = run_cli(capsys, "cache", "rm", "--all", "--yes", "--json")
     assert rc == 0 and json.loads(out)["bytes"] == 7000 and cache_records(filled) == []
-    rc, out, _ = run(capsys, "cache", "rm", "--all", "--yes")
+    rc, out, _ = run_cli(capsys, "cache", "rm", "--all", "--yes")
     assert rc == 0 and out == "nothing to remove\n"

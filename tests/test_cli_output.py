@@ -9,40 +9,34 @@ import re
 
 import pytest
 import torch
-from helpers import random_orthogonal
+from helpers import random_orthogonal, run_cli
 
 from rotationzoo.cli.main import main
-from rotationzoo.format import RotationSet, write_rotation
+from rotationzoo.files.format import RotationSet, write_rotation
 
 LONG_ID = "Qwen/Qwen3.5-35B-A3B"
-
-
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    rc = main(list(argv))
-    cap = capsys.readouterr()
-    return rc, cap.out, cap.err
 
 
 # -- list ------------------------------------------------------------------------------------------
 
 
 def test_list_pattern_matches_ids_and_aliases_case_insensitively(capsys) -> None:
-    rc, out, _ = run(capsys, "list", "QWEN3*", "--json")
+    rc, out, _ = run_cli(capsys, "list", "QWEN3*", "--json")
     ids = {m["id"] for m in json.loads(out)}
     assert rc == 0 and "Qwen/Qwen3-8B" in ids and LONG_ID in ids
     assert not any(i.startswith(("HuggingFaceTB/", "zai-org/")) for i in ids)
-    rc, out, _ = run(capsys, "list", "smollm2*", "--json")  # an alias, lower case
+    rc, out, _ = run_cli(capsys, "list", "smollm2*", "--json")  # an alias, lower case
     assert [m["id"] for m in json.loads(out)] == ["HuggingFaceTB/SmolLM2-135M-Instruct"]
-    rc, out, _ = run(capsys, "list", "*/qwen3-8b", "--json")  # the full id
+    rc, out, _ = run_cli(capsys, "list", "*/qwen3-8b", "--json")  # the full id
     assert [m["id"] for m in json.loads(out)] == ["Qwen/Qwen3-8B"]
-    rc, out, err = run(capsys, "list", "qwen")  # no wildcard: an exact name, and a hint
+    rc, out, err = run_cli(capsys, "list", "qwen")  # no wildcard: an exact name, and a hint
     assert rc == 0 and out == "" and "no model matches 'qwen'" in err and "'qwen*'" in err
 
 
 def test_list_plain_is_tab_separated_and_complete(capsys) -> None:
     from rotationzoo.registry import get_model, list_models
 
-    rc, out, _ = run(capsys, "list", "--plain")
+    rc, out, _ = run_cli(capsys, "list", "--plain")
     lines = out.splitlines()
     assert rc == 0 and len(lines) == len(list_models())
     rows = {line.split("\t")[0]: line.split("\t") for line in lines}
@@ -58,7 +52,7 @@ def test_list_in_a_pipe_never_cuts_ids_or_tags(capsys, monkeypatch) -> None:
     from rotationzoo.registry import list_models
 
     monkeypatch.setenv("COLUMNS", "60")
-    rc, out, _ = run(capsys, "list")
+    rc, out, _ = run_cli(capsys, "list")
     assert rc == 0 and "…" not in out
     for m in list_models():
         assert m.id in out and (m.default_tag or "(MLA latent set)") in out
@@ -68,15 +62,15 @@ def test_list_in_a_pipe_never_cuts_ids_or_tags(capsys, monkeypatch) -> None:
 
 
 def test_library_error_is_one_line_and_json_with_json(capsys) -> None:
-    rc, out, err = run(capsys, "info", "Qwen3-9B")
+    rc, out, err = run_cli(capsys, "info", "Qwen3-9B")
     assert rc == 1 and out == "" and err.count("\n") == 1 and err.startswith("error: unknown model 'Qwen3-9B'")
-    rc, out, err = run(capsys, "info", "Qwen3-9B", "--json")
+    rc, out, err = run_cli(capsys, "info", "Qwen3-9B", "--json")
     assert rc == 1 and err == ""
     got = json.loads(out)["error"]
     assert got["type"] == "UnknownModelError" and got["message"].startswith("unknown model 'Qwen3-9B'")
     assert "attempts" not in got
     # serve-args' documented --format json is --json too
-    rc, out, _ = run(capsys, "serve-args", "Qwen3-9B", "--engine", "vllm", "--format", "json")
+    rc, out, _ = run_cli(capsys, "serve-args", "Qwen3-9B", "--engine", "vllm", "--format", "json")
     assert rc == 1 and "unknown model" in json.loads(out)["error"]["message"]
 
 
@@ -91,7 +85,7 @@ def test_json_error_carries_the_attempts_of_a_fetch_error(capsys, monkeypatch) -
         raise exc
 
     monkeypatch.setattr("rotationzoo.api.fetch", fail)
-    rc, out, _ = run(capsys, "fetch", "Qwen3-8B", "--json")
+    rc, out, _ = run_cli(capsys, "fetch", "Qwen3-8B", "--json")
     assert rc == 1
     assert json.loads(out) == {"error": {"type": "FetchError", "message": "could not fetch Qwen/Qwen3-8B: every "
                                          "source failed", "attempts": attempts}}
@@ -103,30 +97,30 @@ def _boom(*a, **k):
 
 def test_unexpected_error_is_one_line_asking_for_debug(capsys, monkeypatch) -> None:
     monkeypatch.setattr("rotationzoo.registry.list_models", _boom)
-    rc, out, err = run(capsys, "list")
+    rc, out, err = run_cli(capsys, "list")
     assert rc == 1 and out == ""
     assert err == ("error: internal error (TypeError: unsupported operand); re-run with --debug and report it\n")
-    rc, out, err = run(capsys, "list", "--json")
+    rc, out, err = run_cli(capsys, "list", "--json")
     assert rc == 1 and json.loads(out)["error"]["type"] == "TypeError" and err == ""
 
 
 def test_debug_shows_the_traceback(capsys, monkeypatch) -> None:
     monkeypatch.setattr("rotationzoo.registry.list_models", _boom)
-    rc, _, err = run(capsys, "--debug", "list")
+    rc, _, err = run_cli(capsys, "--debug", "list")
     assert rc == 1 and "Traceback (most recent call last)" in err and "_boom" in err
     assert err.rstrip().endswith("re-run with --debug and report it")
     monkeypatch.setenv("ROTATIONZOO_DEBUG", "1")
-    rc, _, err = run(capsys, "info", "Qwen3-9B")
+    rc, _, err = run_cli(capsys, "info", "Qwen3-9B")
     assert rc == 1 and "Traceback" in err and "UnknownModelError" in err
     monkeypatch.delenv("ROTATIONZOO_DEBUG")
-    rc, _, err = run(capsys, "info", "Qwen3-9B")  # the mode does not stick to the next run
+    rc, _, err = run_cli(capsys, "info", "Qwen3-9B")  # the mode does not stick to the next run
     assert "Traceback" not in err
 
 
 def test_misspelt_command_is_suggested_once(capsys) -> None:
-    rc, _, err = run(capsys, "lst")
+    rc, _, err = run_cli(capsys, "lst")
     assert rc == 2 and err.count("Did you mean") == 1 and "'list'" in err
-    rc, _, err = run(capsys, "cache", "lss")
+    rc, _, err = run_cli(capsys, "cache", "lss")
     assert rc == 2 and err.count("Did you mean") == 1 and "'ls'" in err
 
 
@@ -138,7 +132,7 @@ def test_misspelt_command_is_suggested_once(capsys) -> None:
     (("demo", "--tokens", "0"), "is not in the range"),
 ])
 def test_out_of_range_numbers_are_usage_errors(capsys, argv, says) -> None:
-    rc, out, err = run(capsys, *argv)
+    rc, out, err = run_cli(capsys, *argv)
     assert rc == 2 and out == "" and says in err and "Traceback" not in err
 
 
@@ -163,9 +157,9 @@ def test_every_command_takes_json() -> None:
 
 
 def test_help_of_demo_tag_and_cache_group(capsys) -> None:
-    rc, out, _ = run(capsys, "demo", "--help")
+    rc, out, _ = run_cli(capsys, "demo", "--help")
     assert rc == 0 and re.search(r"--tag.*Calibration tag", out.replace("\n", " "))
-    rc, out, _ = run(capsys, "cache", "--help")
+    rc, out, _ = run_cli(capsys, "cache", "--help")
     assert rc == 0 and "rotationzoo cache rm --model Qwen3-8B --dry-run" in out and "rotationzoo cache ls" in out
 
 
@@ -196,7 +190,7 @@ def test_help_shows_every_bracketed_text_literally(capsys, monkeypatch) -> None:
     for path, cmd in _commands(typer.main.get_command(app)):
         declared = [t for obj in (cmd, *cmd.params) for t in (getattr(obj, "help", None), cmd.short_help) if t]
         wanted = {flat(m) for t in declared for m in re.findall(r"\[[^\[\]]*\]", t)}
-        rc, out, _ = run(capsys, *path, "--help")
+        rc, out, _ = run_cli(capsys, *path, "--help")
         assert rc == 0
         lost += [(" ".join(path), w) for w in sorted(wanted) if w not in flat(out)]
         checked += len(wanted)
@@ -204,9 +198,9 @@ def test_help_shows_every_bracketed_text_literally(capsys, monkeypatch) -> None:
         capsys.readouterr()
         assert [t for obj in (cmd, *cmd.params) for t in (getattr(obj, "help", None), cmd.short_help) if t] == declared
     assert lost == [] and checked >= 8
-    rc, out, _ = run(capsys, "fit", "--help")
+    rc, out, _ = run_cli(capsys, "fit", "--help")
     assert "the files hold [layers, KV heads, d, d] and" in flat(out) and "[L, H_kv, d, d]" in flat(out)
-    rc, out, _ = run(capsys, "verify", "--help")
+    rc, out, _ = run_cli(capsys, "verify", "--help")
     assert "(matrices [d, d] or [H_kv, d, d])" in flat(out)
 
 
@@ -225,22 +219,22 @@ def test_verify_file_column_keeps_the_end_of_long_paths(tmp_path, capsys, monkey
     from rotationzoo.cli import _output
 
     k, v = _pair(tmp_path)
-    rc, out, _ = run(capsys, "verify", str(k), str(v))
+    rc, out, _ = run_cli(capsys, "verify", str(k), str(v))
     assert rc == 0 and str(k) in out and str(v) in out  # a pipe: whole paths
     monkeypatch.setattr(_output, "PIPE_WIDTH", 100)  # as a 100-column terminal
-    rc, out, _ = run(capsys, "verify", str(k), str(v))
+    rc, out, _ = run_cli(capsys, "verify", str(k), str(v))
     assert rc == 0 and "…/k_rotation_qqt_r_h_pbr.pt" in out and "…/v_rotation_sst_r_h_pbr.pt" in out
     assert max(len(line) for line in out.splitlines()) <= 100
 
 
 def test_verify_accepts_a_pair_folder(tmp_path, capsys) -> None:
     k, v = _pair(tmp_path)
-    rc, out, _ = run(capsys, "verify", str(k.parent), "--json")
+    rc, out, _ = run_cli(capsys, "verify", str(k.parent), "--json")
     reports = json.loads(out)
     assert rc == 0 and [Path(r["path"]).name for r in reports] == [k.name, v.name]
     empty = tmp_path / "empty"
     empty.mkdir()
-    rc, out, _ = run(capsys, "verify", str(empty))
+    rc, out, _ = run_cli(capsys, "verify", str(empty))
     assert rc == 1 and "no rotation pair found" in out
 
 
@@ -252,7 +246,7 @@ def test_verify_strips_ansi_codes_from_messages(tmp_path, capsys, monkeypatch) -
 
     monkeypatch.setattr(torch, "load", coloured)
     for extra in ((), ("--json",)):
-        rc, out, err = run(capsys, "verify", str(k), *extra)
+        rc, out, err = run_cli(capsys, "verify", str(k), *extra)
         assert rc == 1 and "do those steps only" in out
         assert "\x1b" not in out and "\x1b" not in err
 

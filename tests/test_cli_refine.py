@@ -10,7 +10,7 @@ import torch
 
 from rotationzoo.fit import RefineOptions, refine_dump
 from rotationzoo.fit.dump import write_dump
-from rotationzoo.format import read_rotation
+from rotationzoo.files.format import read_rotation
 
 D = 64
 OUTLIERS = (0, 1, 2, 3)
@@ -135,7 +135,7 @@ def test_refined_folder_records_one_int2kv_block(dump: Path, tmp_path: Path) -> 
     from rotationzoo.fit import write_fitted
     from rotationzoo.fit.refine_loss import RefineConfig
     from rotationzoo.int2kv import Int2KVConfig
-    from rotationzoo.pair import resolve_pair
+    from rotationzoo.files.pair import resolve_pair
 
     cfg = RefineConfig(loss="block", int2kv=Int2KVConfig(k_clip_ratio=0.9, prefix_tokens=16))
     res = refine_dump(dump, RefineOptions(loss="block", steps=0), group_size=16, config=cfg)

@@ -16,10 +16,10 @@ from rotationzoo.evaluate import (  # noqa: E402
 )
 from rotationzoo.evaluate.metrics import compare, hidden_states  # noqa: E402
 from rotationzoo.evaluate.protocol import int2_keys  # noqa: E402
-from rotationzoo.format import RotationSet, write_rotation  # noqa: E402
+from rotationzoo.files.format import RotationSet, write_rotation  # noqa: E402
 from rotationzoo.int2kv import Int2KVConfig  # noqa: E402
 from rotationzoo.integrations.transformers import model_shape  # noqa: E402
-from rotationzoo.pair import RotationPair  # noqa: E402
+from rotationzoo.files.pair import RotationPair  # noqa: E402
 
 D = 64
 

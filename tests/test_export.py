@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import rotationzoo
-from rotationzoo.cli.main import main
 from rotationzoo.errors import InvalidRotationError, PairError, RotationFileError
 from rotationzoo.export import (
     ExportError,
@@ -21,10 +20,10 @@ from rotationzoo.export import (
     read_exported_gguf,
     read_exported_safetensors,
 )
-from rotationzoo.format import RotationSet, write_rotation
+from rotationzoo.files.format import RotationSet, write_rotation
 from rotationzoo.hashing import sha256_file
 
-from helpers import random_orthogonal
+from helpers import random_orthogonal, run_cli
 
 gguf = pytest.importorskip("gguf")
 
@@ -41,12 +40,6 @@ def pair_dir(tmp_path: Path) -> Path:
     write_rotation(d / "k_rotation_qqt_r_h_pbr.pt", make_set(seed=1))
     write_rotation(d / "v_rotation_sst_r_h_pbr.pt", make_set(seed=2, objective="sst_r_h_pbr"))
     return d
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    rc = main(list(argv))
-    cap = capsys.readouterr()
-    return rc, cap.out, cap.err
 
 
 # -- safetensors -----------------------------------------------------------------------------------
@@ -351,7 +344,7 @@ def test_cli_export_side_is_honoured(pair_dir, tmp_path, capsys, source, to):
 
 def test_side_of_a_single_file_from_its_name_or_objective(tmp_path) -> None:
     """A single file's side comes from its name (k_/v_), else its objective (qqt/ktk → K, sst/vtv → V)."""
-    from rotationzoo.pair import infer_side, read_pair
+    from rotationzoo.files.pair import infer_side, read_pair
 
     assert infer_side(Path("k_rotation_x.pt"), "sst_r_h_pbr") == "k"  # the name wins
     assert infer_side(Path("rot.pt"), "qqt_r_h_pbr") == "k" and infer_side(Path("rot.pt"), "ktk_plain") == "k"

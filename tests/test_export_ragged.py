@@ -13,7 +13,7 @@ import torch
 import rotationzoo
 from rotationzoo.cli.main import main
 from rotationzoo.export import ExportError, export_gguf, read_exported_gguf
-from rotationzoo.format import RotationSet, write_rotation
+from rotationzoo.files.format import RotationSet, write_rotation
 from rotationzoo.hadamard import hadamard_matrix
 from rotationzoo.registry import get_entry
 

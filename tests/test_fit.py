@@ -29,7 +29,7 @@ from rotationzoo.fit.compose import (
     compose,
     rotation_from_covariance,
 )
-from rotationzoo.validation import sha256_file
+from rotationzoo.files.validation import sha256_file
 
 from authors_reference import br_perm_matrix as ref_perm_matrix
 from authors_reference import build_hadamard as ref_hadamard

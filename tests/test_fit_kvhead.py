@@ -18,7 +18,7 @@ from rotationzoo.fit import (
     write_dump,
     write_fitted,
 )
-from rotationzoo.format import read_rotation
+from rotationzoo.files.format import read_rotation
 
 D = 16
 

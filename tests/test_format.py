@@ -20,7 +20,7 @@ from rotationzoo.errors import (
     UnsupportedFormatError,
 )
 from rotationzoo.hadamard import bit_reversal_permutation, hadamard_matrix
-from rotationzoo.validation import verify_file
+from rotationzoo.files.validation import verify_file
 
 from helpers import random_orthogonal
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import rotationzoo.format as fmt
+import rotationzoo.files.format as fmt
 from rotationzoo import RotationSet, read_rotation, validate, write_rotation
 from rotationzoo.errors import (
     InvalidRotationError,
@@ -24,7 +24,7 @@ from rotationzoo.errors import (
     TorchVersionError,
     UnsafeRotationFileError,
 )
-from rotationzoo.validation import verify_file
+from rotationzoo.files.validation import verify_file
 
 from helpers import random_orthogonal
 

@@ -26,7 +26,7 @@ import torch
 
 from rotationzoo import RotationSet, read_rotation, validate, write_rotation
 from rotationzoo.errors import RotationZooError
-from rotationzoo.validation import verify_file
+from rotationzoo.files.validation import verify_file
 
 from helpers import random_orthogonal
 
@@ -225,7 +225,7 @@ def run_campaign(tmp: Path, n: int, seed: int) -> tuple[collections.Counter, lis
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # pickletools decoding mutated text opcodes
-@pytest.mark.filterwarnings("ignore::rotationzoo.format.RotationFormatWarning")  # mutated labels
+@pytest.mark.filterwarnings("ignore::rotationzoo.files.format.RotationFormatWarning")  # mutated labels
 def test_fuzz_reader_raises_only_typed_errors(tmp_path: Path) -> None:
     t0 = time.perf_counter()
     counts, raw = run_campaign(tmp_path, N_MUTANTS, SEED)
@@ -260,7 +260,7 @@ def test_fuzz_pair_file_metadata_raises_only_typed_errors(tmp_path: Path) -> Non
     import numpy as np
     from safetensors.torch import save_file
 
-    from rotationzoo.pair import read_pair, verify_path
+    from rotationzoo.files.pair import read_pair, verify_path
 
     gguf = pytest.importorskip("gguf")
     T = gguf.GGUFValueType

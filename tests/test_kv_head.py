@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from rotationzoo.cli.main import main
 from rotationzoo.errors import ExportError, InvalidRotationError, RotationFileError
 from rotationzoo.export import export, read_exported
-from rotationzoo.format import RotationFormatWarning, RotationSet, read_rotation, write_rotation
-from rotationzoo.pair import resolve_pair
+from rotationzoo.files.format import RotationFormatWarning, RotationSet, read_rotation, write_rotation
+from rotationzoo.files.pair import resolve_pair
 from rotationzoo.serving import ServingError, launch_spec
-from rotationzoo.validation import validate, verify_file
+from rotationzoo.files.validation import validate, verify_file
+
+from helpers import run_cli
 
 L, H, D = 30, 3, 64  # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64
 
@@ -34,12 +35,6 @@ def pair_dir(tmp_path: Path) -> Path:
     write_rotation(d / "k_rotation.pt", per_head_set(1))
     write_rotation(d / "v_rotation.pt", per_head_set(2))
     return d
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    rc = main(list(argv))
-    cap = capsys.readouterr()
-    return rc, cap.out, cap.err
 
 
 @pytest.mark.parametrize("suffix", ["pt", "safetensors"])

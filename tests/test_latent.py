@@ -15,7 +15,6 @@ import torch
 
 import rotationzoo
 from hubserver import hub_env, hub_server  # noqa: F401  (fixtures)
-from rotationzoo.cli.main import main
 from rotationzoo.errors import (
     FetchError,
     IntegrityError,
@@ -26,9 +25,11 @@ from rotationzoo.errors import (
     UnsafeRotationFileError,
 )
 from rotationzoo.hadamard import hadamard_matrix
-from rotationzoo.latent import read_latent_file, read_latent_folder, validate_latent
+from rotationzoo.files.latent import read_latent_file, read_latent_folder, validate_latent
 from rotationzoo.mla import load_latent
 from rotationzoo.serving import launch_spec
+
+from helpers import run_cli
 
 R, L = 64, 4  # a small latent: rank 64, 4 layers
 MODEL = "acme/Tiny-MLA"
@@ -56,12 +57,6 @@ def latent_folder(path: Path, ids=range(L), *, rank: int = R, dict_layers=()) ->
     for i in ids:
         torch.save(oscar2(i, rank) if i in dict_layers else bare(i, rank), path / f"layer_{i}.pt")
     return path
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    rc = main(list(argv))
-    cap = capsys.readouterr()
-    return rc, cap.out, cap.err
 
 
 def overlay(tmp_path: Path, monkeypatch, **latent) -> Path:

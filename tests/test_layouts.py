@@ -11,14 +11,15 @@ import pytest
 import torch
 
 import layouts
-from rotationzoo.cli.main import main
 from rotationzoo.errors import ExportError, InvalidRotationError, PairError, RotationFileError
 from rotationzoo.export import export, read_exported
-from rotationzoo.format import RotationFormatWarning, read_rotation, write_rotation
+from rotationzoo.files.format import RotationFormatWarning, read_rotation, write_rotation
 from rotationzoo.headdims import HeadDims
-from rotationzoo.pair import resolve_pair
-from rotationzoo.rotation_set import RotationSet
-from rotationzoo.validation import validate, verify_file
+from rotationzoo.files.pair import resolve_pair
+from rotationzoo.files.rotation_set import RotationSet
+from rotationzoo.files.validation import validate, verify_file
+
+from helpers import run_cli
 
 
 def save(tmp_path: Path, name: str, obj) -> Path:
@@ -26,12 +27,6 @@ def save(tmp_path: Path, name: str, obj) -> Path:
     p.parent.mkdir(parents=True, exist_ok=True)
     torch.save(obj, p)
     return p
-
-
-def cli(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def server_load(path: Path, d: int) -> dict[int, torch.Tensor]:
@@ -55,7 +50,7 @@ def test_v1_with_calibration_keeps_it(tmp_path, capsys) -> None:
     p = save(tmp_path, "k_rotation_qqt_r_h_pbr.pt", layouts.v1(with_calibration=True))
     rs = read_rotation(p)
     assert rs.calibration == layouts.calibration() and rs.format_version == 1 and not rs.per_head
-    code, out, _ = cli(capsys, "verify", str(p), "--num-layers", "4", "--head-dim", "16", "--json")
+    code, out, _ = run_cli(capsys, "verify", str(p), "--num-layers", "4", "--head-dim", "16", "--json")
     (rep,) = json.loads(out)
     assert code == 0 and rep["calibration"]["prompt_sha256"] == "ab" * 32 and rep["layout_version"] == 1
 
@@ -64,7 +59,7 @@ def test_v2_per_kv_head_is_read_and_verified(tmp_path, capsys) -> None:
     p = save(tmp_path, "k_perhead.pt", layouts.v2(layers=4, heads=2, d=16))
     rs = read_rotation(p)
     assert rs.per_head and rs.num_kv_heads == 2 and rs.eigenvalues is None and rs.format_version == 2
-    code, out, _ = cli(capsys, "verify", str(p), "--num-layers", "4", "--head-dim", "16", "--json")
+    code, out, _ = run_cli(capsys, "verify", str(p), "--num-layers", "4", "--head-dim", "16", "--json")
     (rep,) = json.loads(out)
     assert code == 0 and rep["source_grouping"] == "kv_head" and rep["format_version"] == 2
     assert rep["num_kv_heads"] == 2 and rep["companions"] == []
@@ -76,12 +71,12 @@ def test_v3_with_k_mean_is_read_and_verified(tmp_path, capsys, shared) -> None:
     rs = read_rotation(p)
     assert rs.k_mean is not None and rs.k_mean.shape == ((4, 16) if shared else (4, 2, 16))
     assert rs.transform == {"key": "center", "centered": True, "orthogonal": True} and rs.centered
-    code, out, _ = cli(capsys, "verify", str(p), "--num-layers", "4", "--head-dim", "16", "--json")
+    code, out, _ = run_cli(capsys, "verify", str(p), "--num-layers", "4", "--head-dim", "16", "--json")
     (rep,) = json.loads(out)
     assert code == 0, rep["problems"]
     assert rep["format_version"] == 3 and rep["companions"] == ["k_mean"]
     assert rep["source_grouping"] == ("layer" if shared else "kv_head")
-    code, out, _ = cli(capsys, "verify", str(p), "--num-layers", "4", "--head-dim", "16")
+    code, out, _ = run_cli(capsys, "verify", str(p), "--num-layers", "4", "--head-dim", "16")
     assert code == 0 and "k_mean" in out
 
 
@@ -101,16 +96,16 @@ def test_ragged_head_dims(tmp_path, capsys) -> None:
     with pytest.raises(RotationFileError, match="head_dims"):
         _ = rs.head_dim
     assert validate(rs, num_layers=4, head_dim=HeadDims(16, {2: 32})).ok
-    code, out, _ = cli(capsys, "verify", str(p), "--num-layers", "4", "--head-dim", "16,2:32", "--json")
+    code, out, _ = run_cli(capsys, "verify", str(p), "--num-layers", "4", "--head-dim", "16,2:32", "--json")
     (rep,) = json.loads(out)
     assert code == 0 and rep["head_dim"] is None and rep["head_dims"] == {"default": 16, "layers": {"2": 32}}
     with pytest.raises(RotationFileError, match="exceeds max_head_dim=16"):
         read_rotation(p, head_dim=16)  # refused before loading
     with pytest.raises(RotationFileError, match="layer 1: head_dim 16, but the model needs 32"):
         read_rotation(p, head_dim=HeadDims(32, {0: 16, 3: 16}))
-    code, _, err = cli(capsys, "verify", str(p), "--head-dim", "16,2:64")
+    code, _, err = run_cli(capsys, "verify", str(p), "--head-dim", "16,2:64")
     assert code == 1
-    code, _, err = cli(capsys, "verify", str(p), "--head-dim", "16,x")
+    code, _, err = run_cli(capsys, "verify", str(p), "--head-dim", "16,x")
     assert code == 2 and "head_dim spec" in err
 
 
@@ -166,9 +161,9 @@ def test_what_is_not_a_usable_rotation_file_is_refused_with_one_line(tmp_path, c
     p = save(tmp_path, "x.pt", obj)
     with pytest.raises(RotationFileError, match=pattern):
         read_rotation(p)
-    code, _, err = cli(capsys, "verify", str(p))
+    code, _, err = run_cli(capsys, "verify", str(p))
     assert code == 1 and len(err.strip().splitlines()) == 1 or code == 1
-    code, out, _ = cli(capsys, "verify", str(p), "--json")
+    code, out, _ = run_cli(capsys, "verify", str(p), "--json")
     assert code == 1 and not json.loads(out)[0]["ok"]
 
 
@@ -196,7 +191,7 @@ def test_invalid_companions_fail_validation(tmp_path, capsys, case) -> None:
     p = save(tmp_path, "k.pt", obj)
     with pytest.raises(InvalidRotationError, match=pattern):
         validate(read_rotation(p))
-    code, out, _ = cli(capsys, "verify", str(p), "--json")
+    code, out, _ = run_cli(capsys, "verify", str(p), "--json")
     assert code == 1 and any(pattern.split(",")[0] in x for x in json.loads(out)[0]["problems"])
 
 
@@ -285,7 +280,7 @@ def test_gguf_export_refuses_what_llamacpp_cannot_apply(tmp_path, capsys, kind, 
     kp, vp = save(tmp_path, "k_rotation_a.pt", k), save(tmp_path, "v_rotation_a.pt", v)
     with pytest.raises(ExportError, match=pattern):
         export(f"{kp},{vp}", tmp_path / "r.gguf", to="gguf")
-    code, _, err = cli(capsys, "export", f"{kp},{vp}", "--to", "gguf", "--out", str(tmp_path / "r.gguf"))
+    code, _, err = run_cli(capsys, "export", f"{kp},{vp}", "--to", "gguf", "--out", str(tmp_path / "r.gguf"))
     assert code == 1 and pattern in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "r.gguf").exists()
 
@@ -301,8 +296,8 @@ def test_info_shows_what_the_cached_files_hold(cache_dir, capsys) -> None:
     for side, seed in (("k", 0), ("v", 1)):
         p = save(folder, entry.files[side].filename, layouts.v1(layers=36, d=128, seed=seed, with_calibration=True))
         hub.record_verified(p, entry, side, sha=sha256_file(p), source="url:https://example.invalid/x")
-    code, out, _ = cli(capsys, "info", "Qwen3-8B", "--json")
+    code, out, _ = run_cli(capsys, "info", "Qwen3-8B", "--json")
     cached = json.loads(out)["tag"]["files"]["k"]["cached"]
     assert code == 0 and cached["calibration"]["prompt_sha256"] == "ab" * 32 and cached["format_version"] == 1
-    code, out, _ = cli(capsys, "info", "Qwen3-8B")
+    code, out, _ = run_cli(capsys, "info", "Qwen3-8B")
     assert code == 0 and "calibration: generation_id g-0001" in out

@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from rotationzoo import hub
-from rotationzoo.cli.main import main
 from rotationzoo.errors import (
     CacheError,
     ExportError,
@@ -30,11 +29,11 @@ from rotationzoo.errors import (
     UnsupportedFormatError,
 )
 from rotationzoo.export import export_safetensors, read_exported
-from rotationzoo.format import KV_HEAD, RotationSet, write_rotation
+from rotationzoo.files.format import KV_HEAD, RotationSet, write_rotation
 from rotationzoo.hashing import read_hashed, sha256_file
-from rotationzoo.pair import read_pair, resolve_pair, verify_path
+from rotationzoo.files.pair import read_pair, resolve_pair, verify_path
 
-from helpers import random_orthogonal
+from helpers import random_orthogonal, run_cli
 
 gguf = pytest.importorskip("gguf")
 T = gguf.GGUFValueType
@@ -46,12 +45,6 @@ def make_folder(d: Path, *, k_layers: int = 4, v_layers: int = 4, k_dim: int = 1
     write_rotation(d / "v_rotation_sst_r_h_pbr.pt", RotationSet(rotations=random_orthogonal(v_layers, v_dim, 2),
                                                                 layer_ids=tuple(range(v_layers)), objective="sst_r_h_pbr"))
     return d
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    rc = main(list(argv))
-    cap = capsys.readouterr()
-    return rc, cap.out, cap.err
 
 
 def rewrite_safetensors(path: Path, *, tensors: dict | None = None, meta: dict | None = None) -> None:
@@ -185,7 +178,7 @@ def test_a_file_changing_while_read_is_refused(tmp_path) -> None:
 def test_a_registry_file_changed_after_verification_is_refused(cache_dir, monkeypatch) -> None:
     """Between the fetch that verified it and the read, a cached file is swapped for another
     valid file: the read's own hash says so."""
-    import rotationzoo.pair as pair_mod
+    import rotationzoo.files.pair as pair_mod
     from rotationzoo.registry import get_entry
     from test_serving import QWEN, seed_cache
 

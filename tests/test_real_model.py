@@ -95,7 +95,7 @@ def report(lm, shipped):
 def test_load_offline_validates(shipped) -> None:
     import rotationzoo
     from rotationzoo.registry import get_entry
-    from rotationzoo.validation import validate
+    from rotationzoo.files.validation import validate
 
     entry = get_entry(MODEL)
     assert shipped.entry.name == entry.name  # the default tag: learned from OSCAR-2 per KV head with key centering

@@ -21,7 +21,7 @@ import torch
 from rotationzoo.errors import FitError
 from rotationzoo.fit import RefineOptions, fit_rotations, refine_dump, write_dump, write_fitted
 from rotationzoo.fit.compose import br_permutation_matrix
-from rotationzoo.format import read_rotation
+from rotationzoo.files.format import read_rotation
 from rotationzoo.hadamard import hadamard_matrix
 
 D, HQ, HKV = 16, 4, 2

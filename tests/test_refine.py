@@ -17,12 +17,12 @@ from rotationzoo.fit.refine import (
     refine_rotations,
 )
 from rotationzoo.fit.samples import CalibrationSamples, LayerSamples
-from rotationzoo.format import RotationSet, read_rotation, write_rotation
+from rotationzoo.files.format import RotationSet, read_rotation, write_rotation
 from rotationzoo.hadamard import hadamard_matrix
 from rotationzoo.int2kv import Int2KVConfig
 from rotationzoo.kernels import dequantize_int2, quantize_int2
 from rotationzoo.kernels.layout import clip_index
-from rotationzoo.validation import validate
+from rotationzoo.files.validation import validate
 
 from helpers import int2_config
 

@@ -136,7 +136,7 @@ def _tiny_llama() -> object:
 
 def _result(k_rot: torch.Tensor, v_rot: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor) -> object:
     from rotationzoo.fit import FitResult
-    from rotationzoo.format import RotationSet
+    from rotationzoo.files.format import RotationSet
 
     def rs(t: torch.Tensor, name: str) -> RotationSet:
         return RotationSet(rotations=t.float().contiguous(), layer_ids=(0, 1), objective=name)

@@ -88,7 +88,7 @@ RECIPES = {
 
 def test_upstream_entries_match_files(upstream_dir: Path) -> None:
     """Every shared upstream file is a pinned registry file with the same sha256 and size."""
-    from rotationzoo.validation import sha256_file
+    from rotationzoo.files.validation import sha256_file
 
     by_sha = {}
     for m in list_models():

@@ -17,12 +17,13 @@ import torch
 
 import rotationzoo
 from rotationzoo import hub
-from rotationzoo.cli.main import main
 from rotationzoo.errors import OfflineError, RotationZooError
-from rotationzoo.format import RotationSet, write_rotation
+from rotationzoo.files.format import RotationSet, write_rotation
 from rotationzoo.hashing import sha256_file
 from rotationzoo.registry import get_entry, load_registry
 from rotationzoo.serving import ServingError, launch_spec, serve_env
+
+from helpers import run_cli
 
 #: the bundled shared (one rotation per layer) SmolLM2 pair, which every engine reads
 SMOL_SHARED = "SmolLM2-135M-Instruct@emma-seq20000_prompt10_group16-r_pbr_hg16"
@@ -117,12 +118,6 @@ def tuned_qwen(cache_dir: Path, tmp_path: Path, monkeypatch) -> dict[str, Path]:
         hub.record_verified(dest, entry, side, sha=sha256_file(dest), source="url:https://example.invalid")
         out[side] = dest
     return out
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    rc = main(list(argv))
-    cap = capsys.readouterr()
-    return rc, cap.out, cap.err
 
 
 # -- SGLang --------------------------------------------------------------------------------------

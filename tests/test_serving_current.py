@@ -20,10 +20,9 @@ import torch
 import layouts
 import rotationzoo
 from rotationzoo import hub
-from rotationzoo.cli.main import main
 from rotationzoo.engines import TARGETS, absorption, pair_kinds, target
 from rotationzoo.errors import ConfigError, RegistryError, ServingError, UnknownTagError
-from rotationzoo.format import RotationSet, write_rotation
+from rotationzoo.files.format import RotationSet, write_rotation
 from rotationzoo.hadamard import hadamard_matrix
 from rotationzoo.hashing import sha256_file
 from rotationzoo.launch import LaunchConfig
@@ -34,14 +33,10 @@ from rotationzoo.registry.load import parse_model
 from rotationzoo.serving import launch_spec
 from rotationzoo.sharding import kv_heads_per_rank
 
+from helpers import run_cli
+
 MOE = "Qwen3-30B-A3B"
 REPO = Path(__file__).resolve().parents[1]
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    rc = main(list(argv))
-    cap = capsys.readouterr()
-    return rc, cap.out, cap.err
 
 
 def split_shell(out: str) -> tuple[dict[str, str], list[str]]:
@@ -74,7 +69,7 @@ def perhead_files(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def moe_pair(perhead_files) -> rotationzoo.RotationPair:
     """The registry entry with its per-head files, read once (what ``rotationzoo.load`` returns, unvalidated)."""
-    from rotationzoo.format import read_rotation
+    from rotationzoo.files.format import read_rotation
 
     sets = {s: read_rotation(p) for s, p in perhead_files.items()}
     return rotationzoo.RotationPair(sets, entry=get_entry(MOE), paths=dict(perhead_files),

@@ -8,8 +8,9 @@ import torch
 
 import layouts
 from rotationzoo.errors import ConfigError
-from rotationzoo.rotation_set import RotationSet
-from rotationzoo.sharding import kv_heads_per_rank, shard_set
+from rotationzoo.files.rotation_set import RotationSet
+from rotationzoo.files.rotation_set import shard_set
+from rotationzoo.sharding import kv_heads_per_rank
 
 
 @pytest.mark.parametrize("heads, tp, want", [

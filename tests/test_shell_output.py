@@ -20,10 +20,10 @@ import torch
 
 from rotationzoo.cli.main import main
 from rotationzoo.errors import RotationZooError
-from rotationzoo.format import RotationSet, write_rotation
-from rotationzoo.pair import read_pair
-from rotationzoo.pairfile import write_pair_safetensors
-from rotationzoo.pairfile.safetensors import pair_metadata
+from rotationzoo.files.format import RotationSet, write_rotation
+from rotationzoo.files.pair import read_pair
+from rotationzoo.files.pairfile import write_pair_safetensors
+from rotationzoo.files.pairfile.safetensors import pair_metadata
 from rotationzoo.serving import MODEL_PLACEHOLDER, LaunchSpec, ServingError, launch_spec
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")

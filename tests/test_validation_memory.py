@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from rotationzoo import RotationSet, read_rotation, validate, write_rotation
-from rotationzoo._schema import VALIDATION_CHUNK_BYTES, validation_chunks, validation_work_bytes
+from rotationzoo.files.schema import VALIDATION_CHUNK_BYTES, validation_chunks, validation_work_bytes
 from rotationzoo.errors import RotationFileError
-from rotationzoo.validation import nonfinite_counts, orthogonality_errors
+from rotationzoo.files.validation import nonfinite_counts, orthogonality_errors
 
 from helpers import random_orthogonal
 
@@ -90,7 +90,7 @@ def test_chunked_errors_equal_the_plain_computation() -> None:
 def test_identical_matrices_are_measured_once() -> None:
     """Layers that share one stored matrix (as in a data-free Hadamard file, or a small hostile
     file declaring a thousand layers) cost one measurement; every layer still gets its result."""
-    from rotationzoo.validation import _distinct, measure_matrices
+    from rotationzoo.files.validation import _distinct, measure_matrices
 
     base = random_orthogonal(6, 32, 8)
     base[4] += 1e-3  # not orthogonal

@@ -12,21 +12,16 @@ import pytest
 import torch
 
 from hubserver import hub_env, hub_server  # noqa: F401  (fixtures)
-from rotationzoo.artefacts import identify_torch_file, read_k_clip_per_head, read_k_clip_per_layer
-from rotationzoo.cli.main import main
+from rotationzoo.files.artefacts import identify_torch_file, read_k_clip_per_head, read_k_clip_per_layer
 from rotationzoo.errors import ConfigError, RotationFileError
-from rotationzoo.format import RotationSet, read_rotation, write_rotation
+from rotationzoo.files.format import RotationSet, read_rotation, write_rotation
 from rotationzoo.hadamard import hadamard_matrix
 from rotationzoo.registry import get_entry, get_model
 from rotationzoo.serving import launch_spec
 
+from helpers import run_cli
+
 ZOO = "Zhongzhu/OSCAR-RotationZoo"
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    rc = main(list(argv))
-    cap = capsys.readouterr()
-    return rc, cap.out, cap.err
 
 
 def pair_bytes(tmp: Path, model: str, seed: int = 0) -> dict[str, bytes]:

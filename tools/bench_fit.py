@@ -232,7 +232,7 @@ def aligned_max_diff(path_a: Path, path_b: Path) -> dict:
     """Largest |R_a − R_b| after aligning eigenvector signs (r_h_pbr: U = R·Pᵀ·H)."""
     import torch
 
-    from rotationzoo.format import read_rotation
+    from rotationzoo.files.format import read_rotation
     from rotationzoo.fit.compose import br_permutation_matrix
     from rotationzoo.hadamard import hadamard_matrix
 

@@ -241,7 +241,7 @@ def cmd_cache_import(
         return
     if subspace or accept_new:
         raise CLIError("--subspace and --accept-new go with --latent MODEL")
-    from ..calibrated import import_calibrated
+    from ..files.calibrated import import_calibrated
 
     got = import_calibrated(folder, name=name, cache_dir=cache_dir, force=force, allow_mixed=allow_mixed)
     if json_out:

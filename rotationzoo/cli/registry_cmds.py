@@ -31,7 +31,7 @@ from ._output import console, emit_json, plain, print_warning, tail
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..registry import ModelEntry
-    from ..validation import ValidationReport
+    from ..files.validation import ValidationReport
 
 
 def _matches(pattern: str, m: ModelEntry) -> bool:
@@ -119,7 +119,7 @@ def cmd_info(
     rotationzoo info Qwen3-8B --tag longbench-seq150000_prompt44_group128
     """
     from ..hub.pins import local_pins, pin_state
-    from ..pair import cached_details
+    from ..files.pair import cached_details
     from ..registry import get_model, split_model_tag
 
     name, at_tag = split_model_tag(model)
@@ -272,7 +272,7 @@ def cmd_verify(
     if not paths:
         raise CLIError("give one or more rotation files to check, or --registry to check the registry entries")
     from ..headdims import HeadDims
-    from ..pair import verify_path
+    from ..files.pair import verify_path
 
     layer_ids: tuple[int, ...] | None = None
     num_kv_heads: int | None = None

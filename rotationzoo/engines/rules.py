@@ -186,7 +186,7 @@ def serve_env(config: Int2KVConfig, engine: str, paths: Mapping[str, str | os.Pa
         paths: local rotation files ``{"k": path, "v": path}`` (unused by a target that reads the
             rotations from the model GGUF).
         head_dim: the model's head_dim, for a configuration whose ``group_size`` is ``None``.
-        pair: the :class:`~rotationzoo.pair.RotationPair` the paths belong to, if any: its files decide
+        pair: the :class:`~rotationzoo.files.pair.RotationPair` the paths belong to, if any: its files decide
             what the target must read (and refuses) and whether absorption may be on; its registry entry
             gives the launch knobs.
 

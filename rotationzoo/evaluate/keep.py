@@ -26,7 +26,7 @@ import torch
 
 from ..errors import EvaluationError
 from ..fit.result import KEPT_INIT
-from ..format import RotationSet
+from ..files.format import RotationSet
 from ..int2kv import Int2KVConfig
 from ..integrations.transformers import OscarKV, model_shape
 from ..progress import Progress

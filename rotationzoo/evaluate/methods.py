@@ -1,6 +1,6 @@
 """What is evaluated: the unquantized model, INT2 without rotation, Hadamard, or any rotation pair.
 
-Rotations come from :func:`rotationzoo.pair.resolve_pair` (a folder, ``k.pt,v.pt``, an exported
+Rotations come from :func:`rotationzoo.files.pair.resolve_pair` (a folder, ``k.pt,v.pt``, an exported
 file, ``MODEL[@TAG]``, a fit result). Every rotation method can be evaluated over sign draws:
 ``R·D`` with ``D`` a seeded random ±1 diagonal per layer (and KV head) and side, an equally valid
 variant of the same rotation (the method's math does not change, its rounding does). A side learned
@@ -23,7 +23,7 @@ from ..hadamard import hadamard_matrix
 from ..int2kv import Int2KVConfig
 from ..integrations.transformers import ModelShape, OscarKV
 from ..kvformat import KVFormat
-from ..pair import RotationPair, resolve_pair
+from ..files.pair import RotationPair, resolve_pair
 
 MethodKind = Literal["fp", "none", "hadamard", "rotations"]
 #: Names with a built-in meaning in ``--methods``.
@@ -75,7 +75,7 @@ class MethodSpec:
 
     @classmethod
     def from_source(cls, name: str, rotations: Any, **fetch: Any) -> "MethodSpec":
-        """Rotations from anything :func:`~rotationzoo.pair.resolve_pair` accepts (validated); ``fetch``:
+        """Rotations from anything :func:`~rotationzoo.files.pair.resolve_pair` accepts (validated); ``fetch``:
         the fetch options of a registry id (``source``, ``revision``, ``cache_dir``, ``offline``, ``timeout``)."""
         pair = resolve_pair(rotations, **fetch)
         source = rotations

@@ -53,7 +53,7 @@ from typing import Iterable
 import torch
 
 from ..errors import FitError
-from ..format import RotationSet
+from ..files.format import RotationSet
 from ..hadamard import bit_reversal_permutation, hadamard_matrix
 
 from ..vocab import AUTHOR_COMPOSITIONS, COMPOSITIONS, SignConvention  # noqa: F401 - re-exported

@@ -3,7 +3,7 @@
 A dump comes from a server hook, a colleague or a download, and whoever made it may be hostile or
 careless. Every path the reader follows must resolve inside the dump folder; every file it opens
 must be a regular file (a FIFO, device or socket is refused without blocking); every chunk must be a
-``torch.save`` zip archive whose pickle, inspected by :mod:`rotationzoo._inspect` without being
+``torch.save`` zip archive whose pickle, inspected by :mod:`rotationzoo.files.limits` without being
 executed, describes one dense tensor within :class:`DumpLimits` (no stride-0, negative-stride or
 overlapping view, no storage larger or smaller than its view, no record past the end of the file);
 ``seq_lens`` must be positive integers that sum to the chunk's rows; ``rotationzoo_dump.json`` is
@@ -26,17 +26,8 @@ from typing import IO, Any
 
 import torch
 
-from .._inspect import (
-    BIG_INT,
-    FLOAT_DTYPES,
-    MAX_KV_HEADS,
-    MAX_LAYERS,
-    Limits,
-    TensorMeta,
-    exc_line,
-    inspect_torch_zip,
-    safe_repr,
-)
+from ..files.limits import BIG_INT, FLOAT_DTYPES, MAX_KV_HEADS, MAX_LAYERS, Limits, TensorMeta, exc_line, safe_repr
+from ..files.archive import inspect_torch_zip
 from ..errors import DumpError, RotationFileError
 from ..safefile import file_kind, pseudo_file
 from ..kernels.layout import MIN_GROUP_SIZE
@@ -123,7 +114,7 @@ class ChunkMeta:
 
 @dataclass(frozen=True)
 class _ChunkFileLimits(Limits):
-    """:mod:`rotationzoo._inspect` limits for one chunk file: a single tensor, a small pickle."""
+    """:mod:`rotationzoo.files.limits` limits for one chunk file: a single tensor, a small pickle."""
 
     pickle_bytes: int = 64 * 1024
     pickle_ops: int = 1024
@@ -284,7 +275,7 @@ def inspect_file(path: Path, real: str, kind: str, limits: DumpLimits) -> tuple[
 
     Raises:
         DumpError: not a regular file, empty, too large, not a torch zip archive (a text or foreign
-            file), a compressed or truncated member, or a pickle refused by :mod:`rotationzoo._inspect`.
+            file), a compressed or truncated member, or a pickle refused by :mod:`rotationzoo.files.limits`.
     """
     f, st = open_regular(path, real)
     with f:

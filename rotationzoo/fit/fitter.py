@@ -15,7 +15,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from ..errors import DumpError, FitError
-from ..format import MAX_BYTES, MAX_HEAD_DIM, MAX_LAYERS, RotationSet
+from ..files.format import MAX_BYTES, MAX_HEAD_DIM, MAX_LAYERS, RotationSet
 from ..progress import Progress, Tally
 from ..vocab import Center, Grouping, SignConvention
 from .accumulate import LayerAccumulator, kinds_for, statistics_bytes

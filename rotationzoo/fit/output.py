@@ -3,25 +3,22 @@
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 from .._version import __version__
 from ..errors import FitError
-from ..format import write_rotation
+from ..files.format import write_rotation
+from ..files.manifest import MANIFEST_NAME, MANIFEST_VERSION, write_manifest  # noqa: F401  (MANIFEST_NAME re-exported)
 from ..hashing import sha256_file
 from ..int2kv import Int2KVConfig
-from ..validation import validate
+from ..files.validation import validate
 from ..vocab import FILE_FORMATS
 from .recipes import RECIPES, file_marker
 from .result import FitResult
 
-#: Manifest written next to the rotation files.
-MANIFEST_NAME = "rotationzoo.json"
 
 
 def output_file_names(result: FitResult, *, fmt: str = "pt") -> dict[str, str]:
@@ -63,7 +60,7 @@ def build_manifest(result: FitResult, files: Mapping[str, Mapping[str, Any]], *,
     and, as ``int2kv``, the INT2-KV settings to serve them with (``int2kv`` or the result's)."""
     config = int2kv if int2kv is not None else result.serving_config()
     return {
-        "manifest_version": 1,
+        "manifest_version": MANIFEST_VERSION,
         "model": model if model is not None else result.model,
         "tag": tag,
         "tokens": result.token_count,
@@ -146,10 +143,5 @@ def write_fitted(
     if result.refinement is not None:
         manifest["refinement"] = result.refinement
     manifest.update(extra or {})
-    mpath = out / MANIFEST_NAME
-    fd, tmp = tempfile.mkstemp(prefix=f".{MANIFEST_NAME}.", dir=out)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(manifest, f, indent=2, default=str)
-        f.write("\n")
-    os.replace(tmp, mpath)
+    mpath = write_manifest(out, manifest)
     return FitOutput(paths=paths, manifest_path=mpath, manifest=manifest)

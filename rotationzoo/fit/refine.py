@@ -52,7 +52,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..errors import FitError
-from ..format import RotationSet
+from ..files.format import RotationSet
 from ..hadamard import hadamard_matrix
 from ..progress import Progress, Tally
 from .accumulate import LayerAccumulator
@@ -328,7 +328,7 @@ class RefineResult:
         return torch.stack([src[side][i] for i in self.layer_ids]).to(torch.float32).contiguous()
 
     def rotation_set(self, side: str, objective: str | None = None, *, init: bool = False) -> RotationSet:
-        """A :class:`~rotationzoo.format.RotationSet`: one matrix per layer, or ``[L, H_kv, d, d]``
+        """A :class:`~rotationzoo.files.format.RotationSet`: one matrix per layer, or ``[L, H_kv, d, d]``
         with ``source_grouping = "kv_head"`` when refined per head (the inits with ``init``)."""
         start = self.records[0]["init"] if self.records else "given"
         return RotationSet(rotations=self.stacked(side, init=init), layer_ids=self.layer_ids,

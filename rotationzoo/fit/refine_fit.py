@@ -33,7 +33,7 @@ import torch
 from ..errors import FitError
 from ..int2kv import Int2KVConfig
 from ..progress import Progress, prefixed
-from ..format import RotationSet
+from ..files.format import RotationSet
 from ..vocab import REFINE_INITS, Center, Grouping
 from .compose import composition_label
 from .dump import Dump, open_dump

@@ -11,7 +11,7 @@ import torch
 
 from .._version import __version__
 from ..errors import FitError
-from ..format import RotationSet
+from ..files.format import RotationSet
 from ..int2kv import Int2KVConfig
 from .compose import composition_label
 from .recipes import V2_COMPOSITION, side_objective

@@ -16,8 +16,8 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..errors import FitError
-from ..format import RotationSet
-from ..validation import validate
+from ..files.format import RotationSet
+from ..files.validation import validate
 from ..vocab import SignConvention
 from .accumulate import LayerAccumulator
 from .compose import composition_label, rotation_from_covariance

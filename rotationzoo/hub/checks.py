@@ -22,8 +22,8 @@ def check_downloaded(path: Path, f: FileEntry, entry: TagEntry) -> tuple[str | N
         return f"sha256 mismatch: expected {f.sha256}, got {sha}", sha
     if entry.latent is not None:
         return _check_latent(path, f, entry, sha)
-    from ..format import read_rotation  # torch: only once bytes have arrived
-    from ..validation import validate
+    from ..files.format import read_rotation  # torch: only once bytes have arrived
+    from ..files.validation import validate
 
     arch = entry.architecture
     ids = arch.expected_layer_ids()
@@ -40,7 +40,7 @@ def check_downloaded(path: Path, f: FileEntry, entry: TagEntry) -> tuple[str | N
 
 def _check_latent(path: Path, f: FileEntry, entry: TagEntry, sha: str) -> tuple[str | None, str]:
     """One latent layer file (or one subspace file of a ``-hp`` entry) of ``entry``'s set."""
-    from ..latent import LatentRotations, read_latent_file, read_subspace_file, validate_latent
+    from ..files.latent import LatentRotations, read_latent_file, read_subspace_file, validate_latent
 
     lat = entry.latent
     assert lat is not None

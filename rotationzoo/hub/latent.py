@@ -6,7 +6,7 @@ rotation of the model (:mod:`.checks`), compared with its pin (trust on first us
 no checksums), marked and renamed into place by :func:`~rotationzoo.hub.fetch.fetch_file`. A set the
 authors did not publish in a hub is imported from a local copy (:func:`import_latent`) with the same
 checks, pinned and marked with the folder it came from. Whatever the route, the layers must cover the
-model's latent layers exactly (:func:`rotationzoo.latent.check_coverage`): a missing layer is an error
+model's latent layers exactly (:func:`rotationzoo.files.latent.check_coverage`): a missing layer is an error
 that names it, never a silent identity.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 
 from .. import config
 from ..errors import CacheError, FetchError, IntegrityError, OfflineError
-from ..latent import LAYER_FILE, check_coverage, layer_files
+from ..files.latent import LAYER_FILE, check_coverage, layer_files
 from ..registry import ModelEntry, TagEntry
 from ..registry.model import LatentSet, latent_file_key
 from ..safefile import file_lock, open_regular

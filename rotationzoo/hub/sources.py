@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from .. import config
-from .._inspect import MAX_BYTES
+from ..files.limits import MAX_BYTES
 from ..registry import FileEntry, Source
 from ..registry.safety import bundled_file
 from . import transfer

@@ -32,10 +32,9 @@ import sys
 import threading
 import time
 import urllib.request
-from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
-if TYPE_CHECKING:
-    from .network import Limits
+from .limits import Limits
 
 log = logging.getLogger("rotationzoo")
 

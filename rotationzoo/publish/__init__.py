@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from .._version import __version__
 from ..errors import PublishError
-from ..pair import MANIFEST_NAME
+from ..files.manifest import MANIFEST_NAME
 from ..registry import SIDES
 from ..registry.edit import merge_into_registry, registry_text, write_registry_file
 from .card import CARD_BEGIN, CARD_END, CARD_HEADER, card_row, update_model_card
@@ -87,7 +87,7 @@ def publish(
     """Validate a fitted K/V pair and upload it under ``<model folder>/<tag>/`` in one commit per hub.
 
     Args:
-        rotations: what to publish: anything :func:`~rotationzoo.pair.resolve_pair` takes with both
+        rotations: what to publish: anything :func:`~rotationzoo.files.pair.resolve_pair` takes with both
             sides: a folder with ``k_rotation*.pt`` and ``v_rotation*.pt`` (or ``.safetensors``) and
             optionally the fitter's ``rotationzoo.json`` (uploaded too; its sha256s must match),
             ``"K.pt,V.pt"``, an exported pair file (its sides are written as ``.pt`` files first), or a

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,13 +15,14 @@ from ..errors import (
     RotationZooError,
     UnknownModelError,
 )
-from ..format import read_rotation, write_rotation
+from ..files.format import read_rotation, write_rotation
+from ..files.manifest import MANIFEST_NAME, check_manifest_files, read_manifest
+from ..files.pair import ROTATION_SUFFIXES, find_pair_files, resolve_pair
+from ..files.pairfile import file_kind
+from ..files.validation import pair_disagreement, validate
 from ..hashing import sha256_file
-from ..pair import MANIFEST_NAME, ROTATION_SUFFIXES, find_pair_files, resolve_pair
-from ..pairfile import file_kind
 from ..registry import SIDES, load_registry
 from ..registry.safety import MODEL_ID, check_tag
-from ..validation import pair_disagreement, validate
 from .results import UploadFile
 
 
@@ -52,7 +52,7 @@ class Plan:
 def find_pair(directory: str | os.PathLike[str]) -> tuple[Path, Path, Path | None]:
     """The K file, the V file and the manifest (or None) of a fitter output folder.
 
-    The pair is found by :func:`rotationzoo.pair.find_pair_files` (the rule every command uses).
+    The pair is found by :func:`rotationzoo.files.pair.find_pair_files` (the rule every command uses).
 
     Raises:
         PublishError: the folder is missing, or the pair is missing or ambiguous.
@@ -95,7 +95,7 @@ def check_name(what: str, value: str) -> None:
 def pair_files(rotations: Any, staging: Path | None, fetch: Mapping[str, Any] | None = None
                ) -> tuple[Path, Path, Path | None]:
     """The K file, the V file and the manifest (or None) to publish from anything
-    :func:`~rotationzoo.pair.resolve_pair` takes: a folder (its manifest too), ``"K.pt,V.pt"``, a
+    :func:`~rotationzoo.files.pair.resolve_pair` takes: a folder (its manifest too), ``"K.pt,V.pt"``, a
     registry id (fetched and verified with ``fetch``), or a pair file whose sides are first written
     to ``staging`` as ``{k,v}_rotation_<objective>.pt``.
 
@@ -190,27 +190,8 @@ def _short(ids: Sequence[int]) -> str:
 def _check_manifest(path: Path, files: list[UploadFile], rs: Any, model_id: str, tag: str,
                     warn: list[str]) -> dict[str, Any]:
     """The manifest must describe exactly these files; disagreements on names are warnings."""
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise PublishError(f"{path}: not valid JSON ({exc}); fix or remove the manifest") from None
-    if not isinstance(manifest, dict):
-        raise PublishError(f"{path}: expected a JSON object")
-    listed = manifest.get("files") or {}
-    for f in files:
-        entry = listed.get(f.role) if isinstance(listed, Mapping) else None
-        if not isinstance(entry, Mapping):
-            raise PublishError(f"{path}: no files.{f.role} entry; the manifest does not describe {f.local.name}")
-        if entry.get("name") not in (None, f.local.name):
-            raise PublishError(f"{path}: files.{f.role}.name is {entry.get('name')!r} but the {f.role.upper()} "
-                               f"file is {f.local.name}")
-        if entry.get("sha256") != f.sha256:
-            raise PublishError(
-                f"{path}: files.{f.role}.sha256 is {entry.get('sha256')} but {f.local.name} has sha256 {f.sha256}; "
-                f"the file changed after fitting (re-run the fitter, or fix the manifest)"
-            )
-        if entry.get("size") is not None and entry.get("size") != f.size:
-            raise PublishError(f"{path}: files.{f.role}.size is {entry.get('size')} but {f.local.name} has {f.size} B")
+    manifest = read_manifest(path, error=PublishError)
+    check_manifest_files(manifest, path, {f.role: (f.local.name, f.sha256, f.size) for f in files}, error=PublishError)
     if manifest.get("head_dim") is not None and manifest["head_dim"] != rs.head_dim:
         raise PublishError(f"{path}: head_dim {manifest['head_dim']} but the files have d = {rs.head_dim}")
     ids = manifest.get("layer_ids")

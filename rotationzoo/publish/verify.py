@@ -13,7 +13,7 @@ from ..errors import OfflineError, RotationZooError
 from ..hashing import sha256_file
 from ..hub import UnpinnedEntryWarning, cache_root, entry_dir, fetch_entry, offline_reason, warm_hit
 from ..registry import SIDES, TagEntry, get_model, load_registry
-from ..validation import verify_file
+from ..files.validation import verify_file
 
 log = logging.getLogger("rotationzoo")
 Reporter = Callable[[str], None]

@@ -25,14 +25,17 @@ without ``NaN`` or ``Infinity``, nested at most :data:`MAX_JSON_DEPTH` deep.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping
 
-from .._inspect import MAX_BYTES, MAX_HEAD_DIM, MAX_KV_HEADS, MAX_LAYERS
+from ..files.limits import MAX_BYTES, MAX_HEAD_DIM, MAX_KV_HEADS, MAX_LAYERS
 from ..errors import RegistryError
 from ..int2kv import MAX_CONTEXT_TOKENS
 from ..numbers import check_int, check_real, shown
 from ..vocab import WEIGHT_DTYPE_NAMES
 
+#: A sha256 as the registry spells it: 64 lowercase hex digits.
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
 #: ``architecture.head_dim`` values a registry may hold.
 REGISTRY_HEAD_DIMS: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
 #: Most attention heads of one layer (``num_attention_heads``).
@@ -133,8 +136,6 @@ def _layer_ids(raw: Any, num_layers: Any, where: str) -> tuple[int, ...] | None:
 
 def check_file_numbers(sha256: Any, size: Any, where: str) -> None:
     """``files.*.sha256`` (64 lowercase hex digits or null) and ``files.*.size`` (1 … 256 MiB or null)."""
-    from .model import SHA256
-
     if sha256 is not None and (not isinstance(sha256, str) or not SHA256.match(sha256)):
         raise RegistryError(f"{where}.sha256 {shown(sha256)} is not 64 lowercase hex digits (or null)")
     if size is not None:

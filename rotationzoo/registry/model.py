@@ -23,7 +23,6 @@ Serving = Int2KVConfig
 
 _TAG_RE = re.compile(r"seq(?P<tokens>\d+)_prompt(?P<prompts>\d+)_group(?P<group>\d+)")
 HEX40 = re.compile(r"^[0-9a-f]{40}$")
-SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def parse_tag_name(tag: str) -> dict[str, int] | None:

@@ -122,7 +122,7 @@ def read_gguf_header(path: str | os.PathLike[str]) -> tuple[dict[str, Any], int]
         ModelLoadError: not a regular file, not a GGUF file, a header cut short or malformed, or a file
             shorter than its tensor table says.
     """
-    from ...pairfile.gguf import gguf_module
+    from ...files.pairfile.gguf import gguf_module
 
     p = Path(path).expanduser()
     quant_sizes = gguf_module().GGML_QUANT_SIZES

@@ -26,7 +26,7 @@ from ...int2kv import Int2KVConfig
 from ...kernels import dequantize_int2, fake_quantize_int2, quantize_int2
 from ...kernels.formats import fake_quantize_format
 from ...kvformat import KVFormat
-from ...validation import DEFAULT_ATOL, DEFAULT_INVERSE_ATOL, inverse_errors, measure_matrices
+from ...files.validation import DEFAULT_ATOL, DEFAULT_INVERSE_ATOL, inverse_errors, measure_matrices
 
 #: Attribute set on the key tensor an ``OscarInt2Cache`` layer returns (its layer object).
 OSCAR_TAG = "_rotationzoo_oscar_layer"
@@ -114,7 +114,7 @@ class OscarKV:
 
     @classmethod
     def from_rotations(cls, rotations: Any, config: Int2KVConfig | None = None, **kwargs: Any) -> "OscarKV":
-        """Build from ``None``, a :class:`~rotationzoo.pair.RotationPair` (or anything with ``.k``/``.v``
+        """Build from ``None``, a :class:`~rotationzoo.files.pair.RotationPair` (or anything with ``.k``/``.v``
         rotation sets, e.g. a ``FitResult``), or a ``(k_set, v_set)`` tuple; the sets' companions
         (``k_mean`` and ``q_rotation`` of K, ``o_rotation`` and ``v_mean`` of V) are applied."""
         if rotations is None:
@@ -278,7 +278,7 @@ class LayerTransform:
 
 def _check_numerics(*sides: tuple[str, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
                     layer_ids: Sequence[int]) -> None:
-    """The checks a rotation file gets (:mod:`rotationzoo.validation`), on tensors given directly: finite,
+    """The checks a rotation file gets (:mod:`rotationzoo.files.validation`), on tensors given directly: finite,
     orthogonal within ``DEFAULT_ATOL`` (or, with an inverse companion, ``max|QᵀR − I|`` within
     ``DEFAULT_INVERSE_ATOL``), finite means."""
     for side, r, inverse, mean in sides:

@@ -27,14 +27,14 @@ from typing import Any, Mapping
 
 import torch
 
-from .._inspect import MAX_LAYERS, TensorMeta, exc_line, safe_repr
-from .._schema import make_limits, parse
-from .._version import __version__
-from ..errors import ExportError, MissingDependencyError
+from ..limits import MAX_LAYERS, TensorMeta, exc_line, safe_repr
+from ..schema import make_limits, parse
+from ..._version import __version__
+from ...errors import ExportError, MissingDependencyError
 from ..format import RotationSet
-from ..headdims import HeadDims
-from ..registry.model import SIDES
-from ..safefile import check_regular, open_regular
+from ...headdims import HeadDims
+from ...registry.model import SIDES
+from ...safefile import check_regular, open_regular
 from .common import (
     EXPORT_FORMAT_VERSION,
     LAYER_ID,

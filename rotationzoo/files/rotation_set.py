@@ -1,6 +1,6 @@
 """One side (K or V) of a model's rotations, with the companions the authors' current files carry.
 
-A :class:`RotationSet` is what every rotation file becomes once read (:mod:`rotationzoo.format`), in
+A :class:`RotationSet` is what every rotation file becomes once read (:mod:`rotationzoo.files.format`), in
 any of the authors' layouts (``docs/format.md``):
 
 - **one rotation per layer**: ``rotations [L, d, d]`` (V1);
@@ -20,14 +20,15 @@ any of the authors' layouts (``docs/format.md``):
 from __future__ import annotations
 
 import operator
+import warnings
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Iterator, Sequence, Union
 
 import torch
 
-from ._inspect import safe_repr
-from ._schema import (
+from .limits import MAX_BYTES, MAX_HEAD_DIM, MAX_LAYERS, Limits, exc_line, safe_repr
+from .schema import (
     KV_HEAD,
     KV_HEAD_LABELS,
     LAYER,
@@ -36,9 +37,12 @@ from ._schema import (
     VECTOR_FIELDS,
     layout_label,
     layout_version,
+    make_limits,
+    parse,
 )
-from .errors import RotationFileError
-from .headdims import HeadDims
+from ..errors import ConfigError, RotationFileError
+from ..headdims import HeadDims
+from ..sharding import kv_heads_per_rank
 
 #: A per-layer field: one stacked tensor (``[L, ...]``), or one tensor per layer when layers differ.
 Stack = Union[torch.Tensor, tuple[torch.Tensor, ...]]
@@ -78,7 +82,7 @@ class RotationSet:
         eigenvalues: ``rotations.shape[:-1]`` eigenvalues of the fitted covariance, or ``None``.
         format_version: as read (1, 2, 3 or ``"identity-v1"``); ``None`` for a new set.
             :attr:`layout_version` is the version it is written as.
-        source_grouping: :data:`~rotationzoo._schema.LAYER` or :data:`~rotationzoo._schema.KV_HEAD`,
+        source_grouping: :data:`~rotationzoo.files.schema.LAYER` or :data:`~rotationzoo.files.schema.KV_HEAD`,
             always what the shapes say (``None`` or any per-KV-head label is accepted on construction).
         k_mean, v_mean, q_rotation, o_rotation: the companions (see the module docstring), or ``None``.
         calibration, transform: metadata dicts (scalars and short lists), or ``None``.
@@ -326,10 +330,8 @@ class RotationSet:
     def from_dict(cls, obj: Any, **kwargs: Any) -> "RotationSet":
         """Parse the authors' dict (any layout of ``docs/format.md``); typed errors on anything else.
 
-        See :func:`rotationzoo.format.set_from_dict` for the arguments.
+        See :func:`set_from_dict` for the arguments.
         """
-        from .format import set_from_dict
-
         return set_from_dict(obj, **kwargs)
 
 
@@ -348,3 +350,73 @@ def _fmt_ids(ids: tuple[int, ...]) -> str:
 #: The dataclass fields of :class:`RotationSet` that hold per-layer tensors.
 TENSOR_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(RotationSet)
                                        if f.name in ("rotations", "eigenvalues", *COMPANIONS))
+
+
+# -- the authors' dict ---------------------------------------------------------------------------
+
+
+class RotationFormatWarning(UserWarning):
+    """A rotation file is readable but labelled inconsistently (e.g. ``source_grouping`` vs the shapes)."""
+
+
+def set_from_dict(obj: Any, *, path: Path | None = None, max_head_dim: int = MAX_HEAD_DIM,
+                  max_layers: int = MAX_LAYERS, max_bytes: int = MAX_BYTES,
+                  limits: Limits | None = None) -> RotationSet:
+    """Parse the authors' dict (any layout of ``docs/format.md``); typed errors on anything else.
+
+    Args:
+        obj: the dict, as ``torch.load`` returns it.
+        path: the file it came from (named in messages).
+        max_head_dim: largest accepted ``d``.
+        max_layers: most accepted layers.
+        max_bytes: most bytes reading and validating may take: the tensors as given, as stacked in fp32,
+            and validation's working set.
+        limits: the :class:`~rotationzoo.files.limits.Limits` to apply instead of the three above.
+
+    A ``source_grouping`` label that disagrees with the rotations' shape gives one
+    :class:`RotationFormatWarning`; the shape decides, as in the authors' server.
+    """
+    name = str(path) if path else "rotation data"
+    limits = limits or make_limits(max_head_dim, max_layers, max_bytes)
+    parsed = parse(obj, name, limits)
+    if parsed.label_mismatch:
+        warnings.warn(f"{name}: {parsed.label_mismatch}", RotationFormatWarning, stacklevel=3)
+    present = parsed.fields
+    # stack copies: layers that shared one storage in the file become independent tensors
+    try:
+        stacks: dict[str, Any] = {f: stack_layers([fields[f] for _, fields in parsed.layers]) for f in present}
+    except RuntimeError as exc:  # e.g. tensors on different devices in a dict built in memory
+        raise RotationFileError(f"{name}: cannot stack the layers ({exc_line(exc)})") from None
+    return RotationSet(
+        rotations=stacks.pop("rotation"), layer_ids=tuple(lid for lid, _ in parsed.layers), objective=parsed.objective,
+        format_version=parsed.version, source_grouping=parsed.kind, path=path,
+        calibration=parsed.calibration, transform=parsed.transform, **stacks,
+    )
+
+
+# -- tensor parallelism ---------------------------------------------------------------------------
+
+
+def shard_set(rs: RotationSet, tp_size: int, rank: int) -> RotationSet:
+    """The part of ``rs`` that rank ``rank`` of ``tp_size`` loads: its KV heads of a per-KV-head set (with
+    the companions' head axes, by the rule of :func:`rotationzoo.sharding.kv_heads_per_rank`), or ``rs``
+    itself for one rotation per layer.
+
+    Raises:
+        ConfigError: a bad rank, heads that cannot be split (see :func:`~rotationzoo.sharding.kv_heads_per_rank`).
+    """
+    ranks = kv_heads_per_rank(rs.num_kv_heads or 1 if rs.per_head else 1, tp_size)  # checks tp_size first
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < len(ranks):
+        raise ConfigError(f"rank must be an integer in [0, {len(ranks)}), got {rank!r}")
+    if not rs.per_head:
+        return rs
+    heads = ranks[rank]
+    lo, hi = heads[0], heads[-1] + 1
+    changes: dict[str, Any] = {"rotations": rs.stacked(what="sharding")[:, lo:hi].contiguous()}
+    for f in ("eigenvalues", *COMPANIONS):
+        value = getattr(rs, f)
+        if value is None:
+            continue
+        t = rs.stacked(f, what="sharding")
+        changes[f] = t[:, lo:hi].contiguous() if t.dim() >= 3 else t  # [L, H, ...] sliced; [L, d] kept
+    return replace(rs, **changes)

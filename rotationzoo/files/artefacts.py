@@ -24,8 +24,8 @@ import zipfile
 from pathlib import Path
 from typing import Any, Iterable
 
-from .errors import ConfigError
-from .safefile import open_regular, read_regular
+from ..errors import ConfigError
+from ..safefile import open_regular, read_regular
 
 #: Longest clip table read (a table has one number per layer or per layer and head).
 MAX_TABLE_BYTES = 1 << 20

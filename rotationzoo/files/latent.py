@@ -10,7 +10,7 @@ The authors write each layer's rotation to its own file, in one of two layouts:
   ``[rank]`` (subtracted before the rotation), ``eigenvalues`` ``[rank]``, ``transform`` (``latent``,
   ``centered``, ``orthogonal``, …) and, for a non-orthogonal transform, ``q_rotation = R^{-T}``.
 
-Both are inspected before anything is loaded (:mod:`rotationzoo._inspect`: no code runs, sizes are
+Both are inspected before anything is loaded (:mod:`rotationzoo.files.limits`: no code runs, sizes are
 bounded, one layer per file), loaded with ``torch.load(weights_only=True)``, and validated: square,
 finite, ``[rank, rank]``, orthogonal unless the file says otherwise and carries ``q_rotation``,
 which must then invert it. A folder must cover exactly the model's latent layers: the authors'
@@ -30,11 +30,12 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from ._inspect import Limits, TensorMeta, inspect_torch_zip, parse_index, refuse_legacy_pickle, safe_repr
-from ._schema import FLOAT_DTYPES, _meta
-from .errors import InvalidRotationError, RotationFileError
+from .limits import Limits, TensorMeta, parse_index, safe_repr
+from .archive import inspect_torch_zip, refuse_legacy_pickle
+from .schema import FLOAT_DTYPES, _meta
+from ..errors import InvalidRotationError, RotationFileError
 from .format import _inspect_named, _is_zip, _torch_load_safe, check_torch_version
-from .safefile import check_regular, open_regular
+from ..safefile import check_regular, open_regular
 from .validation import DEFAULT_ATOL, DEFAULT_INVERSE_ATOL, inverse_errors, measure_matrices
 
 #: Largest latent width a file may declare (published latents are 512 wide).

@@ -2,8 +2,8 @@
 GGUF rotation tensors of the authors' llama.cpp branch.
 
 Readers return ``(sets, metadata)``: ``{"k": RotationSet, "v": RotationSet}`` (one side may be
-absent) and the file's metadata as strings; :mod:`rotationzoo.pair` wraps them into a
-:class:`~rotationzoo.pair.RotationPair`, :mod:`rotationzoo.export` calls the writers.
+absent) and the file's metadata as strings; :mod:`rotationzoo.files.pair` wraps them into a
+:class:`~rotationzoo.files.pair.RotationPair`, :mod:`rotationzoo.export` calls the writers.
 """
 
 from __future__ import annotations

@@ -1,18 +1,20 @@
-"""Inspection of rotation files before anything in them is materialised.
+"""The ``torch.save`` archive of a rotation file, inspected before anything in it is materialised.
 
 A hostile file can declare a tiny tensor backed by a huge storage, a stride-0 view that expands to
 terabytes, a deflated member that inflates to gigabytes, a million layers, or a pickle that runs
 code. Everything here reads only the archive's directory, the declared sizes and the pickle's
 opcode stream, so such a file is refused in milliseconds with a bounded amount of memory, before
-``torch.load`` allocates a single tensor. (Safetensors headers are checked in :mod:`rotationzoo._schema`
-and Q/K/V dump chunks in :mod:`rotationzoo.fit.dump_schema` with the same :class:`Limits` and :func:`check_view`.)
+``torch.load`` allocates a single tensor. (Safetensors headers are checked in
+:mod:`rotationzoo.files.stheader` and Q/K/V dump chunks in :mod:`rotationzoo.fit.dump_schema`, with the
+same :class:`~rotationzoo.files.limits.Limits` and :func:`~rotationzoo.files.limits.check_view`.)
 
 The pickle in ``data.pkl`` is inspected in two passes: :func:`scan_pickle` walks the opcodes as
 :func:`pickletools.genops` does (allowed opcodes only, bounded count and memo indices, globals
 checked by name), then the standard library's pure-Python unpickler, whose ``find_class`` returns
-only this module's recording functions, rebuilds the plain containers with :class:`TensorMeta`
-records in place of tensors (and refuses dict keys whose hashes can be made to collide). No object
-from an arbitrary global is ever constructed. Imports: the standard library, errors and safefile.
+only this module's recording functions, rebuilds the plain containers with
+:class:`~rotationzoo.files.limits.TensorMeta` records in place of tensors (and refuses dict keys
+whose hashes can be made to collide). No object from an arbitrary global is ever constructed.
+Imports: the standard library, errors, safefile and :mod:`~rotationzoo.files.limits`.
 """
 
 from __future__ import annotations
@@ -20,35 +22,24 @@ from __future__ import annotations
 import io
 import pickle
 import pickletools
-import re
-import reprlib
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from .errors import RotationFileError, UnsafeRotationFileError
-from .safefile import open_regular
-
-#: Largest ``d`` (rotation size) a file may declare; published files use 64 … 256.
-MAX_HEAD_DIM = 4096
-#: Most layers a file may hold; published files hold 8 … 36.
-MAX_LAYERS = 1024
-#: Most bytes reading and validating one file may take: its tensors as stored, plus as loaded in fp32,
-#: plus the fp64 working set of validation (``rotationzoo._schema.memory_need``); the largest
-#: published file (2.6 MB) needs 16.4 MB. Expectations passed to :func:`read_rotation` tighten it.
-MAX_BYTES = 256 << 20
-#: Most KV heads a per-KV-head file (``source_grouping: "kv_head"``) may hold per layer.
-MAX_KV_HEADS = 256
-
-#: Element type and size of each storage class a ``torch.save`` pickle names.
-STORAGE_TYPES: dict[str, tuple[str, int]] = {
-    "FloatStorage": ("float32", 4), "DoubleStorage": ("float64", 8), "HalfStorage": ("float16", 2),
-    "BFloat16Storage": ("bfloat16", 2), "ByteStorage": ("uint8", 1), "CharStorage": ("int8", 1),
-    "ShortStorage": ("int16", 2), "IntStorage": ("int32", 4), "LongStorage": ("int64", 8),
-    "BoolStorage": ("bool", 1), "ComplexFloatStorage": ("complex64", 8), "ComplexDoubleStorage": ("complex128", 16),
-}
-FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
+from ..errors import RotationFileError, UnsafeRotationFileError
+from ..safefile import open_regular
+from .limits import (
+    BIG_INT,
+    STORAGE_TYPES,
+    Limits,
+    StorageRef,
+    TensorMeta,
+    check_view,
+    exc_line,
+    parse_index,
+    refuse,
+    safe_repr,
+)
 
 #: Storages may hold this many elements beyond what the tensors viewing them cover.
 STORAGE_SLACK = 1024
@@ -71,128 +62,8 @@ _ALLOWED_OPCODES = frozenset(
 _CODE_OPCODES = frozenset("BUILD NEWOBJ NEWOBJ_EX INST OBJ EXT1 EXT2 EXT4 PERSID".split())
 _STRING_OPS = frozenset({"BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8", "SHORT_BINSTRING"})
 _NON_PUSHING = frozenset({"PROTO", "FRAME", "PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE", "STOP"})
-#: No size, stride, offset or dict key in a sane file comes near this.
-BIG_INT = 1 << 62
 _MEMO_OPS = frozenset({"PUT", "BINPUT", "LONG_BINPUT", "GET", "BINGET", "LONG_BINGET"})
 _MEMO_PUT = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
-_DECIMAL = re.compile(r"(0|[1-9][0-9]{0,17})\Z")  # ASCII digits only, canonical
-_repr = reprlib.Repr()
-_repr.maxlevel, _repr.maxstring, _repr.maxother, _repr.maxlist, _repr.maxdict = 2, 40, 40, 4, 4
-
-
-def safe_repr(x: Any) -> str:
-    """A short ``repr`` that is safe on deep, huge or self-referencing values from a hostile file."""
-    try:
-        return _repr.repr(x)
-    except Exception:  # a repr that fails is itself hostile; say what it is instead
-        return f"<{type(x).__name__}>"
-
-
-def exc_line(exc: BaseException) -> str:
-    """The first line of an exception message (or its type), for a one-line typed error."""
-    text = str(exc).strip()
-    return text.splitlines()[0][:200] if text else type(exc).__name__
-
-
-def parse_index(x: Any) -> int | None:
-    """``x`` as a non-negative int if it is one or its plain ASCII decimal string, else ``None``."""
-    if type(x) is int and 0 <= x < BIG_INT:
-        return x
-    if isinstance(x, str) and _DECIMAL.match(x):
-        return int(x)
-    return None
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Bounds a file must respect before it is loaded (see ``rotationzoo.format.MAX_HEAD_DIM``)."""
-
-    max_head_dim: int
-    max_layers: int
-    max_bytes: int
-    note: str = ""  # appended to refusals, e.g. "; the model's head_dim is 128"
-    max_kv_heads: int = MAX_KV_HEADS  # first dim of a per-KV-head [H, d, d] rotation
-    max_bytes_kv_head: int = MAX_BYTES  # the byte cap of a per-KV-head file
-    what: str = "rotation file"  # the kind of file checked, in refusals (also "Q/K/V dump file")
-
-    @property
-    def max_bytes_any(self) -> int:
-        """The byte cap before the grouping is known (the schema check then applies the exact one)."""
-        return max(self.max_bytes, self.max_bytes_kv_head)
-
-    @property
-    def max_tensors(self) -> int:
-        return 6 * self.max_layers  # per layer: rotation, eigenvalues, 2 companion matrices, 2 means
-
-    @property
-    def max_pickle_bytes(self) -> int:
-        return 64 * 1024 + 1024 * self.max_layers  # published files: ~150 B per layer
-
-    @property
-    def max_pickle_ops(self) -> int:
-        return 1024 + 512 * self.max_layers  # published files: ~68 opcodes per layer
-
-    @property
-    def max_header_bytes(self) -> int:
-        return 64 * 1024 + 512 * self.max_tensors  # safetensors JSON header
-
-
-class StorageRef:
-    """A storage named by the pickle: record ``data/<key>`` of ``numel`` elements of ``dtype``."""
-
-    __slots__ = ("key", "dtype", "itemsize", "numel")
-
-    def __init__(self, key: str, dtype: str, itemsize: int, numel: int) -> None:
-        self.key, self.dtype, self.itemsize, self.numel = key, dtype, itemsize, numel
-
-
-class TensorMeta:
-    """What a tensor would be, without its data: dtype, shape, stride and where it lies."""
-
-    __slots__ = ("dtype", "shape", "stride", "offset", "storage")
-
-    def __init__(self, dtype: str, shape: tuple[int, ...], stride: tuple[int, ...], offset: int = 0,
-                 storage: StorageRef | None = None) -> None:
-        self.dtype, self.shape, self.stride, self.offset, self.storage = dtype, shape, stride, offset, storage
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
-
-    def __repr__(self) -> str:
-        return f"TensorMeta({self.dtype}, {self.shape})"
-
-
-def refuse(name: str, what: str) -> RotationFileError:
-    """The error for a file refused before loading: ``<file>: refused before loading: <what>``."""
-    return RotationFileError(f"{name}: refused before loading: {what}")
-
-
-def check_view(name: str, t: TensorMeta, limits: Limits) -> None:
-    """Refuse empty, over-large, >3-D, stride-0, negative-stride or overlapping views."""
-    shape, stride = t.shape, t.stride
-    if len(shape) > 3:
-        raise refuse(name, f"a tensor of shape {shape}; rotation files hold [d, d], [H, d, d], [d] and [H, d] tensors")
-    if len(shape) == 3 and shape[0] > limits.max_kv_heads:
-        raise refuse(name, f"a tensor of shape {shape}: {shape[0]} KV heads exceeds max_kv_heads={limits.max_kv_heads}{limits.note}")
-    if any(n < 1 for n in shape):
-        raise refuse(name, f"an empty tensor of shape {shape}")
-    dims = sorted((s, n) for s, n in zip(stride, shape) if n > 1)
-    reach = 0  # furthest element offset reached by the smaller-stride dims
-    for s, n in dims:
-        if s < 1:
-            raise refuse(name, f"a view with stride {stride} (stride-0 or negative: it repeats memory)")
-        if s <= reach:
-            raise refuse(name, f"a view with overlapping strides {stride} for shape {shape}")
-        reach += s * (n - 1)
-    if any(n > limits.max_head_dim for n in shape):
-        raise refuse(name, f"a tensor of shape {shape} exceeds max_head_dim={limits.max_head_dim}{limits.note}")
-    if t.storage is not None and t.offset + reach + 1 > t.storage.numel:
-        raise refuse(name, f"a view (offset {t.offset}, shape {shape}, stride {stride}) beyond its storage "
-                            f"of {t.storage.numel} elements")
 
 
 class _StorageType:

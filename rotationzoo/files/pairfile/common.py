@@ -7,7 +7,7 @@ tag as a registry spells them, ``sides``, ``layer_ids`` and ``head_dim`` agree w
 ``{side}.sha256`` is 64 lowercase hex digits, and every value is at most :data:`MAX_META_TEXT`
 characters (``layer_ids`` excepted). Anything else is refused with one :class:`ExportError` (or
 :class:`UnsupportedFormatError`) line naming the file and the key. ``{side}.sha256`` records which
-file the side was exported from; nothing trusts it (see :mod:`rotationzoo.pair`).
+file the side was exported from; nothing trusts it (see :mod:`rotationzoo.files.pair`).
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Mapping
 
-from .._inspect import MAX_LAYERS, parse_index, safe_repr
-from ..errors import ExportError, RegistryError, UnsupportedFormatError
+from ..limits import MAX_LAYERS, parse_index, safe_repr
+from ...errors import ExportError, RegistryError, UnsupportedFormatError
 from ..format import RotationSet
-from ..registry.model import SIDES
-from ..registry.safety import check_model_id, check_tag
+from ...registry.model import SIDES
+from ...registry.safety import check_model_id, check_tag
 
 #: Version of the two pair-file layouts.
 EXPORT_FORMAT_VERSION = 1

@@ -1,9 +1,9 @@
 """What a rotation file may hold: format versions, size limits, and the structure checks.
 
-The checks of the authors' dict (see :mod:`rotationzoo.format`) run twice on every file: first on
-the :class:`~rotationzoo._inspect.TensorMeta` records rebuilt from a ``.pt`` pickle or a
+The checks of the authors' dict (see :mod:`rotationzoo.files.format`) run twice on every file: first on
+the :class:`~rotationzoo.files.limits.TensorMeta` records rebuilt from a ``.pt`` pickle or a
 safetensors header (before anything is loaded), then on the tensors actually read. They are
-written once here, for both. The safetensors header is checked in :mod:`rotationzoo._stheader`.
+written once here, for both. The safetensors header is checked in :mod:`rotationzoo.files.stheader`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ._inspect import (
+from .limits import (
     BIG_INT,
     MAX_BYTES,
     MAX_HEAD_DIM,
@@ -26,9 +26,9 @@ from ._inspect import (
     parse_index,
     safe_repr,
 )
-from .errors import RotationFileError, UnsupportedFormatError
-from .headdims import HeadDims
-from ._stheader import SAFETENSORS_DTYPES, inspect_safetensors  # noqa: F401  (re-exported)
+from ..errors import RotationFileError, UnsupportedFormatError
+from ..headdims import HeadDims
+from .stheader import SAFETENSORS_DTYPES, inspect_safetensors  # noqa: F401  (re-exported)
 
 #: Integer ``format_version`` values this release reads: 1 (one rotation per layer, optionally with a
 #: ``calibration`` dict or per-layer head_dims), 2 (per KV head), 3 (the OSCAR-2 family: companions,
@@ -44,7 +44,7 @@ STRING_FORMAT_VERSIONS = ("identity-v1",)
 MIN_TORCH = (2, 6)
 
 _MAX_TEXT = 1024  # objective, source_grouping, metadata strings
-#: Bytes of each element type, by the names :class:`~rotationzoo._inspect.TensorMeta` uses.
+#: Bytes of each element type, by the names :class:`~rotationzoo.files.limits.TensorMeta` uses.
 ITEMSIZE: dict[str, int] = {**dict(SAFETENSORS_DTYPES.values()), **dict(STORAGE_TYPES.values())}
 
 #: Most bytes the orthogonality check of :func:`rotationzoo.validate` works in at a time: it measures
@@ -415,7 +415,7 @@ def layout_label(kind: str, version: int) -> str:
 def make_limits(max_head_dim: int = MAX_HEAD_DIM, max_layers: int = MAX_LAYERS, max_bytes: int = MAX_BYTES,
                 *, head_dim: "int | HeadDims | None" = None, num_layers: int | None = None,
                 num_kv_heads: int | None = None) -> Limits:
-    """The :class:`~rotationzoo._inspect.Limits` in force: the maxima, tightened by expectations.
+    """The :class:`~rotationzoo.files.limits.Limits` in force: the maxima, tightened by expectations.
 
     Per-layer files get ``min(max_bytes, max_layers·(d² + d)·16 + validation_work_bytes(d,
     max_layers))``: fp64 as stored plus fp32 as loaded plus room for a companion matrix and the

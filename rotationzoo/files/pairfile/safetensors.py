@@ -14,7 +14,7 @@ Layout::
         known), k.calibration and k.transform (JSON, when the set has them), and the same for v.
 
 The metadata is checked against the tensors before any tensor is read (see
-:func:`~rotationzoo.pairfile.common.check_metadata`); ``k.sha256`` / ``v.sha256`` are provenance
+:func:`~rotationzoo.files.pairfile.common.check_metadata`); ``k.sha256`` / ``v.sha256`` are provenance
 only: readers hash the file itself.
 """
 
@@ -26,13 +26,13 @@ from typing import Any, Mapping
 
 import torch
 
-from .._schema import LAYER_FIELDS, MAX_LAYERS, inspect_safetensors, make_limits, parse
-from .._version import __version__
-from ..errors import ExportError
+from ..schema import LAYER_FIELDS, MAX_LAYERS, inspect_safetensors, make_limits, parse
+from ..._version import __version__
+from ...errors import ExportError
 from ..format import RotationSet
-from ..headdims import HeadDims
-from ..registry.model import SIDES
-from ..safefile import check_regular, open_regular
+from ...headdims import HeadDims
+from ...registry.model import SIDES
+from ...safefile import check_regular, open_regular
 from .common import EXPORT_FORMAT_VERSION, LAYER_ID, Sets, atomic_path, check_metadata, parse_version, sides_of
 
 #: ``format`` metadata value of a pair file.

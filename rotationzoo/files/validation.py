@@ -21,12 +21,12 @@ import torch
 
 import hashlib
 
-from ._inspect import MAX_LAYERS, exc_line
-from ._schema import validation_chunks
-from .errors import InvalidRotationError, RotationZooError
+from .limits import MAX_LAYERS, exc_line
+from .schema import validation_chunks
+from ..errors import InvalidRotationError, RotationZooError
 from .format import RotationFormatWarning, RotationSet, read_rotation
-from .hashing import sha256_file
-from .headdims import HeadDims
+from ..hashing import sha256_file
+from ..headdims import HeadDims
 
 #: Default orthogonality tolerance: published files measure 3.6e-7 … 7.2e-7.
 DEFAULT_ATOL = 1e-5
@@ -90,8 +90,8 @@ def measure_matrices(rotations: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
     Identical matrices (layers that shared one stored tensor, as in a data-free Hadamard file) are
     measured once, so the time is that of the distinct matrices. The work is done chunk by chunk
-    (:func:`~rotationzoo._schema.validation_chunks`): whole matrices while they fit, else blocks of
-    rows of one matrix, so it never holds more than :func:`~rotationzoo._schema.validation_work_bytes`
+    (:func:`~rotationzoo.files.schema.validation_chunks`): whole matrices while they fit, else blocks of
+    rows of one matrix, so it never holds more than :func:`~rotationzoo.files.schema.validation_work_bytes`
     at once.
     """
     r = rotations.detach()

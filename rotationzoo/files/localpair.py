@@ -9,13 +9,12 @@ import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from .errors import PairError, RotationZooError
-from .fit.output import MANIFEST_NAME
-from .hashing import read_hashed
-from .headdims import HeadDims
+from ..errors import PairError, RotationZooError
+from ..hashing import read_hashed
+from ..headdims import HeadDims
+from .manifest import MANIFEST_NAME, manifest_files
 from .pairfile import file_kind, read_pair_file
-from .registry import SIDES
-from .safefile import read_regular
+from ..registry import SIDES
 from .validation import DEFAULT_ATOL, ValidationReport, pair_disagreement, validate, verify_file
 
 #: Suffixes of single-side rotation files.
@@ -35,44 +34,6 @@ def infer_side(path: Path | None, objective: str | None) -> str | None:
     if obj.startswith(("sst", "vtv")) or obj == "identity-v":
         return "v"
     return None
-
-
-#: Largest fit manifest read beside a pair.
-MAX_MANIFEST_BYTES = 4 << 20
-
-
-def _manifest(d: Path) -> dict[str, Any]:
-    """The fit manifest of a folder, or ``{}`` when absent, unreadable or not a regular file (a FIFO in
-    its place is never opened: see :func:`~rotationzoo.safefile.read_regular`)."""
-    try:
-        raw = read_regular(d / MANIFEST_NAME, MAX_MANIFEST_BYTES, what="manifest", error=PairError)
-        data = json.loads(raw.decode("utf-8"))
-    except (OSError, ValueError, RecursionError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _manifest_metadata(d: Path) -> dict[str, str]:
-    """What a fitted folder's manifest says about serving the pair (strings): the fitted group size
-    and the recorded ``int2kv`` block (JSON text; checked when it is used)."""
-    out: dict[str, str] = {}
-    manifest = _manifest(d)
-    g = manifest.get("group_size")
-    if isinstance(g, int) and not isinstance(g, bool) and g > 0:
-        out["group_size"] = str(g)
-    if isinstance(manifest.get("int2kv"), Mapping):
-        out["int2kv"] = json.dumps(manifest["int2kv"], sort_keys=True)
-    return out
-
-
-def _manifest_files(d: Path) -> dict[str, Path]:
-    try:
-        named = _manifest(d).get("files") or {}
-        picked = {s: d / str(named[s]["name"]) for s in SIDES
-                  if isinstance(named.get(s), Mapping) and named[s].get("name")}
-    except (OSError, ValueError, AttributeError, TypeError):
-        return {}
-    return picked if all(p.is_file() for p in picked.values()) else {}
 
 
 def _pick(d: Path, side: str, files: list[Path]) -> Path | None:
@@ -121,7 +82,7 @@ def find_pair_files(directory: str | os.PathLike[str]) -> dict[str, Path]:
     if not d.is_dir():
         raise PairError(f"{d}: not a folder")
     check_not_pending(d)
-    picked = _manifest_files(d)
+    picked = manifest_files(d)
     if picked:
         return picked
     files = sorted(f for f in d.iterdir() if f.is_file() and f.suffix in ROTATION_SUFFIXES)
@@ -149,7 +110,7 @@ def verify_path(path: str | os.PathLike[str], *, atol: float = DEFAULT_ATOL, lay
     ``revision``, ``cache_dir``, ``offline``, ``timeout`` — and checked against the model's layers,
     head_dims and KV heads unless others are given).
 
-    K and V of a pair must agree as ``export`` requires (:func:`~rotationzoo.validation.pair_disagreement`),
+    K and V of a pair must agree as ``export`` requires (:func:`~rotationzoo.files.validation.pair_disagreement`),
     else both reports fail. Never raises for a bad file (the report says why)."""
     text = os.fspath(path)
     p = Path(text).expanduser()
@@ -165,12 +126,12 @@ def verify_path(path: str | os.PathLike[str], *, atol: float = DEFAULT_ATOL, lay
         return [r for reps in pair.values() for r in reps]
     if not p.exists() and _registry_id(text):
         if _latent_id(text):
-            from .mla import verify_latent
+            from ..mla import verify_latent
 
             return [verify_latent(text, atol=atol, fetch=dict(fetch or {}))]
         return _verify_registered(text, expect, dict(fetch or {}))
     if p.is_dir() and _is_latent(p):
-        from .mla import verify_latent
+        from ..mla import verify_latent
 
         dims = HeadDims.of(head_dim)
         return [verify_latent(p, layer_ids=layer_ids, num_layers=num_layers, atol=atol,
@@ -210,7 +171,7 @@ def _is_latent(folder: Path) -> bool:
 
 
 def _latent_id(text: str) -> bool:
-    from .mla import latent_model
+    from ..mla import latent_model
 
     try:
         return latent_model(text) is not None
@@ -219,7 +180,7 @@ def _latent_id(text: str) -> bool:
 
 
 def _registry_id(text: str) -> bool:
-    from .registry import load_registry, split_model_tag
+    from ..registry import load_registry, split_model_tag
 
     try:
         load_registry().resolve(split_model_tag(text)[0])
@@ -230,8 +191,8 @@ def _registry_id(text: str) -> bool:
 
 def _verify_registered(text: str, expect: dict[str, Any], fetch: dict[str, Any]) -> list[ValidationReport]:
     """Fetch (if needed) a registry entry's files and verify them against the model (or ``expect``)."""
-    from .hub import fetch_entry
-    from .registry import get_entry, split_model_tag
+    from ..hub import fetch_entry
+    from ..registry import get_entry, split_model_tag
 
     try:
         name, tag = split_model_tag(text)

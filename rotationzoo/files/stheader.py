@@ -2,7 +2,7 @@
 
 The JSON header (dtypes, shapes, ``data_offsets``, metadata) is parsed with a bound on its size and
 depth and without duplicate keys; every entry is checked like a pickle's tensor record
-(:func:`rotationzoo._inspect.check_view`), the offsets must tile the data without overlapping, and
+(:func:`rotationzoo.files.limits.check_view`), the offsets must tile the data without overlapping, and
 the total stays under the byte cap, before ``safetensors`` reads a single tensor.
 """
 
@@ -13,11 +13,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ._inspect import BIG_INT, Limits, TensorMeta, check_view, exc_line, refuse, safe_repr
-from .errors import RotationFileError
-from .safefile import open_regular
+from .limits import BIG_INT, Limits, TensorMeta, check_view, exc_line, refuse, safe_repr
+from ..errors import RotationFileError
+from ..safefile import open_regular
 
-#: safetensors dtype codes, mapped to the names :class:`~rotationzoo._inspect.TensorMeta` uses.
+#: safetensors dtype codes, mapped to the names :class:`~rotationzoo.files.limits.TensorMeta` uses.
 SAFETENSORS_DTYPES: dict[str, tuple[str, int]] = {
     "F16": ("float16", 2), "BF16": ("bfloat16", 2), "F32": ("float32", 4), "F64": ("float64", 8),
     "U8": ("uint8", 1), "I8": ("int8", 1), "I16": ("int16", 2), "I32": ("int32", 4), "I64": ("int64", 8),

@@ -12,11 +12,11 @@
   branch's rotation tensors;
 - a registry id ``MODEL`` or ``MODEL@TAG`` (fetched, verified and cached; bundled entries offline);
 - an object already holding rotations: a :class:`RotationPair`, ``{"k": RotationSet, ...}``, a
-  :class:`~rotationzoo.format.RotationSet`, or anything with ``.k`` / ``.v`` sets (a ``FitResult``).
+  :class:`~rotationzoo.files.format.RotationSet`, or anything with ``.k`` / ``.v`` sets (a ``FitResult``).
 
 Example::
 
-    from rotationzoo.pair import resolve_pair
+    from rotationzoo.files.pair import resolve_pair
     pair = resolve_pair("Qwen3-8B")                   # registry: pair.entry, pair.serving
     pair = resolve_pair("rotations/")                 # a fitter output folder
     pair.k.rotations.shape, pair.layer_ids, pair.head_dim
@@ -31,20 +31,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
-from ._inspect import parse_index
-from .errors import IntegrityError, InvalidRotationError, PairError, RotationFileError, RotationZooError
-from .errors import ConfigError, UnknownModelError
-from .fit.output import MANIFEST_NAME  # noqa: F401  (re-exported)
+from .limits import parse_index
+from ..errors import IntegrityError, InvalidRotationError, PairError, RotationFileError, RotationZooError
+from ..errors import ConfigError, UnknownModelError
 from .format import RotationSet, read_rotation
-from .hashing import read_hashed
-from .headdims import HeadDims
-from .hub import fetch_entry
-from .int2kv import Int2KVConfig
+from ..hashing import read_hashed
+from ..headdims import HeadDims
+from ..hub import fetch_entry
+from ..int2kv import Int2KVConfig
 from .pairfile import file_kind, read_pair_file
-from .registry import SIDES, TagEntry, get_entry, load_registry, split_model_tag
+from ..registry import SIDES, TagEntry, get_entry, load_registry, split_model_tag
+from .manifest import MANIFEST_NAME, manifest_metadata  # noqa: F401  (MANIFEST_NAME re-exported)
 from .localpair import (  # noqa: F401  (public names of this module)
     ROTATION_SUFFIXES,
-    _manifest_metadata,
     check_not_pending,
     find_pair_files,
     infer_side,
@@ -236,7 +235,7 @@ class RotationPair:
 
         See :mod:`rotationzoo.serving` for the full launch (arguments, notes).
         """
-        from .engines import serve_env
+        from ..engines import serve_env
 
         return serve_env(self.config(), engine, {s: str(p) for s, p in self.paths.items()}, pair=self)
 
@@ -270,7 +269,7 @@ def read_pair(path: str | os.PathLike[str], *, side: str | None = None) -> Rotat
     text = os.fspath(path)
     p = Path(text).expanduser()
     if p.is_dir():
-        return _read_sides(find_pair_files(p), str(p), _manifest_metadata(p))
+        return _read_sides(find_pair_files(p), str(p), manifest_metadata(p))
     if "," in text and not p.exists():
         parts = [Path(x.strip()).expanduser() for x in text.split(",")]
         if len(parts) != 2 or not all(q.is_file() for q in parts):
@@ -391,9 +390,9 @@ def cached_details(entry: TagEntry, cache_dir: str | os.PathLike[str] | None = N
     """What the verified cached (or bundled) files of ``entry`` hold, per side, without the network:
     path, format and layout versions, grouping, companions, ``calibration`` and ``transform``. Sides
     not cached are absent; a file that cannot be read says why under ``"problem"``."""
-    from .hub import cache_root
-    from .hub.fetch import cached_copy
-    from .hub.sources import bundled_path
+    from ..hub import cache_root
+    from ..hub.fetch import cached_copy
+    from ..hub.sources import bundled_path
 
     out: dict[str, dict[str, Any]] = {}
     for s in SIDES:

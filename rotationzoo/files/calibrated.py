@@ -14,7 +14,7 @@ different calibrations are refused unless ``allow_mixed=True`` (``--allow-mixed`
 
 Example::
 
-    from rotationzoo.calibrated import import_calibrated
+    from rotationzoo.files.calibrated import import_calibrated
     got = import_calibrated("~/.cache/huggingface/oscar-rotations/Qwen3-8B-0123456789ab")
     got.paths["k"], got.calibration["prompt_sha256"]
 """
@@ -31,15 +31,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from ._inspect import MAX_BYTES
-from .errors import CacheError, PairError
+from .limits import MAX_BYTES
+from ..errors import CacheError, PairError
 from .format import read_rotation
-from .hashing import read_hashed, sha256_file
-from .hub.layout import IMPORTED_AREA, area_dir, cache_root, inside, write_marker
+from ..hashing import read_hashed, sha256_file
+from ..hub.layout import IMPORTED_AREA, area_dir, cache_root, inside, write_marker
 from .localpair import COMPLETE_GLOB, check_not_pending, find_pair_files
 from .pair import RotationPair, read_pair
-from .registry import SIDES
-from .safefile import open_regular, read_regular
+from ..registry import SIDES
+from ..safefile import open_regular, read_regular
 
 #: Largest manifest read.
 MAX_MANIFEST_BYTES = 64 << 10
@@ -157,7 +157,7 @@ def read_calibrated(folder: str | os.PathLike[str], *, allow_mixed: bool = False
 
 
 def _copy_regular(src: Path, dst: Path) -> None:
-    """Copy a regular file of at most :data:`~rotationzoo._inspect.MAX_BYTES` (a FIFO or a device is
+    """Copy a regular file of at most :data:`~rotationzoo.files.limits.MAX_BYTES` (a FIFO or a device is
     refused without blocking, see :func:`~rotationzoo.safefile.open_regular`)."""
     with open_regular(src, what="rotation file", error=PairError) as f, open(dst, "xb") as out:
         copied = 0

@@ -13,7 +13,7 @@ The ``.pt`` schema (format_version 1), as written by the OSCAR fitter and read b
 Layer keys are non-negative ``int`` or their plain ASCII decimal ``str`` and equal the entry's
 ``layer_id`` when it has one. The ``identity-v1`` variant (``format_version`` is that string, no
 eigenvalues) is accepted too. Loading never unpickles code: a ``.pt`` archive's directory, declared
-sizes and pickle are inspected first (:mod:`rotationzoo._inspect`) and the file is refused unless
+sizes and pickle are inspected first (:mod:`rotationzoo.files.limits`) and the file is refused unless
 it holds only dense tensors within the limits below, in stored (uncompressed) members as
 ``torch.save`` writes them; only then is it read with ``torch.load(weights_only=True)`` (torch >=
 2.6). Safetensors headers are checked the same way.
@@ -26,7 +26,7 @@ The authors' later layouts are read too (``docs/format.md``): V2 (``format_versi
 ``[H_kv, d, d]`` rotation per layer and KV head), V3 (``format_version 3``, the OSCAR-2 family with
 ``k_mean`` / ``q_rotation`` / ``o_rotation`` companions and ``calibration`` / ``transform`` metadata),
 V1 with a ``calibration`` dict, and ragged V1 (per-layer head_dims). The kind of a set is decided by
-its rotations' shapes; :class:`~rotationzoo.rotation_set.RotationSet` holds all of them, and
+its rotations' shapes; :class:`~rotationzoo.files.rotation_set.RotationSet` holds all of them, and
 :func:`write_rotation` writes each in the authors' layout for what it holds.
 """
 
@@ -38,22 +38,15 @@ import pickle
 import re
 import shutil
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
-from . import _schema
-from ._inspect import (
-    Limits,
-    exc_line,
-    inspect_torch_zip,
-    parse_index,
-    refuse_legacy_pickle,
-    safe_repr,
-)
-from ._schema import (  # noqa: F401  (public names of this module)
+from . import schema as _schema
+from .limits import Limits, exc_line, parse_index, safe_repr
+from .archive import inspect_torch_zip, refuse_legacy_pickle
+from .schema import (  # noqa: F401  (public names of this module)
     FORMAT_VERSION,
     FORMAT_VERSIONS,
     KV_HEAD,
@@ -69,51 +62,12 @@ from ._schema import (  # noqa: F401  (public names of this module)
     inspect_safetensors,
     make_limits,
 )
-from .errors import RotationFileError, TorchVersionError, UnsafeRotationFileError
-from .headdims import HeadDims
-from .rotation_set import RotationSet, stack_layers
-from .safefile import check_regular, open_regular
+from ..errors import RotationFileError, TorchVersionError, UnsafeRotationFileError
+from ..headdims import HeadDims
+from .rotation_set import RotationFormatWarning, RotationSet, set_from_dict  # noqa: F401  (public names of this module)
+from ..safefile import check_regular, open_regular
 
 _SAFETENSORS_MAGIC_MAX_HEADER = 100 * 1024 * 1024
-
-
-def set_from_dict(obj: Any, *, path: Path | None = None, max_head_dim: int = MAX_HEAD_DIM,
-                  max_layers: int = MAX_LAYERS, max_bytes: int = MAX_BYTES,
-                  limits: Limits | None = None) -> RotationSet:
-    """Parse the authors' dict (any layout of ``docs/format.md``); typed errors on anything else.
-
-    Args:
-        obj: the dict, as ``torch.load`` returns it.
-        path: the file it came from (named in messages).
-        max_head_dim: largest accepted ``d``.
-        max_layers: most accepted layers.
-        max_bytes: most bytes reading and validating may take: the tensors as given, as stacked in fp32,
-            and validation's working set.
-        limits: the :class:`~rotationzoo._inspect.Limits` to apply instead of the three above.
-
-    A ``source_grouping`` label that disagrees with the rotations' shape gives one
-    :class:`RotationFormatWarning`; the shape decides, as in the authors' server.
-    """
-    name = str(path) if path else "rotation data"
-    limits = limits or make_limits(max_head_dim, max_layers, max_bytes)
-    parsed = _schema.parse(obj, name, limits)
-    if parsed.label_mismatch:
-        warnings.warn(f"{name}: {parsed.label_mismatch}", RotationFormatWarning, stacklevel=3)
-    present = parsed.fields
-    # stack copies: layers that shared one storage in the file become independent tensors
-    try:
-        stacks: dict[str, Any] = {f: stack_layers([fields[f] for _, fields in parsed.layers]) for f in present}
-    except RuntimeError as exc:  # e.g. tensors on different devices in a dict built in memory
-        raise RotationFileError(f"{name}: cannot stack the layers ({exc_line(exc)})") from None
-    return RotationSet(
-        rotations=stacks.pop("rotation"), layer_ids=tuple(lid for lid, _ in parsed.layers), objective=parsed.objective,
-        format_version=parsed.version, source_grouping=parsed.kind, path=path,
-        calibration=parsed.calibration, transform=parsed.transform, **stacks,
-    )
-
-
-class RotationFormatWarning(UserWarning):
-    """A rotation file is readable but labelled inconsistently (e.g. ``source_grouping`` vs the shapes)."""
 
 
 # -- reading -------------------------------------------------------------------------------------
@@ -212,7 +166,7 @@ def read_rotation(
 
 def _inspect_named(p: Path, limits: Limits) -> Any:
     """The inspected pickle of ``p``; a refusal of a file that is a known other artefact (a PQ codebook, a
-    calibration dump) says what it is instead (:func:`rotationzoo.artefacts.identify_torch_file`)."""
+    calibration dump) says what it is instead (:func:`rotationzoo.files.artefacts.identify_torch_file`)."""
     from .artefacts import identify_torch_file
 
     try:

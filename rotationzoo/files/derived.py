@@ -13,10 +13,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .errors import RotationZooError, ServingError
-from .export import export_gguf
+from ..errors import RotationZooError, ServingError
+from ..export import export_gguf
 from .format import read_rotation, write_rotation
-from .hub import derived_hit, derived_path, record_derived
+from ..hub import derived_hit, derived_path, record_derived
 from .pair import RotationPair
 
 ROTATIONS_GGUF_NAME = "oscar-rot-kv.gguf"
@@ -62,7 +62,7 @@ def ensure_rotation_files(pair: RotationPair, *, cache_dir: str | os.PathLike[st
                           force: bool = False) -> dict[str, Path]:
     """A K and a V rotation file of ``pair``: its own when they are two files, else (a pair held in
     one file) two ``.pt`` files written in the authors' layout of what each side holds
-    (:func:`~rotationzoo.format.write_rotation`) into the derived area, reused while their bytes
+    (:func:`~rotationzoo.files.format.write_rotation`) into the derived area, reused while their bytes
     match their markers and they read back as the pair's rotations.
 
     Raises:
