@@ -172,16 +172,16 @@ def test_eval_refuses_a_short_text_before_the_weights_load(tmp_path, capsys, no_
 
 
 def test_keep_model_of_another_shape_is_refused_before_it_loads(tmp_path, no_weights) -> None:
-    from rotationzoo.cli._keep import keep_model_and_ids
-    from rotationzoo.errors import CLIError
+    from rotationzoo.errors import ConfigError
     from rotationzoo.fit.dump import DumpShape
+    from rotationzoo.workflows.keep import load_judge
 
     folder, text = _tiny_folder(tmp_path)  # head_dim 64, 2 KV heads, 2 layers
     wrong = DumpShape(num_q_heads=4, num_kv_heads=4, head_dim=64, dtype="float32")
-    with pytest.raises(CLIError, match="4 KV heads"):
-        keep_model_and_ids([text], str(folder), None, 64, 64, fits=(wrong, (0, 1)))
+    with pytest.raises(ConfigError, match="4 KV heads"):
+        load_judge([text], str(folder), None, 64, bound=64, fits=(wrong, (0, 1)))
     right = DumpShape(num_q_heads=4, num_kv_heads=2, head_dim=64, dtype="float32")
-    with pytest.raises(CLIError, match="lacks layers 1"):
-        keep_model_and_ids([text], str(folder), None, 64, 64, fits=(right, (0,)))
+    with pytest.raises(ConfigError, match="lacks layers 1"):
+        load_judge([text], str(folder), None, 64, bound=64, fits=(right, (0,)))
     with pytest.raises(AssertionError, match="weights were loaded"):  # everything checked: now it would load
-        keep_model_and_ids([text], str(folder), None, 64, 64, fits=(right, (0, 1)))
+        load_judge([text], str(folder), None, 64, bound=64, fits=(right, (0, 1)))

@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Annotated, Any, List, Optional
 import typer
 
 from .. import vocab
-from ._keep import check_keep_knobs, keep_calibrated, keep_ids, keep_model_and_ids, keep_plan, keep_rule
+from ..workflows.keep import check_keep_options, keep_ids, keep_plan, load_judge
+from ._keep import keep_calibrated, keep_rule
 from ._options import (
     BlockSizeOpt,
     KClipOpt,
@@ -319,21 +320,21 @@ def fit_command(
         if dump is None:
             raise CLIError("--refine needs --dump DIR (the calibration samples)")
         _check_recipe("qqt_sst", None, grouping, center, True)
-        check_keep_knobs(keep_text, keep_tokens, keep_context, refine, keep_model)
+        check_keep_options(keep_text, keep_tokens, keep_context, refine is not None, keep_model)
         store = _trained_store(refine, serving, param, scale_dtype=scale_dtype, prefix_tokens=prefix_tokens,
                                recent_tokens=recent_tokens, k_clip_ratio=k_clip_ratio, v_clip_ratio=v_clip_ratio)
         options = _refine_options(refine, init, seed, sample_tokens, loss, block_size, queries_per_block, store, param)
         opened = open_dump(dump, keep_first_chunk=keep_first_chunk, layers=layer_ids, tp_size=tp_size)
         # texts checked, model loaded, held-out tokens read: before the dump's activations are read
-        judge = keep_model_and_ids(keep_text, keep_model, keep_tokens, keep_context, opened.context() if keep_text else 0,
-                                   fits=(opened.shape(), opened.layer_ids) if keep_text else None)
+        judge = load_judge(keep_text, keep_model, keep_tokens, keep_context, bound=opened.context() if keep_text else 0,
+                           fits=(opened.shape(), opened.layer_ids) if keep_text else None, note=print_note)
         result = _refine_from_dump(opened, options, group_size, workers, grouping or "layer", min_tokens, center)
         if judge is not None:
             lm, held_ids = judge
             result = keep_rule(result, lm, held_ids, keep_tokens, keep_context)
         _report(result, write_fitted(result, out, model=model, tag=tag, fmt=fmt), as_json)
         return
-    check_keep_knobs(keep_text, keep_tokens, keep_context, refine, keep_model)
+    check_keep_options(keep_text, keep_tokens, keep_context, refine is not None, keep_model)
     _trained_store(refine, serving, param, scale_dtype=scale_dtype, prefix_tokens=prefix_tokens, recent_tokens=recent_tokens,
                    k_clip_ratio=k_clip_ratio, v_clip_ratio=v_clip_ratio)  # refused without --refine
     _check_recipe(objective, composition, grouping, center, False)  # before the dump is opened
@@ -449,7 +450,7 @@ def calibrate_command(
     check_token_budget(tokens, _min_tokens(min_tokens))  # before the model loads
     _check_recipe(objective, composition, grouping, center, refine is not None)
     texts = check_text_files(text, what="calibration text", option="--text")  # before the model is loaded
-    check_keep_knobs(keep_text, keep_tokens, keep_context, refine)
+    check_keep_options(keep_text, keep_tokens, keep_context, refine is not None)
     held_out = list(check_text_files(keep_text, what="held-out text", option="--keep-text")) if keep_text else None
     plan = keep_plan(keep_tokens, keep_context, min(seq_len, tokens)) if held_out else None
     peek_model(model, option="--model")  # a model file cut short fails here, before anything loads
