@@ -28,6 +28,7 @@ demo: install
 test: install
 	$(PY) -m pytest -q
 
+## The suite without the slow tests (tests/conftest.py lists them: model loads, compilers, large interpreter shapes).
 test-fast: install
 	$(PY) -m pytest -q -x -m "not slow"
 
