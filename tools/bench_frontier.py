@@ -19,7 +19,8 @@ Usage::
         --rotation default=SmolLM2-135M-Instruct --rows 'none@bf16|fp8|int4-g64-bf16,hadamard@int2-g64-bf16' \\
         --json-out bench-out/frontier.json --plot docs/img/frontier.png --markdown bench-out/frontier.md
 
-Partial results are written to ``--json-out`` after every text.
+Partial results are written to ``--json-out`` after every text; ``--resume`` keeps the texts already there
+(same rows, windows and context) and runs the others, so a long run can be continued text by text.
 """
 
 from __future__ import annotations
@@ -58,7 +59,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plot", type=Path)
     p.add_argument("--markdown", type=Path)
     p.add_argument("--replot", type=Path, help="only redraw --plot / --markdown from this JSON")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the texts --json-out already holds (same rows, windows, context) and run the others")
     return p.parse_args(argv)
+
+
+def load_reports(path: Path) -> list[Any]:
+    """The reports a ``--json-out`` file holds."""
+    from rotationzoo.evaluate.report import EvalReport, MethodResult
+    from rotationzoo.evaluate.stats import PairedDifference
+
+    data = json.loads(path.read_text())
+    reports = []
+    for rep in data["reports"]:
+        results = []
+        for r in rep["results"]:
+            for key in ("vs_baseline", "vs_fp"):
+                if r.get(key):
+                    r[key] = {k: PairedDifference(**{**v, "draws": tuple(v["draws"])}) for k, v in r[key].items()}
+            r["vs_methods"] = {}
+            r["layer_errors"] = {int(k): v for k, v in r.get("layer_errors", {}).items()}
+            results.append(MethodResult(**r))
+        reports.append(EvalReport(**{**rep, "results": results}))
+    return reports
+
+
+def _resumable(rep: Any, names: list[str], context: int, windows: int) -> bool:
+    """Whether a saved report is the run asked for: the same rows, context and windows."""
+    return rep.context == context and rep.windows == windows and sorted(r.method for r in rep.results) == sorted(names)
 
 
 def rows_of(text: str, rotations: dict[str, Any]) -> list[Any]:
@@ -101,25 +129,12 @@ def _summary(reports: list[Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from rotationzoo.evaluate import CopyProbe, EvalProtocol, MethodSpec, evaluate, plot_frontier, tokenize_texts
-    from rotationzoo.evaluate.report import EvalReport, MethodResult
-    from rotationzoo.evaluate.stats import PairedDifference
     from rotationzoo.int2kv import Int2KVConfig
     from rotationzoo.integrations.transformers import load_model
     from rotationzoo.workflows import model_path
 
     if args.replot:
-        data = json.loads(args.replot.read_text())
-        reports = []
-        for rep in data["reports"]:
-            results = []
-            for r in rep["results"]:
-                for key in ("vs_baseline", "vs_fp"):
-                    if r.get(key):
-                        r[key] = {k: PairedDifference(**{**v, "draws": tuple(v["draws"])}) for k, v in r[key].items()}
-                r["vs_methods"] = {}
-                r["layer_errors"] = {int(k): v for k, v in r.get("layer_errors", {}).items()}
-                results.append(MethodResult(**r))
-            reports.append(EvalReport(**{**rep, "results": results}))
+        reports = load_reports(args.replot)
     else:
         rotations = {}
         for item in args.rotation:
@@ -130,9 +145,16 @@ def main(argv: list[str] | None = None) -> int:
         model = model_path(args.model)
         _log(f"loading {model}")
         lm, tok = load_model(model)
+        saved = load_reports(args.json_out) if args.resume and args.json_out and args.json_out.exists() else []
         reports = []
         for name in args.texts.split(","):
             path = args.texts_dir / f"{name}.txt"
+            done = [r for r in saved if r.texts == [str(path)] and _resumable(r, [m.name for m in specs], args.context,
+                                                                               args.windows)]
+            if done:
+                _log(f"{name}: kept from {args.json_out}")
+                reports.append(done[0])
+                continue
             want = args.windows * args.context
             ids = tokenize_texts(tok, [path], tokens=want + 4096 * bool(args.probes), skip=skip.get(name, 0))
             probe = CopyProbe(probes=args.probes) if args.probes else None
@@ -146,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
             reports.append(rep)
             if args.json_out:
                 args.json_out.parent.mkdir(parents=True, exist_ok=True)
-                args.json_out.write_text(json.dumps({"reports": [r.to_dict() for r in reports]}, indent=1, default=str))
+                kept = reports + [r for r in saved if r not in reports]  # a resumed run never drops a saved text
+                args.json_out.write_text(json.dumps({"reports": [r.to_dict() for r in kept]}, indent=1, default=str))
     md = _summary(reports)
     print(md)
     if args.markdown:
