@@ -91,6 +91,20 @@ def detect_kind(path: Path) -> str:
     )
 
 
+def regular_file(p: Path, what: str) -> os.stat_result:
+    """``p``'s status if it is a non-empty regular file; a :class:`RotationFileError` otherwise (a FIFO, a
+    device or a ``/proc`` file is refused by its type, never opened)."""
+    try:
+        st = check_regular(p, what=what, error=RotationFileError)
+    except FileNotFoundError:
+        raise RotationFileError(f"{p}: no such file") from None
+    except OSError as exc:
+        raise RotationFileError(f"{p}: cannot be read ({exc.strerror or exc})") from None
+    if st.st_size == 0:
+        raise RotationFileError(f"{p}: file is empty")
+    return st
+
+
 def read_rotation(
     path: str | os.PathLike[str],
     *,
@@ -138,14 +152,7 @@ def read_rotation(
         TorchVersionError: a ``.pt`` file and torch older than 2.6.
     """
     p = Path(path)
-    try:  # a FIFO, a device or a /proc file is refused by its type, never opened
-        st = check_regular(p, what="rotation file", error=RotationFileError)
-    except FileNotFoundError:
-        raise RotationFileError(f"{p}: no such file") from None
-    except OSError as exc:
-        raise RotationFileError(f"{p}: cannot be read ({exc.strerror or exc})") from None
-    if st.st_size == 0:
-        raise RotationFileError(f"{p}: file is empty")
+    regular_file(p, "rotation file")
     limits = make_limits(max_head_dim, max_layers, max_bytes, head_dim=head_dim, num_layers=num_layers,
                          num_kv_heads=num_kv_heads)
     expect = (HeadDims.of(head_dim), num_layers, num_kv_heads)

@@ -34,8 +34,8 @@ from .limits import Limits, TensorMeta, parse_index, safe_repr
 from .archive import inspect_torch_zip, refuse_legacy_pickle
 from .schema import FLOAT_DTYPES, _meta
 from ..errors import InvalidRotationError, RotationFileError
-from .format import _inspect_named, _is_zip, _torch_load_safe, check_torch_version
-from ..safefile import check_regular, open_regular
+from .format import _inspect_named, _is_zip, _torch_load_safe, check_torch_version, regular_file
+from ..safefile import open_regular
 from .validation import DEFAULT_ATOL, DEFAULT_INVERSE_ATOL, inverse_errors, measure_matrices
 
 #: Largest latent width a file may declare (published latents are 512 wide).
@@ -197,14 +197,7 @@ def read_latent_file(path: str | os.PathLike[str], *, rank: int | None = None, l
     """
     p = Path(path)
     name = str(p)
-    try:
-        st = check_regular(p, what="latent rotation file", error=RotationFileError)
-    except FileNotFoundError:
-        raise RotationFileError(f"{p}: no such file") from None
-    except OSError as exc:
-        raise RotationFileError(f"{p}: cannot be read ({exc.strerror or exc})") from None
-    if st.st_size == 0:
-        raise RotationFileError(f"{p}: file is empty")
+    regular_file(p, "latent rotation file")
     limits = _limits(rank, "latent rotation file")
     check_torch_version()
     if not _is_zip(p):
