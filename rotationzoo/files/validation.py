@@ -109,13 +109,15 @@ def measure_matrices(rotations: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
             err[c] = _blocked_error(m, b)
             continue
         chunk = mats[idx[0]:idx[-1] + 1] if idx[-1] - idx[0] == len(idx) - 1 else mats[idx]
-        bad[c:c + len(idx)] = d * d - torch.isfinite(chunk).sum(dim=(-1, -2))
+        for j in range(len(idx)):  # one matrix at a time: isfinite and its sum take ~10 bytes per value
+            bad[c + j] = d * d - int(torch.isfinite(chunk[j]).sum())
         a = chunk.to(torch.float64)
         del chunk
         prod = a @ a.transpose(-1, -2)
         del a
         prod.diagonal(dim1=-2, dim2=-1).sub_(1)
         err[c:c + len(idx)] = prod.abs_().amax(dim=(-1, -2))
+        del prod  # else it lives on while the next chunk's copy and product are made
     where = torch.tensor(group, dtype=torch.int64, device=r.device)
     return bad[where].reshape(r.shape[:-2]), err[where].reshape(r.shape[:-2])
 
