@@ -92,6 +92,9 @@ REFINE_INITS: tuple[str, ...] = get_args(RefineInit)
 #: Losses of learned refinement: the pairs INT2 when served (attention-weighted), or every pair of a block.
 RefineLoss = Literal["served", "block"]
 REFINE_LOSSES: tuple[str, ...] = get_args(RefineLoss)
+#: What learned refinement learns: the rotation (``expm``, ``cayley`` parametrisations) or only the init's column signs.
+RefineParam = Literal["expm", "cayley", "signs"]
+REFINE_PARAMS: tuple[str, ...] = get_args(RefineParam)
 
 #: Kernel backends.
 Backend = Literal["auto", "torch", "cpu", "triton"]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "rotationzoo"
-LOWER = ("errors", "config", "dtypes", "hashing", "safefile", "hadamard", "vocab", "numbers", "kvformat", "int2kv",
+LOWER = ("errors", "config", "dtypes", "hashing", "safefile", "hadamard", "vocab", "numbers", "kvformat", "int2kv", "recipe",
          "launch", "progress", "headdims", "registry", "files.format", "files.rotation_set", "sharding", "files.validation",
          "files.limits", "files.archive", "files.schema", "files.stheader", "files.manifest", "hub", "kernels", "fit",
          "files.latent", "files.artefacts")

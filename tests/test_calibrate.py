@@ -18,7 +18,7 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from rotationzoo import read_rotation, validate  # noqa: E402
 from rotationzoo.errors import DumpError, FitError, ModelLoadError  # noqa: E402
-from rotationzoo.fit import RefineOptions, fit_rotations, open_dump, samples_from_dump  # noqa: E402
+from rotationzoo.fit import Refinement, fit_rotations, open_dump, samples_from_dump  # noqa: E402
 from rotationzoo.integrations.transformers import (  # noqa: E402
     WARMUP_TOKENS,
     QKVCapture,
@@ -157,12 +157,12 @@ def test_statistics_keep_a_sample_reservoir_for_refinement(tiny, tiny_model_dir,
     none = collect_statistics(model, tokenizer, texts, tokens=300, seq_len=256, sample_tokens=0)
     assert none.samples is None
     res = calibrate(model, tokenizer, texts, tokens=900, seq_len=256, group_size=16,
-                    refine=RefineOptions(loss="block", steps=3, init="oscar", sample_tokens=512))
+                    refine=Refinement(loss="block", steps=3, init="oscar", sample_tokens=512))
     assert res.objective == "refined" and res.layer_ids == (0, 1) and res.refinement["init"] == "oscar"
     for rs in (res.k, res.v):
         validate(rs, num_layers=LAYERS, head_dim=D)
     with pytest.raises(FitError, match="qqt_sst"):
-        calibrate(model, tokenizer, texts, tokens=300, objective="ktk_vtv", refine=RefineOptions(loss="block", steps=1))
+        calibrate(model, tokenizer, texts, tokens=300, objective="ktk_vtv", refine=Refinement(loss="block", steps=1))
 
 
 def test_calibrate_other_objectives(tiny, tiny_model_dir):

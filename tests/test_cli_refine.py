@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rotationzoo.fit import RefineOptions, refine_dump
+from rotationzoo.fit import Refinement, refine_config, refine_dump
 from rotationzoo.fit.dump import write_dump
 from rotationzoo.files.format import read_rotation
 
@@ -85,7 +85,7 @@ def test_cli_refine_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
                  "--head-dim", "64", "--loss", "block", "--refine", "5"]) == 1
     assert "--refine needs --dump" in capsys.readouterr().err
     with pytest.raises(Exception, match="unknown init"):
-        RefineOptions(init="random")
+        Refinement(init="random")
     text = tmp_path / "held_out.txt"
     text.write_text("held out text\n", encoding="utf-8")
     assert _cli(["fit", "--out", str(tmp_path / "o"), "--objective", "hadamard", "--num-layers", "2",
@@ -95,16 +95,16 @@ def test_cli_refine_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
                  "--keep-model", "m.gguf"]) == 1
     assert "--keep-model is the model --keep-text is evaluated with; add --keep-text FILE" in capsys.readouterr().err
     with pytest.raises(Exception, match="loss must be one of served, block"):
-        RefineOptions(loss="kl")
+        Refinement(loss="kl")
     with pytest.raises(Exception, match="block_size must be from 16 to sample_tokens"):
-        RefineOptions(block_size=8)
-    assert RefineOptions().blocks == 1024 and RefineOptions(loss="block").blocks == 256
+        Refinement(block_size=8)
+    assert Refinement().blocks == 1024 and Refinement(loss="block").blocks == 256
 
 
 def test_refine_dump_oscar_init_from_the_whole_dump(dump: Path) -> None:
     from rotationzoo.fit import fit_rotations
 
-    res = refine_dump(dump, RefineOptions(loss="block", steps=0, init="oscar"), group_size=16)
+    res = refine_dump(dump, Refinement(loss="block", steps=0, init="oscar"), group_size=16)
     oscar = fit_rotations(dump, "qqt_sst", "r_h_pbr")
     for side in ("k", "v"):  # kept as given, up to the fp64 re-orthogonalisation of the fp32 init
         assert torch.allclose(getattr(res, side).rotations, getattr(oscar, side).rotations, atol=1e-6)
@@ -138,7 +138,7 @@ def test_refined_folder_records_one_int2kv_block(dump: Path, tmp_path: Path) -> 
     from rotationzoo.files.pair import resolve_pair
 
     cfg = RefineConfig(loss="block", int2kv=Int2KVConfig(k_clip_ratio=0.9, prefix_tokens=16))
-    res = refine_dump(dump, RefineOptions(loss="block", steps=0), group_size=16, config=cfg)
+    res = refine_dump(dump, Refinement(loss="block", steps=0), group_size=16, config=cfg)
     out = write_fitted(res, tmp_path / "r")
     m = json.loads(out.manifest_path.read_text())
     want = Int2KVConfig(k_clip_ratio=0.9, prefix_tokens=16, group_size=16)
@@ -158,11 +158,11 @@ def test_queries_per_block_reaches_the_served_loss_and_the_manifest(tmp_path: Pa
                  "--queries-per-block", "8"]) == 0
     ref = json.loads((out / "rotationzoo.json").read_text())["refinement"]
     assert ref["config"]["queries_per_block"] == 8 and ref["config"]["loss"] == "served"
-    assert RefineOptions().config().queries_per_block == 64
+    assert refine_config(Refinement()).queries_per_block == 64
     with pytest.raises(Exception, match="queries_per_block is a setting of the served loss"):
-        RefineOptions(loss="block", queries_per_block=8)
+        Refinement(loss="block", queries_per_block=8)
     with pytest.raises(Exception, match="queries_per_block must be an integer ≥ 1"):
-        RefineOptions(queries_per_block=0)
+        Refinement(queries_per_block=0)
     assert _cli(["fit", "--dump", str(dump), "--out", str(out), "--refine", "2", "--queries-per-block", "0"]) == 2
     assert "--queries-per-block" in capsys.readouterr().err
 
@@ -183,8 +183,8 @@ def test_refine_trains_for_the_store_it_is_served_in(dump: Path, tmp_path: Path,
     assert _cli(["fit", "--dump", str(dump), "--out", str(tmp_path / "o2"), "--scale-dtype", "bfloat16"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: --scale-dtype: the INT2 store that --refine trains for; add --refine STEPS"]
-    opts = RefineOptions(int2kv=Int2KVConfig(scale_dtype="bfloat16"))
-    assert opts.config().int2kv.scale_dtype == "bfloat16" and RefineOptions().config().int2kv == Int2KVConfig()
+    opts = Refinement(int2kv=Int2KVConfig(scale_dtype="bfloat16"))
+    assert refine_config(opts).int2kv.scale_dtype == "bfloat16" and refine_config(Refinement()).int2kv == Int2KVConfig()
 
 
 def test_refine_signs_learns_only_column_signs(dump: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -205,7 +205,7 @@ def test_refine_signs_learns_only_column_signs(dump: Path, tmp_path: Path, capsy
         assert "signs_" in rs.objective and learned_objective(rs.objective)
         for layer in m["refinement"]["layers"][side]:
             assert layer["heldout_final"] <= layer["heldout_init"] + 1e-12
-    res = refine_dump(dump, RefineOptions(steps=1, init="oscar", loss="block", param="signs"), group_size=16)
+    res = refine_dump(dump, Refinement(steps=1, init="oscar", loss="block", param="signs"), group_size=16)
     for side in ("k", "v"):
         init, learned = getattr(res.init[0 if side == "k" else 1], "rotations"), getattr(res, side).rotations
         ratio = learned / init  # ±1 per column wherever the init is not 0

@@ -28,7 +28,7 @@ from rotationzoo.errors import DumpError, FitError, RotationZooError
 from rotationzoo.fit import DumpLimits, fit_rotations, open_dump, refine_dump, samples_from_dump, write_dump
 from rotationzoo.fit.dump_schema import inspect_chunk
 from rotationzoo.fit.fitter import DEFAULT_MIN_TOKENS
-from rotationzoo.fit.refine_fit import RefineOptions
+from rotationzoo.recipe import Refinement
 
 from test_fit import make_dump
 from test_format_hardening import FakeStorage, FakeTensor, torch_pickle, torch_zip
@@ -449,7 +449,7 @@ def test_too_few_tokens_and_the_min_tokens_knob(tmp_path, dump):
     refused(fit(dump, min_tokens=524), r"layer 0: 523 tokens \(and 1 more layers\), fewer than min_tokens=524")
     for bad in (0, -5, 2.5, True, "256"):
         refused(fit(root, min_tokens=bad), r"min_tokens must be a positive integer", error=FitError)
-    refused(lambda: refine_dump(root, RefineOptions(steps=1)), r"layer 0: 100 tokens, fewer than min_tokens=256")
+    refused(lambda: refine_dump(root, Refinement(steps=1)), r"layer 0: 100 tokens, fewer than min_tokens=256")
     from rotationzoo.fit import refine_fit
 
     samples = samples_from_dump(write_dump(tmp_path / "600", {0: layer_chunks([6, 300, 300])}), max_tokens=512)

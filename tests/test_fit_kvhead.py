@@ -11,7 +11,7 @@ import torch
 from rotationzoo.errors import FitError
 from rotationzoo.fit import (
     LayerAccumulator,
-    RefineOptions,
+    Refinement,
     fit_rotations,
     output_file_names,
     refine_dump,
@@ -163,7 +163,7 @@ def rdump(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("init", ["hadamard", "oscar"])
 def test_refine_per_head_never_worse_per_head(rdump, init):
-    res = refine_dump(rdump, RefineOptions(loss="block", steps=20, init=init, seed=1), group_size=16, grouping="kv_head")
+    res = refine_dump(rdump, Refinement(loss="block", steps=20, init=init, seed=1), group_size=16, grouping="kv_head")
     assert res.grouping == "kv_head" and res.num_kv_heads == 2
     for side in ("k", "v"):
         rs = getattr(res, side)
@@ -188,8 +188,8 @@ def test_refine_per_head_keeps_the_init_where_refining_hurts(rdump, monkeypatch)
 
     eye = torch.eye(32, dtype=torch.float64)
     monkeypatch.setattr(refine_mod, "_optimize", lambda r0, *a, **k: (eye.expand_as(r0).clone(), [1.0]))
-    res = refine_dump(rdump, RefineOptions(loss="block", steps=5, init="hadamard"), group_size=16, grouping="kv_head")
-    had = refine_dump(rdump, RefineOptions(loss="block", steps=0, init="hadamard"), group_size=16, grouping="kv_head")
+    res = refine_dump(rdump, Refinement(loss="block", steps=5, init="hadamard"), group_size=16, grouping="kv_head")
+    had = refine_dump(rdump, Refinement(loss="block", steps=0, init="hadamard"), group_size=16, grouping="kv_head")
     assert res.refinement is not None
     rows = res.refinement["layers"]["k"]
     assert all(r["kept"] == ["init", "init"] for r in rows)
@@ -198,11 +198,11 @@ def test_refine_per_head_keeps_the_init_where_refining_hurts(rdump, monkeypatch)
 
 
 def test_refine_per_head_init_is_the_per_head_fit(rdump):
-    res = refine_dump(rdump, RefineOptions(loss="block", steps=0, init="oscar"), group_size=16, grouping="kv_head")
+    res = refine_dump(rdump, Refinement(loss="block", steps=0, init="oscar"), group_size=16, grouping="kv_head")
     oscar = fit_rotations(rdump, "qqt_sst", "r_h_pbr", grouping="kv_head")
     for side in ("k", "v"):  # kept as given, up to the fp64 re-orthogonalisation of the fp32 init
         assert torch.allclose(getattr(res, side).rotations, getattr(oscar, side).rotations, atol=1e-6)
-    had = refine_dump(rdump, RefineOptions(loss="block", steps=0, init="hadamard"), group_size=16, grouping="kv_head")
+    had = refine_dump(rdump, Refinement(loss="block", steps=0, init="hadamard"), group_size=16, grouping="kv_head")
     assert torch.equal(had.k.rotations[:, 0], had.k.rotations[:, 1])  # H_d for every head
 
 

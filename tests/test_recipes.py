@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from rotationzoo.errors import FitError
-from rotationzoo.fit import RefineOptions, fit_rotations, refine_dump, write_dump, write_fitted
+from rotationzoo.fit import Refinement, fit_rotations, refine_dump, write_dump, write_fitted
 from rotationzoo.fit.compose import br_permutation_matrix
 from rotationzoo.files.format import read_rotation
 from rotationzoo.hadamard import hadamard_matrix
@@ -277,7 +277,7 @@ def test_combinations_that_mean_nothing_are_refused_before_reading(objective, kw
 
 def test_refinement_starts_from_the_centered_init_and_keeps_the_means(long_dump):
     dump = long_dump
-    opts = RefineOptions(loss="block", steps=0, init="oscar", sample_tokens=1024)
+    opts = Refinement(loss="block", steps=0, init="oscar", sample_tokens=1024)
     res = refine_dump(dump, opts, grouping="kv_head", center="kv")
     closed = fit_rotations(dump, "oscar2_center", center="kv")
     assert res.center == "kv"
@@ -292,7 +292,7 @@ def test_refinement_starts_from_the_centered_init_and_keeps_the_means(long_dump)
     mu = closed.k.k_mean[0]
     plain, centered = layer_data(layer, "k", RefineConfig(loss="block")), layer_data(layer, "k", RefineConfig(loss="block"), mu)
     assert torch.allclose(centered.x, plain.x - mu[None, :, None, :])  # the loss sees the stored (centered) keys
-    stepped = refine_dump(dump, RefineOptions(loss="block", steps=3, init="hadamard", sample_tokens=1024), center="k")
+    stepped = refine_dump(dump, Refinement(loss="block", steps=3, init="hadamard", sample_tokens=1024), center="k")
     assert stepped.k.k_mean.shape == (2, D) and stepped.v.v_mean is None
     assert torch.allclose(stepped.k.k_mean, fit_rotations(dump, "qqt_sst", center="k").k.k_mean)
 

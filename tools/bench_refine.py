@@ -57,7 +57,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from rotationzoo.fit import RefineOptions, refine_fit, samples_from_dump, write_fitted  # noqa: E402
+from rotationzoo.fit import Refinement, refine_fit, samples_from_dump, write_fitted  # noqa: E402
 from rotationzoo.fit.refine_loss import RefineConfig  # noqa: E402
 from rotationzoo.fit.result import peak_rss_bytes  # noqa: E402
 from rotationzoo.fit.samples import CalibrationSamples  # noqa: E402
@@ -129,9 +129,9 @@ def synthetic_samples(args: argparse.Namespace) -> CalibrationSamples:
     return samples
 
 
-def _options(args: argparse.Namespace) -> RefineOptions:
-    return RefineOptions(steps=args.steps, seed=args.seed, sample_tokens=args.sample_tokens, loss=args.loss,
-                         block_size=args.block_size)
+def _options(args: argparse.Namespace) -> Refinement:
+    return Refinement(steps=args.steps, seed=args.seed, sample_tokens=args.sample_tokens, loss=args.loss,
+                      block_size=args.block_size)
 
 
 def run_one(args: argparse.Namespace, samples: CalibrationSamples, init: str, g: int | None,
@@ -189,11 +189,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--calib", default="emma")
     p.add_argument("--calib-tokens", type=int, default=20000)
     p.add_argument("--calib-seq", type=int, default=2048)
-    p.add_argument("--sample-tokens", type=int, default=RefineOptions().sample_tokens,
+    p.add_argument("--sample-tokens", type=int, default=Refinement().sample_tokens,
                    help="reservoir tokens per layer (20480 keeps every whole block of 20,000 tokens)")
     p.add_argument("--groups", default="64,16")
     p.add_argument("--inits", default="hadamard,oscar,r_pbr_hg")
-    p.add_argument("--steps", type=int, default=RefineOptions().steps)
+    p.add_argument("--steps", type=int, default=Refinement().steps)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--param", default="expm", choices=("expm", "cayley"), help="retraction of the skew parameter")
     p.add_argument("--layers", help="refine only these layers, e.g. 0,4,9")

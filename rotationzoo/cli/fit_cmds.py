@@ -31,8 +31,7 @@ from typing import TYPE_CHECKING, Annotated, Any, List, Optional
 import typer
 
 from .. import vocab
-from ..workflows.keep import check_keep_options, keep_ids, keep_plan, load_judge
-from ._keep import keep_calibrated, keep_rule
+from ..workflows.keep import check_keep_options
 from ._options import (
     BlockSizeOpt,
     KClipOpt,
@@ -112,16 +111,6 @@ def _parse_layers(text: Optional[str]) -> Optional[list[int]]:
     return ids
 
 
-def _refine_options(steps: int, init: str, seed: int, sample_tokens: Optional[int], loss: str,
-                    block_size: Optional[int], queries_per_block: Optional[int], int2kv: Any = None,
-                    param: str = "expm") -> Any:
-    from ..fit import RefineOptions
-
-    extra = {"sample_tokens": sample_tokens} if sample_tokens is not None else {}
-    return RefineOptions(steps=steps, init=init, seed=seed, loss=loss, block_size=block_size,
-                         queries_per_block=queries_per_block, int2kv=int2kv, param=param, **extra)
-
-
 def _trained_store(refine: Optional[int], serving: Optional[str], param: str = "expm", **knobs: Any) -> Any:
     """The INT2 store ``--refine`` trains for: ``--serving MODEL@TAG``'s settings (else the defaults) with the
     INT2-KV options given; ``None`` when neither is given. Refused without ``--refine`` (so is ``--param``)."""
@@ -141,36 +130,32 @@ def _trained_store(refine: Optional[int], serving: Optional[str], param: str = "
     return base.replace(**given)
 
 
-def _min_tokens(min_tokens: Optional[int]) -> int:
-    """``--min-tokens``, or the library's default when not given."""
-    from ..fit.fitter import DEFAULT_MIN_TOKENS
+def _recipe(objective: str, composition: Optional[str], group_size: Optional[int], grouping: Optional[str],
+            center: Optional[str], signs: str, min_tokens: Optional[int], refine: Optional[int], init: str, seed: int,
+            sample_tokens: Optional[int], loss: str, block_size: Optional[int], queries_per_block: Optional[int],
+            store: Any, param: str, keep_text: Optional[List[Path]], keep_tokens: Optional[int],
+            keep_context: Optional[int], keep_model: Optional[str] = None) -> Any:
+    """The :class:`~rotationzoo.recipe.FitRecipe` the flags ask for, checked (before anything is read or loaded)."""
+    from ..recipe import DEFAULT_MIN_TOKENS, DEFAULT_SAMPLE_TOKENS, FitRecipe, KeepRule, Refinement
 
-    return DEFAULT_MIN_TOKENS if min_tokens is None else min_tokens
+    refinement = None if refine is None else Refinement(
+        steps=refine, init=init, seed=seed, loss=loss,  # type: ignore[arg-type]
+        sample_tokens=DEFAULT_SAMPLE_TOKENS if sample_tokens is None else sample_tokens, block_size=block_size,
+        queries_per_block=queries_per_block, param=param, int2kv=store)  # type: ignore[arg-type]
+    keep = (KeepRule(texts=tuple(str(t) for t in keep_text), tokens=keep_tokens, context=keep_context,
+                     model=keep_model) if keep_text and refinement is not None else None)
+    return FitRecipe(objective=objective, composition=composition, group_size=group_size,  # type: ignore[arg-type]
+                     grouping=grouping, center=center, signs=signs,  # type: ignore[arg-type]
+                     min_tokens=DEFAULT_MIN_TOKENS if min_tokens is None else min_tokens, refine=refinement,
+                     keep=keep).check()
 
 
-def _refine_from_dump(opened: Any, options: Any, group_size: Optional[int], workers: Optional[int], grouping: str,
-                      min_tokens: Optional[int], center: Optional[str]) -> "FitResult":
-    from ..fit import refine_dump
+def _print_kept(result: "FitResult") -> None:
+    from ..evaluate.keep import keep_summary
 
-    with progress_reporter("refine") as progress:
-        return refine_dump(opened, options, group_size=group_size, num_workers=workers, progress=progress,
-                           grouping=grouping, min_tokens=_min_tokens(min_tokens),  # type: ignore[arg-type]
-                           center=center)  # type: ignore[arg-type]
-
-
-def _check_recipe(objective: str, composition: Optional[str], grouping: Optional[str], center: Optional[str],
-                  refining: bool) -> None:
-    """Refuse objective / composition / grouping / center combinations before anything is read or loaded."""
-    from ..fit.recipes import resolve_center, resolve_composition, resolve_grouping
-    from ..fit.result import OBJECTIVE_TARGETS
-
-    resolve_grouping(objective, grouping)
-    if refining:
-        resolve_center("qqt_sst", center, ("qqt", "sst"))
-        return
-    resolve_center(objective, center, OBJECTIVE_TARGETS[objective])
-    if objective != "hadamard":
-        resolve_composition(objective, composition)
+    said = keep_summary(result)
+    if said:
+        print_note(said)
 
 
 def _report(result: "FitResult", out: "FitOutput", as_json: bool) -> None:
@@ -270,6 +255,8 @@ def fit_command(
 
       rotationzoo fit --dump qkv/ --out rot-r/ --refine 100 --init oscar --grouping kv_head --center k -g 16 --keep-text held_out.txt --keep-model model.gguf
 
+      rotationzoo fit --dump qkv/ --out rot-s/ --refine 100 --init oscar --grouping kv_head --center k --serving SmolLM2-135M-Instruct --keep-text held_out.txt
+
       rotationzoo fit --dump qkv/ --out rot-kvhead/ --grouping kv_head
 
       rotationzoo fit --dump qkv/ --out rot-v2/ --objective cov_eig_hadamard_perhead
@@ -299,8 +286,11 @@ def fit_command(
     default --loss served counts only the query-key pairs that are INT2 when served (keys older than
     the recent window, outside the sink), K as the attention-weighted score error and V as the error
     those far values add to the attention output; --loss block counts every pair of a block. A layer
-    keeps the learned rotation only if it lowers the loss on held-out blocks (--objective and
-    --composition are not used then). --init oscar --grouping kv_head --center k starts from the
+    keeps the learned rotation only if it lowers the loss on held-out blocks (--init says where it
+    starts: --objective other than qqt_sst and --composition are refused). --refine trains for the
+    INT2 store of --serving MODEL[@TAG] (its clips, windows, group and scale/zero dtype), with -g,
+    --scale-dtype, --prefix-tokens, --recent-tokens and the clip ratios overriding one setting each;
+    the fitted folder's rotationzoo.json records the recipe. --init oscar --grouping kv_head --center k starts from the
     oscar2_center closed form (k_mean kept). With --keep-text the whole result is then judged by the
     model on held-out text: the init, refined and mixed K/V pairs are evaluated (KL, the eval
     protocol) and the lowest kept, so refinement cannot make the model worse on those tokens.
@@ -311,53 +301,24 @@ def fit_command(
     values, or a zero or rank-deficient covariance are refused with one line (docs/security.md).
     """
     from ..errors import CLIError
-    from ..fit import fit_rotations, open_dump, write_fitted
+    from ..workflows.fitting import fit_dump
 
     if dump is None and objective != "hadamard":
         raise CLIError("--dump DIR is required (only --objective hadamard works without a dump)")
-    layer_ids = _parse_layers(layers)
-    if refine is not None:
-        if dump is None:
-            raise CLIError("--refine needs --dump DIR (the calibration samples)")
-        _check_recipe("qqt_sst", None, grouping, center, True)
-        check_keep_options(keep_text, keep_tokens, keep_context, refine is not None, keep_model)
-        store = _trained_store(refine, serving, param, scale_dtype=scale_dtype, prefix_tokens=prefix_tokens,
-                               recent_tokens=recent_tokens, k_clip_ratio=k_clip_ratio, v_clip_ratio=v_clip_ratio)
-        options = _refine_options(refine, init, seed, sample_tokens, loss, block_size, queries_per_block, store, param)
-        opened = open_dump(dump, keep_first_chunk=keep_first_chunk, layers=layer_ids, tp_size=tp_size)
-        # texts checked, model loaded, held-out tokens read: before the dump's activations are read
-        judge = load_judge(keep_text, keep_model, keep_tokens, keep_context, bound=opened.context() if keep_text else 0,
-                           fits=(opened.shape(), opened.layer_ids) if keep_text else None, note=print_note)
-        result = _refine_from_dump(opened, options, group_size, workers, grouping or "layer", min_tokens, center)
-        if judge is not None:
-            lm, held_ids = judge
-            result = keep_rule(result, lm, held_ids, keep_tokens, keep_context)
-        _report(result, write_fitted(result, out, model=model, tag=tag, fmt=fmt), as_json)
-        return
+    if refine is not None and dump is None:
+        raise CLIError("--refine needs --dump DIR (the calibration samples)")
     check_keep_options(keep_text, keep_tokens, keep_context, refine is not None, keep_model)
-    _trained_store(refine, serving, param, scale_dtype=scale_dtype, prefix_tokens=prefix_tokens, recent_tokens=recent_tokens,
-                   k_clip_ratio=k_clip_ratio, v_clip_ratio=v_clip_ratio)  # refused without --refine
-    _check_recipe(objective, composition, grouping, center, False)  # before the dump is opened
-    source = None if dump is None else open_dump(dump, keep_first_chunk=keep_first_chunk, layers=layer_ids,
-                                                 tp_size=tp_size)
-    with progress_reporter("fit", enabled=dump is not None and objective != "hadamard") as progress:
-        result = fit_rotations(
-            source,
-            objective,
-            composition,
-            group_size=group_size,
-            keep_first_chunk=keep_first_chunk,
-            layers=layer_ids,
-            num_workers=workers,
-            progress=progress,
-            signs=signs,  # type: ignore[arg-type]
-            num_layers=num_layers,
-            head_dim=head_dim,
-            grouping=grouping,  # type: ignore[arg-type]
-            min_tokens=_min_tokens(min_tokens),
-            center=center,  # type: ignore[arg-type]
-        )
-    written = write_fitted(result, out, model=model, tag=tag, fmt=fmt)
+    store = _trained_store(refine, serving, param, scale_dtype=scale_dtype, prefix_tokens=prefix_tokens,
+                           recent_tokens=recent_tokens, k_clip_ratio=k_clip_ratio, v_clip_ratio=v_clip_ratio)
+    recipe = _recipe(objective, composition, group_size, grouping, center, signs, min_tokens, refine, init, seed,
+                     sample_tokens, loss, block_size, queries_per_block, store, param, keep_text, keep_tokens,
+                     keep_context, keep_model)
+    label = "refine" if refine is not None else "fit"
+    with progress_reporter(label, enabled=dump is not None and objective != "hadamard") as progress:
+        result, written = fit_dump(dump, recipe, out, layers=_parse_layers(layers), keep_first_chunk=keep_first_chunk,
+                                   tp_size=tp_size, num_layers=num_layers, head_dim=head_dim, workers=workers,
+                                   model=model, tag=tag, fmt=fmt, progress=progress, note=print_note)
+    _print_kept(result)
     _report(result, written, as_json)
 
 
@@ -437,39 +398,20 @@ def calibrate_command(
     Every file records its calibration: prompt_sha256 (of the token windows run, the authors'
     definition), text_sha256, tokens, the model's revision (and a .gguf file's sha256).
     """
-    from ..errors import CLIError
-    from ..fit import write_fitted
-    from ..fit.fitter import check_token_budget
-    from ..integrations.transformers import calibrate, check_text_files, load_model, load_tokenizer, peek_model
-    from ..integrations.transformers.loading import model_provenance
+    from ..workflows.fitting import calibrate
 
+    check_keep_options(keep_text, keep_tokens, keep_context, refine is not None)
     store = _trained_store(refine, serving, param, scale_dtype=scale_dtype, prefix_tokens=prefix_tokens,
                            recent_tokens=recent_tokens, k_clip_ratio=k_clip_ratio, v_clip_ratio=v_clip_ratio)
-    options = (_refine_options(refine, init, seed, sample_tokens, loss, block_size, queries_per_block, store, param)
-               if refine is not None else None)
-    check_token_budget(tokens, _min_tokens(min_tokens))  # before the model loads
-    _check_recipe(objective, composition, grouping, center, refine is not None)
-    texts = check_text_files(text, what="calibration text", option="--text")  # before the model is loaded
-    check_keep_options(keep_text, keep_tokens, keep_context, refine is not None)
-    held_out = list(check_text_files(keep_text, what="held-out text", option="--keep-text")) if keep_text else None
-    plan = keep_plan(keep_tokens, keep_context, min(seq_len, tokens)) if held_out else None
-    peek_model(model, option="--model")  # a model file cut short fails here, before anything loads
-    tokenizer = load_tokenizer(model)
-    held_ids = keep_ids(tokenizer, held_out, plan) if held_out and plan else None  # a short text, before the weights
-    print_note(f"loading {model} ({dtype}, {device})")
-    lm, _ = load_model(model, dtype=dtype, device=device, tokenizer=tokenizer)
-    mid = model_id or Path(model).name
-    with progress_reporter("calibrate") as progress:  # stderr: a bar on a terminal, else a few lines
-        result = calibrate(
-            lm, tokenizer, texts, tokens=tokens, seq_len=seq_len, objective=objective, composition=composition,
-            group_size=group_size, dump_out=dump_out, overwrite_dump=overwrite_dump, signs=signs,
-            model_id=mid, progress=progress, refine=options, grouping=grouping,  # type: ignore[arg-type]
-            min_tokens=_min_tokens(min_tokens), center=center,  # type: ignore[arg-type]
-            provenance=model_provenance(lm, model, model_revision),
-        )
-    if options is not None:
-        result = keep_calibrated(result, lm, held_ids, keep_tokens, keep_context)
-    written = write_fitted(result, out, model=mid, tag=tag, fmt=fmt)
+    recipe = _recipe(objective, composition, group_size, grouping, center, signs, min_tokens, refine, init, seed,
+                     sample_tokens, loss, block_size, queries_per_block, store, param, keep_text, keep_tokens,
+                     keep_context)
+    with progress_reporter("calibrate") as progress:
+        result, written = calibrate(model, text, recipe, out, tokens=tokens, seq_len=seq_len, dump_out=dump_out,
+                                    overwrite_dump=overwrite_dump, dtype=dtype, device=device, model_id=model_id,
+                                    model_revision=model_revision, tag=tag, fmt=fmt, progress=progress,
+                                    note=print_note)
+    _print_kept(result)
     _report(result, written, as_json)
 
 

@@ -28,11 +28,12 @@ from .accumulate import TARGETS, LayerAccumulator
 from .compose import hadamard_rotations
 from .dump import Dump, DumpPlan, DumpShape, DumpWriter, open_dump, write_dump
 from .dump_schema import DumpLimits
-from .fitter import DEFAULT_MIN_TOKENS, fit_rotations
+from ..recipe import DEFAULT_MIN_TOKENS, OBJECTIVE_TARGETS, RECIPES, FitRecipe, KeepRule, Refinement
+from .fitter import fit_rotations
 from .output import MANIFEST_NAME, FitOutput, build_manifest, output_file_names, write_fitted
-from .recipes import RECIPES, V2_MAX_CHUNKS
-from .refine_fit import RefineOptions, refine_dump, refine_fit, samples_from_dump
-from .result import OBJECTIVE_TARGETS, FitResult, FitStats
+from .recipes import V2_MAX_CHUNKS
+from .refine_fit import refine_config, refine_dump, refine_fit, samples_from_dump
+from .result import FitResult, FitStats
 
 __all__ = [
     "AUTHOR_COMPOSITIONS",
@@ -43,7 +44,9 @@ __all__ = [
     "OBJECTIVE_TARGETS",
     "RECIPES",
     "V2_MAX_CHUNKS",
-    "RefineOptions",
+    "FitRecipe",
+    "KeepRule",
+    "Refinement",
     "TARGETS",
     "Dump",
     "DumpLimits",
@@ -59,6 +62,7 @@ __all__ = [
     "hadamard_rotations",
     "open_dump",
     "output_file_names",
+    "refine_config",
     "refine_dump",
     "refine_fit",
     "samples_from_dump",

@@ -55,6 +55,7 @@ import torch
 from ..errors import FitError
 from ..files.format import RotationSet
 from ..hadamard import bit_reversal_permutation, hadamard_matrix
+from ..recipe import check_composition
 
 from ..vocab import AUTHOR_COMPOSITIONS, COMPOSITIONS, SignConvention  # noqa: F401 - re-exported
 
@@ -84,20 +85,6 @@ def composition_label(composition: str, group_size: int | None = None) -> str:
     if composition == "r_pbr_hg":
         return f"r_pbr_hg{int(group_size)}"  # type: ignore[arg-type]
     return composition
-
-
-def check_composition(composition: str, group_size: int | None = None, head_dim: int | None = None) -> None:
-    """Raise :class:`FitError` for an unknown composition or a bad group size."""
-    if composition not in COMPOSITIONS:
-        raise FitError(f"unknown composition {composition!r}; expected one of {', '.join(COMPOSITIONS)}")
-    if composition == "r_pbr_hg":
-        if group_size is None:
-            raise FitError("composition 'r_pbr_hg' needs a group size (group_size=G, --group-size G)")
-        g = int(group_size)
-        if g < 1 or g & (g - 1):
-            raise FitError(f"group size {group_size} is not a power of two")
-        if head_dim is not None and (g > head_dim or head_dim % g):
-            raise FitError(f"group size {g} does not divide head_dim {head_dim}")
 
 
 def symmetric_eigh(cov: torch.Tensor, *, what: str = "covariance") -> tuple[torch.Tensor, torch.Tensor]:

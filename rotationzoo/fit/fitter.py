@@ -17,14 +17,15 @@ import torch
 from ..errors import DumpError, FitError
 from ..files.format import MAX_BYTES, MAX_HEAD_DIM, MAX_LAYERS, RotationSet
 from ..progress import Progress, Tally
+from ..recipe import DEFAULT_MIN_TOKENS, OBJECTIVE_TARGETS, check_composition, check_min_tokens
 from ..vocab import Center, Grouping, SignConvention
 from .accumulate import LayerAccumulator, kinds_for, statistics_bytes
-from .compose import check_composition, check_head_dim, hadamard_rotations
+from .compose import check_head_dim, hadamard_rotations
 from .dump import Dump, DumpPlan, DumpShape, open_dump
 from .dump_schema import MIN_HEAD_DIM
 from .recipes import (V2_COMPOSITION, V2_MAX_CHUNKS, V2_OBJECTIVE, resolve_center, resolve_composition,
                       resolve_grouping, v2_chunks)
-from .result import OBJECTIVE_TARGETS, FitResult, FitStats, peak_rss_bytes
+from .result import FitResult, FitStats, peak_rss_bytes
 from .sets import build_sets, fitted_means
 from .stream import accumulate_dump_layer, layer_reads, thread_workspace
 
@@ -32,12 +33,6 @@ from .stream import accumulate_dump_layer, layer_reads, thread_workspace
 PROVENANCE_KEYS = ("prompt_sha256", "text_sha256", "model_revision", "model_sha256")
 #: Upper bound of the default number of concurrent layers (each holds one fp64 workspace).
 MAX_DEFAULT_WORKERS = 8
-#: Fewest tokens per layer a rotation is fitted from (``min_tokens``, ``--min-tokens``): one
-#: calibration block of the learned refinement, twice the published head_dim. The published
-#: rotations were fitted from 10,000 to 150,000 tokens per layer; below this the fit is noise.
-DEFAULT_MIN_TOKENS = 256
-
-
 def _parse_objective(objective: str) -> tuple[str | None, str | None]:
     if objective not in OBJECTIVE_TARGETS:
         raise FitError(f"unknown objective {objective!r}; expected one of {', '.join(OBJECTIVE_TARGETS)}")
@@ -52,13 +47,6 @@ def _as_dump(source: Any, keep_first_chunk: bool, layers: Iterable[int] | None, 
             return source
         return source.reopen(keep_first_chunk=source.keep_first_chunk or force_first, layers=layers)
     return open_dump(source, keep_first_chunk=keep_first_chunk or force_first, layers=layers)
-
-
-def check_min_tokens(min_tokens: Any) -> int:
-    """``min_tokens`` as a positive int (a :class:`FitError` otherwise)."""
-    if type(min_tokens) is not int or min_tokens < 1:
-        raise FitError(f"min_tokens must be a positive integer (tokens per layer), got {min_tokens!r:.40}")
-    return min_tokens
 
 
 def check_token_budget(tokens: Any, min_tokens: Any) -> None:

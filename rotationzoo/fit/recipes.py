@@ -32,73 +32,21 @@ import torch
 
 from ..errors import FitError
 from ..hadamard import hadamard_matrix
-from ..vocab import CENTERS, COMPOSITIONS, GROUPINGS
+from ..recipe import (  # noqa: F401  (the rules of a recipe, re-exported where the fitter reads them)
+    OSCAR2_OBJECTIVES,
+    RECIPES,
+    V2_COMPOSITION,
+    V2_OBJECTIVE,
+    resolve_center,
+    resolve_composition,
+    resolve_grouping,
+)
 from .compose import canonicalize_signs, symmetric_eigh
 
-#: The authors' V2 per-head fitter.
-V2_OBJECTIVE = "cov_eig_hadamard_perhead"
-#: The authors' orthogonal OSCAR-2 variants (their non-orthogonal ones are not fitted here).
-OSCAR2_OBJECTIVES: tuple[str, ...] = ("oscar2_perhead", "oscar2_center")
-#: Objectives whose composition, grouping and names are fixed by the authors' recipe.
-RECIPES: tuple[str, ...] = (V2_OBJECTIVE, *OSCAR2_OBJECTIVES)
 #: The V2 recipe reads the first this many chunk files of each layer (``--max-files 20``).
 V2_MAX_CHUNKS = 20
-#: The composition label of the V2 recipe (``U_desc · H``); not a ``--composition`` choice.
-V2_COMPOSITION = "r_desc_h"
 #: The OSCAR-2 value objective (the orthogonal ``pre_wo`` metric, the only one fitted here).
 OSCAR2_V_OBJECTIVE = "oscar2_v_pre_wo"
-
-
-def resolve_grouping(objective: str, grouping: str | None) -> str:
-    """``grouping`` (``None``: per KV head for the recipes, per layer otherwise), checked against the objective."""
-    if grouping is None:
-        return "kv_head" if objective in RECIPES else "layer"
-    if grouping not in GROUPINGS:
-        raise FitError(f"unknown grouping {grouping!r}; expected one of {', '.join(GROUPINGS)}")
-    if objective == V2_OBJECTIVE and grouping != "kv_head":
-        raise FitError(f"{V2_OBJECTIVE} is the authors' per-head V2 recipe; it has no shared form (for one rotation "
-                       "per layer from the raw moments use objective 'ktk_vtv')")
-    if objective == "hadamard" and grouping == "kv_head":
-        raise FitError("objective 'hadamard' is data-free and the same for every KV head; use grouping='layer'")
-    return grouping
-
-
-def resolve_center(objective: str, center: str | None, targets: tuple[str | None, str | None]) -> str:
-    """``center`` (``None``: ``"k"`` for ``oscar2_center``, else ``"none"``), refused where it means nothing."""
-    if center is None:
-        return "k" if objective == "oscar2_center" else "none"
-    if center not in CENTERS:
-        raise FitError(f"unknown center {center!r}; expected one of {', '.join(CENTERS)}")
-    if center == "none":
-        if objective == "oscar2_center":
-            raise FitError("oscar2_center centers the keys; for no centering use objective 'oscar2_perhead'")
-        return center
-    if objective == "oscar2_perhead":
-        raise FitError("oscar2_perhead does not center; key centering is objective 'oscar2_center' "
-                       "(center='kv' there centers the values too)")
-    if objective in (V2_OBJECTIVE, "hadamard") or targets[0] not in (None, "qqt") or targets[1] not in (None, "sst"):
-        raise FitError(f"center={center!r} needs the OSCAR targets (qqt for K, sst for V): objective 'oscar2_center' "
-                       f"or 'qqt_sst', not {objective!r}")
-    if targets != ("qqt", "sst"):
-        raise FitError(f"center={center!r} needs both keys and values read and both files written: use objective "
-                       f"'qqt_sst' or 'oscar2_center', not {objective!r}")
-    return center
-
-
-def resolve_composition(objective: str, composition: str | None) -> str:
-    """The composition an objective uses (``None``: ``r_h_pbr``; the recipes fix theirs)."""
-    if objective == V2_OBJECTIVE:
-        if composition is not None:
-            raise FitError(f"{V2_OBJECTIVE} composes U_desc·H as the authors' V2 fitter does; composition "
-                           f"{composition!r} does not apply (leave it unset)")
-        return V2_COMPOSITION
-    if objective in OSCAR2_OBJECTIVES and composition not in (None, "r_h_pbr"):
-        raise FitError(f"{objective} composes E·H·P_br (r_h_pbr) as the authors' OSCAR-2 fitter does; composition "
-                       f"{composition!r} does not apply")
-    comp = composition or "r_h_pbr"
-    if comp not in COMPOSITIONS:
-        raise FitError(f"unknown composition {comp!r}; expected one of {', '.join(COMPOSITIONS)}")
-    return comp
 
 
 def v2_chunks(chunk_ids: Sequence[int], max_chunks: int = V2_MAX_CHUNKS) -> tuple[int, ...]:

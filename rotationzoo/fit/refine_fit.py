@@ -25,95 +25,39 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Iterable, Mapping
 
 import torch
 
 from ..errors import FitError
-from ..int2kv import Int2KVConfig
 from ..progress import Progress, prefixed
 from ..files.format import RotationSet
+from ..recipe import DEFAULT_MIN_TOKENS, DEFAULT_STEPS, INIT_COMPOSITIONS, Refinement, check_min_tokens
 from ..vocab import REFINE_INITS, Center, Grouping
 from .compose import composition_label
 from .dump import Dump, open_dump
 from .accumulate import kinds_for
-from .fitter import DEFAULT_MIN_TOKENS, check_grouping, check_min_tokens, check_tokens, fit_rotations
+from .fitter import check_grouping, check_tokens, fit_rotations
 from .refine import RefineResult, refine_rotations, relative_improvement
 from .recipes import resolve_center
-from .refine_loss import LOSSES, SERVED_BLOCK_SIZE, RefineConfig
+from .refine_loss import RefineConfig
 from .result import FitResult, FitStats, peak_rss_bytes
 from .samples import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_TOKENS, CalibrationSamples
-
-#: Default optimizer steps per layer and side.
-DEFAULT_STEPS = 200
-#: ``--init`` name → composition fitted for it (``None``: data-free).
-INIT_COMPOSITIONS: dict[str, str | None] = {"hadamard": None, "oscar": "r_h_pbr", "r_pbr_hg": "r_pbr_hg"}
-
 
 def _check_init(init: str) -> None:
     if init not in INIT_COMPOSITIONS:
         raise FitError(f"unknown init {init!r}; expected one of {', '.join(REFINE_INITS)}")
 
 
-@dataclass(frozen=True)
-class RefineOptions:
-    """What ``--refine STEPS --init NAME --seed S --sample-tokens N --loss L --block-size B
-    --queries-per-block Q`` ask for.
-
-    Attributes:
-        steps: optimizer steps per layer and side.
-        init: ``"hadamard"``, ``"oscar"`` or ``"r_pbr_hg"``.
-        seed: seeds the reservoir, the split and the minibatches.
-        sample_tokens: calibration tokens kept per layer (a reservoir of whole blocks).
-        loss: ``"served"`` or ``"block"`` (:class:`~rotationzoo.fit.refine_loss.RefineConfig`).
-        block_size: tokens per calibration block (``None``: 1,024 for ``served``, 256 for ``block``).
-        queries_per_block: queries drawn per block by the served loss (``None``: the
-            :class:`~rotationzoo.fit.refine_loss.RefineConfig` default, 64); a step's cost is linear in it.
-        int2kv: the INT2 store the loss trains for (scale/zero dtype, windows, clip ratios; the group size
-            comes from ``group_size`` when given): ``None`` keeps :class:`RefineConfig`'s default.
-        param: what is learned (:data:`~rotationzoo.fit.refine_loss.PARAMS`): the rotation (``expm``,
-            ``cayley``) or only the init's column signs (``signs``: ``steps`` sweeps over the columns).
-    """
-
-    steps: int = DEFAULT_STEPS
-    init: str = "hadamard"
-    seed: int = 0
-    sample_tokens: int = DEFAULT_MAX_TOKENS
-    loss: str = "served"
-    block_size: int | None = None
-    queries_per_block: int | None = None
-    int2kv: Int2KVConfig | None = None
-    param: str = "expm"
-
-    def __post_init__(self) -> None:
-        _check_init(self.init)
-        if self.loss not in LOSSES:
-            raise FitError(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
-        if self.block_size is not None and not 16 <= self.block_size <= self.sample_tokens:
-            raise FitError(f"block_size must be from 16 to sample_tokens ({self.sample_tokens}), got {self.block_size}")
-        if self.queries_per_block is not None:
-            if self.loss != "served":
-                raise FitError(f"queries_per_block is a setting of the served loss; drop it or use loss 'served', not {self.loss!r}")
-            self.config()  # RefineConfig's range check
-        if self.steps < 0:
-            raise FitError(f"refinement steps must be ≥ 0, got {self.steps}")
-        if self.sample_tokens < self.blocks:
-            raise FitError(f"sample_tokens must be ≥ {self.blocks} (one block), got {self.sample_tokens}")
-
-    @property
-    def blocks(self) -> int:
-        """The calibration block length in effect."""
-        if self.block_size is not None:
-            return self.block_size
-        return SERVED_BLOCK_SIZE if self.loss == "served" else DEFAULT_BLOCK_SIZE
-
-    def config(self, base: RefineConfig | None = None) -> RefineConfig:
-        """``base`` (default settings) with this ``loss`` (and ``queries_per_block`` and ``int2kv``, when given)."""
-        cfg = replace(base or RefineConfig(), loss=self.loss, param=self.param)
-        if self.int2kv is not None:
-            cfg = replace(cfg, int2kv=self.int2kv)
-        return cfg if self.queries_per_block is None else replace(cfg, queries_per_block=self.queries_per_block)
+def refine_config(refinement: Refinement, base: RefineConfig | None = None) -> RefineConfig:
+    """``base`` (default settings) with ``refinement``'s loss, parametrisation, INT2 store and, when given, queries
+    per block: what :func:`refine_fit` runs for a :class:`~rotationzoo.recipe.Refinement` (``int2kv=None`` keeps
+    ``base``'s store)."""
+    cfg = replace(base or RefineConfig(), loss=refinement.loss, param=refinement.param)
+    if refinement.int2kv is not None:
+        cfg = replace(cfg, int2kv=refinement.int2kv)
+    return cfg if refinement.queries_per_block is None else replace(cfg, queries_per_block=refinement.queries_per_block)
 
 
 def samples_from_dump(
@@ -359,7 +303,7 @@ def _centered(rs: RotationSet, means: Mapping[str, Mapping[int, torch.Tensor]], 
 
 def refine_dump(
     dump: str | os.PathLike[str] | Dump,
-    options: RefineOptions,
+    options: Refinement,
     *,
     group_size: int | None = None,
     keep_first_chunk: bool = False,
@@ -386,10 +330,11 @@ def refine_dump(
     dump_info = d.info()
     info = {"kind": "dump", "path": str(d.root), "prompts": dump_info.get("prompts", d.prompt_count())}
     result = refine_fit(samples, options.init, steps=options.steps, group_size=group_size, seed=options.seed,
-                        statistics=d, config=options.config(config), num_workers=num_workers, progress=progress, source_info=info,
-                        model=dump_info.get("model"), grouping=grouping, min_tokens=min_tokens, center=center)
+                        statistics=d, config=refine_config(options, config), num_workers=num_workers, progress=progress,
+                        source_info=info, model=dump_info.get("model"), grouping=grouping, min_tokens=min_tokens,
+                        center=center, steps_v=options.steps_v)
     result.keep_first_chunk = d.keep_first_chunk
     return result
 
 
-__all__ = ["DEFAULT_STEPS", "INIT_COMPOSITIONS", "RefineOptions", "refine_dump", "refine_fit", "refinement_summary", "samples_from_dump"]
+__all__ = ["refine_config", "refine_dump", "refine_fit", "refinement_summary", "samples_from_dump"]

@@ -34,7 +34,8 @@ import torch
 from ..dtypes import TORCH_DTYPES
 from ..errors import FitError
 from ..int2kv import Int2KVConfig
-from ..vocab import REFINE_LOSSES
+from ..recipe import DEFAULT_QUERIES_PER_BLOCK, SERVED_BLOCK_SIZE  # noqa: F401 - SERVED_BLOCK_SIZE re-exported
+from ..vocab import REFINE_LOSSES, REFINE_PARAMS
 from ..kernels.layout import clip_index as _clip_index
 from .samples import LayerSamples
 from .ste import ste_quantize_int2
@@ -46,12 +47,8 @@ LOSS_NAMES_BY_LOSS = {"block": {"k": "k_logit", "v": "v_attn_out"},
 LOSS_NAMES = LOSS_NAMES_BY_LOSS["block"]
 #: The losses (``RefineConfig.loss``).
 LOSSES: tuple[str, ...] = REFINE_LOSSES
-#: Calibration block length the served loss is meant for (its pairs need ``i − j > recent_tokens``).
-SERVED_BLOCK_SIZE = 1024
-
-
 #: What refinement learns: the rotation (``expm``, ``cayley`` parametrisations) or only the init's column signs.
-PARAMS: tuple[str, ...] = ("expm", "cayley", "signs")
+PARAMS: tuple[str, ...] = REFINE_PARAMS
 
 
 @dataclass
@@ -97,7 +94,7 @@ class RefineConfig:
     seed: int = 0
     softmax_scale: float | None = None
     loss: str = "served"
-    queries_per_block: int = 64
+    queries_per_block: int = DEFAULT_QUERIES_PER_BLOCK
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:

@@ -16,19 +16,6 @@ from ..int2kv import Int2KVConfig
 from .compose import composition_label
 from .recipes import V2_COMPOSITION, side_objective
 
-#: objective → (K target, V target); ``None`` = that file is not produced.
-OBJECTIVE_TARGETS: dict[str, tuple[str | None, str | None]] = {
-    "qqt_sst": ("qqt", "sst"),
-    "ktk_vtv": ("ktk", "vtv"),
-    "qqt": ("qqt", None),
-    "sst": (None, "sst"),
-    "ktk": ("ktk", None),
-    "vtv": (None, "vtv"),
-    "hadamard": (None, None),
-    "cov_eig_hadamard_perhead": ("ktk", "vtv"),
-    "oscar2_perhead": ("qqt", "sst"),
-    "oscar2_center": ("qqt", "sst"),
-}
 #: Target of a side the keep rule left at its init (its objective: ``refined_kept_init_<init>``).
 KEPT_INIT = "kept_init"
 

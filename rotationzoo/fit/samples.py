@@ -48,13 +48,14 @@ from typing import Iterable, Sequence
 import torch
 
 from ..errors import FitError
+from ..recipe import DEFAULT_BLOCK_SIZE, DEFAULT_SAMPLE_TOKENS
 from ..progress import Progress, Tally
 from .dump import Dump
 
-#: Tokens per block (consecutive positions of one sequence).
-DEFAULT_BLOCK_SIZE = 256
-#: Tokens kept per layer (56 blocks of 256); see the module docstring for the memory arithmetic.
-DEFAULT_MAX_TOKENS = 14336
+#: Tokens per block (consecutive positions of one sequence): :data:`rotationzoo.recipe.DEFAULT_BLOCK_SIZE`;
+#: tokens kept per layer (56 blocks of 256; see the module docstring for the memory arithmetic):
+#: :data:`rotationzoo.recipe.DEFAULT_SAMPLE_TOKENS`, the ``sample_tokens`` of a refinement.
+DEFAULT_MAX_TOKENS = DEFAULT_SAMPLE_TOKENS
 #: Storage dtype of the kept activations.
 DEFAULT_DTYPE = torch.bfloat16
 

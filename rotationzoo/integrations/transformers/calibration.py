@@ -21,11 +21,11 @@ import torch
 
 from ...errors import FitError
 from ...vocab import Center, Grouping
-from ...fit import OBJECTIVE_TARGETS, RefineOptions, fit_rotations, refine_fit
+from ...fit import fit_rotations, refine_config, refine_fit
 from ...fit.accumulate import LayerAccumulator, Workspace
-from ...fit.compose import check_composition
-from ...fit.fitter import DEFAULT_MIN_TOKENS, PROVENANCE_KEYS, check_token_budget
-from ...fit.recipes import V2_COMPOSITION, V2_OBJECTIVE, resolve_center, resolve_composition, resolve_grouping
+from ...fit.fitter import PROVENANCE_KEYS, check_token_budget
+from ...recipe import (DEFAULT_MIN_TOKENS, OBJECTIVE_TARGETS, V2_COMPOSITION, V2_OBJECTIVE, Refinement,
+                       check_composition, resolve_center, resolve_composition, resolve_grouping)
 from ...fit.dump import Dump, DumpWriter
 from ...fit.samples import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_TOKENS, CalibrationSamples
 from ...progress import Progress, Tally
@@ -93,7 +93,7 @@ def calibrate(
     model_id: str | None = None,
     texts_are_paths: bool = True,
     progress: CalibrationProgress | None = None,
-    refine: RefineOptions | None = None,
+    refine: Refinement | None = None,
     grouping: Grouping | None = None,
     min_tokens: int = DEFAULT_MIN_TOKENS,
     center: Center | None = None,
@@ -158,7 +158,7 @@ def calibrate(
     if refine is not None:
         assert stats.samples is not None
         return refine_fit(stats.samples, refine.init, steps=refine.steps, group_size=group_size, seed=refine.seed,
-                          config=refine.config(),
+                          config=refine_config(refine), steps_v=refine.steps_v,
                           statistics=stats.accumulators, source_info=stats.info, model=model_id,
                           grouping=group, progress=progress, min_tokens=min_tokens, center=center)  # type: ignore[arg-type]
     return fit_rotations(
