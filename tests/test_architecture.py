@@ -33,24 +33,37 @@ def module_name(path: Path, package: Path = PACKAGE) -> str:
     return ".".join(parts)
 
 
-def imports_of(path: Path, package_root: Path = PACKAGE) -> set[str]:
-    """Every ``rotationzoo`` module ``path`` imports, at any depth of the file (absolute names)."""
+def import_statements(path: Path, package_root: Path = PACKAGE, *, typing_blocks: bool = True
+                      ) -> list[tuple[str, tuple[str, ...]]]:
+    """Every import of ``path``, at any depth of the file, as ``(absolute module, names imported from it)``
+    (``()`` for ``import x``); ``typing_blocks=False`` leaves out ``if TYPE_CHECKING:`` blocks (they never run).
+    The one reading of import statements that the layer and circle checks share."""
     name = module_name(path, package_root)
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-    out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    skip = set() if typing_blocks else {
+        id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+        for stmt in block.body for n in ast.walk(stmt)}
+    out: list[tuple[str, tuple[str, ...]]] = []
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names if a.name.startswith("rotationzoo"))
+            out.extend((a.name, ()) for a in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
-            if target.startswith("rotationzoo"):
-                out.add(target)
-                out.update(f"{target}.{a.name}" for a in node.names)
+            base = package.split(".")[: len(package.split(".")) - (node.level - 1)] if node.level else []
+            out.append((".".join(base + ([node.module] if node.module else [])), tuple(a.name for a in node.names)))
+    return out
+
+
+def imports_of(path: Path, package_root: Path = PACKAGE) -> set[str]:
+    """Every ``rotationzoo`` module ``path`` imports, at any depth of the file, ``TYPE_CHECKING`` blocks included
+    (absolute names; ``from m import x`` gives ``m`` and ``m.x``)."""
+    out: set[str] = set()
+    for target, names in import_statements(path, package_root):
+        if target.startswith("rotationzoo"):
+            out.add(target)
+            out.update(f"{target}.{n}" for n in names)
     return out
 
 
@@ -105,23 +118,12 @@ def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
     mods = {module_name(p, package): p for p in package.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for mod, path in mods.items():
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
-                       and "TYPE_CHECKING" in ast.unparse(block.test) for stmt in block.body for n in ast.walk(stmt)}
-        pkg = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
         targets: set[str] = set()
-        for node in ast.walk(tree):
-            if id(node) in typing_only:
-                continue
-            if isinstance(node, ast.Import):
-                targets.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                base = pkg.split(".")[: len(pkg.split(".")) - (node.level - 1)] if node.level else []
-                target = ".".join(base + ([node.module] if node.module else []))
-                subs = {f"{target}.{a.name}" for a in node.names} & set(mods)
-                targets.update(subs)
-                if len(subs) < len(node.names):
-                    targets.add(target)
+        for target, names in import_statements(path, package, typing_blocks=False):
+            subs = {f"{target}.{n}" for n in names} & set(mods)
+            targets.update(subs)
+            if len(subs) < len(names) or not names:
+                targets.add(target)
         deps = set()
         for t in targets:
             while t and t not in mods:
