@@ -394,9 +394,10 @@ class FitRecipe:
 
     # -- what the recipe resolves to ---------------------------------------------------------------
 
-    def resolved_grouping(self) -> str:
+    def resolved_grouping(self) -> Grouping:
         """``"layer"`` or ``"kv_head"``: the given grouping, or the objective's own."""
-        return resolve_grouping("qqt_sst" if self.refine is not None else self.objective, self.grouping)
+        return "kv_head" if resolve_grouping("qqt_sst" if self.refine else self.objective, self.grouping) == "kv_head" \
+            else "layer"
 
     def resolved_center(self) -> str:
         """``"none"``, ``"k"`` or ``"kv"``: the given centering, or the objective's own."""

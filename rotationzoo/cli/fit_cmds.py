@@ -138,16 +138,18 @@ def _recipe(objective: str, composition: Optional[str], group_size: Optional[int
     """The :class:`~rotationzoo.recipe.FitRecipe` the flags ask for, checked (before anything is read or loaded)."""
     from ..recipe import DEFAULT_MIN_TOKENS, DEFAULT_SAMPLE_TOKENS, FitRecipe, KeepRule, Refinement
 
-    refinement = None if refine is None else Refinement(
-        steps=refine, init=init, seed=seed, loss=loss,  # type: ignore[arg-type]
-        sample_tokens=DEFAULT_SAMPLE_TOKENS if sample_tokens is None else sample_tokens, block_size=block_size,
-        queries_per_block=queries_per_block, param=param, int2kv=store)  # type: ignore[arg-type]
+    # the flags' strings are checked by check(), the one place that knows the names
+    refine_fields: dict[str, Any] = {
+        "steps": refine, "init": init, "seed": seed, "loss": loss, "block_size": block_size, "param": param,
+        "sample_tokens": DEFAULT_SAMPLE_TOKENS if sample_tokens is None else sample_tokens,
+        "queries_per_block": queries_per_block, "int2kv": store}
+    refinement = None if refine is None else Refinement(**refine_fields)
     keep = (KeepRule(texts=tuple(str(t) for t in keep_text), tokens=keep_tokens, context=keep_context,
                      model=keep_model) if keep_text and refinement is not None else None)
-    return FitRecipe(objective=objective, composition=composition, group_size=group_size,  # type: ignore[arg-type]
-                     grouping=grouping, center=center, signs=signs,  # type: ignore[arg-type]
-                     min_tokens=DEFAULT_MIN_TOKENS if min_tokens is None else min_tokens, refine=refinement,
-                     keep=keep).check()
+    fields: dict[str, Any] = {"objective": objective, "composition": composition, "group_size": group_size,
+                              "grouping": grouping, "center": center, "signs": signs}
+    return FitRecipe(**fields, min_tokens=DEFAULT_MIN_TOKENS if min_tokens is None else min_tokens,
+                     refine=refinement, keep=keep).check()
 
 
 def _print_kept(result: "FitResult") -> None:

@@ -98,7 +98,7 @@ def fit_dump(
         judge = (load_judge(keep.texts, keep.model, keep.tokens, keep.context, bound=opened.context(),
                             fits=(opened.shape(), opened.layer_ids), note=note) if keep is not None else None)
         result = refine_dump(opened, recipe.refine, group_size=recipe.group_size, num_workers=workers,
-                             progress=progress, grouping=recipe.resolved_grouping(),  # type: ignore[arg-type]
+                             progress=progress, grouping=recipe.resolved_grouping(),
                              min_tokens=recipe.min_tokens, center=recipe.center)
         if judge is not None and keep is not None:
             lm, held_ids = judge
