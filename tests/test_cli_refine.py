@@ -215,3 +215,22 @@ def test_refine_signs_learns_only_column_signs(dump: Path, tmp_path: Path, capsy
     assert flipped > 0  # some columns' signs change the rounding enough to be chosen
     assert _cli(["fit", "--dump", str(dump), "--out", str(tmp_path / "x"), "--param", "signs"]) == 1
     assert "--param signs: what --refine learns; add --refine STEPS" in capsys.readouterr().err
+
+
+def test_a_refined_fit_from_a_dump_keeps_its_provenance(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """What the dump's rotationzoo_dump.json says of the calibration (prompt, text, model) reaches the refined
+    files' calibration record, as it does a closed form's."""
+    from rotationzoo.fit.dump_writer import DumpWriter
+
+    root = _planted_dump(tmp_path / "dump")
+    facts = {"prompt_sha256": "ab" * 32, "text_sha256": "cd" * 32, "model_sha256": "ef" * 32, "model_revision": "r1"}
+    w = DumpWriter.__new__(DumpWriter)  # the writer's own JSON step, on the finished dump
+    w.root = root
+    w.write_info({"model": "m", "prompts": 4, **facts})
+    for argv in (["--refine", "1", "--loss", "block", "-g", "16"], ["--objective", "qqt_sst"]):
+        out = tmp_path / argv[0]
+        assert _cli(["fit", "--dump", str(root), "--out", str(out), *argv]) == 0
+        capsys.readouterr()
+        for p in sorted(out.glob("*_rotation_*.pt")):
+            cal = read_rotation(p).calibration
+            assert {k: cal.get(k) for k in facts} == facts, (p.name, cal)

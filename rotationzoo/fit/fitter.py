@@ -33,6 +33,19 @@ from .stream import accumulate_dump_layer, layer_reads, thread_workspace
 PROVENANCE_KEYS = ("prompt_sha256", "text_sha256", "model_revision", "model_sha256")
 #: Upper bound of the default number of concurrent layers (each holds one fp64 workspace).
 MAX_DEFAULT_WORKERS = 8
+
+
+def dump_provenance(dump_info: Mapping[str, Any]) -> dict[str, str]:
+    """What a dump's ``rotationzoo_dump.json`` knows of the calibration (:data:`PROVENANCE_KEYS`, each a short
+    printable string), for the files' ``calibration`` record of any fit from that dump."""
+    out = {}
+    for key in PROVENANCE_KEYS:
+        value = dump_info.get(key)
+        if isinstance(value, str) and 0 < len(value) <= 128 and value.isprintable():
+            out[key] = value
+    return out
+
+
 def _parse_objective(objective: str) -> tuple[str | None, str | None]:
     if objective not in OBJECTIVE_TARGETS:
         raise FitError(f"unknown objective {objective!r}; expected one of {', '.join(OBJECTIVE_TARGETS)}")
@@ -354,10 +367,8 @@ def fit_rotations(
         check_tokens(tokens, min_tokens)
         _check_cost(opened, plan, targets, per_head)
         dump_info = opened.info()
-        for key in PROVENANCE_KEYS:  # what rotationzoo_dump.json knows of the calibration, if it is a short text
-            value = dump_info.get(key)
-            if isinstance(value, str) and 0 < len(value) <= 128 and value.isprintable():
-                info.setdefault(key, value)
+        for key, value in dump_provenance(dump_info).items():
+            info.setdefault(key, value)
         model = model or dump_info.get("model")
         prompts = prompts if prompts is not None else dump_info.get("prompts", opened.prompt_count())
         accs = _from_dump(opened, shape, targets, num_workers=num_workers, device=device, progress=progress,

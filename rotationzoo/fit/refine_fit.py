@@ -38,7 +38,7 @@ from ..vocab import REFINE_INITS, Center, Grouping
 from .compose import composition_label
 from .dump import Dump, open_dump
 from .accumulate import kinds_for
-from .fitter import check_grouping, check_tokens, fit_rotations
+from .fitter import check_grouping, check_tokens, dump_provenance, fit_rotations
 from .refine import RefineResult, refine_rotations, relative_improvement
 from .recipes import resolve_center
 from .refine_loss import RefineConfig
@@ -328,7 +328,8 @@ def refine_dump(
     samples = samples_from_dump(d, max_tokens=options.sample_tokens, seed=options.seed, block_size=options.blocks,
                                 progress=prefixed(progress, "samples"))
     dump_info = d.info()
-    info = {"kind": "dump", "path": str(d.root), "prompts": dump_info.get("prompts", d.prompt_count())}
+    info = {"kind": "dump", "path": str(d.root), "prompts": dump_info.get("prompts", d.prompt_count()),
+            **dump_provenance(dump_info)}
     result = refine_fit(samples, options.init, steps=options.steps, group_size=group_size, seed=options.seed,
                         statistics=d, config=refine_config(options, config), num_workers=num_workers, progress=progress,
                         source_info=info, model=dump_info.get("model"), grouping=grouping, min_tokens=min_tokens,
