@@ -404,7 +404,7 @@ def test_cli_eval_takes_int2_settings_from_the_registry_entry(tmp_path, capsys, 
     base = ["eval", "--text", str(text), "--methods", "fp,none", "--baseline", "none", "--context", "400"]
     assert main(base) == 1
     assert seen[-1] == get_entry("SmolLM2-135M-Instruct").serving  # the default entry's settings
-    assert seen[-1].group_size == 16 and seen[-1].scale_dtype == "float32"
+    assert seen[-1].group_size == 64 and seen[-1].scale_dtype == "bfloat16"  # int2-g64-bf16, 3.03 bits at 8K
     assert f"loading {folder}" in capsys.readouterr().err
     assert main([*base, "--group-size", "32"]) == 1 and seen[-1].group_size == 32
     assert main(["eval", "--model", str(folder), "--text", str(text), "--methods", "fp,none",
