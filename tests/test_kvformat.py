@@ -251,5 +251,5 @@ def test_registry_results_and_info_carry_bits(capsys) -> None:
     assert tag["results"][0]["bits_per_element"] == pytest.approx(entry.bits_per_element(8192))
     assert main(["info", "SmolLM2-135M-Instruct"]) == 0
     out = capsys.readouterr().out
-    assert f"{entry.bits_per_element(8192):.2f} bits/element (8,192 tokens)" in out and "bits/element" in out.split(
-        "format:")[1].splitlines()[0]
+    format_line = next(line for line in out.splitlines() if line.startswith("format:"))
+    assert f"{entry.bits_per_element(8192):.2f} bits/element (8,192 tokens)" in out and "bits/element" in format_line
