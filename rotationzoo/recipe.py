@@ -170,6 +170,19 @@ def check_min_tokens(min_tokens: Any) -> int:
     return min_tokens
 
 
+def check_trained_store(int2kv: Any) -> None:
+    """Refuse an INT2 store refinement cannot train for (not an :class:`~rotationzoo.int2kv.Int2KVConfig`,
+    Lloyd-Max levels, a clip search other than the exact one); a :class:`FitError` names the setting."""
+    if not isinstance(int2kv, Int2KVConfig):
+        raise FitError(f"int2kv must be an Int2KVConfig, got {type(int2kv).__name__}")
+    if int2kv.lloyd_max:
+        raise FitError("refinement learns against uniform INT2 levels; int2kv.lloyd_max=True is not modelled: "
+                       "refine with lloyd_max=False (the rotations serve with either)")
+    if int2kv.clip_search != "exact":
+        raise FitError(f"refinement clips rows at their exact thresholds; int2kv.clip_search="
+                       f"{int2kv.clip_search!r} is not modelled: refine with clip_search='exact'")
+
+
 def _count(value: Any, what: str, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise FitError(f"{what} must be an integer ≥ {low}, got {value!r:.40}")
@@ -247,16 +260,8 @@ class Refinement:
             _count(self.queries_per_block, "queries_per_block", 1)
         if self.sample_tokens < self.blocks:
             raise FitError(f"sample_tokens must be ≥ {self.blocks} (one block), got {self.sample_tokens}")
-        if self.int2kv is None:
-            return self
-        if not isinstance(self.int2kv, Int2KVConfig):
-            raise FitError(f"int2kv must be an Int2KVConfig, got {type(self.int2kv).__name__}")
-        if self.int2kv.lloyd_max:
-            raise FitError("refinement learns against uniform INT2 levels; int2kv.lloyd_max=True is not modelled: "
-                           "refine with lloyd_max=False (the rotations serve with either)")
-        if self.int2kv.clip_search != "exact":
-            raise FitError(f"refinement clips rows at their exact thresholds; int2kv.clip_search="
-                           f"{self.int2kv.clip_search!r} is not modelled: refine with clip_search='exact'")
+        if self.int2kv is not None:
+            check_trained_store(self.int2kv)
         return self
 
     def to_json(self) -> dict[str, Any]:
@@ -460,4 +465,4 @@ def _known(cls: Any, data: Mapping[str, Any], where: str) -> dict[str, Any]:
 __all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_MIN_TOKENS", "DEFAULT_QUERIES_PER_BLOCK", "DEFAULT_SAMPLE_TOKENS",
            "DEFAULT_STEPS", "INIT_COMPOSITIONS", "OBJECTIVE_TARGETS", "OSCAR2_OBJECTIVES", "RECIPES",
            "SERVED_BLOCK_SIZE", "V2_COMPOSITION", "V2_OBJECTIVE", "FitRecipe", "KeepRule", "Refinement",
-           "check_composition", "check_min_tokens", "resolve_center", "resolve_composition", "resolve_grouping"]
+           "check_composition", "check_min_tokens", "check_trained_store", "resolve_center", "resolve_composition", "resolve_grouping"]

@@ -136,20 +136,21 @@ def _recipe(objective: str, composition: Optional[str], group_size: Optional[int
             store: Any, param: str, keep_text: Optional[List[Path]], keep_tokens: Optional[int],
             keep_context: Optional[int], keep_model: Optional[str] = None) -> Any:
     """The :class:`~rotationzoo.recipe.FitRecipe` the flags ask for, checked (before anything is read or loaded)."""
-    from ..recipe import DEFAULT_MIN_TOKENS, DEFAULT_SAMPLE_TOKENS, FitRecipe, KeepRule, Refinement
+    from ..recipe import FitRecipe, KeepRule, Refinement
 
-    # the flags' strings are checked by check(), the one place that knows the names
+    # the flags' strings are checked by check(), the one place that knows the names; an option not given
+    # leaves the recipe's own default
     refine_fields: dict[str, Any] = {
         "steps": refine, "init": init, "seed": seed, "loss": loss, "block_size": block_size, "param": param,
-        "sample_tokens": DEFAULT_SAMPLE_TOKENS if sample_tokens is None else sample_tokens,
-        "queries_per_block": queries_per_block, "int2kv": store}
+        "queries_per_block": queries_per_block, "int2kv": store,
+        **({"sample_tokens": sample_tokens} if sample_tokens is not None else {})}
     refinement = None if refine is None else Refinement(**refine_fields)
     keep = (KeepRule(texts=tuple(str(t) for t in keep_text), tokens=keep_tokens, context=keep_context,
                      model=keep_model) if keep_text and refinement is not None else None)
     fields: dict[str, Any] = {"objective": objective, "composition": composition, "group_size": group_size,
-                              "grouping": grouping, "center": center, "signs": signs}
-    return FitRecipe(**fields, min_tokens=DEFAULT_MIN_TOKENS if min_tokens is None else min_tokens,
-                     refine=refinement, keep=keep).check()
+                              "grouping": grouping, "center": center, "signs": signs, "refine": refinement,
+                              "keep": keep, **({"min_tokens": min_tokens} if min_tokens is not None else {})}
+    return FitRecipe(**fields).check()
 
 
 def _print_kept(result: "FitResult") -> None:

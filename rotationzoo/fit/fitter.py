@@ -17,14 +17,14 @@ import torch
 from ..errors import DumpError, FitError
 from ..files.format import MAX_BYTES, MAX_HEAD_DIM, MAX_LAYERS, RotationSet
 from ..progress import Progress, Tally
-from ..recipe import DEFAULT_MIN_TOKENS, OBJECTIVE_TARGETS, check_composition, check_min_tokens
+from ..recipe import (DEFAULT_MIN_TOKENS, OBJECTIVE_TARGETS, V2_COMPOSITION, V2_OBJECTIVE, check_composition,
+                      check_min_tokens, resolve_center, resolve_composition, resolve_grouping)
 from ..vocab import Center, Grouping, SignConvention
 from .accumulate import LayerAccumulator, kinds_for, statistics_bytes
 from .compose import check_head_dim, hadamard_rotations
 from .dump import Dump, DumpPlan, DumpShape, open_dump
 from .dump_schema import MIN_HEAD_DIM
-from .recipes import (V2_COMPOSITION, V2_MAX_CHUNKS, V2_OBJECTIVE, resolve_center, resolve_composition,
-                      resolve_grouping, v2_chunks)
+from .recipes import V2_MAX_CHUNKS, v2_chunks
 from .result import FitResult, FitStats, peak_rss_bytes
 from .sets import build_sets, fitted_means
 from .stream import accumulate_dump_layer, layer_reads, thread_workspace

@@ -16,7 +16,8 @@ from ..hashing import sha256_file
 from ..int2kv import Int2KVConfig
 from ..files.validation import validate
 from ..vocab import FILE_FORMATS
-from .recipes import RECIPES, file_marker
+from ..recipe import RECIPES
+from .recipes import file_marker
 from .result import FitResult
 
 

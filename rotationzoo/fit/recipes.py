@@ -32,15 +32,7 @@ import torch
 
 from ..errors import FitError
 from ..hadamard import hadamard_matrix
-from ..recipe import (  # noqa: F401  (the rules of a recipe, re-exported where the fitter reads them)
-    OSCAR2_OBJECTIVES,
-    RECIPES,
-    V2_COMPOSITION,
-    V2_OBJECTIVE,
-    resolve_center,
-    resolve_composition,
-    resolve_grouping,
-)
+from ..recipe import OSCAR2_OBJECTIVES, RECIPES, V2_OBJECTIVE
 from .compose import canonicalize_signs, symmetric_eigh
 
 #: The V2 recipe reads the first this many chunk files of each layer (``--max-files 20``).
@@ -118,6 +110,6 @@ def file_marker(objective: str, grouping: str, center: str) -> str:
     return marker
 
 
-__all__ = ["OSCAR2_OBJECTIVES", "OSCAR2_V_OBJECTIVE", "RECIPES", "V2_COMPOSITION", "V2_MAX_CHUNKS", "V2_OBJECTIVE",
-           "file_marker", "resolve_center", "resolve_composition", "resolve_grouping", "side_objective", "transform",
+__all__ = ["OSCAR2_V_OBJECTIVE", "V2_MAX_CHUNKS", 
+           "file_marker", "side_objective", "transform",
            "unit_mean", "v2_chunks", "v2_rotation"]

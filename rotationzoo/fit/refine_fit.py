@@ -33,14 +33,13 @@ import torch
 from ..errors import FitError
 from ..progress import Progress, prefixed
 from ..files.format import RotationSet
-from ..recipe import DEFAULT_MIN_TOKENS, DEFAULT_STEPS, INIT_COMPOSITIONS, Refinement, check_min_tokens
+from ..recipe import DEFAULT_MIN_TOKENS, DEFAULT_STEPS, INIT_COMPOSITIONS, Refinement, check_min_tokens, resolve_center
 from ..vocab import REFINE_INITS, Center, Grouping
 from .compose import composition_label
 from .dump import Dump, open_dump
 from .accumulate import kinds_for
 from .fitter import check_grouping, check_tokens, dump_provenance, fit_rotations
 from .refine import RefineResult, refine_rotations, relative_improvement
-from .recipes import resolve_center
 from .refine_loss import RefineConfig
 from .result import FitResult, FitStats, peak_rss_bytes
 from .samples import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_TOKENS, CalibrationSamples

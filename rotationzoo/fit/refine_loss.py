@@ -34,7 +34,7 @@ import torch
 from ..dtypes import TORCH_DTYPES
 from ..errors import FitError
 from ..int2kv import Int2KVConfig
-from ..recipe import DEFAULT_QUERIES_PER_BLOCK, SERVED_BLOCK_SIZE  # noqa: F401 - SERVED_BLOCK_SIZE re-exported
+from ..recipe import DEFAULT_QUERIES_PER_BLOCK, SERVED_BLOCK_SIZE, check_trained_store  # noqa: F401 - SERVED_BLOCK_SIZE re-exported
 from ..vocab import REFINE_LOSSES, REFINE_PARAMS
 from ..kernels.layout import clip_index as _clip_index
 from .samples import LayerSamples
@@ -111,14 +111,7 @@ class RefineConfig:
             raise FitError("steps, rebase_every and lr must be ≥ 0 and batch_blocks ≥ 1")
         if not 0.0 < self.holdout < 1.0:
             raise FitError(f"holdout must be in (0, 1), got {self.holdout}")
-        if not isinstance(self.int2kv, Int2KVConfig):
-            raise FitError(f"int2kv must be an Int2KVConfig, got {type(self.int2kv).__name__}")
-        if self.int2kv.lloyd_max:
-            raise FitError("refinement learns against uniform INT2 levels; int2kv.lloyd_max=True is not modelled: "
-                           "refine with lloyd_max=False (the rotations serve with either)")
-        if self.int2kv.clip_search != "exact":
-            raise FitError(f"refinement clips rows at their exact thresholds; int2kv.clip_search="
-                           f"{self.int2kv.clip_search!r} is not modelled: refine with clip_search='exact'")
+        check_trained_store(self.int2kv)
 
     def loss_name(self, side: str) -> str:
         """The recorded name of ``side``'s loss (``"k_served_score"``, ``"v_attn_out"``, ...)."""

@@ -14,7 +14,8 @@ from ..errors import FitError
 from ..files.format import RotationSet
 from ..int2kv import Int2KVConfig
 from .compose import composition_label
-from .recipes import V2_COMPOSITION, side_objective
+from ..recipe import V2_COMPOSITION
+from .recipes import side_objective
 
 #: Target of a side the keep rule left at its init (its objective: ``refined_kept_init_<init>``).
 KEPT_INIT = "kept_init"

@@ -21,7 +21,8 @@ from ..files.validation import validate
 from ..vocab import SignConvention
 from .accumulate import LayerAccumulator
 from .compose import composition_label, rotation_from_covariance
-from .recipes import OSCAR2_OBJECTIVES, V2_OBJECTIVE, side_objective, transform, unit_mean, v2_rotation
+from ..recipe import OSCAR2_OBJECTIVES, V2_OBJECTIVE
+from .recipes import side_objective, transform, unit_mean, v2_rotation
 
 #: A covariance whose smallest eigenvalue is at most this fraction of its largest is rank-deficient:
 #: the directions it does not see would be rotated arbitrarily. fp64 rounding leaves a missing
