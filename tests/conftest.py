@@ -60,22 +60,21 @@ def cache_dir(tmp_path, monkeypatch) -> Path:
     return d
 
 
-#: Modules whose every test is slow (a model load, a compiler run, ptxas): ``make test-fast`` skips them.
-SLOW_MODULES = frozenset({"test_real_model", "test_aot", "test_native_build"})
-#: Single tests that take over ~5 s on a 2-core machine (``--durations`` of a full run), by name.
-SLOW_TESTS = frozenset({
-    "test_triton_backend_in_the_cache_matches_the_reference", "test_the_triton_kernel_reads_out_of_domain_rows_as_nan",
-    "test_decode_steps_equal_the_dequantize_path", "test_triton_equals_reference", "test_cli_fetch_is_quiet_when_not_a_terminal",
-    "test_cli_fit_refine_writes_a_verified_pair", "test_the_first_kernel_call_may_happen_while_compiling",
-    "test_fuzz_reader_raises_only_typed_errors", "test_pieces_give_the_real_tokenizers_whole_text_ids",
-    "test_cli_fetch_json_through_hf_endpoint", "test_cli_calibrate_refine_keeps_what_the_model_judges_best",
-    "test_a_mask_restricts_what_each_query_row_sees", "test_a_sliding_layer_keeps_only_its_window_of_int2_rows",
-    "test_validation_working_set_is_bounded", "test_a_failing_step_does_not_stop_the_others",
-    "test_cli_fit_refine_keep_window_is_the_dump_context", "test_help_shows_every_bracketed_text_literally",
-    "test_make_docs_runs_mkdocs_without_the_material_notice", "test_mkdocs_build_strict", "test_cli_eval",
-    "test_eight_processes_one_download", "test_deflate_bomb_refused_fast_and_small",
-    "test_cli_failure_prints_no_client_logs", "test_interpreter_enabled_after_triton_was_imported",
-})
+def _slow_tests() -> tuple[frozenset[str], frozenset[str]]:
+    """``(modules, "module::function" names)`` of tests/slow_tests.txt, read by tools/slow_tests.py's reader."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("slow_tests", REPO / "tools" / "slow_tests.py")
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    modules, functions = tool.read_list()
+    return frozenset(modules), frozenset(functions)
+
+
+#: Modules whose every test is slow (model loads, compilers) and single test functions over ~0.5 s on
+#: 2 cores: ``make test-fast`` leaves them out.
+SLOW_MODULES, SLOW_TESTS = _slow_tests()
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -84,5 +83,5 @@ def pytest_collection_modifyitems(config, items) -> None:
 
     for item in items:
         module = item.module.__name__.rpartition(".")[2] if item.module is not None else ""
-        if module in SLOW_MODULES or item.originalname in SLOW_TESTS:
+        if module in SLOW_MODULES or f"{module}::{item.originalname}" in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)

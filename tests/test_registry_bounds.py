@@ -141,7 +141,7 @@ FIELD_CASES = [c for c in FIELD_CASES if c[0] != "tag.serving.lloyd_max"]
 
 
 def _id(case: Any) -> str:
-    return str(case)[:40]
+    return "deleted" if case is _DELETE else str(case)[:40]
 
 
 @pytest.mark.parametrize("field,value,message", FIELD_CASES, ids=[f"{f}={_id(v)}" for f, v, _ in FIELD_CASES])
