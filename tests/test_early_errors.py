@@ -173,7 +173,7 @@ def test_eval_refuses_a_short_text_before_the_weights_load(tmp_path, capsys, no_
 
 def test_keep_model_of_another_shape_is_refused_before_it_loads(tmp_path, no_weights) -> None:
     from rotationzoo.errors import ConfigError
-    from rotationzoo.fit.dump import DumpShape
+    from rotationzoo.fit.dump_plan import DumpShape
     from rotationzoo.workflows.keep import load_judge
 
     folder, text = _tiny_folder(tmp_path)  # head_dim 64, 2 KV heads, 2 layers

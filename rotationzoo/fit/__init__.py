@@ -26,7 +26,8 @@ from __future__ import annotations
 from ..vocab import AUTHOR_COMPOSITIONS, COMPOSITIONS, OBJECTIVES
 from .accumulate import TARGETS, LayerAccumulator
 from .compose import hadamard_rotations
-from .dump import Dump, DumpPlan, DumpShape, DumpWriter, open_dump, write_dump
+from .dump import Dump, DumpWriter, open_dump, write_dump
+from .dump_plan import DumpPlan, DumpShape
 from .dump_schema import DumpLimits
 from ..recipe import DEFAULT_MIN_TOKENS, OBJECTIVE_TARGETS, RECIPES, FitRecipe, KeepRule, Refinement
 from .fitter import fit_rotations

@@ -24,7 +24,6 @@ activation is read.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -42,7 +41,6 @@ from .dump_schema import (
     layer_folder_id,
     inspect_chunk,
     load_chunk,
-    parse_index,
     read_info,
     read_seq_lens,
     resolve_inside,
@@ -50,50 +48,10 @@ from .dump_schema import (
 )
 from .dump_ranks import (MergedMeta, check_rank_counts, merge, merged_meta, rank_folders, refuse_rank_listing,
                          replication)
+from .dump_plan import DumpPlan, DumpShape, plan_dump
 from .dump_writer import DumpWriter, write_dump  # noqa: F401  (the writer, re-exported)
 
 _SLACK_ENTRIES = 1024  # entries of a dump folder besides its layers or chunks (notes, rotations/, ...)
-
-
-@dataclass(frozen=True)
-class DumpShape:
-    """Head layout shared by every layer of a dump.
-
-    Attributes:
-        num_q_heads: ``H_q`` (``None`` when the dump has no queries).
-        num_kv_heads: ``H_kv``.
-        head_dim: ``d``.
-        dtype: dtype name of the stored activations, e.g. ``"bfloat16"``.
-    """
-
-    num_q_heads: int | None
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-
-    @property
-    def group_size(self) -> int | None:
-        """Query heads per KV head, ``g = H_q // H_kv``."""
-        return None if self.num_q_heads is None else self.num_q_heads // self.num_kv_heads
-
-
-@dataclass(frozen=True)
-class DumpPlan:
-    """What reading some kinds of a dump involves, found from metadata alone (:meth:`Dump.plan`).
-
-    Attributes:
-        kinds: the tensor kinds planned.
-        shape: the head layout, the same in every chunk and layer.
-        chunks: the chunk ids used per layer (chunk 0 dropped unless kept).
-        tokens: tokens per layer over those chunks.
-        bytes: tensor bytes those chunks hold.
-    """
-
-    kinds: tuple[str, ...]
-    shape: DumpShape
-    chunks: dict[int, tuple[int, ...]]
-    tokens: dict[int, int]
-    bytes: int
 
 
 class Dump:
@@ -230,7 +188,12 @@ class Dump:
     def _file(self, layer_id: int, kind: str, chunk_id: int, shard: int = 0) -> Path:
         return self._shards[layer_id][shard] / kind / f"{chunk_id}.pt"
 
-    def _all_chunks(self, layer_id: int, kind: str) -> tuple[int, ...]:
+    def layer_dir(self, layer_id: int) -> Path:
+        """The folder of layer ``layer_id`` (``layer_<L>``), as named in messages."""
+        return self._layer_dirs[layer_id]
+
+    def all_chunk_ids(self, layer_id: int, kind: str) -> tuple[int, ...]:
+        """Every chunk id of one kind of a layer, the warm-up chunk 0 included."""
         ids = self._listing(layer_id, kind)
         if ids is None:
             raise DumpError(f"{self._layer_dirs[layer_id] / kind}: missing; a dump layer needs q/, k/ and v/ folders")
@@ -248,7 +211,7 @@ class Dump:
         """
         if layer_id not in self._layer_dirs:
             raise DumpError(f"{self.root}: no layer {layer_id} (it has {_fmt_ids(list(self.layer_ids))})")
-        per_kind = {kind: self._all_chunks(layer_id, kind) for kind in kinds}
+        per_kind = {kind: self.all_chunk_ids(layer_id, kind) for kind in kinds}
         first_kind = kinds[0]
         ref = per_kind[first_kind]
         for kind in kinds[1:]:
@@ -288,7 +251,7 @@ class Dump:
             DumpError: no such chunk, a file refused by the checks of :mod:`.dump_schema`, or shards
                 that do not fit together.
         """
-        if chunk_id not in self._all_chunks(layer_id, kind):
+        if chunk_id not in self.all_chunk_ids(layer_id, kind):
             raise DumpError(f"{self.path(layer_id, kind, chunk_id)}: no such chunk")
         key = (layer_id, kind, chunk_id)
         meta = self._metas.get(key)
@@ -310,7 +273,7 @@ class Dump:
         """Ranks per replicated KV head of a per-rank layer, from its first K (else V) chunk's shards."""
         if layer_id not in self._reps:
             kind = "k" if self._listing(layer_id, "k") else "v"
-            chunks = self._all_chunks(layer_id, kind)
+            chunks = self.all_chunk_ids(layer_id, kind)
             if not chunks:
                 return 1  # an empty layer, refused by chunk_ids
             chunk = chunks[0]
@@ -400,66 +363,8 @@ class Dump:
         if not kinds or any(k not in KINDS for k in kinds) or not {"k", "v"} & set(kinds):
             raise DumpError(f"internal: plan() needs 'k' or 'v' among kinds from {KINDS}, got {kinds}")
         if kinds not in self._plans:
-            self._plans[kinds] = self._plan(kinds)
+            self._plans[kinds] = plan_dump(self, kinds)
         return self._plans[kinds]
-
-    def _plan(self, kinds: tuple[str, ...]) -> DumpPlan:
-        result: DumpShape | None = None
-        where, chunks, tokens, nbytes = "", {}, {}, 0
-        for layer in self.layer_ids:
-            used = self.chunk_ids(layer, kinds)
-            layer_shape: DumpShape | None = None
-            ref: dict[str, tuple[int, ...]] = {}
-            total = 0
-            for chunk in self._all_chunks(layer, kinds[0]):  # a skipped chunk 0 is checked too, never read
-                cur, rows, size, metas = self._plan_chunk(layer, chunk, kinds)
-                if layer_shape is None:
-                    layer_shape, ref = cur, {kind: m.shape[1:] for kind, m in metas.items()}
-                for kind, m in metas.items():
-                    if m.shape[1:] != ref[kind]:
-                        raise DumpError(f"{m.path}: shape {m.shape}, expected [n, {ref[kind][0]}, {ref[kind][1]}] "
-                                        "like the rest of the dump (inconsistent head dims)")
-                self.seq_lens(layer, chunk)  # checked where present
-                if chunk not in used:
-                    continue
-                total += rows
-                nbytes += size
-                if total > self.limits.max_tokens_per_layer:
-                    raise DumpError(f"{self._layer_dirs[layer]}: more than max_tokens_per_layer="
-                                    f"{self.limits.max_tokens_per_layer} tokens (DumpLimits)")
-            assert layer_shape is not None
-            hq, hkv = layer_shape.num_q_heads, layer_shape.num_kv_heads
-            if hq is not None and hq % hkv:
-                raise DumpError(f"{self._layer_dirs[layer]}: {hq} query heads is not a multiple of {hkv} KV heads")
-            if result is None:
-                result, where = layer_shape, f"layer {layer}"
-            elif _heads(layer_shape) != _heads(result):
-                raise DumpError(
-                    f"{self.root}: inconsistent head dims between layers: {where} has "
-                    f"{_fmt_shape(result)}, layer {layer} has {_fmt_shape(layer_shape)}"
-                )
-            chunks[layer], tokens[layer] = used, total
-        assert result is not None
-        return DumpPlan(kinds=kinds, shape=result, chunks=chunks, tokens=tokens, bytes=nbytes)
-
-    def _plan_chunk(self, layer: int, chunk: int, kinds: tuple[str, ...]
-                    ) -> tuple[DumpShape, int, int, dict[str, ChunkMeta | MergedMeta]]:
-        metas = {kind: self.meta(layer, kind, chunk) for kind in kinds}
-        dims = {kind: m.shape[2] for kind, m in metas.items()}
-        if len(set(dims.values())) != 1:
-            detail = ", ".join(f"{k}: {d}" for k, d in dims.items())
-            raise DumpError(f"{self._layer_dirs[layer]}: inconsistent head dims within chunk {chunk} ({detail})")
-        rows = metas[kinds[0]].rows
-        for kind, m in metas.items():
-            if m.rows != rows:
-                raise DumpError(f"{m.path}: {m.rows} tokens, but other tensors of chunk {chunk} have {rows}")
-        if "k" in metas and "v" in metas and metas["k"].shape[1] != metas["v"].shape[1]:
-            raise DumpError(f"{self._layer_dirs[layer]}: k has {metas['k'].shape[1]} heads but v has "
-                            f"{metas['v'].shape[1]} (chunk {chunk})")
-        kv = metas["k"] if "k" in metas else metas["v"]
-        shape = DumpShape(num_q_heads=metas["q"].shape[1] if "q" in metas else None, num_kv_heads=kv.shape[1],
-                          head_dim=kv.shape[2], dtype=next(iter(metas.values())).dtype)
-        return shape, rows, sum(m.storage_bytes for m in metas.values()), metas
 
     def shape(self, kinds: Sequence[str] = KINDS) -> DumpShape:
         """Head layout, checked to be the same in every chunk of every layer (:meth:`plan`).
@@ -484,15 +389,6 @@ def open_dump(
 def _fresh(meta: ChunkMeta | MergedMeta) -> bool:
     parts = meta.parts if isinstance(meta, MergedMeta) else (meta,)
     return all(file_ident(p.real) == p.ident for p in parts)
-
-
-def _heads(s: DumpShape) -> tuple[int | None, int, int]:
-    return (s.num_q_heads, s.num_kv_heads, s.head_dim)
-
-
-def _fmt_shape(s: DumpShape) -> str:
-    q = f"H_q={s.num_q_heads}, " if s.num_q_heads is not None else ""
-    return f"{q}H_kv={s.num_kv_heads}, head_dim={s.head_dim}"
 
 
 def _fmt_ids(ids: Sequence[int]) -> str:

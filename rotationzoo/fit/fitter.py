@@ -22,7 +22,8 @@ from ..recipe import (DEFAULT_MIN_TOKENS, OBJECTIVE_TARGETS, V2_COMPOSITION, V2_
 from ..vocab import Center, Grouping, SignConvention
 from .accumulate import LayerAccumulator, kinds_for, statistics_bytes
 from .compose import check_head_dim, hadamard_rotations
-from .dump import Dump, DumpPlan, DumpShape, open_dump
+from .dump import Dump, open_dump
+from .dump_plan import DumpPlan, DumpShape
 from .dump_schema import MIN_HEAD_DIM
 from .recipes import V2_MAX_CHUNKS, v2_chunks
 from .result import FitResult, FitStats, peak_rss_bytes

@@ -16,7 +16,8 @@ import torch
 
 from ..errors import DumpError
 from .accumulate import LayerAccumulator, ProgressFn, Workspace, pass1_kinds
-from .dump import Dump, DumpShape
+from .dump import Dump
+from .dump_plan import DumpShape
 
 _thread_local = threading.local()
 

