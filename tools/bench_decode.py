@@ -11,7 +11,8 @@ Modes (each prints its tables and writes the numbers as JSON, ``--json-out``)::
 
 ``--cpu``: see :mod:`bench_decode_cpu` (generate with DynamicCache, StaticCache fp32 and bf16 and
 OscarInt2Cache at 8K and 32K positions; decode attention alone at 8K / 32K / 128K on 1 and 2
-threads against preallocated SDPA in fp32 and bf16, with GB/s and the fraction of the copy bandwidth
+threads against preallocated SDPA in fp32 and bf16, each with ``enable_gqa`` and with the query heads as
+rows, ratios also against the fastest of the four; with GB/s and the fraction of the copy bandwidth
 measured in the same run; every number the median of ``--runs`` alternating runs after a discarded
 warm-up, with its spread). Default JSON: ``bench-out/decode-cpu.json``.
 
@@ -231,8 +232,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="--cpu: generate contexts (default 8192,32768); --cuda: contexts (default 32768,131072)")
     p.add_argument("--attn-contexts", type=ints, default=[8192, 32768, 131072], help="--cpu: attention-only contexts")
     p.add_argument("--threads", type=ints, default=[1, 2], help="--cpu: attention-only thread counts (default 1,2)")
-    p.add_argument("--int2", default="64:bfloat16,served",
-                   help="--cpu: INT2 settings of the attention-only rows, G:scale_dtype or 'served' (default 64:bfloat16,served)")
+    p.add_argument("--int2", default="served,16:float32",
+                   help="--cpu: INT2 settings of the attention-only rows, G:scale_dtype or 'served' (the bundled SmolLM2 "
+                        "entry's; default served,16:float32)")
     p.add_argument("--caches", default=",".join(CACHES), help=f"--cpu: generate caches (default {','.join(CACHES)})")
     p.add_argument("--runs", type=int, default=5, help="--cpu: timed runs after the warm-up (default 5, at least 5 for reports)")
     p.add_argument("--steps", type=int, default=32, help="--cpu: decode steps timed per generate run (default 32)")

@@ -9,11 +9,12 @@
  *
  * A range is walked in tiles of TILE tokens. Per tile:
  *   1. scores of every query row of the KV head (rows shared by GQA heads and query tokens read each
- *      code row once, in blocks of up to RB_MAX rows): the code bytes of 8 dims are widened to 32-bit
- *      lanes once and each quarter is masked out in place, c * 4^a (bits 2a, 2a+1 of byte j hold dim
- *      a*Q + j), so one AND and one int-to-float conversion feed a multiply-add per query row; the
- *      4^-a is folded into the query once per range (exact: a power of two). Scores are
- *      s * (q.c - z * sum q) per group (one multiply per 8 codes only when a row has several groups);
+ *      code row once, in blocks of up to RB_MAX rows), eight tokens at a time: their code bytes are
+ *      transposed so that each 32-bit lane is a token, and each quarter is masked out in place,
+ *      c * 4^a (bits 2a, 2a+1 of byte j hold dim a*Q + j), so one AND and one int-to-float conversion
+ *      feed a multiply-add per query row with no horizontal sum; the 4^-a is folded into the query once
+ *      per range (exact: a power of two). Scores are s * (q.c - z * sum q) per group (with several
+ *      groups per row, each 8-byte chunk's sums are scaled by the tokens' group scales);
  *   2. an fp32 online softmax over the tile (vectorized exp), the causal rule and the optional mask;
  *   3. the values: weights p * s * 4^-a per query row and group, the codes widened and masked as for
  *      the keys, and sum_t w c - sum_t p s z accumulated per output dim in registers over the tile.

@@ -7,61 +7,80 @@ namespace rz {
 namespace {
 
 #if RZ_AVX2
-/* [s0, s1, s2, s3]: the lane sums of four vectors. */
-inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
-    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+/* out[j], j = 0..15: byte `off + j` of the 8 rows r[0..7] widened to 8 int32 lanes (lane u = row u): an
+ * 8 x 16 byte transpose in three rounds of unpacks. */
+inline void transpose8x16(const uint8_t *const r[8], int off, __m256i out[16]) {
+    __m128i x[8];
+    for (int u = 0; u < 8; u++) x[u] = _mm_loadu_si128((const __m128i *)(r[u] + off));
+    __m128i a[8], b[8];
+    for (int u = 0; u < 4; u++) { /* rows 2u, 2u+1 interleaved: bytes 0-7 (a[u]) and 8-15 (a[u+4]) */
+        a[u] = _mm_unpacklo_epi8(x[2 * u], x[2 * u + 1]);
+        a[u + 4] = _mm_unpackhi_epi8(x[2 * u], x[2 * u + 1]);
+    }
+    for (int h = 0; h < 2; h++) /* rows 0-3 and 4-7 of bytes 0-3, 4-7 (h = 0) or 8-11, 12-15 (h = 1) */
+        for (int v = 0; v < 2; v++) {
+            b[4 * h + 2 * v] = _mm_unpacklo_epi16(a[4 * h + 2 * v], a[4 * h + 2 * v + 1]);
+            b[4 * h + 2 * v + 1] = _mm_unpackhi_epi16(a[4 * h + 2 * v], a[4 * h + 2 * v + 1]);
+        }
+    for (int h = 0; h < 2; h++)
+        for (int v = 0; v < 2; v++) { /* bytes 8h + 4v + {0, 1} and {2, 3} of the 8 rows */
+            const __m128i lo = _mm_unpacklo_epi32(b[4 * h + v], b[4 * h + 2 + v]);
+            const __m128i hi = _mm_unpackhi_epi32(b[4 * h + v], b[4 * h + 2 + v]);
+            const int j = 8 * h + 4 * v;
+            out[j] = _mm256_cvtepu8_epi32(lo);
+            out[j + 1] = _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8));
+            out[j + 2] = _mm256_cvtepu8_epi32(hi);
+            out[j + 3] = _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8));
+        }
 }
 
 /* Raw scores sum_i q'_i (c_i 4^a)(s_g) of RB query rows for tokens 0..nn (rows past n repeat the
- * last), stored [RB][TILE]. Two tokens at a time, with PAR accumulators per token and row, keep
- * enough independent multiply-add chains in flight. */
+ * last), stored [RB][TILE]. Eight tokens at a time with the code bytes transposed, so that each lane
+ * is a token and no horizontal sum is needed: per byte j, each quarter is masked in place and converted
+ * once for all RB rows, and one accumulator per (row, quarter) takes a multiply-add with the broadcast
+ * query value. With several groups per row, each 8-byte chunk's quarter sums are scaled by the lanes'
+ * group scales before they are added up. */
 template <int D, int RB>
 void k_int2_avx2(const uint8_t *base, int64_t st, int n, int nn, bool grouped, const float *qs, const float *ks,
                  const int *gidx, float *out) {
-    constexpr int Q = D / 4, C8 = Q / 8, PAR = RB <= 3 ? 2 : 1;
+    constexpr int Q = D / 4, C8 = Q / 8;
     alignas(32) static const int32_t mask_bits[4][8] = {{3, 3, 3, 3, 3, 3, 3, 3}, {12, 12, 12, 12, 12, 12, 12, 12},
                                                          {48, 48, 48, 48, 48, 48, 48, 48},
                                                          {192, 192, 192, 192, 192, 192, 192, 192}};
-    for (int t = 0; t < nn; t += 4) {
-        __m128 res[4];
-        for (int u = 0; u < 4; u += 2) {
-            const uint8_t *row0 = base + (int64_t)(t + u < n ? t + u : n - 1) * st;
-            const uint8_t *row1 = base + (int64_t)(t + u + 1 < n ? t + u + 1 : n - 1) * st;
-            __m256 acc0[RB][PAR], acc1[RB][PAR];
-            for (int r = 0; r < RB; r++)
-                for (int k = 0; k < PAR; k++) acc0[r][k] = acc1[r][k] = _mm256_setzero_ps();
-            for (int c = 0; c < C8; c++) {
-                const __m256i w0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row0 + 8 * c)));
-                const __m256i w1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row1 + 8 * c)));
-                for (int aq = 0; aq < 4; aq++) {
-                    const __m256i m = _mm256_load_si256((const __m256i *)mask_bits[aq]);
-                    __m256 x0 = _mm256_cvtepi32_ps(_mm256_and_si256(w0, m));
-                    __m256 x1 = _mm256_cvtepi32_ps(_mm256_and_si256(w1, m));
-                    if (grouped) {
-                        const float *sg = ks + gidx[aq * C8 + c] * TILE + t + u;
-                        x0 = _mm256_mul_ps(x0, _mm256_broadcast_ss(sg));
-                        x1 = _mm256_mul_ps(x1, _mm256_broadcast_ss(sg + 1));
-                    }
-                    const int k = aq % PAR;
-                    for (int r = 0; r < RB; r++) {
-                        const __m256 qv = _mm256_loadu_ps(qs + r * D + aq * Q + 8 * c);
-                        acc0[r][k] = _mm256_fmadd_ps(x0, qv, acc0[r][k]);
-                        acc1[r][k] = _mm256_fmadd_ps(x1, qv, acc1[r][k]);
+    for (int t = 0; t < nn; t += 8) {
+        const uint8_t *rows[8];
+        for (int u = 0; u < 8; u++) rows[u] = base + (int64_t)(t + u < n ? t + u : n - 1) * st;
+        __m256 tot[RB];
+        for (int i = 0; i < RB; i++) tot[i] = _mm256_setzero_ps();
+        for (int cb = 0; cb < Q / 16; cb++) {
+            __m256i bj[16];
+            transpose8x16(rows, 16 * cb, bj);
+            for (int h = 0; h < 2; h++) { /* the 8-byte chunk c = 2 cb + h */
+                __m256 acc[RB][4];
+                for (int i = 0; i < RB; i++)
+                    for (int a = 0; a < 4; a++) acc[i][a] = _mm256_setzero_ps();
+                for (int jj = 0; jj < 8; jj++) {
+                    const int j = 16 * cb + 8 * h + jj;
+                    for (int a = 0; a < 4; a++) {
+                        const __m256 x = _mm256_cvtepi32_ps(
+                            _mm256_and_si256(bj[8 * h + jj], _mm256_load_si256((const __m256i *)mask_bits[a])));
+                        for (int i = 0; i < RB; i++)
+                            acc[i][a] = _mm256_fmadd_ps(_mm256_broadcast_ss(qs + i * D + a * Q + j), x, acc[i][a]);
                     }
                 }
+                if (grouped) {
+                    for (int a = 0; a < 4; a++) {
+                        const __m256 sg = _mm256_loadu_ps(ks + gidx[a * C8 + 2 * cb + h] * TILE + t);
+                        for (int i = 0; i < RB; i++) tot[i] = _mm256_fmadd_ps(acc[i][a], sg, tot[i]);
+                    }
+                } else {
+                    for (int i = 0; i < RB; i++)
+                        tot[i] = _mm256_add_ps(tot[i], _mm256_add_ps(_mm256_add_ps(acc[i][0], acc[i][1]),
+                                                                     _mm256_add_ps(acc[i][2], acc[i][3])));
+                }
             }
-            __m256 s0[4], s1[4];
-            for (int r = 0; r < 4; r++) s0[r] = s1[r] = _mm256_setzero_ps();
-            for (int r = 0; r < RB; r++) {
-                s0[r] = PAR == 2 ? _mm256_add_ps(acc0[r][0], acc0[r][PAR - 1]) : acc0[r][0];
-                s1[r] = PAR == 2 ? _mm256_add_ps(acc1[r][0], acc1[r][PAR - 1]) : acc1[r][0];
-            }
-            res[u] = hsum4(s0[0], s0[1], s0[2], s0[3]);
-            res[u + 1] = hsum4(s1[0], s1[1], s1[2], s1[3]);
         }
-        _MM_TRANSPOSE4_PS(res[0], res[1], res[2], res[3]);
-        for (int r = 0; r < RB; r++) _mm_storeu_ps(out + r * TILE + t, res[r]);
+        for (int i = 0; i < RB; i++) _mm256_storeu_ps(out + i * TILE + t, tot[i]);
     }
 }
 
