@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import run_cli
 import torch
 
 from rotationzoo.fit import Refinement, refine_config, refine_dump
@@ -34,12 +35,6 @@ def _planted_dump(root: Path, layers: tuple[int, ...] = (0, 1), seqs: int = 4) -
     return write_dump(root, chunks)
 
 
-def _cli(args: list[str]) -> int:
-    from rotationzoo.cli.main import main
-
-    return main(args)
-
-
 @pytest.fixture(scope="module")
 def dump(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _planted_dump(tmp_path_factory.mktemp("refine") / "dump")
@@ -47,11 +42,13 @@ def dump(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_cli_fit_refine_writes_a_verified_pair(dump: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "out"
-    assert _cli(["fit", "--dump", str(dump), "--out", str(out), "--loss", "block", "--refine", "200", "-g", "16", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    ran = run_cli(capsys, "fit", "--dump", str(dump), "--out", str(out), "--loss", "block", "--refine", "200", "-g", "16", "--json")
+    assert ran[0] == 0, ran[2]
+    report = json.loads(ran[1])
     k, v = Path(report["files"]["k"]["path"]), Path(report["files"]["v"]["path"])
     assert (k.name, v.name) == ("k_rotation_refined_k_logit_hadamard.pt", "v_rotation_refined_v_attn_out_hadamard.pt")
-    assert _cli(["verify", str(k), str(v), "--num-layers", "2", "--head-dim", str(D)]) == 0
+    ran = run_cli(capsys, "verify", str(k), str(v), "--num-layers", "2", "--head-dim", str(D))
+    assert ran[0] == 0, ran[2]
     for p in (k, v):
         rs = read_rotation(p)
         assert rs.format_version == 1 and rs.layer_ids == (0, 1)
@@ -69,11 +66,12 @@ def test_cli_fit_refine_writes_a_verified_pair(dump: Path, tmp_path: Path, capsy
     assert all(r["heldout_final"] < 0.7 * r["heldout_init"] for r in ref["layers"]["k"])  # and K clearly better
 
 
-def test_cli_refine_same_seed_same_bytes(dump: Path, tmp_path: Path) -> None:
+def test_cli_refine_same_seed_same_bytes(dump: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     files = []
     for name, seed in (("a", 3), ("b", 3), ("c", 4)):
-        assert _cli(["fit", "--dump", str(dump), "--out", str(tmp_path / name), "--loss", "block", "--refine", "20", "-g", "16",
-                     "--seed", str(seed), "--init", "oscar", "--layers", "1"]) == 0
+        ran = run_cli(capsys, "fit", "--dump", str(dump), "--out", str(tmp_path / name), "--loss", "block", "--refine", "20", "-g", "16",
+                   "--seed", str(seed), "--init", "oscar", "--layers", "1")
+        assert ran[0] == 0, ran[2]
         files.append([(tmp_path / name / f).read_bytes() for f in ("k_rotation_refined_k_logit_r_h_pbr.pt",
                                                                    "v_rotation_refined_v_attn_out_r_h_pbr.pt")])
     assert files[0] == files[1]
@@ -81,19 +79,22 @@ def test_cli_refine_same_seed_same_bytes(dump: Path, tmp_path: Path) -> None:
 
 
 def test_cli_refine_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    assert _cli(["fit", "--out", str(tmp_path / "o"), "--objective", "hadamard", "--num-layers", "2",
-                 "--head-dim", "64", "--loss", "block", "--refine", "5"]) == 1
-    assert "--refine needs --dump" in capsys.readouterr().err
+    ran = run_cli(capsys, "fit", "--out", str(tmp_path / "o"), "--objective", "hadamard", "--num-layers", "2",
+               "--head-dim", "64", "--loss", "block", "--refine", "5")
+    assert ran[0] == 1, ran[2]
+    assert "--refine needs --dump" in ran[2]
     with pytest.raises(Exception, match="unknown init"):
         Refinement(init="random")
     text = tmp_path / "held_out.txt"
     text.write_text("held out text\n", encoding="utf-8")
-    assert _cli(["fit", "--out", str(tmp_path / "o"), "--objective", "hadamard", "--num-layers", "2",
-                 "--head-dim", "64", "--keep-text", str(text)]) == 1
-    assert "judge --refine's result; add --refine STEPS" in capsys.readouterr().err
-    assert _cli(["fit", "--dump", str(tmp_path), "--out", str(tmp_path / "o"), "--refine", "5",
-                 "--keep-model", "m.gguf"]) == 1
-    assert "--keep-model is the model --keep-text is evaluated with; add --keep-text FILE" in capsys.readouterr().err
+    ran = run_cli(capsys, "fit", "--out", str(tmp_path / "o"), "--objective", "hadamard", "--num-layers", "2",
+               "--head-dim", "64", "--keep-text", str(text))
+    assert ran[0] == 1, ran[2]
+    assert "judge --refine's result; add --refine STEPS" in ran[2]
+    ran = run_cli(capsys, "fit", "--dump", str(tmp_path), "--out", str(tmp_path / "o"), "--refine", "5",
+               "--keep-model", "m.gguf")
+    assert ran[0] == 1, ran[2]
+    assert "--keep-model is the model --keep-text is evaluated with; add --keep-text FILE" in ran[2]
     with pytest.raises(Exception, match="loss must be one of served, block"):
         Refinement(loss="kl")
     with pytest.raises(Exception, match="block_size must be from 16 to sample_tokens"):
@@ -112,7 +113,8 @@ def test_refine_dump_oscar_init_from_the_whole_dump(dump: Path) -> None:
     assert all(r["kept"] == "init" for r in res.refinement["layers"]["k"])
 
 
-def test_cli_refine_never_writes_a_worse_layer(dump: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_refine_never_writes_a_worse_layer(dump: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture) -> None:
     """An optimizer that returns the identity (outlier channels left unspread: far worse than Hadamard
     at G = 64) must leave every layer at its init, and the manifest must say so."""
     from rotationzoo.fit import refine as refine_mod
@@ -120,7 +122,8 @@ def test_cli_refine_never_writes_a_worse_layer(dump: Path, tmp_path: Path, monke
     eye = torch.eye(D, dtype=torch.float64)
     monkeypatch.setattr(refine_mod, "_optimize", lambda r0, *a, **k: (eye.expand_as(r0).clone(), [1.0]))
     out = tmp_path / "worse"
-    assert _cli(["fit", "--dump", str(dump), "--out", str(out), "--loss", "block", "--refine", "5", "-g", "64"]) == 0
+    ran = run_cli(capsys, "fit", "--dump", str(dump), "--out", str(out), "--loss", "block", "--refine", "5", "-g", "64")
+    assert ran[0] == 0, ran[2]
     ref = json.loads((out / "rotationzoo.json").read_text())["refinement"]
     for side in ("k", "v"):
         for row in ref["layers"][side]:
@@ -154,8 +157,9 @@ def test_queries_per_block_reaches_the_served_loss_and_the_manifest(tmp_path: Pa
              "v": torch.randn(n, 1, D, generator=g), "seq_lens": [n]} for _ in range(3)]
     dump = write_dump(tmp_path / "dump", {0: [body[0], *body]})
     out = tmp_path / "out"
-    assert _cli(["fit", "--dump", str(dump), "--out", str(out), "--refine", "2", "-g", "16", "--sample-tokens", "3072",
-                 "--queries-per-block", "8"]) == 0
+    ran = run_cli(capsys, "fit", "--dump", str(dump), "--out", str(out), "--refine", "2", "-g", "16", "--sample-tokens", "3072",
+               "--queries-per-block", "8")
+    assert ran[0] == 0, ran[2]
     ref = json.loads((out / "rotationzoo.json").read_text())["refinement"]
     assert ref["config"]["queries_per_block"] == 8 and ref["config"]["loss"] == "served"
     assert refine_config(Refinement()).queries_per_block == 64
@@ -163,8 +167,9 @@ def test_queries_per_block_reaches_the_served_loss_and_the_manifest(tmp_path: Pa
         Refinement(loss="block", queries_per_block=8)
     with pytest.raises(Exception, match="queries_per_block must be an integer ≥ 1"):
         Refinement(queries_per_block=0)
-    assert _cli(["fit", "--dump", str(dump), "--out", str(out), "--refine", "2", "--queries-per-block", "0"]) == 2
-    assert "--queries-per-block" in capsys.readouterr().err
+    ran = run_cli(capsys, "fit", "--dump", str(dump), "--out", str(out), "--refine", "2", "--queries-per-block", "0")
+    assert ran[0] == 2, ran[2]
+    assert "--queries-per-block" in ran[2]
 
 
 def test_refine_trains_for_the_store_it_is_served_in(dump: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -174,14 +179,15 @@ def test_refine_trains_for_the_store_it_is_served_in(dump: Path, tmp_path: Path,
     from rotationzoo.registry import get_entry
 
     out = tmp_path / "out"
-    assert _cli(["fit", "--dump", str(dump), "--out", str(out), "--refine", "1", "-g", "32", "--loss", "block",
-                 "--serving", "SmolLM2-135M-Instruct", "--scale-dtype", "bfloat16", "--recent-tokens", "128"]) == 0
-    capsys.readouterr()
+    ran = run_cli(capsys, "fit", "--dump", str(dump), "--out", str(out), "--refine", "1", "-g", "32", "--loss", "block",
+               "--serving", "SmolLM2-135M-Instruct", "--scale-dtype", "bfloat16", "--recent-tokens", "128")
+    assert ran[0] == 0, ran[2]
     m = json.loads((out / "rotationzoo.json").read_text())
     want = get_entry("SmolLM2-135M-Instruct").serving.replace(group_size=32, scale_dtype="bfloat16", recent_tokens=128)
     assert Int2KVConfig.from_json(m["int2kv"]) == want
-    assert _cli(["fit", "--dump", str(dump), "--out", str(tmp_path / "o2"), "--scale-dtype", "bfloat16"]) == 1
-    err = capsys.readouterr().err.strip().splitlines()
+    ran = run_cli(capsys, "fit", "--dump", str(dump), "--out", str(tmp_path / "o2"), "--scale-dtype", "bfloat16")
+    assert ran[0] == 1, ran[2]
+    err = ran[2].strip().splitlines()
     assert err == ["error: --scale-dtype: the INT2 store that --refine trains for; add --refine STEPS"]
     opts = Refinement(int2kv=Int2KVConfig(scale_dtype="bfloat16"))
     assert refine_config(opts).int2kv.scale_dtype == "bfloat16" and refine_config(Refinement()).int2kv == Int2KVConfig()
@@ -193,9 +199,9 @@ def test_refine_signs_learns_only_column_signs(dump: Path, tmp_path: Path, capsy
     from rotationzoo.fit.result import learned_objective
 
     out = tmp_path / "signs"
-    assert _cli(["fit", "--dump", str(dump), "--out", str(out), "--refine", "1", "--init", "oscar", "-g", "16",
-                 "--loss", "block", "--param", "signs"]) == 0
-    capsys.readouterr()
+    ran = run_cli(capsys, "fit", "--dump", str(dump), "--out", str(out), "--refine", "1", "--init", "oscar", "-g", "16",
+               "--loss", "block", "--param", "signs")
+    assert ran[0] == 0, ran[2]
     m = json.loads((out / "rotationzoo.json").read_text())
     assert m["refinement"]["parametrization"] == "signs"
     flipped = 0
@@ -213,8 +219,9 @@ def test_refine_signs_learns_only_column_signs(dump: Path, tmp_path: Path, capsy
         assert torch.allclose(learned, init * signs, atol=1e-6)
         flipped += int((signs < 0).sum())
     assert flipped > 0  # some columns' signs change the rounding enough to be chosen
-    assert _cli(["fit", "--dump", str(dump), "--out", str(tmp_path / "x"), "--param", "signs"]) == 1
-    assert "--param signs: what --refine learns; add --refine STEPS" in capsys.readouterr().err
+    ran = run_cli(capsys, "fit", "--dump", str(dump), "--out", str(tmp_path / "x"), "--param", "signs")
+    assert ran[0] == 1, ran[2]
+    assert "--param signs: what --refine learns; add --refine STEPS" in ran[2]
 
 
 def test_a_refined_fit_from_a_dump_keeps_its_provenance(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -229,8 +236,8 @@ def test_a_refined_fit_from_a_dump_keeps_its_provenance(tmp_path: Path, capsys: 
     w.write_info({"model": "m", "prompts": 4, **facts})
     for argv in (["--refine", "1", "--loss", "block", "-g", "16"], ["--objective", "qqt_sst"]):
         out = tmp_path / argv[0]
-        assert _cli(["fit", "--dump", str(root), "--out", str(out), *argv]) == 0
-        capsys.readouterr()
+        ran = run_cli(capsys, "fit", "--dump", str(root), "--out", str(out), *argv)
+        assert ran[0] == 0, ran[2]
         for p in sorted(out.glob("*_rotation_*.pt")):
             cal = read_rotation(p).calibration
             assert {k: cal.get(k) for k in facts} == facts, (p.name, cal)

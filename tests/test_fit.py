@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_cli
 
 from rotationzoo import read_rotation, validate
 from rotationzoo.errors import DumpError, FitError
@@ -531,54 +532,35 @@ def test_bad_arguments(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
-def _cli(args: list[str]):
-    import typer
-    from typer.testing import CliRunner
-
-    from rotationzoo.cli import fit_cmds
-
-    app = typer.Typer()
-
-    @app.callback()
-    def _root() -> None:
-        pass
-
-    fit_cmds.register(app)
-    return CliRunner().invoke(app, args)
-
-
-def test_cli_fit(tmp_path):
+def test_cli_fit(tmp_path, capsys):
     root = make_dump(tmp_path / "dump", hq=8, hkv=2, d=64)
-    r = _cli(["fit", "--dump", str(root), "--out", str(tmp_path / "out"), "--model", "org/tiny", "--tag", "t1",
-              "--json"])
-    assert r.exit_code == 0, r.output
-    report = json.loads(r.stdout)
+    code, stdout, stderr = run_cli(capsys, "fit", "--dump", str(root), "--out", str(tmp_path / "out"), "--model", "org/tiny",
+                                   "--tag", "t1", "--json")
+    assert code == 0, stderr
+    report = json.loads(stdout)
     assert Path(report["files"]["k"]["path"]).name == "k_rotation_qqt_r_h_pbr.pt"
     assert report["result"]["tokens"] == 523
     m = json.loads((tmp_path / "out" / "rotationzoo.json").read_text())
     assert m["model"] == "org/tiny" and m["tag"] == "t1"
     api = fit_rotations(root)
     assert torch.equal(read_rotation(tmp_path / "out" / "k_rotation_qqt_r_h_pbr.pt").rotations, api.k.rotations)
-    r = _cli(["fit", "--dump", str(root), "--out", str(tmp_path / "o2"), "--objective", "ktk_vtv", "--composition", "r_pbr_hg",
-              "-g", "16", "--layers", "1", "--keep-first-chunk"])
-    assert r.exit_code == 0, r.output
-    assert "k_rotation_ktk_r_pbr_hg16.pt" in r.stdout
+    code, stdout, stderr = run_cli(capsys, "fit", "--dump", str(root), "--out", str(tmp_path / "o2"), "--objective", "ktk_vtv",
+                                   "--composition", "r_pbr_hg", "-g", "16", "--layers", "1", "--keep-first-chunk")
+    assert code == 0, stderr
+    assert "k_rotation_ktk_r_pbr_hg16.pt" in stdout
     assert read_rotation(tmp_path / "o2" / "v_rotation_vtv_r_pbr_hg16.pt").layer_ids == (1,)
-    r = _cli(["fit", "--objective", "hadamard", "--num-layers", "4", "--head-dim", "128", "--out", str(tmp_path / "h")])
-    assert r.exit_code == 0, r.output
+    code, stdout, stderr = run_cli(capsys, "fit", "--objective", "hadamard", "--num-layers", "4", "--head-dim", "128", "--out",
+                                   str(tmp_path / "h"))
+    assert code == 0, stderr
     assert read_rotation(tmp_path / "h" / "v_rotation_hadamard.pt").rotations.shape == (4, 128, 128)
 
 
 def test_cli_help_and_errors(tmp_path, capsys):
-    r = _cli(["fit", "--help"])
-    assert r.exit_code == 0 and "--keep-first-chunk" in r.stdout and "rotationzoo fit --dump" in r.stdout
-    r = _cli(["calibrate", "--help"])
-    assert r.exit_code == 0 and "--dump-out" in r.stdout
-    try:
-        from rotationzoo.cli.main import main
-    except ImportError as exc:  # pragma: no cover - another command module not present yet
-        pytest.skip(f"rotationzoo.cli.main not importable: {exc}")
-    assert main(["fit", "--dump", str(tmp_path / "missing"), "--out", str(tmp_path / "o")]) == 1
-    assert "does not exist" in capsys.readouterr().err
-    assert main(["fit", "--out", str(tmp_path / "o")]) == 1
-    assert "--dump DIR is required" in capsys.readouterr().err
+    code, stdout, stderr = run_cli(capsys, "fit", "--help")
+    assert code == 0 and "--keep-first-chunk" in stdout and "rotationzoo fit --dump" in stdout
+    code, stdout, stderr = run_cli(capsys, "calibrate", "--help")
+    assert code == 0 and "--dump-out" in stdout
+    code, _, stderr = run_cli(capsys, "fit", "--dump", str(tmp_path / "missing"), "--out", str(tmp_path / "o"))
+    assert code == 1 and "does not exist" in stderr
+    code, _, stderr = run_cli(capsys, "fit", "--out", str(tmp_path / "o"))
+    assert code == 1 and "--dump DIR is required" in stderr

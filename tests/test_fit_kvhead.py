@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import run_cli
 import torch
 
 from rotationzoo.errors import FitError
@@ -209,21 +210,17 @@ def test_refine_per_head_init_is_the_per_head_fit(rdump):
 # -- CLI -------------------------------------------------------------------------------------------
 
 
-def _cli(args: list[str]) -> int:
-    from rotationzoo.cli.main import main
-
-    return main(args)
-
-
 def test_cli_fit_kv_head_writes_a_verified_pair(tmp_path, capsys):
     root = _dump(tmp_path / "dump")
     out = tmp_path / "out"
-    assert _cli(["fit", "--dump", str(root), "--out", str(out), "--grouping", "kv_head", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    ran = run_cli(capsys, "fit", "--dump", str(root), "--out", str(out), "--grouping", "kv_head", "--json")
+    assert ran[0] == 0, ran[2]
+    report = json.loads(ran[1])
     assert report["result"]["grouping"] == "kv_head"
     k, v = Path(report["files"]["k"]["path"]), Path(report["files"]["v"]["path"])
     assert (k.name, v.name) == ("k_rotation_qqt_r_h_pbr-kv_head.pt", "v_rotation_sst_r_h_pbr-kv_head.pt")
-    assert _cli(["verify", str(out), "--num-layers", "2", "--head-dim", str(D)]) == 0
+    ran = run_cli(capsys, "verify", str(out), "--num-layers", "2", "--head-dim", str(D))
+    assert ran[0] == 0, ran[2]
     api = fit_rotations(root, grouping="kv_head")
     assert torch.equal(read_rotation(k).rotations, api.k.rotations)
     assert json.loads((out / "rotationzoo.json").read_text())["grouping"] == "kv_head"
@@ -232,9 +229,10 @@ def test_cli_fit_kv_head_writes_a_verified_pair(tmp_path, capsys):
         assert obj["format_version"] == 2 and obj["source_grouping"] == "per_kv_head"
         assert sorted(obj["layers"]) == [0, 1] and all(obj["layers"][i]["rotation"].dim() == 3 for i in (0, 1))
         assert torch.equal(torch.stack([obj["layers"][i]["rotation"] for i in (0, 1)]), rs.rotations)
-    assert _cli(["fit", "--objective", "hadamard", "--num-layers", "2", "--head-dim", "16", "--out",
-                 str(tmp_path / "h"), "--grouping", "kv_head"]) == 1
-    assert "data-free" in capsys.readouterr().err
+    ran = run_cli(capsys, "fit", "--objective", "hadamard", "--num-layers", "2", "--head-dim", "16", "--out",
+               str(tmp_path / "h"), "--grouping", "kv_head")
+    assert ran[0] == 1, ran[2]
+    assert "data-free" in ran[2]
 
 
 def test_cli_refine_kv_head_verified_and_reproducible(rdump, tmp_path, capsys):
@@ -242,12 +240,14 @@ def test_cli_refine_kv_head_verified_and_reproducible(rdump, tmp_path, capsys):
     files = []
     for name, seed in (("a", 2), ("b", 2), ("c", 3)):
         out = tmp_path / name
-        assert _cli(["fit", "--dump", str(rdump), "--out", str(out), "--loss", "block", "--refine", "20", "--init", "oscar", "-g", "16",
-                     "--seed", str(seed), "--grouping", "kv_head"]) == 0
+        ran = run_cli(capsys, "fit", "--dump", str(rdump), "--out", str(out), "--loss", "block", "--refine", "20", "--init", "oscar", "-g", "16",
+                   "--seed", str(seed), "--grouping", "kv_head")
+        assert ran[0] == 0, ran[2]
         files.append([(out / f).read_bytes() for f in names])
-    assert "KV heads" in capsys.readouterr().out
+    assert "KV heads" in ran[1]
     assert files[0] == files[1] and files[0] != files[2]
-    assert _cli(["verify", str(tmp_path / "a"), "--num-layers", "2", "--head-dim", "32"]) == 0
+    ran = run_cli(capsys, "verify", str(tmp_path / "a"), "--num-layers", "2", "--head-dim", "32")
+    assert ran[0] == 0, ran[2]
     m = json.loads((tmp_path / "a" / "rotationzoo.json").read_text())
     assert m["grouping"] == "kv_head" and m["objective"] == "refined"
     for rows in m["refinement"]["layers"].values():

@@ -11,12 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import run_cli
 from hubserver import hub_env, hub_server  # noqa: F401  (fixtures)
 from test_fetch import MODEL, zoo  # noqa: F401  (fixture)
 
 import rotationzoo
 from rotationzoo import safefile
-from rotationzoo.cli.main import main
 from rotationzoo.errors import CacheError, ConfigError, ModelLoadError, OfflineError, RotationFileError
 from rotationzoo.hub import cache_records, network, read_marker
 from rotationzoo.hub.layout import marker_path
@@ -33,11 +33,10 @@ def _fresh_probe_memory():
 
 
 def _cli(capsys, *argv: str) -> tuple[int, str, str, float]:
+    """:func:`helpers.run_cli` and how long it took."""
     t0 = time.monotonic()
-    code = main(list(argv))
-    elapsed = time.monotonic() - t0
-    out, err = capsys.readouterr()
-    return code, out, err, elapsed
+    code, out, err = run_cli(capsys, *argv)
+    return code, out, err, time.monotonic() - t0
 
 
 def _fifo_marker(zoo) -> Path:

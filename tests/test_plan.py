@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import run_cli
 
 from rotationzoo.cli.main import main
 from rotationzoo.errors import ConfigError, RegistryError
@@ -21,8 +22,9 @@ GIB = 2**30
 
 
 def _cli_json(capsys, *args: str) -> dict:
-    assert main(["plan", *args, "--json"]) == 0
-    return json.loads(capsys.readouterr().out)
+    code, out, err = run_cli(capsys, "plan", *args, "--json")
+    assert code == 0, err
+    return json.loads(out)
 
 
 # -- the formula -----------------------------------------------------------------------------------
