@@ -14,7 +14,10 @@
  *      c * 4^a (bits 2a, 2a+1 of byte j hold dim a*Q + j), so one AND and one int-to-float conversion
  *      feed a multiply-add per query row with no horizontal sum; the 4^-a is folded into the query once
  *      per range (exact: a power of two). Scores are s * (q.c - z * sum q) per group (with several
- *      groups per row, each 8-byte chunk's sums are scaled by the tokens' group scales);
+ *      groups per row, each 8-byte chunk's sums are scaled by the tokens' group scales). Where a row is
+ *      one group, d <= 128 and a KV head has at most LUT_MAX_ROWS query rows, q.c is read from tables
+ *      instead: byte j's four codes contribute T[j][byte] to the rows of a 4-row block, built once per
+ *      range (d/4 x 256 entries of 4 lanes), so a token costs d/4 loads and adds;
  *   2. an fp32 online softmax over the tile (vectorized exp), the causal rule and the optional mask;
  *   3. the values: weights p * s * 4^-a per query row and group, the codes widened and masked as for
  *      the keys, and sum_t w c - sum_t p s z accumulated per output dim in registers over the tile.
@@ -128,6 +131,7 @@ struct Scratch {
     float *x;    /* [TILE][d]: window rows in fp32 */
     float *ztm;  /* [rows][groups_v]: sum_t p s z of the INT2 values */
     float *tmp;  /* [TILE][RB_MAX]: raw scores, token-major (portable path) */
+    float *lut;  /* [ceil(rows / 4)][d/4][256][4]: the scores' lookup tables of each 4-row block, or null */
     int *kidx;   /* [4 * Q/8]: value group of each 8-dim chunk (quarter a, bytes 8c..8c+7) */
     int *gidx;   /* [4 * Q/8]: key group of each chunk */
 };
@@ -376,7 +380,8 @@ void tile(const Job &jb, const Kernels &kn, Scratch &w, State &st, const float *
         }
         for (int64_t r0 = 0; r0 < rows; r0 += RB_MAX) {
             const int rb = (int)(rows - r0 < RB_MAX ? rows - r0 : RB_MAX);
-            run_k_int2(kn, base, pt.st, n, nn, rb, gk > 1, w.qs + r0 * d, w.ks, w.gidx, w.sc + r0 * TILE);
+            if (w.lut) kn.simd.k_lut(base, pt.st, n, nn, rb, w.lut + (r0 / RB_MAX) * d * 256, w.sc + r0 * TILE);
+            else run_k_int2(kn, base, pt.st, n, nn, rb, gk > 1, w.qs + r0 * d, w.ks, w.gidx, w.sc + r0 * TILE);
         }
         for (int64_t r = 0; r < rows; r++) {
             float *sr = w.sc + r * TILE;
@@ -521,6 +526,10 @@ void run_item(const Job &jb, const Kernels &kn, Scratch &w, int64_t item) {
                 for (int64_t i = g * ggk; i < (g + 1) * ggk; i++) sum += q[r * d + i];
                 w.qsum[r * gk + g] = sum;
             }
+        if (w.lut)
+            for (int64_t r0 = 0; r0 < rows; r0 += RB_MAX)
+                kn.simd.k_lut_build(q + r0 * d, (int)(rows - r0 < RB_MAX ? rows - r0 : RB_MAX),
+                                    w.lut + (r0 / RB_MAX) * d * 256);
     }
     const int64_t bounds[4] = {0, a->p, a->p + a->n, jb.total};
     for (int kind = 0; kind < 3; kind++) {
@@ -543,11 +552,19 @@ struct Buffers {
     Scratch s;
 };
 
-bool alloc_scratch(const Job &jb, Buffers &b) {
+/* Whether the scores use lookup tables: vectorized loops that have them for this head_dim, one (scale, zero)
+ * group per key row, and few enough query rows per KV head for the tables to stay small. */
+bool use_lut(const Job &jb, const Kernels &kn) {
+    return !kn.portable && kn.simd.k_lut_build != NULL && jb.a->groups[0] == 1 && jb.a->rows <= LUT_MAX_ROWS &&
+           jb.a->n > 0;
+}
+
+bool alloc_scratch(const Job &jb, const Kernels &kn, Buffers &b) {
     const rz_decode_args *a = jb.a;
     const int64_t rows = a->rows, d = jb.d, c8 = jb.q4 / 8;
+    const int64_t lut = use_lut(jb, kn) ? (rows + RB_MAX - 1) / RB_MAX * d * 256 + 4 : 0;
     const int64_t floats = 2 * rows * d + rows * MAX_GROUPS + rows * TILE + rows * jb.kw * TILE + 7 * MAX_GROUPS * TILE +
-                           2 * TILE + TILE * d + rows * MAX_GROUPS + TILE * RB_MAX + 8 * c8 + 64;
+                           2 * TILE + TILE * d + rows * MAX_GROUPS + TILE * RB_MAX + 8 * c8 + 64 + lut;
     b.mem = (float *)malloc((size_t)floats * sizeof(float));
     if (b.mem == NULL) return false;
     float *p = b.mem;
@@ -568,6 +585,11 @@ bool alloc_scratch(const Job &jb, Buffers &b) {
     s.x = p; p += TILE * d;
     s.ztm = p; p += rows * MAX_GROUPS;
     s.tmp = p; p += TILE * RB_MAX;
+    s.lut = NULL;
+    if (lut) { /* 16-byte aligned */
+        s.lut = (float *)(((uintptr_t)p + 15) & ~(uintptr_t)15);
+        p += lut;
+    }
     s.kidx = (int *)p; p += 4 * c8;
     s.gidx = (int *)p;
     for (int64_t aq = 0; aq < 4; aq++)
@@ -637,7 +659,7 @@ int run_all(const Job &jb, const Kernels &kn, int threads) {
     int error = 0;
     if (threads <= 1) {
         Buffers b;
-        if (!alloc_scratch(jb, b)) return 1;
+        if (!alloc_scratch(jb, kn, b)) return 1;
         for (int64_t item = 0; item < items; item++) run_item(jb, kn, b.s, item);
         for (int64_t bh = 0; bh < heads; bh++) merge_one(jb, bh, b.s.qp);
         free(b.mem);
@@ -646,7 +668,7 @@ int run_all(const Job &jb, const Kernels &kn, int threads) {
 #pragma omp parallel num_threads(threads) reduction(| : error)
     {
         Buffers b;
-        const bool ok = alloc_scratch(jb, b);
+        const bool ok = alloc_scratch(jb, kn, b);
         if (!ok) error = 1;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; item++)

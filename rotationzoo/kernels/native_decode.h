@@ -23,10 +23,18 @@ constexpr int RB_MAX = 4;    /* query rows per block sharing one pass over the c
  * (codes, stride, n, nn, weights [RB][kw][TILE], kw, chunk -> weight set, acc [RB][d]). */
 typedef void (*k_int2_fn)(const uint8_t *, int64_t, int, int, bool, const float *, const float *, const int *, float *);
 typedef void (*v_int2_fn)(const uint8_t *, int64_t, int, int, const float *, int, const int *, float *);
+/* Scores by table lookup where a row is one group: k_lut_build(q [rb][d], rb, T) fills T [d/4][256][4] with
+ * sum_a q_r[a d/4 + j] c_a(b) (lanes past rb zero); k_lut(codes, stride, n, nn, rb, T, out [rb][TILE]). */
+typedef void (*k_lut_build_fn)(const float *, int, float *);
+typedef void (*k_lut_fn)(const uint8_t *, int64_t, int, int, int, const float *, float *);
+
+constexpr int LUT_MAX_ROWS = 8; /* query rows per KV head up to which the lookup tables are used */
 
 struct SimdTable {
     k_int2_fn k_int2[RB_MAX]; /* [rows - 1] */
     v_int2_fn v_int2[RB_MAX];
+    k_lut_build_fn k_lut_build; /* null where the tables are not used (d = 256: 256 KB per block) */
+    k_lut_fn k_lut;
 };
 
 /* Fills `t` with the vectorized inner loops of head_dim d; false where none were compiled in. */

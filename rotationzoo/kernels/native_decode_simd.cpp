@@ -84,6 +84,56 @@ void k_int2_avx2(const uint8_t *base, int64_t st, int n, int nn, bool grouped, c
     }
 }
 
+/* The scores' lookup tables where a row is one (scale, zero) group: byte j of a code row holds the codes
+ * of dims a Q + j (a = 0..3), so its contribution to the 4 query rows of a block is a function of the
+ * byte alone, T[j][b] = sum_a q_r[a Q + j] ((b >> 2a) & 3) as 4 lanes; a token's raw scores are the sum
+ * of its Q entries: Q loads and adds instead of 4 Q multiply-adds per row and the unpacking. The 256
+ * entries of a byte are built from partial sums, 2 adds each. */
+template <int D>
+void k_lut_build(const float *q, int rb, float *T) {
+    constexpr int Q = D / 4;
+    for (int j = 0; j < Q; j++) {
+        float *tj = T + (size_t)j * 256 * 4;
+        __m128 m[4][4]; /* m[a][c] = c q_r[a Q + j] */
+        for (int a = 0; a < 4; a++) {
+            alignas(16) float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            for (int r = 0; r < rb; r++) v[r] = q[r * D + a * Q + j];
+            const __m128 va = _mm_load_ps(v);
+            for (int c = 0; c < 4; c++) m[a][c] = _mm_mul_ps(_mm_set1_ps((float)c), va);
+        }
+        for (int c3 = 0; c3 < 4; c3++)
+            for (int c2 = 0; c2 < 4; c2++) {
+                const __m128 s32 = _mm_add_ps(m[3][c3], m[2][c2]);
+                for (int c1 = 0; c1 < 4; c1++) {
+                    const __m128 s321 = _mm_add_ps(s32, m[1][c1]);
+                    float *e = tj + ((c3 << 6) | (c2 << 4) | (c1 << 2)) * 4;
+                    for (int c0 = 0; c0 < 4; c0++) _mm_store_ps(e + 4 * c0, _mm_add_ps(s321, m[0][c0]));
+                }
+            }
+    }
+}
+
+/* Raw scores of rb <= 4 query rows for tokens 0..nn (rows past n repeat the last) from the tables T,
+ * stored [rb][TILE]; four tokens at a time, four partial sums per token. */
+template <int D>
+void k_lut(const uint8_t *base, int64_t st, int n, int nn, int rb, const float *T, float *out) {
+    constexpr int Q = D / 4;
+    for (int t = 0; t < nn; t += 4) {
+        __m128 res[4];
+        for (int u = 0; u < 4; u++) {
+            const uint8_t *row = base + (int64_t)(t + u < n ? t + u : n - 1) * st;
+            __m128 acc[4];
+            for (int k = 0; k < 4; k++) acc[k] = _mm_load_ps(T + ((size_t)k * 256 + row[k]) * 4);
+            for (int j = 4; j < Q; j += 4)
+                for (int k = 0; k < 4; k++)
+                    acc[k] = _mm_add_ps(acc[k], _mm_load_ps(T + ((size_t)(j + k) * 256 + row[j + k]) * 4));
+            res[u] = _mm_add_ps(_mm_add_ps(acc[0], acc[1]), _mm_add_ps(acc[2], acc[3]));
+        }
+        _MM_TRANSPOSE4_PS(res[0], res[1], res[2], res[3]);
+        for (int r = 0; r < rb; r++) _mm_storeu_ps(out + r * TILE + t, res[r]);
+    }
+}
+
 /* acc[r][dims] += sum_t w[r][k(chunk)][t] * c for RB rows: per pass, the 8 dims at bytes 8c..8c+7 of
  * every quarter (all four with up to 3 rows, two at a time with 4), so that 8 to 12 independent
  * accumulators take the multiply-adds of each token. Quarters are read as c 4^a (masked in place)
@@ -159,10 +209,21 @@ void fill_avx2_all(SimdTable &k) {
 } // namespace
 
 bool simd_table(int d, SimdTable *t) {
-    if (d == 64) fill_avx2_all<64>(*t);
-    else if (d == 128) fill_avx2_all<128>(*t);
-    else if (d == 256) fill_avx2_all<256>(*t);
-    else return false;
+    t->k_lut_build = NULL;
+    t->k_lut = NULL;
+    if (d == 64) {
+        fill_avx2_all<64>(*t);
+        t->k_lut_build = k_lut_build<64>;
+        t->k_lut = k_lut<64>;
+    } else if (d == 128) {
+        fill_avx2_all<128>(*t);
+        t->k_lut_build = k_lut_build<128>;
+        t->k_lut = k_lut<128>;
+    } else if (d == 256) {
+        fill_avx2_all<256>(*t);
+    } else {
+        return false;
+    }
     return true;
 }
 #else
