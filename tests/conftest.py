@@ -6,6 +6,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 # Must happen before any test imports huggingface_hub, modelscope or triton.
 _TMP = Path(tempfile.mkdtemp(prefix="rotationzoo-tests-"))
@@ -60,21 +61,21 @@ def cache_dir(tmp_path, monkeypatch) -> Path:
     return d
 
 
-def _slow_tests() -> tuple[frozenset[str], frozenset[str]]:
-    """``(modules, "module::function" names)`` of tests/slow_tests.txt, read by tools/slow_tests.py's reader."""
+def _slow_tests_tool() -> Any:
+    """tools/slow_tests.py as a module (its reader of tests/slow_tests.txt)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("slow_tests", REPO / "tools" / "slow_tests.py")
     assert spec is not None and spec.loader is not None
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    modules, functions = tool.read_list()
-    return frozenset(modules), frozenset(functions)
+    return tool
 
 
+SLOW_TESTS_TOOL = _slow_tests_tool()
 #: Modules whose every test is slow (model loads, compilers) and single test functions over ~0.5 s on
 #: 2 cores: ``make test-fast`` leaves them out.
-SLOW_MODULES, SLOW_TESTS = _slow_tests()
+SLOW_MODULES, SLOW_TESTS = (frozenset(x) for x in SLOW_TESTS_TOOL.read_list())
 
 
 def pytest_collection_modifyitems(config, items) -> None:

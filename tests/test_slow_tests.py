@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
+import conftest
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("slow_tests_tool", REPO / "tools" / "slow_tests.py")
-assert _spec is not None and _spec.loader is not None
-tool = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tool)
+tool = conftest.SLOW_TESTS_TOOL
 
 
 def test_every_listed_test_exists() -> None:
@@ -36,8 +33,6 @@ def test_durations_take_each_functions_slowest_case() -> None:
 
 
 def test_the_conftest_marks_listed_tests_slow() -> None:
-    import conftest
-
     assert conftest.SLOW_MODULES == frozenset(tool.read_list()[0])
     assert "test_cache_decode::test_triton_backend_in_the_cache_matches_the_reference" in conftest.SLOW_TESTS
 

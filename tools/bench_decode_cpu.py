@@ -286,13 +286,10 @@ def attention_table(contexts: list[int], threads: list[int], runs: int, configs:
                     kd, vd, qd = x_k.to(dt), x_v.to(dt), q.to(dt)
                     # the two ways to run GQA decode through SDPA: enable_gqa, or the query heads of each KV
                     # head as rows of one query (exact for one new token; often the faster on CPUs)
-                    qg = qd.view(1, hkv, hq // hkv, d)
-                    for form, fn in ((SDPA_FORMS[0], lambda qd=qd, kd=kd, vd=vd: torch.nn.functional.scaled_dot_product_attention(
-                            qd, kd, vd, enable_gqa=True)),
-                                     (SDPA_FORMS[1], lambda qg=qg, kd=kd, vd=vd: torch.nn.functional.scaled_dot_product_attention(
-                                         qg, kd, vd))):
+                    for form, qf, gqa in ((SDPA_FORMS[0], qd, True), (SDPA_FORMS[1], qd.view(1, hkv, hq // hkv, d), False)):
                         nbytes[f"{label}, {form}"] = 2 * kd.numel() * kd.element_size()
-                        fns[f"{label}, {form}"] = fn
+                        fns[f"{label}, {form}"] = (lambda qf=qf, kd=kd, vd=vd, gqa=gqa:
+                                                   torch.nn.functional.scaled_dot_product_attention(qf, kd, vd, enable_gqa=gqa))
                 times = _timed_runs(fns, runs)
                 # each ratio is against the faster of the two SDPA forms, measured in the same rounds
                 base = {label: min(statistics.median(times[f"{label}, {form}"]) for form in SDPA_FORMS)
