@@ -202,10 +202,14 @@ class Int2KVConfig:
         """The OSCAR store of an INT2 format (codes along each row, scales per group).
 
         Raises:
-            ConfigError: another code, axis or scale layout (the INT2 kernels store only this one).
+            ConfigError: another code, axis or scale layout, or mixed code widths (the INT2 kernels store
+                only this one).
         """
         if fmt.code != "int2" or fmt.axis != "token" or fmt.scale != "group":
             raise ConfigError(f"{fmt.name} is not an INT2 store of this project's kernels (int2 codes along each row)")
+        if fmt.wide_layers:
+            raise ConfigError(f"{fmt.name}: mixed code widths are evaluated by the decode-time simulation only (the "
+                              f"INT2 store keeps one width)")
         return cls(k_clip_ratio=fmt.k_clip_ratio, v_clip_ratio=fmt.v_clip_ratio, group_size=fmt.group_size,
                    prefix_tokens=fmt.prefix_tokens, recent_tokens=fmt.recent_tokens, hp_dtype=fmt.hp_dtype,
                    scale_dtype=fmt.scale_dtype, lloyd_max=fmt.lloyd_max, clip_search=fmt.clip_search)

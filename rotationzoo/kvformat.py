@@ -18,6 +18,7 @@ and :func:`parse_format` reads it back (shorter spellings take the defaults)::
     int4-g64-bf16-w64+256-c0/0             4-bit codes, groups of 64 dims, bf16 scale/zero, 64 + 256 windows
     int2-g64-bf16-w64+256-c0.96/0.92-lm    OSCAR INT2 with Lloyd-Max levels (``-bisect``: the decode search)
     kivi2-g32-r128-fp16                    KIVI-2: groups of 32, a residual of 128 tokens, fp16 scale/min
+    int2-g64-bf16-int3:0/1/29              mixed code widths: layers 0, 1 and 29 keep 3-bit codes (simulated)
 
 ``g`` is omitted for one group per row (``group_size=None``); an INT name without ``w`` keeps the 64 + 256
 windows (``-w0+0`` for none), without ``c`` it clips as OSCAR serves INT2 (0.96 / 0.92) for ``int2`` and
@@ -26,7 +27,8 @@ not at all for wider codes.
 Bits per element (:meth:`KVFormat.bits_per_element`): a quantized row costs its codes plus its share of
 scales (and zeros); window tokens cost ``hp_dtype``'s bits; the average over the ``T`` tokens of a
 context is what a cache of that context stores per element (K and V averaged). For KIVI the residual
-follows its paper: ``T mod R`` keys and ``min(T, R)`` values stay in full precision.
+follows its paper: ``T mod R`` keys and ``min(T, R)`` values stay in full precision. With mixed code
+widths the layers are averaged too (each layer caches as many elements).
 
 This module imports nothing heavy (no torch).
 """
@@ -80,6 +82,10 @@ class KVFormat:
         clip_search: ``exact`` or ``bisect`` clip thresholds (INT2).
         prefix_tokens, recent_tokens: tokens kept in ``hp_dtype`` (the sink and the recent window).
         hp_dtype: dtype of the window tokens.
+        wide_code, wide_layers: mixed code widths per layer (INT codes along rows; the decode-time
+            simulation only: the INT2 store keeps one width): the layers ``wide_layers`` (ids as the model
+            numbers them) store ``wide_code`` codes with the same groups, scale dtype and windows, no clip
+            and uniform levels (:meth:`layer_format`); the others ``code``.
     """
 
     code: Code = "int2"
@@ -94,6 +100,8 @@ class KVFormat:
     prefix_tokens: int = 0
     recent_tokens: int = 0
     hp_dtype: DtypeName = "bfloat16"
+    wide_code: Code | None = None
+    wide_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.code not in CODES:
@@ -117,6 +125,24 @@ class KVFormat:
         if not isinstance(self.lloyd_max, bool):
             raise ConfigError(f"lloyd_max must be true or false, got {shown(self.lloyd_max)}")
         self._check_combination()
+        self._check_widths()
+
+    def _check_widths(self) -> None:
+        layers = self.wide_layers
+        if isinstance(layers, (str, bytes)) or not isinstance(layers, (tuple, list)):
+            raise ConfigError(f"wide_layers must be a list of layer ids, got {shown(layers)}")
+        for lid in layers:
+            check_int(lid, "a wide_layers id", low=0, high=_MAX_TOKENS)
+        object.__setattr__(self, "wide_layers", tuple(sorted(set(layers))))
+        if self.wide_code is None and not layers:
+            return
+        if self.wide_code is None or not layers:
+            raise ConfigError("mixed code widths need both wide_code and wide_layers (e.g. int2-g64-bf16-int3:0/1)")
+        if self.wide_code not in CODES or not self.wide_code.startswith("int"):
+            raise ConfigError(f"wide_code must be int3 or int4, got {shown(self.wide_code)}")
+        if not self.integer or self.axis != "token" or CODE_BITS[self.wide_code] <= CODE_BITS[self.code]:
+            raise ConfigError(f"mixed code widths widen INT codes along rows: {self.wide_code} layers in an "
+                              f"{self.code} format with more bits (e.g. int2-g64-bf16-int3:0/1)")
 
     def _check_combination(self) -> None:
         integer = self.code.startswith("int")
@@ -152,6 +178,8 @@ class KVFormat:
             parts.append(self.clip_search)
         if self.hp_dtype != "bfloat16":
             parts.append(f"hp{_DTYPE_SHORT[self.hp_dtype]}")
+        if self.wide_layers:
+            parts.append(f"{self.wide_code}:{'/'.join(map(str, self.wide_layers))}")
         return "-".join(parts)
 
     def _group_part(self) -> str:
@@ -186,24 +214,48 @@ class KVFormat:
             raise ConfigError(f"{self.name}: group_size {g} does not divide head_dim {head_dim}")
         return g
 
+    def layer_format(self, layer_id: int) -> "KVFormat":
+        """The format layer ``layer_id`` stores: with mixed code widths ``wide_code`` codes (no clip, uniform
+        levels) in ``wide_layers`` and ``code`` elsewhere, as a single-width format; otherwise itself."""
+        if not self.wide_layers:
+            return self
+        if layer_id not in self.wide_layers:
+            return replace(self, wide_code=None, wide_layers=())
+        return replace(self, code=self.wide_code or self.code, wide_code=None, wide_layers=(), k_clip_ratio=0.0, v_clip_ratio=0.0,
+                       lloyd_max=False, clip_search="exact")
+
     def quantized_bits(self, head_dim: int) -> float:
-        """Stored bits per element of a quantized row: codes plus its share of scales (and zeros)."""
+        """Stored bits per element of a quantized row: codes plus its share of scales (and zeros); with mixed
+        code widths, of a row in the ``code`` layers."""
         bits = CODE_BITS[self.code]
         if self.code == "bf16" or self.scale == "tensor":
             return float(bits)
         per_group = DTYPE_BITS[self.scale_dtype] * (2 if self.integer else 1)  # FP8: a scale, no zero
         return bits + per_group / self.group_for(head_dim)
 
-    def bits_per_element(self, head_dim: int, context_len: int) -> float:
+    def bits_per_element(self, head_dim: int, context_len: int, num_layers: int | None = None) -> float:
         """Average stored bits per cached K/V element at ``context_len`` tokens (K and V averaged).
 
         ``token`` axis: ``W = min(T, prefix + recent)`` window tokens cost ``bits(hp_dtype)``, the others
         :meth:`quantized_bits`: ``((T − W)·q + W·h) / T``. ``kivi``: ``T mod R`` keys and ``min(T, R)``
         values stay in ``hp_dtype``: ``((2T − r_K − r_V)·q + (r_K + r_V)·h) / 2T``. With d = G = 128,
         16-bit scale/zero and 64 + 256 windows, INT2 at 131,072 tokens: 2.2836 (the paper's 2.28).
+        Mixed code widths: the mean over the ``num_layers`` cached layers of each layer's value.
+
+        Raises:
+            ConfigError: ``context_len < 1``; mixed code widths without ``num_layers`` (or with fewer layers
+                than it widens).
         """
         if context_len < 1:
             raise ConfigError(f"context_len must be >= 1, got {context_len}")
+        if self.wide_layers:
+            k = len(self.wide_layers)
+            if num_layers is None or num_layers < k:
+                raise ConfigError(f"{self.name}: bits per element of mixed code widths need the number of cached "
+                                  f"layers (at least {k}), got {num_layers}")
+            base = self.layer_format(-1).bits_per_element(head_dim, context_len)
+            wide = self.layer_format(self.wide_layers[0]).bits_per_element(head_dim, context_len)
+            return ((num_layers - k) * base + k * wide) / num_layers
         q, h, t = self.quantized_bits(head_dim), DTYPE_BITS[self.hp_dtype], context_len
         if self.axis == "kivi":
             r_k, r_v = t % self.recent_tokens if self.recent_tokens else 0, min(t, self.recent_tokens)
@@ -232,6 +284,8 @@ class KVFormat:
                               f"{', '.join(sorted(known))}")
         if not rest and isinstance(data.get("name"), str):
             return parse_format(data["name"])
+        if isinstance(rest.get("wide_layers"), list):
+            rest["wide_layers"] = tuple(rest["wide_layers"])
         try:
             return cls(**rest)
         except (ConfigError, TypeError) as exc:
@@ -239,7 +293,7 @@ class KVFormat:
 
 
 _INT = re.compile(r"int([234])(?:-g(\d+))?(?:-(bf16|fp16|fp32))?(?:-w(\d+)\+(\d+))?(?:-c([\d.]+)/([\d.]+))?"
-                  r"(-lm)?(-bisect)?(?:-hp(bf16|fp16|fp32))?")
+                  r"(-lm)?(-bisect)?(?:-hp(bf16|fp16|fp32))?(?:-(int[34]):(\d+(?:/\d+)*))?")
 _FP8 = re.compile(r"fp8(?:-(row)|(?:-g(\d+))?-(bf16|fp16|fp32))?(?:-w(\d+)\+(\d+))?(?:-hp(bf16|fp16|fp32))?")
 _BF16 = re.compile(r"bf16(?:-w(\d+)\+(\d+))?")
 _KIVI = re.compile(r"kivi([24])(?:-g(\d+))?(?:-r(\d+))?(?:-(bf16|fp16|fp32))?")
@@ -255,14 +309,16 @@ def parse_format(text: str) -> KVFormat:
     try:
         m = _INT.fullmatch(s)
         if m:
-            code, g, sdt, p, r, kc, vc, lm, bisect, hp = m.groups()
+            code, g, sdt, p, r, kc, vc, lm, bisect, hp, wide, layers = m.groups()
             clips = (float(kc), float(vc)) if kc is not None else (INT2_CLIPS if code == "2" else (0.0, 0.0))
             wins = (int(p), int(r)) if p is not None else DEFAULT_WINDOWS
             return KVFormat(code=f"int{code}", group_size=int(g) if g else None,  # type: ignore[arg-type]
                             scale_dtype=_SHORT_DTYPES[sdt or "bf16"],  # type: ignore[arg-type]
                             k_clip_ratio=clips[0], v_clip_ratio=clips[1], lloyd_max=bool(lm),
                             clip_search="bisect" if bisect else "exact", prefix_tokens=wins[0], recent_tokens=wins[1],
-                            hp_dtype=_SHORT_DTYPES[hp or "bf16"])  # type: ignore[arg-type]
+                            hp_dtype=_SHORT_DTYPES[hp or "bf16"],  # type: ignore[arg-type]
+                            wide_code=wide,  # type: ignore[arg-type]
+                            wide_layers=tuple(int(x) for x in layers.split("/")) if layers else ())
         m = _FP8.fullmatch(s)
         if m:
             row, g, sdt, p, r, hp = m.groups()
@@ -285,7 +341,7 @@ def parse_format(text: str) -> KVFormat:
     except ConfigError as exc:
         raise ConfigError(f"format {text!r}: {exc}") from None
     raise ConfigError(f"format {str(text)[:60]!r} is not a KV format name; expected bf16, fp8, fp8-row, "
-                      f"int{{2,3,4}}[-gG][-bf16|fp16|fp32][-wP+R][-cK/V][-lm][-bisect] or kivi{{2,4}}[-gG][-rR] "
+                      f"int{{2,3,4}}[-gG][-bf16|fp16|fp32][-wP+R][-cK/V][-lm][-bisect][-int3:L/L…] or kivi{{2,4}}[-gG][-rR] "
                       f"(e.g. int4-g64-bf16, int2-g64-bf16-w64+256, kivi2)")
 
 

@@ -17,7 +17,8 @@ from rotationzoo.kvformat import KVFormat, parse_format  # noqa: E402
 
 NAMES = ["bf16", "fp8", "fp8-row", "fp8-g32-bf16", "int4-g64-bf16", "int3-g64-bf16", "int2-g64-bf16", "int2",
          "int2-g16-fp32", "int2-lm", "int2-g64-bf16-w64+256-c0.96/0.92-bisect", "int4-g64-bf16-w0+0-c0/0", "kivi2",
-         "kivi4-g32-r128-fp16", "int3-g32-fp16-w4+8-c0.9/0.9", "bf16-w64+256"]
+         "kivi4-g32-r128-fp16", "int3-g32-fp16-w4+8-c0.9/0.9", "bf16-w64+256", "int2-g64-bf16-int3:0/1/29",
+         "int2-int4:3", "int3-g32-int4:0"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -28,7 +29,8 @@ def test_names_read_back(name) -> None:
 
 
 @pytest.mark.parametrize("bad", ["int5", "int2-g", "fp16", "kivi3", "int2-w64", "int2-c2/0.9", "kivi2-g48-r128",
-                                 "int4-lm", ""])
+                                 "int4-lm", "", "int2-int3:", "int2-int3:0/x", "int3-int3:0", "int4-int3:1",
+                                 "kivi2-int3:0", "int2-fp8:0"])
 def test_not_a_format_is_one_line(bad) -> None:
     with pytest.raises(ConfigError) as info:
         parse_format(bad)
@@ -48,6 +50,44 @@ def test_not_a_format_is_one_line(bad) -> None:
 ])
 def test_one_bits_per_element_formula(name, d, context, want) -> None:
     assert parse_format(name).bits_per_element(d, context) == pytest.approx(want, abs=5e-3)
+
+
+def test_mixed_code_widths_per_layer() -> None:
+    fmt = parse_format("int2-g64-bf16-int3:29/0/1/1")
+    assert fmt.wide_layers == (0, 1, 29) and fmt.name == "int2-g64-bf16-w64+256-c0.96/0.92-int3:0/1/29"
+    # 27 layers at 2 + 32/64 bits, 3 at 3 + 32/64, 320 BF16 window tokens of 8,192 in every layer
+    want = (27 * ((8192 - 320) * 2.5 + 320 * 16) + 3 * ((8192 - 320) * 3.5 + 320 * 16)) / 8192 / 30
+    assert fmt.bits_per_element(64, 8192, 30) == pytest.approx(want, rel=1e-12) and want == pytest.approx(3.1234, abs=1e-4)
+    assert fmt.layer_format(29) == parse_format("int3-g64-bf16") and fmt.layer_format(2) == parse_format("int2-g64-bf16")
+    assert parse_format("int4").layer_format(3) == parse_format("int4")
+    for args in ((64, 8192), (64, 8192, 2)):
+        with pytest.raises(ConfigError, match="number of cached layers") as info:
+            fmt.bits_per_element(*args)
+        assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match="simulation only"):
+        Int2KVConfig.from_format(fmt)
+    with pytest.raises(ConfigError, match="both wide_code and wide_layers"):
+        KVFormat(wide_layers=(1,))
+    assert KVFormat.from_json(json.loads(json.dumps(fmt.to_json()))) == fmt
+
+
+def test_mixed_widths_route_each_layer_to_its_format() -> None:
+    """A layer's attention error under mixed widths is that of its own format: layer 0 sees the same inputs
+    in every run, so its error is the base format's when layer 1 is widened and the wide format's when it is."""
+    from rotationzoo.integrations.transformers import OscarKV, oscar_kv
+
+    model = _tiny()
+    ids = torch.randint(3, 96, (1, 120), generator=torch.Generator().manual_seed(2))
+
+    def errors(name: str) -> dict[int, float]:
+        with torch.no_grad(), oscar_kv(model, OscarKV(None, None, kv_format=parse_format(name)), collect_errors=True) as kv:
+            model(ids, use_cache=False)
+            return kv.layer_errors()
+
+    base, wide = errors("int2-g32-w2+4"), errors("int3-g32-w2+4-c0/0")
+    first, second = errors("int2-g32-w2+4-int3:1"), errors("int2-g32-w2+4-int3:0")
+    assert first[0] == base[0] and second[0] == wide[0] and wide[0] < base[0]
+    assert first[1] != base[1] and errors("int2-g32-w2+4-int3:0/1") == wide
 
 
 def test_int2kvconfig_is_one_format() -> None:
@@ -225,6 +265,12 @@ def test_cli_eval_formats(tmp_path, capsys) -> None:
     assert rows["none@fp8"]["bpe"] == 8.0 and rows["none@fp8"]["baseline"] == "hadamard@fp8"
     assert main([*args[:-3], "--formats", "int5", "--json"]) == 1
     assert "not a KV format name" in capsys.readouterr().out
+    assert main([*args[:-3], "--methods", "none,hadamard", "--formats", "int2-g32-w4+8-int3:1,int2-g32-w4+8-int4:7", "--json"]) == 1
+    assert "layer(s) 7 widened, the model caches layers 0, 1" in capsys.readouterr().out
+    assert main([*args[:-3], "--methods", "none,hadamard", "--formats", "int2-g32-w4+8-int3:1", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["results"][-1]
+    assert row["format"] == "int2-g32-bf16-w4+8-c0.96/0.92-int3:1" and row["bpe"] == pytest.approx(
+        parse_format(row["format"]).bits_per_element(64, 300, 2)) and row["bpe"] > rows["none@int2-g32-bf16-w4+8-c0.96/0.92"]["bpe"]
 
 
 def test_parse_formats_served_and_twice() -> None:

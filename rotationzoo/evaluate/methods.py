@@ -101,11 +101,17 @@ class MethodSpec:
         return self.rotated and len(self.learned_sides) < 2
 
     def check_fits(self, shape: ModelShape) -> None:
-        """Refuse rotations that do not fit the model (one line, before anything runs).
+        """Refuse rotations or a format that do not fit the model (one line, before anything runs).
 
         Raises:
-            EvaluationError: different head_dim, layers, or KV-head count of per-head rotations.
+            EvaluationError: different head_dim, layers, or KV-head count of per-head rotations; a format that
+                widens a layer the model does not cache.
         """
+        fmt = self.kv_format
+        outside = sorted(set(fmt.wide_layers) - set(shape.layer_ids)) if fmt is not None else []
+        if fmt is not None and outside:
+            raise EvaluationError(f"format {fmt.name}: layer(s) {', '.join(map(str, outside[:5]))} widened, the model "
+                                  f"caches layers {_ids(shape.layer_ids)}")
         if self.pair is None:
             return
         p = self.pair

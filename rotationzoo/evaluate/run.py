@@ -164,7 +164,7 @@ def _result(spec: MethodSpec, main: _Collected, probe: _Collected | None, runs: 
         perplexity=math.exp(nll), nll=nll, nll_spread=_sd(draw_nll), kl=kl, kl_spread=_sd(draw_kl),
         top1=float(main.stacked(spec, runs, "agree").mean()), accuracy=float(main.stacked(spec, runs, "correct").mean()),
         tokens_scored=int(main.stacked(spec, runs, "nll").shape[-1]), context_len=context,
-        bpe=float(fp_bits) if fmt is None else fmt.bits_per_element(shape.head_dim, context),
+        bpe=float(fp_bits) if fmt is None else fmt.bits_per_element(shape.head_dim, context, len(shape.layer_ids)),
         exposure={"pairs": 0.0, "tokens": 0.0} if fmt is None else main.exposure[fmt.name].to_json(),
         source=spec.source, objectives=dict(spec.objectives), copy=copy, layer_errors=errs,
         wall_s=main.wall.get(spec.name, 0.0), rotation=spec.method, format=None if fmt is None else fmt.name,

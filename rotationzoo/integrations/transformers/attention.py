@@ -76,9 +76,9 @@ def _simulate(session: OscarSession, module: torch.nn.Module, query: torch.Tenso
               value: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None) -> torch.Tensor:
     """The simulated cache attention of one layer, in the session's format; returns ``[B, S, Hq, d]`` like
     the base functions."""
-    oscar = session.oscar
-    fmt = oscar.kv_format
     lid = int(getattr(module, "layer_idx", 0))
+    oscar = session.oscar.for_layer(lid)
+    fmt = oscar.kv_format
     dtype = query.dtype
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     tr = oscar.layer(lid, query.device)

@@ -103,7 +103,7 @@ class OscarKV:
         if config is not None and kv_format is not None and config.kv_format() != kv_format:
             raise EvaluationError(f"give config or kv_format, not two different ones ({config.label()} vs {kv_format})")
         self.kv_format = kv_format if kv_format is not None else (config or Int2KVConfig()).kv_format()
-        int2 = self.kv_format.code == "int2" and self.kv_format.axis == "token"
+        int2 = self.kv_format.code == "int2" and self.kv_format.axis == "token" and not self.kv_format.wide_layers
         #: the INT2 store (``None`` for other formats, which only the simulation evaluates)
         self.config: Int2KVConfig | None = config if config is not None else (
             Int2KVConfig.from_format(self.kv_format) if int2 else None)
@@ -111,6 +111,7 @@ class OscarKV:
         self.quantize_v = bool(quantize_v)
         self.backend = backend
         self._device_cache: dict[tuple[str, int, str], torch.Tensor | None] = {}
+        self._layer_views: dict[int, OscarKV] = {}
 
     @classmethod
     def from_rotations(cls, rotations: Any, config: Int2KVConfig | None = None, **kwargs: Any) -> "OscarKV":
@@ -154,6 +155,17 @@ class OscarKV:
                        quantize_k=own.get("quantize_k", self.quantize_k), quantize_v=own.get("quantize_v", self.quantize_v),
                        backend=own.get("backend", self.backend), k_mean=self.k_mean, v_mean=self.v_mean,
                        q_rotations=self.q_rotations, o_rotations=self.o_rotations)
+
+    def for_layer(self, layer_id: int) -> "OscarKV":
+        """What layer ``layer_id`` stores: itself, or with mixed code widths (``kv_format.wide_layers``) a view
+        in that layer's own single-width format (the rotations shared)."""
+        if not self.kv_format.wide_layers:
+            return self
+        view = self._layer_views.get(layer_id)
+        if view is None:
+            view = self.replace(kv_format=self.kv_format.layer_format(layer_id))
+            self._layer_views[layer_id] = view
+        return view
 
     def _per_layer(self, name: str, table: torch.Tensor | None, layer_id: int,
                    device: torch.device | str) -> torch.Tensor | None:
