@@ -219,10 +219,11 @@ class KVFormat:
         levels) in ``wide_layers`` and ``code`` elsewhere, as a single-width format; otherwise itself."""
         if not self.wide_layers:
             return self
+        narrow = replace(self, wide_code=None, wide_layers=())
         if layer_id not in self.wide_layers:
-            return replace(self, wide_code=None, wide_layers=())
-        return replace(self, code=self.wide_code or self.code, wide_code=None, wide_layers=(), k_clip_ratio=0.0, v_clip_ratio=0.0,
-                       lloyd_max=False, clip_search="exact")
+            return narrow
+        return replace(narrow, code=self.wide_code or self.code, k_clip_ratio=0.0, v_clip_ratio=0.0, lloyd_max=False,
+                       clip_search="exact")
 
     def quantized_bits(self, head_dim: int) -> float:
         """Stored bits per element of a quantized row: codes plus its share of scales (and zeros); with mixed
@@ -253,7 +254,7 @@ class KVFormat:
             if num_layers is None or num_layers < k:
                 raise ConfigError(f"{self.name}: bits per element of mixed code widths need the number of cached "
                                   f"layers (at least {k}), got {num_layers}")
-            base = self.layer_format(-1).bits_per_element(head_dim, context_len)
+            base = replace(self, wide_code=None, wide_layers=()).bits_per_element(head_dim, context_len)
             wide = self.layer_format(self.wide_layers[0]).bits_per_element(head_dim, context_len)
             return ((num_layers - k) * base + k * wide) / num_layers
         q, h, t = self.quantized_bits(head_dim), DTYPE_BITS[self.hp_dtype], context_len
@@ -341,7 +342,8 @@ def parse_format(text: str) -> KVFormat:
     except ConfigError as exc:
         raise ConfigError(f"format {text!r}: {exc}") from None
     raise ConfigError(f"format {str(text)[:60]!r} is not a KV format name; expected bf16, fp8, fp8-row, "
-                      f"int{{2,3,4}}[-gG][-bf16|fp16|fp32][-wP+R][-cK/V][-lm][-bisect][-int3:L/L…] or kivi{{2,4}}[-gG][-rR] "
+                      f"int{{2,3,4}}[-gG][-bf16|fp16|fp32][-wP+R][-cK/V][-lm][-bisect][-int3:L/L…] or "
+                      f"kivi{{2,4}}[-gG][-rR] "
                       f"(e.g. int4-g64-bf16, int2-g64-bf16-w64+256, kivi2)")
 
 

@@ -57,8 +57,10 @@ def test_mixed_code_widths_per_layer() -> None:
     assert fmt.wide_layers == (0, 1, 29) and fmt.name == "int2-g64-bf16-w64+256-c0.96/0.92-int3:0/1/29"
     # 27 layers at 2 + 32/64 bits, 3 at 3 + 32/64, 320 BF16 window tokens of 8,192 in every layer
     want = (27 * ((8192 - 320) * 2.5 + 320 * 16) + 3 * ((8192 - 320) * 3.5 + 320 * 16)) / 8192 / 30
-    assert fmt.bits_per_element(64, 8192, 30) == pytest.approx(want, rel=1e-12) and want == pytest.approx(3.1234, abs=1e-4)
-    assert fmt.layer_format(29) == parse_format("int3-g64-bf16") and fmt.layer_format(2) == parse_format("int2-g64-bf16")
+    assert fmt.bits_per_element(64, 8192, 30) == pytest.approx(want, rel=1e-12)
+    assert want == pytest.approx(3.1234, abs=1e-4)
+    assert fmt.layer_format(29) == parse_format("int3-g64-bf16")
+    assert fmt.layer_format(2) == parse_format("int2-g64-bf16")
     assert parse_format("int4").layer_format(3) == parse_format("int4")
     for args in ((64, 8192), (64, 8192, 2)):
         with pytest.raises(ConfigError, match="number of cached layers") as info:
@@ -80,7 +82,8 @@ def test_mixed_widths_route_each_layer_to_its_format() -> None:
     ids = torch.randint(3, 96, (1, 120), generator=torch.Generator().manual_seed(2))
 
     def errors(name: str) -> dict[int, float]:
-        with torch.no_grad(), oscar_kv(model, OscarKV(None, None, kv_format=parse_format(name)), collect_errors=True) as kv:
+        oscar = OscarKV(None, None, kv_format=parse_format(name))
+        with torch.no_grad(), oscar_kv(model, oscar, collect_errors=True) as kv:
             model(ids, use_cache=False)
             return kv.layer_errors()
 
@@ -265,12 +268,14 @@ def test_cli_eval_formats(tmp_path, capsys) -> None:
     assert rows["none@fp8"]["bpe"] == 8.0 and rows["none@fp8"]["baseline"] == "hadamard@fp8"
     assert main([*args[:-3], "--formats", "int5", "--json"]) == 1
     assert "not a KV format name" in capsys.readouterr().out
-    assert main([*args[:-3], "--methods", "none,hadamard", "--formats", "int2-g32-w4+8-int3:1,int2-g32-w4+8-int4:7", "--json"]) == 1
+    mixed = ["--methods", "none,hadamard", "--formats"]
+    assert main([*args[:-3], *mixed, "int2-g32-w4+8-int3:1,int2-g32-w4+8-int4:7", "--json"]) == 1
     assert "layer(s) 7 widened, the model caches layers 0, 1" in capsys.readouterr().out
-    assert main([*args[:-3], "--methods", "none,hadamard", "--formats", "int2-g32-w4+8-int3:1", "--json"]) == 0
+    assert main([*args[:-3], *mixed, "int2-g32-w4+8-int3:1", "--json"]) == 0
     row = json.loads(capsys.readouterr().out)["results"][-1]
-    assert row["format"] == "int2-g32-bf16-w4+8-c0.96/0.92-int3:1" and row["bpe"] == pytest.approx(
-        parse_format(row["format"]).bits_per_element(64, 300, 2)) and row["bpe"] > rows["none@int2-g32-bf16-w4+8-c0.96/0.92"]["bpe"]
+    assert row["format"] == "int2-g32-bf16-w4+8-c0.96/0.92-int3:1"
+    assert row["bpe"] == pytest.approx(parse_format(row["format"]).bits_per_element(64, 300, 2))
+    assert row["bpe"] > rows["none@int2-g32-bf16-w4+8-c0.96/0.92"]["bpe"]
 
 
 def test_parse_formats_served_and_twice() -> None:
