@@ -141,8 +141,9 @@ class KVFormat:
         if self.wide_code not in CODES or not self.wide_code.startswith("int"):
             raise ConfigError(f"wide_code must be int3 or int4, got {shown(self.wide_code)}")
         if not self.integer or self.axis != "token" or CODE_BITS[self.wide_code] <= CODE_BITS[self.code]:
-            raise ConfigError(f"mixed code widths widen INT codes along rows: {self.wide_code} layers in an "
-                              f"{self.code} format with more bits (e.g. int2-g64-bf16-int3:0/1)")
+            raise ConfigError(f"mixed code widths give some layers a wider INT code than the others' along rows; "
+                              f"{self.wide_code} layers in a {self.code} ({self.axis} axis) format are not that "
+                              f"(e.g. int2-g64-bf16-int3:0/1)")
 
     def _check_combination(self) -> None:
         integer = self.code.startswith("int")
@@ -342,7 +343,7 @@ def parse_format(text: str) -> KVFormat:
     except ConfigError as exc:
         raise ConfigError(f"format {text!r}: {exc}") from None
     raise ConfigError(f"format {str(text)[:60]!r} is not a KV format name; expected bf16, fp8, fp8-row, "
-                      f"int{{2,3,4}}[-gG][-bf16|fp16|fp32][-wP+R][-cK/V][-lm][-bisect][-int3:L/L…] or "
+                      f"int{{2,3,4}}[-gG][-bf16|fp16|fp32][-wP+R][-cK/V][-lm][-bisect][-int{{3,4}}:L/L…] or "
                       f"kivi{{2,4}}[-gG][-rR] "
                       f"(e.g. int4-g64-bf16, int2-g64-bf16-w64+256, kivi2)")
 

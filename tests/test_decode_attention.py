@@ -73,6 +73,7 @@ CASES = [
     (1, 4, 2, 1, 64, (8, 60, 0), 64, {"hp": torch.float16}),  # no recent token
     (1, 4, 2, 1, 256, (2, 40, 3), 64, {"scale": torch.bfloat16}),
     (1, 16, 2, 3, 128, (4, 90, 6), 16, {}),  # 24 query rows of 2 groups per quarter: 3 row blocks
+    (1, 4, 4, 1, 64, (3, 150, 5), 64, {}),  # one query row per KV head, one group per row
 ]
 
 

@@ -70,6 +70,8 @@ def test_mixed_code_widths_per_layer() -> None:
         Int2KVConfig.from_format(fmt)
     with pytest.raises(ConfigError, match="both wide_code and wide_layers"):
         KVFormat(wide_layers=(1,))
+    with pytest.raises(ConfigError, match="quantize per layer; pass fmt.layer_format"):
+        fake_quantize_format(torch.randn(1, 1, 4, 64), fmt, "k")
     assert KVFormat.from_json(json.loads(json.dumps(fmt.to_json()))) == fmt
 
 
@@ -91,6 +93,9 @@ def test_mixed_widths_route_each_layer_to_its_format() -> None:
     first, second = errors("int2-g32-w2+4-int3:1"), errors("int2-g32-w2+4-int3:0")
     assert first[0] == base[0] and second[0] == wide[0] and wide[0] < base[0]
     assert first[1] != base[1] and errors("int2-g32-w2+4-int3:0/1") == wide
+    oscar = OscarKV(None, None, kv_format=parse_format("int2-g32-w2+4-int3:1"))
+    with torch.no_grad(), oscar_kv(model, oscar) as kv, pytest.raises(EvaluationError, match="one code width per cache"):
+        model(ids, cache=kv.new_cache())
 
 
 def test_int2kvconfig_is_one_format() -> None:
@@ -270,7 +275,7 @@ def test_cli_eval_formats(tmp_path, capsys) -> None:
     assert "not a KV format name" in capsys.readouterr().out
     mixed = ["--methods", "none,hadamard", "--formats"]
     assert main([*args[:-3], *mixed, "int2-g32-w4+8-int3:1,int2-g32-w4+8-int4:7", "--json"]) == 1
-    assert "layer(s) 7 widened, the model caches layers 0, 1" in capsys.readouterr().out
+    assert "widens layer(s) 7, but the model caches layers 0, 1" in capsys.readouterr().out
     assert main([*args[:-3], *mixed, "int2-g32-w4+8-int3:1", "--json"]) == 0
     row = json.loads(capsys.readouterr().out)["results"][-1]
     assert row["format"] == "int2-g32-bf16-w4+8-c0.96/0.92-int3:1"

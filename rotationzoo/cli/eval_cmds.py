@@ -65,7 +65,7 @@ def eval_command(
     formats: Annotated[Optional[str], typer.Option(
         "--formats", help="Comma-separated KV formats to evaluate every method in (rows METHOD@FORMAT, each compared "
                           "with the baseline in the same format, each with its bits/element): bf16, fp8, fp8-row, "
-                          "int{2,3,4}[-gG][-bf16|fp16|fp32][-wP+R][-cK/V][-lm][-bisect][-int3:L/L...] (the "
+                          "int{2,3,4}[-gG][-bf16|fp16|fp32][-wP+R][-cK/V][-lm][-bisect][-int{3,4}:L/L...] (the "
                           "last: layers L in wider codes), kivi{2,4}[-gG][-rR], or served (the rotations' INT2 "
                           "settings). Default: served only.")] = None,
     draws: Annotated[int, typer.Option(

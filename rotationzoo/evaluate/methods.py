@@ -110,8 +110,8 @@ class MethodSpec:
         fmt = self.kv_format
         outside = sorted(set(fmt.wide_layers) - set(shape.layer_ids)) if fmt is not None else []
         if fmt is not None and outside:
-            raise EvaluationError(f"format {fmt.name}: layer(s) {', '.join(map(str, outside[:5]))} widened, the model "
-                                  f"caches layers {_ids(shape.layer_ids)}")
+            raise EvaluationError(f"format {fmt.name} widens layer(s) {_ids(tuple(outside))}, but the model caches "
+                                  f"layers {_ids(shape.layer_ids)}")
         if self.pair is None:
             return
         p = self.pair

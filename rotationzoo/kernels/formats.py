@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import ConfigError
 from ..int2kv import Int2KVConfig
 from ..kvformat import CODE_BITS, KVFormat
 from .layout import clip_index
@@ -38,9 +39,15 @@ FP8_E4M3_MAX = 448.0
 def fake_quantize_format(x: torch.Tensor, fmt: KVFormat, side: str, *, dtype: torch.dtype | None = None,
                          backend: str = "auto") -> torch.Tensor:
     """What rows ``x [B, H, T, d]`` (any float dtype) read back from a cache in ``fmt``, in ``dtype``
-    (default ``x.dtype``): every token quantized (see the module docstring)."""
+    (default ``x.dtype``): every token quantized (see the module docstring).
+
+    Raises:
+        ConfigError: a format with mixed code widths (quantize each layer in ``fmt.layer_format(layer_id)``).
+    """
     from . import fake_quantize_int2
 
+    if fmt.wide_layers:
+        raise ConfigError(f"{fmt.name}: mixed code widths quantize per layer; pass fmt.layer_format(layer_id)")
     out_dtype = dtype or x.dtype
     if fmt.code == "int2" and fmt.axis == "token":
         return fake_quantize_int2(x.contiguous(), config=Int2KVConfig.from_format(fmt), side=side,  # type: ignore[arg-type]

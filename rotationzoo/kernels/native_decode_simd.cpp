@@ -143,10 +143,10 @@ template <int RB>
 constexpr int V_QUARTERS = RB == 2 ? 4 : 2;
 
 /* acc[r][dims] += sum_t w[r][k(chunk)][t] * c for RB rows over the n tokens of a tile (the padding's weights are
- * 0): per pass, the 8 dims at bytes 8c..8c+7 of V_QUARTERS<RB> quarters, so that 4 to 8 independent
+ * 0): per pass, the 8 dims at bytes 8c..8c+7 of V_QUARTERS<RB> quarters, so that 2 to 8 independent
  * accumulators take the multiply-adds of each token. Quarters are read as c 4^a (masked in place)
- * and scaled by 4^-a once per pass; with one group per row (kw = 1) each row's weight is broadcast
- * once per token for all quarters. */
+ * and scaled by 4^-a once per pass; with one group per row (kw = 1) every quarter reads the same weight
+ * of a row (one broadcast, once the compiler merges them). */
 template <int D, int RB, bool SHARED>
 inline void v_pass(const uint8_t *base, int64_t st, int n, int nn, const float *w, int kw, const int *kidx,
                    float *acc, int c, int a0) {

@@ -76,6 +76,9 @@ def _simulate(session: OscarSession, module: torch.nn.Module, query: torch.Tenso
               value: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None) -> torch.Tensor:
     """The simulated cache attention of one layer, in the session's format; returns ``[B, S, Hq, d]`` like
     the base functions."""
+    if session.oscar.kv_format.wide_layers and getattr(module, "layer_idx", None) is None:
+        raise EvaluationError(f"{session.oscar.kv_format.name}: mixed code widths need each attention module's "
+                              f"layer_idx, and {type(module).__name__} has none")
     lid = int(getattr(module, "layer_idx", 0))
     oscar = session.oscar.for_layer(lid)
     fmt = oscar.kv_format

@@ -365,7 +365,8 @@ def _with_clip_search(config: Int2KVConfig, clip_search: str | None) -> Int2KVCo
 def int2_store(oscar: OscarKV) -> Int2KVConfig:
     """``oscar``'s INT2 store, or one line saying that its format is simulated only."""
     if oscar.config is None:
-        raise EvaluationError(f"the INT2 cache stores INT2 rows; {oscar.kv_format.name} is evaluated by the "
+        why = " (one code width per cache)" if oscar.kv_format.wide_layers else ""
+        raise EvaluationError(f"the INT2 cache stores INT2 rows{why}; {oscar.kv_format.name} is evaluated by the "
                               f"decode-time simulation only (a forward without the cache, as rotationzoo eval runs)")
     return oscar.config
 
