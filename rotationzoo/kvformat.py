@@ -220,11 +220,15 @@ class KVFormat:
         levels) in ``wide_layers`` and ``code`` elsewhere, as a single-width format; otherwise itself."""
         if not self.wide_layers:
             return self
-        narrow = replace(self, wide_code=None, wide_layers=())
+        narrow = self._narrow()
         if layer_id not in self.wide_layers:
             return narrow
         return replace(narrow, code=self.wide_code or self.code, k_clip_ratio=0.0, v_clip_ratio=0.0, lloyd_max=False,
                        clip_search="exact")
+
+    def _narrow(self) -> "KVFormat":
+        """This format with every layer at ``code`` (no mixed widths)."""
+        return replace(self, wide_code=None, wide_layers=())
 
     def quantized_bits(self, head_dim: int) -> float:
         """Stored bits per element of a quantized row: codes plus its share of scales (and zeros); with mixed
@@ -255,7 +259,7 @@ class KVFormat:
             if num_layers is None or num_layers < k:
                 raise ConfigError(f"{self.name}: bits per element of mixed code widths need the number of cached "
                                   f"layers (at least {k}), got {num_layers}")
-            base = replace(self, wide_code=None, wide_layers=()).bits_per_element(head_dim, context_len)
+            base = self._narrow().bits_per_element(head_dim, context_len)
             wide = self.layer_format(self.wide_layers[0]).bits_per_element(head_dim, context_len)
             return ((num_layers - k) * base + k * wide) / num_layers
         q, h, t = self.quantized_bits(head_dim), DTYPE_BITS[self.hp_dtype], context_len
@@ -286,8 +290,6 @@ class KVFormat:
                               f"{', '.join(sorted(known))}")
         if not rest and isinstance(data.get("name"), str):
             return parse_format(data["name"])
-        if isinstance(rest.get("wide_layers"), list):
-            rest["wide_layers"] = tuple(rest["wide_layers"])
         try:
             return cls(**rest)
         except (ConfigError, TypeError) as exc:
