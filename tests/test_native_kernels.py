@@ -73,6 +73,30 @@ def test_c_decode_long_ranges_threads_and_row_blocks(threads, rows):
         torch.set_num_threads(old)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("rows", [(4, 4, 1), (4, 2, 1), (9, 3, 1), (4, 1, 1), (2, 1, 3)])  # 1, 2, 3, 4 and 6 rows
+def test_c_decode_fused_value_and_score_passes(d, rows):
+    """Full INT2 tiles where one tile's values and the next one's scores run in the same passes (one
+    (scale, zero) group per row, up to four query rows per KV head), ranges that cut tiles anywhere,
+    1 and 2 threads; six rows (two blocks) take the unfused loops."""
+    hq, hkv, s = rows
+    k, _ = make_cache(1, hkv, d, 64, 1000, 37, seed=11, group=d, scale=torch.bfloat16)
+    v, _ = make_cache(1, hkv, d, 64, 1000, 37, seed=12, group=d, scale=torch.bfloat16)
+    q = torch.randn(1, hq, s, d, generator=torch.Generator().manual_seed(13))
+    rk, rv = orthogonal(d, None, seed=14), orthogonal(d, hkv, seed=15)
+    want = decode_attention_int2(q, k, v, k_rotation=rk, v_rotation=rv, backend="torch", dtype=torch.float32)
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for splits in (None, 1, 3):
+                got = decode_attention_int2(q, k, v, k_rotation=rk, v_rotation=rv, backend="cpu", num_splits=splits,
+                                            dtype=torch.float32)
+                assert rel_err(got, want) < TOL, (threads, splits)
+    finally:
+        torch.set_num_threads(old)
+
+
 @pytest.mark.parametrize("heads", ["broadcast", "per_head"])
 def test_c_decode_applies_a_mask_as_the_reference(heads):
     b, hq, hkv, s, d = 2, 4, 2, 2, 64

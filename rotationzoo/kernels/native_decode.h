@@ -27,6 +27,11 @@ typedef void (*v_int2_fn)(const uint8_t *, int64_t, int, int, const float *, int
  * sum_a q_r[a d/4 + j] c_a(b) (lanes past rb zero); k_lut(codes, stride, n, nn, rb, T, out [rb][TILE]). */
 typedef void (*k_lut_build_fn)(const float *, int, float *);
 typedef void (*k_lut_fn)(const uint8_t *, int64_t, int, int, int, const float *, float *);
+/* One full tile's value sums (as v_int2 with one value group per row) fused with the next full tile's scores
+ * by table lookup (as k_lut): kv_fused[RB - 1](values' codes, stride, weights [RB][TILE], chunk -> weight set,
+ * acc [RB][d], keys' codes, stride, T, scratch [TILE][4], out [RB][TILE]). */
+typedef void (*kv_fused_fn)(const uint8_t *, int64_t, const float *, const int *, float *, const uint8_t *, int64_t,
+                            const float *, float *, float *);
 
 constexpr int LUT_MAX_ROWS = 8; /* query rows per KV head up to which the lookup tables are used */
 
@@ -35,6 +40,7 @@ struct SimdTable {
     v_int2_fn v_int2[RB_MAX];
     k_lut_build_fn k_lut_build; /* null where the tables are not used (d = 256: 256 KB per block) */
     k_lut_fn k_lut;
+    kv_fused_fn kv_fused[RB_MAX]; /* null where k_lut is */
 };
 
 /* Fills `t` with the vectorized inner loops of head_dim d; false where none were compiled in. */

@@ -146,16 +146,18 @@ constexpr int V_QUARTERS = RB == 2 ? 4 : 2;
  * 0): per pass, the 8 dims at bytes 8c..8c+7 of V_QUARTERS<RB> quarters, so that 2 to 8 independent
  * accumulators take the multiply-adds of each token. Quarters are read as c 4^a (masked in place)
  * and scaled by 4^-a once per pass; with one group per row (kw = 1) every quarter reads the same weight
- * of a row (one broadcast, once the compiler merges them). */
-template <int D, int RB, bool SHARED>
-inline void v_pass(const uint8_t *base, int64_t st, int n, int nn, const float *w, int kw, const int *kidx,
-                   float *acc, int c, int a0) {
-    constexpr int Q = D / 4, C8 = Q / 8, NA = V_QUARTERS<RB>;
+ * of a row (one broadcast, once the compiler merges them).
+ * KEYS: the same loop also adds the table entries of KB = 2 V_QUARTERS<RB> key bytes (from byte j0) of each
+ * token of the next tile to its 4 partial scores kp[t][4]: the values' multiply-adds keep the FMA ports busy,
+ * the lookups the load ports and adders, so the two overlap instead of running one after the other. */
+template <int D, int RB, bool SHARED, bool KEYS>
+inline void v_pass(const uint8_t *base, int64_t st, int n, const float *w, int kw, const int *kidx, float *acc, int c,
+                   int a0, const uint8_t *kbase, int64_t kst, const float *T, float *kp, int j0) {
+    constexpr int Q = D / 4, C8 = Q / 8, NA = V_QUARTERS<RB>, KB = 2 * NA;
     alignas(32) static const int32_t mask_bits[4][8] = {{3, 3, 3, 3, 3, 3, 3, 3}, {12, 12, 12, 12, 12, 12, 12, 12},
                                                          {48, 48, 48, 48, 48, 48, 48, 48},
                                                          {192, 192, 192, 192, 192, 192, 192, 192}};
     static const float unscale[4] = {1.0f, 0.25f, 0.0625f, 0.015625f};
-    (void)nn; /* tokens past n carry weight 0: they add nothing */
     if (n <= 0) return; /* (a loop that may run zero times makes GCC 12 store every accumulator at every token) */
     const float *wq[NA];
     __m256i m[NA];
@@ -165,6 +167,7 @@ inline void v_pass(const uint8_t *base, int64_t st, int n, int nn, const float *
         m[i] = _mm256_load_si256((const __m256i *)mask_bits[a0 + i]);
         for (int r = 0; r < RB; r++) s[r][i] = _mm256_setzero_ps();
     }
+    const float *tk = T + (size_t)j0 * 256 * 4;
     int t = 0;
     do { /* n >= 1 */
         const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(base + (int64_t)t * st + 8 * c)));
@@ -172,6 +175,12 @@ inline void v_pass(const uint8_t *base, int64_t st, int n, int nn, const float *
             const __m256 x = _mm256_cvtepi32_ps(_mm256_and_si256(b, m[i]));
             for (int r = 0; r < RB; r++) /* one weight per row for all quarters when SHARED (kw = 1) */
                 s[r][i] = _mm256_fmadd_ps(_mm256_broadcast_ss(wq[SHARED ? 0 : i] + r * kw * TILE + t), x, s[r][i]);
+        }
+        if (KEYS) {
+            const uint8_t *kr = kbase + (int64_t)t * kst + j0;
+            __m128 ka = _mm_load_ps(kp + 4 * t);
+            for (int k = 0; k < KB; k++) ka = _mm_add_ps(ka, _mm_load_ps(tk + ((size_t)k * 256 + kr[k]) * 4));
+            _mm_store_ps(kp + 4 * t, ka);
         }
     } while (++t < n);
     for (int i = 0; i < NA; i++) {
@@ -186,17 +195,42 @@ template <int D, int RB>
 void v_int2_avx2(const uint8_t *base, int64_t st, int n, int nn, const float *w, int kw, const int *kidx,
                  float *acc) {
     constexpr int C8 = D / 32, NA = V_QUARTERS<RB>;
+    (void)nn; /* tokens past n carry weight 0: they add nothing */
     for (int c = 0; c < C8; c++)
         for (int a0 = 0; a0 < 4; a0 += NA) {
-            if (kw == 1) v_pass<D, RB, true>(base, st, n, nn, w, kw, kidx, acc, c, a0);
-            else v_pass<D, RB, false>(base, st, n, nn, w, kw, kidx, acc, c, a0);
+            if (kw == 1) v_pass<D, RB, true, false>(base, st, n, w, kw, kidx, acc, c, a0, NULL, 0, NULL, NULL, 0);
+            else v_pass<D, RB, false, false>(base, st, n, w, kw, kidx, acc, c, a0, NULL, 0, NULL, NULL, 0);
         }
+}
+
+/* The value sums of one full tile (one value group per row) and the raw scores of the next full tile from the
+ * tables T, in the same passes: pass p (chunk c, quarters a0..) also takes key bytes 2 NA p.. of every token
+ * (C8 4 / NA passes of 2 NA bytes cover the Q bytes of a row). The partial scores kp [TILE][4] are then
+ * transposed into out [RB][TILE], as k_lut stores them. */
+template <int D, int RB>
+void kv_fused_avx2(const uint8_t *vbase, int64_t vst, const float *w, const int *kidx, float *acc, const uint8_t *kbase,
+                   int64_t kst, const float *T, float *kp, float *out) {
+    constexpr int C8 = D / 32, NA = V_QUARTERS<RB>, KB = 2 * NA;
+    static_assert((D / 4) == C8 * (4 / NA) * KB, "the passes cover every key byte once");
+    memset(kp, 0, (size_t)TILE * 4 * sizeof(float));
+    int j0 = 0;
+    for (int c = 0; c < C8; c++)
+        for (int a0 = 0; a0 < 4; a0 += NA, j0 += KB)
+            v_pass<D, RB, true, true>(vbase, vst, TILE, w, 1, kidx, acc, c, a0, kbase, kst, T, kp, j0);
+    for (int t = 0; t < TILE; t += 4) {
+        __m128 r0 = _mm_load_ps(kp + 4 * t), r1 = _mm_load_ps(kp + 4 * t + 4), r2 = _mm_load_ps(kp + 4 * t + 8),
+               r3 = _mm_load_ps(kp + 4 * t + 12);
+        _MM_TRANSPOSE4_PS(r0, r1, r2, r3);
+        const __m128 rr[4] = {r0, r1, r2, r3};
+        for (int r = 0; r < RB; r++) _mm_storeu_ps(out + r * TILE + t, rr[r]);
+    }
 }
 
 template <int D, int RB>
 void fill_avx2(SimdTable &k) {
     k.k_int2[RB - 1] = k_int2_avx2<D, RB>;
     k.v_int2[RB - 1] = v_int2_avx2<D, RB>;
+    k.kv_fused[RB - 1] = D <= 128 ? kv_fused_avx2<D, RB> : NULL;
 }
 
 template <int D>
