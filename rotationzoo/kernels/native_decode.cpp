@@ -236,6 +236,7 @@ void run_v_int2(const Kernels &k, const uint8_t *base, int64_t st, int n, int nn
 }
 
 void run_v_win(const Kernels &k, const float *x, int nn, int rb, const float *w, float *acc) {
+    if (!k.portable) return k.simd.v_win(x, nn, rb, w, acc);
     if (k.d == 64) v_win_portable<64>(x, nn, rb, w, acc);
     else if (k.d == 128) v_win_portable<128>(x, nn, rb, w, acc);
     else v_win_portable<256>(x, nn, rb, w, acc);

@@ -30,6 +30,8 @@ typedef void (*k_lut_fn)(const uint8_t *, int64_t, int, int, int, const float *,
 /* One full tile's value sums (as v_int2 with one value group per row) fused with the next full tile's scores
  * by table lookup (as k_lut): kv_fused[RB - 1](values' codes, stride, weights [RB][TILE], chunk -> weight set,
  * acc [RB][d], keys' codes, stride, T, scratch [TILE][4], out [RB][TILE]). */
+/* Value sums over window rows in fp32: v_win(x [TILE][d], nn, rb, weights [rb][TILE], acc [rb][d]). */
+typedef void (*v_win_fn)(const float *, int, int, const float *, float *);
 typedef void (*kv_fused_fn)(const uint8_t *, int64_t, const float *, const int *, float *, const uint8_t *, int64_t,
                             const float *, float *, float *);
 
@@ -41,6 +43,7 @@ struct SimdTable {
     k_lut_build_fn k_lut_build; /* null where the tables are not used (d = 256: 256 KB per block) */
     k_lut_fn k_lut;
     kv_fused_fn kv_fused[RB_MAX]; /* null where k_lut is */
+    v_win_fn v_win;
 };
 
 /* Fills `t` with the vectorized inner loops of head_dim d; false where none were compiled in. */

@@ -226,6 +226,24 @@ void kv_fused_avx2(const uint8_t *vbase, int64_t vst, const float *w, const int 
     }
 }
 
+/* acc[r] += sum_t w[r][t] x[t] over window rows: per row and 64 dims, eight accumulators in registers over the
+ * tile (the portable loop loads and stores the accumulators at every token). */
+template <int D>
+void v_win_avx2(const float *x, int nn, int rb, const float *w, float *acc) {
+    for (int r = 0; r < rb; r++)
+        for (int c0 = 0; c0 < D; c0 += 64) {
+            float *o = acc + r * D + c0;
+            __m256 s[8];
+            for (int i = 0; i < 8; i++) s[i] = _mm256_loadu_ps(o + 8 * i);
+            for (int t = 0; t < nn; t++) {
+                const __m256 p = _mm256_broadcast_ss(w + r * TILE + t);
+                const float *xt = x + (int64_t)t * D + c0;
+                for (int i = 0; i < 8; i++) s[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(xt + 8 * i), s[i]);
+            }
+            for (int i = 0; i < 8; i++) _mm256_storeu_ps(o + 8 * i, s[i]);
+        }
+}
+
 template <int D, int RB>
 void fill_avx2(SimdTable &k) {
     k.k_int2[RB - 1] = k_int2_avx2<D, RB>;
@@ -235,6 +253,7 @@ void fill_avx2(SimdTable &k) {
 
 template <int D>
 void fill_avx2_all(SimdTable &k) {
+    k.v_win = v_win_avx2<D>;
     fill_avx2<D, 1>(k);
     fill_avx2<D, 2>(k);
     fill_avx2<D, 3>(k);
