@@ -6,7 +6,9 @@ Design texts (calibration, the keep rule, every earlier comparison):
 - Jane Austen's novels (``emma``, ``persuasion``, ``prideprejudice``, ``mansfieldpark``, ...) from
   ``r-cran-janeaustenr``;
 - Herman Melville's *Moby Dick* (``mobydick``, Project Gutenberg #2701, public domain) from the
-  data of ``r-cran-tokenizers``.
+  data of ``r-cran-tokenizers``;
+- ``perlmods``: code, modules of Perl's core library (Artistic or GPL-1+, as Perl) from ``perl-modules-5.36``,
+  in a fixed order, each after a ``# file:`` line (the design text of code: a calibration set for code).
 
 Held-out texts (:data:`HELD_OUT`: never used for a design choice; one of each kind):
 
@@ -178,6 +180,13 @@ HELD_OUT: dict[str, tuple[str, str]] = {
     "debianref": ("technical prose", "debian-reference-en"),
     "pystdlib": ("code", "libpython3.11-stdlib"),
 }
+#: Design texts shipped as Debian packages of files: name -> (kind, Debian package).
+DESIGN_PACKAGED: dict[str, tuple[str, str]] = {
+    "perlmods": ("code", "perl-modules-5.36"),
+}
+#: Core modules of ``perlmods``, in order.
+PERL_MODULES = ("HTTP/Tiny.pm", "Getopt/Long.pm", "Archive/Tar.pm", "File/Temp.pm", "JSON/PP.pm", "Text/Balanced.pm",
+                "Tie/File.pm", "Net/Ping.pm")
 #: Standard-library modules of ``pystdlib``, in order.
 PYTHON_MODULES = ("tarfile.py", "dataclasses.py", "http/client.py", "shutil.py", "statistics.py", "asyncio/base_events.py",
                   "imaplib.py", "smtplib.py", "difflib.py", "mailbox.py")
@@ -231,7 +240,16 @@ def python_code_text(root: Path) -> str:
     return "".join(f"# file: {name}\n{(lib / name).read_text(encoding='utf-8')}\n" for name in PYTHON_MODULES)
 
 
+def perl_code_text(root: Path) -> str:
+    """:data:`PERL_MODULES` of Perl's core library, each after a ``# file:`` line."""
+    lib = root / "usr/share/perl/5.36"
+    return "".join(f"# file: {name}\n{(lib / name).read_text(encoding='utf-8')}\n" for name in PERL_MODULES)
+
+
 _HELD_OUT_READERS = {"kjv": kjv_text, "debianref": debian_reference_text, "pystdlib": python_code_text}
+_PACKAGED_READERS = {**_HELD_OUT_READERS, "perlmods": perl_code_text}
+#: Every text read from a Debian package of files: name -> (kind, package).
+PACKAGED = {**HELD_OUT, **DESIGN_PACKAGED}
 
 
 def gutenberg_text(raw: str) -> str:
@@ -263,24 +281,24 @@ def novel_text(lines: list[str | None]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("novels", nargs="*", help="names such as emma, persuasion, prideprejudice, mobydick; the held-out "
-                                              "kjv, debianref, pystdlib")
+    ap.add_argument("novels", nargs="*", help="names such as emma, persuasion, prideprejudice, mobydick, perlmods; the "
+                                              "held-out kjv, debianref, pystdlib")
     ap.add_argument("--deb", type=Path, help="a downloaded .deb of the package holding the texts asked for")
     ap.add_argument("--pkg-dir", type=Path, help="an unpacked R package folder holding the texts asked for")
     ap.add_argument("--out-dir", type=Path, default=Path("bench-out/texts"))
     ap.add_argument("--list", action="store_true", help="list the texts and their sizes")
     args = ap.parse_args(argv)
-    held = [n for n in args.novels if n in HELD_OUT]
+    held = [n for n in args.novels if n in PACKAGED]
     if held:
         if args.deb is not None and len(held) > 1:
-            print("error: --deb holds one package; ask for one held-out text", file=sys.stderr)
+            print("error: --deb holds one package; ask for one text of a package of files", file=sys.stderr)
             return 1
         args.out_dir.mkdir(parents=True, exist_ok=True)
         for name in held:
             path = args.out_dir / f"{name}.txt"
-            path.write_text(_HELD_OUT_READERS[name](_unpacked(HELD_OUT[name][1], args.deb)), encoding="utf-8")
+            path.write_text(_PACKAGED_READERS[name](_unpacked(PACKAGED[name][1], args.deb)), encoding="utf-8")
             print(path)
-        args.novels = [n for n in args.novels if n not in HELD_OUT]
+        args.novels = [n for n in args.novels if n not in PACKAGED]
         if not args.novels:
             return 0
     wanted = {("r-cran-tokenizers" if n in TOKENIZERS_TEXTS else "r-cran-janeaustenr") for n in args.novels}
@@ -300,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.list or not args.novels:
         for name, text in texts.items():
             print(f"{name:16s} {len(text):9d} chars")
+        for name, (kind, package) in DESIGN_PACKAGED.items():
+            print(f"{name:16s} design: {kind} ({package})")
         for name, (kind, package) in HELD_OUT.items():
             print(f"{name:16s} held out: {kind} ({package})")
         return 0
