@@ -136,71 +136,41 @@ def _config_group(config: Int2KVConfig, d: int) -> int:
     return config.group_for(d)
 
 
-def decode_attention_int2(
-    query: torch.Tensor,
-    keys: Int2KV | tuple,
-    values: Int2KV | tuple,
-    *,
-    config: Int2KVConfig | None = None,
-    k_rotation: torch.Tensor | None = None,
-    v_rotation: torch.Tensor | None = None,
-    q_rotation: torch.Tensor | None = None,
-    o_rotation: torch.Tensor | None = None,
-    scale: float | None = None,
-    causal: bool = True,
-    mask: torch.Tensor | None = None,
-    num_splits: int | None = None,
-    dtype: torch.dtype | None = None,
-    backend: Backend = "auto",
-) -> torch.Tensor:
-    """Attention of a few new query tokens over an INT2 KV cache, reading the codes directly.
+#: Signatures (shapes, dtypes, devices and settings) of calls that passed the checks. The checks read only these,
+#: so a call with a known signature skips them: the layers of a decode step share one (bounded: cleared when full).
+_CHECKED: set[tuple] = set()
+_CHECKED_MAX = 4096
 
-    ``out = softmax(scale · q' · Kᵀ) · V · R_out`` over all ``P + N + R`` cached tokens of each KV
-    head, where the keys/values are the sink and recent rows as stored and the INT2 rows as they
-    dequantize (``(c − z)·s``), ``q' = q @ R_K`` (or ``q @ q_rotation``) and ``R_out = R_Vᵀ`` (or
-    ``o_rotationᵀ``). Query head ``h`` reads KV head ``h // (Hq / H_kv)`` (GQA).
 
-    Args:
-        query: ``[B, Hq, S, d]`` new query tokens in the model's basis (bf16, fp16 or fp32), ``d`` in
-            64, 128, 256; ``S`` small (a decode step, a few draft tokens).
-        keys, values: the cache (:class:`Int2KV` or a ``(sink, codes, scales_zeros, recent)`` tuple),
-            the new tokens already appended as the last recent rows.
-        config: the INT2-KV settings the cache was written with (group size, Lloyd-Max, scale dtype
-            and window dtype are checked against the tensors).
-        k_rotation, v_rotation: ``R_K``, ``R_V``: ``[d, d]`` shared or ``[H_kv, d, d]`` per KV head.
-        q_rotation, o_rotation: explicit matrices for non-orthogonal transforms (same shapes), as a
-            rotation file stores them (``R_K^{-T}``, ``R_V^{-T}``): queries are multiplied by
-            ``q_rotation`` instead of ``R_K``, the output by ``o_rotationᵀ`` (``R_V^{-1}``) instead of
-            ``R_Vᵀ``; for orthogonal matrices the two spellings agree. Give one of ``k_rotation``/``q_rotation``, one of
-            ``v_rotation``/``o_rotation``.
-        scale: softmax scale (default ``d ** -0.5``).
-        causal: query token ``t`` of ``S`` sees keys up to position ``P + N + R − S + t`` (the new
-            tokens among themselves causally); ``False``: every query sees every key.
-        mask: ``None``, or booleans ``[B or 1, Hq or 1, S, L]`` (``True``: may attend; ``L = P + N + R``)
-            applied on top of ``causal`` (padding, a sliding window), read by the kernels on the
-            device: no host synchronisation. A query row that sees no key gets zeros.
-        num_splits: how many ranges the INT2 tokens are cut into (default: the backend's plan,
-            :mod:`rotationzoo.kernels.decode_plan`); the result does not depend on it beyond fp32
-            rounding.
-        dtype: output dtype (default the query's).
-        backend: ``"auto"``: Triton for CUDA tensors; on CPU the C++ kernel
-            (:mod:`rotationzoo.kernels.native`, built on first use and cached) where a compiler works,
-            else the PyTorch reference. ``"torch"``: the PyTorch reference; ``"cpu"``: the C++ kernel
-            (:class:`~rotationzoo.errors.BackendUnavailableError` where it cannot be built); ``"triton"``.
+def _meta(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (t.shape, t.dtype, t.device)
 
-    Returns:
-        ``[B, Hq, S, d]`` in ``dtype``, in the model's basis.
 
-    Accuracy: fp32 scores, softmax and sums throughout (the backends differ only in summation order:
-    ≤ 1e-5 relative for the C++ kernel and under the Triton interpreter; compiled, the Triton
-    products run on tensor cores as two or three bf16 terms each, ≤ 1e-3 relative). Rows whose
-    scale/zero are NaN (the kernels' flag for a non-finite input row) make the output NaN, as
-    dequantize-then-attend would.
+def _signature(query: object, keys: object, values: object, config: object, rotations: tuple, scale: object,
+               causal: object, mask: object, num_splits: object, dtype: object, backend: object) -> tuple | None:
+    """The metadata the checks read, or ``None`` where a call takes the checks every time (a part or matrix
+    that is not a tensor, a cache side with a missing part, settings of unexpected types)."""
+    if not (isinstance(query, torch.Tensor) and isinstance(keys, tuple) and isinstance(values, tuple)
+            and len(keys) == 4 and len(values) == 4 and isinstance(backend, str)
+            and (config is None or isinstance(config, Int2KVConfig))
+            and (mask is None or isinstance(mask, torch.Tensor)) and (dtype is None or isinstance(dtype, torch.dtype))):
+        return None
+    parts = (*keys, *values)
+    if not all(isinstance(t, torch.Tensor) for t in parts) or not all(
+            r is None or isinstance(r, torch.Tensor) for r in rotations):
+        return None
+    return (_meta(query), tuple(map(_meta, parts)), tuple(map(_meta, rotations)), config, type(scale), scale,
+            type(causal), causal, _meta(mask), type(num_splits), num_splits, dtype, backend)
 
-    Raises:
-        KernelInputError: shapes, dtypes, devices or settings that do not fit together.
-        BackendUnavailableError: ``backend="triton"`` cannot run here.
-    """
+
+
+def _checked(query: torch.Tensor, keys: Int2KV | tuple, values: Int2KV | tuple, config: Int2KVConfig | None,
+             k_rotation: torch.Tensor | None, v_rotation: torch.Tensor | None, q_rotation: torch.Tensor | None,
+             o_rotation: torch.Tensor | None, scale: float | None, causal: bool, mask: torch.Tensor | None,
+             num_splits: int | None, dtype: torch.dtype | None
+             ) -> tuple[tuple, tuple, torch.Tensor | None, torch.Tensor | None, float, torch.dtype]:
+    """The checks of :func:`decode_attention_int2`: ``(keys, values, q matrix, output matrix (transposed), scale,
+    output dtype)`` ready for a backend, or :class:`KernelInputError`."""
     if not isinstance(query, torch.Tensor) or query.dim() != 4 or query.dtype not in _FLOATS:
         got = f"{query.dtype} {list(query.shape)}" if isinstance(query, torch.Tensor) else type(query).__name__
         raise KernelInputError(f"query must be [B, Hq, S, d] of {_names(_FLOATS)}, got {got}")
@@ -274,7 +244,93 @@ def decode_attention_int2(
             raise KernelInputError(f"mask must be booleans (True = attend), got {mask.dtype}")
         if mask.device != dev:
             raise KernelInputError(f"mask is on {mask.device} but the query is on {dev}")
-    out = decode_fn(pick_backend(backend, dev))(query, *k, *v, rq, ro, mask, float(scale), causal, num_splits or 0)
+    return k, v, rq, ro, float(scale), out_dtype
+
+
+def decode_attention_int2(
+    query: torch.Tensor,
+    keys: Int2KV | tuple,
+    values: Int2KV | tuple,
+    *,
+    config: Int2KVConfig | None = None,
+    k_rotation: torch.Tensor | None = None,
+    v_rotation: torch.Tensor | None = None,
+    q_rotation: torch.Tensor | None = None,
+    o_rotation: torch.Tensor | None = None,
+    scale: float | None = None,
+    causal: bool = True,
+    mask: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    dtype: torch.dtype | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Attention of a few new query tokens over an INT2 KV cache, reading the codes directly.
+
+    ``out = softmax(scale · q' · Kᵀ) · V · R_out`` over all ``P + N + R`` cached tokens of each KV
+    head, where the keys/values are the sink and recent rows as stored and the INT2 rows as they
+    dequantize (``(c − z)·s``), ``q' = q @ R_K`` (or ``q @ q_rotation``) and ``R_out = R_Vᵀ`` (or
+    ``o_rotationᵀ``). Query head ``h`` reads KV head ``h // (Hq / H_kv)`` (GQA).
+
+    Args:
+        query: ``[B, Hq, S, d]`` new query tokens in the model's basis (bf16, fp16 or fp32), ``d`` in
+            64, 128, 256; ``S`` small (a decode step, a few draft tokens).
+        keys, values: the cache (:class:`Int2KV` or a ``(sink, codes, scales_zeros, recent)`` tuple),
+            the new tokens already appended as the last recent rows.
+        config: the INT2-KV settings the cache was written with (group size, Lloyd-Max, scale dtype
+            and window dtype are checked against the tensors).
+        k_rotation, v_rotation: ``R_K``, ``R_V``: ``[d, d]`` shared or ``[H_kv, d, d]`` per KV head.
+        q_rotation, o_rotation: explicit matrices for non-orthogonal transforms (same shapes), as a
+            rotation file stores them (``R_K^{-T}``, ``R_V^{-T}``): queries are multiplied by
+            ``q_rotation`` instead of ``R_K``, the output by ``o_rotationᵀ`` (``R_V^{-1}``) instead of
+            ``R_Vᵀ``; for orthogonal matrices the two spellings agree. Give one of ``k_rotation``/``q_rotation``, one of
+            ``v_rotation``/``o_rotation``.
+        scale: softmax scale (default ``d ** -0.5``).
+        causal: query token ``t`` of ``S`` sees keys up to position ``P + N + R − S + t`` (the new
+            tokens among themselves causally); ``False``: every query sees every key.
+        mask: ``None``, or booleans ``[B or 1, Hq or 1, S, L]`` (``True``: may attend; ``L = P + N + R``)
+            applied on top of ``causal`` (padding, a sliding window), read by the kernels on the
+            device: no host synchronisation. A query row that sees no key gets zeros.
+        num_splits: how many ranges the INT2 tokens are cut into (default: the backend's plan,
+            :mod:`rotationzoo.kernels.decode_plan`); the result does not depend on it beyond fp32
+            rounding.
+        dtype: output dtype (default the query's).
+        backend: ``"auto"``: Triton for CUDA tensors; on CPU the C++ kernel
+            (:mod:`rotationzoo.kernels.native`, built on first use and cached) where a compiler works,
+            else the PyTorch reference. ``"torch"``: the PyTorch reference; ``"cpu"``: the C++ kernel
+            (:class:`~rotationzoo.errors.BackendUnavailableError` where it cannot be built); ``"triton"``.
+
+    Returns:
+        ``[B, Hq, S, d]`` in ``dtype``, in the model's basis.
+
+    Accuracy: fp32 scores, softmax and sums throughout (the backends differ only in summation order:
+    ≤ 1e-5 relative for the C++ kernel and under the Triton interpreter; compiled, the Triton
+    products run on tensor cores as two or three bf16 terms each, ≤ 1e-3 relative). Rows whose
+    scale/zero are NaN (the kernels' flag for a non-finite input row) make the output NaN, as
+    dequantize-then-attend would.
+
+    Raises:
+        KernelInputError: shapes, dtypes, devices or settings that do not fit together.
+        BackendUnavailableError: ``backend="triton"`` cannot run here.
+    """
+    sig = _signature(query, keys, values, config, (k_rotation, v_rotation, q_rotation, o_rotation), scale, causal, mask,
+                     num_splits, dtype, backend)
+    if sig is not None and sig in _CHECKED:
+        k, v = tuple(keys), tuple(values)
+        rq = q_rotation if q_rotation is not None else k_rotation
+        ro = o_rotation if o_rotation is not None else v_rotation
+        if ro is not None:
+            ro = ro.transpose(-1, -2)
+        scale = query.shape[3] ** -0.5 if scale is None else float(scale)
+        out_dtype = query.dtype if dtype is None else dtype
+    else:
+        k, v, rq, ro, scale, out_dtype = _checked(query, keys, values, config, k_rotation, v_rotation, q_rotation,
+                                                  o_rotation, scale, causal, mask, num_splits, dtype)
+        if sig is not None:
+            if len(_CHECKED) >= _CHECKED_MAX:
+                _CHECKED.clear()
+            _CHECKED.add(sig)
+    dev = query.device
+    out = decode_fn(pick_backend(backend, dev))(query, *k, *v, rq, ro, mask, scale, causal, num_splits or 0)
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 

@@ -130,14 +130,19 @@ def _matrix(m: torch.Tensor | None, d: int, kept: list[torch.Tensor]) -> tuple[i
     else as a contiguous fp32 copy."""
     if m is None:
         return 0, 0, 0
-    if m.dtype == torch.float32 and m.is_contiguous():
-        base, transposed = m, 0
-    elif m.dtype == torch.float32 and m.transpose(-1, -2).is_contiguous():
-        base, transposed = m.transpose(-1, -2), 1
-    else:
-        base, transposed = m.to(torch.float32).contiguous(), 0
+    per_head = m.dim() == 3
+    if m.dtype == torch.float32:  # read from the strides: a view costs microseconds at every decode call
+        st = m.stride()
+        if not per_head or st[0] == d * d:
+            if st[-1] == 1 and st[-2] == d:
+                kept.append(m)
+                return m.data_ptr(), d * d if per_head else 0, 0
+            if st[-2] == 1 and st[-1] == d:  # the transposed view of a contiguous matrix: same first element
+                kept.append(m)
+                return m.data_ptr(), d * d if per_head else 0, 1
+    base = m.to(torch.float32).contiguous()
     kept.append(base)
-    return base.data_ptr(), d * d if base.dim() == 3 else 0, transposed
+    return base.data_ptr(), d * d if per_head else 0, 0
 
 
 def quantize_rows_native(x: torch.Tensor, *, clip_index: int, group_size: int, clip_search: str,
