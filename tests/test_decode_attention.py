@@ -185,10 +185,14 @@ def test_bad_arguments_get_one_line_errors():
         (dict(keys=(k.sink, k.codes)), "must be an Int2KV"),
         (dict(causal=1), "causal must be true or false"),
         (dict(scale=True), "positive"),
+        (dict(dtype=torch.int32), "dtype"),
+        (dict(num_splits=[2]), "num_splits"),
+        (dict(causal=[True]), "causal must be true or false"),
     ]
-    # a call with the same shapes, dtypes and settings as one that passed skips the checks: first the valid
-    # call, then each bad one (twice: a refused call is never remembered as checked)
+    # a call with the same shapes, dtypes and settings as one that passed skips the checks: first valid calls
+    # (scale 1.0 equals True and hashes alike), then each bad one (twice: a refused call is never remembered)
     decode_attention_int2(q, k, k, backend="torch")
+    decode_attention_int2(q, k, k, scale=1.0, backend="torch")
     for over, match in cases:
         for _ in range(2):
             kw = dict(query=q, keys=k, values=k)

@@ -149,9 +149,14 @@ def _meta(t: torch.Tensor | None) -> tuple | None:
 def _signature(query: object, keys: object, values: object, config: object, rotations: tuple, scale: object,
                causal: object, mask: object, num_splits: object, dtype: object, backend: object) -> tuple | None:
     """The metadata the checks read, or ``None`` where a call takes the checks every time (a part or matrix
-    that is not a tensor, a cache side with a missing part, settings of unexpected types)."""
+    that is not a tensor, a cache side with a missing part, settings of unexpected types, while
+    ``torch.compile`` traces)."""
+    if torch.compiler.is_compiling():  # traced once: the checks cost nothing at run time, a set would add guards
+        return None
     if not (isinstance(query, torch.Tensor) and isinstance(keys, tuple) and isinstance(values, tuple)
             and len(keys) == 4 and len(values) == 4 and isinstance(backend, str)
+            and type(scale) in (type(None), int, float, bool) and type(causal) is bool
+            and type(num_splits) in (type(None), int, bool)
             and (config is None or isinstance(config, Int2KVConfig))
             and (mask is None or isinstance(mask, torch.Tensor)) and (dtype is None or isinstance(dtype, torch.dtype))):
         return None

@@ -22,9 +22,9 @@
  *   3. the values: weights p * s * 4^-a per query row and group, the codes widened and masked as for
  *      the keys, and sum_t w c - sum_t p s z accumulated per output dim in registers over the tile.
  *      Where the scores use the tables, a row is one value group and a KV head has at most RB_MAX query
- *      rows, a full tile's values run in the same passes as the next full tile's score lookups (the
- *      values' multiply-adds and the lookups' loads and adds use different ports): about 1.05x the whole
- *      call at 32K and 128K tokens, SmolLM2's shape, 1 thread.
+ *      rows, a full tile's values run in the same passes as the next full tile's score lookups (part of
+ *      the lookups' loads hides behind the values' multiply-adds; their adds share the vector pipes):
+ *      about 1.05x the whole call at 32K and 128K tokens, SmolLM2's shape, 1 thread.
  * Nothing but one tile of scores and weights per thread is ever materialized. The inner loops use
  * AVX2/FMA intrinsics where the compiler targets them (native_decode_simd.cpp), portable loops
  * elsewhere and on request.

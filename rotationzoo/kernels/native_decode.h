@@ -27,11 +27,11 @@ typedef void (*v_int2_fn)(const uint8_t *, int64_t, int, int, const float *, int
  * sum_a q_r[a d/4 + j] c_a(b) (lanes past rb zero); k_lut(codes, stride, n, nn, rb, T, out [rb][TILE]). */
 typedef void (*k_lut_build_fn)(const float *, int, float *);
 typedef void (*k_lut_fn)(const uint8_t *, int64_t, int, int, int, const float *, float *);
+/* Value sums over window rows in fp32: v_win(x [TILE][d], nn, rb, weights [rb][TILE], acc [rb][d]). */
+typedef void (*v_win_fn)(const float *, int, int, const float *, float *);
 /* One full tile's value sums (as v_int2 with one value group per row) fused with the next full tile's scores
  * by table lookup (as k_lut): kv_fused[RB - 1](values' codes, stride, weights [RB][TILE], chunk -> weight set,
  * acc [RB][d], keys' codes, stride, T, scratch [TILE][4], out [RB][TILE]). */
-/* Value sums over window rows in fp32: v_win(x [TILE][d], nn, rb, weights [rb][TILE], acc [rb][d]). */
-typedef void (*v_win_fn)(const float *, int, int, const float *, float *);
 typedef void (*kv_fused_fn)(const uint8_t *, int64_t, const float *, const int *, float *, const uint8_t *, int64_t,
                             const float *, float *, float *);
 

@@ -1,6 +1,7 @@
 /* The vectorized inner loops of native_decode.cpp (AVX2 + FMA + F16C), one translation unit of their
- * own so that the two compile in parallel: scores of up to RB_MAX query rows over a tile of INT2 or
- * rows, and their value sums (window rows take the portable loops). See native_decode.cpp for the method. */
+ * own so that the two compile in parallel: scores of up to RB_MAX query rows over a tile of INT2 rows
+ * and their value sums (the two fused across tiles where the scores use tables), and the window rows'
+ * value sums (their scores take the portable loop). See native_decode.cpp for the method. */
 #include "native_decode.h"
 
 namespace rz {
