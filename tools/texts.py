@@ -234,20 +234,23 @@ def debian_reference_text(root: Path) -> str:
     return gzip.decompress((root / "usr/share/debian-reference/debian-reference.en.txt.gz").read_bytes()).decode("utf-8")
 
 
+def _code_text(lib: Path, names: tuple[str, ...]) -> str:
+    """The files ``names`` of ``lib`` in order, each after a ``# file:`` line."""
+    return "".join(f"# file: {name}\n{(lib / name).read_text(encoding='utf-8')}\n" for name in names)
+
+
 def python_code_text(root: Path) -> str:
     """:data:`PYTHON_MODULES` of the standard library, each after a ``# file:`` line."""
-    lib = root / "usr/lib/python3.11"
-    return "".join(f"# file: {name}\n{(lib / name).read_text(encoding='utf-8')}\n" for name in PYTHON_MODULES)
+    return _code_text(root / "usr/lib/python3.11", PYTHON_MODULES)
 
 
 def perl_code_text(root: Path) -> str:
     """:data:`PERL_MODULES` of Perl's core library, each after a ``# file:`` line."""
-    lib = root / "usr/share/perl/5.36"
-    return "".join(f"# file: {name}\n{(lib / name).read_text(encoding='utf-8')}\n" for name in PERL_MODULES)
+    return _code_text(root / "usr/share/perl/5.36", PERL_MODULES)
 
 
-_HELD_OUT_READERS = {"kjv": kjv_text, "debianref": debian_reference_text, "pystdlib": python_code_text}
-_PACKAGED_READERS = {**_HELD_OUT_READERS, "perlmods": perl_code_text}
+_PACKAGED_READERS = {"kjv": kjv_text, "debianref": debian_reference_text, "pystdlib": python_code_text,
+                     "perlmods": perl_code_text}
 #: Every text read from a Debian package of files: name -> (kind, package).
 PACKAGED = {**HELD_OUT, **DESIGN_PACKAGED}
 

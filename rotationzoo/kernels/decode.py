@@ -172,10 +172,9 @@ def _signature(query: object, keys: object, values: object, config: object, rota
 def _checked(query: torch.Tensor, keys: Int2KV | tuple, values: Int2KV | tuple, config: Int2KVConfig | None,
              k_rotation: torch.Tensor | None, v_rotation: torch.Tensor | None, q_rotation: torch.Tensor | None,
              o_rotation: torch.Tensor | None, scale: float | None, causal: bool, mask: torch.Tensor | None,
-             num_splits: int | None, dtype: torch.dtype | None
-             ) -> tuple[tuple, tuple, torch.Tensor | None, torch.Tensor | None, float, torch.dtype]:
-    """The checks of :func:`decode_attention_int2`: ``(keys, values, q matrix, output matrix (transposed), scale,
-    output dtype)`` ready for a backend, or :class:`KernelInputError`."""
+             num_splits: int | None, dtype: torch.dtype | None) -> tuple[tuple, tuple]:
+    """The checks of :func:`decode_attention_int2` (:class:`KernelInputError` for what fails them); the keys and
+    values as a backend takes them (a missing part as an empty tensor)."""
     if not isinstance(query, torch.Tensor) or query.dim() != 4 or query.dtype not in _FLOATS:
         got = f"{query.dtype} {list(query.shape)}" if isinstance(query, torch.Tensor) else type(query).__name__
         raise KernelInputError(f"query must be [B, Hq, S, d] of {_names(_FLOATS)}, got {got}")
@@ -223,12 +222,10 @@ def _checked(query: torch.Tensor, keys: Int2KV | tuple, values: Int2KV | tuple, 
         raise KernelInputError("give k_rotation or q_rotation (the matrix applied to the queries), not both")
     if v_rotation is not None and o_rotation is not None:
         raise KernelInputError("give v_rotation or o_rotation (the matrix applied to the output), not both")
-    rq = _rotation(q_rotation if q_rotation is not None else k_rotation,
-                   "q_rotation" if q_rotation is not None else "k_rotation", h, d, dev)
-    ro = _rotation(o_rotation if o_rotation is not None else v_rotation,
-                   "o_rotation" if o_rotation is not None else "v_rotation", h, d, dev)
-    if ro is not None:
-        ro = ro.transpose(-1, -2)  # R_Vᵀ, or o_rotationᵀ = R_V^{-1}
+    _rotation(q_rotation if q_rotation is not None else k_rotation,
+              "q_rotation" if q_rotation is not None else "k_rotation", h, d, dev)
+    _rotation(o_rotation if o_rotation is not None else v_rotation,
+              "o_rotation" if o_rotation is not None else "v_rotation", h, d, dev)
     if scale is None:
         scale = d ** -0.5
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
@@ -249,7 +246,7 @@ def _checked(query: torch.Tensor, keys: Int2KV | tuple, values: Int2KV | tuple, 
             raise KernelInputError(f"mask must be booleans (True = attend), got {mask.dtype}")
         if mask.device != dev:
             raise KernelInputError(f"mask is on {mask.device} but the query is on {dev}")
-    return k, v, rq, ro, float(scale), out_dtype
+    return k, v
 
 
 def decode_attention_int2(
@@ -321,21 +318,20 @@ def decode_attention_int2(
                      num_splits, dtype, backend)
     if sig is not None and sig in _CHECKED:
         k, v = tuple(keys), tuple(values)
-        rq = q_rotation if q_rotation is not None else k_rotation
-        ro = o_rotation if o_rotation is not None else v_rotation
-        if ro is not None:
-            ro = ro.transpose(-1, -2)
-        scale = query.shape[3] ** -0.5 if scale is None else float(scale)
-        out_dtype = query.dtype if dtype is None else dtype
     else:
-        k, v, rq, ro, scale, out_dtype = _checked(query, keys, values, config, k_rotation, v_rotation, q_rotation,
-                                                  o_rotation, scale, causal, mask, num_splits, dtype)
+        k, v = _checked(query, keys, values, config, k_rotation, v_rotation, q_rotation, o_rotation, scale, causal,
+                        mask, num_splits, dtype)
         if sig is not None:
             if len(_CHECKED) >= _CHECKED_MAX:
                 _CHECKED.clear()
             _CHECKED.add(sig)
-    dev = query.device
-    out = decode_fn(pick_backend(backend, dev))(query, *k, *v, rq, ro, mask, scale, causal, num_splits or 0)
+    rq = q_rotation if q_rotation is not None else k_rotation
+    ro = o_rotation if o_rotation is not None else v_rotation
+    if ro is not None:
+        ro = ro.transpose(-1, -2)  # R_Vᵀ, or o_rotationᵀ = R_V^{-1}
+    scale = query.shape[3] ** -0.5 if scale is None else float(scale)
+    out_dtype = query.dtype if dtype is None else dtype
+    out = decode_fn(pick_backend(backend, query.device))(query, *k, *v, rq, ro, mask, scale, causal, num_splits or 0)
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
