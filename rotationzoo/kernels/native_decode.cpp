@@ -365,6 +365,11 @@ struct State {
     float *m, *l, *acc; /* [rows], [rows], [rows][d] of this work item */
 };
 
+/* The code row i of (sequence bi, KV head hi) in an INT2 part. */
+inline const uint8_t *codes_at(const rz_part &pt, int64_t bi, int64_t hi, int64_t i) {
+    return (const uint8_t *)pt.p + bi * pt.sb + hi * pt.sh + i * pt.st;
+}
+
 /* Fold one tile of `n` tokens at global positions pos0.. (kind 0 sink, 1 INT2, 2 recent; index i0
  * within its part) into the state of (bi, hi). INT2 tiles: `have_raw`: w.sc already holds the raw scores
  * (q.c of every query row, from the previous tile's fused pass); `defer_values`: the weights are left in
@@ -379,7 +384,7 @@ void tile(const Job &jb, const Kernels &kn, Scratch &w, State &st, const float *
     /* 1. scores: s (q.c - z sum q) per group, NaN for a row outside the domain */
     if (kind == 1) {
         const rz_part &pt = a->part[0][1];
-        const uint8_t *base = (const uint8_t *)pt.p + bi * pt.sb + hi * pt.sh + i0 * pt.st;
+        const uint8_t *base = codes_at(pt, bi, hi, i0);
         load_scales(a, 0, bi, hi, i0, n, nn, w.ks, w.kz, w.kbad);
         for (int g = 0; g < gk; g++) {
             float *cg = w.kc + g * TILE;
@@ -466,7 +471,7 @@ void tile(const Job &jb, const Kernels &kn, Scratch &w, State &st, const float *
             }
         }
         const rz_part &pt = a->part[1][1];
-        const uint8_t *base = (const uint8_t *)pt.p + bi * pt.sb + hi * pt.sh + i0 * pt.st;
+        const uint8_t *base = codes_at(pt, bi, hi, i0);
         for (int64_t r0 = 0; r0 < rows && !defer_values; r0 += RB_MAX) {
             const int rb = (int)(rows - r0 < RB_MAX ? rows - r0 : RB_MAX);
             run_v_int2(kn, base, pt.st, n, nn, rb, w.w + r0 * kw * TILE, kw, w.kidx, st.acc + r0 * d);
@@ -480,7 +485,11 @@ void tile(const Job &jb, const Kernels &kn, Scratch &w, State &st, const float *
     }
 }
 
-bool use_fused(const Job &jb, const Kernels &kn, const Scratch &w);
+/* Whether full INT2 tiles run their values fused with the next tile's scores: the lookup tables, one value
+ * group per row and the query rows of a KV head in one block. */
+bool use_fused(const Job &jb, const Kernels &kn, const Scratch &w) {
+    return w.lut != NULL && jb.kw == 1 && jb.a->rows <= RB_MAX && kn.simd.kv_fused[jb.a->rows - 1] != NULL;
+}
 
 /* One work item: positions [lo, hi) of (sequence, KV head). */
 void run_item(const Job &jb, const Kernels &kn, Scratch &w, int64_t item) {
@@ -555,8 +564,8 @@ void run_item(const Job &jb, const Kernels &kn, Scratch &w, int64_t item) {
             if (fuse) {
                 const rz_part &kp = a->part[0][1], &vp = a->part[1][1];
                 const int64_t i0 = p0 - bounds[kind];
-                fused((const uint8_t *)vp.p + bi * vp.sb + hi * vp.sh + i0 * vp.st, vp.st, w.w, w.kidx, st.acc,
-                      (const uint8_t *)kp.p + bi * kp.sb + hi * kp.sh + (i0 + TILE) * kp.st, kp.st, w.lut, w.kp, w.sc);
+                fused(codes_at(vp, bi, hi, i0), vp.st, w.w, w.kidx, st.acc, codes_at(kp, bi, hi, i0 + TILE), kp.st,
+                      w.lut, w.kp, w.sc);
             }
             have_raw = fuse;
         }
@@ -578,12 +587,6 @@ struct Buffers {
 bool use_lut(const Job &jb, const Kernels &kn) {
     return !kn.portable && kn.simd.k_lut_build != NULL && jb.a->groups[0] == 1 && jb.a->rows <= LUT_MAX_ROWS &&
            jb.a->n > 0;
-}
-
-/* Whether full INT2 tiles run their values fused with the next tile's scores: the lookup tables, one value
- * group per row and the query rows of a KV head in one block. */
-bool use_fused(const Job &jb, const Kernels &kn, const Scratch &w) {
-    return w.lut != NULL && jb.kw == 1 && jb.a->rows <= RB_MAX && kn.simd.kv_fused[jb.a->rows - 1] != NULL;
 }
 
 bool alloc_scratch(const Job &jb, const Kernels &kn, Buffers &b) {
