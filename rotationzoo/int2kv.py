@@ -207,7 +207,7 @@ class Int2KVConfig:
         """
         if fmt.code != "int2" or fmt.axis != "token" or fmt.scale != "group":
             raise ConfigError(f"{fmt.name} is not an INT2 store of this project's kernels (int2 codes along each row)")
-        if fmt.wide_layers:
+        if fmt.mixed:
             raise ConfigError(f"{fmt.name}: mixed code widths are evaluated by the decode-time simulation only (the "
                               f"INT2 store keeps one width)")
         return cls(k_clip_ratio=fmt.k_clip_ratio, v_clip_ratio=fmt.v_clip_ratio, group_size=fmt.group_size,

@@ -19,6 +19,7 @@ and :func:`parse_format` reads it back (shorter spellings take the defaults)::
     int2-g64-bf16-w64+256-c0.96/0.92-lm    OSCAR INT2 with Lloyd-Max levels (``-bisect``: the decode search)
     kivi2-g32-r128-fp16                    KIVI-2: groups of 32, a residual of 128 tokens, fp16 scale/min
     int2-g64-bf16-int3:0/1/29              mixed code widths: layers 0, 1 and 29 keep 3-bit codes (simulated)
+    int2-g64-bf16-int3:18.1/23.0/29        ... KV head 1 of layer 18, head 0 of layer 23 and all of layer 29
 
 ``g`` is omitted for one group per row (``group_size=None``); an INT name without ``w`` keeps the 64 + 256
 windows (``-w0+0`` for none), without ``c`` it clips as OSCAR serves INT2 (0.96 / 0.92) for ``int2`` and
@@ -28,7 +29,8 @@ Bits per element (:meth:`KVFormat.bits_per_element`): a quantized row costs its 
 scales (and zeros); window tokens cost ``hp_dtype``'s bits; the average over the ``T`` tokens of a
 context is what a cache of that context stores per element (K and V averaged). For KIVI the residual
 follows its paper: ``T mod R`` keys and ``min(T, R)`` values stay in full precision. With mixed code
-widths the layers are averaged too (each layer caches as many elements).
+widths the layers are averaged too (each layer caches as many elements), and with widened KV heads the
+(layer, KV head) pairs (each caches as many elements).
 
 This module imports nothing heavy (no torch).
 """
@@ -82,10 +84,11 @@ class KVFormat:
         clip_search: ``exact`` or ``bisect`` clip thresholds (INT2).
         prefix_tokens, recent_tokens: tokens kept in ``hp_dtype`` (the sink and the recent window).
         hp_dtype: dtype of the window tokens.
-        wide_code, wide_layers: mixed code widths per layer (INT codes along rows; the decode-time
-            simulation only: the INT2 store keeps one width): the layers ``wide_layers`` (ids as the model
-            numbers them) store ``wide_code`` codes with the same groups, scale dtype and windows, no clip
-            and uniform levels (:meth:`layer_format`); the others ``code``.
+        wide_code, wide_layers, wide_heads: mixed code widths per layer or KV head (INT codes along rows;
+            the decode-time simulation only: the INT2 store keeps one width): the layers ``wide_layers`` (ids
+            as the model numbers them) and the ``(layer, KV head)`` pairs ``wide_heads`` store ``wide_code``
+            codes with the same groups, scale dtype and windows, no clip and uniform levels
+            (:meth:`wide_format`); the others ``code``.
     """
 
     code: Code = "int2"
@@ -102,6 +105,7 @@ class KVFormat:
     hp_dtype: DtypeName = "bfloat16"
     wide_code: Code | None = None
     wide_layers: tuple[int, ...] = ()
+    wide_heads: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.code not in CODES:
@@ -134,10 +138,25 @@ class KVFormat:
         for lid in layers:
             check_int(lid, "a wide_layers id", low=0, high=_MAX_TOKENS)
         object.__setattr__(self, "wide_layers", tuple(sorted(set(layers))))
-        if self.wide_code is None and not layers:
+        heads = self.wide_heads
+        if isinstance(heads, (str, bytes)) or not isinstance(heads, (tuple, list)):
+            raise ConfigError(f"wide_heads must be a list of (layer, KV head) pairs, got {shown(heads)}")
+        pairs = set()
+        for pair in heads:
+            if isinstance(pair, (str, bytes)) or not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise ConfigError(f"a wide_heads entry must be a (layer, KV head) pair, got {shown(pair)}")
+            pairs.add((check_int(pair[0], "a wide_heads layer id", low=0, high=_MAX_TOKENS),
+                       check_int(pair[1], "a wide_heads KV head", low=0, high=4096)))
+        both = sorted({lid for lid, _ in pairs} & set(self.wide_layers))
+        if both:
+            raise ConfigError(f"layer {both[0]} is widened whole and by KV head; name it once (e.g. "
+                              f"int2-g64-bf16-int3:{both[0]} or int3:{both[0]}.0)")
+        object.__setattr__(self, "wide_heads", tuple(sorted(pairs)))
+        if self.wide_code is None and not self.mixed:
             return
-        if self.wide_code is None or not layers:
-            raise ConfigError("mixed code widths need both wide_code and wide_layers (e.g. int2-g64-bf16-int3:0/1)")
+        if self.wide_code is None or not self.mixed:
+            raise ConfigError("mixed code widths need both wide_code and wide_layers or wide_heads "
+                              "(e.g. int2-g64-bf16-int3:0/1 or int2-g64-bf16-int3:0.1)")
         if self.wide_code not in CODES or not self.wide_code.startswith("int"):
             raise ConfigError(f"wide_code must be int3 or int4, got {shown(self.wide_code)}")
         if not self.integer or self.axis != "token" or CODE_BITS[self.wide_code] <= CODE_BITS[self.code]:
@@ -179,8 +198,9 @@ class KVFormat:
             parts.append(self.clip_search)
         if self.hp_dtype != "bfloat16":
             parts.append(f"hp{_DTYPE_SHORT[self.hp_dtype]}")
-        if self.wide_layers:
-            parts.append(f"{self.wide_code}:{'/'.join(map(str, self.wide_layers))}")
+        if self.mixed:
+            units = sorted([(lid, -1) for lid in self.wide_layers] + list(self.wide_heads))
+            parts.append(f"{self.wide_code}:" + "/".join(str(lid) if h < 0 else f"{lid}.{h}" for lid, h in units))
         return "-".join(parts)
 
     def _group_part(self) -> str:
@@ -215,20 +235,35 @@ class KVFormat:
             raise ConfigError(f"{self.name}: group_size {g} does not divide head_dim {head_dim}")
         return g
 
-    def layer_format(self, layer_id: int) -> "KVFormat":
-        """The format layer ``layer_id`` stores: with mixed code widths ``wide_code`` codes (no clip, uniform
-        levels) in ``wide_layers`` and ``code`` elsewhere, as a single-width format; otherwise itself."""
-        if not self.wide_layers:
-            return self
-        narrow = self._narrow()
-        if layer_id not in self.wide_layers:
-            return narrow
-        return replace(narrow, code=self.wide_code or self.code, k_clip_ratio=0.0, v_clip_ratio=0.0, lloyd_max=False,
-                       clip_search="exact")
+    @property
+    def mixed(self) -> bool:
+        """Mixed code widths: some layers or KV heads store ``wide_code`` codes."""
+        return bool(self.wide_layers or self.wide_heads)
 
-    def _narrow(self) -> "KVFormat":
-        """This format with every layer at ``code`` (no mixed widths)."""
-        return replace(self, wide_code=None, wide_layers=())
+    def layer_format(self, layer_id: int) -> "KVFormat":
+        """The single-width format layer ``layer_id`` stores: with mixed code widths :meth:`wide_format` in
+        ``wide_layers`` and :meth:`narrow_format` elsewhere (KV heads widened in a layer: see
+        :meth:`wide_heads_of`); otherwise itself."""
+        if not self.mixed:
+            return self
+        return self.wide_format() if layer_id in self.wide_layers else self.narrow_format()
+
+    def wide_heads_of(self, layer_id: int) -> tuple[int, ...]:
+        """The KV heads of layer ``layer_id`` widened one by one (``wide_heads``); they store
+        :meth:`wide_format`, the layer's other heads :meth:`layer_format`."""
+        return tuple(h for lid, h in self.wide_heads if lid == layer_id)
+
+    def narrow_format(self) -> "KVFormat":
+        """This format with every layer and head at ``code`` (no mixed widths)."""
+        return replace(self, wide_code=None, wide_layers=(), wide_heads=())
+
+    def wide_format(self) -> "KVFormat":
+        """What a widened layer or KV head stores: ``wide_code`` codes with the same groups, scale dtype and
+        windows, no clip and uniform levels (itself without mixed widths)."""
+        if not self.mixed:
+            return self
+        return replace(self.narrow_format(), code=self.wide_code or self.code, k_clip_ratio=0.0, v_clip_ratio=0.0,
+                       lloyd_max=False, clip_search="exact")
 
     def quantized_bits(self, head_dim: int) -> float:
         """Stored bits per element of a quantized row: codes plus its share of scales (and zeros); with mixed
@@ -239,29 +274,36 @@ class KVFormat:
         per_group = DTYPE_BITS[self.scale_dtype] * (2 if self.integer else 1)  # FP8: a scale, no zero
         return bits + per_group / self.group_for(head_dim)
 
-    def bits_per_element(self, head_dim: int, context_len: int, num_layers: int | None = None) -> float:
+    def bits_per_element(self, head_dim: int, context_len: int, num_layers: int | None = None,
+                         num_kv_heads: int | None = None) -> float:
         """Average stored bits per cached K/V element at ``context_len`` tokens (K and V averaged).
 
         ``token`` axis: ``W = min(T, prefix + recent)`` window tokens cost ``bits(hp_dtype)``, the others
         :meth:`quantized_bits`: ``((T − W)·q + W·h) / T``. ``kivi``: ``T mod R`` keys and ``min(T, R)``
         values stay in ``hp_dtype``: ``((2T − r_K − r_V)·q + (r_K + r_V)·h) / 2T``. With d = G = 128,
         16-bit scale/zero and 64 + 256 windows, INT2 at 131,072 tokens: 2.2836 (the paper's 2.28).
-        Mixed code widths: the mean over the ``num_layers`` cached layers of each layer's value.
+        Mixed code widths: the mean over the ``num_layers`` cached layers (and, with widened KV heads, their
+        ``num_kv_heads`` heads) of each one's value.
 
         Raises:
             ConfigError: ``context_len < 1``; mixed code widths without ``num_layers`` (or with fewer layers
-                than it widens).
+                than it widens); widened KV heads without ``num_kv_heads``.
         """
         if context_len < 1:
             raise ConfigError(f"context_len must be >= 1, got {context_len}")
-        if self.wide_layers:
-            k = len(self.wide_layers)
+        if self.mixed:
+            k = len(self.wide_layers) + len({lid for lid, _ in self.wide_heads})
             if num_layers is None or num_layers < k:
                 raise ConfigError(f"{self.name}: bits per element of mixed code widths need the number of cached "
                                   f"layers (at least {k}), got {num_layers}")
-            base = self._narrow().bits_per_element(head_dim, context_len)
-            wide = self.layer_format(self.wide_layers[0]).bits_per_element(head_dim, context_len)
-            return ((num_layers - k) * base + k * wide) / num_layers
+            if self.wide_heads and (num_kv_heads is None or num_kv_heads <= max(h for _, h in self.wide_heads)):
+                raise ConfigError(f"{self.name}: bits per element of widened KV heads need the number of KV heads "
+                                  f"(more than {max(h for _, h in self.wide_heads)}), got {num_kv_heads}")
+            base = self.narrow_format().bits_per_element(head_dim, context_len)
+            wide = self.wide_format().bits_per_element(head_dim, context_len)
+            units = num_layers * (num_kv_heads or 1)
+            n_wide = len(self.wide_layers) * (num_kv_heads or 1) + len(self.wide_heads)
+            return ((units - n_wide) * base + n_wide * wide) / units
         q, h, t = self.quantized_bits(head_dim), DTYPE_BITS[self.hp_dtype], context_len
         if self.axis == "kivi":
             r_k, r_v = t % self.recent_tokens if self.recent_tokens else 0, min(t, self.recent_tokens)
@@ -297,7 +339,7 @@ class KVFormat:
 
 
 _INT = re.compile(r"int([234])(?:-g(\d+))?(?:-(bf16|fp16|fp32))?(?:-w(\d+)\+(\d+))?(?:-c([\d.]+)/([\d.]+))?"
-                  r"(-lm)?(-bisect)?(?:-hp(bf16|fp16|fp32))?(?:-(int[34]):(\d+(?:/\d+)*))?")
+                  r"(-lm)?(-bisect)?(?:-hp(bf16|fp16|fp32))?(?:-(int[34]):(\d+(?:\.\d+)?(?:/\d+(?:\.\d+)?)*))?")
 _FP8 = re.compile(r"fp8(?:-(row)|(?:-g(\d+))?-(bf16|fp16|fp32))?(?:-w(\d+)\+(\d+))?(?:-hp(bf16|fp16|fp32))?")
 _BF16 = re.compile(r"bf16(?:-w(\d+)\+(\d+))?")
 _KIVI = re.compile(r"kivi([24])(?:-g(\d+))?(?:-r(\d+))?(?:-(bf16|fp16|fp32))?")
@@ -313,7 +355,8 @@ def parse_format(text: str) -> KVFormat:
     try:
         m = _INT.fullmatch(s)
         if m:
-            code, g, sdt, p, r, kc, vc, lm, bisect, hp, wide, layers = m.groups()
+            code, g, sdt, p, r, kc, vc, lm, bisect, hp, wide, units = m.groups()
+            names = units.split("/") if units else []
             clips = (float(kc), float(vc)) if kc is not None else (INT2_CLIPS if code == "2" else (0.0, 0.0))
             wins = (int(p), int(r)) if p is not None else DEFAULT_WINDOWS
             return KVFormat(code=f"int{code}", group_size=int(g) if g else None,  # type: ignore[arg-type]
@@ -322,7 +365,8 @@ def parse_format(text: str) -> KVFormat:
                             clip_search="bisect" if bisect else "exact", prefix_tokens=wins[0], recent_tokens=wins[1],
                             hp_dtype=_SHORT_DTYPES[hp or "bf16"],  # type: ignore[arg-type]
                             wide_code=wide,  # type: ignore[arg-type]
-                            wide_layers=tuple(int(x) for x in layers.split("/")) if layers else ())
+                            wide_layers=tuple(int(x) for x in names if "." not in x),
+                            wide_heads=tuple((int(x.split(".")[0]), int(x.split(".")[1])) for x in names if "." in x))
         m = _FP8.fullmatch(s)
         if m:
             row, g, sdt, p, r, hp = m.groups()
@@ -345,7 +389,7 @@ def parse_format(text: str) -> KVFormat:
     except ConfigError as exc:
         raise ConfigError(f"format {text!r}: {exc}") from None
     raise ConfigError(f"format {str(text)[:60]!r} is not a KV format name; expected bf16, fp8, fp8-row, "
-                      f"int{{2,3,4}}[-gG][-bf16|fp16|fp32][-wP+R][-cK/V][-lm][-bisect][-int{{3,4}}:L/L…] or "
+                      f"int{{2,3,4}}[-gG][-bf16|fp16|fp32][-wP+R][-cK/V][-lm][-bisect][-int{{3,4}}:L/L.h…] or "
                       f"kivi{{2,4}}[-gG][-rR] "
                       f"(e.g. int4-g64-bf16, int2-g64-bf16-w64+256, kivi2)")
 

@@ -70,9 +70,63 @@ def test_mixed_code_widths_per_layer() -> None:
         Int2KVConfig.from_format(fmt)
     with pytest.raises(ConfigError, match="both wide_code and wide_layers"):
         KVFormat(wide_layers=(1,))
-    with pytest.raises(ConfigError, match="quantize per layer; pass fmt.layer_format"):
+    with pytest.raises(ConfigError, match="quantize per layer or KV head; pass fmt.layer_format"):
         fake_quantize_format(torch.randn(1, 1, 4, 64), fmt, "k")
     assert KVFormat.from_json(json.loads(json.dumps(fmt.to_json()))) == fmt
+
+
+def test_mixed_code_widths_per_kv_head() -> None:
+    fmt = parse_format("int2-g64-bf16-int3:23.2/18.1/7")
+    assert fmt.wide_layers == (7,) and fmt.wide_heads == ((18, 1), (23, 2)) and fmt.mixed
+    assert fmt.name == "int2-g64-bf16-w64+256-c0.96/0.92-int3:7/18.1/23.2" and parse_format(fmt.name) == fmt
+    assert fmt.wide_heads_of(18) == (1,) and fmt.wide_heads_of(7) == () and fmt.wide_heads_of(3) == ()
+    assert fmt.layer_format(18) == fmt.narrow_format() == parse_format("int2-g64-bf16")
+    assert fmt.layer_format(7) == fmt.wide_format() == parse_format("int3-g64-bf16")
+    # 30 layers x 3 KV heads = 90 units; layer 7 (3 heads) and two single heads are 3-bit
+    narrow = ((8192 - 320) * 2.5 + 320 * 16) / 8192
+    wide = ((8192 - 320) * 3.5 + 320 * 16) / 8192
+    assert fmt.bits_per_element(64, 8192, 30, 3) == pytest.approx((85 * narrow + 5 * wide) / 90, rel=1e-12)
+    # six heads cost what two whole layers cost
+    six = parse_format("int2-g64-bf16-int3:18.0/18.1/18.2/23.0/23.1/23.2")
+    assert six.bits_per_element(64, 8192, 30, 3) == pytest.approx(
+        parse_format("int2-g64-bf16-int3:18/23").bits_per_element(64, 8192, 30), rel=1e-12)
+    for args in ((64, 8192, 30), (64, 8192, 30, 2)):
+        with pytest.raises(ConfigError, match="number of KV heads") as info:
+            fmt.bits_per_element(*args)
+        assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match="layer 18 is widened whole and by KV head"):
+        parse_format("int2-g64-int3:18/18.1")
+    for bad in ("x", ((1,),), ((1, "a"),), ((-1, 0),)):
+        with pytest.raises(ConfigError, match="wide_heads"):
+            KVFormat(wide_code="int3", wide_heads=bad)
+    with pytest.raises(ConfigError, match="simulation only"):
+        Int2KVConfig.from_format(fmt)
+    assert KVFormat.from_json(json.loads(json.dumps(fmt.to_json()))) == fmt
+
+
+def test_mixed_widths_per_kv_head_route_each_head() -> None:
+    """A widened KV head reads back the wide format's rows and only that head changes: its query heads'
+    error is the wide format's, the other heads' the base format's (layer 0 sees the same inputs in every run)."""
+    from rotationzoo.integrations.transformers import OscarKV, oscar_kv
+
+    model = _tiny()
+    ids = torch.randint(3, 96, (1, 120), generator=torch.Generator().manual_seed(2))
+
+    def errors(name: str) -> dict[tuple[int, int], float]:
+        oscar = OscarKV(None, None, kv_format=parse_format(name))
+        with torch.no_grad(), oscar_kv(model, oscar, collect_errors=True) as kv:
+            model(ids, use_cache=False)
+            return kv.head_errors()
+
+    heads = model.config.num_key_value_heads
+    assert heads >= 2
+    base, wide = errors("int2-g32-w2+4"), errors("int3-g32-w2+4-c0/0")
+    mixed = errors("int2-g32-w2+4-int3:0.1")
+    assert mixed[(0, 1)] == wide[(0, 1)] and wide[(0, 1)] < base[(0, 1)]
+    assert all(mixed[(0, h)] == base[(0, h)] for h in range(heads) if h != 1)
+    whole = "/".join(f"0.{h}" for h in range(heads))
+    assert {k: v for k, v in errors(f"int2-g32-w2+4-int3:{whole}").items() if k[0] == 0} == {
+        k: v for k, v in errors("int2-g32-w2+4-int3:0").items() if k[0] == 0}
 
 
 def test_mixed_widths_route_each_layer_to_its_format() -> None:
@@ -281,6 +335,15 @@ def test_cli_eval_formats(tmp_path, capsys) -> None:
     assert row["format"] == "int2-g32-bf16-w4+8-c0.96/0.92-int3:1"
     assert row["bpe"] == pytest.approx(parse_format(row["format"]).bits_per_element(64, 300, 2))
     assert row["bpe"] > rows["none@int2-g32-bf16-w4+8-c0.96/0.92"]["bpe"]
+    assert main([*args[:-3], *mixed, "int2-g32-w4+8-int3:1.9", "--json"]) == 1
+    assert "widens KV head(s) 1.9, but the model's layers have 2 KV heads (0 to 1)" in capsys.readouterr().out
+    assert main([*args[:-3], *mixed, "int2-g32-w4+8-int3:1.0", "--error-windows", "1", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["results"][-1]
+    assert row["format"] == "int2-g32-bf16-w4+8-c0.96/0.92-int3:1.0"
+    assert rows["none@int2-g32-bf16-w4+8-c0.96/0.92"]["bpe"] < row["bpe"] < parse_format(
+        "int2-g32-w4+8-int3:1").bits_per_element(64, 300, 2)
+    assert row["bpe"] == pytest.approx(parse_format(row["format"]).bits_per_element(64, 300, 2, 2))
+    assert sorted(row["head_errors"]) == ["0.0", "0.1", "1.0", "1.1"] and sorted(row["layer_errors"]) == ["0", "1"]
 
 
 def test_parse_formats_served_and_twice() -> None:

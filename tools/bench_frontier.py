@@ -79,6 +79,7 @@ def load_reports(path: Path) -> list[Any]:
                     r[key] = {k: PairedDifference(**{**v, "draws": tuple(v["draws"])}) for k, v in r[key].items()}
             r["vs_methods"] = {}
             r["layer_errors"] = {int(k): v for k, v in r.get("layer_errors", {}).items()}
+            r["head_errors"] = {tuple(map(int, k.split("."))): v for k, v in r.get("head_errors", {}).items()}
             results.append(MethodResult(**r))
         reports.append(EvalReport(**{**rep, "results": results}))
     return reports

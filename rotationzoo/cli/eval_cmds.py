@@ -83,8 +83,8 @@ def eval_command(
     group_size: GroupOpt = None, k_clip_ratio: KClipOpt = None, v_clip_ratio: VClipOpt = None,
     prefix_tokens: PrefixOpt = None, recent_tokens: RecentOpt = None, hp_dtype: HpDtypeOpt = None,
     scale_dtype: ScaleDtypeOpt = None, lloyd_max: LloydMaxOpt = None, clip_search: ClipSearchOpt = None,
-    error_windows: Annotated[int, typer.Option("--error-windows", min=0, help="Windows over which per-layer attention "
-                             "error is measured (0: off).")] = 0,
+    error_windows: Annotated[int, typer.Option("--error-windows", min=0, help="Windows over which the attention-output "
+                             "error per layer and per KV head is measured (0: off).")] = 0,
     dtype: Annotated[str, typer.Option("--dtype", help="Model dtype: auto, bfloat16, float16 or float32.")] = "auto",
     device: Annotated[str, typer.Option("--device", help="Where the model runs (cpu, cuda, ...).")] = "cpu",
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG of ΔNLL / ΔKL with CIs; with --formats, KL, "

@@ -108,10 +108,15 @@ class MethodSpec:
                 widens a layer the model does not cache.
         """
         fmt = self.kv_format
-        outside = sorted(set(fmt.wide_layers) - set(shape.layer_ids)) if fmt is not None else []
+        widened = set(fmt.wide_layers) | {lid for lid, _ in fmt.wide_heads} if fmt is not None else set()
+        outside = sorted(widened - set(shape.layer_ids))
         if fmt is not None and outside:
             raise EvaluationError(f"format {fmt.name} widens layer(s) {_ids(tuple(outside))}, but the model caches "
                                   f"layers {_ids(shape.layer_ids)}")
+        heads = [f"{lid}.{h}" for lid, h in (fmt.wide_heads if fmt is not None else ()) if h >= shape.num_kv_heads]
+        if fmt is not None and heads:
+            raise EvaluationError(f"format {fmt.name} widens KV head(s) {', '.join(heads)}, but the model's layers "
+                                  f"have {shape.num_kv_heads} KV heads (0 to {shape.num_kv_heads - 1})")
         if self.pair is None:
             return
         p = self.pair

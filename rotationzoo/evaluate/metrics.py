@@ -48,15 +48,17 @@ def _logits(model: Any, h: torch.Tensor) -> torch.Tensor:
 
 
 def hidden_states(model: Any, ids: Sequence[int], oscar: OscarKV | None = None, *,
-                  collect_errors: bool = False) -> tuple[torch.Tensor, dict[int, float]]:
+                  collect_errors: bool = False) -> tuple[torch.Tensor, dict[Any, float]]:
     """Final hidden states ``[T, hidden]`` of one forward over ``ids`` (with ``oscar``'s INT2 KV if
-    given) and the per-layer attention-output errors when ``collect_errors``."""
+    given) and, when ``collect_errors``, the attention-output errors per layer (``int`` keys) and per
+    (layer, KV head) (``(layer, head)`` keys)."""
     device = next(model.parameters()).device
     x = torch.tensor([list(ids)], device=device)
     ctx = oscar_kv(model, oscar, collect_errors=collect_errors) if oscar is not None else contextlib.nullcontext()
     with torch.no_grad(), ctx as session:
         h = _decoder(model)(input_ids=x, use_cache=False).last_hidden_state[0]
-        errors = session.layer_errors() if session is not None and collect_errors else {}
+        errors: dict[Any, float] = ({**session.layer_errors(), **session.head_errors()}
+                                    if session is not None and collect_errors else {})
     return h, errors
 
 

@@ -72,7 +72,8 @@ class EvalProtocol:
         block_tokens: tokens per bootstrap block.
         resamples: bootstrap resamples.
         confidence: interval coverage.
-        error_windows: leading windows over which per-layer attention-output errors are measured.
+        error_windows: leading windows over which attention-output errors are measured (per layer and per
+            KV head: ``MethodResult.layer_errors`` / ``head_errors``).
         probe: the copy probe, or ``None``.
         compare_all: also compare every INT2 method with every other one, paired on the same tokens
             and draws (``MethodResult.vs_methods``), not only with the baseline.

@@ -42,6 +42,7 @@ class MethodResult:
         vs_baseline: ``{"nll": PairedDifference, "kl": …, "copy_nll": …}`` against ``baseline`` (the
             baseline method in the same format; ``None`` for the baseline itself and for ``fp``).
         layer_errors: per layer ``‖o − o_fp‖ / ‖o_fp‖`` of the attention output (first windows).
+        head_errors: the same per ``(layer, KV head)`` (over the query heads reading it; JSON keys ``"L.h"``).
         wall_s: seconds spent in this method's forwards.
         vs_methods: with ``EvalProtocol.compare_all``, ``{other method: {"nll": …, "kl": …}}``, this
             method minus the other, paired as ``vs_baseline``.
@@ -66,6 +67,7 @@ class MethodResult:
     copy: dict[str, float] | None = None
     vs_baseline: dict[str, PairedDifference] | None = None
     layer_errors: dict[int, float] = field(default_factory=dict)
+    head_errors: dict[tuple[int, int], float] = field(default_factory=dict)
     wall_s: float = 0.0
     vs_methods: dict[str, dict[str, PairedDifference]] = field(default_factory=dict)
     rotation: str = ""
@@ -81,6 +83,7 @@ class MethodResult:
         d["vs_fp"] = {k: v.to_json() for k, v in self.vs_fp.items()} if self.vs_fp else None
         d["vs_methods"] = {m: {k: v.to_json() for k, v in diffs.items()} for m, diffs in self.vs_methods.items()}
         d["layer_errors"] = {str(k): v for k, v in self.layer_errors.items()}
+        d["head_errors"] = {f"{lid}.{h}": v for (lid, h), v in self.head_errors.items()}
         return d
 
 

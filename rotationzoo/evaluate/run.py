@@ -36,7 +36,7 @@ class _Collected:
 
     fp: list[TokenMetrics] = field(default_factory=list)
     runs: dict[Run, list[TokenMetrics]] = field(default_factory=dict)
-    errors: dict[str, dict[int, list[float]]] = field(default_factory=dict)
+    errors: dict[str, dict[Any, list[float]]] = field(default_factory=dict)
     exposure: dict[str, Exposure] = field(default_factory=dict)
     wall: dict[str, float] = field(default_factory=dict)
 
@@ -144,7 +144,7 @@ def _result(spec: MethodSpec, main: _Collected, probe: _Collected | None, runs: 
         copy = {"accuracy": float(probe.stacked(spec, runs, "correct").mean()),
                 "nll": float(probe.stacked(spec, runs, "nll").mean()),
                 "tokens": int(probe.stacked(spec, runs, "nll").shape[-1])}
-    errs = {lid: sum(v) / len(v) for lid, v in sorted(main.errors.get(spec.name, {}).items())}
+    errs = {key: sum(v) / len(v) for key, v in main.errors.get(spec.name, {}).items()}
     is_fp = spec.kind == "fp"
     fmt = None if is_fp else spec.format_of(config)
     vs_fp = {}
@@ -164,9 +164,12 @@ def _result(spec: MethodSpec, main: _Collected, probe: _Collected | None, runs: 
         perplexity=math.exp(nll), nll=nll, nll_spread=_sd(draw_nll), kl=kl, kl_spread=_sd(draw_kl),
         top1=float(main.stacked(spec, runs, "agree").mean()), accuracy=float(main.stacked(spec, runs, "correct").mean()),
         tokens_scored=int(main.stacked(spec, runs, "nll").shape[-1]), context_len=context,
-        bpe=float(fp_bits) if fmt is None else fmt.bits_per_element(shape.head_dim, context, len(shape.layer_ids)),
+        bpe=float(fp_bits) if fmt is None else fmt.bits_per_element(shape.head_dim, context, len(shape.layer_ids),
+                                                                      shape.num_kv_heads),
         exposure={"pairs": 0.0, "tokens": 0.0} if fmt is None else main.exposure[fmt.name].to_json(),
-        source=spec.source, objectives=dict(spec.objectives), copy=copy, layer_errors=errs,
+        source=spec.source, objectives=dict(spec.objectives), copy=copy,
+        layer_errors=dict(sorted((k, v) for k, v in errs.items() if not isinstance(k, tuple))),
+        head_errors=dict(sorted((k, v) for k, v in errs.items() if isinstance(k, tuple))),
         wall_s=main.wall.get(spec.name, 0.0), rotation=spec.method, format=None if fmt is None else fmt.name,
         draw_kl=draw_kl, draw_nll=draw_nll, vs_fp=vs_fp or None,
     )

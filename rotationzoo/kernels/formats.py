@@ -42,12 +42,14 @@ def fake_quantize_format(x: torch.Tensor, fmt: KVFormat, side: str, *, dtype: to
     (default ``x.dtype``): every token quantized (see the module docstring).
 
     Raises:
-        ConfigError: a format with mixed code widths (quantize each layer in ``fmt.layer_format(layer_id)``).
+        ConfigError: a format with mixed code widths (quantize each layer in ``fmt.layer_format(layer_id)``,
+            widened KV heads in ``fmt.wide_format()``).
     """
     from . import fake_quantize_int2
 
-    if fmt.wide_layers:
-        raise ConfigError(f"{fmt.name}: mixed code widths quantize per layer; pass fmt.layer_format(layer_id)")
+    if fmt.mixed:
+        raise ConfigError(f"{fmt.name}: mixed code widths quantize per layer or KV head; pass "
+                          f"fmt.layer_format(layer_id) or fmt.wide_format()")
     out_dtype = dtype or x.dtype
     if fmt.code == "int2" and fmt.axis == "token":
         return fake_quantize_int2(x.contiguous(), config=Int2KVConfig.from_format(fmt), side=side,  # type: ignore[arg-type]

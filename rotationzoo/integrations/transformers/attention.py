@@ -24,21 +24,27 @@ from .simulate import exact_attention, kivi_boundaries, simulated_attention, sim
 
 
 class _LayerErrors:
-    """Running ``Σ‖o − o_ref‖²`` and ``Σ‖o_ref‖²`` per layer (fp64)."""
+    """Running ``Σ‖o − o_ref‖²`` and ``Σ‖o_ref‖²`` per layer and per (layer, KV head) (fp64)."""
 
     def __init__(self) -> None:
-        self.num: dict[int, float] = {}
-        self.den: dict[int, float] = {}
+        self.num: dict[Any, float] = {}
+        self.den: dict[Any, float] = {}
 
-    def add(self, layer_id: int, out: torch.Tensor, ref: torch.Tensor) -> None:
-        diff = (out.double() - ref.double()).pow(2).sum().item()
-        norm = ref.double().pow(2).sum().item()
-        self.num[layer_id] = self.num.get(layer_id, 0.0) + diff
-        self.den[layer_id] = self.den.get(layer_id, 0.0) + norm
+    def add(self, layer_id: int, out: torch.Tensor, ref: torch.Tensor, num_kv_heads: int) -> None:
+        """Add one forward's attention outputs ``[B, Hq, S, d]``; a KV head's error is over its query heads."""
+        b, hq = out.shape[:2]
+        diff = (out.double() - ref.double()).pow(2).reshape(b, num_kv_heads, -1).sum((0, 2))
+        norm = ref.double().pow(2).reshape(b, num_kv_heads, -1).sum((0, 2))
+        for key, dd, nn in [(layer_id, diff.sum(), norm.sum())] + [
+                ((layer_id, h), diff[h], norm[h]) for h in range(num_kv_heads)]:
+            self.num[key] = self.num.get(key, 0.0) + float(dd)
+            self.den[key] = self.den.get(key, 0.0) + float(nn)
 
-    def relative(self) -> dict[int, float]:
-        """``{layer_id: ‖o − o_ref‖_F / ‖o_ref‖_F}`` over everything added."""
-        return {lid: (self.num[lid] / self.den[lid]) ** 0.5 if self.den[lid] > 0 else 0.0 for lid in sorted(self.num)}
+    def relative(self, heads: bool = False) -> dict[Any, float]:
+        """``{layer_id: ‖o − o_ref‖_F / ‖o_ref‖_F}`` over everything added (``heads``: keyed by
+        ``(layer_id, KV head)``)."""
+        keys = sorted(k for k in self.num if isinstance(k, tuple) == heads)
+        return {k: (self.num[k] / self.den[k]) ** 0.5 if self.den[k] > 0 else 0.0 for k in keys}
 
 
 class OscarSession:
@@ -67,6 +73,10 @@ class OscarSession:
         """Per-layer relative attention-output error of the simulated forwards so far."""
         return self.errors.relative()
 
+    def head_errors(self) -> dict[tuple[int, int], float]:
+        """The same per (layer, KV head): the error of the query heads that read that KV head."""
+        return self.errors.relative(heads=True)
+
     def reset_errors(self) -> None:
         """Forget the error statistics."""
         self.errors = _LayerErrors()
@@ -76,7 +86,7 @@ def _simulate(session: OscarSession, module: torch.nn.Module, query: torch.Tenso
               value: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None) -> torch.Tensor:
     """The simulated cache attention of one layer, in the session's format; returns ``[B, S, Hq, d]`` like
     the base functions."""
-    if session.oscar.kv_format.wide_layers and getattr(module, "layer_idx", None) is None:
+    if session.oscar.kv_format.mixed and getattr(module, "layer_idx", None) is None:
         raise EvaluationError(f"{session.oscar.kv_format.name}: mixed code widths need each attention module's "
                               f"layer_idx, and {type(module).__name__} has none")
     lid = int(getattr(module, "layer_idx", 0))
@@ -92,6 +102,16 @@ def _simulate(session: OscarSession, module: torch.nn.Module, query: torch.Tenso
     needs = key.shape[2] > (fmt.recent_tokens if kivi else fmt.prefix_tokens + fmt.recent_tokens + 1)
     k_q = fake_quantize(kr, oscar, "k", dtype) if needs and oscar.quantize_k else k_exact
     v_q = fake_quantize(vr, oscar, "v", dtype) if needs and oscar.quantize_v else v_exact
+    wide = session.oscar.kv_format.wide_heads_of(lid)
+    if wide and needs:  # mixed widths per KV head: those heads read back the wide format's rows
+        heads = torch.zeros(kr.shape[1], dtype=torch.bool, device=kr.device)
+        heads[list(wide)] = True
+        heads = heads[None, :, None, None]
+        wide_kv = session.oscar.for_layer(-1)
+        if oscar.quantize_k:
+            k_q = torch.where(heads, fake_quantize(kr, wide_kv, "k", dtype), k_q)
+        if oscar.quantize_v:
+            v_q = torch.where(heads, fake_quantize(vr, wide_kv, "v", dtype), v_q)
     q = tr.queries(query, dtype)
     if kivi:
         out_r = simulated_attention(q, k_exact, v_exact, k_q, v_q, prefix=0, scale=scale,
@@ -103,7 +123,7 @@ def _simulate(session: OscarSession, module: torch.nn.Module, query: torch.Tenso
     out = tr.output(out_r)
     if session.collect_errors:
         ref = exact_attention(query, key, value, scale, attention_mask)
-        session.errors.add(lid, out, ref)
+        session.errors.add(lid, out, ref, key.shape[1])
     return out.transpose(1, 2).contiguous()
 
 
@@ -159,7 +179,7 @@ class oscar_kv:  # noqa: N801 - used as a context manager, like a function
         model: a ``transformers`` decoder whose attention calls ``cache.update`` with post-RoPE
             keys and dispatches through ``AttentionInterface`` (Llama, Mistral, Qwen2/3, ...).
         oscar: the settings and rotations.
-        collect_errors: record the per-layer attention-output error of simulated forwards.
+        collect_errors: record the attention-output error of simulated forwards per layer and per KV head.
 
     Example::
 

@@ -103,7 +103,7 @@ class OscarKV:
         if config is not None and kv_format is not None and config.kv_format() != kv_format:
             raise EvaluationError(f"give config or kv_format, not two different ones ({config.label()} vs {kv_format})")
         self.kv_format = kv_format if kv_format is not None else (config or Int2KVConfig()).kv_format()
-        int2 = self.kv_format.code == "int2" and self.kv_format.axis == "token" and not self.kv_format.wide_layers
+        int2 = self.kv_format.code == "int2" and self.kv_format.axis == "token" and not self.kv_format.mixed
         #: the INT2 store (``None`` for other formats, which only the simulation evaluates)
         self.config: Int2KVConfig | None = config if config is not None else (
             Int2KVConfig.from_format(self.kv_format) if int2 else None)
@@ -157,13 +157,15 @@ class OscarKV:
                        q_rotations=self.q_rotations, o_rotations=self.o_rotations)
 
     def for_layer(self, layer_id: int) -> "OscarKV":
-        """What layer ``layer_id`` stores: itself, or with mixed code widths (``kv_format.wide_layers``) a view
-        in that layer's own single-width format (the rotations shared)."""
-        if not self.kv_format.wide_layers:
+        """What layer ``layer_id`` stores: itself, or with mixed code widths a view in that layer's own
+        single-width format (the rotations shared); ``layer_id=-1``: the view in the widened KV heads' format
+        (``kv_format.wide_format()``)."""
+        if not self.kv_format.mixed:
             return self
         view = self._layer_views.get(layer_id)
         if view is None:
-            view = self.replace(kv_format=self.kv_format.layer_format(layer_id))
+            fmt = self.kv_format
+            view = self.replace(kv_format=fmt.wide_format() if layer_id == -1 else fmt.layer_format(layer_id))
             self._layer_views[layer_id] = view
         return view
 
@@ -365,7 +367,7 @@ def _with_clip_search(config: Int2KVConfig, clip_search: str | None) -> Int2KVCo
 def int2_store(oscar: OscarKV) -> Int2KVConfig:
     """``oscar``'s INT2 store, or one line saying that its format is simulated only."""
     if oscar.config is None:
-        why = " (one code width per cache)" if oscar.kv_format.wide_layers else ""
+        why = " (one code width per cache)" if oscar.kv_format.mixed else ""
         raise EvaluationError(f"the INT2 cache stores INT2 rows{why}; {oscar.kv_format.name} is evaluated by the "
                               f"decode-time simulation only (a forward without the cache, as rotationzoo eval runs)")
     return oscar.config
