@@ -8,7 +8,9 @@ Design texts (calibration, the keep rule, every earlier comparison):
 - Herman Melville's *Moby Dick* (``mobydick``, Project Gutenberg #2701, public domain) from the
   data of ``r-cran-tokenizers``;
 - ``perlmods``: code, modules of Perl's core library (Artistic or GPL-1+, as Perl) from ``perl-modules-5.36``,
-  in a fixed order, each after a ``# file:`` line (the design text of code: a calibration set for code).
+  in a fixed order, each after a ``# file:`` line (the design text of code: a calibration set for code);
+- ``pydocutils``: code in Python, modules of Docutils (public domain) from ``python3-docutils``, in a fixed
+  order, each after a ``# file:`` line (a design text of Python code, not the held-out standard library).
 
 Held-out texts (:data:`HELD_OUT`: never used for a design choice; one of each kind):
 
@@ -183,10 +185,13 @@ HELD_OUT: dict[str, tuple[str, str]] = {
 #: Design texts shipped as Debian packages of files: name -> (kind, Debian package).
 DESIGN_PACKAGED: dict[str, tuple[str, str]] = {
     "perlmods": ("code", "perl-modules-5.36"),
+    "pydocutils": ("code", "python3-docutils"),
 }
 #: Core modules of ``perlmods``, in order.
 PERL_MODULES = ("HTTP/Tiny.pm", "Getopt/Long.pm", "Archive/Tar.pm", "File/Temp.pm", "JSON/PP.pm", "Text/Balanced.pm",
                 "Tie/File.pm", "Net/Ping.pm")
+#: Docutils modules of ``pydocutils``, in order.
+DOCUTILS_MODULES = ("nodes.py", "statemachine.py", "frontend.py", "transforms/references.py", "core.py")
 #: Standard-library modules of ``pystdlib``, in order.
 PYTHON_MODULES = ("tarfile.py", "dataclasses.py", "http/client.py", "shutil.py", "statistics.py", "asyncio/base_events.py",
                   "imaplib.py", "smtplib.py", "difflib.py", "mailbox.py")
@@ -244,13 +249,18 @@ def python_code_text(root: Path) -> str:
     return _code_text(root / "usr/lib/python3.11", PYTHON_MODULES)
 
 
+def docutils_code_text(root: Path) -> str:
+    """:data:`DOCUTILS_MODULES` of Docutils, each after a ``# file:`` line."""
+    return _code_text(root / "usr/lib/python3/dist-packages/docutils", DOCUTILS_MODULES)
+
+
 def perl_code_text(root: Path) -> str:
     """:data:`PERL_MODULES` of Perl's core library, each after a ``# file:`` line."""
     return _code_text(root / "usr/share/perl/5.36", PERL_MODULES)
 
 
 _PACKAGED_READERS = {"kjv": kjv_text, "debianref": debian_reference_text, "pystdlib": python_code_text,
-                     "perlmods": perl_code_text}
+                     "perlmods": perl_code_text, "pydocutils": docutils_code_text}
 #: Every text read from a Debian package of files: name -> (kind, package).
 PACKAGED = {**HELD_OUT, **DESIGN_PACKAGED}
 
@@ -284,8 +294,8 @@ def novel_text(lines: list[str | None]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("novels", nargs="*", help="names such as emma, persuasion, prideprejudice, mobydick, perlmods; the "
-                                              "held-out kjv, debianref, pystdlib")
+    ap.add_argument("novels", nargs="*", help="names such as emma, persuasion, prideprejudice, mobydick, perlmods, "
+                                              "pydocutils; the held-out kjv, debianref, pystdlib")
     ap.add_argument("--deb", type=Path, help="a downloaded .deb of the package holding the texts asked for")
     ap.add_argument("--pkg-dir", type=Path, help="an unpacked R package folder holding the texts asked for")
     ap.add_argument("--out-dir", type=Path, default=Path("bench-out/texts"))
