@@ -149,8 +149,8 @@ class KVFormat:
                        check_int(pair[1], "a wide_heads KV head", low=0, high=4096)))
         both = sorted({lid for lid, _ in pairs} & set(self.wide_layers))
         if both:
-            raise ConfigError(f"layer {both[0]} is widened whole and by KV head; name it once (e.g. "
-                              f"int2-g64-bf16-int3:{both[0]} or int3:{both[0]}.0)")
+            raise ConfigError(f"layer {both[0]} is widened whole and by KV head; keep int3:{both[0]}, or drop it "
+                              f"and list only the heads {both[0]}.h")
         object.__setattr__(self, "wide_heads", tuple(sorted(pairs)))
         if self.wide_code is None and not self.mixed:
             return
@@ -160,9 +160,9 @@ class KVFormat:
         if self.wide_code not in CODES or not self.wide_code.startswith("int"):
             raise ConfigError(f"wide_code must be int3 or int4, got {shown(self.wide_code)}")
         if not self.integer or self.axis != "token" or CODE_BITS[self.wide_code] <= CODE_BITS[self.code]:
-            raise ConfigError(f"mixed code widths give some layers a wider INT code than the others' along rows; "
-                              f"{self.wide_code} layers in a {self.code} ({self.axis} axis) format are not that "
-                              f"(e.g. int2-g64-bf16-int3:0/1)")
+            raise ConfigError(f"mixed code widths give some layers or KV heads a wider INT code than the others' "
+                              f"along rows; {self.wide_code} ones in a {self.code} ({self.axis} axis) format are not "
+                              f"that (e.g. int2-g64-bf16-int3:0/1)")
 
     def _check_combination(self) -> None:
         integer = self.code.startswith("int")
@@ -292,6 +292,10 @@ class KVFormat:
         if context_len < 1:
             raise ConfigError(f"context_len must be >= 1, got {context_len}")
         if self.mixed:
+            if num_layers is not None:
+                check_int(num_layers, "num_layers", low=1, high=_MAX_TOKENS)
+            if num_kv_heads is not None:
+                check_int(num_kv_heads, "num_kv_heads", low=1, high=4096)
             k = len(self.wide_layers) + len({lid for lid, _ in self.wide_heads})
             if num_layers is None or num_layers < k:
                 raise ConfigError(f"{self.name}: bits per element of mixed code widths need the number of cached "

@@ -94,6 +94,8 @@ def test_mixed_code_widths_per_kv_head() -> None:
         with pytest.raises(ConfigError, match="number of KV heads") as info:
             fmt.bits_per_element(*args)
         assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match="number of KV heads|num_kv_heads"):
+        fmt.bits_per_element(64, 8192, 30, 2.5)
     with pytest.raises(ConfigError, match="layer 18 is widened whole and by KV head"):
         parse_format("int2-g64-int3:18/18.1")
     for bad in ("x", ((1,),), ((1, "a"),), ((-1, 0),)):
@@ -127,6 +129,13 @@ def test_mixed_widths_per_kv_head_route_each_head() -> None:
     whole = "/".join(f"0.{h}" for h in range(heads))
     assert {k: v for k, v in errors(f"int2-g32-w2+4-int3:{whole}").items() if k[0] == 0} == {
         k: v for k, v in errors("int2-g32-w2+4-int3:0").items() if k[0] == 0}
+    later = errors("int2-g32-w2+4-int3:1.1")  # a head of layer 1 only: layer 0 as the base format
+    assert all(later[(0, h)] == base[(0, h)] for h in range(heads)) and later[(1, 1)] != base[(1, 1)]
+    oscar = OscarKV(None, None, kv_format=parse_format(f"int2-g32-w2+4-int3:0.{heads}"))
+    with torch.no_grad(), oscar_kv(model, oscar), pytest.raises(EvaluationError, match=f"widens KV head 0.{heads}, "
+                                                                f"but layer 0 has {heads} KV heads") as info:
+        model(ids, use_cache=False)
+    assert "\n" not in str(info.value)
 
 
 def test_mixed_widths_route_each_layer_to_its_format() -> None:

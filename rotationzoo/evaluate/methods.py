@@ -105,7 +105,7 @@ class MethodSpec:
 
         Raises:
             EvaluationError: different head_dim, layers, or KV-head count of per-head rotations; a format that
-                widens a layer the model does not cache.
+                widens a layer the model does not cache or a KV head past the model's count.
         """
         fmt = self.kv_format
         widened = set(fmt.wide_layers) | {lid for lid, _ in fmt.wide_heads} if fmt is not None else set()

@@ -32,7 +32,7 @@ class _LayerErrors:
 
     def add(self, layer_id: int, out: torch.Tensor, ref: torch.Tensor, num_kv_heads: int) -> None:
         """Add one forward's attention outputs ``[B, Hq, S, d]``; a KV head's error is over its query heads."""
-        b, hq = out.shape[:2]
+        b = out.shape[0]
         diff = (out.double() - ref.double()).pow(2).reshape(b, num_kv_heads, -1).sum((0, 2))
         norm = ref.double().pow(2).reshape(b, num_kv_heads, -1).sum((0, 2))
         for key, dd, nn in [(layer_id, diff.sum(), norm.sum())] + [
@@ -48,14 +48,14 @@ class _LayerErrors:
 
 
 class OscarSession:
-    """What :func:`oscar_kv` yields: the settings, a cache factory and per-layer error statistics.
+    """What :func:`oscar_kv` yields: the settings, a cache factory and the attention-output error statistics.
 
     Attributes:
         model: the model.
         oscar: the :class:`OscarKV` settings.
         collect_errors: whether simulated forwards also run exact attention and record
-            ``‖o − o_fp‖ / ‖o_fp‖`` per layer (one more attention per layer).
-        errors: the running per-layer error sums (see :meth:`layer_errors`).
+            ``‖o − o_fp‖ / ‖o_fp‖`` per layer and per KV head (one more attention per layer).
+        errors: the running error sums (see :meth:`layer_errors` and :meth:`head_errors`).
     """
 
     def __init__(self, model: Any, oscar: OscarKV, collect_errors: bool = False) -> None:
@@ -102,16 +102,18 @@ def _simulate(session: OscarSession, module: torch.nn.Module, query: torch.Tenso
     needs = key.shape[2] > (fmt.recent_tokens if kivi else fmt.prefix_tokens + fmt.recent_tokens + 1)
     k_q = fake_quantize(kr, oscar, "k", dtype) if needs and oscar.quantize_k else k_exact
     v_q = fake_quantize(vr, oscar, "v", dtype) if needs and oscar.quantize_v else v_exact
-    wide = session.oscar.kv_format.wide_heads_of(lid)
-    if wide and needs:  # mixed widths per KV head: those heads read back the wide format's rows
-        heads = torch.zeros(kr.shape[1], dtype=torch.bool, device=kr.device)
-        heads[list(wide)] = True
-        heads = heads[None, :, None, None]
-        wide_kv = session.oscar.for_layer(-1)
+    wide = list(session.oscar.kv_format.wide_heads_of(lid))
+    if wide and max(wide) >= kr.shape[1]:
+        raise EvaluationError(f"{session.oscar.kv_format.name} widens KV head {lid}.{max(wide)}, but layer {lid} has "
+                              f"{kr.shape[1]} KV heads (0 to {kr.shape[1] - 1})")
+    if wide and needs:  # mixed widths per KV head: those heads read back the wide format's rows (rows are
+        wide_kv = session.oscar.wide_view()  # quantized one by one: only the widened heads' rows are needed)
         if oscar.quantize_k:
-            k_q = torch.where(heads, fake_quantize(kr, wide_kv, "k", dtype), k_q)
+            k_q = k_q.clone()
+            k_q[:, wide] = fake_quantize(kr[:, wide], wide_kv, "k", dtype)
         if oscar.quantize_v:
-            v_q = torch.where(heads, fake_quantize(vr, wide_kv, "v", dtype), v_q)
+            v_q = v_q.clone()
+            v_q[:, wide] = fake_quantize(vr[:, wide], wide_kv, "v", dtype)
     q = tr.queries(query, dtype)
     if kivi:
         out_r = simulated_attention(q, k_exact, v_exact, k_q, v_q, prefix=0, scale=scale,

@@ -111,7 +111,7 @@ class OscarKV:
         self.quantize_v = bool(quantize_v)
         self.backend = backend
         self._device_cache: dict[tuple[str, int, str], torch.Tensor | None] = {}
-        self._layer_views: dict[int, OscarKV] = {}
+        self._layer_views: dict[int | None, OscarKV] = {}
 
     @classmethod
     def from_rotations(cls, rotations: Any, config: Int2KVConfig | None = None, **kwargs: Any) -> "OscarKV":
@@ -158,14 +158,21 @@ class OscarKV:
 
     def for_layer(self, layer_id: int) -> "OscarKV":
         """What layer ``layer_id`` stores: itself, or with mixed code widths a view in that layer's own
-        single-width format (the rotations shared); ``layer_id=-1``: the view in the widened KV heads' format
-        (``kv_format.wide_format()``)."""
+        single-width format (the rotations shared)."""
+        return self._view(layer_id)
+
+    def wide_view(self) -> "OscarKV":
+        """A view in the format of widened layers and KV heads (``kv_format.wide_format()``), the rotations
+        shared; itself without mixed code widths."""
+        return self._view(None)
+
+    def _view(self, layer_id: int | None) -> "OscarKV":
         if not self.kv_format.mixed:
             return self
         view = self._layer_views.get(layer_id)
         if view is None:
             fmt = self.kv_format
-            view = self.replace(kv_format=fmt.wide_format() if layer_id == -1 else fmt.layer_format(layer_id))
+            view = self.replace(kv_format=fmt.wide_format() if layer_id is None else fmt.layer_format(layer_id))
             self._layer_views[layer_id] = view
         return view
 
