@@ -108,15 +108,15 @@ class MethodSpec:
                 widens a layer the model does not cache or a KV head past the model's count.
         """
         fmt = self.kv_format
-        widened = set(fmt.wide_layers) | {lid for lid, _ in fmt.wide_heads} if fmt is not None else set()
-        outside = sorted(widened - set(shape.layer_ids))
-        if fmt is not None and outside:
-            raise EvaluationError(f"format {fmt.name} widens layer(s) {_ids(tuple(outside))}, but the model caches "
-                                  f"layers {_ids(shape.layer_ids)}")
-        heads = [f"{lid}.{h}" for lid, h in (fmt.wide_heads if fmt is not None else ()) if h >= shape.num_kv_heads]
-        if fmt is not None and heads:
-            raise EvaluationError(f"format {fmt.name} widens KV head(s) {', '.join(heads)}, but the model's layers "
-                                  f"have {shape.num_kv_heads} KV heads (0 to {shape.num_kv_heads - 1})")
+        if fmt is not None:
+            outside = sorted((set(fmt.wide_layers) | {lid for lid, _ in fmt.wide_heads}) - set(shape.layer_ids))
+            if outside:
+                raise EvaluationError(f"format {fmt.name} widens layer(s) {_ids(tuple(outside))}, but the model "
+                                      f"caches layers {_ids(shape.layer_ids)}")
+            heads = [f"{lid}.{h}" for lid, h in fmt.wide_heads if h >= shape.num_kv_heads]
+            if heads:
+                raise EvaluationError(f"format {fmt.name} widens KV head(s) {', '.join(heads)}, but the model's "
+                                      f"layers have {shape.num_kv_heads} KV heads (0 to {shape.num_kv_heads - 1})")
         if self.pair is None:
             return
         p = self.pair

@@ -24,27 +24,31 @@ from .simulate import exact_attention, kivi_boundaries, simulated_attention, sim
 
 
 class _LayerErrors:
-    """Running ``Σ‖o − o_ref‖²`` and ``Σ‖o_ref‖²`` per layer and per (layer, KV head) (fp64)."""
+    """Running ``Σ‖o − o_ref‖²`` and ``Σ‖o_ref‖²`` per (layer, KV head) (fp64); a layer's are its heads' sums."""
 
     def __init__(self) -> None:
-        self.num: dict[Any, float] = {}
-        self.den: dict[Any, float] = {}
+        self.num: dict[tuple[int, int], float] = {}
+        self.den: dict[tuple[int, int], float] = {}
 
     def add(self, layer_id: int, out: torch.Tensor, ref: torch.Tensor, num_kv_heads: int) -> None:
         """Add one forward's attention outputs ``[B, Hq, S, d]``; a KV head's error is over its query heads."""
         b = out.shape[0]
-        diff = (out.double() - ref.double()).pow(2).reshape(b, num_kv_heads, -1).sum((0, 2))
-        norm = ref.double().pow(2).reshape(b, num_kv_heads, -1).sum((0, 2))
-        for key, dd, nn in [(layer_id, diff.sum(), norm.sum())] + [
-                ((layer_id, h), diff[h], norm[h]) for h in range(num_kv_heads)]:
-            self.num[key] = self.num.get(key, 0.0) + float(dd)
-            self.den[key] = self.den.get(key, 0.0) + float(nn)
+        diff = (out.double() - ref.double()).pow(2).reshape(b, num_kv_heads, -1).sum((0, 2)).tolist()
+        norm = ref.double().pow(2).reshape(b, num_kv_heads, -1).sum((0, 2)).tolist()
+        for h in range(num_kv_heads):
+            self.num[(layer_id, h)] = self.num.get((layer_id, h), 0.0) + diff[h]
+            self.den[(layer_id, h)] = self.den.get((layer_id, h), 0.0) + norm[h]
 
     def relative(self, heads: bool = False) -> dict[Any, float]:
         """``{layer_id: ‖o − o_ref‖_F / ‖o_ref‖_F}`` over everything added (``heads``: keyed by
         ``(layer_id, KV head)``)."""
-        keys = sorted(k for k in self.num if isinstance(k, tuple) == heads)
-        return {k: (self.num[k] / self.den[k]) ** 0.5 if self.den[k] > 0 else 0.0 for k in keys}
+        num: dict[Any, float] = {}
+        den: dict[Any, float] = {}
+        for key in sorted(self.num):
+            unit = key if heads else key[0]
+            num[unit] = num.get(unit, 0.0) + self.num[key]
+            den[unit] = den.get(unit, 0.0) + self.den[key]
+        return {k: (num[k] / den[k]) ** 0.5 if den[k] > 0 else 0.0 for k in num}
 
 
 class OscarSession:
