@@ -169,20 +169,25 @@ inline void v_pass(const uint8_t *base, int64_t st, int n, const float *w, int k
         m[i] = _mm256_load_si256((const __m256i *)mask_bits[a0 + i]);
         for (int r = 0; r < RB; r++) s[r][i] = _mm256_setzero_ps();
     }
-    const float *tk = T + (size_t)j0 * 256 * 4;
+    /* each key byte's table as its own base, addressed by the byte times 16 (one shift, no multiply-add) */
+    const char *tk[KB];
+    for (int k = 0; k < KB; k++) tk[k] = (const char *)(T + ((size_t)j0 + k) * 256 * 4);
+    const uint8_t *vrow = base + 8 * c, *krow = kbase + j0;
     int t = 0;
     do { /* n >= 1 */
-        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(base + (int64_t)t * st + 8 * c)));
+        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)vrow));
         for (int i = 0; i < NA; i++) {
             const __m256 x = _mm256_cvtepi32_ps(_mm256_and_si256(b, m[i]));
             for (int r = 0; r < RB; r++) /* one weight per row for all quarters when SHARED (kw = 1) */
                 s[r][i] = _mm256_fmadd_ps(_mm256_broadcast_ss(wq[SHARED ? 0 : i] + r * kw * TILE + t), x, s[r][i]);
         }
+        vrow += st;
         if (KEYS) {
-            const uint8_t *kr = kbase + (int64_t)t * kst + j0;
             __m128 ka = _mm_load_ps(kp + 4 * t);
-            for (int k = 0; k < KB; k++) ka = _mm_add_ps(ka, _mm_load_ps(tk + ((size_t)k * 256 + kr[k]) * 4));
+            for (int k = 0; k < KB; k++)
+                ka = _mm_add_ps(ka, _mm_load_ps((const float *)(tk[k] + ((size_t)krow[k] << 4))));
             _mm_store_ps(kp + 4 * t, ka);
+            krow += kst;
         }
     } while (++t < n);
     for (int i = 0; i < NA; i++) {
