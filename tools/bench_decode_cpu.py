@@ -217,6 +217,29 @@ def run_generate(contexts: list[int], steps: int, runs: int, caches: tuple[str, 
 # --- attention only ----------------------------------------------------------------------------------
 
 
+def cpu_identity() -> dict[str, Any]:
+    """What the CPU is, so that a table says which machine gave it: the model name, family and model numbers and
+    the vector extensions the kernels can use (from ``/proc/cpuinfo`` on Linux; elsewhere the platform's name)."""
+    import platform
+
+    info: dict[str, Any] = {"machine": platform.machine(), "model_name": platform.processor() or None}
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return info
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            break  # the first processor's block is enough
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    flags = set(fields.get("flags", "").split())
+    info.update({"model_name": fields.get("model name") or info["model_name"], "family": fields.get("cpu family"),
+                 "model": fields.get("model"),
+                 "isa": [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "asimd") if f in flags]})
+    return info
+
+
 def _copy_gbps(threads: int) -> float:
     import torch
 
@@ -294,15 +317,21 @@ def attention_table(contexts: list[int], threads: list[int], runs: int, configs:
                 # each ratio is against the faster of the two SDPA forms, measured in the same rounds
                 base = {label: min(statistics.median(times[f"{label}, {form}"]) for form in SDPA_FORMS)
                         for label in ("SDPA fp32", "SDPA bf16")}
+                # per round, against the faster fp32 form (by median) of the same round: on a shared machine
+                # whose speed drifts, the paired ratio is steadier than a ratio of medians
+                fp32_form = min((f"SDPA fp32, {form}" for form in SDPA_FORMS), key=lambda k: statistics.median(times[k]))
                 for name, ts in times.items():
                     med = statistics.median(ts)
+                    paired = [b / t for b, t in zip(times[fp32_form], ts)]
                     gbps = nbytes[name] / med / 1e9
                     row = {"threads": nt, "context": context, "variant": name, "ms": {k: (round(1e3 * v, 4) if k != "n" else v)
                                                                                      for k, v in spread(ts).items()},
                            "bytes": nbytes[name], "gbps": round(gbps, 2), "pct_copy": round(100 * gbps / copy[nt], 1),
                            "speedup_vs_sdpa_fp32": round(base["SDPA fp32"] / med, 3),
                            "speedup_vs_sdpa_bf16": round(base["SDPA bf16"] / med, 3),
-                           "speedup_vs_fastest_sdpa": round(min(base.values()) / med, 3)}
+                           "speedup_vs_fastest_sdpa": round(min(base.values()) / med, 3),
+                           "paired_vs_sdpa_fp32": {"median": round(statistics.median(paired), 3),
+                                                   "min": round(min(paired), 3), "max": round(max(paired), 3)}}
                     rows.append(row)
                 _log(f"{nt} thread(s), {context} tokens: " + ", ".join(
                     f"{r['variant']} {r['ms']['median']:.3f} ms" for r in rows if r["threads"] == nt and r["context"] == context))
@@ -352,13 +381,18 @@ def print_attention(res: dict[str, Any], show: Callable[..., None]) -> None:
     rows = [[str(r["threads"]), str(r["context"]), r["variant"], f"{r['ms']['median']:.3f}",
              f"{r['ms']['min']:.3f}–{r['ms']['max']:.3f}", f"{r['gbps']:.1f}", f"{r['pct_copy']:.1f}",
              f"{r['speedup_vs_sdpa_fp32']:.2f}x", f"{r['speedup_vs_sdpa_bf16']:.2f}x",
-             f"{r['speedup_vs_fastest_sdpa']:.2f}x", f"{r['bytes'] / 1e6:.1f}"]
+             f"{r['speedup_vs_fastest_sdpa']:.2f}x", _paired(r), f"{r['bytes'] / 1e6:.1f}"]
             for r in res["rows"]]
     copy = ", ".join(f"{k} thread(s) {v:.1f} GB/s" for k, v in res["copy_gbps"].items())
     show(f"Decode attention on CPU, 9 query / 3 KV heads, d = 64, one new token ({res['runs']} runs after a warm-up, "
          f"alternating; copy bandwidth measured in the same run: {copy})",
          ("threads", "context", "variant", "median ms", "spread ms", "GB/s", "% copy", "vs SDPA fp32", "vs SDPA bf16",
-          "vs fastest SDPA", "MB read"), rows)
+          "vs fastest SDPA", "vs SDPA fp32 per round", "MB read"), rows)
 
 
-__all__ = ["CACHES", "attention_table", "generate_child", "int2_configs", "print_attention", "print_generate", "run_generate"]
+def _paired(row: dict[str, Any]) -> str:
+    p = row.get("paired_vs_sdpa_fp32")
+    return f"{p['median']:.2f}x ({p['min']:.2f}–{p['max']:.2f})" if p else "–"
+
+
+__all__ = ["CACHES", "attention_table", "cpu_identity", "generate_child", "int2_configs", "print_attention", "print_generate", "run_generate"]
