@@ -23,7 +23,9 @@ and context: the copy bandwidth of the machine is measured first (``dst.copy_(sr
 bytes read + written per second), then every variant runs once (discarded) and ``--runs`` rounds
 alternate them. A run is the mean of enough calls to take about 0.1 s. GB/s are the bytes each
 variant must read (INT2: codes, scales/zeros and windows of K and V; SDPA: K and V) per second of
-the median run, and "% copy" that rate over the copy bandwidth.
+the median run, and "% copy" that rate over the copy bandwidth. "vs SDPA fp32 per round": each round's
+time of the faster fp32 form over the variant's in the same round, median and range over the rounds.
+The CPU (model, family, vector extensions) is recorded with the results (:func:`cpu_identity`).
 """
 
 from __future__ import annotations
