@@ -17,7 +17,6 @@ import sys
 import torch
 
 from rotationzoo.fit import refine, refine_loss
-from rotationzoo.fit.ste import ste_quantize_int2
 from rotationzoo.integrations.transformers.loading import load_model
 
 GRAMS: dict[int, torch.Tensor] = {}
@@ -53,15 +52,8 @@ def numerators(r, data, idx, cfg):
     gram = getattr(data, "vgram", None)
     if gram is None:
         return _orig_num(r, data, idx, cfg)
-    x = data.x[idx] @ r
-    d = x.shape[-1]
-    gs = cfg.group_size or d
-    ci = refine_loss._clip_index(cfg.clip_ratio(data.side), d)
-    xq = ste_quantize_int2(x.reshape(-1, d), clip_index=ci, group_size=gs, scale_dtype=cfg.scale_dtype,
-                           round_rows=cfg.round_rows).reshape(x.shape)
-    e = (xq - x) * data.mask[idx]
-    y = data.metric[idx] @ e  # [b, H, g*m, d]
-    b, h, gm, _ = y.shape
+    y = data.metric[idx] @ refine_loss.rotated_errors(r, data, idx, cfg)  # [b, H, g*m, d]
+    b, h, gm, d = y.shape
     g = gram.shape[1]
     y = y.reshape(b, h, g, gm // g, d)
     rr = r[:, None]  # [P, 1, d, d]

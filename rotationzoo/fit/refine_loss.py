@@ -274,15 +274,21 @@ def layer_data(samples: LayerSamples, side: str, cfg: RefineConfig, mean: torch.
     return LayerData(x=x, metric=metric, mask=mask, den=den.to(torch.float64), side=side)
 
 
-def numerators(r: torch.Tensor, data: LayerData, idx: torch.Tensor, cfg: RefineConfig) -> torch.Tensor:
-    """Per-head loss numerators ``[H]`` (fp64) of blocks ``idx`` under rotations ``r [P, d, d]`` fp32."""
+def rotated_errors(r: torch.Tensor, data: LayerData, idx: torch.Tensor, cfg: RefineConfig) -> torch.Tensor:
+    """The INT2 store's error ``[b, H, n, d]`` of blocks ``idx`` in the rotated basis (straight-through rounding),
+    zero on the rows the sink keeps: what every loss measures."""
     x = data.x[idx] @ r  # [b, H, n, d]
     d = x.shape[-1]
     gs = cfg.group_size or d
     ci = _clip_index(cfg.clip_ratio(data.side), d)
     xq = ste_quantize_int2(x.reshape(-1, d), clip_index=ci, group_size=gs, scale_dtype=cfg.scale_dtype,
                             round_rows=cfg.round_rows).reshape(x.shape)
-    e = (xq - x) * data.mask[idx]
+    return (xq - x) * data.mask[idx]
+
+
+def numerators(r: torch.Tensor, data: LayerData, idx: torch.Tensor, cfg: RefineConfig) -> torch.Tensor:
+    """Per-head loss numerators ``[H]`` (fp64) of blocks ``idx`` under rotations ``r [P, d, d]`` fp32."""
+    e = rotated_errors(r, data, idx, cfg)
     metric = data.metric[idx]
     if data.loss == "served":
         if data.side == "k":
