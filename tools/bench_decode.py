@@ -39,8 +39,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
 from bench_decode_cpu import (  # noqa: E402
-    CACHES, MODEL, attention_table, cpu_identity, generate_child, int2_configs, print_attention, print_generate,
-    run_generate)
+    CACHES, MODEL, attention_table, cpu_identity, cpu_label, generate_child, int2_configs, print_attention,
+    print_generate, run_generate)
 
 
 def _log(msg: str) -> None:
@@ -260,9 +260,7 @@ def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"unknown cache(s) {', '.join(sorted(unknown))}; choose from {', '.join(CACHES)}")
     out: dict[str, Any] = {"mode": "cpu", "model": MODEL, "torch": torch.__version__, "cpus": os.cpu_count(),
                            "cpu": cpu_identity()}
-    cpu = out["cpu"]
-    print(f"CPU: {cpu.get('model_name') or cpu['machine']}" + (f" (family {cpu['family']}, model {cpu['model']}; "
-          f"{', '.join(cpu.get('isa') or []) or 'no AVX2'})" if cpu.get("family") else "") + f", {out['cpus']} cores\n")
+    print(f"CPU: {cpu_label(out['cpu'])}, {out['cpus']} cores\n")
     if not args.skip_generate:
         out["generate"] = run_generate(args.contexts, args.steps, args.runs, caches, args.prompt_tokens)
         print_generate(out["generate"], show)

@@ -242,6 +242,14 @@ def cpu_identity() -> dict[str, Any]:
     return info
 
 
+def cpu_label(info: dict[str, Any]) -> str:
+    """One line for :func:`cpu_identity`'s record: ``AMD EPYC (family 25, model 1; avx2, fma, f16c)``."""
+    name = info.get("model_name") or info["machine"]
+    if not info.get("family"):
+        return name
+    return f"{name} (family {info['family']}, model {info['model']}; {', '.join(info.get('isa') or []) or 'no AVX2'})"
+
+
 def _copy_gbps(threads: int) -> float:
     import torch
 
@@ -393,8 +401,8 @@ def print_attention(res: dict[str, Any], show: Callable[..., None]) -> None:
 
 
 def _paired(row: dict[str, Any]) -> str:
-    p = row.get("paired_vs_sdpa_fp32")
-    return f"{p['median']:.2f}x ({p['min']:.2f}–{p['max']:.2f})" if p else "–"
+    p = row["paired_vs_sdpa_fp32"]
+    return f"{p['median']:.2f}x ({p['min']:.2f}–{p['max']:.2f})"
 
 
-__all__ = ["CACHES", "attention_table", "cpu_identity", "generate_child", "int2_configs", "print_attention", "print_generate", "run_generate"]
+__all__ = ["CACHES", "attention_table", "cpu_identity", "cpu_label", "generate_child", "int2_configs", "print_attention", "print_generate", "run_generate"]
