@@ -55,8 +55,7 @@ def head_errors(oscar, dump, lid, chunks, queries, ratios, prefix, recent, seed=
     """``[len(ratios), H_kv]``: served attention-output error per K clip ratio and KV head (sums over chunks)."""
     from rotationzoo.integrations.transformers.oscar import fake_quantize
     tr = oscar.layer(lid)
-    num = torch.zeros(len(ratios), 0)
-    den = None
+    num = den = None
     for c in chunks:
         q = dump.load(lid, "q", c).float().permute(1, 0, 2)[None]  # [1, Hq, T, d]
         k = dump.load(lid, "k", c).float().permute(1, 0, 2)[None]
@@ -92,7 +91,7 @@ def head_errors(oscar, dump, lid, chunks, queries, ratios, prefix, recent, seed=
             o = torch.einsum("bhgmt,bhtd->bhgmd", a_ex, vr) + torch.einsum("bhgmt,bhtd->bhgmd", a - a_ex, vq)
             o = tr.output(o.reshape(1, hq, -1, d)).reshape(1, hkv, g, -1, d)
             row.append((o - o_fp).square().sum(dim=(0, 2, 3, 4)))
-        num = torch.stack(row) if num.numel() == 0 else num + torch.stack(row)
+        num = torch.stack(row) if num is None else num + torch.stack(row)
         e = o_fp.square().sum(dim=(0, 2, 3, 4))
         den = e if den is None else den + e
     return num / den
@@ -121,16 +120,16 @@ def cmd_fit(a):
     chunks = [int(c) for c in a.chunks.split(",")]
     for lid in layer_ids:
         err = head_errors(oscar, dump, lid, chunks, a.queries, ratios, fmt.prefix_tokens, fmt.recent_tokens)
-        choice = err.argmin(dim=0)
+        best, choice = err.min(dim=0)
         tot += err.sum(dim=1)
-        best_tot += float(err.min(dim=0).values.sum())
+        best_tot += float(best.sum())
         layer_choice = int(err.sum(dim=1).argmin())
         per_layer[str(lid)] = ratios[layer_choice]
         for h in range(err.shape[1]):
             table[f"{lid},{h}"] = ratios[int(choice[h])]
         print(f"layer {lid:2d}: heads " + " ".join(f"{ratios[int(c)]:.4f}" for c in choice)
               + f"  err at base {float(err[base].sum()) if base is not None else float('nan'):.4f}"
-              f" best {float(err.min(dim=0).values.sum()):.4f}", flush=True)
+              f" best {float(best.sum()):.4f}", flush=True)
     print("uniform clip -> summed proxy: " + ", ".join(f"{r:.4f}:{float(t):.4f}" for r, t in zip(ratios, tot)))
     print(f"per-head table summed proxy: {best_tot:.4f}")
     Path(a.out).write_text(json.dumps(table, indent=1) + "\n")

@@ -15,6 +15,7 @@ Measured (docs/real-model.md, "Where the KL comes from"): the default's lead ove
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -36,8 +37,8 @@ def main() -> int:
     rows_of = bench_frontier.rows_of
 
     def rows(text, rotations):
-        builtin = {f"hadamard{s}": MethodSpec(f"hadamard{s}", kind="hadamard",
-                                              objectives={"k": "hadamard", "v": "hadamard"}) for s in SIDES}
+        builtin = {f"hadamard{s}": replace(MethodSpec.hadamard(), name=f"hadamard{s}", method=f"hadamard{s}")
+                   for s in SIDES}
         return rows_of(text, {**builtin, **rotations})
 
     MethodSpec.oscar = oscar
