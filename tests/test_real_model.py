@@ -181,8 +181,11 @@ def test_decode_from_the_codes_matches_the_dequantize_path(lm, shipped, monkeypa
     r_pbr_hg16 default at G = 16, fp16 scale/zero), 80 tokens in the INT2 tier: every
     decode step of every layer that attends straight from the codes gives the attention output of
     dequantize-then-SDPA on the same inputs (measured ≤ 1e-6 relative), and the logits of the first
-    step agree to 2e-3 (measured 1.3e-4). Later steps drift further apart (8 steps: 1.5e-2), as any
-    fp32 rounding difference does through 30 layers of this model; the greedy tokens stay the same."""
+    step agree to 5e-3. How far the whole model carries a difference of that size depends on the rotation
+    set: first-step logits 1.3e-4 apart with the earlier r_pbr_hg16 default, 8.0e-4 with the G = 64 set
+    whose keys were trained at clip 0.96, 2.5e-3 with the current default (each with per-layer outputs
+    within 1e-6). Later steps drift further apart (8 steps: 1.5e-2), as any fp32 rounding difference does
+    through 30 layers of this model; the greedy tokens stay the same."""
     from rotationzoo.integrations.transformers import OscarKV, oscar_kv
     from rotationzoo.integrations.transformers import cache as cache_module
     from rotationzoo.integrations.transformers.oscar import rotate, unrotate
@@ -221,7 +224,7 @@ def test_decode_from_the_codes_matches_the_dequantize_path(lm, shipped, monkeypa
     assert len(errors) == 30 * 8  # the old path never called attend()
     first = (fast[:, 1] - slow[:, 1]).abs().max().item()
     print(f"attention outputs: max relative difference {max(errors):.1e}; first step logits {first:.1e}")
-    assert first < 2e-3, first
+    assert first < 5e-3, first
     assert torch.equal(fast.argmax(-1), slow.argmax(-1))
 
 
