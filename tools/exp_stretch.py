@@ -66,7 +66,7 @@ def cmd_transform(a) -> None:
     dump = Dump(src)
     shutil.copytree(src, out)
     ps: dict[int, torch.Tensor] = {}
-    for lid in sorted(int(p.name.split("_")[1]) for p in src.glob("layer_*")):
+    for lid in dump.layer_ids:
         chunks = [c for c in dump.chunk_ids(lid) if c != 0]  # the warm-up chunk (a few tokens) left out
         q = torch.cat([dump.load(lid, "q", c).double() for c in chunks])
         k = torch.cat([dump.load(lid, "k", c).double() for c in chunks])
@@ -115,11 +115,11 @@ def cmd_compose(a) -> None:
     write_rotation(kfile, new)
     manifest = out / "rotationzoo.json"
     if manifest.exists():
-        import hashlib
+        from rotationzoo.hashing import sha256_file
         m = json.loads(manifest.read_text())
         for entry in (m.get("files") or {}).values():
             if isinstance(entry, dict) and entry.get("name") == kfile.name:
-                entry["sha256"] = hashlib.sha256(kfile.read_bytes()).hexdigest()
+                entry["sha256"] = sha256_file(kfile)
                 entry["size"] = kfile.stat().st_size
         manifest.write_text(json.dumps(m, indent=2) + "\n")
     print(f"wrote {out} (K: P R with q_rotation P^-1 R; V as fitted)")
