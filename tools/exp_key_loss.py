@@ -10,13 +10,19 @@ that loss counts the softmax does not see, or sees differently:
 * ``KEY_LOSS=out``: what the layer reads is the attention output; to first order a score error moves it by
   ``sum_j a_ij d_ij (v_j - o_i)`` (``o_i`` the exact output), so this run measures that vector's squared norm
   per drawn query, relative to the outputs' energy: score errors on keys whose values stand out count more.
+* ``KEY_LOSS=iso:L``: the served loss with each drawn query's direction blended with isotropic ones of the same
+  norm, ``(1 - L) sum_ij a_ij d_ij^2 + L sum_ij a_ij |q_i|^2 |k~_j - k_j|^2 / d`` (``L = 1``: the attention-
+  weighted key error alone, blind to where the calibration text's queries point; a rotation fitted to one
+  text's query directions may not carry to text whose queries point elsewhere).
 
-Everything else is the command line's ``rotationzoo calibrate``, run in-process with the loss patched; nothing
-is written to the library::
+Everything else is the command line's ``rotationzoo calibrate`` (or ``rotationzoo fit`` from a capture), run
+in-process with the loss patched; nothing is written to the library::
 
     KEY_LOSS=out python tools/exp_key_loss.py calibrate --model SmolLM2-135M-Instruct.Q4_1.gguf --text emma.txt \\
         --tokens 20000 --seq-len 8192 --refine 100 --init oscar --grouping kv_head --center k -g 64 \\
         --scale-dtype bfloat16 --seed 2 --sample-tokens 20480 --keep-text mansfieldpark.txt --out kout/
+
+Measured (docs/real-model.md): none of the three beats the served loss on the design texts.
 """
 import os
 import sys
@@ -76,18 +82,23 @@ def numerators(r, data, idx, cfg):
     ws = w * s
     if mode == "var":
         num = (ws * s).sum(dim=(-1, -2)) - ws.sum(dim=-1).square().sum(dim=-1)
+    elif mode.startswith("iso:"):
+        lam = float(mode[4:])
+        qn = data.queries[idx].square().sum(dim=-1) / e.shape[-1]  # [b, H, g m]
+        iso = ((w * qn[..., None]) * e.square().sum(dim=-1)[..., None, :]).sum(dim=(-1, -2))
+        num = (1.0 - lam) * (ws * s).sum(dim=(-1, -2)) + lam * iso
     elif mode == "out":
         dout = ws @ data.vals[idx] - ws.sum(dim=-1, keepdim=True) * data.outs[idx]  # [b, H, g m, d]
         num = dout.square().sum(dim=(-1, -2))
     else:
-        raise SystemExit(f"KEY_LOSS must be var or out, got {mode!r}")
+        raise SystemExit(f"KEY_LOSS must be var, out or iso:L, got {mode!r}")
     return num.sum(dim=0).to(torch.float64)
 
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
-    if argv[:1] != ["calibrate"]:
-        sys.exit("usage: KEY_LOSS=var|out python tools/exp_key_loss.py calibrate [rotationzoo calibrate options]")
+    if argv[:1] not in (["calibrate"], ["fit"]):
+        sys.exit("usage: KEY_LOSS=var|out|iso:L python tools/exp_key_loss.py calibrate|fit [rotationzoo options]")
     print(f"key loss: {MODE}", file=sys.stderr)
     refine.layer_data = layer_data
     refine.numerators = numerators
