@@ -290,12 +290,17 @@ class KeepRule:
             ``calibrate``'s ``seq_len``).
         model: the judge, a local transformers folder or ``.gguf`` file, for a fit from a dump (``None``: the
             SmolLM2-135M-Instruct GGUF, as ``rotationzoo eval``); ``calibrate`` judges with the model it runs.
+        k_clip_ratio, v_clip_ratio: the clips the candidates are judged at, where they will be served at
+            other clips than they were refined for (keys refined without a clip and served at 0.92, say);
+            ``None``: the INT2 store the refinement trained for.
     """
 
     texts: tuple[str, ...]
     tokens: int | None = None
     context: int | None = None
     model: str | None = None
+    k_clip_ratio: float | None = None
+    v_clip_ratio: float | None = None
 
     def __post_init__(self) -> None:
         given: Any = self.texts
@@ -313,10 +318,19 @@ class KeepRule:
             _count(self.tokens, "keep tokens (--keep-tokens)", 1)
         if self.context is not None:
             _count(self.context, "keep context (--keep-context)", 1)
+        try:
+            self.judged_store(Int2KVConfig())
+        except ConfigError as e:
+            raise FitError(f"the keep rule's clip (--keep-k-clip-ratio / --keep-v-clip-ratio): {e}") from None
         return self
 
+    def judged_store(self, trained: Int2KVConfig) -> Int2KVConfig:
+        """The INT2 store the candidates are judged in: ``trained`` with this rule's clips, where given."""
+        return trained.replace(k_clip_ratio=self.k_clip_ratio, v_clip_ratio=self.v_clip_ratio)
+
     def to_json(self) -> dict[str, Any]:
-        return {"texts": list(self.texts), "tokens": self.tokens, "context": self.context, "model": self.model}
+        return {"texts": list(self.texts), "tokens": self.tokens, "context": self.context, "model": self.model,
+                "k_clip_ratio": self.k_clip_ratio, "v_clip_ratio": self.v_clip_ratio}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "KeepRule":

@@ -95,6 +95,10 @@ def test_cli_refine_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
                "--keep-model", "m.gguf")
     assert ran[0] == 1, ran[2]
     assert "--keep-model is the model --keep-text is evaluated with; add --keep-text FILE" in ran[2]
+    ran = run_cli(capsys, "fit", "--dump", str(tmp_path), "--out", str(tmp_path / "o"), "--refine", "5",
+               "--keep-k-clip-ratio", "0.92")
+    assert ran[0] == 1, ran[2]
+    assert "--keep-k-clip-ratio / --keep-v-clip-ratio set the clips the keep rule judges at on --keep-text" in ran[2]
     with pytest.raises(Exception, match="loss must be one of served, block"):
         Refinement(loss="kl")
     with pytest.raises(Exception, match="block_size must be from 16 to sample_tokens"):

@@ -89,10 +89,14 @@ def test_python_writes_what_the_cli_writes(dump: Path, tmp_path: Path, capsys, a
 def test_the_recipe_round_trips_through_json() -> None:
     recipe = FitRecipe(grouping="kv_head", center="k", group_size=64,
                        refine=Refinement(steps=100, init="oscar", int2kv=Int2KVConfig(scale_dtype="bfloat16")),
-                       keep=KeepRule(texts=(Path("held_out.txt"),), tokens=8192))
+                       keep=KeepRule(texts=(Path("held_out.txt"),), tokens=8192, k_clip_ratio=0.92))
     data = json.loads(json.dumps(recipe.check().to_json()))
+    assert data["keep"]["k_clip_ratio"] == 0.92 and data["keep"]["v_clip_ratio"] is None
     assert FitRecipe.from_json(data) == recipe and recipe.keep is not None and recipe.keep.texts == ("held_out.txt",)
     assert recipe.store() == Int2KVConfig(scale_dtype="bfloat16", group_size=64)
+    trained = Int2KVConfig(k_clip_ratio=0.0, v_clip_ratio=0.92)
+    assert recipe.keep.judged_store(trained) == Int2KVConfig(k_clip_ratio=0.92, v_clip_ratio=0.92)
+    assert KeepRule(texts=("a.txt",)).judged_store(trained) == trained
     with pytest.raises(FitError, match="recipe: unknown key"):
         FitRecipe.from_json({**data, "objectve": "qqt"})
 
@@ -107,6 +111,8 @@ def test_the_recipe_round_trips_through_json() -> None:
     (lambda: FitRecipe(composition="r_h", refine=Refinement()), "leave composition unset"),
     (lambda: FitRecipe(keep=KeepRule(texts=("a.txt",))), "judges a refinement's result"),
     (lambda: FitRecipe(refine=Refinement(), keep=KeepRule(texts=())), "give at least one text file"),
+    (lambda: FitRecipe(refine=Refinement(), keep=KeepRule(texts=("a.txt",), v_clip_ratio=1.5)),
+     r"keep rule's clip \(--keep-k-clip-ratio / --keep-v-clip-ratio\): v_clip_ratio must be"),
     (lambda: Refinement(init="random"), "unknown init 'random'"),
     (lambda: Refinement(param="givens"), "param must be one of expm, cayley, signs"),
     (lambda: Refinement(int2kv=Int2KVConfig(lloyd_max=True)), "lloyd_max=True is not modelled"),

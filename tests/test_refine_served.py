@@ -174,6 +174,22 @@ def test_keep_rule_never_keeps_a_set_the_model_finds_worse(keep_inputs) -> None:
     assert "kept " + keep["chosen"] in (keep_summary(res) or "")
 
 
+def test_keep_rule_judges_at_the_rules_clips(keep_inputs) -> None:
+    from rotationzoo.recipe import KeepRule
+    from rotationzoo.workflows.keep import apply_keep_rule
+
+    model, ids, h = keep_inputs
+    q, _ = torch.linalg.qr(torch.randn(D, D, generator=torch.Generator().manual_seed(1), dtype=torch.float64))
+    result = _result(q.float().expand(2, D, D), h, h, h)
+    trained = apply_keep_rule(result, model, ids, context=128)
+    judged = apply_keep_rule(result, model, ids, context=128,
+                             rule=KeepRule(texts=("held_out.txt",), k_clip_ratio=0.0, v_clip_ratio=0.5))
+    assert trained.refinement["keep"]["int2kv"] == INT2KV.to_json()
+    assert judged.refinement["keep"]["int2kv"] == INT2KV.replace(k_clip_ratio=0.0, v_clip_ratio=0.5).to_json()
+    assert judged.refinement["keep"]["kl"]["refined_k"] != trained.refinement["keep"]["kl"]["refined_k"]
+    assert judged.int2kv == result.int2kv  # the files still record the store they were refined for
+
+
 def test_keep_rule_ties_go_to_the_init(keep_inputs) -> None:
     from rotationzoo.evaluate.keep import keep_by_text
 

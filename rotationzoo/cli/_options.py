@@ -174,6 +174,13 @@ KeepContextOpt = Annotated[Optional[int], typer.Option(
     help="Tokens per window of the keep rule (default: the calibration context, the longest calibration "
          "sequence: --seq-len for calibrate, the dump's prompts for fit).")]
 
+KeepKClipOpt = Annotated[Optional[float], typer.Option(
+    "--keep-k-clip-ratio",
+    help="K clip ratio the keep rule judges at, where the rotations will be served at another clip than they "
+         "are refined for (default: the refined store's; 0 disables).")]
+KeepVClipOpt = Annotated[Optional[float], typer.Option(
+    "--keep-v-clip-ratio", help="The same for values (default: the refined store's).")]
+
 
 def config_changes(**knobs: Any) -> dict[str, Any]:
     """The INT2-KV knobs given on the command line (``None`` = not given)."""

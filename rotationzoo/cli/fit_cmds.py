@@ -44,8 +44,10 @@ from ._options import (
     InitOpt,
     JsonOpt,
     KeepContextOpt,
+    KeepKClipOpt,
     KeepTextOpt,
     KeepTokensOpt,
+    KeepVClipOpt,
     LossOpt,
     QueriesPerBlockOpt,
     RefineOpt,
@@ -134,7 +136,8 @@ def _recipe(objective: str, composition: Optional[str], group_size: Optional[int
             center: Optional[str], signs: str, min_tokens: Optional[int], refine: Optional[int], init: str, seed: int,
             sample_tokens: Optional[int], loss: str, block_size: Optional[int], queries_per_block: Optional[int],
             store: Any, param: str, keep_text: Optional[List[Path]], keep_tokens: Optional[int],
-            keep_context: Optional[int], keep_model: Optional[str] = None) -> Any:
+            keep_context: Optional[int], keep_model: Optional[str] = None,
+            keep_clips: tuple[Optional[float], Optional[float]] = (None, None)) -> Any:
     """The :class:`~rotationzoo.recipe.FitRecipe` the flags ask for, checked (before anything is read or loaded)."""
     from ..recipe import FitRecipe, KeepRule, Refinement
 
@@ -146,7 +149,8 @@ def _recipe(objective: str, composition: Optional[str], group_size: Optional[int
         **({"sample_tokens": sample_tokens} if sample_tokens is not None else {})}
     refinement = None if refine is None else Refinement(**refine_fields)
     keep = (KeepRule(texts=tuple(str(t) for t in keep_text), tokens=keep_tokens, context=keep_context,
-                     model=keep_model) if keep_text and refinement is not None else None)
+                     model=keep_model, k_clip_ratio=keep_clips[0], v_clip_ratio=keep_clips[1])
+            if keep_text and refinement is not None else None)
     fields: dict[str, Any] = {"objective": objective, "composition": composition, "group_size": group_size,
                               "grouping": grouping, "center": center, "signs": signs, "refine": refinement,
                               "keep": keep, **({"min_tokens": min_tokens} if min_tokens is not None else {})}
@@ -225,6 +229,8 @@ def fit_command(
     keep_text: KeepTextOpt = None,
     keep_tokens: KeepTokensOpt = None,
     keep_context: KeepContextOpt = None,
+    keep_k_clip_ratio: KeepKClipOpt = None,
+    keep_v_clip_ratio: KeepVClipOpt = None,
     keep_model: Annotated[Optional[str], typer.Option(
         "--keep-model", help="Local transformers model folder or .gguf file that --keep-text is evaluated with "
                              "(default: the SmolLM2-135M-Instruct GGUF, as rotationzoo eval).")] = None,
@@ -310,12 +316,14 @@ def fit_command(
         raise CLIError("--dump DIR is required (only --objective hadamard works without a dump)")
     if refine is not None and dump is None:
         raise CLIError("--refine needs --dump DIR (the calibration samples)")
-    check_keep_options(keep_text, keep_tokens, keep_context, refine is not None, keep_model)
+    keep_clips = (keep_k_clip_ratio, keep_v_clip_ratio)
+    check_keep_options(keep_text, keep_tokens, keep_context, refine is not None, keep_model,
+                       clipped=keep_clips != (None, None))
     store = _trained_store(refine, serving, param, scale_dtype=scale_dtype, prefix_tokens=prefix_tokens,
                            recent_tokens=recent_tokens, k_clip_ratio=k_clip_ratio, v_clip_ratio=v_clip_ratio)
     recipe = _recipe(objective, composition, group_size, grouping, center, signs, min_tokens, refine, init, seed,
                      sample_tokens, loss, block_size, queries_per_block, store, param, keep_text, keep_tokens,
-                     keep_context, keep_model)
+                     keep_context, keep_model, keep_clips)
     label = "refine" if refine is not None else "fit"
     with progress_reporter(label, enabled=dump is not None and objective != "hadamard") as progress:
         result, written = fit_dump(dump, recipe, out, layers=_parse_layers(layers), keep_first_chunk=keep_first_chunk,
@@ -364,6 +372,8 @@ def calibrate_command(
     keep_text: KeepTextOpt = None,
     keep_tokens: KeepTokensOpt = None,
     keep_context: KeepContextOpt = None,
+    keep_k_clip_ratio: KeepKClipOpt = None,
+    keep_v_clip_ratio: KeepVClipOpt = None,
     grouping: GroupingOpt = None,
     min_tokens: MinTokensOpt = None,
     center: CenterOpt = None,
@@ -403,12 +413,13 @@ def calibrate_command(
     """
     from ..workflows.fitting import calibrate
 
-    check_keep_options(keep_text, keep_tokens, keep_context, refine is not None)
+    keep_clips = (keep_k_clip_ratio, keep_v_clip_ratio)
+    check_keep_options(keep_text, keep_tokens, keep_context, refine is not None, clipped=keep_clips != (None, None))
     store = _trained_store(refine, serving, param, scale_dtype=scale_dtype, prefix_tokens=prefix_tokens,
                            recent_tokens=recent_tokens, k_clip_ratio=k_clip_ratio, v_clip_ratio=v_clip_ratio)
     recipe = _recipe(objective, composition, group_size, grouping, center, signs, min_tokens, refine, init, seed,
                      sample_tokens, loss, block_size, queries_per_block, store, param, keep_text, keep_tokens,
-                     keep_context)
+                     keep_context, keep_clips=keep_clips)
     with progress_reporter("calibrate") as progress:
         result, written = calibrate(model, text, recipe, out, tokens=tokens, seq_len=seq_len, dump_out=dump_out,
                                     overwrite_dump=overwrite_dump, dtype=dtype, device=device, model_id=model_id,

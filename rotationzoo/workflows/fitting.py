@@ -103,7 +103,7 @@ def fit_dump(
         if judge is not None and keep is not None:
             lm, held_ids = judge
             result = apply_keep_rule(result, lm, held_ids, keep.tokens, keep.context,
-                                     progress=keep_progress or progress)
+                                     progress=keep_progress or progress, rule=keep)
     else:
         source = None if dump is None else open_dump(dump, keep_first_chunk=keep_first_chunk, layers=ids,
                                                      tp_size=tp_size)
@@ -186,7 +186,7 @@ def calibrate(
     )
     if recipe.refine is not None and keep is not None and held_ids is not None:
         result = apply_keep_rule(result, lm, held_ids, keep.tokens, keep.context,
-                                 progress=keep_progress or progress)
+                                 progress=keep_progress or progress, rule=keep)
     elif recipe.refine is not None and note is not None:
         note("keep rule skipped: give --keep-text FILE, a text other than the calibration one (the calibration "
              "text's own continuation overstates what refinement gains on other text: docs/fitting.md)")

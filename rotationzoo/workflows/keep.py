@@ -29,21 +29,26 @@ from ..progress import Progress
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..fit import FitResult
+    from ..recipe import KeepRule
 
 #: What :func:`load_judge` reports before the weights load (``note(message)``), e.g. the CLI's stderr line.
 Note = Callable[[str], None]
 
 
 def check_keep_options(texts: Optional[Sequence[Any]], tokens: Optional[int], context: Optional[int],
-                       refining: bool, model: Optional[str] = None) -> None:
-    """Refuse keep-rule options without a refinement or without the text they apply to, before anything loads."""
-    if (texts or model or tokens is not None or context is not None) and not refining:
-        raise ConfigError("--keep-text / --keep-model / --keep-tokens / --keep-context judge --refine's result; add "
-                          "--refine STEPS")
+                       refining: bool, model: Optional[str] = None, clipped: bool = False) -> None:
+    """Refuse keep-rule options without a refinement or without the text they apply to, before anything loads
+    (``clipped``: ``--keep-k-clip-ratio`` or ``--keep-v-clip-ratio`` given)."""
+    if (texts or model or tokens is not None or context is not None or clipped) and not refining:
+        raise ConfigError("--keep-text / --keep-model / --keep-tokens / --keep-context / --keep-k-clip-ratio / "
+                          "--keep-v-clip-ratio judge --refine's result; add --refine STEPS")
     if model and not texts:
         raise ConfigError("--keep-model is the model --keep-text is evaluated with; add --keep-text FILE")
     if (tokens is not None or context is not None) and not texts:
         raise ConfigError("--keep-tokens / --keep-context set the keep rule on --keep-text; add --keep-text FILE")
+    if clipped and not texts:
+        raise ConfigError("--keep-k-clip-ratio / --keep-v-clip-ratio set the clips the keep rule judges at on "
+                          "--keep-text; add --keep-text FILE")
 
 
 def keep_plan(tokens: Optional[int], context: Optional[int], bound: int) -> tuple[int, int, str]:
@@ -76,18 +81,21 @@ def keep_ids(tokenizer: Any, texts: Sequence[Any], plan: tuple[int, int, str]) -
 
 
 def apply_keep_rule(result: "FitResult", lm: Any, ids: list[int], tokens: Optional[int] = None,
-                    context: Optional[int] = None, progress: Progress | None = None) -> "FitResult":
+                    context: Optional[int] = None, progress: Progress | None = None,
+                    rule: Optional[KeepRule] = None) -> "FitResult":
     """The keep rule on held-out ``ids`` (:func:`rotationzoo.evaluate.keep.keep_by_text`).
 
     Windows of ``context`` tokens (default: the calibration context the result records), ``tokens`` of
-    the ids (default: 4,096, at least one window). :func:`rotationzoo.evaluate.keep.keep_summary` says
-    what was kept.
+    the ids (default: 4,096, at least one window), in the INT2 store the result was refined for with
+    ``rule``'s clips where it gives them (:meth:`~rotationzoo.recipe.KeepRule.judged_store`; the record's
+    ``int2kv`` says which). :func:`rotationzoo.evaluate.keep.keep_summary` says what was kept.
     """
     from ..evaluate.keep import keep_by_text, keep_tokens, keep_window
 
     window = keep_window(result) if context is None else context
     ids = ids[:keep_tokens(window) if tokens is None else tokens]
-    return keep_by_text(lm, ids, result, window=window, progress=progress, source="--keep-text")
+    config = rule.judged_store(result.serving_config()) if rule is not None else None
+    return keep_by_text(lm, ids, result, config=config, window=window, progress=progress, source="--keep-text")
 
 
 def load_judge(texts: Optional[Sequence[Any]], model: Optional[str] = None, tokens: Optional[int] = None,
