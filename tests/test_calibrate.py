@@ -324,8 +324,8 @@ def test_cli_calibrate_refine_keeps_what_the_model_judges_best(tmp_path):
     assert k.rotations.shape == (LAYERS, HKV, 64, 64) and m["files"]["k"]["objective"] == name
     r = CliRunner().invoke(app, ["calibrate", "--model", str(root), "--text", str(root / "calib_a.txt"),
                                  "--tokens", "600", "--out", str(tmp_path / "x"), "--keep-text", str(root / "calib_b.txt")])
-    assert r.exit_code == 1 and "--keep-text / --keep-model / --keep-tokens / --keep-context judge --refine's result" \
-        in str(r.exception)
+    assert r.exit_code == 1 and ("--keep-text / --keep-model / --keep-tokens / --keep-context / --keep-k-clip-ratio / "
+                                 "--keep-v-clip-ratio judge --refine's result") in str(r.exception)
     # the keep window defaults to the calibration context (--seq-len): 900 tokens hold none, refused before loading
     r = CliRunner().invoke(app, ["calibrate", "--model", str(root), "--text", str(root / "calib_a.txt"),
                                  "--tokens", "2048", "--seq-len", "1024", "--out", str(tmp_path / "y"), "--refine", "2",
