@@ -26,6 +26,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tools"))
 
 
 def key_means(dump_dir: Path, layer_ids: tuple[int, ...]) -> torch.Tensor:
@@ -50,9 +51,8 @@ def main() -> None:
     ap.add_argument("--rotations", required=True, type=Path, help="a fitted folder with a centered K file")
     ap.add_argument("--out", required=True, type=Path)
     a = ap.parse_args()
-    from rotationzoo.files.format import read_rotation, write_rotation
-    from rotationzoo.files.manifest import MANIFEST_NAME, read_manifest, write_manifest
-    from rotationzoo.hashing import sha256_file
+    from exp_stretch import rewrite_k_file
+    from rotationzoo.files.format import read_rotation
 
     if a.out.exists():
         sys.exit(f"{a.out} exists: give a new folder")
@@ -66,15 +66,8 @@ def main() -> None:
     if new_mean.shape != rs.k_mean.shape:
         sys.exit(f"the capture's means are {tuple(new_mean.shape)}, the file's k_mean {tuple(rs.k_mean.shape)}")
     shutil.copytree(a.rotations, a.out)
-    kfile = a.out / kfiles[0].name
-    write_rotation(kfile, replace(rs, k_mean=new_mean, format_version=None, path=None))
-    if (a.out / MANIFEST_NAME).exists():
-        m = read_manifest(a.out / MANIFEST_NAME)
-        for entry in (m.get("files") or {}).values():
-            if isinstance(entry, dict) and entry.get("name") == kfile.name:
-                entry["sha256"], entry["size"] = sha256_file(kfile), kfile.stat().st_size
-        m["k_mean_from"] = str(a.dump)
-        write_manifest(a.out, m)
+    rewrite_k_file(a.out / kfiles[0].name, replace(rs, k_mean=new_mean, format_version=None, path=None),
+                   k_mean_from=str(a.dump))
     shift = (new_mean - rs.k_mean).norm(dim=-1) / rs.k_mean.norm(dim=-1).clamp_min(1e-12)
     print(f"wrote {a.out}: k_mean from {a.dump} (moved by {shift.min():.2f}-{shift.max():.2f} of its norm per head)")
 

@@ -29,7 +29,6 @@ The composed folder is evaluated like any other (``tools/bench_frontier.py --rot
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 from dataclasses import replace
@@ -94,8 +93,24 @@ def cmd_transform(a) -> None:
     print(f"wrote {out} (and {out / P_FILE})")
 
 
+def rewrite_k_file(kfile: Path, new, **record) -> None:
+    """Write the K set ``new`` over ``kfile`` in a copied fitted folder and give its manifest (if any) the new
+    file's sha256 and size, plus ``record``'s keys (what was changed)."""
+    from rotationzoo.files.format import write_rotation
+    from rotationzoo.files.manifest import MANIFEST_NAME, read_manifest, write_manifest
+    from rotationzoo.hashing import sha256_file
+
+    write_rotation(kfile, new)
+    if (kfile.parent / MANIFEST_NAME).exists():
+        m = read_manifest(kfile.parent / MANIFEST_NAME)
+        for entry in (m.get("files") or {}).values():
+            if isinstance(entry, dict) and entry.get("name") == kfile.name:
+                entry["sha256"], entry["size"] = sha256_file(kfile), kfile.stat().st_size
+        write_manifest(kfile.parent, {**m, **record})
+
+
 def cmd_compose(a) -> None:
-    from rotationzoo.files.format import read_rotation, write_rotation
+    from rotationzoo.files.format import read_rotation
     fitted, out = Path(a.fitted), Path(a.out)
     saved = torch.load(Path(a.p) / P_FILE, weights_only=True)
     p = saved["p"].double()
@@ -112,16 +127,7 @@ def cmd_compose(a) -> None:
     new = replace(rs, rotations=(p @ r).float(), q_rotation=(pinv @ r).float(), k_mean=k_mean, eigenvalues=None,
                   format_version=None, path=None,
                   transform={**(rs.transform or {}), "orthogonal": False, "stretch_alpha": float(saved["alpha"])})
-    write_rotation(kfile, new)
-    manifest = out / "rotationzoo.json"
-    if manifest.exists():
-        from rotationzoo.hashing import sha256_file
-        m = json.loads(manifest.read_text())
-        for entry in (m.get("files") or {}).values():
-            if isinstance(entry, dict) and entry.get("name") == kfile.name:
-                entry["sha256"] = sha256_file(kfile)
-                entry["size"] = kfile.stat().st_size
-        manifest.write_text(json.dumps(m, indent=2) + "\n")
+    rewrite_k_file(kfile, new)
     print(f"wrote {out} (K: P R with q_rotation P^-1 R; V as fitted)")
 
 
