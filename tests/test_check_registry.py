@@ -67,6 +67,19 @@ def _swapped_sides(d):
     files["k"]["path"], files["v"]["path"] = files["v"]["path"], files["k"]["path"]
 
 
+def _smollm2_tag(d, name=None):
+    m = next(m for m in d["models"] if m["id"] == "HuggingFaceTB/SmolLM2-135M-Instruct")
+    return m["tags"][name or m["default_tag"]]
+
+
+def _per_head_said_layer(d):
+    del _smollm2_tag(d)["grouping"]  # the bundled default's files hold one rotation per KV head
+
+
+def _per_layer_said_kv_head(d):
+    _smollm2_tag(d, "hadamard")["grouping"] = "kv_head"  # the bundled Hadamard files: one rotation per layer
+
+
 @pytest.mark.parametrize(
     "mutate, message",
     [
@@ -77,6 +90,8 @@ def _swapped_sides(d):
         (_bad_source, "is not a NAMESPACE/NAME id"),
         (_path_wrong_tag, "is not under a folder named after the tag"),
         (_swapped_sides, "does not name a K file"),
+        (_per_head_said_layer, "hold one rotation per KV head but the entry's grouping is layer; set \"grouping\""),
+        (_per_layer_said_kv_head, "hold one rotation per layer but the entry's grouping is kv_head; remove"),
     ],
 )
 def test_broken_registry_fails(tmp_path: Path, mutate, message: str) -> None:

@@ -535,6 +535,41 @@ def test_known_model_gets_its_registry_architecture_and_keeps_bundled_tags(hubs,
     assert torch.equal(pair.k.rotations, _orthogonal(1, 30, 64))
 
 
+def test_per_head_files_get_grouping_and_the_keep_rules_clips_become_the_serving_clips(hubs, tmp_path) -> None:
+    # a fitted folder of per-KV-head files whose recipe trained the keys without a clip and told the keep rule
+    # they will be served at 0.92 / 0.90 (fit --keep-k-clip-ratio 0.92 --keep-v-clip-ratio 0.90)
+    out = tmp_path / "perhead"
+    out.mkdir()
+    files = {}
+    for side, obj, seed in (("k", "refined_k_served_score_r_h_pbr", 1), ("v", "refined_v_served_out_r_h_pbr", 2)):
+        rs = RotationSet(_orthogonal(seed, L * 2, D).reshape(L, 2, D, D), range(L), obj)
+        p = write_rotation(out / f"{side}_rotation_{obj}-kv_head.pt", rs)
+        files[side] = {"name": p.name, "objective": obj, "sha256": _sha(p), "size": p.stat().st_size}
+    doc = {"manifest_version": 1, "model": MODEL, "tag": TAG, "tokens": 100, "prompts": 2, "head_dim": D,
+           "num_layers": L, "layer_ids": list(range(L)), "num_q_heads": 4, "num_kv_heads": 2, "objective": "refined",
+           "objectives": {"k": files["k"]["objective"], "v": files["v"]["objective"]}, "grouping": "kv_head",
+           "group_size": 16, "format": "pt", "format_version": 2, "files": files,
+           "int2kv": {"k_clip_ratio": 0.0, "v_clip_ratio": 0.92, "group_size": 16},
+           "recipe": {"keep": {"texts": ["held_out.txt"], "k_clip_ratio": 0.92, "v_clip_ratio": 0.90}},
+           "library": {"name": "rotationzoo", "version": rotationzoo.__version__}}
+    (out / "rotationzoo.json").write_text(json.dumps(doc, indent=2) + "\n")
+    reg = tmp_path / "reg.json"
+    publish(out, repo=REPO_ID, model=MODEL, tag=TAG, to="huggingface", registry_out=reg)
+    tag = json.loads(reg.read_text())["models"][0]["tags"][TAG]
+    assert tag["grouping"] == "kv_head"
+    assert (tag["serving"]["k_clip_ratio"], tag["serving"]["v_clip_ratio"]) == (0.92, 0.90)
+    # without the keep clips: the training clip where it is one (V 0.92), the authors' K clip where none (0)
+    del doc["recipe"]
+    (out / "rotationzoo.json").write_text(json.dumps(doc, indent=2) + "\n")
+    publish(out, repo=REPO_ID, model=MODEL, tag="other", to="huggingface", registry_out=reg)
+    tag = json.loads(reg.read_text())["models"][0]["tags"]["other"]
+    assert (tag["serving"]["k_clip_ratio"], tag["serving"]["v_clip_ratio"]) == (0.96, 0.92)
+    # per-layer files carry no grouping (the registry's default, layer)
+    publish(make_fitted(tmp_path / "layer"), repo=REPO_ID, model=MODEL, tag="layer", to="huggingface",
+            registry_out=reg)
+    assert "grouping" not in json.loads(reg.read_text())["models"][0]["tags"]["layer"]
+
+
 def test_a_merge_that_would_break_the_registry_is_refused_before_upload(hubs, fitted, tmp_path) -> None:
     reg = tmp_path / "reg.json"
     clash = _other_model()

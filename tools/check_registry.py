@@ -8,8 +8,10 @@ Usage::
 
 Checks the JSON Schema, unique ids and aliases across models, that every default tag exists,
 sha256 format, positive sizes, well-formed sources, revisions (40-hex commits, or counted as
-unpinned), paths consistent with their tag, and that bundled files exist with the registered
-sha256. Exits 1 on any error (``--strict``: also on warnings).
+unpinned), paths consistent with their tag, that bundled files exist with the registered
+sha256, and that a tag with bundled files says the grouping they hold (``"grouping": "kv_head"`` for
+per-KV-head files, what ``info``, ``plan`` and ``serve-args`` read before anything is downloaded).
+Exits 1 on any error (``--strict``: also on warnings).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from rotationzoo.config import package_data_dir  # noqa: E402
+from rotationzoo.files.format import read_rotation  # noqa: E402
 from rotationzoo.registry import lint_registry, schema_path  # noqa: E402
 
 
@@ -41,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     report = lint_registry(data, schema=json.loads(schema_path().read_text()))
     for m in data.get("models", []) if isinstance(data, dict) else []:
         for tname, t in (m.get("tags") or {}).items():
+            per_head: dict[str, bool] = {}
             for side, f in (t.get("files") or {}).items():
                 for s in f.get("sources", t.get("sources", [])):
                     if isinstance(s, dict) and s.get("type") == "bundled":
@@ -49,6 +53,15 @@ def main(argv: list[str] | None = None) -> int:
                             report.errors.append(f"{m.get('id')}@{tname}: bundled file {p} is missing")
                         elif f.get("sha256") and hashlib.sha256(p.read_bytes()).hexdigest() != f["sha256"]:
                             report.errors.append(f"{m.get('id')}@{tname}: bundled {side} file does not match its sha256")
+                        else:
+                            per_head[side] = read_rotation(p).per_head
+            said = t.get("grouping", "layer")
+            held = "kv_head" if any(per_head.values()) else "layer"
+            if per_head and said != held:
+                fix = 'set "grouping": "kv_head"' if held == "kv_head" else 'remove "grouping"'
+                report.errors.append(f"{m.get('id')}@{tname}: the bundled files hold one rotation per "
+                                     f"{'KV head' if held == 'kv_head' else 'layer'} but the entry's grouping is "
+                                     f"{said}; {fix}")
     if args.json:
         print(json.dumps({"ok": report.ok and not (args.strict and report.warnings), "errors": report.errors,
                           "warnings": report.warnings, "models": report.models, "tags": report.tags,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence, TypeGuard
 
 from .._version import __version__
 from ..int2kv import Int2KVConfig
@@ -55,6 +55,7 @@ def _tag_json(plan: Plan, hubs: Sequence[HubResult], existing: Mapping[str, Any]
         if dataset:
             tag.setdefault("calibration", {})["dataset"] = dataset
         tag["objectives"] = dict(plan.objectives)
+        _set_grouping(tag, plan)
         tag["sources"] = sources
         tag["files"] = files
         return tag
@@ -71,7 +72,7 @@ def _tag_json(plan: Plan, hubs: Sequence[HubResult], existing: Mapping[str, Any]
     if not description:
         how = f" ({m['composition']})" if isinstance(m.get("composition"), str) else ""
         description = f"Fitted rotations{how}, published with rotationzoo {__version__}"
-    return {
+    tag = {
         "description": description,
         "calibration": calibration,
         "objectives": dict(plan.objectives),
@@ -80,23 +81,46 @@ def _tag_json(plan: Plan, hubs: Sequence[HubResult], existing: Mapping[str, Any]
         "sources": sources,
         "files": files,
     }
+    _set_grouping(tag, plan)
+    return tag
+
+
+def _set_grouping(tag: dict[str, Any], plan: Plan) -> None:
+    """The entry's ``grouping``: ``kv_head`` for per-KV-head files (what ``info``, ``plan`` and ``serve-args``
+    read before anything is downloaded); absent, the registry's default ``layer``, otherwise."""
+    if plan.grouping == "kv_head":
+        tag["grouping"] = "kv_head"
+    else:
+        tag.pop("grouping", None)
+
+
+def _is_clip(value: Any, *, zero_ok: bool) -> TypeGuard[float]:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and (0 <= value if zero_ok else 0 < value) \
+        and value <= 1
 
 
 def _new_serving(plan: Plan, manifest: Mapping[str, Any], group: Any) -> dict[str, Any]:
-    """Serving defaults of a new entry: the authors' recipe with the manifest's clip ratios (its
-    ``int2kv`` block; ``clip_ratio`` in manifests written before it) and the tag's group size
-    (head_dim when the tag does not name one)."""
+    """Serving defaults of a new entry: the authors' recipe with the manifest's clip ratios and the tag's
+    group size (head_dim when the tag does not name one). A clip the keep rule was told the files will be
+    served at (the recipe's ``keep.k_clip_ratio`` / ``keep.v_clip_ratio``: ``fit --keep-k-clip-ratio``) wins
+    over the clip they were trained at (the ``int2kv`` block; ``clip_ratio`` in manifests written before it)."""
     changes: dict[str, Any] = {}
     block = manifest.get("int2kv")
     if isinstance(block, Mapping):
-        clip: Mapping[str, Any] = {side: block.get(f"{side}_clip_ratio") for side in SIDES}
+        clip: dict[str, Any] = {side: block.get(f"{side}_clip_ratio") for side in SIDES}
     else:
         raw = manifest.get("clip_ratio")
-        clip = raw if isinstance(raw, Mapping) else {}
+        clip = dict(raw) if isinstance(raw, Mapping) else {}
+    recipe = manifest.get("recipe")
+    keep = recipe.get("keep") if isinstance(recipe, Mapping) else None
+    served = {side: keep.get(f"{side}_clip_ratio") for side in SIDES} if isinstance(keep, Mapping) else {}
     for side in SIDES:
-        value = clip.get(side)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1:
-            changes[f"{side}_clip_ratio"] = float(value)
+        # a keep clip of 0 says "served unclipped"; a training clip of 0 (none) says nothing about serving
+        kept, trained = served.get(side), clip.get(side)
+        if _is_clip(kept, zero_ok=True):
+            changes[f"{side}_clip_ratio"] = float(kept)
+        elif _is_clip(trained, zero_ok=False):
+            changes[f"{side}_clip_ratio"] = float(trained)
     ok = isinstance(group, int) and 16 <= group <= plan.head_dim and not group & (group - 1)
     changes["group_size"] = group if ok else plan.head_dim
     return Int2KVConfig(**changes).to_json()

@@ -40,6 +40,8 @@ class Plan:
     objectives: dict[str, str]
     manifest: dict[str, Any] | None
     warnings: list[str] = field(default_factory=list)
+    #: ``kv_head`` when either file holds one rotation per KV head, else ``layer`` (the registry's ``grouping``)
+    grouping: str = "layer"
 
     @property
     def folder(self) -> str:
@@ -180,6 +182,7 @@ def prepare(
         directory=k_path.parent, model_id=model_id, model_folder=folder, tag=tag, known_model=known,
         files=files, layer_ids=k.layer_ids, head_dim=k.head_dim,
         objectives={"k": k.objective, "v": v.objective}, manifest=manifest, warnings=warn,
+        grouping="kv_head" if k.per_head or v.per_head else "layer",
     )
 
 
