@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from rotationzoo.config import package_data_dir  # noqa: E402
 from rotationzoo.files.format import read_rotation  # noqa: E402
+from rotationzoo.files.rotation_set import grouping_of  # noqa: E402
 from rotationzoo.registry import lint_registry, schema_path  # noqa: E402
 
 
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     report = lint_registry(data, schema=json.loads(schema_path().read_text()))
     for m in data.get("models", []) if isinstance(data, dict) else []:
         for tname, t in (m.get("tags") or {}).items():
-            per_head: dict[str, bool] = {}
+            bundled: list = []  # the bundled sides that are there, read
             for side, f in (t.get("files") or {}).items():
                 for s in f.get("sources", t.get("sources", [])):
                     if isinstance(s, dict) and s.get("type") == "bundled":
@@ -54,14 +55,12 @@ def main(argv: list[str] | None = None) -> int:
                         elif f.get("sha256") and hashlib.sha256(p.read_bytes()).hexdigest() != f["sha256"]:
                             report.errors.append(f"{m.get('id')}@{tname}: bundled {side} file does not match its sha256")
                         else:
-                            per_head[side] = read_rotation(p).per_head
-            said = t.get("grouping", "layer")
-            held = "kv_head" if any(per_head.values()) else "layer"
-            if per_head and said != held:
-                fix = 'set "grouping": "kv_head"' if held == "kv_head" else 'remove "grouping"'
-                report.errors.append(f"{m.get('id')}@{tname}: the bundled files hold one rotation per "
-                                     f"{'KV head' if held == 'kv_head' else 'layer'} but the entry's grouping is "
-                                     f"{said}; {fix}")
+                            bundled.append(read_rotation(p))
+            said, held = t.get("grouping", "layer"), grouping_of(*bundled)
+            if bundled and said != held:
+                unit, fix = ("KV head", 'set "grouping": "kv_head"') if held == "kv_head" else ("layer", 'remove "grouping"')
+                report.errors.append(f"{m.get('id')}@{tname}: the bundled files hold one rotation per {unit} but the "
+                                     f"entry's grouping is {said}; {fix}")
     if args.json:
         print(json.dumps({"ok": report.ok and not (args.strict and report.warnings), "errors": report.errors,
                           "warnings": report.warnings, "models": report.models, "tags": report.tags,

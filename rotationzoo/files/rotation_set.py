@@ -41,6 +41,7 @@ from .schema import (
     parse,
 )
 from ..errors import ConfigError, RotationFileError
+from ..vocab import Grouping
 from ..headdims import HeadDims
 from ..sharding import kv_heads_per_rank
 
@@ -333,6 +334,12 @@ class RotationSet:
         See :func:`set_from_dict` for the arguments.
         """
         return set_from_dict(obj, **kwargs)
+
+
+def grouping_of(*sets: "RotationSet | None") -> Grouping:
+    """A pair's grouping: ``"kv_head"`` when any of ``sets`` holds one rotation per KV head
+    (``[L, H_kv, d, d]``), else ``"layer"`` (what a manifest's and a registry entry's ``grouping`` say)."""
+    return "kv_head" if any(rs is not None and rs.per_head for rs in sets) else "layer"
 
 
 def _dedupe(t: torch.Tensor, seen: list[torch.Tensor]) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 from .._version import __version__
 from ..errors import FitError
 from ..files.format import RotationSet
+from ..files.rotation_set import grouping_of
 from ..int2kv import Int2KVConfig
 from .compose import composition_label
 from ..recipe import V2_COMPOSITION
@@ -176,7 +177,7 @@ class FitResult:
     def grouping(self) -> str:
         """``"kv_head"`` when the sets hold one rotation per layer and KV head (``[L, H_kv, d, d]``),
         else ``"layer"`` (``[L, d, d]``)."""
-        return "kv_head" if any(rs is not None and rs.per_head for rs in (self.k, self.v)) else "layer"
+        return grouping_of(self.k, self.v)
 
     @property
     def composition_label(self) -> str:

@@ -16,6 +16,7 @@ from ..errors import (
     UnknownModelError,
 )
 from ..files.format import read_rotation, write_rotation
+from ..files.rotation_set import grouping_of
 from ..files.manifest import MANIFEST_NAME, check_manifest_files, read_manifest
 from ..files.pair import ROTATION_SUFFIXES, find_pair_files, resolve_pair
 from ..files.pairfile import file_kind
@@ -23,6 +24,7 @@ from ..files.validation import pair_disagreement, validate
 from ..hashing import sha256_file
 from ..registry import SIDES, load_registry
 from ..registry.safety import MODEL_ID, check_tag
+from ..vocab import Grouping
 from .results import UploadFile
 
 
@@ -41,7 +43,7 @@ class Plan:
     manifest: dict[str, Any] | None
     warnings: list[str] = field(default_factory=list)
     #: ``kv_head`` when either file holds one rotation per KV head, else ``layer`` (the registry's ``grouping``)
-    grouping: str = "layer"
+    grouping: Grouping = "layer"
 
     @property
     def folder(self) -> str:
@@ -182,7 +184,7 @@ def prepare(
         directory=k_path.parent, model_id=model_id, model_folder=folder, tag=tag, known_model=known,
         files=files, layer_ids=k.layer_ids, head_dim=k.head_dim,
         objectives={"k": k.objective, "v": v.objective}, manifest=manifest, warnings=warn,
-        grouping="kv_head" if k.per_head or v.per_head else "layer",
+        grouping=grouping_of(k, v),
     )
 
 
