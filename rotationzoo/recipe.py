@@ -84,6 +84,8 @@ DEFAULT_SAMPLE_TOKENS = 14336
 DEFAULT_BLOCK_SIZE = 256
 #: Calibration block length the served loss is meant for (its pairs need ``i − j > recent_tokens``).
 SERVED_BLOCK_SIZE = 1024
+#: The losses that count only the pairs that are INT2 when served (blocks of :data:`SERVED_BLOCK_SIZE`, drawn queries).
+SERVED_LOSSES: tuple[str, ...] = ("served", "fisher")
 #: Queries drawn per block by the served loss.
 DEFAULT_QUERIES_PER_BLOCK = 64
 #: Refinement init → the composition of the closed form it starts from (``None``: ``H_d``, data-free).
@@ -235,7 +237,7 @@ class Refinement:
         """The calibration block length in effect."""
         if self.block_size is not None:
             return self.block_size
-        return SERVED_BLOCK_SIZE if self.loss == "served" else DEFAULT_BLOCK_SIZE
+        return SERVED_BLOCK_SIZE if self.loss in SERVED_LOSSES else DEFAULT_BLOCK_SIZE
 
     def check(self) -> "Refinement":
         """Refuse anything out of range (a :class:`FitError`); ``self`` otherwise."""
@@ -254,8 +256,8 @@ class Refinement:
                 raise FitError(f"block_size must be from 16 to sample_tokens ({self.sample_tokens}), got "
                                f"{self.block_size}")
         if self.queries_per_block is not None:
-            if self.loss != "served":
-                raise FitError(f"queries_per_block is a setting of the served loss; drop it or use loss 'served', not "
+            if self.loss not in SERVED_LOSSES:
+                raise FitError(f"queries_per_block is a setting of the served losses; drop it or use loss 'served' or 'fisher', not "
                                f"{self.loss!r}")
             _count(self.queries_per_block, "queries_per_block", 1)
         if self.sample_tokens < self.blocks:

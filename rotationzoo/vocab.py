@@ -90,7 +90,7 @@ GROUPINGS: tuple[str, ...] = get_args(Grouping)
 RefineInit = Literal["hadamard", "oscar", "r_pbr_hg"]
 REFINE_INITS: tuple[str, ...] = get_args(RefineInit)
 #: Losses of learned refinement: the pairs INT2 when served (attention-weighted), or every pair of a block.
-RefineLoss = Literal["served", "block"]
+RefineLoss = Literal["served", "fisher", "block"]
 REFINE_LOSSES: tuple[str, ...] = get_args(RefineLoss)
 #: What learned refinement learns: the rotation (``expm``, ``cayley`` parametrisations) or only the init's column signs.
 RefineParam = Literal["expm", "cayley", "signs"]

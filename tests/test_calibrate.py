@@ -165,6 +165,50 @@ def test_statistics_keep_a_sample_reservoir_for_refinement(tiny, tiny_model_dir,
         calibrate(model, tokenizer, texts, tokens=300, objective="ktk_vtv", refine=Refinement(loss="block", steps=1))
 
 
+def test_calibrate_with_grads_keeps_them_in_the_dump_and_the_samples(tiny, tiny_model_dir, tmp_path):
+    """``grads``: every chunk of the dump (the warm-up too) gets its output gradients, the reservoir's blocks carry
+    the same ones, a fisher refinement runs from either, and the model's weights get no gradient."""
+    model, tokenizer = tiny
+    texts = [tiny_model_dir / "calib_a.txt", tiny_model_dir / "calib_b.txt"]
+    stats = collect_statistics(model, tokenizer, texts, tokens=900, seq_len=256, dump_out=tmp_path / "dump",
+                               sample_tokens=256, sample_seed=5, grads=True)
+    dump = open_dump(tmp_path / "dump", keep_first_chunk=True)
+    assert dump.has_grads(1) and dump.info()["grads"] == "nll"
+    chunks = dump.chunk_ids(1, ("q", "k", "v", "g"))
+    assert chunks == (0, 1, 2, 3, 4) and dump.load(1, "g", 0).shape == (WARMUP_TOKENS, HQ, D)
+    assert all(float(dump.load(1, "g", c).abs().sum()) > 0 for c in chunks)
+    last = dump.load(1, "g", 3)
+    assert float(last[-1].abs().sum()) == 0.0 < float(last[-2].abs().sum())  # the last token predicts nothing
+    kept = stats.samples.layers[1]
+    again = samples_from_dump(tmp_path / "dump", max_tokens=256, seed=5, grads=True).layers[1]
+    assert kept.grads() is not None and torch.equal(kept.grads(), again.grads())
+    assert all(p.grad is None for p in model.parameters())
+    from rotationzoo.fit import refine_dump
+    from rotationzoo.int2kv import Int2KVConfig
+
+    fisher = Refinement(loss="fisher", steps=2, init="oscar", sample_tokens=256, block_size=128,
+                        int2kv=Int2KVConfig(group_size=16, prefix_tokens=4, recent_tokens=16))
+    for res in (calibrate(model, tokenizer, texts, tokens=900, seq_len=256, group_size=16, refine=fisher),
+                refine_dump(tmp_path / "dump", fisher, group_size=16)):
+        assert res.refinement["loss"] == {"k": "k_fisher_score", "v": "v_fisher_out"}
+        for rs in (res.k, res.v):
+            validate(rs, num_layers=LAYERS, head_dim=D)
+    plain = capture_to_dump(model, [[1, 5, 6, 7, 8, 9], [3 + i % 30 for i in range(300)]], tmp_path / "plain")
+    with pytest.raises(FitError, match="holds no output gradients"):
+        refine_dump(plain, fisher, group_size=16)
+    with pytest.raises(FitError, match="give dump_out or sample_tokens"):
+        collect_statistics(model, tokenizer, texts, tokens=300, seq_len=256, sample_tokens=0, grads=True)
+
+
+def test_cli_calibrate_grads_needs_a_dump(tiny_model_dir, tmp_path, capsys):
+    from helpers import run_cli
+
+    code, _, err = run_cli(capsys, "calibrate", "--model", str(tiny_model_dir), "--text",
+                           str(tiny_model_dir / "calib_a.txt"), "--tokens", "300", "--out", str(tmp_path / "rot"), "--grads")
+    assert code != 0 and "give dump_out (--dump-out DIR)" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "rot").exists()
+
+
 def test_calibrate_other_objectives(tiny, tiny_model_dir):
     model, tokenizer = tiny
     res = calibrate(model, tokenizer, [tiny_model_dir / "calib_a.txt"], tokens=300, seq_len=128,

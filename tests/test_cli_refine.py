@@ -99,7 +99,7 @@ def test_cli_refine_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
                "--keep-k-clip-ratio", "0.92")
     assert ran[0] == 1, ran[2]
     assert "--keep-k-clip-ratio / --keep-v-clip-ratio set the clips the keep rule judges at on --keep-text" in ran[2]
-    with pytest.raises(Exception, match="loss must be one of served, block"):
+    with pytest.raises(Exception, match="loss must be one of served, fisher, block"):
         Refinement(loss="kl")
     with pytest.raises(Exception, match="block_size must be from 16 to sample_tokens"):
         Refinement(block_size=8)

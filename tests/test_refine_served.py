@@ -22,7 +22,8 @@ INT2KV = Int2KVConfig(group_size=16, prefix_tokens=PREFIX, recent_tokens=RECENT)
 CFG = RefineConfig(int2kv=INT2KV, loss="served", queries_per_block=24, steps_k=0, steps_v=0)
 
 
-def _samples(blocks: int = 4, seed: int = 0, starts: tuple[int, ...] = (0, 96)) -> LayerSamples:
+def _samples(blocks: int = 4, seed: int = 0, starts: tuple[int, ...] = (0, 96), grads: bool = False) -> LayerSamples:
+    """Random blocks with three outlier channels in K and V; ``grads``: with output gradients of random scale."""
     g = torch.Generator().manual_seed(seed)
     s = LayerSamples(5, block_size=N, max_tokens=blocks * N, dtype=torch.float32)
     chan = torch.ones(D)
@@ -31,8 +32,17 @@ def _samples(blocks: int = 4, seed: int = 0, starts: tuple[int, ...] = (0, 96)) 
         q = torch.randn(N, HQ, D, generator=g)
         k = torch.randn(N, HKV, D, generator=g) * chan
         v = torch.randn(N, HKV, D, generator=g) * chan
-        s.add_sequence(q, k, v, start=starts[b % len(starts)])
+        out_grads = torch.randn(N, HQ, D, generator=g) * torch.rand(N, 1, 1, generator=g) if grads else None
+        s.add_sequence(q, k, v, start=starts[b % len(starts)], g=out_grads)
     return s
+
+
+def rotated_error(x: torch.Tensor, r: torch.Tensor, side: str, cfg: RefineConfig) -> torch.Tensor:
+    """The INT2 store's error of rows ``x [n, d]`` in the basis ``r``, fp64, as the loss quantizes them."""
+    xr = x.float() @ r.float()
+    xq = ste_quantize_int2(xr, clip_index=clip_index(cfg.clip_ratio(side), D), group_size=16,
+                           scale_dtype=torch.float32, round_rows=torch.bfloat16)
+    return (xq - xr).double()
 
 
 def _direct(samples: LayerSamples, side: str, r: torch.Tensor, cfg: RefineConfig) -> torch.Tensor:
@@ -40,14 +50,10 @@ def _direct(samples: LayerSamples, side: str, r: torch.Tensor, cfg: RefineConfig
     q, k, v, pos = samples.blocks()
     sel = _drawn_queries(pos, N, cfg, samples.layer_id)
     g = HQ // HKV
-    ci = clip_index(cfg.clip_ratio(side), D)
     out = torch.zeros(HKV, dtype=torch.float64)
     for b in range(q.shape[0]):
         for h in range(HKV):
-            x = (k if side == "k" else v)[b, :, h].float() @ r.float()
-            xq = ste_quantize_int2(x, clip_index=ci, group_size=16, scale_dtype=torch.float32,
-                                    round_rows=torch.bfloat16)
-            e = (xq - x).double()
+            e = rotated_error((k if side == "k" else v)[b, :, h], r, side, cfg)
             for j in range(g):
                 for i in sel[b].tolist():
                     qi = q[b, i, h * g + j].double()
@@ -114,7 +120,7 @@ def test_served_refinement_lowers_its_held_out_loss() -> None:
 
 
 def test_refine_config_refuses_unknown_losses() -> None:
-    with pytest.raises(FitError, match="loss must be one of served, block"):
+    with pytest.raises(FitError, match="loss must be one of served, fisher, block"):
         RefineConfig(loss="kl")
     with pytest.raises(FitError, match="queries_per_block"):
         RefineConfig(queries_per_block=0)

@@ -152,14 +152,17 @@ SampleTokensOpt = Annotated[Optional[int], typer.Option(
 LossOpt = Annotated[str, typer.Option(
     "--loss", click_type=choice(vocab.REFINE_LOSSES),
     help="Loss of --refine: served (only the query-key pairs that are INT2 when served, keys older than the "
-         "recent window and outside the sink, weighted by the queries' attention) or block (every pair of a "
-         "block, unweighted: the loss of earlier releases).")]
+         "recent window and outside the sink, weighted by the queries' attention), fisher (the same pairs "
+         "weighted by how much the model's next-token loss moves with each: needs the output gradients, which "
+         "calibrate captures for it and calibrate --grads --dump-out writes into a dump) or block (every pair of "
+         "a block, unweighted: the loss of earlier releases).")]
 BlockSizeOpt = Annotated[Optional[int], typer.Option(
     "--block-size", min=16,
-    help="Tokens per calibration block of --refine (default 1024 for --loss served, 256 for block).")]
+    help="Tokens per calibration block of --refine (default 1024 for --loss served and fisher, 256 for block).")]
 QueriesPerBlockOpt = Annotated[Optional[int], typer.Option(
     "--queries-per-block", min=1,
-    help="Queries drawn per calibration block by --loss served (default 64; a step's cost is linear in it).")]
+    help="Queries drawn per calibration block by --loss served or fisher (default 64; a step's cost is linear "
+         "in it).")]
 KeepTextOpt = Annotated[Optional[List[Path]], typer.Option(
     "--keep-text",
     help="Held-out text (repeatable), other than the calibration text, on which --refine's result is judged "

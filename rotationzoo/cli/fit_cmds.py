@@ -358,6 +358,10 @@ def calibrate_command(
     tag: TagOpt = None,
     signs: SignsOpt = "canonical",
     overwrite_dump: Annotated[bool, typer.Option("--overwrite-dump", help="Replace an existing dump in --dump-out.")] = False,
+    grads: Annotated[bool, typer.Option(
+        "--grads", help="Also run a backward pass per window and write each layer's output gradients into "
+                        "--dump-out (g/), for fit --dump D --refine N --loss fisher (on with --loss fisher; about "
+                        "2x the capture's time; memory grows with --seq-len: 20.9 GiB for SmolLM2-135M at 8192).")] = False,
     refine: RefineOpt = None,
     init: InitOpt = "hadamard",
     seed: SeedOpt = 0,
@@ -403,6 +407,8 @@ def calibrate_command(
 
       rotationzoo calibrate --model model.gguf --text calib.txt --tokens 20000 --out rot/ --refine 100 --init oscar --grouping kv_head --center k -g 16 --seq-len 8192 --queries-per-block 64 --keep-text other.txt
 
+      rotationzoo calibrate --model model.gguf --text calib.txt --tokens 20000 --seq-len 8192 --out rot/ --dump-out qkv/ --grads
+
     --refine learns the rotations as `rotationzoo fit --refine` does, on samples kept during the capture;
     with --keep-text (a text other than the calibration one) the model then judges them against their
     init on --keep-tokens tokens of it (the keep rule).
@@ -422,7 +428,7 @@ def calibrate_command(
                      keep_context, keep_clips=keep_clips)
     with progress_reporter("calibrate") as progress:
         result, written = calibrate(model, text, recipe, out, tokens=tokens, seq_len=seq_len, dump_out=dump_out,
-                                    overwrite_dump=overwrite_dump, dtype=dtype, device=device, model_id=model_id,
+                                    overwrite_dump=overwrite_dump, grads=grads, dtype=dtype, device=device, model_id=model_id,
                                     model_revision=model_revision, tag=tag, fmt=fmt, progress=progress,
                                     note=print_note)
     _print_kept(result)

@@ -32,6 +32,7 @@ import torch
 from ..errors import DumpError
 from .dump_schema import (
     DUMP_INFO_NAME,
+    GRAD_KIND,
     KINDS,
     ChunkMeta,
     DumpLimits,
@@ -198,6 +199,21 @@ class Dump:
         if ids is None:
             raise DumpError(f"{self._layer_dirs[layer_id] / kind}: missing; a dump layer needs q/, k/ and v/ folders")
         return ids
+
+    def has_grads(self, layer_id: int) -> bool:
+        """Whether layer ``layer_id`` holds output gradients (a ``g/`` folder, :data:`~.dump_schema.GRAD_KIND`).
+
+        Raises:
+            DumpError: a per-rank layer holds them (they are written for whole layers only).
+        """
+        if layer_id not in self._layer_dirs:
+            raise DumpError(f"{self.root}: no layer {layer_id} (it has {_fmt_ids(list(self.layer_ids))})")
+        if len(self._shards[layer_id]) > 1:
+            if any(os.path.isdir(base / GRAD_KIND) for base in self._shards[layer_id]):
+                raise DumpError(f"{self._layer_dirs[layer_id]}: output gradients (g/) in a per-rank dump; they are "
+                                f"read from whole-layer dumps only (write them with calibrate --grads)")
+            return False
+        return self._listing(layer_id, GRAD_KIND) is not None
 
     def chunk_ids(self, layer_id: int, kinds: Sequence[str] = KINDS) -> tuple[int, ...]:
         """Chunk ids of a layer that the fit uses (chunk 0 dropped unless ``keep_first_chunk``).

@@ -34,6 +34,10 @@ from ..kernels.layout import MIN_GROUP_SIZE
 
 #: Tensor kinds of a dump, in the order they are written.
 KINDS: tuple[str, ...] = ("q", "k", "v")
+#: An optional kind (``layer_<L>/g/<chunk>.pt``, ``[n, H_q, d]``, whole-layer dumps only): the gradient of the
+#: calibration text's negative log-likelihood with respect to each query's attention output (before
+#: ``o_proj``), which the ``"fisher"`` refinement loss weights pairs with. Written by ``calibrate --grads``.
+GRAD_KIND = "g"
 #: Optional metadata file at the dump root (not part of the SGLang layout; ignored by other readers).
 DUMP_INFO_NAME = "rotationzoo_dump.json"
 #: Smallest head_dim fitted: the INT2 kernels' smallest quantization group (a smaller head is not a

@@ -12,7 +12,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ..errors import DumpError
-from .dump_schema import DUMP_INFO_NAME, KINDS, parse_index
+from .dump_schema import DUMP_INFO_NAME, GRAD_KIND, KINDS, parse_index
 
 
 def _is_layer_dir_name(name: str) -> bool:
@@ -79,6 +79,7 @@ class DumpWriter:
         self.root.mkdir(parents=True, exist_ok=True)
         self._next_chunk: dict[int, int] = {}
         self._saved: dict[int, int] = {}
+        self._last: dict[int, tuple[int, int] | None] = {}  # layer → (chunk, rows) of its last write() (None: nothing)
 
     def tokens_saved(self, layer_id: int) -> int:
         """Tokens written so far for a layer."""
@@ -146,6 +147,7 @@ class DumpWriter:
                     acc += take
                 lens = kept
         if n == 0:
+            self._last[layer_id] = None
             return 0
         chunk = self._next_chunk.get(layer_id, 0)
         base = self.root / f"layer_{layer_id}"
@@ -156,6 +158,29 @@ class DumpWriter:
         _save_atomic(torch.tensor(lens, dtype=torch.int32), base / "seq_lens" / f"{chunk}.pt")
         self._next_chunk[layer_id] = chunk + 1
         self._saved[layer_id] = self.tokens_saved(layer_id) + n
+        self._last[layer_id] = (chunk, n)
+        return n
+
+    def write_grads(self, layer_id: int, g: torch.Tensor) -> int:
+        """Store the output gradients ``g [n, H_q, d]`` of the chunk the last :meth:`write` of ``layer_id`` wrote
+        (as ``layer_<L>/g/<chunk>.pt``, its first rows when the token budget cut that chunk short).
+
+        Returns:
+            Rows written (0 when that write stored nothing).
+
+        Raises:
+            DumpError: ``g`` is not 3-D, has fewer rows than the chunk, or no chunk was written for the layer.
+        """
+        layer_id = int(layer_id)
+        if layer_id not in self._last:
+            raise DumpError(f"DumpWriter.write_grads: layer {layer_id}: no chunk written yet")
+        last = self._last[layer_id]
+        if last is None:
+            return 0
+        chunk, n = last
+        if g.dim() != 3 or g.shape[0] < n:
+            raise DumpError(f"DumpWriter.write_grads: layer {layer_id}: g must be [n ≥ {n}, heads, d], got {tuple(g.shape)}")
+        _save_atomic(g[:n].detach().to("cpu").contiguous().clone(), self.root / f"layer_{layer_id}" / GRAD_KIND / f"{chunk}.pt")
         return n
 
     def write_info(self, info: Mapping[str, Any]) -> Path:

@@ -68,6 +68,7 @@ def samples_from_dump(
     keep_first_chunk: bool = False,
     layers: Iterable[int] | None = None,
     progress: Progress | None = None,
+    grads: bool = False,
 ) -> CalibrationSamples:
     """A bounded reservoir of whole token blocks per layer, read from a Q/K/V dump.
 
@@ -79,10 +80,11 @@ def samples_from_dump(
         keep_first_chunk: also read chunk 0 (skipped by default, as the fitter does).
         layers: only these layers.
         progress: ``progress(done, total, what)`` (:mod:`rotationzoo.progress`): chunks read.
+        grads: also keep the output gradients (``g/``), which the ``"fisher"`` loss needs.
     """
     d = dump if isinstance(dump, Dump) else open_dump(dump, keep_first_chunk=keep_first_chunk, layers=layers)
     samples = CalibrationSamples(block_size=block_size, max_tokens=max_tokens, seed=seed)
-    samples.add_dump(d, layers=layers, progress=progress)
+    samples.add_dump(d, layers=layers, progress=progress, grads=grads)
     return samples
 
 
@@ -325,7 +327,7 @@ def refine_dump(
     check_tokens(d.plan(kinds_for(("qqt", "sst"))).tokens, check_min_tokens(min_tokens))
     d.info()  # rotationzoo_dump.json checked too, before any chunk is read
     samples = samples_from_dump(d, max_tokens=options.sample_tokens, seed=options.seed, block_size=options.blocks,
-                                progress=prefixed(progress, "samples"))
+                                progress=prefixed(progress, "samples"), grads=options.loss == "fisher")
     dump_info = d.info()
     info = {"kind": "dump", "path": str(d.root), "prompts": dump_info.get("prompts", d.prompt_count()),
             **dump_provenance(dump_info)}

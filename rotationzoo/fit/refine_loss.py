@@ -18,6 +18,19 @@ Two losses (``RefineConfig.loss``), see :mod:`rotationzoo.fit.refine` for the op
   Blocks must be longer than ``prefix_tokens + recent_tokens`` (1,024 tokens by default, see
   :data:`SERVED_BLOCK_SIZE`); a block is attended on its own, so its first keys stand in for a
   long context's older ones.
+* ``"fisher"``: the served pairs and drawn queries, each weighted by how much the model's loss moves
+  with it (an empirical Fisher weight): ``g_i = ∂NLL/∂o_i``, the gradient of the calibration text's
+  negative log-likelihood with respect to query ``i``'s attention output, captured with the
+  activations (:meth:`rotationzoo.fit.samples.LayerSamples.add_sequence`'s ``g``). A score error
+  ``δs_ij`` moves the loss by ``c_ij δs_ij``, ``c_ij = a_ij·scale·g_i·(v_j − o_i)``, and a value error
+  ``δv_j`` by ``a_ij g_i·δv_j``; squared and summed over pairs (the errors of different keys taken as
+  uncorrelated):
+
+  - **K** ``Σ c_ij² (q_i·(k̃_j − k_j))² / Σ c_ij² (q_i·k_j)²``;
+  - **V** ``Σ a_ij² (g_i·(ṽ_j − v_j))² / Σ a_ij² (g_i·v_j)²``.
+
+  Positions whose attention output the model's prediction does not use (``g_i ≈ 0``) stop counting,
+  and so do directions of the value error the next layers ignore.
 * ``"block"``: every (query, key) pair of a block, unweighted: K attention-logit error
   ``Σ ‖Q_h (K̃_h − K_h)ᵀ‖² / Σ ‖Q_h K_hᵀ‖²`` and V attention-output error with the block's causal
   attention (the loss of earlier releases; with 1,024-token blocks, K only, Hadamard init and
@@ -27,7 +40,7 @@ Two losses (``RefineConfig.loss``), see :mod:`rotationzoo.fit.refine` for the op
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -42,7 +55,8 @@ from .ste import ste_quantize_int2
 
 #: Loss names recorded per side, per ``RefineConfig.loss``.
 LOSS_NAMES_BY_LOSS = {"block": {"k": "k_logit", "v": "v_attn_out"},
-                      "served": {"k": "k_served_score", "v": "v_served_out"}}
+                      "served": {"k": "k_served_score", "v": "v_served_out"},
+                      "fisher": {"k": "k_fisher_score", "v": "v_fisher_out"}}
 #: The names of the ``"block"`` loss (kept for the files earlier releases wrote).
 LOSS_NAMES = LOSS_NAMES_BY_LOSS["block"]
 #: The losses (``RefineConfig.loss``).
@@ -216,6 +230,27 @@ def _drawn_queries(pos: torch.Tensor, n: int, cfg: RefineConfig, layer_id: int) 
     return torch.stack([t[:m] if len(t) == m else t[torch.linspace(0, len(t) - 1, m).long()] for t in out])
 
 
+def _drawn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, cfg: RefineConfig,
+                     scale: float, layer_id: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per block, for the queries the served losses draw (:func:`_drawn_queries`, ``m`` per block): their
+    positions ``[m]``, the values ``[Hq, n, d]`` (each KV head repeated for its query heads), the exact causal
+    attention weights ``[Hq, m, n]`` and the mask of the pairs that are INT2 when served ``[m, n]``."""
+    hkv = k.shape[2]
+    g = q.shape[2] // hkv
+    n = q.shape[1]
+    sel = _drawn_queries(pos, n, cfg, layer_id)
+    cols = torch.arange(n)
+    for i in range(q.shape[0]):
+        qi = q[i, sel[i]].to(torch.float32).permute(1, 0, 2)  # [Hq, m, d]
+        ki = k[i].to(torch.float32).permute(1, 0, 2).repeat_interleave(g, dim=0)  # [Hq, n, d]
+        vi = v[i].to(torch.float32).permute(1, 0, 2).repeat_interleave(g, dim=0)
+        rows = sel[i][:, None]
+        scores = (qi @ ki.transpose(-1, -2)) * scale
+        a = torch.softmax(scores.masked_fill(cols[None, :] > rows, float("-inf")), dim=-1)  # [Hq, m, n]
+        far = (cols[None, :] < rows - cfg.int2kv.recent_tokens) & (cols[None, :] + int(pos[i]) >= cfg.prefix)
+        yield sel[i], vi, a, far
+
+
 def _served_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, cfg: RefineConfig,
                     scale: float, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Far attention weights ``[B, Hkv, g·m, n]``, the drawn queries ``[B, Hkv, g·m, d]`` and each
@@ -223,24 +258,42 @@ def _served_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torc
     b, n, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
-    sel = _drawn_queries(pos, n, cfg, layer_id)
-    m = sel.shape[1]
-    weights = torch.empty(b, hkv, g * m, n, dtype=torch.float32)
-    queries = torch.empty(b, hkv, g * m, d, dtype=torch.float32)
-    out_energy = torch.empty(b, hkv, dtype=torch.float64)
-    cols = torch.arange(n)
-    for i in range(b):
-        qi = q[i, sel[i]].to(torch.float32).permute(1, 0, 2)  # [Hq, m, d]
-        ki = k[i].to(torch.float32).permute(1, 0, 2).repeat_interleave(g, dim=0)  # [Hq, n, d]
-        vi = v[i].to(torch.float32).permute(1, 0, 2).repeat_interleave(g, dim=0)
-        rows = sel[i][:, None]
-        scores = (qi @ ki.transpose(-1, -2)) * scale
-        a = torch.softmax(scores.masked_fill(cols[None, :] > rows, float("-inf")), dim=-1)  # [Hq, m, n]
+    weights, queries, out_energy = None, None, torch.empty(b, hkv, dtype=torch.float64)
+    for i, (sel, vi, a, far) in enumerate(_drawn_attention(q, k, v, pos, cfg, scale, layer_id)):
+        m = len(sel)
+        if weights is None:
+            weights = torch.empty(b, hkv, g * m, n, dtype=torch.float32)
+            queries = torch.empty(b, hkv, g * m, d, dtype=torch.float32)
         out_energy[i] = (a @ vi).square().sum(dim=(-1, -2)).reshape(hkv, g).sum(-1).to(torch.float64)
-        far = (cols[None, :] < rows - cfg.int2kv.recent_tokens) & (cols[None, :] + int(pos[i]) >= cfg.prefix)
         weights[i] = (a * far).reshape(hkv, g * m, n)
-        queries[i] = qi.reshape(hkv, g * m, d)
+        queries[i] = q[i, sel].to(torch.float32).permute(1, 0, 2).reshape(hkv, g * m, d)  # type: ignore[index]
+    assert weights is not None and queries is not None
     return weights, queries, out_energy
+
+
+def _fisher_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, pos: torch.Tensor,
+                    cfg: RefineConfig, scale: float, layer_id: int, side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``"fisher"`` loss's pair weights ``[B, Hkv, g·m, n]`` and the vectors the error is read along
+    ``[B, Hkv, g·m, d]`` (the drawn queries for K, their output gradients ``g_i`` for V), one block at a time."""
+    b, n, hq, d = q.shape
+    hkv = k.shape[2]
+    grp = hq // hkv
+    weights, along = None, None
+    for i, (sel, vi, a, far) in enumerate(_drawn_attention(q, k, v, pos, cfg, scale, layer_id)):
+        m = len(sel)
+        if weights is None:
+            weights = torch.empty(b, hkv, grp * m, n, dtype=torch.float32)
+            along = torch.empty(b, hkv, grp * m, d, dtype=torch.float32)
+        gi = g[i, sel].to(torch.float32).permute(1, 0, 2)  # [Hq, m, d]
+        if side == "k":  # c_ij = a_ij·scale·g_i·(v_j − o_i)
+            c = a * scale * (gi @ vi.transpose(-1, -2) - (gi * (a @ vi)).sum(-1, keepdim=True))
+            weights[i] = (c * far).square().reshape(hkv, grp * m, n)
+            along[i] = q[i, sel].to(torch.float32).permute(1, 0, 2).reshape(hkv, grp * m, d)  # type: ignore[index]
+        else:
+            weights[i] = (a * far).square().reshape(hkv, grp * m, n)
+            along[i] = gi.reshape(hkv, grp * m, d)  # type: ignore[index]
+    assert weights is not None and along is not None
+    return weights, along
 
 
 def layer_data(samples: LayerSamples, side: str, cfg: RefineConfig, mean: torch.Tensor | None = None) -> LayerData:
@@ -256,6 +309,15 @@ def layer_data(samples: LayerSamples, side: str, cfg: RefineConfig, mean: torch.
     centered = (lambda x: x) if mean is None else (lambda x: x - mean.to(torch.float32).expand(
         shape.num_kv_heads, shape.head_dim)[None, :, None, :])
     scale = cfg.softmax_scale if cfg.softmax_scale is not None else shape.head_dim ** -0.5
+    if cfg.loss == "fisher":
+        g = samples.grads()
+        if g is None:
+            raise FitError(f"layer {samples.layer_id}: loss 'fisher' needs the output gradients of the calibration "
+                           f"blocks (a dump with g/ chunks, written by calibrate --grads); use loss 'served' without them")
+        weights, along = _fisher_tensors(q, k, v, g, pos, cfg, scale, samples.layer_id, side)
+        x = centered(_heads_first(k if side == "k" else v))
+        den = (weights * (along @ x.transpose(-1, -2)).square()).sum(dim=(-1, -2)).to(torch.float64)
+        return LayerData(x=x, metric=weights, mask=mask, den=den, side=side, loss="fisher", queries=along)
     if cfg.loss == "served":
         weights, queries, out_energy = _served_tensors(q, k, v, pos, cfg, scale, samples.layer_id)
         x = centered(_heads_first(k if side == "k" else v))
@@ -290,14 +352,12 @@ def numerators(r: torch.Tensor, data: LayerData, idx: torch.Tensor, cfg: RefineC
     """Per-head loss numerators ``[H]`` (fp64) of blocks ``idx`` under rotations ``r [P, d, d]`` fp32."""
     e = rotated_errors(r, data, idx, cfg)
     metric = data.metric[idx]
-    if data.loss == "served":
-        if data.side == "k":
-            assert data.queries is not None
-            s = (data.queries[idx] @ r) @ e.transpose(-1, -2)  # [b, H, g·m, n]: the drawn queries' score errors
-            num = (metric * s.square()).sum(dim=(-1, -2))
-        else:
-            num = (metric @ e).square().sum(dim=(-1, -2))
-        return num.sum(dim=0).to(torch.float64)
+    if data.loss == "fisher" or (data.loss == "served" and data.side == "k"):
+        assert data.queries is not None
+        s = (data.queries[idx] @ r) @ e.transpose(-1, -2)  # [b, H, g·m, n]: score errors (K), or value errors along g_i
+        return (metric * s.square()).sum(dim=(-1, -2)).sum(dim=0).to(torch.float64)
+    if data.loss == "served":  # V: the drawn queries' output errors
+        return (metric @ e).square().sum(dim=(-1, -2)).sum(dim=0).to(torch.float64)
     if data.side == "k":
         mr = r.transpose(-1, -2) @ metric @ r
         num = ((e @ mr) * e).sum(dim=(-1, -2))

@@ -51,6 +51,7 @@ from ..errors import FitError
 from ..recipe import DEFAULT_BLOCK_SIZE, DEFAULT_SAMPLE_TOKENS
 from ..progress import Progress, Tally
 from .dump import Dump
+from .dump_schema import GRAD_KIND
 
 #: Tokens per block (consecutive positions of one sequence): :data:`rotationzoo.recipe.DEFAULT_BLOCK_SIZE`;
 #: tokens kept per layer (56 blocks of 256; see the module docstring for the memory arithmetic):
@@ -117,6 +118,7 @@ class LayerSamples:
         self.q: torch.Tensor | None = None
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
+        self.g: torch.Tensor | None = None
         self.positions = torch.zeros(self.capacity, dtype=torch.int64)
         self.blocks_seen = 0
         self.tokens_seen = 0
@@ -135,7 +137,8 @@ class LayerSamples:
 
     def nbytes(self) -> int:
         """Bytes held by the reservoir (its full capacity once the first block arrived)."""
-        return sum(t.numel() * t.element_size() for t in (self.q, self.k, self.v, self.positions) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.q, self.k, self.v, self.g, self.positions)
+                   if t is not None)
 
     def blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The kept blocks ``(q, k, v, positions)`` (views of the first :attr:`num_blocks` slots).
@@ -148,7 +151,12 @@ class LayerSamples:
         n = self.num_blocks
         return self.q[:n], self.k[:n], self.v[:n], self.positions[:n]  # type: ignore[index]
 
-    def _allocate(self, q: torch.Tensor, k: torch.Tensor) -> None:
+    def grads(self) -> torch.Tensor | None:
+        """The kept blocks' attention-output gradients ``g [num_blocks, block_size, H_q, d]`` (``None`` when the
+        sequences came without them), in the order of :meth:`blocks`."""
+        return None if self.g is None else self.g[:self.num_blocks]
+
+    def _allocate(self, q: torch.Tensor, k: torch.Tensor, with_grads: bool) -> None:
         hq, hkv, d = int(q.shape[1]), int(k.shape[1]), int(q.shape[2])
         if hq % hkv:
             raise FitError(f"layer {self.layer_id}: {hq} query heads is not a multiple of {hkv} KV heads")
@@ -157,6 +165,7 @@ class LayerSamples:
         self.q = torch.zeros(c, b, hq, d, dtype=self.dtype)
         self.k = torch.zeros(c, b, hkv, d, dtype=self.dtype)
         self.v = torch.zeros(c, b, hkv, d, dtype=self.dtype)
+        self.g = torch.zeros(c, b, hq, d, dtype=self.dtype) if with_grads else None
 
     def _check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
         for name, t in (("q", q), ("k", k), ("v", v)):
@@ -176,23 +185,32 @@ class LayerSamples:
             )
         return n
 
-    def add_sequence(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, start: int = 0) -> int:
+    def add_sequence(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, start: int = 0,
+                     g: torch.Tensor | None = None) -> int:
         """Offer the consecutive tokens of one sequence.
 
         Args:
             q: ``[n, H_q, d]``; k, v: ``[n, H_kv, d]`` (any float dtype, any device).
             start: position of the first token in its sequence.
+            g: ``[n, H_q, d]``, the gradient of the model's loss with respect to each query's attention
+                output (before ``o_proj``), for the ``"fisher"`` refinement loss: given for every sequence
+                of a reservoir or for none.
 
         Returns:
             The number of whole blocks offered (kept or not).
         """
         n = self._check(q, k, v)
+        if g is not None and tuple(g.shape) != tuple(q.shape):
+            raise FitError(f"layer {self.layer_id}: g must have q's shape {tuple(q.shape)}, got {tuple(g.shape)}")
+        if self.blocks_seen and (g is None) != (self.g is None):
+            raise FitError(f"layer {self.layer_id}: some calibration sequences came with output gradients and some "
+                           f"without; give them for all or none")
         self.tokens_seen += n
         self.context = max(self.context, int(start) + n)
         whole = n // self.block_size
         self.tokens_dropped += n - whole * self.block_size
         if whole and self.q is None:
-            self._allocate(q, k)
+            self._allocate(q, k, g is not None)
         b = self.block_size
         for i in range(whole):
             slot = self._slot()
@@ -202,6 +220,8 @@ class LayerSamples:
             self.q[slot].copy_(q[sl].detach())  # type: ignore[index]
             self.k[slot].copy_(k[sl].detach())  # type: ignore[index]
             self.v[slot].copy_(v[sl].detach())  # type: ignore[index]
+            if g is not None:
+                self.g[slot].copy_(g[sl].detach())  # type: ignore[index]
             self.positions[slot] = int(start) + i * b
         return whole
 
@@ -215,11 +235,12 @@ class LayerSamples:
         return j if j < self.capacity else None
 
     def add_chunk(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: Sequence[int] | None = None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: Sequence[int] | None = None,
+        g: torch.Tensor | None = None,
     ) -> int:
         """Offer a chunk holding several sequences back to back (``seq_lens`` tokens each, default one).
 
-        Every segment is taken to start at position 0 of its sequence.
+        Every segment is taken to start at position 0 of its sequence; ``g`` as in :meth:`add_sequence`.
 
         Returns:
             Whole blocks offered.
@@ -230,7 +251,8 @@ class LayerSamples:
             raise FitError(f"layer {self.layer_id}: seq_lens sum to {sum(lens)}, but the chunk has {n} tokens")
         offered, at = 0, 0
         for length in lens:
-            offered += self.add_sequence(q[at:at + length], k[at:at + length], v[at:at + length])
+            offered += self.add_sequence(q[at:at + length], k[at:at + length], v[at:at + length],
+                                         g=None if g is None else g[at:at + length])
             at += length
         return offered
 
@@ -292,28 +314,41 @@ class CalibrationSamples:
         self.layer(layer_id).add_sequence(q.detach().to("cpu"), k.detach().to("cpu"), v.detach().to("cpu"))
 
     def add_chunk(
-        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: Sequence[int] | None = None
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: Sequence[int] | None = None,
+        g: torch.Tensor | None = None,
     ) -> int:
         """:meth:`LayerSamples.add_chunk` for ``layer_id``."""
-        return self.layer(layer_id).add_chunk(q, k, v, seq_lens)
+        return self.layer(layer_id).add_chunk(q, k, v, seq_lens, g)
 
-    def add_dump(self, dump: Dump, layers: Iterable[int] | None = None, progress: Progress | None = None) -> None:
+    def add_dump(self, dump: Dump, layers: Iterable[int] | None = None, progress: Progress | None = None, *,
+                 grads: bool = False) -> None:
         """Offer every used chunk of a dump (chunk 0 per the dump's own rule), split by ``seq_lens``.
 
         Args:
             dump: an opened :class:`~rotationzoo.fit.dump.Dump` (needs ``q``, ``k`` and ``v``).
             layers: only these layers (default: all of the dump's).
             progress: ``progress(done, total, what)`` (:mod:`rotationzoo.progress`): chunks read.
+            grads: also read the output gradients (``g/``, every layer must hold them), for the ``"fisher"`` loss.
+
+        Raises:
+            FitError: ``grads`` and a layer without them.
         """
         ids = dump.layer_ids if layers is None else tuple(int(i) for i in layers)
-        chunks = {lid: dump.chunk_ids(lid, ("q", "k", "v")) for lid in ids}
+        kinds: tuple[str, ...] = ("q", "k", "v", GRAD_KIND) if grads else ("q", "k", "v")
+        if grads:
+            lacking = [lid for lid in ids if not dump.has_grads(lid)]
+            if lacking:
+                raise FitError(f"{dump.root}: layer {lacking[0]} holds no output gradients (g/); the fisher loss needs a "
+                               f"dump written by calibrate --grads")
+        chunks = {lid: dump.chunk_ids(lid, kinds) for lid in ids}
         tally = Tally(progress, sum(len(c) for c in chunks.values()), "reading the dump")
         tally.start()
         for lid in ids:
             for i, chunk in enumerate(chunks[lid]):
                 q, k, v = (dump.load(lid, kind, chunk) for kind in ("q", "k", "v"))
-                self.add_chunk(lid, q, k, v, dump.seq_lens(lid, chunk))
-                del q, k, v
+                g = dump.load(lid, GRAD_KIND, chunk) if grads else None
+                self.add_chunk(lid, q, k, v, dump.seq_lens(lid, chunk), g)
+                del q, k, v, g
                 tally.set(lid, i + 1, f"layer {lid}")
 
     def summary(self) -> dict[str, object]:

@@ -124,6 +124,7 @@ def calibrate(
     seq_len: int = 2048,
     dump_out: Optional[str | os.PathLike[str]] = None,
     overwrite_dump: bool = False,
+    grads: bool = False,
     dtype: str = "auto",
     device: str = "cpu",
     model_id: Optional[str] = None,
@@ -146,6 +147,8 @@ def calibrate(
         out: output folder.
         tokens: tokens per layer to fit on; ``seq_len``: tokens per calibration sequence.
         dump_out, overwrite_dump: also write the captured Q/K/V as an SGLang-layout dump.
+        grads: also write the output gradients into ``dump_out`` (``g/``), for a later ``"fisher"`` refinement
+            from the dump (a ``"fisher"`` recipe captures them whatever this says).
         dtype, device: how the model runs.
         model_id: recorded in ``rotationzoo.json`` (default: the folder or file name).
         model_revision: recorded in the files' calibration record (default: a Hugging Face snapshot's commit).
@@ -164,6 +167,8 @@ def calibrate(
     recipe.check()
     check_token_budget(tokens, recipe.min_tokens)  # before the model loads
     checked = check_text_files(list(texts), what="calibration text", option="--text")
+    if grads and dump_out is None:
+        raise ConfigError("grads (--grads) writes the output gradients into a dump: give dump_out (--dump-out DIR)")
     keep = recipe.keep
     if keep is not None and keep.model is not None:
         raise ConfigError("calibrate judges with the model it runs; the keep rule's model (--keep-model) is for a "
@@ -181,6 +186,7 @@ def calibrate(
         lm, tokenizer, checked, tokens=tokens, seq_len=seq_len, objective=recipe.objective,
         composition=recipe.composition, group_size=recipe.group_size, dump_out=dump_out,
         overwrite_dump=overwrite_dump, signs=recipe.signs, model_id=mid, progress=progress, refine=recipe.refine,
+        grads=grads,
         grouping=recipe.grouping, min_tokens=recipe.min_tokens, center=recipe.center,
         provenance=model_provenance(lm, os.fspath(model), model_revision),
     )

@@ -99,3 +99,52 @@ class QKVCapture:
         k_flat = k.transpose(1, 2).reshape(b * s, hkv, d)
         v_flat = v.transpose(1, 2).reshape(b * s, hkv, v.shape[-1])
         self.on_qkv(self._layer_id(module), q_flat, k_flat, v_flat)
+
+
+#: ``on_grad(layer_id, g [n, H_q, d])``: the gradient of a backward pass's loss with respect to one layer's
+#: attention output (the input of its ``o_proj``), once per layer per backward.
+GradCallback = Callable[[int, torch.Tensor], None]
+
+
+class OutputGradCapture:
+    """Context manager: while active, a backward pass through ``model`` reports, per attention layer, the
+    gradient of its loss with respect to the layer's attention output ``o [n, H_q, d]`` (what ``o_proj``
+    reads, heads split), the ``g`` of the ``"fisher"`` refinement loss (:mod:`rotationzoo.fit.refine_loss`).
+
+    Attention layers are the modules with a ``layer_idx`` and an ``o_proj`` (Llama, Qwen, Mistral, ...
+    in ``transformers``); the forward must run with autograd on (``torch.enable_grad()`` and an input that
+    requires grad, e.g. ``inputs_embeds``), the callback fires during ``loss.backward()``.
+
+    Raises:
+        EvaluationError: the model has no such attention layer.
+    """
+
+    def __init__(self, model: Any, on_grad: GradCallback) -> None:
+        self.model = model
+        self.on_grad = on_grad
+        self._hooks: list[Any] = []
+        self._layers = [(int(m.layer_idx), m) for m in model.modules()
+                        if getattr(m, "layer_idx", None) is not None and isinstance(getattr(m, "o_proj", None), torch.nn.Module)]
+        if not self._layers:
+            raise EvaluationError(f"{type(model).__name__}: no attention layer with o_proj found; output gradients "
+                                  f"cannot be captured for this model")
+
+    def __enter__(self) -> "OutputGradCapture":
+        for lid, attn in self._layers:
+            self._hooks.append(attn.o_proj.register_forward_pre_hook(self._pre_hook(lid, attn)))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def _pre_hook(self, layer_id: int, attn: torch.nn.Module) -> Callable[..., None]:
+        d = int(getattr(attn, "head_dim"))
+
+        def pre(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+            x = args[0]
+            if not x.requires_grad:
+                return
+            x.register_hook(lambda g: self.on_grad(layer_id, g.detach().reshape(-1, g.shape[-1] // d, d)))
+        return pre
