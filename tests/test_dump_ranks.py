@@ -160,3 +160,14 @@ def test_partial_dumps_too_few_tokens_or_no_chunks(ranked, tmp_path):
             for f in (d / f"layer_2/rank_{r}" / kind).glob("*.pt"):
                 f.unlink()
     refused(lambda: fit_rotations(d), r"layer_2: empty layer: no <chunk>.pt files", error=DumpError)
+
+
+def test_output_gradients_in_a_per_rank_dump_are_refused(ranked):
+    """The fisher loss reads gradients from whole-layer dumps only: in rank folders they are named, not merged."""
+    from rotationzoo.fit import samples_from_dump
+
+    assert not open_dump(ranked).has_grads(0)
+    (ranked / "layer_0" / "rank_1" / "g").mkdir()
+    with pytest.raises(DumpError, match=r"layer_0: output gradients \(g/\) in a per-rank dump"):
+        samples_from_dump(ranked, max_tokens=256, block_size=128, grads=True)
+    assert samples_from_dump(ranked, max_tokens=256, block_size=128).layers[0].grads() is None
