@@ -8,12 +8,15 @@ the losses of :mod:`rotationzoo.fit.refine_loss` (``RefineConfig.loss``):
 * ``"served"`` (default): only the (query, key) pairs that are INT2 when served (key older than the
   recent window from its query, outside the sink), K as the attention-weighted score error and V as
   the error those far values add to the drawn queries' attention outputs;
+* ``"fisher"``: the served pairs weighted by their squared effect on the model's next-token loss, from the
+  output gradients captured with the calibration (measured worse than ``"served"``; see the module of the losses);
 * ``"block"``: every pair of a block: **K, attention-logit error**
   ``Σ ‖Q_h (K̃_h − K_h)ᵀ‖² / Σ ‖Q_h K_hᵀ‖²`` (per block and head ``tr(E M Eᵀ)`` with the query Gram
   ``M = Q_hᵀQ_h``), and **V, attention-output error** ``Σ ‖A (Ṽ_h − V_h)‖² / Σ ‖A V_h‖²`` with the
   exact causal softmax weights ``A`` of the block (``tr(Eᵀ W E)``, ``W = Σ_j A_jᵀ A_j``).
 
-The output projection is left out (the error is measured in the head's value space).
+The output projection is left out of the served and block losses (the error is measured in the head's value
+space); the fisher loss sees it through the gradients.
 
 ``K̃ = dequant(quant(bf16(K·R)))·Rᵀ`` with the kernels' quantizer (:func:`~rotationzoo.fit.ste.ste_quantize_int2`,
 a straight-through version of :func:`rotationzoo.kernels.fake_quantize_int2`).
