@@ -182,6 +182,9 @@ def test_calibrate_with_grads_keeps_them_in_the_dump_and_the_samples(tiny, tiny_
     kept = stats.samples.layers[1]
     again = samples_from_dump(tmp_path / "dump", max_tokens=256, seed=5, grads=True).layers[1]
     assert kept.grads() is not None and torch.equal(kept.grads(), again.grads())
+    held = stats.samples.nbytes()
+    stats.samples.drop_grads()
+    assert kept.grads() is None and stats.samples.nbytes() == held - 2 * 256 * HQ * D * 2  # two layers, bf16
     assert all(p.grad is None for p in model.parameters())
     from rotationzoo.fit import refine_dump
     from rotationzoo.int2kv import Int2KVConfig

@@ -300,6 +300,11 @@ class CalibrationSamples:
         """The longest calibration sequence offered to any layer, in tokens (0 before the first)."""
         return max((s.context for s in self.layers.values()), default=0)
 
+    def drop_grads(self) -> None:
+        """Free the output gradients every reservoir holds (a loss other than ``"fisher"`` does not read them)."""
+        for s in self.layers.values():
+            s.g = None
+
     def nbytes(self) -> int:
         """Bytes held by all reservoirs."""
         return sum(s.nbytes() for s in self.layers.values())

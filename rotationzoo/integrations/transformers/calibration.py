@@ -162,6 +162,8 @@ def calibrate(
     )
     if refine is not None:
         assert stats.samples is not None
+        if refine.loss != "fisher":
+            stats.samples.drop_grads()  # captured for the dump (grads=True); this loss does not read them
         return refine_fit(stats.samples, refine.init, steps=refine.steps, group_size=group_size, seed=refine.seed,
                           config=refine_config(refine), steps_v=refine.steps_v,
                           statistics=stats.accumulators, source_info=stats.info, model=model_id,
