@@ -231,24 +231,30 @@ def _drawn_queries(pos: torch.Tensor, n: int, cfg: RefineConfig, layer_id: int) 
 
 
 def _drawn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, cfg: RefineConfig,
-                     scale: float, layer_id: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Per block, for the queries the served losses draw (:func:`_drawn_queries`, ``m`` per block): their
-    positions ``[m]``, the values ``[Hq, n, d]`` (each KV head repeated for its query heads), the exact causal
-    attention weights ``[Hq, m, n]`` and the mask of the pairs that are INT2 when served ``[m, n]``."""
+                     scale: float, layer_id: int
+                     ) -> tuple[torch.Tensor, Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    """The queries the served losses draw (:func:`_drawn_queries`: ``sel [B, m]`` in-block positions) and, block
+    after block, those queries ``[Hq, m, d]``, the values ``[Hq, n, d]`` (each KV head repeated for its query
+    heads), the exact causal attention weights ``[Hq, m, n]`` and the mask of the pairs that are INT2 when
+    served ``[m, n]``."""
     hkv = k.shape[2]
     g = q.shape[2] // hkv
     n = q.shape[1]
     sel = _drawn_queries(pos, n, cfg, layer_id)
     cols = torch.arange(n)
-    for i in range(q.shape[0]):
-        qi = q[i, sel[i]].to(torch.float32).permute(1, 0, 2)  # [Hq, m, d]
-        ki = k[i].to(torch.float32).permute(1, 0, 2).repeat_interleave(g, dim=0)  # [Hq, n, d]
-        vi = v[i].to(torch.float32).permute(1, 0, 2).repeat_interleave(g, dim=0)
-        rows = sel[i][:, None]
-        scores = (qi @ ki.transpose(-1, -2)) * scale
-        a = torch.softmax(scores.masked_fill(cols[None, :] > rows, float("-inf")), dim=-1)  # [Hq, m, n]
-        far = (cols[None, :] < rows - cfg.int2kv.recent_tokens) & (cols[None, :] + int(pos[i]) >= cfg.prefix)
-        yield sel[i], vi, a, far
+
+    def blocks() -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        for i in range(q.shape[0]):
+            qi = q[i, sel[i]].to(torch.float32).permute(1, 0, 2)  # [Hq, m, d]
+            ki = k[i].to(torch.float32).permute(1, 0, 2).repeat_interleave(g, dim=0)  # [Hq, n, d]
+            vi = v[i].to(torch.float32).permute(1, 0, 2).repeat_interleave(g, dim=0)
+            rows = sel[i][:, None]
+            scores = (qi @ ki.transpose(-1, -2)) * scale
+            a = torch.softmax(scores.masked_fill(cols[None, :] > rows, float("-inf")), dim=-1)  # [Hq, m, n]
+            far = (cols[None, :] < rows - cfg.int2kv.recent_tokens) & (cols[None, :] + int(pos[i]) >= cfg.prefix)
+            yield qi, vi, a, far
+
+    return sel, blocks()
 
 
 def _served_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, cfg: RefineConfig,
@@ -258,16 +264,15 @@ def _served_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torc
     b, n, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
-    weights, queries, out_energy = None, None, torch.empty(b, hkv, dtype=torch.float64)
-    for i, (sel, vi, a, far) in enumerate(_drawn_attention(q, k, v, pos, cfg, scale, layer_id)):
-        m = len(sel)
-        if weights is None:
-            weights = torch.empty(b, hkv, g * m, n, dtype=torch.float32)
-            queries = torch.empty(b, hkv, g * m, d, dtype=torch.float32)
+    sel, blocks = _drawn_attention(q, k, v, pos, cfg, scale, layer_id)
+    m = sel.shape[1]
+    weights = torch.empty(b, hkv, g * m, n, dtype=torch.float32)
+    queries = torch.empty(b, hkv, g * m, d, dtype=torch.float32)
+    out_energy = torch.empty(b, hkv, dtype=torch.float64)
+    for i, (qi, vi, a, far) in enumerate(blocks):
         out_energy[i] = (a @ vi).square().sum(dim=(-1, -2)).reshape(hkv, g).sum(-1).to(torch.float64)
         weights[i] = (a * far).reshape(hkv, g * m, n)
-        queries[i] = q[i, sel].to(torch.float32).permute(1, 0, 2).reshape(hkv, g * m, d)  # type: ignore[index]
-    assert weights is not None and queries is not None
+        queries[i] = qi.reshape(hkv, g * m, d)
     return weights, queries, out_energy
 
 
@@ -278,21 +283,19 @@ def _fisher_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     b, n, hq, d = q.shape
     hkv = k.shape[2]
     grp = hq // hkv
-    weights, along = None, None
-    for i, (sel, vi, a, far) in enumerate(_drawn_attention(q, k, v, pos, cfg, scale, layer_id)):
-        m = len(sel)
-        if weights is None:
-            weights = torch.empty(b, hkv, grp * m, n, dtype=torch.float32)
-            along = torch.empty(b, hkv, grp * m, d, dtype=torch.float32)
-        gi = g[i, sel].to(torch.float32).permute(1, 0, 2)  # [Hq, m, d]
+    sel, blocks = _drawn_attention(q, k, v, pos, cfg, scale, layer_id)
+    m = sel.shape[1]
+    weights = torch.empty(b, hkv, grp * m, n, dtype=torch.float32)
+    along = torch.empty(b, hkv, grp * m, d, dtype=torch.float32)
+    for i, (qi, vi, a, far) in enumerate(blocks):
+        gi = g[i, sel[i]].to(torch.float32).permute(1, 0, 2)  # [Hq, m, d]
         if side == "k":  # c_ij = a_ij·scale·g_i·(v_j − o_i)
             c = a * scale * (gi @ vi.transpose(-1, -2) - (gi * (a @ vi)).sum(-1, keepdim=True))
             weights[i] = (c * far).square().reshape(hkv, grp * m, n)
-            along[i] = q[i, sel].to(torch.float32).permute(1, 0, 2).reshape(hkv, grp * m, d)  # type: ignore[index]
+            along[i] = qi.reshape(hkv, grp * m, d)
         else:
             weights[i] = (a * far).square().reshape(hkv, grp * m, n)
-            along[i] = gi.reshape(hkv, grp * m, d)  # type: ignore[index]
-    assert weights is not None and along is not None
+            along[i] = gi.reshape(hkv, grp * m, d)
     return weights, along
 
 
@@ -309,22 +312,22 @@ def layer_data(samples: LayerSamples, side: str, cfg: RefineConfig, mean: torch.
     centered = (lambda x: x) if mean is None else (lambda x: x - mean.to(torch.float32).expand(
         shape.num_kv_heads, shape.head_dim)[None, :, None, :])
     scale = cfg.softmax_scale if cfg.softmax_scale is not None else shape.head_dim ** -0.5
-    if cfg.loss == "fisher":
-        g = samples.grads()
-        if g is None:
-            raise FitError(f"layer {samples.layer_id}: loss 'fisher' needs the output gradients of the calibration "
-                           f"blocks (a dump with g/ chunks, written by calibrate --grads); use loss 'served' without them")
-        weights, along = _fisher_tensors(q, k, v, g, pos, cfg, scale, samples.layer_id, side)
+    if cfg.loss in ("served", "fisher"):
         x = centered(_heads_first(k if side == "k" else v))
+        if cfg.loss == "served":
+            weights, along, out_energy = _served_tensors(q, k, v, pos, cfg, scale, samples.layer_id)
+            if side == "v":  # the drawn queries' output errors, relative to their outputs
+                return LayerData(x=x, metric=weights, mask=mask, den=out_energy, side=side, loss="served")
+        else:
+            g = samples.grads()
+            if g is None:
+                raise FitError(f"layer {samples.layer_id}: loss 'fisher' needs the output gradients of the calibration "
+                               f"blocks (a dump with g/ chunks, written by calibrate --grads); use loss 'served' "
+                               f"without them")
+            weights, along = _fisher_tensors(q, k, v, g, pos, cfg, scale, samples.layer_id, side)
+        # the errors read along each drawn query (K) or its output gradient (fisher V), weighted per pair
         den = (weights * (along @ x.transpose(-1, -2)).square()).sum(dim=(-1, -2)).to(torch.float64)
-        return LayerData(x=x, metric=weights, mask=mask, den=den, side=side, loss="fisher", queries=along)
-    if cfg.loss == "served":
-        weights, queries, out_energy = _served_tensors(q, k, v, pos, cfg, scale, samples.layer_id)
-        x = centered(_heads_first(k if side == "k" else v))
-        if side == "k":
-            den = (weights * (queries @ x.transpose(-1, -2)).square()).sum(dim=(-1, -2)).to(torch.float64)
-            return LayerData(x=x, metric=weights, mask=mask, den=den, side=side, loss="served", queries=queries)
-        return LayerData(x=x, metric=weights, mask=mask, den=out_energy, side=side, loss="served")
+        return LayerData(x=x, metric=weights, mask=mask, den=den, side=side, loss=cfg.loss, queries=along)
     if side == "k":
         metric = _query_grams(q, shape.num_kv_heads)  # [B, Hkv, d, d]
         x = centered(_heads_first(k))
