@@ -200,14 +200,17 @@ class Dump:
             raise DumpError(f"{self._layer_dirs[layer_id] / kind}: missing; a dump layer needs q/, k/ and v/ folders")
         return ids
 
+    def _require_layer(self, layer_id: int) -> None:
+        if layer_id not in self._layer_dirs:
+            raise DumpError(f"{self.root}: no layer {layer_id} (it has {_fmt_ids(list(self.layer_ids))})")
+
     def has_grads(self, layer_id: int) -> bool:
         """Whether layer ``layer_id`` holds output gradients (a ``g/`` folder, :data:`~.dump_schema.GRAD_KIND`).
 
         Raises:
             DumpError: a per-rank layer holds them (they are written for whole layers only).
         """
-        if layer_id not in self._layer_dirs:
-            raise DumpError(f"{self.root}: no layer {layer_id} (it has {_fmt_ids(list(self.layer_ids))})")
+        self._require_layer(layer_id)
         if len(self._shards[layer_id]) > 1:
             if any(os.path.isdir(base / GRAD_KIND) for base in self._shards[layer_id]):
                 raise DumpError(f"{self._layer_dirs[layer_id]}: output gradients (g/) in a per-rank dump; they are "
@@ -225,8 +228,7 @@ class Dump:
         Raises:
             DumpError: a kind folder is missing, the kinds have different chunks, or no chunk is left.
         """
-        if layer_id not in self._layer_dirs:
-            raise DumpError(f"{self.root}: no layer {layer_id} (it has {_fmt_ids(list(self.layer_ids))})")
+        self._require_layer(layer_id)
         per_kind = {kind: self.all_chunk_ids(layer_id, kind) for kind in kinds}
         first_kind = kinds[0]
         ref = per_kind[first_kind]
