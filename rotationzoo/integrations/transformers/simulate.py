@@ -63,8 +63,10 @@ def simulated_int2_attention(
     they are attended with the fused causal (flash) attention on ``q[c:]`` against
     ``k_int2[prefix : L − recent − 1]``, the exact keys blockwise (each block of ``block`` queries
     against at most ``prefix + block + recent`` keys), and the two partial softmaxes are merged by
-    their log-sum-exp. Otherwise (padding masks, ``S < L``) blocks of queries attend through one
-    masked SDPA each. Both cost about one causal attention.
+    their log-sum-exp. Otherwise (padding masks, ``S < L``, and whenever autograd records the call:
+    the fused kernel's log-sum-exp carries no gradient, so the merged output would get wrong gradients
+    for queries and keys) blocks of queries attend through one masked SDPA each. Both cost about one
+    causal attention.
 
     Args:
         query: ``[B, Hq, S, d]`` (in the same basis as the keys).
@@ -80,7 +82,8 @@ def simulated_int2_attention(
         ``[B, Hq, S, d]`` in ``query``'s dtype.
     """
     s, length = query.shape[2], k_exact.shape[2]
-    if attention_mask is not None or s != length or query.device.type != "cpu":
+    grads = torch.is_grad_enabled() and any(t.requires_grad for t in (query, k_exact, v_exact, k_int2, v_int2))
+    if attention_mask is not None or s != length or query.device.type != "cpu" or grads:
         return _blocked_int2_attention(query, k_exact, v_exact, k_int2, v_int2, prefix=prefix, recent=recent,
                                        scale=scale, attention_mask=attention_mask, block=block)
     g = query.shape[1] // k_exact.shape[1]
