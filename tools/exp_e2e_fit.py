@@ -200,19 +200,20 @@ def main() -> int:
     print(f"teacher: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     tr = Trainable(pair, fmt)
     name = register_attention("rotationzoo_e2e_fit", "sdpa", tr.attention)
-    switch_attention(model, name)
     init_kv = OscarKV.from_rotations(pair, kv_format=fmt)
     if args.check:  # the library's simulation of the init on window 0, then this attention's: the same KL
+        target0 = teachers[0] if teachers is not None else teacher(wins[0])
         with torch.no_grad():
             with oscar_kv(model, init_kv):
                 h = decoder(input_ids=torch.tensor([wins[0]]), use_cache=False).last_hidden_state[0, first:]
-            lib = float(_kl(model, h, teachers[0]))
+            lib = float(_kl(model, h, target0))
             tr.refresh()
             switch_attention(model, name)
             h = decoder(input_ids=torch.tensor([wins[0]]), use_cache=False).last_hidden_state[0, first:]
-            own = float(_kl(model, h, teachers[0]))
+            own = float(_kl(model, h, target0))
         print(f"check, window 0: library simulation KL {lib:.6f}, this attention {own:.6f}", file=sys.stderr)
         return 0
+    switch_attention(model, name)
     opt = torch.optim.Adam([tr.a_k, tr.a_v], lr=args.lr)
     gen = torch.Generator().manual_seed(args.seed)
     trace: list[tuple] = []
