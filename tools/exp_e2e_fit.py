@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from rotationzoo.dtypes import TORCH_DTYPES
 from rotationzoo.files.pair import read_pair
 from rotationzoo.integrations.transformers import simulate
 from rotationzoo.integrations.transformers.attention import oscar_kv
@@ -64,22 +65,21 @@ class Trainable:
     """Per-layer, per-KV-head rotations ``R0 · expm(A − Aᵀ)`` and the attention that serves them."""
 
     def __init__(self, pair, fmt) -> None:
-        self.k0 = pair.k.stacked("rotations").double()  # [L, H, d, d]
-        self.v0 = pair.v.stacked("rotations").double()
+        self.k0 = pair.k.stacked("rotations").float()  # [L, H, d, d]
+        self.v0 = pair.v.stacked("rotations").float()
         self.k_mean = pair.k.stacked("k_mean").float() if pair.k.centered else None
         self.v_mean = pair.v.stacked("v_mean").float() if pair.v.centered else None
         self.a_k = torch.zeros_like(self.k0, dtype=torch.float32, requires_grad=True)
         self.a_v = torch.zeros_like(self.v0, dtype=torch.float32, requires_grad=True)
         self.fmt = fmt
-        self.hp = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[fmt.hp_dtype]
-        self.sd = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[fmt.scale_dtype]
+        self.hp, self.sd = TORCH_DTYPES[fmt.hp_dtype], TORCH_DTYPES[fmt.scale_dtype]
         self.r_k = self.r_v = None
 
     def rotations(self, detach: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         out = []
         for base, a in ((self.k0, self.a_k), (self.v0, self.a_v)):
             s = a - a.transpose(-1, -2)
-            out.append(base.float() @ torch.linalg.matrix_exp(s))
+            out.append(base @ torch.linalg.matrix_exp(s))
         return (out[0].detach(), out[1].detach()) if detach else (out[0], out[1])
 
     def refresh(self) -> None:
@@ -173,6 +173,8 @@ def main() -> int:
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     pair = read_pair(args.init)
+    if set(pair.sides) != {"k", "v"} or not all(rs.per_head for _, rs in pair):
+        sys.exit(f"{args.init}: give a K and V pair with one rotation per KV head (as the default's)")
     fmt = pair.config().kv_format()
     changes = {k: v for k, v in (("k_clip_ratio", args.k_clip_ratio), ("v_clip_ratio", args.v_clip_ratio)) if v is not None}
     if changes:
