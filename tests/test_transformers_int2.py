@@ -123,9 +123,10 @@ def test_simulated_attention_matches_naive_loop(prefix, recent, extra, s) -> Non
 
 @pytest.mark.parametrize("prefix,recent,s", [(4, 32, 100), (3, 5, 20)])
 def test_simulated_attention_gradients_match_naive_loop(prefix, recent, s) -> None:
-    """The simulation is differentiable (no in-place step autograd needs): its gradients with respect to the
-    queries and to both versions of the keys and values equal the per-query loop's, on the fused path
-    (``recent`` 32, ``s`` 100) and the masked one."""
+    """The simulation can be differentiated (a call autograd records takes the masked path: the fused kernel's
+    log-sum-exp carries no gradient): its gradients with respect to the queries and to both versions of the keys
+    and values equal the per-query loop's, for a shape that takes the fused path without gradients (``recent``
+    32, ``s`` 100) and one that takes the masked path."""
     g = torch.Generator().manual_seed(11 + s)
     q = torch.randn(1, 4, s, D, generator=g)
     k_ex, v_ex = torch.randn(1, 2, s, D, generator=g), torch.randn(1, 2, s, D, generator=g)
