@@ -26,13 +26,20 @@ Two ways to draw windows from the calibration text (the keep rule's and the eval
         --save-every 30 --out bench-out/rotations/e2e_online_s0
 
 One step on a 2,048-token window takes about 20 s on two cores (7 GB resident), plus 8 s for ``--online``'s
-teacher and init.
+teacher and init. At the served context, 8,192 tokens, the masked attention's saved weights outgrow the memory
+(about 1.2 GB a layer): ``--recompute`` keeps each decoder layer's input alone and runs the layer again in
+backward (the same gradients, checked to the last bit on an 800-token window); one step then takes about 86 s and
+10 GB, about two minutes with ``--online``. Several ``--text`` are cut into windows each on its own and drawn in
+one random order::
+
+    python tools/exp_e2e_fit.py --init SmolLM2-135M-Instruct --text bench-out/texts/emma.txt \
+        --text bench-out/texts/perlmods.txt --tokens 140000 --window 8192 --steps 32 --lr 5e-4 --online \
+        --recompute --save-every 16 --out bench-out/rotations/e2e8k_mix_s0
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import sys
 import time
 from pathlib import Path
@@ -40,7 +47,8 @@ from pathlib import Path
 import torch
 
 from rotationzoo.dtypes import TORCH_DTYPES
-from rotationzoo.files.pair import read_pair
+from rotationzoo import load
+from rotationzoo.files.manifest import MANIFEST_VERSION, folder_manifest, write_manifest
 from rotationzoo.integrations.transformers import simulate
 from rotationzoo.integrations.transformers.attention import oscar_kv
 from rotationzoo.integrations.transformers.common import register_attention, switch_attention
@@ -114,32 +122,41 @@ def _kl(model, h: torch.Tensor, teacher: torch.Tensor, chunk: int = 512) -> torc
     return total / h.shape[0]
 
 
-def save_pair(init: Path, out: Path, r_k: torch.Tensor, r_v: torch.Tensor, ids_of: dict, record: dict) -> None:
-    """The init folder with its rotations replaced (fp64 polar factors stored as fp32) and its hashes updated."""
+def save_pair(pair, fmt, out: Path, r_k: torch.Tensor, r_v: torch.Tensor, record: dict) -> None:
+    """The init's files with their rotations replaced (fp64 polar factors stored as fp32), and a manifest: the init
+    folder's with the hashes updated, or (an init from the registry) one that names the files and the format."""
     out.mkdir(parents=True, exist_ok=False)
-    manifest = json.loads((init / "rotationzoo.json").read_text())
+    folder = Path(pair.source) if pair.source and Path(pair.source).is_dir() else None
+    manifest = folder_manifest(folder) if folder is not None else {}
+    if not manifest.get("files"):
+        manifest = {"manifest_version": MANIFEST_VERSION, "group_size": fmt.group_size,
+                    "int2kv": pair.config().to_json(), "files": {}}
     for side, r in (("k", r_k), ("v", r_v)):
-        entry = manifest["files"][side]
-        obj = torch.load(init / entry["name"], weights_only=True)
+        src = Path(pair.paths[side])
+        obj = torch.load(src, weights_only=True)
         u, _, vh = torch.linalg.svd(r.double())
         polar = (u @ vh).float()
         layers = obj["layers"].values() if isinstance(obj["layers"], dict) else obj["layers"]
-        ids = list(ids_of[side])
+        ids = list(pair[side].layer_ids)
         for layer in layers:
             layer["rotation"] = polar[ids.index(int(layer["layer_id"]))].clone()
-        path = out / entry["name"]
+        path = out / src.name
         torch.save(obj, path)
         data = path.read_bytes()
-        entry["sha256"], entry["size"] = hashlib.sha256(data).hexdigest(), len(data)
+        manifest["files"][side] = {**manifest["files"].get(side, {}), "name": src.name,
+                                   "sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
     manifest["end_to_end"] = record
-    (out / "rotationzoo.json").write_text(json.dumps(manifest, indent=1))
+    write_manifest(out, manifest)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--init", type=Path, required=True, help="the pair folder to start from (its format is served)")
-    ap.add_argument("--text", required=True, help="calibration text (windows are cut from it)")
-    ap.add_argument("--tokens", type=int, default=20000)
+    ap.add_argument("--init", required=True,
+                    help="the pair to start from, a folder or a registry id such as SmolLM2-135M-Instruct (its "
+                         "format is served)")
+    ap.add_argument("--text", required=True, action="append",
+                    help="calibration text (windows are cut from it); repeat for several, each cut on its own")
+    ap.add_argument("--tokens", type=int, default=20000, help="tokens read from each text")
     ap.add_argument("--window", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -153,13 +170,16 @@ def main() -> int:
                          "the rotations have seen that window")
     ap.add_argument("--save-every", type=int, default=0, help="also write OUT_stepN every N steps")
     ap.add_argument("--check", action="store_true", help="compare this attention with the library's on window 0 and stop")
+    ap.add_argument("--recompute", action="store_true",
+                    help="keep only each decoder layer's input for backward and run the layer again there (what a "
+                         "window of 8,192 tokens needs: the masked attention keeps every block's weights)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     if args.out.exists():
         sys.exit(f"{args.out} exists; give a new --out")
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
-    pair = read_pair(args.init)
+    pair = load(args.init)
     if set(pair.sides) != {"k", "v"} or not all(rs.per_head for _, rs in pair):
         sys.exit(f"{args.init}: give a K and V pair with one rotation per KV head (as the default's)")
     fmt = pair.config().kv_format()
@@ -170,9 +190,13 @@ def main() -> int:
     model, tok = load_model(args.model, dtype="float32")
     for p in model.parameters():
         p.requires_grad_(False)
-    ids = [i for t in read_token_ids(tok, [args.text], limit=args.tokens) for i in t]
     w = args.window
-    wins = [ids[a:a + w] for a in range(0, len(ids) - w + 1, w)]
+    wins, src = [], []  # the windows, and the text each is cut from
+    for text in args.text:
+        ids = [i for t in read_token_ids(tok, [text], limit=args.tokens) for i in t]
+        cut = [ids[a:a + w] for a in range(0, len(ids) - w + 1, w)]
+        wins += cut
+        src += [Path(text).stem] * len(cut)
     first = fmt.prefix_tokens + fmt.recent_tokens + 1  # the first position that reads an INT2 key
     print(f"{len(wins)} windows of {w} tokens; KL over positions {first}..{w - 1}", file=sys.stderr)
     decoder = model.get_decoder()
@@ -203,6 +227,9 @@ def main() -> int:
         print(f"check, window 0: library simulation KL {lib:.6f}, this attention {own:.6f}", file=sys.stderr)
         return 0
     switch_attention(model, name)
+    if args.recompute:  # the layers run in training mode only for the recomputation (the model has no dropout)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
     opt = torch.optim.Adam([tr.a_k, tr.a_v], lr=args.lr)
     gen = torch.Generator().manual_seed(args.seed)
     trace: list[tuple] = []
@@ -223,22 +250,23 @@ def main() -> int:
         h = decoder(input_ids=torch.tensor([wins[j]]), use_cache=False).last_hidden_state[0, first:]
         loss = _kl(model, h, teachers[j] if teachers is not None else target)
         if step == args.steps:  # the last pass only measures
-            trace.append((step, j, float(loss.detach())) + ((init_kl,) if args.online else ()))
+            trace.append((step, j, src[j], float(loss.detach())) + ((init_kl,) if args.online else ()))
             break
         if args.save_every and step and step % args.save_every == 0:
-            save_pair(args.init, Path(f"{args.out}_step{step}"), *tr.rotations(detach=True),
-                      {"k": pair.k.layer_ids, "v": pair.v.layer_ids}, {"steps": step, "trace": list(trace)})
+            save_pair(pair, fmt, Path(f"{args.out}_step{step}"), *tr.rotations(detach=True),
+                      {"steps": step, "trace": list(trace)})
         opt.zero_grad()
         loss.backward()
         opt.step()
-        trace.append((step, j, float(loss.detach())) + ((init_kl,) if args.online else ()))
+        trace.append((step, j, src[j], float(loss.detach())) + ((init_kl,) if args.online else ()))
         vs = f" (init {init_kl:.5f})" if args.online else ""
-        print(f"step {step:3d} window {j:2d} KL {float(loss.detach()):.5f}{vs}  |A_k| {float(tr.a_k.norm()):.3f} "
-              f"|A_v| {float(tr.a_v.norm()):.3f}  {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        print(f"step {step:3d} window {j:2d} ({src[j]}) KL {float(loss.detach()):.5f}{vs}  "
+              f"|A_k| {float(tr.a_k.detach().norm()):.3f} |A_v| {float(tr.a_v.detach().norm()):.3f}  "
+              f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     r_k, r_v = tr.rotations(detach=True)
-    record = {"init": str(args.init), "text": str(args.text), "tokens": args.tokens, "window": w, "steps": args.steps,
-              "lr": args.lr, "seed": args.seed, "format": fmt.name, "trace": trace}
-    save_pair(args.init, args.out, r_k, r_v, {"k": pair.k.layer_ids, "v": pair.v.layer_ids}, record)
+    record = {"init": str(args.init), "text": [str(t) for t in args.text], "tokens": args.tokens, "window": w,
+              "steps": args.steps, "lr": args.lr, "seed": args.seed, "format": fmt.name, "trace": trace}
+    save_pair(pair, fmt, args.out, r_k, r_v, record)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 
