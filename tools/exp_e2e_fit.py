@@ -39,7 +39,6 @@ one random order::
 from __future__ import annotations
 
 import argparse
-import hashlib
 import sys
 import time
 from pathlib import Path
@@ -49,6 +48,8 @@ import torch
 from rotationzoo.dtypes import TORCH_DTYPES
 from rotationzoo import load
 from rotationzoo.files.manifest import MANIFEST_VERSION, folder_manifest, write_manifest
+from rotationzoo.fit.refine import polar
+from rotationzoo.hashing import sha256_file
 from rotationzoo.integrations.transformers import simulate
 from rotationzoo.integrations.transformers.attention import oscar_kv
 from rotationzoo.integrations.transformers.common import register_attention, switch_attention
@@ -122,29 +123,28 @@ def _kl(model, h: torch.Tensor, teacher: torch.Tensor, chunk: int = 512) -> torc
     return total / h.shape[0]
 
 
-def save_pair(pair, fmt, out: Path, r_k: torch.Tensor, r_v: torch.Tensor, record: dict) -> None:
+def save_pair(pair, out: Path, r_k: torch.Tensor, r_v: torch.Tensor, record: dict) -> None:
     """The init's files with their rotations replaced (fp64 polar factors stored as fp32), and a manifest: the init
     folder's with the hashes updated, or (an init from the registry) one that names the files and the format."""
     out.mkdir(parents=True, exist_ok=False)
     folder = Path(pair.source) if pair.source and Path(pair.source).is_dir() else None
     manifest = folder_manifest(folder) if folder is not None else {}
     if not manifest.get("files"):
-        manifest = {"manifest_version": MANIFEST_VERSION, "group_size": fmt.group_size,
-                    "int2kv": pair.config().to_json(), "files": {}}
+        config = pair.config()
+        manifest = {"manifest_version": MANIFEST_VERSION, "group_size": config.group_size,
+                    "int2kv": config.to_json(), "files": {}}
     for side, r in (("k", r_k), ("v", r_v)):
         src = Path(pair.paths[side])
         obj = torch.load(src, weights_only=True)
-        u, _, vh = torch.linalg.svd(r.double())
-        polar = (u @ vh).float()
+        stored = polar(r).float()
         layers = obj["layers"].values() if isinstance(obj["layers"], dict) else obj["layers"]
         ids = list(pair[side].layer_ids)
         for layer in layers:
-            layer["rotation"] = polar[ids.index(int(layer["layer_id"]))].clone()
+            layer["rotation"] = stored[ids.index(int(layer["layer_id"]))].clone()
         path = out / src.name
         torch.save(obj, path)
-        data = path.read_bytes()
         manifest["files"][side] = {**manifest["files"].get(side, {}), "name": src.name,
-                                   "sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+                                   "sha256": sha256_file(path), "size": path.stat().st_size}
     manifest["end_to_end"] = record
     write_manifest(out, manifest)
 
@@ -253,7 +253,7 @@ def main() -> int:
             trace.append((step, j, src[j], float(loss.detach())) + ((init_kl,) if args.online else ()))
             break
         if args.save_every and step and step % args.save_every == 0:
-            save_pair(pair, fmt, Path(f"{args.out}_step{step}"), *tr.rotations(detach=True),
+            save_pair(pair, Path(f"{args.out}_step{step}"), *tr.rotations(detach=True),
                       {"steps": step, "trace": list(trace)})
         opt.zero_grad()
         loss.backward()
@@ -266,7 +266,7 @@ def main() -> int:
     r_k, r_v = tr.rotations(detach=True)
     record = {"init": str(args.init), "text": [str(t) for t in args.text], "tokens": args.tokens, "window": w,
               "steps": args.steps, "lr": args.lr, "seed": args.seed, "format": fmt.name, "trace": trace}
-    save_pair(pair, fmt, args.out, r_k, r_v, record)
+    save_pair(pair, args.out, r_k, r_v, record)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 
