@@ -160,10 +160,12 @@ def main() -> int:
     ap.add_argument("--window", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--k-clip-ratio", type=float, default=None, help="serve K at this clip (default: the pair's: a registry "
-                    "entry's serving clip, a folder's int2kv record, which is the clip its keys were trained at, 0 for keys "
-                    "trained without one; the format line printed first says which)")
-    ap.add_argument("--v-clip-ratio", type=float, default=None, help="serve V at this clip (default: the pair's, as for K)")
+    ap.add_argument("--k-clip-ratio", type=float, default=None,
+                    help="serve K at this clip (default: the pair's: a registry entry's serving clip, a folder's "
+                         "int2kv record, which is the clip its keys were trained at, 0 for keys trained without "
+                         "one; the format line printed first says which)")
+    ap.add_argument("--v-clip-ratio", type=float, default=None,
+                    help="serve V at this clip (default: the pair's, as for K)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=MODEL)
     ap.add_argument("--out", type=Path, required=True)
