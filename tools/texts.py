@@ -10,7 +10,9 @@ Design texts (calibration, the keep rule, every earlier comparison):
 - ``perlmods``: code, modules of Perl's core library (Artistic or GPL-1+, as Perl) from ``perl-modules-5.36``,
   in a fixed order, each after a ``# file:`` line (the design text of code: a calibration set for code);
 - ``pydocutils``: code in Python, modules of Docutils (public domain) from ``python3-docutils``, in a fixed
-  order, each after a ``# file:`` line (a design text of Python code, not the held-out standard library).
+  order, each after a ``# file:`` line (a design text of Python code, not the held-out standard library);
+- ``pysphinx``: code in Python, modules of Sphinx (BSD-2-Clause) from ``python3-sphinx``, in a fixed order, each
+  after a ``# file:`` line (a second design text of Python code, about 150,000 tokens: enough windows to fit on).
 
 Held-out texts (:data:`HELD_OUT`: never used for a design choice; one of each kind):
 
@@ -186,12 +188,17 @@ HELD_OUT: dict[str, tuple[str, str]] = {
 DESIGN_PACKAGED: dict[str, tuple[str, str]] = {
     "perlmods": ("code", "perl-modules-5.36"),
     "pydocutils": ("code", "python3-docutils"),
+    "pysphinx": ("code", "python3-sphinx"),
 }
 #: Core modules of ``perlmods``, in order.
 PERL_MODULES = ("HTTP/Tiny.pm", "Getopt/Long.pm", "Archive/Tar.pm", "File/Temp.pm", "JSON/PP.pm", "Text/Balanced.pm",
                 "Tie/File.pm", "Net/Ping.pm")
 #: Docutils modules of ``pydocutils``, in order.
 DOCUTILS_MODULES = ("nodes.py", "statemachine.py", "frontend.py", "transforms/references.py", "core.py")
+#: Sphinx modules of ``pysphinx``, in order.
+SPHINX_MODULES = ("application.py", "config.py", "builders/html/__init__.py", "domains/python.py", "domains/std.py",
+                  "ext/autodoc/__init__.py", "ext/napoleon/docstring.py", "util/inspect.py", "writers/latex.py",
+                  "writers/texinfo.py", "environment/__init__.py", "util/nodes.py")
 #: Standard-library modules of ``pystdlib``, in order.
 PYTHON_MODULES = ("tarfile.py", "dataclasses.py", "http/client.py", "shutil.py", "statistics.py", "asyncio/base_events.py",
                   "imaplib.py", "smtplib.py", "difflib.py", "mailbox.py")
@@ -254,13 +261,19 @@ def docutils_code_text(root: Path) -> str:
     return _code_text(root / "usr/lib/python3/dist-packages/docutils", DOCUTILS_MODULES)
 
 
+def sphinx_code_text(root: Path) -> str:
+    """:data:`SPHINX_MODULES` of Sphinx, each after a ``# file:`` line."""
+    return _code_text(root / "usr/lib/python3/dist-packages/sphinx", SPHINX_MODULES)
+
+
 def perl_code_text(root: Path) -> str:
     """:data:`PERL_MODULES` of Perl's core library, each after a ``# file:`` line."""
     return _code_text(root / "usr/share/perl/5.36", PERL_MODULES)
 
 
 _PACKAGED_READERS = {"kjv": kjv_text, "debianref": debian_reference_text, "pystdlib": python_code_text,
-                     "perlmods": perl_code_text, "pydocutils": docutils_code_text}
+                     "perlmods": perl_code_text, "pydocutils": docutils_code_text,
+                     "pysphinx": sphinx_code_text}
 #: Every text read from a Debian package of files: name -> (kind, package).
 PACKAGED = {**HELD_OUT, **DESIGN_PACKAGED}
 
@@ -295,7 +308,7 @@ def novel_text(lines: list[str | None]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("novels", nargs="*", help="names such as emma, persuasion, prideprejudice, mobydick, perlmods, "
-                                              "pydocutils; the held-out kjv, debianref, pystdlib")
+                                              "pydocutils, pysphinx; the held-out kjv, debianref, pystdlib")
     ap.add_argument("--deb", type=Path, help="a downloaded .deb of the package holding the texts asked for")
     ap.add_argument("--pkg-dir", type=Path, help="an unpacked R package folder holding the texts asked for")
     ap.add_argument("--out-dir", type=Path, default=Path("bench-out/texts"))
