@@ -35,6 +35,7 @@ class FetchResult:
         sha256: ``{"k": hex, "v": hex}`` (observed; equals the registry's when pinned).
         sources: ``{"k": "huggingface:repo@rev", ...}``: where each file came from.
         from_cache: True when nothing was downloaded.
+        sizes: ``{"k": bytes, "v": bytes}``: with ``sha256``, what a registry entry pins.
     """
 
     entry: TagEntry
@@ -42,6 +43,7 @@ class FetchResult:
     sha256: dict[str, str]
     sources: dict[str, str]
     from_cache: bool
+    sizes: dict[str, int]
 
     @property
     def source(self) -> str:
@@ -54,7 +56,8 @@ class FetchResult:
             "tag": self.entry.name,
             "source": self.source,
             "from_cache": self.from_cache,
-            **{side: {"path": str(self.paths[side]), "sha256": self.sha256[side], "source": self.sources[side]}
+            **{side: {"path": str(self.paths[side]), "sha256": self.sha256[side], "size": self.sizes[side],
+                      "source": self.sources[side]}
                for side in SIDES},
         }
 
@@ -101,6 +104,7 @@ def fetch(
         sha256={s: got.files[s].sha256 for s in SIDES},
         sources={s: got.files[s].source for s in SIDES},
         from_cache=all(got.files[s].from_cache for s in SIDES),
+        sizes={s: got.files[s].size for s in SIDES},
     )
 
 

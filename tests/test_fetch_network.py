@@ -212,7 +212,11 @@ def test_cli_shows_pin_states_and_accepts_new(zoo, tmp_path, capsys) -> None:
     assert main(["info", MODEL, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["tag"]["files"]["k"]["pin"] == {"state": "unpinned"}
     assert main(["fetch", MODEL, "--source", "modelscope", "--json"]) == 0
-    sha = json.loads(capsys.readouterr().out)["k"]["sha256"]
+    got = json.loads(capsys.readouterr().out)
+    sha = got["k"]["sha256"]
+    for side in ("k", "v"):  # what an overlay registry pins, as docs/fetching.md tells
+        data = Path(got[side]["path"]).read_bytes()
+        assert (got[side]["sha256"], got[side]["size"]) == (hashlib.sha256(data).hexdigest(), len(data))
     assert main(["info", MODEL, "--json"]) == 0
     pin = json.loads(capsys.readouterr().out)["tag"]["files"]["k"]["pin"]
     assert pin["state"] == "pinned locally" and [p["sha256"] for p in pin["local"]] == [sha]

@@ -57,7 +57,7 @@ def cmd_fetch(
 ) -> None:
     """Download (once), verify (size, sha256, structure) and cache a model's K and V rotation files.
 
-    Prints the two local paths (or JSON with model, tag, source, and path + sha256 of k and v).
+    Prints the two local paths (or JSON with model, tag, source, and path, sha256 and size of k and v).
     Sources are tried in the registry's order; an unreachable one is skipped at once. For a model whose
     rotations are an MLA latent set (GLM-5.2), every layer_<id>.pt is fetched and checked, and the
     folder is printed.
