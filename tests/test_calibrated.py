@@ -88,3 +88,33 @@ def test_another_pair_under_the_same_name_needs_force(tmp_path, cache_dir) -> No
         import_calibrated(other)
     assert import_calibrated(other, force=True).sha256["k"] == hashlib.sha256(
         (other / "k_rotation_qqt_r_h_pbr.pt").read_bytes()).hexdigest()
+
+
+def test_verify_leaves_an_import_in_progress_alone(tmp_path, cache_dir) -> None:
+    """An import fills a hidden staging folder before renaming it into place; cache verify must not take
+    its files for unmarked ones and delete them under it, and clears such a folder only once it has long
+    been left alone (a killed import)."""
+    import os
+    import shutil
+    import time
+
+    from rotationzoo.hub.cache import STAGING_GRACE_S
+
+    got = import_calibrated(calibration_folder(tmp_path), cache_dir=cache_dir)
+    staging = cache_dir / "imported" / f".{got.name}.in-progress"
+    shutil.copytree(got.folder, staging)  # what the import's staging folder holds before its rename
+    for p in staging.iterdir():
+        if p.name.endswith(".verified"):
+            p.unlink()  # copied, marker not yet written
+    staged = sorted(p for p in staging.iterdir())
+    recs = verify_cache(cache_dir)
+    partial = [r for r in recs if r.area == "partial"]
+    assert sorted(r.path for r in partial) == staged and all("staging folder" in str(r.problem) for r in partial)
+    assert all(p.is_file() for p in staged)
+    assert all(r.ok for r in recs if r.area == "imported")  # the finished import is untouched
+    old = time.time() - STAGING_GRACE_S - 60
+    for p in [staging, *staged]:
+        os.utime(p, (old, old))
+    recs = verify_cache(cache_dir)
+    assert [str(r.problem) for r in recs if r.area == "partial"] == ["left by a killed import or write (removed)"] * 2
+    assert not any(p.exists() for p in staged) and all(p.is_file() for p in got.paths.values())

@@ -22,10 +22,11 @@ def filled(cache_dir):
     """Three derived files in a fresh cache: two tags of SmolLM2 (1000 and 2000 B), one of Qwen3-8B (4000 B)."""
     for (model, tag), size in (((SMOL, "hadamard"), 1000), ((SMOL, None), 2000), (("Qwen3-8B", None), 4000)):
         entry = get_entry(model, tag)
-        p = derived_path("oscar-rot-kv.gguf", entry=entry, cache_dir=cache_dir)
+        inputs = {"k": "0" * 64, "v": "1" * 64}
+        p = derived_path("oscar-rot-kv.gguf", entry=entry, inputs=inputs, cache_dir=cache_dir)
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_bytes(b"x" * size)
-        record_derived(p, inputs={"k": "0" * 64, "v": "1" * 64}, entry=entry)
+        record_derived(p, inputs=inputs, entry=entry)
     assert len(cache_records(cache_dir)) == 3
     return cache_dir
 

@@ -307,6 +307,33 @@ def test_orphaned_part_files_are_listed_and_swept(zoo) -> None:
 def test_revision_override_cannot_climb(zoo) -> None:
     with pytest.raises(ConfigError, match="revision"):
         rotationzoo.fetch(MODEL, source="huggingface", revision="../../outside")
+    with pytest.raises(ConfigError, match="no '..' or '--'"):  # would share rel/1's folder
+        rotationzoo.fetch(MODEL, source="huggingface", revision="rel--1")
+
+
+def test_two_revisions_keep_their_own_derived_files(zoo, tmp_path) -> None:
+    """A file built from one revision's files is neither rewritten by a build from another revision nor
+    removed by cache verify while both revisions are cached."""
+    from rotationzoo.files.derived import ensure_rotations_gguf
+
+    other = {}
+    for side, (path, _) in zoo.files.items():
+        p = write_rotation(tmp_path / "v2" / path.rsplit("/", 1)[-1],
+                           RotationSet(torch.linalg.qr(torch.randn(4, 16, 16))[0], range(4),
+                                       "qqt_r_h_pbr" if side == "k" else "sst_r_h_pbr", torch.rand(4, 16)))
+        other[path] = p.read_bytes()
+    commit2 = zoo.server.commit_files(REPO_ID, other)
+    zoo.write_registry(pinned=False)
+    g1 = ensure_rotations_gguf(rotationzoo.load(MODEL, source="huggingface"))
+    first = g1.read_bytes()
+    pair2 = rotationzoo.load(MODEL, source="huggingface", revision=commit2)
+    assert pair2.sha256["k"] == hashlib.sha256(other[zoo.files["k"][0]]).hexdigest()
+    g2 = ensure_rotations_gguf(pair2)
+    assert g2 != g1 and g1.read_bytes() == first and g2.read_bytes() != first
+    records = verify_cache()
+    assert [r.path for r in records if r.area == "derived"] and all(r.ok for r in records), \
+        [(r.path, r.problem) for r in records if not r.ok]
+    assert g1.read_bytes() == first and g2.is_file()
 
 
 def test_entry_folder_symlinked_outside_the_cache_is_refused(zoo, tmp_path) -> None:

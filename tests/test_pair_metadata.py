@@ -123,7 +123,7 @@ def test_a_cached_gguf_that_does_not_hold_the_rotations_is_rebuilt(tmp_path, cac
 
 
 def test_derived_paths_and_hits_are_strict(tmp_path, cache_dir) -> None:
-    with pytest.raises(CacheError, match="needs a registry entry or the sha256"):
+    with pytest.raises(CacheError, match="needs the sha256 of the files"):
         hub.derived_path("x.gguf")
     with pytest.raises(CacheError, match="64-hex sha256"):
         hub.derived_path("x.gguf", inputs={"k": "not-a-sha", "v": "0" * 64})

@@ -57,6 +57,11 @@ HOSTILE = [
     ("alias with ..", lambda d: _qwen(d)["aliases"].append("../x"), "must be NAME or NAMESPACE/NAME"),
     ("repo with ..", lambda d: _tag(d)["sources"][0].update(repo="../../x"), "is not a NAMESPACE/NAME id"),
     ("revision climbing", lambda d: _tag(d)["sources"][0].update(revision="../../main"), "revision"),
+    # the cache writes '/' as '--': these would share a folder with Qwen/x--Qwen3-8B, rel/1
+    ("model id with --", lambda d: _qwen(d).update(id="Qwen--x/Qwen3-8B"), "no '..' or '--'"),
+    ("revision with --", lambda d: _tag(d)["sources"][0].update(revision="rel--1"), "no '..' or '--'"),
+    ("K and V named alike", lambda d: _tag(d)["files"]["v"].update(
+        path="Qwen3-8B/other/" + _tag(d)["files"]["k"]["path"].rsplit("/", 1)[-1]), "K and V are both named"),
     ("source path climbing", lambda d: _tag(d)["sources"][0].update(path="../k.pt"), "must be relative"),
     ("plain http url", lambda d: _tag(d)["sources"].append({"type": "url", "url": "http://example.com/k.pt"}),
      "must start with https://"),

@@ -267,7 +267,8 @@ def test_vllm_prototype_spells_the_windows_its_way(qwen_cache, capsys):
 def test_llamacpp_exports_the_rotation_gguf(qwen_cache, capsys, tmp_path):
     from rotationzoo.export import read_exported_gguf
 
-    gguf_path = hub.derived_path("oscar-rot-kv.gguf", entry=get_entry(QWEN))
+    got = rotationzoo.fetch(QWEN)
+    gguf_path = hub.derived_path("oscar-rot-kv.gguf", entry=get_entry(QWEN), inputs=got.sha256)
     assert not gguf_path.exists()
     base = tmp_path / "qwen3-8b-q4_k_m.gguf"
     rc, out, err = run_cli(capsys, "serve-args", QWEN, "-e", "llamacpp", "-f", "json", "--model-path", str(base))
@@ -300,21 +301,29 @@ def test_llamacpp_exports_the_rotation_gguf(qwen_cache, capsys, tmp_path):
 def test_llamacpp_gguf_is_rebuilt_for_other_files(qwen_cache, cache_dir):
     spec = launch_spec(QWEN, engine="llamacpp")
     gguf_path = Path(spec.files["gguf"])
+    first = gguf_path.read_bytes()
     entry = get_entry(QWEN)
     seed_cache(cache_dir, entry, seed=99, source="url:https://example.invalid/other")  # new bytes, new sha256
     spec2 = launch_spec(QWEN, engine="llamacpp")
     from rotationzoo.export import read_exported_gguf
 
     got = read_exported_gguf(spec2.files["gguf"])
-    assert Path(spec2.files["gguf"]) == gguf_path
     assert got.metadata["k.sha256"] == sha256_file(Path(spec2.files["k"]))
+    # other input bytes (another revision, a re-publish) get another file: the one an earlier launch was
+    # given is never rewritten under it; cache verify then removes it as built from files no longer verified
+    assert Path(spec2.files["gguf"]).parent.parent == gguf_path.parent.parent and Path(spec2.files["gguf"]) != gguf_path
+    assert gguf_path.read_bytes() == first
+    bad = [r for r in hub.verify_cache(cache_dir) if not r.ok]
+    assert [r.path for r in bad] == [gguf_path] and "(stale)" in str(bad[0].problem)
+    assert not gguf_path.exists() and Path(spec2.files["gguf"]).is_file()
 
 
 def test_the_gguf_is_a_derived_file_the_cache_knows(cache_dir, capsys):
     """serve-args writes its GGUF into the derived area; cache ls lists it and cache verify keeps it."""
     rc, _, err = run_cli(capsys, "serve-args", SMOL_SHARED, "--engine", "llamacpp")
     assert rc == 0, err
-    gguf = hub.derived_path("oscar-rot-kv.gguf", entry=get_entry(*SMOL_SHARED.split("@")))
+    gguf = hub.derived_path("oscar-rot-kv.gguf", entry=get_entry(*SMOL_SHARED.split("@")),
+                            inputs=rotationzoo.fetch(*SMOL_SHARED.split("@")).sha256)
     assert gguf.is_file()
     rc, out, err = run_cli(capsys, "cache", "verify", "--json")
     assert rc == 0, out + err

@@ -43,8 +43,11 @@ from .layout import (
     write_marker,
 )
 
-#: The area of download-in-progress files (orphans when no download holds their entry's lock).
+#: The area of download-in-progress files (orphans when no download holds their entry's lock) and of
+#: files in a staging folder (a hidden folder an import or a rotation write fills before renaming it).
 PARTIAL_AREA = "partial"
+#: A staging folder untouched for this long was left by a killed process (the writers hold no lock).
+STAGING_GRACE_S = 3600.0
 
 
 @dataclass
@@ -75,9 +78,24 @@ class CacheRecord:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in self.__dict__.items()}
 
 
+def _staging_folder(root: Path, area: str, path: Path) -> Path | None:
+    """The outermost hidden folder ``path`` lies in below its area (an import or a write in progress)."""
+    base = area_dir(root, area)
+    for i, part in enumerate(path.relative_to(base).parts[:-1]):
+        if part.startswith("."):
+            return base.joinpath(*path.relative_to(base).parts[:i + 1])
+    return None
+
+
 def _records(root: Path, area: str) -> list[CacheRecord]:
     out: list[CacheRecord] = []
     for p in walk_area(root, area):
+        if _staging_folder(root, area, p) is not None:
+            if not p.name.endswith(MARKER_SUFFIX):
+                out.append(CacheRecord(p, PARTIAL_AREA, None, None, None, 0, None, None,
+                                       problem="in a staging folder: an import or write in progress, or left by a "
+                                               "killed process"))
+            continue
         if p.is_symlink():
             out.append(CacheRecord(p, area, None, None, None, 0, None, None,
                                    problem=f"a symlink (to {os.readlink(p)}; never served or followed)"))
@@ -119,18 +137,20 @@ def cache_records(cache_dir: str | os.PathLike[str] | None = None) -> list[Cache
     return _records(root, FILES_AREA) + _records(root, DERIVED_AREA) + _records(root, IMPORTED_AREA)
 
 
-def _verified_inputs(records: list[CacheRecord]) -> dict[tuple[str | None, str | None], dict[str, str]]:
-    """``{(model, tag): {side: sha256}}`` of the downloads whose markers are present."""
-    out: dict[tuple[str | None, str | None], dict[str, str]] = {}
+def _verified_inputs(records: list[CacheRecord]) -> dict[tuple[str | None, str | None], dict[str, set[str]]]:
+    """``{(model, tag): {side: {sha256, ...}}}`` of the downloads whose markers are present (one per
+    revision cached)."""
+    out: dict[tuple[str | None, str | None], dict[str, set[str]]] = {}
     for r in records:
         if r.area != FILES_AREA:
             continue
         if r.side and r.sha256:
-            out.setdefault((r.model, r.tag), {})[r.side] = r.sha256
+            out.setdefault((r.model, r.tag), {}).setdefault(r.side, set()).add(r.sha256)
     return out
 
 
-def _problem(r: CacheRecord, sha: str, registry_sha: str | None, inputs_now: Mapping[str, str] | None) -> str | None:
+def _problem(r: CacheRecord, sha: str, registry_sha: str | None,
+             inputs_now: Mapping[str, set[str]] | None) -> str | None:
     if r.sha256 is None:
         return "no verification marker"
     if sha != r.sha256:
@@ -138,7 +158,7 @@ def _problem(r: CacheRecord, sha: str, registry_sha: str | None, inputs_now: Map
     if registry_sha is not None and sha != registry_sha:
         return f"sha256 {sha} differs from the registry's {registry_sha}"
     if r.area == DERIVED_AREA and r.inputs and inputs_now is not None:
-        stale = [s for s, h in r.inputs.items() if s in inputs_now and inputs_now[s] != h]
+        stale = [s for s, h in r.inputs.items() if s in inputs_now and h not in inputs_now[s]]
         if stale:
             return f"built from {'+'.join(stale).upper()} files that are no longer the verified ones (stale)"
     return None
@@ -158,9 +178,18 @@ def verify_cache(cache_dir: str | os.PathLike[str] | None = None, *, remove_bad:
     reg = load_registry()
     records = cache_records(root)  # walks (and checks) both areas before anything is removed
     inputs = _verified_inputs(records)
+    left_alone: dict[Path, bool] = {}
     for r in records:
         if r.area == PARTIAL_AREA:
             r.ok = False
+            staging = _staging_folder(root, _area_of(root, r.path), r.path)
+            if staging is not None:  # a writer's own folder: removed only once it has long been left alone
+                if staging not in left_alone:  # judged once, before this check removes anything from it
+                    left_alone[staging] = _left_alone(staging)
+                if remove_bad and left_alone[staging]:
+                    remove_inside(root, [r.path, marker_path(r.path)])
+                    r.problem = "left by a killed import or write (removed)"
+                continue
             if remove_bad and _unlocked(root, r.path):
                 remove_inside(root, [r.path])
                 r.problem = "left by a killed download (removed)"
@@ -191,6 +220,19 @@ def verify_cache(cache_dir: str | os.PathLike[str] | None = None, *, remove_bad:
         if not r.ok and remove_bad:
             remove_inside(root, [r.path, marker_path(r.path)])
     return records
+
+
+def _area_of(root: Path, path: Path) -> str:
+    return path.relative_to(root).parts[0]
+
+
+def _left_alone(folder: Path) -> bool:
+    """True when nothing in the staging ``folder`` changed for :data:`STAGING_GRACE_S` seconds."""
+    try:
+        newest = max([os.lstat(folder).st_mtime] + [os.lstat(p).st_mtime for p in folder.rglob("*")])
+    except OSError:  # changed while we looked: in use
+        return False
+    return time.time() - newest > STAGING_GRACE_S
 
 
 def _unlocked(root: Path, path: Path) -> bool:
@@ -288,10 +330,11 @@ def remove_cached(model: str | None = None, tag: str | None = None,
 def derived_path(name: str, *, entry: TagEntry | None = None, inputs: Mapping[str, str] | None = None,
                  cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """Where a file derived from ``entry``'s verified files (or from local files with ``inputs``
-    sha256s) is kept: ``derived/<model>/<tag>/<name>`` or ``derived/local/<id>/<name>``.
+    sha256s) is kept: ``derived/<model>/<tag>/<id>/<name>`` or ``derived/local/<id>/<name>``.
 
     ``inputs`` maps each side to the sha256 of the bytes it was read from (never to a hash a file
-    merely records about itself); ``<id>`` is made from all of them, so other bytes get another folder.
+    merely records about itself); ``<id>`` is made from all of them, so other bytes get another folder
+    (two revisions of one tag never share a derived file).
 
     Raises:
         CacheError: no entry and no inputs, an input that is not a 64-hex sha256, or a ``name``
@@ -305,15 +348,13 @@ def derived_path(name: str, *, entry: TagEntry | None = None, inputs: Mapping[st
     if not re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}", name) or name.endswith(MARKER_SUFFIX):
         raise CacheError(f"derived file name {name!r} must be a plain file name (letters, digits and . _ -)")
     root = cache_root(cache_dir)
-    if entry is not None:
-        return derived_dir(root, entry) / name
     if not inputs:
-        raise CacheError("a derived file needs a registry entry or the sha256 of the files it is built from")
+        raise CacheError("a derived file needs the sha256 of the files it is built from")
     bad = {k: v for k, v in inputs.items() if not (isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v))}
     if bad:
         raise CacheError(f"derived file inputs must be 64-hex sha256s, got {bad!r}"[:300])
     local_id = hashlib.sha256(",".join(f"{s}={h}" for s, h in sorted(inputs.items())).encode()).hexdigest()[:16]
-    return derived_dir(root, local_id=local_id) / name
+    return derived_dir(root, entry, local_id=local_id) / name
 
 
 def record_derived(path: Path, *, inputs: Mapping[str, str], entry: TagEntry | None = None) -> dict[str, Any]:

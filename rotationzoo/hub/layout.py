@@ -78,11 +78,13 @@ def entry_dir(root: Path, entry: TagEntry, revision: str | None = None) -> Path:
 
 
 def derived_dir(root: Path, entry: TagEntry | None = None, local_id: str | None = None) -> Path:
-    """Folder of files built from an entry's verified files (or from local files, by ``local_id``)."""
-    if entry is not None:
-        return inside(root, area_dir(root, DERIVED_AREA) / model_folder(entry.model_id) / _tag_folder(entry, None))
+    """Folder of files built from the files whose sha256s make ``local_id``: under the entry's folder
+    when they are its verified files, else under ``local``."""
     if not local_id or not re.fullmatch(r"[0-9a-f]{1,64}", local_id):
-        raise ValueError("derived_dir needs an entry or a hex local_id")
+        raise ValueError("derived_dir needs a hex local_id (made from the inputs' sha256)")
+    if entry is not None:
+        return inside(root, area_dir(root, DERIVED_AREA) / model_folder(entry.model_id) / _tag_folder(entry, None)
+                      / local_id)
     return inside(root, area_dir(root, DERIVED_AREA) / "local" / local_id)
 
 

@@ -186,6 +186,9 @@ def _parse_files(t: Mapping[str, Any], where: str) -> dict[str, FileEntry]:
         bounds.check_file_numbers(f.get("sha256"), f.get("size"), fw)
         files[side] = FileEntry(side=side, path=path, sha256=f.get("sha256"), size=f.get("size"),  # type: ignore[arg-type]
                                 sources=srcs)
+    if files["k"].filename == files["v"].filename:  # the cache keeps a tag's files side by side under these names
+        raise RegistryError(f"{where}.files: K and V are both named {files['k'].filename!r} in the cache; give the "
+                            f"two files different names")
     return files
 
 

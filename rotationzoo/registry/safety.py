@@ -5,13 +5,15 @@ so that no entry can make the cache write outside its root, make a hub client wr
 cache, read a file outside the package, or send a request to an unexpected scheme or host:
 
 - **model ids** and **repositories**: ``NAMESPACE/NAME``, each part ``[A-Za-z0-9][A-Za-z0-9._-]*``
-  (at most 96 characters, never ``.`` or ``..``);
+  (at most 96 characters, never ``.`` or ``..``, no ``--``: the cache's folders write ``/`` as ``--``,
+  so ``a--b/c`` and ``a/b--c`` would share one; the Hugging Face Hub refuses ``--`` in ids too);
 - **aliases**: ``NAME`` or ``NAMESPACE/NAME`` of such parts; **tags**: one part (``+`` allowed too),
   at most 128 characters;
 - **file paths** (``files.*.path``, a source's ``path``): relative, ``/``-separated parts of
   ``[A-Za-z0-9._+-]``, none empty, ``.`` or ``..``;
 - **revisions**: a branch, tag or commit: ``/``-separated parts of ``[A-Za-z0-9._+-]``, none empty,
-  ``.`` or ``..``, at most 200 characters;
+  ``.`` or ``..``, no ``--`` (``rel/1`` and ``rel--1`` would share a cache folder: give such a branch by
+  its commit), at most 200 characters;
 - **URLs**: ``https://`` only; ``http://`` to a loopback host (``127.0.0.1``, ``::1``,
   ``localhost``) only when ``ROTATIONZOO_ALLOW_HTTP_LOOPBACK=1`` (the test hub server); no
   credentials in the URL;
@@ -41,8 +43,10 @@ def _no_dots(value: str) -> bool:
 
 def check_model_id(value: object, where: str) -> str:
     """A ``NAMESPACE/NAME`` model id or repository."""
-    if not isinstance(value, str) or len(value) > 96 or not MODEL_ID.match(value) or not _no_dots(value):
-        raise RegistryError(f"{where}: {value!r} is not a NAMESPACE/NAME id (letters, digits and . _ -; no '..')")
+    if (not isinstance(value, str) or len(value) > 96 or not MODEL_ID.match(value) or not _no_dots(value)
+            or "--" in value):
+        raise RegistryError(f"{where}: {value!r} is not a NAMESPACE/NAME id (letters, digits and . _ -; no '..' "
+                            f"or '--')")
     return value
 
 
@@ -90,10 +94,10 @@ def check_file_path(value: object, where: str) -> str:
 def check_revision(value: object, where: str) -> str:
     """A branch, tag or commit sha (``/`` allowed between safe parts)."""
     ok = (isinstance(value, str) and 0 < len(value) <= 200 and not value.startswith("/") and _no_dots(value)
-          and all(_PATH_PART.match(p) for p in value.split("/")))
+          and all(_PATH_PART.match(p) for p in value.split("/")) and "--" not in value)
     if not ok:
         raise RegistryError(f"{where}: revision {value!r} must be a branch, tag or commit name (parts of letters, "
-                            f"digits and . _ + -; no '..')")
+                            f"digits and . _ + -; no '..' or '--': give such a branch by its commit sha)")
     return str(value)
 
 
