@@ -60,6 +60,8 @@ HOSTILE = [
     # the cache writes '/' as '--': these would share a folder with Qwen/x--Qwen3-8B, rel/1
     ("model id with --", lambda d: _qwen(d).update(id="Qwen--x/Qwen3-8B"), "no '..' or '--'"),
     ("revision with --", lambda d: _tag(d)["sources"][0].update(revision="rel--1"), "no '..' or '--'"),
+    ("hidden file name", lambda d: _tag(d)["files"]["k"].update(path="Qwen3-8B/x/.k_rotation.pt.tmp"),
+     "names a hidden file"),
     ("K and V named alike", lambda d: _tag(d)["files"]["v"].update(
         path="Qwen3-8B/other/" + _tag(d)["files"]["k"]["path"].rsplit("/", 1)[-1]), "K and V are both named"),
     ("source path climbing", lambda d: _tag(d)["sources"][0].update(path="../k.pt"), "must be relative"),

@@ -183,6 +183,8 @@ def _parse_files(t: Mapping[str, Any], where: str) -> dict[str, FileEntry]:
                                 f"or modelscope sources only")
         if path.endswith(".verified"):
             raise RegistryError(f"{fw}.path: {path!r} ends like a cache verification marker")
+        if path.rsplit("/", 1)[-1].startswith("."):
+            raise RegistryError(f"{fw}.path: {path!r} names a hidden file (the cache's names for files being written)")
         bounds.check_file_numbers(f.get("sha256"), f.get("size"), fw)
         files[side] = FileEntry(side=side, path=path, sha256=f.get("sha256"), size=f.get("size"),  # type: ignore[arg-type]
                                 sources=srcs)
