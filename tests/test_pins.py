@@ -66,6 +66,24 @@ def test_another_revision_is_another_first_use(unpinned, tmp_path) -> None:
     assert default.from_cache and default.sha256 == first.sha256
 
 
+def test_a_pin_the_reader_would_refuse_is_never_written(unpinned, tmp_path) -> None:
+    """A hub's over-long or multi-line commit is dropped from the pin, and a source label no pin can hold is
+    refused before writing: the pin file stays readable, with every pin it had."""
+    from rotationzoo.hub.pins import MAX_LABEL, check_or_pin
+
+    rotationzoo.fetch(MODEL, source="huggingface")
+    before = read_pins()
+    entry, sha = get_entry(MODEL), "ab" * 32
+    assert check_or_pin(entry, "k", sha, source="url:https://x.invalid/k.pt", commit="c" * (MAX_LABEL + 1)) == "new"
+    assert check_or_pin(entry, "v", sha, source="url:https://x.invalid/v.pt", revision="a\nb") == "new"
+    with pytest.raises(ConfigError, match="no local pin can record it"):
+        check_or_pin(entry, "k", sha, source="url:https://x.invalid/" + "k" * MAX_LABEL)
+    pins = read_pins()
+    assert set(before) < set(pins) and len(pins) == len(before) + 2
+    assert pins[f"{MODEL}:{entry.name}:k|url:https://x.invalid/k.pt"]["commit"] is None
+    assert pins[f"{MODEL}:{entry.name}:v|url:https://x.invalid/v.pt"]["revision"] is None
+
+
 def test_a_change_under_the_same_source_and_revision_is_refused(unpinned, tmp_path) -> None:
     zoo = unpinned
     rotationzoo.fetch(MODEL, source="modelscope")

@@ -88,6 +88,10 @@ def _read_text(path: Path) -> str | None:
         raise _bad(path, "the pin file is not UTF-8 text") from None
 
 
+def _one_line(v: Any) -> bool:
+    return isinstance(v, str) and len(v) <= MAX_LABEL and not any(c in v for c in "\n\r\0")
+
+
 def _check_pin(path: Path, key: str, value: Any) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise _bad(path, f"pin {key[:120]!r} is not an object")
@@ -99,7 +103,7 @@ def _check_pin(path: Path, key: str, value: Any) -> dict[str, Any]:
         v = value.get(name)
         if v is None:
             out[name] = None
-        elif not isinstance(v, str) or len(v) > MAX_LABEL or any(c in v for c in "\n\r\0"):
+        elif not _one_line(v):
             raise _bad(path, f"pin {key[:120]!r}: {name} must be a one-line string of at most {MAX_LABEL} characters")
         else:
             out[name] = v
@@ -181,6 +185,10 @@ def check_or_pin(entry: TagEntry, side: str, sha: str, *, source: str, revision:
         ConfigError: the pin file cannot be read or written (named in the message).
     """
     path = config.pins_file()
+    if not _one_line(source):  # a pin the reader would refuse must never be written (it would lose every pin)
+        raise ConfigError(f"{entry.key} {side.upper()}: its source label is not a one-line string of at most "
+                          f"{MAX_LABEL} characters, so no local pin can record it; pin the file's sha256 in the registry")
+    revision, commit = (v if _one_line(v) else None for v in (revision, commit))  # what the hub said, if sane
     key = pin_key(entry, side, source)
     hint = "set ROTATIONZOO_PINS to a writable file"
     try:
