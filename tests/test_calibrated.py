@@ -118,3 +118,30 @@ def test_verify_leaves_an_import_in_progress_alone(tmp_path, cache_dir) -> None:
     recs = verify_cache(cache_dir)
     assert [str(r.problem) for r in recs if r.area == "partial"] == ["left by a killed import or write (removed)"] * 2
     assert not any(p.exists() for p in staged) and all(p.is_file() for p in got.paths.values())
+
+
+def test_a_failed_forced_import_keeps_the_old_one(tmp_path, cache_dir, monkeypatch) -> None:
+    """--force moves the old import aside before renaming the new one in; when that rename fails (a full
+    disk, Ctrl-C), the old import goes back in place, whole."""
+    import os
+
+    from rotationzoo.errors import CacheError
+
+    from test_publish import make_fitted
+
+    first = import_calibrated(make_fitted(tmp_path / "a" / "calib", seeds=(1, 2)), name="mine", cache_dir=cache_dir)
+    before = {p.name: p.read_bytes() for p in first.folder.iterdir()}
+    real = os.replace
+
+    def failing(src, dst, *args, **kwargs):  # only the new import's rename fails (stdlib fault injection)
+        if os.path.basename(os.fspath(src)).startswith(".mine.") and ".old." not in os.fspath(src):
+            raise OSError(28, "No space left on device")
+        return real(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", failing)
+    with pytest.raises(CacheError, match="No space left"):
+        import_calibrated(make_fitted(tmp_path / "b" / "calib", seeds=(3, 4)), name="mine", cache_dir=cache_dir,
+                          force=True)
+    monkeypatch.setattr(os, "replace", real)
+    assert {p.name: p.read_bytes() for p in first.folder.iterdir()} == before
+    assert sorted(os.listdir(cache_dir / "imported")) == ["mine"]

@@ -237,6 +237,11 @@ def import_calibrated(folder: str | os.PathLike[str], *, name: str | None = None
         raise CacheError(f"cannot import into {dest} ({exc.strerror or exc}); set ROTATIONZOO_CACHE to a writable "
                          f"folder") from None
     finally:
+        if old is not None and (old / name).exists() and not dest.exists():  # the new one never arrived:
+            try:
+                os.replace(old / name, dest)  # the old import back in place, whole
+            except OSError:
+                old = None  # never removed: it stays where it was moved to
         for left in (staging, old):
             if left is not None and left.exists():
                 shutil.rmtree(left, ignore_errors=True)
