@@ -179,6 +179,26 @@ def check_model_files(path: str | os.PathLike[str], *, option: str | None = None
     return p
 
 
+def temp_beside(path: str | os.PathLike[str], *, suffix: str = ".tmp") -> tuple[int, str]:
+    """A new hidden file ``.NAME.XXXXXXXX<suffix>`` in ``path``'s folder, open for writing, to be renamed
+    onto ``path``: created with the permissions ``open(path, "w")`` would give (0666 less the umask),
+    where ``tempfile.mkstemp``'s 0600 would leave a user's output unreadable to the others it was for.
+
+    Returns:
+        ``(fd, name)``; the caller closes ``fd`` and renames or removes ``name``.
+    """
+    import secrets
+
+    p = Path(path)
+    for _ in range(100):
+        tmp = p.with_name(f".{p.name}.{secrets.token_hex(4)}{suffix}")
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC | _NOFOLLOW, 0o666), str(tmp)
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name beside {p}")
+
+
 @contextlib.contextmanager
 def file_lock(path: str | os.PathLike[str], *, timeout: float, what: str, error: ErrorType,
               hint: str | None = None) -> Iterator[None]:

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import PairError, RotationZooError
-from ..safefile import read_regular
+from ..safefile import read_regular, temp_beside
 from ..vocab import SIDES
 
 #: Manifest written next to the rotation files.
@@ -110,7 +109,7 @@ def write_manifest(folder: str | os.PathLike[str], manifest: Mapping[str, Any]) 
     """Write ``manifest`` as ``folder/rotationzoo.json`` atomically (indented JSON); its path."""
     out = Path(folder)
     path = out / MANIFEST_NAME
-    fd, tmp = tempfile.mkstemp(prefix=f".{MANIFEST_NAME}.", dir=out)
+    fd, tmp = temp_beside(path)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=2, default=str)

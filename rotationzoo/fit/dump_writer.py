@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
 
 from ..errors import DumpError
+from ..safefile import temp_beside
 from .dump_schema import DUMP_INFO_NAME, GRAD_KIND, KINDS, parse_index
 
 
@@ -21,7 +21,7 @@ def _is_layer_dir_name(name: str) -> bool:
 
 def _save_atomic(obj: Any, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    fd, tmp = temp_beside(path)
     os.close(fd)
     try:
         torch.save(obj, tmp)
@@ -186,7 +186,7 @@ class DumpWriter:
     def write_info(self, info: Mapping[str, Any]) -> Path:
         """Write ``rotationzoo_dump.json`` (model, prompts, tokens, ...) at the dump root."""
         p = self.root / DUMP_INFO_NAME
-        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=self.root)
+        fd, tmp = temp_beside(p)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(dict(info), f, indent=2, default=str)
             f.write("\n")

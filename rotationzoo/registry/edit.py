@@ -9,12 +9,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
 from .. import config
 from ..errors import RegistryError
+from ..safefile import temp_beside
 from .load import REGISTRY_VERSION, bundled_registry_path, schema_path
 
 
@@ -93,7 +93,7 @@ def write_registry_file(path: str | os.PathLike[str], data: Mapping[str, Any]) -
     except OSError:
         pass
     p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    fd, tmp = temp_beside(p)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
