@@ -199,6 +199,44 @@ def temp_beside(path: str | os.PathLike[str], *, suffix: str = ".tmp") -> tuple[
     raise FileExistsError(f"no free temporary name beside {p}")
 
 
+def check_output_path(path: str | os.PathLike[str], *, what: str, error: ErrorType) -> Path:
+    """Refuse, before any long work, an output path that cannot be written: an existing folder, or a
+    parent that is a file or a folder this process cannot write to (the nearest existing one is judged
+    when the parent does not exist yet). A link at the path is replaced on writing, never written through.
+
+    Raises:
+        error: one line naming the path and what to do.
+    """
+    p = Path(path)
+    if p.is_dir() and not p.is_symlink():
+        raise error(f"{what} {p} is a folder; give a file name")
+    parent = p.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise error(f"{what} {p}: {parent} is not a folder; give a path in a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise error(f"{what} {p}: the folder {parent} is not writable; give a path in a writable folder")
+    return p
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
+    """Write ``text`` to ``path`` whole or not at all (a temporary file beside it, then a rename: a link
+    at ``path`` is replaced, never written through); the parent folder is created."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = temp_beside(p)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, p)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return p
+
+
 @contextlib.contextmanager
 def file_lock(path: str | os.PathLike[str], *, timeout: float, what: str, error: ErrorType,
               hint: str | None = None) -> Iterator[None]:

@@ -357,6 +357,34 @@ def test_cli_eval_errors(tmp_path, capsys) -> None:
     assert len(err) == 1 and "rotations cover 30 layers" in err[0]
 
 
+def test_cli_eval_checks_its_output_paths_first(tmp_path, capsys) -> None:
+    """--json-out and --plot that cannot be written are refused before the evaluation runs (never after
+    it, losing its results), and a link at --json-out is replaced, never written through."""
+    pytest.importorskip("matplotlib")
+    from rotationzoo.cli.main import main
+
+    folder, text = _save_tiny(tmp_path)
+    run = ["eval", "--model", str(folder), "--text", str(text), "--context", "64", "--methods", "fp,none",
+           "--prefix-tokens", "4", "--recent-tokens", "8", "--baseline", "none"]
+    (tmp_path / "results").mkdir()
+    (tmp_path / "a_file").write_text("x")
+    for extra, message in ((["--json-out", str(tmp_path / "results")], "is a folder; give a file name"),
+                           (["--json-out", str(tmp_path / "a_file" / "e.json")], "is not a folder"),
+                           (["--plot", str(tmp_path / "eval.txt")], "matplotlib saves"),
+                           (["--plot", str(tmp_path / "e.png"), "--json-out", str(tmp_path / "e.png")], "same file")):
+        assert main(run + extra) == 1
+        captured = capsys.readouterr()
+        assert message in captured.err and len(captured.err.strip().splitlines()) == 1, captured.err
+        assert "ΔKL" not in captured.out  # refused before anything ran
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "held_out.txt", "results", "tiny"]
+    notes = tmp_path / "notes.txt"
+    notes.write_text("a user's notes")
+    (tmp_path / "link.json").symlink_to(notes)
+    assert main(run + ["--json-out", str(tmp_path / "link.json")]) == 0
+    assert notes.read_text() == "a user's notes" and not (tmp_path / "link.json").is_symlink()
+    assert json.loads((tmp_path / "link.json").read_text())["results"][1]["method"] == "none"
+
+
 def test_tokenize_texts(tmp_path) -> None:
     folder, text = _save_tiny(tmp_path)
     tok = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)

@@ -42,6 +42,7 @@ from ._options import (
     choice,
     config_changes,
 )
+from ..errors import CLIError
 from ._output import console, emit_json, print_note, print_warning, progress_reporter
 
 
@@ -144,14 +145,27 @@ def eval_command(
                               error_windows=error_windows,
                               probe=CopyProbe(probe_tokens, probe_filler, probe_count) if probe == "copy" else None))
     plan = plan_evaluation(request)  # texts, methods, settings and windows: before the model is touched
+    _check_outputs(json_out, plot)  # and the files asked for: a long run never ends in a path it cannot write
     with progress_reporter("eval") as progress:  # stderr: a bar on a terminal, else a few lines
         report = run_evaluation(plan, progress=progress, note=print_note)
-    _write_outputs(report, json_out, plot)
     if as_json:
         emit_json(report.to_dict())
-        return
-    what = ", ".join(f.name for f in plan.formats) if plan.formats else plan.config.label()
-    _print_report(report, f"{Path(plan.model).name}: {report.tokens} tokens, {what}", plot, json_out)
+    else:
+        what = ", ".join(f.name for f in plan.formats) if plan.formats else plan.config.label()
+        _print_report(report, f"{Path(plan.model).name}: {report.tokens} tokens, {what}", plot, json_out)
+    _write_outputs(report, json_out, plot)  # after the report is shown: a failing write cannot lose it
+
+
+def _check_outputs(json_out: Optional[Path], plot: Optional[Path]) -> None:
+    from ..evaluate.plot import check_plot_path
+    from ..safefile import check_output_path
+
+    if json_out is not None:
+        check_output_path(json_out, what="--json-out", error=CLIError)
+    if plot is not None:
+        check_plot_path(plot)
+    if json_out is not None and plot is not None and json_out.resolve() == plot.resolve():
+        raise CLIError(f"--json-out and --plot name the same file {json_out}; give two")
 
 
 def _write_outputs(report: Any, json_out: Optional[Path], plot: Optional[Path]) -> None:

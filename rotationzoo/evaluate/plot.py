@@ -7,7 +7,8 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..errors import MissingDependencyError
+from ..errors import ConfigError, MissingDependencyError
+from ..safefile import check_output_path, temp_beside
 from .report import EvalReport, MethodResult
 
 
@@ -93,12 +94,42 @@ def plot_frontier(reports: Sequence[EvalReport], path: str | os.PathLike[str], *
     return _save(plt, fig, path)
 
 
+def check_plot_path(path: str | os.PathLike[str]) -> Path:
+    """Refuse, before an evaluation runs, a plot path matplotlib cannot write: its suffix names no format
+    it saves (``.png``, ``.svg``, ``.pdf``, ...), or the path cannot be written (an existing folder, an
+    unwritable one).
+
+    Raises:
+        ConfigError: one line.
+        MissingDependencyError: matplotlib is not installed.
+    """
+    p = check_output_path(path, what="--plot", error=ConfigError)
+    plt = _pyplot()
+    fig = plt.figure()
+    try:
+        formats = fig.canvas.get_supported_filetypes()
+    finally:
+        plt.close(fig)
+    if p.suffix[1:].lower() not in formats:
+        raise ConfigError(f"--plot {p}: matplotlib saves {', '.join('.' + f for f in sorted(formats))}, not "
+                          f"{p.suffix or 'a name without a suffix'}; give one of those")
+    return p
+
+
 def _save(plt: Any, fig: Any, path: str | os.PathLike[str]) -> Path:
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    fd, tmp = temp_beside(out)  # whole or not at all; a link at the path is replaced, not written through
+    try:
+        with os.fdopen(fd, "wb") as f:
+            fig.savefig(f, dpi=120, format=out.suffix[1:].lower() or "png")
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    finally:
+        plt.close(fig)
     return out
 
 

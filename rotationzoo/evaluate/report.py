@@ -6,11 +6,11 @@ import json
 import os
 import platform
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
+from ..safefile import write_text_atomic
 from .stats import PairedDifference
 
 
@@ -125,8 +125,7 @@ class EvalReport:
         """The report as indented JSON; also written to ``path`` when given."""
         text = json.dumps(self.to_dict(), indent=2, default=str) + "\n"
         if path is not None:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            Path(path).write_text(text, encoding="utf-8")
+            write_text_atomic(path, text)
         return text
 
     def result(self, method: str) -> MethodResult:
