@@ -570,6 +570,24 @@ def test_per_head_files_get_grouping_and_the_keep_rules_clips_become_the_serving
     assert "grouping" not in json.loads(reg.read_text())["models"][0]["tags"]["layer"]
 
 
+def test_a_registry_out_that_cannot_be_written_is_refused_before_upload(hubs, fitted, tmp_path, monkeypatch) -> None:
+    (tmp_path / "registries").write_text("a file where a folder was meant\n")
+    with pytest.raises(PublishError, match="--registry-out .*is not a folder"):
+        publish(fitted, repo=REPO_ID, model=MODEL, tag=TAG, registry_out=tmp_path / "registries" / "reg.json")
+    assert hubs.hf.requests() == [] and hubs.ms.requests() == []
+    # a disk that fills after the upload: the error carries the entry pinned to the commits, not lost
+    import rotationzoo.publish as publishing
+
+    def full(path, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(publishing, "write_registry_file", full)
+    with pytest.raises(PublishError, match="published \\(huggingface at [0-9a-f]{40}.*No space left.*add this entry") as info:
+        publish(fitted, repo=REPO_ID, model=MODEL, tag=TAG, to="huggingface", registry_out=tmp_path / "reg.json")
+    entry = json.loads(str(info.value).split("yourself: ", 1)[1])
+    assert entry == info.value.result.model_entry and entry["id"] == MODEL and TAG in entry["tags"]
+
+
 def test_a_merge_that_would_break_the_registry_is_refused_before_upload(hubs, fitted, tmp_path) -> None:
     reg = tmp_path / "reg.json"
     clash = _other_model()

@@ -32,6 +32,7 @@ card), :mod:`~rotationzoo.publish.entry` (registry entry), :mod:`~rotationzoo.pu
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import tempfile
@@ -48,6 +49,7 @@ from .card import CARD_BEGIN, CARD_END, CARD_HEADER, card_row, update_model_card
 from .clients import HUBS, LOGIN_HINT, TOKEN_ENV, HubClient, HubState, find_token, hub_branch, make_client, parse_hubs, parse_parents, per_hub, require_token
 from .entry import merged_registry
 from ..registry.safety import MODEL_ID
+from ..safefile import check_output_path
 from .plan import Plan, check_name, find_pair, prepare
 from .results import HubResult, PublishResult, UploadFile
 from .verify import EntryCheck, verify_registry
@@ -213,6 +215,7 @@ def _check_registry_merge(run: _Run) -> None:
         r.revision = run.create_tag if (r.hub == "modelscope" and run.create_tag) else (
             "0" * 40 if r.hub == "huggingface" else r.branch)
     if run.out_path is not None:
+        check_output_path(run.out_path, what="--registry-out", error=PublishError)  # before the hubs, not after
         _, _, errors = merged_registry(run.out_path, run.plan, run.results, run.description, run.dataset)
         if errors:
             raise PublishError(f"merging into {run.out_path} would make it invalid: {'; '.join(errors[:3])}; "
@@ -296,16 +299,22 @@ def _finish(plan: Plan, hubs: list[HubResult], *, out_path: Path | None, dry_run
             description: str | None, dataset: str | None, say: Reporter) -> PublishResult:
     merged, only, _ = merged_registry(out_path, plan, hubs, description, dataset)
     changed = False
-    if out_path is not None and not dry_run:
-        changed = write_registry_file(out_path, merged)
-        say(f"registry entry {'merged into' if changed else 'already in'} {out_path}")
-    return PublishResult(
+    result = PublishResult(
         model=plan.model_id, tag=plan.tag, repo=hubs[0].repo if hubs else "", folder=plan.folder,
         dry_run=dry_run, files=plan.files, hubs=hubs, layer_ids=plan.layer_ids, head_dim=plan.head_dim,
         objectives=plan.objectives,
         model_entry=only, registry_out=out_path if not dry_run else None, registry_changed=changed,
         warnings=list(plan.warnings),
     )
+    if out_path is not None and not dry_run:
+        try:
+            result.registry_changed = write_registry_file(out_path, merged)
+        except OSError as exc:  # published already: the entry pinned to its commits must not be lost
+            where = ", ".join(f"{h.hub} at {h.commit}" for h in hubs)
+            raise PublishError(f"published ({where}) but cannot write {out_path} ({exc.strerror or exc}); add this "
+                               f"entry to a registry yourself: {json.dumps(only, sort_keys=True)}", result) from None
+        say(f"registry entry {'merged into' if result.registry_changed else 'already in'} {out_path}")
+    return result
 
 
 __all__ = [
