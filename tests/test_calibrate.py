@@ -140,6 +140,28 @@ def test_calibrate_writes_dump_that_fit_reproduces(tiny, tiny_model_dir, tmp_pat
         calibrate(model, tokenizer, texts, tokens=300, seq_len=64, dump_out=tmp_path / "dump")
 
 
+def test_an_interrupted_capture_leaves_a_dump_no_fit_takes(tiny, tiny_model_dir, tmp_path):
+    """Ctrl-C half way through a capture: the chunks written stay, marked unfinished, and every reader
+    refuses them (never fits fewer tokens than asked as if whole); capturing again over it finishes it."""
+    model, tokenizer = tiny
+    texts = [tiny_model_dir / "calib_a.txt", tiny_model_dir / "calib_b.txt"]
+    reports = []
+
+    def interrupt(*args):  # the 3rd progress report stands for Ctrl-C
+        reports.append(args)
+        if len(reports) == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        calibrate(model, tokenizer, texts, tokens=900, seq_len=256, dump_out=tmp_path / "dump", progress=interrupt)
+    assert list((tmp_path / "dump").glob("layer_0/k/*.pt"))  # something was written
+    for read in (lambda: open_dump(tmp_path / "dump"), lambda: fit_rotations(tmp_path / "dump")):
+        with pytest.raises(DumpError, match="did not finish"):
+            read()
+    calibrate(model, tokenizer, texts, tokens=900, seq_len=256, dump_out=tmp_path / "dump", overwrite_dump=True)
+    assert fit_rotations(tmp_path / "dump").tokens == {0: 900, 1: 900}
+
+
 def test_statistics_keep_a_sample_reservoir_for_refinement(tiny, tiny_model_dir, tmp_path):
     model, tokenizer = tiny
     texts = [tiny_model_dir / "calib_a.txt", tiny_model_dir / "calib_b.txt"]

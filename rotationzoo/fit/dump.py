@@ -32,6 +32,7 @@ import torch
 from ..errors import DumpError
 from .dump_schema import (
     DUMP_INFO_NAME,
+    DUMP_UNFINISHED_NAME,
     GRAD_KIND,
     KINDS,
     ChunkMeta,
@@ -98,6 +99,10 @@ class Dump:
             raise DumpError(f"dump directory {self.root} does not exist")
         if not self.root.is_dir():
             raise DumpError(f"{self.root} is not a directory; expected a dump folder with layer_<L>/ subfolders")
+        if os.path.lexists(self.root / DUMP_UNFINISHED_NAME):
+            raise DumpError(f"{self.root}: the capture writing this dump did not finish ({DUMP_UNFINISHED_NAME} is "
+                            f"there: interrupted or failed), so its layers may hold fewer tokens than asked; capture "
+                            f"again (calibrate --dump-out ... --overwrite-dump)")
         self._root_real = os.path.realpath(self.root)
         found: dict[int, tuple[Path, str]] = {}
         for name in scan_dir(self.root, self._root_real, 4 * self.limits.max_layers + _SLACK_ENTRIES):

@@ -40,6 +40,8 @@ KINDS: tuple[str, ...] = ("q", "k", "v")
 GRAD_KIND = "g"
 #: Optional metadata file at the dump root (not part of the SGLang layout; ignored by other readers).
 DUMP_INFO_NAME = "rotationzoo_dump.json"
+#: Present while a capture writes a dump (removed when it finishes): a dump holding it was interrupted.
+DUMP_UNFINISHED_NAME = ".rotationzoo_dump.unfinished"
 #: Smallest head_dim fitted: the INT2 kernels' smallest quantization group (a smaller head is not a
 #: model's attention head, and its rotation could not be served).
 MIN_HEAD_DIM = MIN_GROUP_SIZE

@@ -12,7 +12,7 @@ import torch
 
 from ..errors import DumpError
 from ..safefile import temp_beside
-from .dump_schema import DUMP_INFO_NAME, GRAD_KIND, KINDS, parse_index
+from .dump_schema import DUMP_INFO_NAME, DUMP_UNFINISHED_NAME, GRAD_KIND, KINDS, parse_index
 
 
 def _is_layer_dir_name(name: str) -> bool:
@@ -44,6 +44,8 @@ class DumpWriter:
         token_budget: per-layer token limit, or ``None`` for no limit.
         kinds: the tensor kinds written (``("k", "v")`` for a key/value-only spill).
         overwrite: replace an existing dump in ``root``.
+        unfinished: mark the dump unfinished (:data:`DUMP_UNFINISHED_NAME`) until :meth:`write_info` or
+            :meth:`finish`, so that a capture killed half way leaves a dump no reader takes for whole.
     """
 
     def __init__(
@@ -53,6 +55,7 @@ class DumpWriter:
         token_budget: int | None = None,
         kinds: Sequence[str] = KINDS,
         overwrite: bool = False,
+        unfinished: bool = False,
     ) -> None:
         self.root = Path(root)
         self.token_budget = None if token_budget is None else int(token_budget)
@@ -77,6 +80,8 @@ class DumpWriter:
             except OSError as exc:
                 raise DumpError(f"{self.root}: cannot remove the old dump ({exc}); remove it yourself") from None
         self.root.mkdir(parents=True, exist_ok=True)
+        if unfinished:
+            (self.root / DUMP_UNFINISHED_NAME).write_text("a capture is writing this dump\n", encoding="utf-8")
         self._next_chunk: dict[int, int] = {}
         self._saved: dict[int, int] = {}
         self._last: dict[int, tuple[int, int] | None] = {}  # layer → (chunk, rows) of its last write() (None: nothing)
@@ -191,7 +196,12 @@ class DumpWriter:
             json.dump(dict(info), f, indent=2, default=str)
             f.write("\n")
         os.replace(tmp, p)
+        self.finish()
         return p
+
+    def finish(self) -> None:
+        """Mark the dump whole: readers refuse it while it is marked unfinished."""
+        (self.root / DUMP_UNFINISHED_NAME).unlink(missing_ok=True)
 
 
 def write_dump(

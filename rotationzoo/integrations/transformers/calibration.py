@@ -199,7 +199,7 @@ def capture_to_dump(
     Returns:
         The dump folder.
     """
-    writer = DumpWriter(dump_out, token_budget=token_budget, overwrite=overwrite)
+    writer = DumpWriter(dump_out, token_budget=token_budget, overwrite=overwrite, unfinished=True)
     device = next(model.parameters()).device
 
     def on_qkv(layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -211,6 +211,7 @@ def capture_to_dump(
             model(input_ids=t.reshape(1, -1).to(device), use_cache=False)
     if info is not None:
         writer.write_info(info)
+    writer.finish()
     return writer.root
 
 
@@ -335,7 +336,7 @@ def collect_statistics(
     }
     spill = "sst" in targets  # sst needs K/V again once the query statistics are final
     tmp = tempfile.TemporaryDirectory(prefix="rotationzoo-kv-") if spill and dump_out is None else None
-    writer = (DumpWriter(dump_out, overwrite=overwrite_dump) if dump_out is not None
+    writer = (DumpWriter(dump_out, overwrite=overwrite_dump, unfinished=True) if dump_out is not None
               else DumpWriter(tmp.name, kinds=("k", "v")) if tmp is not None else None)
     samples = (CalibrationSamples(max_tokens=sample_tokens, seed=sample_seed, block_size=sample_block_size)
                if sample_tokens > 0 else None)
@@ -344,6 +345,12 @@ def collect_statistics(
         _forward_windows(model, windows, collector, warmup=dump_out is not None, progress=progress)
         if not collector.accs:
             raise FitError("no attention layer reported Q/K/V; the model's attention does not use AttentionInterface")
+        if dump_out is not None and writer is not None:  # every window captured: the dump is whole
+            info["dump"] = str(dump_out)
+            writer.write_info({"model": model_id, "prompts": len(windows), "tokens": total, "seq_len": seq_len,
+                               "warmup_chunk": True, "texts": info["texts"], "writer": "rotationzoo calibrate",
+                               **({"grads": "nll"} if grads else {}),
+                               **{k: info[k] for k in PROVENANCE_KEYS if info.get(k) is not None}})
         if writer is not None and spill:
             # a dump written for the user keeps its warm-up chunk 0 on disk; skip it here
             kv = Dump(writer.root, keep_first_chunk=dump_out is None)
@@ -351,12 +358,6 @@ def collect_statistics(
             tally.start()
             for lid, acc in collector.accs.items():
                 second_pass_from_dump(acc, kv, lid, progress=lambda i, d, t: tally.set(i, d, f"K/V pass 2: layer {i}"))
-        if dump_out is not None and writer is not None:
-            info["dump"] = str(dump_out)
-            writer.write_info({"model": model_id, "prompts": len(windows), "tokens": total, "seq_len": seq_len,
-                               "warmup_chunk": True, "texts": info["texts"], "writer": "rotationzoo calibrate",
-                               **({"grads": "nll"} if grads else {}),
-                               **{k: info[k] for k in PROVENANCE_KEYS if info.get(k) is not None}})
     finally:
         if tmp is not None:
             tmp.cleanup()
