@@ -37,3 +37,30 @@ def test_outputs_get_the_umask_not_0600(tmp_path, umask022) -> None:
     for p in (manifest, reg, info):
         assert _mode(p) == 0o644, (p, oct(_mode(p)))
     assert not [p for p in tmp_path.rglob(".*") if p.is_file()]  # no temporary file left
+
+
+def test_a_fit_never_takes_over_a_folder_holding_another(tmp_path) -> None:
+    """Writing a fit where another one lives would replace its manifest and leave its files undescribed."""
+    from rotationzoo.errors import FitError
+    from rotationzoo.fit import fit_rotations, write_fitted
+
+    had = fit_rotations(None, "hadamard", num_layers=2, head_dim=16)
+    first = write_fitted(had, tmp_path / "rot", tag="run1")
+    before = first.manifest_path.read_bytes()
+    write_fitted(had, tmp_path / "rot", tag="run1")  # the same files again: a re-run
+    write_fitted(had, tmp_path / "rot", tag="run1", fmt="safetensors")  # the same fit in the other format
+    (tmp_path / "rot" / "rotationzoo.json").write_bytes(before)
+    import torch
+
+    from rotationzoo.fit.dump import write_dump
+
+    g = torch.Generator().manual_seed(0)
+    chunk = lambda: {"q": torch.randn(300, 4, 16, generator=g), "k": torch.randn(300, 2, 16, generator=g),  # noqa: E731
+                     "v": torch.randn(300, 2, 16, generator=g), "seq_lens": [300]}
+    other = fit_rotations(write_dump(tmp_path / "dump", {lid: [chunk() for _ in range(3)] for lid in (0, 1)}),
+                          "qqt_sst", min_tokens=1)
+    with pytest.raises(FitError, match="holds another fit .*k_rotation_hadamard.pt.*give another --out"):
+        write_fitted(other, tmp_path / "rot", tag="run2")
+    assert (tmp_path / "rot" / "rotationzoo.json").read_bytes() == before
+    assert not list((tmp_path / "rot").glob("*qqt*"))
+    write_fitted(other, tmp_path / "rot2", tag="run2")  # its own folder: fine

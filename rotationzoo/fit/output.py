@@ -11,7 +11,7 @@ from typing import Any, Mapping
 from .._version import __version__
 from ..errors import FitError
 from ..files.format import write_rotation
-from ..files.manifest import MANIFEST_NAME, MANIFEST_VERSION, write_manifest  # noqa: F401  (MANIFEST_NAME re-exported)
+from ..files.manifest import MANIFEST_NAME, MANIFEST_VERSION, folder_manifest, write_manifest  # noqa: F401  (MANIFEST_NAME re-exported)
 from ..hashing import sha256_file
 from ..int2kv import Int2KVConfig
 from ..files.validation import validate
@@ -89,6 +89,23 @@ def build_manifest(result: FitResult, files: Mapping[str, Mapping[str, Any]], *,
     }
 
 
+def _check_no_other_fit(out: Path, names: Mapping[str, str]) -> None:
+    """Refuse a folder whose manifest describes other files still there: writing would replace its
+    manifest and leave them undescribed (a second pair no reader could tell from the first). The same
+    files again (a re-run), or the same ones in the other format, are this fit's own."""
+    old = folder_manifest(out)
+    listed = old.get("files")
+    entries: dict[str, Any] = listed if isinstance(listed, dict) else {}
+    stems = {Path(n).stem for n in names.values()}
+    others = sorted(str(e["name"]) for e in entries.values()
+                    if isinstance(e, dict) and isinstance(e.get("name"), str) and Path(e["name"]).name == e["name"]
+                    and Path(e["name"]).stem not in stems and (out / e["name"]).exists())
+    if others:
+        raise FitError(f"{out} holds another fit ({', '.join(others)}, described by its {MANIFEST_NAME}); writing "
+                       f"{', '.join(sorted(names.values()))} there would leave those undescribed: give another --out, or "
+                       f"remove them first")
+
+
 def write_fitted(
     result: FitResult,
     out_dir: str | os.PathLike[str],
@@ -125,6 +142,7 @@ def write_fitted(
     names = output_file_names(result, fmt=fmt)
     if not names:
         raise FitError("nothing to write: the result has neither K nor V rotations")
+    _check_no_other_fit(out, names)
     sets = {side: getattr(result, side) for side in names}
     result.attach_calibration(model)
     for side, rs in sets.items():  # everything validated before anything is written
