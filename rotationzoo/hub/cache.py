@@ -337,7 +337,7 @@ def derived_path(name: str, *, entry: TagEntry | None = None, inputs: Mapping[st
     (two revisions of one tag never share a derived file).
 
     Raises:
-        CacheError: no entry and no inputs, an input that is not a 64-hex sha256, or a ``name``
+        CacheError: no inputs, an input that is not a 64-hex sha256, or a ``name``
             that is not a plain file name.
     """
     import hashlib
