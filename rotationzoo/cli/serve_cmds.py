@@ -135,7 +135,8 @@ def cmd_serve_args(
 def cmd_export(
     rotations: Annotated[str, typer.Argument(metavar="ROTATIONS", help=f"What to export: {RotationsHelp}, or one rotation file.")],
     to: Annotated[str, typer.Option("--to", click_type=choice(vocab.EXPORT_FORMATS), help="safetensors | gguf.")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Output file (an existing one is replaced, whole: written beside it, then renamed; a link there is replaced, not written through).")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Output file (an existing one is replaced, whole: written "
+                                      "beside it, then renamed; a link there is replaced, not written through).")],
     tag: TagOpt = None,
     side: SideOpt = None,
     base_gguf: Annotated[Optional[Path], typer.Option("--base-gguf", help="GGUF only: a model GGUF to copy through with "
