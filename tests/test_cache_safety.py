@@ -115,6 +115,31 @@ def test_cache_rm_model_with_a_linked_tag_folder_removes_nothing(zoo, tmp_path, 
     assert len(cache_records(zoo.cache)) == 2  # K and V: nothing was removed
 
 
+def test_cache_rm_waits_for_no_download_and_names_only_what_it_removes(zoo, tmp_path, capsys) -> None:
+    """A download holding an entry's lock keeps rm (of the model, or of everything) off its folder; an
+    imported pair named like a model folder is neither listed nor removed by rm --model."""
+    from rotationzoo.errors import CacheError as Err
+    from rotationzoo.hub import cache_root, lock_path
+    from rotationzoo.registry import get_entry
+    from rotationzoo.safefile import file_lock
+
+    got = rotationzoo.fetch(MODEL)
+    before = sorted(p for p in zoo.cache.rglob("*") if p.is_file() and "locks" not in p.parts)
+    with file_lock(lock_path(cache_root(zoo.cache), get_entry(MODEL)), timeout=1, what="download", error=Err):
+        for argv in (["--model", MODEL], ["--all"]):
+            code, _, err = run_cli(capsys, "cache", "rm", *argv, "--yes")
+            assert code == 1 and "is locked by another process" in err and "nothing was removed" in err, err
+    assert sorted(p for p in zoo.cache.rglob("*") if p.is_file() and "locks" not in p.parts) == before
+    imported = zoo.cache / "imported" / "models--acme--Tiny-LM"
+    imported.mkdir(parents=True)
+    (imported / "k_rotation_x.pt").write_bytes(b"mine")
+    code, out, _ = run_cli(capsys, "cache", "rm", "--model", MODEL, "--dry-run")
+    assert code == 0 and "imported" not in out and "would remove 2 files" in out, out
+    code, out, _ = run_cli(capsys, "cache", "rm", "--model", MODEL, "--yes")
+    assert code == 0 and "removed 2 files" in out and not got.paths["k"].exists(), out
+    assert (imported / "k_rotation_x.pt").read_bytes() == b"mine"
+
+
 def _client_file(root: Path, source: str) -> Path:
     hub = root / "hub" / source
     pattern = f"**/{K_NAME}"

@@ -11,13 +11,14 @@ removes those whose entry no download is holding (its lock is free).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from ..errors import CacheError, RotationZooError
 from ..hashing import sha256_file
@@ -276,7 +277,8 @@ def removal_plan(model: str | None = None, tag: str | None = None,
     picked = []
     for r in records:
         parts = r.path.relative_to(root).parts
-        if len(parts) > 2 and parts[1] == folder and (want is None or parts[2].split("@")[0] == want):
+        if (parts[0] in (FILES_AREA, DERIVED_AREA) and len(parts) > 2 and parts[1] == folder
+                and (want is None or parts[2].split("@")[0] == want)):
             picked.append(r)
     return picked, 0
 
@@ -304,8 +306,9 @@ def remove_cached(model: str | None = None, tag: str | None = None,
         for sub in (FILES_AREA, DERIVED_AREA, IMPORTED_AREA, HUB_AREA):
             walk_area(root, sub)  # refuses links that leave the root, before anything goes
         removed: list[Path] = []
-        for d in areas:
-            removed.extend(_rmtree(root, d))
+        with _no_download_running(root, [area_dir(root, FILES_AREA)]):
+            for d in areas:
+                removed.extend(_rmtree(root, d))
         return removed
     m = get_model(model)
     want = None if tag is None else m.tag(tag).name
@@ -319,9 +322,39 @@ def remove_cached(model: str | None = None, tag: str | None = None,
             raise CacheError(f"{d} is a symlink (to {os.readlink(d)}); nothing was removed; remove the link")
         walk_area(root, str(d.relative_to(root)))
     removed = []
-    for d in folders:
-        removed.extend(_rmtree(root, d))
+    with _no_download_running(root, [d for d in folders if d.is_relative_to(area_dir(root, FILES_AREA))]):
+        for d in folders:
+            removed.extend(_rmtree(root, d))
     return removed
+
+
+@contextlib.contextmanager
+def _no_download_running(root: Path, folders: list[Path]) -> Iterator[None]:
+    """Hold the download lock of every entry folder in or below ``folders`` (the files area, a model's
+    folder or a tag's), so no download writes into what is being removed.
+
+    Raises:
+        CacheError: a download holds one; nothing was removed.
+    """
+    entries: list[Path] = []
+    for d in folders:
+        depth = len(d.relative_to(area_dir(root, FILES_AREA)).parts)  # 0: the area, 1: a model, 2: a tag
+        if not d.is_dir() or d.is_symlink():
+            continue
+        if depth == 2:
+            entries.append(d)
+            continue
+        models = sorted(d.iterdir()) if depth == 0 else [d]
+        entries += [t for m in models if m.is_dir() and not m.is_symlink() for t in sorted(m.iterdir())
+                    if t.is_dir() and not t.is_symlink()]
+    with contextlib.ExitStack() as stack:
+        if entries:
+            (root / LOCKS_AREA).mkdir(parents=True, exist_ok=True)
+        for e in entries:
+            lock = root / LOCKS_AREA / f"{e.parent.name}--{e.name}.lock"
+            stack.enter_context(file_lock(lock, timeout=0, what=f"download into {e}", error=CacheError,
+                                          hint="nothing was removed"))
+        yield
 
 
 # -- derived files ---------------------------------------------------------------------------------
