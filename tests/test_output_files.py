@@ -64,3 +64,26 @@ def test_a_fit_never_takes_over_a_folder_holding_another(tmp_path) -> None:
     assert (tmp_path / "rot" / "rotationzoo.json").read_bytes() == before
     assert not list((tmp_path / "rot").glob("*qqt*"))
     write_fitted(other, tmp_path / "rot2", tag="run2")  # its own folder: fine
+
+
+def test_a_registry_file_is_updated_where_it_lives_and_only_if_it_is_one(tmp_path) -> None:
+    """--registry-out through a link updates the file the link names (the link stays); a JSON file that
+    is not a registry document (other keys, another version) is refused, untouched."""
+    import json
+
+    from rotationzoo.errors import RegistryError
+    from rotationzoo.registry.edit import merge_into_registry, read_for_update
+
+    real = tmp_path / "dotfiles" / "registry.json"
+    real.parent.mkdir()
+    write_registry_file(real, {"registry_version": 1, "models": []})
+    link = tmp_path / "registry.json"
+    link.symlink_to(real)
+    write_registry_file(link, merge_into_registry(read_for_update(link), {"id": "a/New", "tags": {"t1": {}}}, "t1"))
+    assert link.is_symlink() and [m["id"] for m in json.loads(real.read_text())["models"]] == ["a/New"]
+    for doc in ({"name": "x", "models": []}, {"registry_version": 2, "models": []}):
+        other = tmp_path / "other.json"
+        other.write_text(json.dumps(doc))
+        with pytest.raises(RegistryError, match="not a registry document of version 1.*refusing to overwrite"):
+            read_for_update(other)
+        assert json.loads(other.read_text()) == doc

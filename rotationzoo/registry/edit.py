@@ -37,6 +37,10 @@ def read_for_update(path: Path) -> dict[str, Any]:
         raise RegistryError(f"{path}: not a readable registry file ({exc}); refusing to overwrite it") from None
     if not isinstance(data, dict) or not isinstance(data.get("models"), list):
         raise RegistryError(f"{path}: expected an object with a 'models' list; refusing to overwrite it")
+    other = sorted(set(data) - {"$schema", "registry_version", "models"})
+    if other or data.get("registry_version", REGISTRY_VERSION) != REGISTRY_VERSION:
+        raise RegistryError(f"{path}: not a registry document of version {REGISTRY_VERSION} (its keys: "
+                            f"{', '.join(map(str, sorted(data)))[:200]}); refusing to overwrite it")
     return data
 
 
@@ -84,8 +88,9 @@ def load_schema() -> dict[str, Any] | None:
 
 
 def write_registry_file(path: str | os.PathLike[str], data: Mapping[str, Any]) -> bool:
-    """Write ``data`` atomically in the canonical format; returns whether the bytes changed."""
-    p = Path(path)
+    """Write ``data`` atomically in the canonical format; returns whether the bytes changed. A link at
+    ``path`` is followed to the registry file it names, which is replaced there (the link stays a link)."""
+    p = Path(os.path.realpath(path))
     text = registry_text(data)
     try:
         if p.read_text(encoding="utf-8") == text:
