@@ -215,7 +215,8 @@ def _check_registry_merge(run: _Run) -> None:
         r.revision = run.create_tag if (r.hub == "modelscope" and run.create_tag) else (
             "0" * 40 if r.hub == "huggingface" else r.branch)
     if run.out_path is not None:
-        check_output_path(run.out_path, what="--registry-out", error=PublishError)  # before the hubs, not after
+        # before the hubs, not after; where a link there leads, as the registry file is written there
+        check_output_path(os.path.realpath(run.out_path), what="--registry-out", error=PublishError)
         _, _, errors = merged_registry(run.out_path, run.plan, run.results, run.description, run.dataset)
         if errors:
             raise PublishError(f"merging into {run.out_path} would make it invalid: {'; '.join(errors[:3])}; "
