@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import pickle
 import shlex
 from pathlib import Path
@@ -245,6 +246,30 @@ def test_an_unpublished_set_is_imported_then_served_with_its_bits(tmp_path, monk
 
 
 RotationZooErrorLike = (OfflineError, InvalidRotationError, FetchError)
+
+
+def test_an_import_replaces_a_set_whole_or_not_at_all(tmp_path, monkeypatch, cache_dir, capsys):
+    """A folder with one bad layer imports nothing (the set before stays whole, its pins untouched); a
+    good one replaces the set, layers the registry does not name included."""
+    overlay(tmp_path, monkeypatch, num_layers=None, layer_count=3)
+    a = latent_folder(tmp_path / "a", ids=(3, 7, 11))
+    assert run_cli(capsys, "cache", "import", str(a), "--latent", "Tiny-MLA")[0] == 0
+    folder = Path(json.loads(run_cli(capsys, "cache", "import", str(a), "--latent", "Tiny-MLA", "--json")[1])["folder"])
+    before = {q.name: q.read_bytes() for q in folder.iterdir()}
+    pins_before = Path(os.environ["ROTATIONZOO_PINS"]).read_bytes()
+    b = latent_folder(tmp_path / "b", ids=(0, 1, 2))
+    (b / "layer_2.pt").write_bytes(b"not a torch file")
+    from rotationzoo.hub.latent import import_latent
+    from rotationzoo.registry import get_model
+
+    with pytest.raises(IntegrityError, match="nothing was imported"):  # the CLI checks the folder first; a file
+        import_latent(b, get_model("Tiny-MLA"), cache_dir=cache_dir, accept_new=True)  # may change after that
+    assert {q.name: q.read_bytes() for q in folder.iterdir()} == before
+    assert Path(os.environ["ROTATIONZOO_PINS"]).read_bytes() == pins_before
+    torch.save(bare(2, R), b / "layer_2.pt")
+    assert run_cli(capsys, "cache", "import", str(b), "--latent", "Tiny-MLA", "--accept-new")[0] == 0
+    assert sorted(q.name for q in folder.glob("layer_*.pt")) == ["layer_0.pt", "layer_1.pt", "layer_2.pt"]
+    assert not list(folder.glob(".*"))  # no staged copy left behind
 
 
 def test_vllm_mla_path_reads_bare_files_only(tmp_path, monkeypatch, cache_dir, capsys):

@@ -28,7 +28,7 @@ from ..safefile import file_lock, open_regular
 from . import network, pins
 from .checks import check_downloaded
 from .fetch import LOCK_WAIT_S, CachedFile, Reporter, _writable, cached_copy, fetch_file, record_verified
-from .layout import cache_root, entry_dir, lock_path, read_marker, remove_inside
+from .layout import cache_root, entry_dir, lock_path, marker_path, read_marker, remove_inside
 
 
 @dataclass
@@ -143,8 +143,9 @@ def import_latent(folder: str | os.PathLike[str], model: ModelEntry, *,
                   cache_dir: str | os.PathLike[str] | None = None, accept_new: bool = False,
                   subspace: bool = False) -> LatentFiles:
     """Copy a local latent folder (or, ``subspace``, its high-precision subspace folder) into the cache as
-    ``model``'s set: the layers checked against the model first, each file copied, checked, pinned to the
-    folder it came from and marked, then renamed into place; the other layers stay as they were.
+    ``model``'s set: the layers checked against the model first, every file copied and checked (and its pin
+    compared) before any is replaced, then each pinned to the folder it came from, marked and renamed into
+    place; a whole set leaves no layer of the one before beside it (a subspace folder replaces its layers).
 
     Raises:
         InvalidRotationError: the folder does not cover the model's latent layers, or a file fails its check.
@@ -165,25 +166,35 @@ def import_latent(folder: str | os.PathLike[str], model: ModelEntry, *,
     _writable(lp.parent)
     label = f"import:{src}"
     got: dict[int, CachedFile] = {}
+    staged: dict[int, tuple[Path, str]] = {}
     with file_lock(lp, timeout=LOCK_WAIT_S, what=f"import of {entry.key}", error=CacheError,
                    hint="set ROTATIONZOO_CACHE or --cache-dir to a writable folder"):
-        for lid, p in sorted(files.items()):
-            side = latent_file_key(lid)
-            target = dest / f"layer_{lid}.pt"
-            fd, tmp_name = tempfile.mkstemp(prefix=f".layer_{lid}.", suffix=".tmp", dir=dest)
-            tmp = Path(tmp_name)
-            try:
+        try:
+            for lid, p in sorted(files.items()):  # every layer copied and checked before any is replaced
+                side = latent_file_key(lid)
+                fd, tmp_name = tempfile.mkstemp(prefix=f".layer_{lid}.", suffix=".tmp", dir=dest)
+                staged[lid] = (Path(tmp_name), "")
                 with os.fdopen(fd, "wb") as out, open_regular(p, what="latent rotation file", error=CacheError) as f:
                     shutil.copyfileobj(f, out, 1 << 20)
-                problem, sha = check_downloaded(tmp, entry.files[side], entry)
+                problem, sha = check_downloaded(staged[lid][0], entry.files[side], entry)
                 if problem is not None:
-                    raise IntegrityError(f"{p}: {problem}; nothing of layer {lid} was imported")
+                    raise IntegrityError(f"{p}: {problem}; nothing was imported")
+                old = pins.pin_for(entry, side, label)
+                if old is not None and old["sha256"] != sha and not accept_new:
+                    pins.check_or_pin(entry, side, sha, source=label)  # raises, saying how to accept it
+                staged[lid] = (staged[lid][0], sha)
+            for lid, (tmp, sha) in staged.items():  # all good: pinned, marked and renamed into place
+                side = latent_file_key(lid)
+                target = dest / f"layer_{lid}.pt"
                 pins.check_or_pin(entry, side, sha, source=label, accept_new=accept_new)
                 marker = record_verified(target, entry, side, sha=sha, source=label, of=tmp)
                 os.replace(tmp, target)
-            finally:
-                remove_inside(root, [tmp])
-            got[lid] = CachedFile(side, target, sha, marker["size"], label)
+                got[lid] = CachedFile(side, target, sha, marker["size"], label)
+            if not subspace:  # a whole set replaces the one before: no layer of that one stays beside it
+                stale = [q for q in dest.glob("layer_*.pt") if q.name not in {f"layer_{lid}.pt" for lid in got}]
+                remove_inside(root, [x for q in stale for x in (q, marker_path(q))])
+        finally:
+            remove_inside(root, [tmp for tmp, _ in staged.values()])
     return LatentFiles(model.id, entry.name, dest, got, None)
 
 
