@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import PairError, RotationZooError
-from ..safefile import read_regular, temp_beside
+from ..safefile import read_regular, write_text_atomic
 from ..vocab import SIDES
 
 #: Manifest written next to the rotation files.
@@ -107,18 +107,7 @@ def check_manifest_files(manifest: Mapping[str, Any], path: Path, files: Mapping
 
 def write_manifest(folder: str | os.PathLike[str], manifest: Mapping[str, Any]) -> Path:
     """Write ``manifest`` as ``folder/rotationzoo.json`` atomically (indented JSON); its path."""
-    out = Path(folder)
-    path = out / MANIFEST_NAME
-    fd, tmp = temp_beside(path)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(manifest, f, indent=2, default=str)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return write_text_atomic(Path(folder) / MANIFEST_NAME, json.dumps(manifest, indent=2, default=str) + "\n")
 
 
 __all__ = ["MANIFEST_NAME", "MANIFEST_VERSION", "MAX_MANIFEST_BYTES", "check_manifest_files", "folder_manifest",

@@ -11,7 +11,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ..errors import DumpError
-from ..safefile import temp_beside
+from ..safefile import temp_beside, write_text_atomic
 from .dump_schema import DUMP_INFO_NAME, DUMP_UNFINISHED_NAME, GRAD_KIND, KINDS, parse_index
 
 
@@ -190,12 +190,7 @@ class DumpWriter:
 
     def write_info(self, info: Mapping[str, Any]) -> Path:
         """Write ``rotationzoo_dump.json`` (model, prompts, tokens, ...) at the dump root."""
-        p = self.root / DUMP_INFO_NAME
-        fd, tmp = temp_beside(p)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(dict(info), f, indent=2, default=str)
-            f.write("\n")
-        os.replace(tmp, p)
+        p = write_text_atomic(self.root / DUMP_INFO_NAME, json.dumps(dict(info), indent=2, default=str) + "\n")
         self.finish()
         return p
 

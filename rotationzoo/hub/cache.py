@@ -236,10 +236,14 @@ def _left_alone(folder: Path) -> bool:
     return time.time() - newest > STAGING_GRACE_S
 
 
+def _entry_lock(root: Path, folder: Path) -> Path:
+    """The download lock of the entry folder ``folder`` (the name :func:`~.layout.lock_path` gives it)."""
+    return root / LOCKS_AREA / f"{folder.parent.name}--{folder.name}.lock"
+
+
 def _unlocked(root: Path, path: Path) -> bool:
     """True when no download holds the lock of the entry folder ``path`` is in."""
-    folder = path.parent
-    lock = root / LOCKS_AREA / f"{folder.parent.name}--{folder.name}.lock"
+    lock = _entry_lock(root, path.parent)
     if not lock.exists():
         return True
     try:
@@ -351,8 +355,7 @@ def _no_download_running(root: Path, folders: list[Path]) -> Iterator[None]:
         if entries:
             (root / LOCKS_AREA).mkdir(parents=True, exist_ok=True)
         for e in entries:
-            lock = root / LOCKS_AREA / f"{e.parent.name}--{e.name}.lock"
-            stack.enter_context(file_lock(lock, timeout=0, what=f"download into {e}", error=CacheError,
+            stack.enter_context(file_lock(_entry_lock(root, e), timeout=0, what=f"download into {e}", error=CacheError,
                                           hint="nothing was removed"))
         yield
 

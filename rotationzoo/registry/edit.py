@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from pathlib import Path
@@ -14,7 +13,7 @@ from typing import Any, Mapping
 
 from .. import config
 from ..errors import RegistryError
-from ..safefile import temp_beside
+from ..safefile import write_text_atomic
 from .load import REGISTRY_VERSION, bundled_registry_path, schema_path
 
 
@@ -97,14 +96,5 @@ def write_registry_file(path: str | os.PathLike[str], data: Mapping[str, Any]) -
             return False
     except OSError:
         pass
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = temp_beside(p)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, p)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    write_text_atomic(p, text)
     return True
