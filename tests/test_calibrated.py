@@ -145,3 +145,57 @@ def test_a_failed_forced_import_keeps_the_old_one(tmp_path, cache_dir, monkeypat
     monkeypatch.setattr(os, "replace", real)
     assert {p.name: p.read_bytes() for p in first.folder.iterdir()} == before
     assert sorted(os.listdir(cache_dir / "imported")) == ["mine"]
+
+
+@pytest.mark.parametrize("k_name", ["../outside/k.pt", "/abs/k.pt", "sub/k.pt", ".hidden.pt", "k.pt.verified"])
+def test_a_manifest_naming_files_outside_its_folder_reads_and_imports_nothing(tmp_path, cache_dir, capsys,
+                                                                             k_name) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    torch.save(layouts.v1(seed=0), outside / "k.pt")
+    d = tmp_path / "pair"
+    d.mkdir()
+    torch.save(layouts.v1(seed=1), d / "v.pt")
+    v_name = "v.pt"
+    if k_name == "/abs/k.pt":
+        k_name = str(outside / "k.pt")
+    elif k_name == "k.pt.verified":  # a marker's name: the import would write K's marker over it
+        torch.save(layouts.v1(seed=0), d / "k.pt")
+        (d / "v.pt").rename(d / k_name)
+        k_name, v_name = "k.pt", k_name
+    (d / "rotationzoo.json").write_text(json.dumps(
+        {"files": {"k": {"name": k_name}, "v": {"name": v_name}}}))
+    for args in (("verify", str(d)), ("cache", "import", str(d))):
+        code, out, err = run_cli(capsys, *args)
+        assert code == 1 and "is not a rotation file name in the folder" in out + err
+    with pytest.raises(PairError, match="not a rotation file name in the folder"):
+        rotationzoo.load(d)
+    assert not (cache_dir / "imported").exists() or not any((cache_dir / "imported").iterdir())
+
+
+def test_a_manifest_naming_k_and_v_alike_is_refused(tmp_path, cache_dir) -> None:
+    d = tmp_path / "pair"
+    d.mkdir()
+    torch.save(layouts.v1(seed=0), d / "k.pt")
+    (d / "rotationzoo.json").write_text(json.dumps({"files": {"k": {"name": "k.pt"}, "v": {"name": "k.pt"}}}))
+    with pytest.raises(PairError, match="K and V are both named"):
+        import_calibrated(d)
+
+
+def test_a_link_out_of_the_folder_is_refused_and_one_inside_is_read(tmp_path, cache_dir, capsys) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    torch.save(layouts.v1(seed=0), outside / "k.pt")
+    d = tmp_path / "pair"
+    d.mkdir()
+    torch.save(layouts.v1(seed=1), d / "v_rotation_x.pt")
+    (d / "k_rotation_x.pt").symlink_to(outside / "k.pt")
+    code, _, err = run_cli(capsys, "cache", "import", str(d))
+    assert code == 1 and "outside" in err and len(err.strip().splitlines()) == 1
+    assert not (cache_dir / "imported").exists() or not any((cache_dir / "imported").iterdir())
+    with pytest.raises(PairError, match="a link to .*, outside"):
+        rotationzoo.load(d)
+    (d / "k_rotation_x.pt").unlink()
+    torch.save(layouts.v1(seed=0), d / "k_real.pt")
+    (d / "k_rotation_x.pt").symlink_to("k_real.pt")  # a link to another file of the folder: its own file
+    assert import_calibrated(d).sha256["k"] == hashlib.sha256((d / "k_real.pt").read_bytes()).hexdigest()

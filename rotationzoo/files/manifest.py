@@ -72,15 +72,42 @@ def manifest_metadata(folder: str | os.PathLike[str]) -> dict[str, str]:
     return out
 
 
+#: Suffixes of single-side rotation files (what a manifest may name).
+ROTATION_SUFFIXES: tuple[str, ...] = (".pt", ".pth", ".safetensors")
+
+
+def check_file_name(folder: Path, side: str, name: str) -> None:
+    """A name the manifest gives a side must be one plain, visible rotation file name of the folder.
+
+    Raises:
+        PairError: a path (a separator, ``..``, absolute), a hidden name, or a name that is not a
+            ``.pt`` / ``.pth`` / ``.safetensors`` file: a manifest never reaches outside its folder.
+    """
+    if (not name or "/" in name or "\\" in name or "\0" in name or name.startswith(".")
+            or not name.endswith(ROTATION_SUFFIXES) or len(name) > 255):
+        raise PairError(f"{folder / MANIFEST_NAME}: files.{side}.name {name[:80]!r} is not a rotation file name in "
+                        f"the folder (expected a plain name ending in {', '.join(ROTATION_SUFFIXES)}, no path); fix the "
+                        f"manifest or remove it")
+
+
 def manifest_files(folder: str | os.PathLike[str]) -> dict[str, Path]:
-    """The K and V files the manifest names, by side, when every one it names exists (else ``{}``)."""
+    """The K and V files the manifest names, by side, when every one it names exists (else ``{}``).
+
+    Raises:
+        PairError: a name that is not a plain rotation file name of the folder (:func:`check_file_name`),
+            or K and V named alike.
+    """
     d = Path(folder)
     try:
         named = folder_manifest(d).get("files") or {}
-        picked = {s: d / str(named[s]["name"]) for s in SIDES
-                  if isinstance(named.get(s), Mapping) and named[s].get("name")}
+        names = {s: named[s]["name"] for s in SIDES if isinstance(named.get(s), Mapping) and named[s].get("name")}
     except (OSError, ValueError, AttributeError, TypeError):
         return {}
+    for s, name in names.items():
+        check_file_name(d, s, name if isinstance(name, str) else "")
+    if len(names) == 2 and names["k"] == names["v"]:
+        raise PairError(f"{d / MANIFEST_NAME}: K and V are both named {names['k']!r}; fix the manifest or remove it")
+    picked = {s: d / name for s, name in names.items()}
     return picked if all(p.is_file() for p in picked.values()) else {}
 
 
@@ -110,5 +137,5 @@ def write_manifest(folder: str | os.PathLike[str], manifest: Mapping[str, Any]) 
     return write_text_atomic(Path(folder) / MANIFEST_NAME, json.dumps(manifest, indent=2, default=str) + "\n")
 
 
-__all__ = ["MANIFEST_NAME", "MANIFEST_VERSION", "MAX_MANIFEST_BYTES", "check_manifest_files", "folder_manifest",
-           "manifest_files", "manifest_metadata", "read_manifest", "write_manifest"]
+__all__ = ["MANIFEST_NAME", "MANIFEST_VERSION", "MAX_MANIFEST_BYTES", "ROTATION_SUFFIXES", "check_file_name",
+           "check_manifest_files", "folder_manifest", "manifest_files", "manifest_metadata", "read_manifest", "write_manifest"]
