@@ -135,6 +135,40 @@ def read_regular(path: str | os.PathLike[str], max_bytes: int, *, what: str = "f
     return data
 
 
+def copy_regular(path: str | os.PathLike[str], out: BinaryIO, max_bytes: int, *, what: str = "file",
+                 error: ErrorType = ConfigError) -> int:
+    """Copy a regular file of at most ``max_bytes`` (see :func:`open_regular`) into ``out``; the bytes copied.
+
+    A file whose size is over the bound is refused before a byte is copied, and one that grows while
+    it is copied as soon as it passes the bound.
+
+    Raises:
+        error: not a regular file, missing or unreadable (one line with the reason), or larger than
+            ``max_bytes``.
+        OSError: ``out`` cannot be written.
+    """
+    too_big = f"{path}: more than the {max_bytes} B a {what} may hold; nothing was copied"
+    try:
+        f = open_regular(path, what=what, error=error)
+    except OSError as exc:
+        raise error(f"{path}: cannot read the {what} ({exc.strerror or exc})") from None
+    with f:
+        if os.fstat(f.fileno()).st_size > max_bytes:
+            raise error(too_big)
+        copied = 0
+        while True:
+            try:
+                block = f.read(1 << 20)
+            except OSError as exc:
+                raise error(f"{path}: cannot read the {what} ({exc.strerror or exc})") from None
+            if not block:
+                return copied
+            copied += len(block)
+            if copied > max_bytes:
+                raise error(too_big)
+            out.write(block)  # an OSError here is the destination's: the caller's to say
+
+
 def check_model_files(path: str | os.PathLike[str], *, option: str | None = None) -> Path:
     """A local model (a GGUF file, or a transformers folder) whose files are all regular files.
 

@@ -272,6 +272,30 @@ def test_an_import_replaces_a_set_whole_or_not_at_all(tmp_path, monkeypatch, cac
     assert not list(folder.glob(".*"))  # no staged copy left behind
 
 
+@pytest.mark.parametrize("bad", ["oversized", "dangling"])
+def test_an_import_copies_at_most_a_rotation_file_and_says_why_not(tmp_path, monkeypatch, cache_dir, bad):
+    """A layer file over the size bound is refused before a byte lands in the cache (a sparse file here:
+    no disk used); a dangling link is one typed line, never an internal error."""
+    overlay(tmp_path, monkeypatch, num_layers=None, layer_count=3)
+    from rotationzoo.files.limits import MAX_BYTES
+    from rotationzoo.hub.latent import import_latent
+    from rotationzoo.registry import get_model
+
+    b = latent_folder(tmp_path / "b", ids=(0, 1, 2))
+    (b / "layer_1.pt").unlink()
+    if bad == "oversized":
+        with open(b / "layer_1.pt", "wb") as f:
+            f.truncate(MAX_BYTES + 1)
+    else:
+        (b / "layer_1.pt").symlink_to(tmp_path / "gone.pt")
+    for subspace in (False, True):
+        with pytest.raises(RotationFileError, match="more than the .* B a latent rotation file may hold"
+                           if bad == "oversized" else "cannot read the latent rotation file"):
+            import_latent(b, get_model("Tiny-MLA"), cache_dir=cache_dir, subspace=subspace)
+        used = sum(q.stat().st_size for q in cache_dir.rglob("*") if q.is_file())
+        assert used < 1 << 20 and not list(cache_dir.rglob("layer_*.pt"))
+
+
 def test_vllm_mla_path_reads_bare_files_only(tmp_path, monkeypatch, cache_dir, capsys):
     overlay(tmp_path, monkeypatch, lloyd_max=True)
     rc, _, err = run_cli(capsys, "cache", "import", str(latent_folder(tmp_path / "b", ids=range(L))), "--latent",

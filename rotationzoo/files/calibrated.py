@@ -39,7 +39,7 @@ from ..hub.layout import IMPORTED_AREA, area_dir, cache_root, inside, write_mark
 from .localpair import COMPLETE_GLOB, check_not_pending, find_pair_files
 from .pair import RotationPair, read_pair
 from ..registry import SIDES
-from ..safefile import open_regular, read_regular
+from ..safefile import copy_regular, read_regular
 
 #: Largest manifest read.
 MAX_MANIFEST_BYTES = 64 << 10
@@ -158,14 +158,9 @@ def read_calibrated(folder: str | os.PathLike[str], *, allow_mixed: bool = False
 
 def _copy_regular(src: Path, dst: Path) -> None:
     """Copy a regular file of at most :data:`~rotationzoo.files.limits.MAX_BYTES` (a FIFO or a device is
-    refused without blocking, see :func:`~rotationzoo.safefile.open_regular`)."""
-    with open_regular(src, what="rotation file", error=PairError) as f, open(dst, "xb") as out:
-        copied = 0
-        while block := f.read(1 << 20):
-            copied += len(block)
-            if copied > MAX_BYTES:
-                raise PairError(f"{src}: more than the {MAX_BYTES} B a rotation file may hold; not imported")
-            out.write(block)
+    refused without blocking, see :func:`~rotationzoo.safefile.copy_regular`)."""
+    with open(dst, "xb") as out:
+        copy_regular(src, out, MAX_BYTES, what="rotation file", error=PairError)
 
 
 def _read_copies(copies: Mapping[str, Path], source: str) -> RotationPair:

@@ -13,18 +13,18 @@ that names it, never a silent identity.
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .. import config
-from ..errors import CacheError, FetchError, IntegrityError, OfflineError
+from ..errors import CacheError, FetchError, IntegrityError, OfflineError, RotationFileError
 from ..files.latent import LAYER_FILE, check_coverage, layer_files
+from ..files.limits import MAX_BYTES
 from ..registry import ModelEntry, TagEntry
 from ..registry.model import LatentSet, latent_file_key
-from ..safefile import file_lock, open_regular
+from ..safefile import copy_regular, file_lock
 from . import network, pins
 from .checks import check_downloaded
 from .fetch import LOCK_WAIT_S, CachedFile, Reporter, _writable, cached_copy, fetch_file, record_verified
@@ -174,8 +174,8 @@ def import_latent(folder: str | os.PathLike[str], model: ModelEntry, *,
                 side = latent_file_key(lid)
                 fd, tmp_name = tempfile.mkstemp(prefix=f".layer_{lid}.", suffix=".tmp", dir=dest)
                 staged[lid] = (Path(tmp_name), "")
-                with os.fdopen(fd, "wb") as out, open_regular(p, what="latent rotation file", error=CacheError) as f:
-                    shutil.copyfileobj(f, out, 1 << 20)
+                with os.fdopen(fd, "wb") as out:
+                    copy_regular(p, out, MAX_BYTES, what="latent rotation file", error=RotationFileError)
                 problem, sha = check_downloaded(staged[lid][0], entry.files[side], entry)
                 if problem is not None:
                     raise IntegrityError(f"{p}: {problem}; nothing was imported")
