@@ -75,6 +75,12 @@ HOSTILE = [
      "must be relative"),
     ("unknown source type", lambda d: _tag(d)["sources"].append({"type": "ftp", "repo": "a/b"}),
      "unknown source type"),
+    # values of the wrong JSON type: one line, never an internal error
+    ("tags a list", lambda d: _qwen(d).update(tags=[]), "tags must be an object of tag entries"),
+    ("default_tag a list", lambda d: _qwen(d).update(default_tag=[]), "default_tag must be one of its tags"),
+    ("a tag null", lambda d: _qwen(d)["tags"].update(seq20000_prompt83_group128=None), "must be an object"),
+    ("latent group_size null", lambda d: next(m for m in d["models"] if "mla_latent" in m)["mla_latent"].update(
+        group_size=None), "group_size must be an integer"),
 ]
 
 

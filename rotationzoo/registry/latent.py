@@ -79,7 +79,8 @@ def parse_latent(raw: Any, where: str, parse_source: Callable[[Mapping[str, Any]
     if lloyd and bits != 2:
         raise RegistryError(f"{where}: lloyd_max is a 2-bit codebook, but bits is {bits}")
     group = _int(raw, "group_size", where, 16, rank, 128)
-    assert group is not None
+    if group is None:
+        raise RegistryError(f"{where}.group_size must be an integer from 16 to {rank}, got null")
     if rank % group:
         raise RegistryError(f"{where}.group_size {group} does not divide rank {rank}")
     windows = {k: _int(raw, k, where, 0, MAX_CONTEXT_TOKENS, d) for k, d in (("prefix_tokens", 64), ("recent_tokens", 256))}

@@ -228,6 +228,13 @@ def parse_model(raw: Mapping[str, Any], where: str, origin: str) -> ModelEntry:
         if "mla_latent" in raw:
             return _latent_model(raw, mid, where, origin)
         arch = parse_architecture(raw["architecture"], where)
+        if not isinstance(raw["tags"], Mapping) or not raw["tags"]:
+            raise RegistryError(f"{where}.tags must be an object of tag entries, got {shown(raw['tags'])}")
+        for tname, t in raw["tags"].items():
+            if not isinstance(t, Mapping):
+                raise RegistryError(f"{where}.tags[{shown(tname)}] must be an object, got {shown(t)}")
+        if not isinstance(raw["default_tag"], str):
+            raise RegistryError(f"{where}.default_tag must be one of its tags, got {shown(raw['default_tag'])}")
         tags = {tname: _parse_tag(mid, tname, t, arch, f"{where}.tags[{tname!r}]") for tname, t in raw["tags"].items()}
         model = ModelEntry(
             id=mid,
@@ -244,7 +251,7 @@ def parse_model(raw: Mapping[str, Any], where: str, origin: str) -> ModelEntry:
         raise
     except ConfigError as exc:  # a serving block (Int2KVConfig); the message names where
         raise RegistryError(str(exc)) from None
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise RegistryError(f"{where}: malformed model entry ({type(exc).__name__}: {exc})") from None
     if model.default_tag not in model.tags:
         raise RegistryError(
