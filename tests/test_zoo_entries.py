@@ -208,3 +208,17 @@ def test_k_clip_tables_are_read_checked_and_served(tmp_path, cache_dir, capsys):
     rc, out, err = run_cli(capsys, "serve-args", "Qwen3-8B", "--engine", "vllm", "--k-clip-per-layer", "0.9")
     assert rc == 1 and "--k-clip-per-layer does not apply to vllm" in err, err
 
+
+
+def test_a_k_clip_table_that_cannot_be_read_says_why(tmp_path):
+    import os
+
+    with pytest.raises(ConfigError, match=r"cannot read the per-head K clip table \(No such file"):
+        read_k_clip_per_head(tmp_path / "missing.json", None, 8)
+    os.mkfifo(tmp_path / "fifo.json")
+    with pytest.raises(ConfigError, match="a FIFO, not a regular file"):  # the reason, not "must be JSON"
+        read_k_clip_per_head(tmp_path / "fifo.json", None, 8)
+    big = tmp_path / "big.json"
+    big.write_text(" " * (4 << 20))
+    with pytest.raises(ConfigError, match="more than the"):
+        read_k_clip_per_head(big, None, 8)

@@ -90,8 +90,11 @@ def _ratio(value: Any, where: str, *, low_open: bool = False) -> float:
 
 def _read_json(path: Path, what: str) -> Any:
     try:
-        text = read_regular(path, MAX_TABLE_BYTES, what=what, error=ConfigError).decode("utf-8")
-        return json.loads(text, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+        data = read_regular(path, MAX_TABLE_BYTES, what=what, error=ConfigError)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the {what} ({exc.strerror or exc})") from None
+    try:
+        return json.loads(data.decode("utf-8"), parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ConfigError(f"{path}: a {what} must be JSON ({type(exc).__name__})") from None
 
