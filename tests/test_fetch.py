@@ -353,3 +353,20 @@ def test_cli_fetch_is_quiet_when_not_a_terminal(zoo, tmp_path) -> None:
         assert r.returncode == 0, r.stderr
         assert json.loads(r.stdout)["source"].startswith(source)
         assert r.stderr == "", r.stderr
+
+
+def test_a_hub_declaring_another_sha256_is_passed_over_before_downloading(zoo, tmp_path) -> None:
+    """Hugging Face declares an LFS file's sha256 (X-Linked-Etag): another sha256 than the registry's moves
+    on to the next source without downloading, as a ModelScope listing's does."""
+    wrong = {s: bytes(b ^ 0xFF for b in zoo.files[s][1]) for s in "kv"}  # the same size, other bytes
+    evil = zoo.server.commit_files("evil/RotationZoo", {zoo.files[s][0]: wrong[s] for s in "kv"})
+    path = zoo.write_registry()
+    reg = json.loads(path.read_text())
+    for f in reg["models"][0]["tags"][TAG]["files"].values():
+        f["sources"][0].update(repo="evil/RotationZoo", revision=evil)
+    path.write_text(json.dumps(reg))
+    messages: list[str] = []
+    res = rotationzoo.fetch(MODEL, report=messages.append)
+    assert res.source.startswith("modelscope:") and res.paths["k"].read_bytes() == zoo.files["k"][1]
+    assert any("huggingface" in m and "lists sha256" in m and "trying modelscope" in m for m in messages), messages
+    assert not [r for r in zoo.server.requests("GET") if "evil" in r["target"]]  # nothing downloaded from it

@@ -193,3 +193,34 @@ def test_a_version_1_pin_file_is_read_and_upgraded(unpinned, tmp_path) -> None:
     rotationzoo.fetch(MODEL, source="huggingface")  # another source: a first use, written as v2
     data = json.loads(pins.read_text())
     assert data["pins_version"] == 2 and all("|" in k for k in data["pins"]) and len(data["pins"]) == 4
+
+
+def test_a_moved_branch_is_downloaded_again_never_answered_from_the_clients_copy(unpinned, tmp_path) -> None:
+    """ModelScope's client answers from its own copy of a branch's file: with --force (or a copy gone from
+    the cache) the bytes come from the hub at the branch's head, so a moved branch is seen (and refused
+    against the pin until accepted), never the old bytes recorded against the new commit."""
+    zoo = unpinned
+    first = rotationzoo.fetch(MODEL, source="modelscope")
+    new = _other_pair(tmp_path, 8)
+    zoo.server.commit_files(REPO_ID, {K_PATH: new["k"], V_PATH: new["v"]})  # master moves
+    with pytest.raises(IntegrityError, match="changed since it was first used"):
+        rotationzoo.fetch(MODEL, source="modelscope", force=True)
+    assert rotationzoo.fetch(MODEL, source="modelscope").sha256 == first.sha256  # the verified copy stays
+    got = rotationzoo.fetch(MODEL, source="modelscope", accept_new=True)
+    assert got.sha256["k"] == _sha(new["k"]) and got.paths["k"].read_bytes() == new["k"]
+
+
+@pytest.mark.parametrize("source, branch", [("huggingface", "main"), ("modelscope", "master")])
+def test_bytes_refused_by_the_pin_are_kept_nowhere(unpinned, tmp_path, source, branch) -> None:
+    import shutil
+
+    from test_fetch import _assert_no_bad_copies
+
+    zoo = unpinned
+    rotationzoo.fetch(MODEL, source=source, revision=branch)
+    new = _other_pair(tmp_path, 9)
+    zoo.server.commit_files(REPO_ID, {K_PATH: new["k"], V_PATH: new["v"]})  # the branch moves
+    shutil.rmtree(zoo.cache / "files")  # the verified copies gone (cache rm --model, say)
+    with pytest.raises(IntegrityError, match="changed since it was first used"):
+        rotationzoo.fetch(MODEL, source=source, revision=branch)
+    _assert_no_bad_copies(zoo.cache, {_sha(new["k"]), _sha(new["v"])})

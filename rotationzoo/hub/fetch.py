@@ -219,13 +219,14 @@ def _accept(got: Download, target: Path, f: FileEntry, entry: TagEntry, root: Pa
 
 def _preflight(src: Source, f: FileEntry, rev: str | None, say: Reporter) -> str | None:
     """Ask the hub about the file before its client does (see :mod:`.network`): fail fast, check what
-    it declares (size; on ModelScope also sha256) against the registry. Returns the commit if known."""
+    it declares (size and, for an LFS file on Hugging Face and any file on ModelScope, sha256) against
+    the registry. Returns the commit if known."""
     if not src.is_hub or rev is None or src.repo is None:
         return None
     endpoint = hf_endpoint() if src.type == "huggingface" else ms_endpoint()
     url, method, headers = network.file_url(src.type, src.repo, f.source_path(src), rev, endpoint)
     answer = network.ask(url, method=method, headers=headers, read_body=src.type == "modelscope", say=say)
-    size, sha, commit = answer.size, None, None
+    size, sha, commit = answer.size, answer.sha256, None
     if src.type == "modelscope":
         record = network.listed_file(answer.body, f.source_path(src))
         listed_size, listed_sha, listed_rev = record.get("Size"), record.get("Sha256"), record.get("Revision")
@@ -279,8 +280,10 @@ def _from_source(entry: TagEntry, side: str, src: Source, *, root: Path, revisio
                 got = download(src, got_f, hub_cache=root / HUB_AREA, dest_dir=target.parent, revision=rev,
                                force=force or attempt > 1, say=say)
             problem, sha, marker = _accept(got, target, f, entry, root, place)
-        except BaseException:
-            if got is not None and src.type == "url":
+        except BaseException as exc:
+            # a url download is ours to remove; a hub client's copy goes too when its bytes were refused (the
+            # local pin): the client would keep serving them otherwise
+            if got is not None and (src.type == "url" or isinstance(exc, IntegrityError)):
                 remove_inside(root, got.purge)
             raise
         if problem is None and marker is not None:

@@ -69,12 +69,14 @@ KINDS = ("unreachable", "timeout", "http", "not_found", "denied", "wrong_size", 
 
 @dataclass
 class Preflight:
-    """What the source said about the file: HTTP status, the size it declares (if any), and the body
-    (only when asked for, at most :data:`MAX_BODY` bytes)."""
+    """What the source said about the file: HTTP status, the size it declares (if any), the body (only
+    when asked for, at most :data:`MAX_BODY` bytes) and the sha256 it declares for an LFS file
+    (Hugging Face's ``X-Linked-Etag``; ``None`` when absent or not 64 hex digits)."""
 
     status: int
     size: int | None
     body: bytes = b""
+    sha256: str | None = None
 
 
 MAX_BODY = 4 << 20
@@ -182,7 +184,7 @@ def _request(url: str, method: str, headers: dict[str, str], timeout: float, rea
         linked = header_size(resp.getheader("X-Linked-Size"))
         if linked is not None:  # an LFS file behind a redirect: its real size
             size = linked
-        return Preflight(resp.status, size, body)
+        return Preflight(resp.status, size, body, header_sha256(resp.getheader("X-Linked-Etag")))
     except TransferStopped as exc:  # a silent answer is retried like a timeout; a dripping one is not
         raise Unavailable(exc.reason, "timeout", retryable=exc.silent) from None
     except TimeoutError:
@@ -203,6 +205,12 @@ def _declared_size(resp: http.client.HTTPResponse) -> int | None:
         if size is not None:
             return size
     return None
+
+
+def header_sha256(value: str | None) -> str | None:
+    """A sha256 from an ETag-like header (``"<64 hex>"``, ``W/`` allowed), lowercase, else ``None``."""
+    text = (value or "").strip().removeprefix("W/").strip('"').lower()
+    return text if len(text) == 64 and all(c in "0123456789abcdef" for c in text) else None
 
 
 def header_size(value: str | None) -> int | None:

@@ -188,15 +188,15 @@ def _modelscope_stop() -> type[transfer.TransferStopped]:
     return ModelScopeTransferStopped
 
 
-def _modelscope_partials(hub_cache: Path, repo: str, revision: str | None, path: str) -> list[Path]:
-    """Where ModelScope keeps a partial download (``<file>.incomplete``, to resume it later): the
-    snapshot layout, and the two older layouts it still reuses."""
+def _modelscope_copies(hub_cache: Path, repo: str, revision: str | None, path: str, suffix: str = "") -> list[Path]:
+    """Where ModelScope keeps a file it downloaded (and, ``suffix=".incomplete"``, a partial download, to
+    resume it later): the snapshot layout, and the two older layouts it still reuses."""
     base = hub_cache / "modelscope" / "models"
     owner, _, name = repo.partition("/")
     legacy = name.replace(".", "___")
     folders = [base / repo.replace("/", "--") / "snapshots" / (revision or "master"), base / owner / legacy,
                hub_cache / "modelscope" / "hub" / "models" / owner / legacy]
-    return [folder / f"{path}.incomplete" for folder in folders]
+    return [folder / f"{path}{suffix}" for folder in folders]
 
 
 def _remove_partials(paths: list[Path], root: Path) -> None:
@@ -216,6 +216,10 @@ def download_modelscope(src: Source, f: FileEntry, *, hub_cache: Path, dest_dir:
     repo = src.repo
     # its tqdm bars cannot be switched off; keep them for terminals, drop them from logs and pipes
     quiet = contextlib.nullcontext() if _show_progress() else contextlib.redirect_stderr(io.StringIO())
+    # the client answers from its own copy without asking the hub whether a branch moved (and has no
+    # force switch): a download is asked for only when the cache has no verified copy (or --force), so its
+    # copy goes first and the bytes come from the hub at the revision asked for
+    _remove_partials(_modelscope_copies(hub_cache, repo, revision, f.source_path(src)), hub_cache)
     try:
         with quiet:
             path = _bounded(lambda: model_file_download(
@@ -227,7 +231,7 @@ def download_modelscope(src: Source, f: FileEntry, *, hub_cache: Path, dest_dir:
             ), _modelscope_stop())
     except BaseException:
         # ModelScope keeps what it got to resume it another time: nothing partial stays in the cache
-        _remove_partials(_modelscope_partials(hub_cache, repo, revision, f.source_path(src)), hub_cache)
+        _remove_partials(_modelscope_copies(hub_cache, repo, revision, f.source_path(src), ".incomplete"), hub_cache)
         raise
     return _with_blob(path)
 
