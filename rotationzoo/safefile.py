@@ -300,7 +300,7 @@ def file_lock(path: str | os.PathLike[str], *, timeout: float, what: str, error:
         lock.acquire()
     except Timeout:
         raise error(f"the {what} is locked by another process ({p}) and was not released within {timeout:g} s; "
-                    f"try again once it is done{tail}") from None
+                    f"try again once it is done (or stop that process)") from None  # not a hint about writing
     except OSError as exc:
         raise error(f"cannot take the lock file {p} of the {what} ({exc.strerror or exc}){tail}") from None
     try:

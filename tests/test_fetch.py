@@ -233,6 +233,10 @@ def test_offline_warm_and_cold(zoo, monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(OfflineError, match="HF_HUB_OFFLINE"):
         rotationzoo.fetch(MODEL, cache_dir=tmp_path / "empty")
+    for flag in ("force", "accept_new"):  # a warm cache: the flag is what cannot be done, nothing is missing
+        with pytest.raises(OfflineError, match=f"--{flag.replace('_', '-')} downloads .* again") as ei:
+            rotationzoo.fetch(MODEL, **{flag: True})
+        assert "not cached" not in str(ei.value)
     assert zoo.server.requests() == []
 
 

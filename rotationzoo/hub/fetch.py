@@ -439,6 +439,9 @@ def fetch_entry(
             check_revision(revision, "--revision")
         except RegistryError as exc:
             raise ConfigError(str(exc)) from None
+    if offline and (force or accept_new):
+        raise OfflineError(f"offline mode: --{'force' if force else 'accept-new'} downloads {entry.key} again, which "
+                           f"needs the network (offline because {offline_reason()}); drop it to use the cached copy")
     if any(f.sha256 is None for f in entry.files.values()):
         pins.read_pins()  # an unusable pin file fails here, before any download or validation
     out = EntryFiles(entry, {} if force or accept_new else _warm_files(entry, root, source, revision))
