@@ -273,8 +273,11 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
 
 @contextlib.contextmanager
 def file_lock(path: str | os.PathLike[str], *, timeout: float, what: str, error: ErrorType,
-              hint: str | None = None) -> Iterator[None]:
+              hint: str | None = None, busy_hint: str | None = None) -> Iterator[None]:
     """Hold the ``filelock`` lock file ``path`` for the block, waiting at most ``timeout`` seconds.
+
+    ``hint`` ends every error line; ``busy_hint``, when given, ends the one of a lock held past the
+    deadline instead (``""``: nothing), where a hint about creating the lock file would mislead.
 
     The lock file is created (or opened) first, without following a link and without blocking: one
     that cannot be created, or that is not a regular file, is an error at once.
@@ -300,7 +303,8 @@ def file_lock(path: str | os.PathLike[str], *, timeout: float, what: str, error:
         lock.acquire()
     except Timeout:
         raise error(f"the {what} is locked by another process ({p}) and was not released within {timeout:g} s; "
-                    f"try again once it is done (or stop that process)") from None  # not a hint about writing
+                    f"try again once it is done{tail if busy_hint is None else f'; {busy_hint}' if busy_hint else ''}"
+                    ) from None
     except OSError as exc:
         raise error(f"cannot take the lock file {p} of the {what} ({exc.strerror or exc}){tail}") from None
     try:

@@ -466,7 +466,8 @@ def fetch_entry(
     lp = lock_path(root, entry, revision)
     _writable(lp.parent)
     with file_lock(lp, timeout=LOCK_WAIT_S, what=f"download of {entry.key}", error=CacheError,
-                   hint="set ROTATIONZOO_CACHE or --cache-dir to a writable folder"), network.using(timeout=timeout):
+                   hint="set ROTATIONZOO_CACHE or --cache-dir to a writable folder", busy_hint=""), \
+            network.using(timeout=timeout):
         for side in missing:
             out.files[side] = fetch_file(entry, side, root=root, source=source, revision=revision,
                                          offline=False, force=force, accept_new=accept_new, report=report)

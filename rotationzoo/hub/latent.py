@@ -124,7 +124,7 @@ def fetch_latent(model: ModelEntry, *, cache_dir: str | os.PathLike[str] | None 
             lp = lock_path(root, entry, revision)
             _writable(lp.parent)
             with file_lock(lp, timeout=LOCK_WAIT_S, what=f"download of {entry.key}", error=CacheError,
-                           hint="set ROTATIONZOO_CACHE or --cache-dir to a writable folder"), \
+                           hint="set ROTATIONZOO_CACHE or --cache-dir to a writable folder", busy_hint=""), \
                     network.using(timeout=timeout):
                 for side in missing:
                     got[int(side.split("_")[1])] = fetch_file(entry, side, root=root, source=source,
@@ -168,7 +168,7 @@ def import_latent(folder: str | os.PathLike[str], model: ModelEntry, *,
     got: dict[int, CachedFile] = {}
     staged: dict[int, tuple[Path, str]] = {}
     with file_lock(lp, timeout=LOCK_WAIT_S, what=f"import of {entry.key}", error=CacheError,
-                   hint="set ROTATIONZOO_CACHE or --cache-dir to a writable folder"):
+                   hint="set ROTATIONZOO_CACHE or --cache-dir to a writable folder", busy_hint=""):
         try:
             for lid, p in sorted(files.items()):  # every layer copied and checked before any is replaced
                 side = latent_file_key(lid)
