@@ -71,10 +71,19 @@ def registry_overlays() -> list[Path]:
 
 
 def cache_dir() -> Path:
-    """Cache root: ``ROTATIONZOO_CACHE``, else the platform user cache dir (``~/.cache/rotationzoo``)."""
+    """Cache root: ``ROTATIONZOO_CACHE``, else the platform user cache dir (``~/.cache/rotationzoo``).
+
+    Raises:
+        ConfigError: ``ROTATIONZOO_CACHE`` is a relative path.
+    """
     raw = os.environ.get("ROTATIONZOO_CACHE")
     if raw:
-        return Path(raw).expanduser()
+        path = Path(raw).expanduser()
+        if not path.is_absolute():  # each working folder would get a cache of its own
+            from .errors import ConfigError
+
+            raise ConfigError(f"ROTATIONZOO_CACHE={raw[:200]!r} is a relative path; give an absolute one (or ~/...)")
+        return path
     from platformdirs import user_cache_dir
 
     return Path(user_cache_dir("rotationzoo", appauthor=False))

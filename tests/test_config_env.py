@@ -107,3 +107,18 @@ def test_true_spellings_are_huggingface_hubs() -> None:
     for v in FALSE:
         assert theirs[v] is False, v
     assert [v for v in REFUSED if theirs[v]] == []  # every refused value is one huggingface_hub reads as online
+
+
+def test_a_cache_root_that_cannot_be_one_is_refused_in_one_line(capsys, monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("ROTATIONZOO_CACHE", "rel/cache")  # each working folder would get its own
+    for argv in (["cache", "ls"], ["fetch", "Qwen3-8B"]):
+        assert "ROTATIONZOO_CACHE='rel/cache' is a relative path" in one_line(capsys, argv)
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("x")
+    monkeypatch.setenv("ROTATIONZOO_CACHE", str(not_a_folder))
+    for argv in (["cache", "ls"], ["cache", "verify"], ["fetch", "Qwen3-8B"]):
+        assert f"the cache root {not_a_folder} is not a folder" in one_line(capsys, argv)
+    assert not_a_folder.read_text() == "x"
+    monkeypatch.chdir(tmp_path)  # --cache-dir relative to the working folder: reported absolute
+    assert main(["cache", "ls", "--cache-dir", "here", "--json"]) == 0
+    assert str(tmp_path / "here") in capsys.readouterr().out

@@ -46,8 +46,18 @@ IMPORTED_AREA = "imported"
 
 
 def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """The cache root: ``cache_dir`` when given, else ``ROTATIONZOO_CACHE`` or the user cache dir."""
-    return Path(cache_dir).expanduser() if cache_dir is not None else config.cache_dir()
+    """The cache root: ``cache_dir`` when given (a relative one taken from the working folder), else
+    ``ROTATIONZOO_CACHE`` or the user cache dir; an absolute path.
+
+    Raises:
+        CacheError: the path is there but is not a folder (a file, a FIFO).
+        ConfigError: ``ROTATIONZOO_CACHE`` is a relative path.
+    """
+    root = Path(cache_dir).expanduser().absolute() if cache_dir is not None else config.cache_dir()
+    if root.exists() and not root.is_dir():
+        where = "--cache-dir" if cache_dir is not None else "ROTATIONZOO_CACHE (or the user cache dir)"
+        raise CacheError(f"the cache root {root} is not a folder; set {where} to a folder")
+    return root
 
 
 def inside(root: Path, path: Path) -> Path:
