@@ -242,6 +242,26 @@ def test_gguf_merge_rejects_a_mismatched_model(pair_dir, tmp_path):
     assert not (tmp_path / "x.gguf").exists()
 
 
+@pytest.mark.parametrize("alignment", [1 << 24, 1 << 17])
+def test_gguf_merge_refuses_a_base_alignment_no_model_uses(pair_dir, tmp_path, alignment):
+    """The base's general.alignment pads every tensor: 2^24 made a 1 GB file of a 177-byte base, 2^31 a
+    17 GB buffer. A power of two up to 64 KiB is copied; anything else is one line, and nothing is written."""
+    import struct
+
+    def text(b: bytes) -> bytes:
+        return struct.pack("<Q", len(b)) + b
+
+    kv = [(b"general.architecture", 8, text(b"llama")), (b"llama.block_count", 4, struct.pack("<I", 4)),
+          (b"llama.attention.key_length", 4, struct.pack("<I", 16)),
+          (b"general.alignment", 4, struct.pack("<I", alignment))]
+    base = tmp_path / "base.gguf"
+    base.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, len(kv)) + b"".join(
+        text(k) + struct.pack("<I", t) + v for k, t, v in kv))
+    with pytest.raises(ExportError, match="general.alignment is .*; expected a power of two"):
+        export_gguf(pair_dir, tmp_path / "x.gguf", base_gguf=base)
+    assert not (tmp_path / "x.gguf").exists()
+
+
 # -- bad inputs ------------------------------------------------------------------------------------
 
 

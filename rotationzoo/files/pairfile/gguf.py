@@ -52,6 +52,8 @@ GGUF_TENSOR = "blk.{layer}.attn_{side}_rot.weight"
 GGUF_ARCH = "rotationzoo"
 #: Prefix of the metadata keys this project writes into GGUF files.
 GGUF_KEY_PREFIX = "rotationzoo."
+#: Largest ``general.alignment`` of a base GGUF copied (each tensor is padded to it).
+MAX_ALIGNMENT = 1 << 16
 
 
 def gguf_module() -> Any:
@@ -232,6 +234,9 @@ def _merge_into_base(base: Path, out: Path, sets: Sets, tensors: list[tuple[str,
         w = gguf.GGUFWriter(str(tmp), arch=arch, endianess=reader.endianess)
         alignment = _field(reader, gguf.Keys.General.ALIGNMENT, base)
         if alignment is not None:
+            if type(alignment) is not int or not 1 <= alignment <= MAX_ALIGNMENT or alignment & (alignment - 1):
+                raise ExportError(f"{base}: general.alignment is {safe_repr(alignment)}; expected a power of two "
+                                  f"of at most {MAX_ALIGNMENT} (llama.cpp writes 32)")
             w.data_alignment = alignment
         for fld in reader.fields.values():
             if fld.name == gguf.Keys.General.ARCHITECTURE or fld.name.startswith("GGUF.") \
