@@ -21,7 +21,7 @@ from hubserver import TEST_TOKEN, hub_env, hub_server, hub_server_factory  # noq
 import rotationzoo
 from rotationzoo import RotationSet, write_rotation
 from rotationzoo.cli.main import main
-from rotationzoo.errors import AuthError, InvalidRotationError, PublishError
+from rotationzoo.errors import AuthError, InvalidRotationError, OfflineError, PublishError
 from rotationzoo.publish import (
     CARD_BEGIN,
     CARD_END,
@@ -245,6 +245,47 @@ def test_invalid_input_uploads_nothing(hubs, tmp_path, breakage) -> None:
     assert hubs.hf.requests() == [] and hubs.ms.requests() == []
 
 
+@pytest.mark.parametrize("swap", ["rewritten", "link_retargeted"])
+def test_what_is_uploaded_is_the_checked_copy_not_a_file_changed_afterwards(hubs, tmp_path, monkeypatch, swap) -> None:
+    """The files are copied, then the copies are validated, hashed and uploaded: a K file rewritten (or a
+    link retargeted at another valid file) and a manifest edited after the check reach no hub, and the
+    staging folder is gone afterwards."""
+    import tempfile
+
+    out = make_fitted(tmp_path / "fitted")
+    k, manifest = out / "k_rotation_qqt_r_h_pbr.pt", out / "rotationzoo.json"
+    names = ("k_rotation_qqt_r_h_pbr.pt", "v_rotation_sst_r_h_pbr.pt", "rotationzoo.json")
+    checked = {n: (out / n).read_bytes() for n in names}
+    other = out / "other.bin"  # a valid K file of another fit, in the folder (a folder's links stay inside it)
+    other.write_bytes((make_fitted(tmp_path / "other", seeds=(5, 6), manifest=False) / k.name).read_bytes())
+    if swap == "link_retargeted":
+        k.rename(out / "checked.bin")
+        k.symlink_to("checked.bin")
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    swapped: list[str] = []
+
+    def report(msg: str) -> None:  # the hubs are being read: everything local is checked, nothing written yet
+        if msg.startswith("huggingface: ") and not swapped:
+            swapped.append(msg)
+            if swap == "rewritten":
+                k.write_bytes(b"NOT A ROTATION: private data\n")
+            else:
+                k.unlink()
+                k.symlink_to(other.name)
+            manifest.write_text("{}\n")
+
+    res = publish(out, repo=REPO_ID, model=MODEL, tag=TAG, report=report)
+    assert swapped and writes(hubs.hf) and writes(hubs.ms)
+    for server in (hubs.hf, hubs.ms):
+        for name in names:
+            assert server.file_bytes(REPO_ID, f"{FOLDER}/{name}") == checked[name], (server, name)
+    assert res.entry["files"]["k"]["sha256"] == hashlib.sha256(checked[k.name]).hexdigest()
+    assert all(f.staged != f.local and not f.staged.exists() for f in res.files)
+    assert not any(p.name.startswith("rotationzoo-publish-") for p in temp.iterdir())
+
+
 def test_manifest_names_the_pair_and_a_different_tag_is_a_warning(hubs, tmp_path) -> None:
     out = make_fitted(tmp_path / "fitted", tag="gpqa-run")
     (out / "k_rotation_zz_old.pt").write_bytes((out / "k_rotation_qqt_r_h_pbr.pt").read_bytes())  # ignored
@@ -285,6 +326,33 @@ def test_rejected_token_is_an_auth_error_and_writes_nothing(hubs, fitted, hub) -
     with pytest.raises(AuthError, match=f"{hub}: checking the token: token rejected"):
         publish(fitted, repo=REPO_ID, model=MODEL, tag=TAG, token=tokens)
     assert writes(hubs.hf) == [] and writes(hubs.ms) == []
+    assert not hubs.hf.repo_exists(REPO_ID) and not hubs.ms.repo_exists(REPO_ID)
+
+
+@pytest.mark.parametrize("how", ["ROTATIONZOO_OFFLINE", "HF_HUB_OFFLINE", "offline=True", "--offline"])
+def test_offline_mode_refuses_publish_before_any_request(hubs, fitted, monkeypatch, capsys, how) -> None:
+    """Offline mode stops publish at once (a dry run too: it reads the hubs), with one line saying why."""
+    if how.endswith("_OFFLINE"):
+        monkeypatch.setenv(how, "1")
+    if how == "--offline":
+        args = ["publish", str(fitted), "--repo", REPO_ID, "--model", MODEL, "--tag", TAG, "--offline", "--json"]
+        assert main(args) == 1
+        error = json.loads(capsys.readouterr().out)["error"]
+        assert error["type"] == "OfflineError"
+        messages = [error["message"]]
+    else:
+        messages = []
+        for dry_run in (False, True):
+            with pytest.raises(OfflineError) as excinfo:
+                publish(fitted, repo=REPO_ID, model=MODEL, tag=TAG, dry_run=dry_run,
+                        offline=True if how == "offline=True" else None)
+            messages.append(str(excinfo.value))
+    reason = {"ROTATIONZOO_OFFLINE": "ROTATIONZOO_OFFLINE is set", "HF_HUB_OFFLINE": "HF_HUB_OFFLINE is set"}.get(
+        how, "--offline (offline=True) was given")
+    for msg in messages:
+        assert msg.startswith("offline mode: publish needs the network") and "nothing was read or sent" in msg
+        assert f"offline because {reason}" in msg and "\n" not in msg
+    assert hubs.hf.requests() == [] and hubs.ms.requests() == []
     assert not hubs.hf.repo_exists(REPO_ID) and not hubs.ms.repo_exists(REPO_ID)
 
 
@@ -704,3 +772,25 @@ def test_a_hub_failing_after_another_was_written_says_what_is_published(hubs, fi
     publish(fitted, repo=REPO_ID, model=MODEL, tag=TAG, registry_out=reg, to="modelscope")
     sources = json.loads(reg.read_text())["models"][0]["tags"][TAG]["sources"]
     assert [s["type"] for s in sources] == ["huggingface", "modelscope"] and sources[0]["revision"] == hf_head
+
+
+@pytest.mark.parametrize("hub", ["huggingface", "modelscope"])
+def test_a_failed_commit_to_a_repository_this_run_created_names_it_and_leaves_it(hubs, fitted, hub) -> None:
+    server = hubs.hf if hub == "huggingface" else hubs.ms
+    commit = "/commit/main" if hub == "huggingface" else "/commit/master"
+    private = hub == "modelscope"
+    server.arm_fault(commit, "http500", count=10)
+    with pytest.raises(PublishError) as excinfo:
+        publish(fitted, repo=REPO_ID, model=MODEL, tag=TAG, to=hub, private=private)
+    msg = str(excinfo.value)
+    assert msg.startswith(f"{hub}: committing to {REPO_ID}") and "\n" not in msg
+    assert f"the repository {REPO_ID} did not exist and was created by this run; it is left in place " \
+           f"({'private' if private else 'public'}, without this commit): delete it, or re-run" in msg, msg
+    assert server.repo_exists(REPO_ID) and server.requests("DELETE") == []  # never deleted for the user
+    # a repository that existed before: the failure says nothing about creating it
+    server.clear_faults()
+    server.arm_fault(commit, "http500", count=10)
+    with pytest.raises(PublishError) as excinfo:
+        publish(fitted, repo=REPO_ID, model=MODEL, tag=TAG, to=hub)
+    assert "created by this run" not in str(excinfo.value)
+    server.clear_faults()

@@ -17,12 +17,18 @@ Example::
 
 Safety properties:
 
-- nothing leaves the machine before both files (and the manifest) are validated;
+- offline mode (``ROTATIONZOO_OFFLINE`` / ``HF_HUB_OFFLINE`` / ``offline=True``) refuses at once, before
+  any request (a dry run too: it reads the hubs);
+- nothing leaves the machine before both files (and the manifest) are validated, and what leaves
+  is exactly what was validated and hashed: each file is copied into a private staging folder
+  first, and the copy is read, validated, hashed and uploaded (a file changed afterwards is not);
 - every hub's remote state is read and checked (existing tag folder, branch, immutable tags,
   expected parent commit) before anything is written to any hub;
 - on the Hugging Face Hub the commit carries ``parent_commit``, so a concurrent change makes the
   server refuse it (HTTP 412) and nothing is written; ModelScope has no such check, so the branch
-  head is read again right before its commit.
+  head is read again right before its commit;
+- a repository this run created is never deleted: when its commit then fails, the error names it
+  as created by this run and left in place.
 
 Modules: :mod:`~rotationzoo.publish.plan` (local checks), :mod:`~rotationzoo.publish.card` (model
 card), :mod:`~rotationzoo.publish.entry` (registry entry), :mod:`~rotationzoo.publish.clients`
@@ -40,8 +46,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
+from .. import config
 from .._version import __version__
-from ..errors import PublishError
+from ..errors import OfflineError, PublishError
 from ..files.manifest import MANIFEST_NAME
 from ..registry import SIDES
 from ..registry.edit import merge_into_registry, registry_text, write_registry_file
@@ -119,21 +126,27 @@ def publish(
         private: create a missing repository as private (default public).
         atol: orthogonality tolerance of the validation.
         report: called with one-line progress messages.
-        source, revision, cache_dir, offline, timeout: the fetch options of a registry id given as
+        source, revision, cache_dir, timeout: the fetch options of a registry id given as
             ``rotations`` (see :func:`rotationzoo.fetch`); ``revision`` is the source's, not ``branch``.
+        offline: offline mode (default: ``ROTATIONZOO_OFFLINE`` / ``HF_HUB_OFFLINE``, as for
+            :func:`rotationzoo.fetch`): publish is refused at once, before any request (a dry run
+            too, as it reads the hubs).
 
     Returns:
         A :class:`PublishResult` (``result.entry`` is the registry tag entry, pinned to the Hugging
         Face commit sha and holding the sha256 and size of both files).
 
     Raises:
+        OfflineError: offline mode is on (nothing was read or sent).
         InvalidRotationError: a file is not a valid rotation set, K and V disagree, or they do not
             fit the registry model (nothing was sent anywhere).
         AuthError: a token is missing or was rejected (nothing was written).
         PublishError: the tag folder exists (without ``force``), the branch moved (stale parent),
-            the manifest does not match the files, or a hub refused the upload.
+            the manifest does not match the files, or a hub refused the upload (a repository this
+            run created is named, and left in place).
     """
     say: Reporter = report or (lambda msg: log.info(msg))
+    _refuse_offline(offline)
     hubs = parse_hubs(to)
     repos = _check_names(repo, hubs, branch, create_tag)
     parents = parse_parents(expected_parent, hubs)
@@ -160,6 +173,19 @@ def publish(
         _write_hubs(run, commit_message)
         return _finish(plan, run.results, out_path=out_path, dry_run=False, description=description,
                        dataset=dataset, say=say)
+
+
+def _refuse_offline(offline: bool | None) -> None:
+    """Refuse to publish in offline mode, before any request (the resolution :func:`rotationzoo.fetch` uses).
+
+    Raises:
+        OfflineError: ``offline`` is true, or it is ``None`` and ``ROTATIONZOO_OFFLINE`` / ``HF_HUB_OFFLINE`` is set.
+        ConfigError: one of those variables has a value that is not a boolean.
+    """
+    if config.offline() if offline is None else offline:
+        raise OfflineError(f"offline mode: publish needs the network (it reads every hub before writing, a --dry-run "
+                           f"too); nothing was read or sent; publish with offline mode off (offline because "
+                           f"{config.offline_reason()})")
 
 
 def _check_names(repo: str | Mapping[str, str], hubs: list[str], branch: str,
@@ -263,7 +289,14 @@ def _write_hub(run: _Run, client: HubClient, state: HubState, r: HubResult, mess
     new_paths = {f.path for f in plan.files}
     deletions = [p for p in r.replaced if p not in new_paths]
     run.say(f"{r.hub}: uploading {len(plan.files)} files to {r.repo}/{plan.folder}/ in one commit")
-    r.commit = client.commit(plan, parent, text.encode("utf-8"), deletions, message, body)
+    try:
+        r.commit = client.commit(plan, parent, text.encode("utf-8"), deletions, message, body)
+    except PublishError as exc:
+        if state.exists:
+            raise
+        raise type(exc)(f"{exc}; the repository {r.repo} did not exist and was created by this run; it is "
+                        f"left in place ({'private' if client.private else 'public'}, without this commit): delete "
+                        f"it, or re-run to publish into it", exc.result) from None
     run.say(f"{r.hub}: committed {r.commit[:12]} on {r.branch}")
     if run.create_tag:
         client.tag(run.create_tag, r.commit, message)

@@ -245,7 +245,7 @@ class _HuggingFace(HubClient):
         from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
         ops: list[Any] = [CommitOperationDelete(path_in_repo=p) for p in deletions]
-        ops += [CommitOperationAdd(path_in_repo=f.path, path_or_fileobj=str(f.local)) for f in plan.files]
+        ops += [CommitOperationAdd(path_in_repo=f.path, path_or_fileobj=str(f.staged)) for f in plan.files]
         ops.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=readme))
         try:
             with _quiet():
@@ -359,7 +359,7 @@ class _ModelScope(HubClient):
                 for f in lfs:
                     href = hrefs.get(f.sha256)
                     if href and f.sha256 not in uploaded:
-                        with open(f.local, "rb") as fh:
+                        with open(f.staged, "rb") as fh:
                             legacy.upload_blob(href, fh, f.size)
                         uploaded.add(f.sha256)
             for f in plan.files:
@@ -367,7 +367,7 @@ class _ModelScope(HubClient):
                     ops.append({"action": "create", "path": f.path, "type": "lfs", "size": f.size,
                                 "sha256": f.sha256, "content": "", "encoding": ""})
                 else:
-                    data = f.local.read_bytes()
+                    data = f.staged.read_bytes()
                     ops.append({"action": "create", "path": f.path, "type": "normal", "size": len(data),
                                 "sha256": "", "content": base64.b64encode(data).decode(), "encoding": "base64"})
             ops.append({"action": "create", "path": "README.md", "type": "normal", "size": len(readme),

@@ -16,14 +16,16 @@ from ..errors import (
     UnknownModelError,
 )
 from ..files.format import read_rotation, write_rotation
+from ..files.limits import MAX_BYTES
 from ..files.rotation_set import grouping_of
-from ..files.manifest import MANIFEST_NAME, check_manifest_files, read_manifest
+from ..files.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, check_manifest_files, read_manifest
 from ..files.pair import ROTATION_SUFFIXES, find_pair_files, resolve_pair
 from ..files.pairfile import file_kind
 from ..files.validation import pair_disagreement, validate
-from ..hashing import sha256_file
+from ..hashing import read_hashed, sha256_file
 from ..registry import SIDES, load_registry
 from ..registry.safety import MODEL_ID, check_tag
+from ..safefile import copy_regular
 from ..vocab import Grouping
 from .results import UploadFile
 
@@ -125,6 +127,35 @@ def pair_files(rotations: Any, staging: Path | None, fetch: Mapping[str, Any] | 
     return out["k"], out["v"], None
 
 
+def _stage(source: Path, folder: Path, max_bytes: int, *, what: str,
+           error: type[RotationZooError]) -> Path:
+    """Copy ``source`` (a regular file of at most ``max_bytes``; a FIFO or a device is refused without
+    blocking, see :func:`~rotationzoo.safefile.copy_regular`) into ``folder`` of publish's private staging
+    folder, under its own name. The copy is what is read, validated, hashed and uploaded: a source
+    changed or a link retargeted afterwards changes nothing that is published.
+
+    Raises:
+        error: ``source`` is missing, unreadable, not a regular file or larger than ``max_bytes``.
+        PublishError: the staging folder cannot be written.
+    """
+    copy = folder / source.name
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(copy, "xb") as out:
+            copy_regular(source, out, max_bytes, what=what, error=error)
+    except RotationZooError as exc:
+        raise error(f"refusing to publish: {exc}") from None
+    except OSError as exc:
+        raise PublishError(f"cannot copy {source} into the staging folder {folder} ({exc.strerror or exc}); "
+                           f"free space in the temporary folder or point TMPDIR at another one") from None
+    return copy
+
+
+def _named(exc: BaseException, copy: Path, source: Path) -> str:
+    """``exc``'s message naming the user's file rather than its staged copy."""
+    return str(exc).replace(str(copy), str(source))
+
+
 def prepare(
     rotations: Any,
     *,
@@ -132,11 +163,21 @@ def prepare(
     tag: str,
     safetensors: bool,
     atol: float,
-    staging: Path | None,
+    staging: Path,
     fetch: Mapping[str, Any] | None = None,
 ) -> Plan:
     """Read, validate and hash everything locally. Raises before any network access (but the fetch of
-    a registry id given as ``rotations``)."""
+    a registry id given as ``rotations``).
+
+    Each file (K, V, manifest) is first copied into ``staging/upload/<role>/``; the copies, never the
+    sources, are read, validated and hashed (one read each, see :func:`~rotationzoo.hashing.read_hashed`)
+    and are what the hubs receive (:attr:`UploadFile.staged`).
+
+    Raises:
+        InvalidRotationError: a file is not a valid rotation set (or not a regular file), or K and V disagree.
+        PublishError: no pair, a manifest that does not describe the files, or a staging folder that
+            cannot be written.
+    """
     check_name("tag", tag)
     model_id, known = _resolve_model(model)
     folder = model_id.split("/", 1)[1]
@@ -144,12 +185,14 @@ def prepare(
     warn: list[str] = []
     arch = known.architecture if known is not None else None
     expected_ids = arch.expected_layer_ids() if arch is not None else None
-    sets = {}
+    sets, copies, hashes = {}, {}, {}
     for side, p in (("k", k_path), ("v", v_path)):
+        copy = copies[side] = _stage(p, staging / "upload" / side, MAX_BYTES, what="rotation file",
+                                     error=InvalidRotationError)
         try:
-            rs = read_rotation(p)
+            rs, hashes[side] = read_hashed(copy, read_rotation)
         except RotationZooError as exc:
-            raise InvalidRotationError(f"refusing to publish: {exc}") from None
+            raise InvalidRotationError(f"refusing to publish: {_named(exc, copy, p)}") from None
         try:
             validate(rs, atol=atol, layer_ids=expected_ids, head_dim=arch.head_dims if arch else None,
                      num_kv_heads=arch.num_kv_heads if arch else None)
@@ -162,24 +205,25 @@ def prepare(
     if problem is not None:
         raise InvalidRotationError(f"refusing to publish {k_path.name} and {v_path.name}: {problem}", [problem])
     files = [
-        UploadFile(side, p, f"{folder}/{tag}/{p.name}", p.stat().st_size, sha256_file(p))
+        UploadFile(side, p, f"{folder}/{tag}/{p.name}", copies[side].stat().st_size, hashes[side], copies[side])
         for side, p in (("k", k_path), ("v", v_path))
     ]
     manifest = None
     if manifest_path is not None:
-        manifest = _check_manifest(manifest_path, files, k, model_id, tag, warn)
+        m_copy = _stage(manifest_path, staging / "upload" / "manifest", MAX_MANIFEST_BYTES, what="manifest",
+                        error=PublishError)
+        manifest, m_sha = _check_manifest(m_copy, manifest_path, files, k, model_id, tag, warn)
     if safetensors:
         if k_path.suffix == ".safetensors":
             warn.append("the rotation files are safetensors already; no extra copies made")
         else:
-            assert staging is not None
             for side, p in (("k", k_path), ("v", v_path)):
                 out = write_rotation(staging / "safetensors" / f"{p.stem}.safetensors", sets[side], fmt="safetensors")
                 files.append(UploadFile(f"{side}-safetensors", out, f"{folder}/{tag}/{out.name}",
-                                        out.stat().st_size, sha256_file(out)))
+                                        out.stat().st_size, sha256_file(out), out))
     if manifest_path is not None:
         files.append(UploadFile("manifest", manifest_path, f"{folder}/{tag}/{MANIFEST_NAME}",
-                                manifest_path.stat().st_size, sha256_file(manifest_path)))
+                                m_copy.stat().st_size, m_sha, m_copy))
     return Plan(
         directory=k_path.parent, model_id=model_id, model_folder=folder, tag=tag, known_model=known,
         files=files, layer_ids=k.layer_ids, head_dim=k.head_dim,
@@ -192,10 +236,18 @@ def _short(ids: Sequence[int]) -> str:
     return ", ".join(map(str, list(ids)[:10])) + (" ..." if len(ids) > 10 else "")
 
 
-def _check_manifest(path: Path, files: list[UploadFile], rs: Any, model_id: str, tag: str,
-                    warn: list[str]) -> dict[str, Any]:
-    """The manifest must describe exactly these files; disagreements on names are warnings."""
-    manifest = read_manifest(path, error=PublishError)
+def _check_manifest(copy: Path, path: Path, files: list[UploadFile], rs: Any, model_id: str, tag: str,
+                    warn: list[str]) -> tuple[dict[str, Any], str]:
+    """The manifest (read from its staged ``copy``; messages name ``path``) and the sha256 of the bytes read.
+    It must describe exactly these files; disagreements on names are warnings.
+
+    Raises:
+        PublishError: not a JSON object, or it describes other files, another ``head_dim`` or other layers.
+    """
+    try:
+        manifest, sha = read_hashed(copy, lambda c: read_manifest(c, error=PublishError))
+    except RotationZooError as exc:
+        raise PublishError(_named(exc, copy, path)) from None
     check_manifest_files(manifest, path, {f.role: (f.local.name, f.sha256, f.size) for f in files}, error=PublishError)
     if manifest.get("head_dim") is not None and manifest["head_dim"] != rs.head_dim:
         raise PublishError(f"{path}: head_dim {manifest['head_dim']} but the files have d = {rs.head_dim}")
@@ -207,4 +259,4 @@ def _check_manifest(path: Path, files: list[UploadFile], rs: Any, model_id: str,
         warn.append(f"{MANIFEST_NAME} names model {m!r}, publishing as {model_id}")
     if manifest.get("tag") and manifest["tag"] != tag:
         warn.append(f"{MANIFEST_NAME} names tag {manifest['tag']!r}, publishing as {tag!r}")
-    return manifest
+    return manifest, sha

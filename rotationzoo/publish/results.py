@@ -13,11 +13,14 @@ class UploadFile:
 
     Attributes:
         role: ``"k"``, ``"v"``, ``"k-safetensors"``, ``"v-safetensors"`` or ``"manifest"``.
-        local: the local file (safetensors copies live in a temporary folder removed when
+        local: the local file it comes from (safetensors copies live in a temporary folder removed when
             :func:`publish` returns).
         path: destination path inside the repository (``<model folder>/<tag>/<name>``).
-        size: bytes.
-        sha256: hex digest.
+        size: bytes (of the staged copy).
+        sha256: hex digest (of the staged copy).
+        staged: the private copy of ``local`` that was read, validated and hashed, and that is uploaded
+            (never ``local`` itself, which may change meanwhile); in publish's temporary folder, removed
+            when :func:`publish` returns.
     """
 
     role: str
@@ -25,6 +28,7 @@ class UploadFile:
     path: str
     size: int
     sha256: str
+    staged: Path
 
     @property
     def lfs(self) -> bool:
