@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 import subprocess
 import sys
 import warnings
@@ -319,6 +320,25 @@ def test_cache_verify_and_rm(zoo, capsys) -> None:
     assert main(["cache", "rm", "--model", "tiny-lm", "--yes", "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out)["removed"]) >= 1
     assert cache_records(zoo.cache) == []
+
+
+def test_a_hub_clients_unfinished_download_is_listed_and_removed_once_left_alone(zoo, capsys) -> None:
+    """A process killed during a Hugging Face download leaves ``blobs/<sha>.<rand>.incomplete``: `cache ls`
+    shows it, `cache verify` removes it once it has not been written for an hour (a live one is kept)."""
+    rotationzoo.fetch(MODEL, source="huggingface")
+    blobs = next((zoo.cache / "hub" / "huggingface").glob("models--*/blobs"))
+    fresh, stale = blobs / ("a" * 64 + ".1.incomplete"), blobs / ("b" * 64 + ".2.incomplete")
+    fresh.write_bytes(b"x" * 10)
+    stale.write_bytes(b"y" * 20)
+    hour_ago = time.time() - 3601
+    os.utime(stale, (hour_ago, hour_ago))
+    assert main(["cache", "ls", "--json"]) == 0
+    listed = {Path(f["path"]).name: f for f in json.loads(capsys.readouterr().out)["files"]}
+    assert listed[fresh.name]["area"] == listed[stale.name]["area"] == "partial"
+    assert main(["cache", "verify", "--json"]) == 1
+    capsys.readouterr()
+    assert fresh.exists() and not stale.exists()
+    assert rotationzoo.fetch(MODEL, source="huggingface", offline=True).from_cache  # the verified files stay
 
 
 # -- CLI -----------------------------------------------------------------------------------------

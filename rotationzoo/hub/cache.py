@@ -6,7 +6,9 @@ Two areas hold files (see :mod:`rotationzoo.hub.layout`): ``files/`` (verified d
 marker (and, for downloads, the registry; for derived files, that their inputs are still the
 verified ones) and never removes a file that passes. Hidden download-in-progress files left by a
 killed process (``.url-*.part``, ``.*.tmp``) are listed as area ``"partial"``; :func:`verify_cache`
-removes those whose entry no download is holding (its lock is free).
+removes those whose entry no download is holding (its lock is free). A hub client's unfinished download
+in ``hub/`` (``*.incomplete``) is listed the same way and removed once it has not been written for an
+hour (no entry lock covers a client's blob, which several entries may share).
 """
 
 from __future__ import annotations
@@ -132,10 +134,32 @@ def _marker_problem(path: Path, marker: Mapping[str, Any]) -> str | None:
     return None if stat.S_ISREG(st.st_mode) else f"its marker is {file_kind(st.st_mode)}, not a regular file (never opened)"
 
 
+#: What a hub client names a download it has not finished (``huggingface_hub``: ``blobs/<sha>.incomplete``;
+#: ModelScope: ``<file>.incomplete``).
+CLIENT_PARTIAL_SUFFIX = ".incomplete"
+
+
+def _client_partials(root: Path) -> list[CacheRecord]:
+    """The hub clients' unfinished downloads in the cache's ``hub/`` area (a stopped download's is removed
+    by rotationzoo; a killed process leaves its own)."""
+    out = []
+    for p in walk_area(root, HUB_AREA):
+        if p.name.endswith(CLIENT_PARTIAL_SUFFIX) and not p.is_symlink():
+            try:
+                size = p.stat().st_size
+            except OSError:
+                continue  # finished or removed while we walked
+            out.append(CacheRecord(p, PARTIAL_AREA, None, None, None, size, None, None,
+                                   problem="a hub client's download in progress, or left by a killed process"))
+    return out
+
+
 def cache_records(cache_dir: str | os.PathLike[str] | None = None) -> list[CacheRecord]:
-    """Every file in the verified-files, derived and imported areas of the cache, with its marker if any."""
+    """Every file in the verified-files, derived and imported areas of the cache, with its marker if any,
+    and the hub clients' unfinished downloads (area ``partial``)."""
     root = cache_root(cache_dir)
-    return _records(root, FILES_AREA) + _records(root, DERIVED_AREA) + _records(root, IMPORTED_AREA)
+    return (_records(root, FILES_AREA) + _records(root, DERIVED_AREA) + _records(root, IMPORTED_AREA)
+            + _client_partials(root))
 
 
 def _verified_inputs(records: list[CacheRecord]) -> dict[tuple[str | None, str | None], dict[str, set[str]]]:
@@ -183,6 +207,11 @@ def verify_cache(cache_dir: str | os.PathLike[str] | None = None, *, remove_bad:
     for r in records:
         if r.area == PARTIAL_AREA:
             r.ok = False
+            if _area_of(root, r.path) == HUB_AREA:  # no entry lock covers a client's blob: its age decides
+                if remove_bad and _left_alone_file(r.path):
+                    remove_inside(root, [r.path])
+                    r.problem = "left by a killed download (removed)"
+                continue
             staging = _staging_folder(root, _area_of(root, r.path), r.path)
             if staging is not None:  # a writer's own folder: removed only once it has long been left alone
                 if staging not in left_alone:  # judged once, before this check removes anything from it
@@ -234,6 +263,15 @@ def _left_alone(folder: Path) -> bool:
     except OSError:  # changed while we looked: in use
         return False
     return time.time() - newest > STAGING_GRACE_S
+
+
+def _left_alone_file(path: Path) -> bool:
+    """True when ``path`` has not been written for :data:`STAGING_GRACE_S` seconds (a download in progress
+    writes to it every few seconds at most)."""
+    try:
+        return time.time() - os.lstat(path).st_mtime > STAGING_GRACE_S
+    except OSError:
+        return False
 
 
 def _entry_lock(root: Path, folder: Path) -> Path:
