@@ -341,6 +341,25 @@ def test_a_hub_clients_unfinished_download_is_listed_and_removed_once_left_alone
     assert rotationzoo.fetch(MODEL, source="huggingface", offline=True).from_cache  # the verified files stay
 
 
+def test_a_modelscope_fetch_writes_nothing_into_the_home_folder(zoo, tmp_path, monkeypatch) -> None:
+    """The ModelScope client keeps an install id and creates its folders in ~/.modelscope and
+    ~/.cache/modelscope on first use: for a user with no ModelScope config of their own they go into
+    the cache, and the client's config is the one before afterwards."""
+    from modelscope_hub.config import get_default_config
+
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    for name in ("MODELSCOPE_HOME", "MODELSCOPE_CREDENTIALS_PATH", "MODELSCOPE_CACHE", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    before = get_default_config()
+    res = rotationzoo.fetch(MODEL, source="modelscope")
+    assert res.paths["k"].read_bytes() == zoo.files["k"][1]
+    assert list(home.rglob("*")) == []
+    assert list((zoo.cache / "hub" / "modelscope").rglob("session"))  # where the client's id went
+    assert get_default_config() is before
+
+
 # -- CLI -----------------------------------------------------------------------------------------
 
 

@@ -19,7 +19,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from .. import config
 from ..files.limits import MAX_BYTES
@@ -51,6 +51,41 @@ def hf_endpoint() -> str | None:
 
 def ms_endpoint() -> str | None:
     return os.environ.get("MODELSCOPE_ENDPOINT") or None
+
+
+def user_has_modelscope_home() -> bool:
+    """Whether the user keeps a ModelScope client config of their own (``MODELSCOPE_HOME`` or
+    ``MODELSCOPE_CREDENTIALS_PATH`` set, or ``~/.modelscope`` there): their login and folders are used."""
+    return bool(os.environ.get("MODELSCOPE_HOME") or os.environ.get("MODELSCOPE_CREDENTIALS_PATH")
+                or (Path.home() / ".modelscope").exists())
+
+
+@contextlib.contextmanager
+def modelscope_config(folder: Path) -> Iterator[Any]:
+    """The ModelScope client's process-wide config for the block (yielded; ``None`` without ``modelscope_hub``).
+
+    The client keeps an SDK install id (``credentials/session``) in its config folder and creates its cache
+    folder, ``~/.modelscope`` and ``~/.cache/modelscope`` by default, the first time it is used. A user with
+    a ModelScope config of their own (:func:`user_has_modelscope_home`) keeps it, login included; for
+    anyone else the client's folders are ``folder`` (inside the cache) for the block, so that nothing is
+    written into the home folder, and the config before is put back after it.
+    """
+    try:
+        from modelscope_hub import config as ms_config
+    except ImportError:  # an older modelscope: no such config
+        yield None
+        return
+    before = ms_config.get_default_config()
+    if user_has_modelscope_home():
+        yield before
+        return
+    import dataclasses
+
+    ms_config.set_default_config(dataclasses.replace(before, config_dir=folder / "config", cache_dir=folder))
+    try:
+        yield ms_config.get_default_config()
+    finally:
+        ms_config.set_default_config(before)
 
 
 def _show_progress() -> bool:
@@ -221,7 +256,7 @@ def download_modelscope(src: Source, f: FileEntry, *, hub_cache: Path, dest_dir:
     # copy goes first and the bytes come from the hub at the revision asked for
     _remove_partials(_modelscope_copies(hub_cache, repo, revision, f.source_path(src)), hub_cache)
     try:
-        with quiet:
+        with quiet, modelscope_config(hub_cache / "modelscope"):
             path = _bounded(lambda: model_file_download(
                 model_id=repo,
                 file_path=f.source_path(src),
