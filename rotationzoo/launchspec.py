@@ -13,12 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from .errors import ServingError
-from .numbers import shown
+from .numbers import CONTROL_CHARS, shown
 
 OutputFormat = Literal["shell", "env", "json"]
 OUTPUT_FORMATS: tuple[str, ...] = get_args(OutputFormat)
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def check_printable(value: str, what: str) -> str:
@@ -26,8 +25,8 @@ def check_printable(value: str, what: str) -> str:
     pasted command or of an env file); the launch is then refused rather than printed."""
     if not isinstance(value, str):
         raise ServingError(f"{what} must be a string, got {type(value).__name__}")
-    if _CONTROL.search(value):
-        raise ServingError(f"{what} {shown(value)} holds a control character (newline, tab, escape …); a launch line "
+    if CONTROL_CHARS.search(value):
+        raise ServingError(f"{what} {shown(value)} holds a control character (newline, tab, escape, a bidi override …); a launch line "
                            "cannot carry it safely: rename the file or folder, or pass a plain --model-path")
     return value
 

@@ -12,11 +12,16 @@ flood the terminal. Plain Python (no torch).
 from __future__ import annotations
 
 import math
+import re
 
 from .errors import ConfigError, RotationZooError
 
 #: Longest echo of a bad value in an error message.
 SHOWN_CHARS = 60
+#: Characters that never reach a terminal or a launch line raw: C0 controls (newline and tab included),
+#: DEL, C1 controls, the Unicode line and paragraph separators, and the bidi embeddings, overrides and
+#: isolates (U+202A–U+202E, U+2066–U+2069), which make a terminal show text in another order than it is.
+CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
 
 
 def shown(value: object) -> str:

@@ -277,3 +277,133 @@ def test_every_short_flag_means_one_thing() -> None:
     clashes = {short: sorted(longs) for short, longs in meaning.items() if len(longs) > 1}
     assert clashes == {}, clashes
     assert meaning["-t"] == {"--tag"} and meaning["-o"] == {"--out"} and meaning["-n"] == {"--dry-run"}
+
+
+# -- text from files reaches the terminal escaped --------------------------------------------------
+
+#: What a hostile file may hold in its metadata: clear the screen, recolour, start a forged line, reverse text.
+EVIL = "qqt\x1b[2J\x1b[31mRED\nimported OK: trusted pair from the registry\u202eevil"
+RAW = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")  # all but the line ends
+
+
+def _hostile_pair(folder: Path) -> Path:
+    """A valid K/V pair whose ``objective`` and recorded calibration hold control characters."""
+    folder.mkdir(parents=True)
+    for side, seed in (("k", 1), ("v", 2)):
+        path = folder / f"{side}_rotation_x.pt"
+        write_rotation(path, RotationSet(rotations=random_orthogonal(2, 8, seed), layer_ids=(0, 1), objective="x"))
+        data = torch.load(path, weights_only=True)
+        data["objective"] = EVIL
+        data["calibration"] = {"generation_id": "g1\nimported OK: trusted pair from the registry\x1b[0m", "tokens": 5}
+        torch.save(data, path)
+    return folder
+
+
+def _no_raw_control(out: str, err: str) -> None:
+    for text in (out, err):
+        assert not RAW.search(text), repr(text)
+        assert not any(line.lstrip().startswith("imported OK") for line in text.splitlines()), text
+
+
+def test_printable_shows_control_characters_escaped() -> None:
+    from rotationzoo.cli._output import printable
+
+    assert printable("a\x1b[2J\nb\u202ec\x9b\x7f\t\r\x00\u2066") == "a\\x1b[2J\\nb\\u202ec\\x9b\\x7f\\t\\r\\x00\\u2066"
+    assert printable("Qwen/Qwen3-8B été ✓ […]") == "Qwen/Qwen3-8B été ✓ […]"  # printable text unchanged
+    assert printable("\x1b[1mbold\x1b[0m \x07", drop_ansi=True) == "bold \\x07"  # a library's colours dropped
+
+
+def test_an_error_keeps_its_own_lines_and_escapes_the_rest(capsys) -> None:
+    """A failed fetch says one line per source tried, then a hint: those lines stay; nothing else in the
+    message reaches the terminal raw (a whole ANSI sequence is dropped, as a library's colours are)."""
+    from rotationzoo.cli._output import print_error
+
+    print_error("could not fetch X from 2 source(s):\n  a: refused \x1b[2J\u202e\n  b: 404\nhint: try --offline")
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["error: could not fetch X from 2 source(s):", "  a: refused \\u202e", "  b: 404",
+                     "hint: try --offline"]
+
+
+def test_verify_and_cache_import_print_file_metadata_escaped(tmp_path, capsys) -> None:
+    pair = _hostile_pair(tmp_path / "calib")
+    rc, out, err = run_cli(capsys, "verify", str(pair))
+    _no_raw_control(out, err)
+    rows = [line for line in out.splitlines() if "_rotation_x.pt" in line]
+    assert len(rows) == 2, out  # one line per file: nothing in a cell starts a line of its own
+    if rc == 0:
+        assert all("\\x1b[2J" in row and "\\n" in row and "\\u202e" in row for row in rows), out
+        rc, out, _ = run_cli(capsys, "verify", str(pair), "--json")
+        assert {r["objective"] for r in json.loads(out)} == {EVIL}  # JSON keeps the value exact
+    rc, out, err = run_cli(capsys, "cache", "import", str(pair), "--name", "esc")
+    _no_raw_control(out, err)
+    if rc == 0:
+        assert "generation_id g1\\nimported OK" in out
+        rc, out, err = run_cli(capsys, "cache", "ls")
+        _no_raw_control(out, err)
+
+
+# -- errors before and around the command: JSON when --json is among the arguments ------------------
+
+
+@pytest.mark.parametrize("argv, says", [
+    (("fetch", "--model", "X", "--source", "bogus", "--json"), "Invalid value for '--source'"),
+    (("fetch", "--model", "X", "--json", "--source", "bogus"), "Invalid value for '--source'"),
+    (("fetch", "--bogus", "--json"), "No such option"),
+    (("lst", "--json"), "No such command 'lst'"),
+    (("verify", "x.pt", "--head-dim", "0", "--json"), "head_dim must be a positive integer"),
+    (("serve-args", "Qwen3-8B", "--tp", "x", "--format", "json"), "Invalid value for '--tp-size'"),
+])
+def test_usage_error_with_json_is_one_json_document(capsys, argv, says) -> None:
+    rc, out, err = run_cli(capsys, *argv)
+    got = json.loads(out)["error"]
+    assert rc == 2 and err == "" and got["type"] == "UsageError" and says in got["message"]
+    assert "\n" not in got["message"] and got["message"].endswith("--help)")
+
+
+def test_usage_error_without_json_is_one_line_on_stderr(capsys) -> None:
+    rc, out, err = run_cli(capsys, "fetch", "--model", "X", "--source", "bogus")
+    assert rc == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith("error: Invalid value for '--source'") and "(see rotationzoo fetch --help)" in err
+    rc, out, err = run_cli(capsys, "cache", "ls", "--bogus\x1b[2J")  # the echoed argument: escaped
+    assert rc == 2 and out == "" and err.count("\n") == 1 and "\x1b" not in err and "\\x1b[2J" in err
+    rc, out, _ = run_cli(capsys, "fetch", "--help")  # help is no error
+    assert rc == 0 and "--source" in out
+
+
+def test_bad_debug_variable_with_json_is_json(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("ROTATIONZOO_DEBUG", "maybe")
+    rc, out, err = run_cli(capsys, "list", "--json")
+    got = json.loads(out)["error"]
+    assert rc == 1 and err == "" and got["type"] == "ConfigError" and "ROTATIONZOO_DEBUG='maybe'" in got["message"]
+    rc, out, err = run_cli(capsys, "list")
+    assert rc == 1 and out == "" and err.startswith("error: ROTATIONZOO_DEBUG='maybe'") and err.count("\n") == 1
+
+
+def _interrupt(*a, **k):
+    raise KeyboardInterrupt
+
+
+def test_ctrl_c_is_reported_and_exits_130(capsys, monkeypatch) -> None:
+    monkeypatch.setattr("rotationzoo.registry.list_models", _interrupt)
+    rc, out, err = run_cli(capsys, "list", "--json")
+    assert rc == 130 and err == ""
+    assert json.loads(out) == {"error": {"type": "Interrupted", "message": "interrupted"}}
+    rc, out, err = run_cli(capsys, "list")
+    assert rc == 130 and out == "" and err == "error: interrupted\n"
+
+
+def test_sigint_with_json_prints_the_json_error(tmp_path) -> None:
+    """A real SIGINT in a running command (what Ctrl-C sends), in a child process."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os, signal, sys, rotationzoo.registry as r\n"
+            "from rotationzoo.cli.main import main\n"
+            "r.list_models = lambda: os.kill(os.getpid(), signal.SIGINT) or __import__('time').sleep(30)\n"
+            "sys.exit(main(['list', '--json']))\n")
+    env = {**os.environ, "ROTATIONZOO_DEBUG": "0"}
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                         cwd=tmp_path)
+    assert got.returncode == 130, got.stderr
+    assert json.loads(got.stdout) == {"error": {"type": "Interrupted", "message": "interrupted"}}

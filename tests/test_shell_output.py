@@ -174,7 +174,8 @@ def test_serve_args_cli_on_a_pair_file_with_a_hostile_model(capsys, tmp_path, fm
     assert list(work.iterdir()) == []
 
 
-@pytest.mark.parametrize("bad", ["a\nb", "x\rSGLANG_OSCAR_K_ROTATION_PATH=/tmp/evil", "tab\there", "esc\x1b[2J", "nul\x7f"])
+@pytest.mark.parametrize("bad", ["a\nb", "x\rSGLANG_OSCAR_K_ROTATION_PATH=/tmp/evil", "tab\there", "esc\x1b[2J", "nul\x7f",
+                                 "bidi\u202eexe.txt", "c1\x9b"])
 def test_control_characters_are_refused_with_one_line(capsys, cache_dir, tmp_path, bad) -> None:
     """A newline would start a new line of the pasted command or of the env file: refused, not printed."""
     folder = pair_folder(tmp_path / "rot", "plain")

@@ -258,7 +258,11 @@ def render_cli() -> str:
         "",
         "Every `rotationzoo` command with its arguments and options. Run any command with `-h` / "
         "`--help` for the same text in the terminal. Commands that take `--json` print one JSON "
-        "document on stdout; errors are one line on stderr and exit code 1.",
+        "document on stdout, errors included (`{\"error\": {\"type\", \"message\"}}`) whenever `--json` is "
+        "among the arguments, even when the command line does not parse (type `UsageError`) or is "
+        "interrupted (type `Interrupted`). Without `--json` an error is one line `error: …` on stderr (a "
+        "failed download adds one line per source tried). Exit codes: 0 success, 1 an error or a failed "
+        "check, 2 a usage error, 130 interrupted.",
         "",
     ]
     entries = list(_walk(root, ["rotationzoo"]))

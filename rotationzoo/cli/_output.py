@@ -1,8 +1,14 @@
 """One output helper for every command: JSON for machines, rich for people, progress on terminals.
 
-Errors are rendered here too, once for every command (:func:`report_exception`): one line
-``error: …`` on stderr, the same as JSON on stdout when the command was given ``--json``, and the
-full traceback with ``--debug`` (or ``ROTATIONZOO_DEBUG=1``).
+Errors are rendered here too, once for every command (:func:`report_exception`, :func:`report_failure`):
+one line ``error: …`` on stderr, the same as JSON on stdout when the command was given ``--json``, and
+the full traceback with ``--debug`` (or ``ROTATIONZOO_DEBUG=1``).
+
+Text that came from outside the program (a rotation file's metadata, a manifest, a registry overlay,
+a hub, the cache's markers, a path) reaches the terminal only through :func:`printable`: every control
+character shown escaped, so that it can neither move the cursor, recolour or clear the screen, reorder
+what is shown, nor start a line of its own. JSON output is never escaped this way (``json.dumps``
+escapes control characters itself, and values stay exact).
 """
 
 from __future__ import annotations
@@ -12,7 +18,9 @@ import json
 import re
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
+
+from ..numbers import CONTROL_CHARS
 
 
 @dataclass
@@ -26,17 +34,33 @@ class OutputMode:
 #: The mode of the command being run (reset by :func:`reset_mode` at the start of every run).
 MODE = OutputMode()
 
-def reset_mode() -> None:
-    """Back to plain output; ``--debug`` defaults to ``ROTATIONZOO_DEBUG``.
+def reset_mode(*, json: bool = False) -> None:
+    """Back to plain output (JSON when ``json``); ``--debug`` defaults to ``ROTATIONZOO_DEBUG``.
+
+    ``json`` is set before the environment is read, so that a bad ``ROTATIONZOO_DEBUG`` is reported as
+    JSON to a command line that asked for it (:func:`json_in_args`).
 
     Raises:
         ConfigError: ``ROTATIONZOO_DEBUG`` is not a boolean (see :func:`rotationzoo.config.env_bool`).
     """
     from .. import config
 
-    MODE.json = False
+    MODE.json = json
     MODE.debug = False
     MODE.debug = config.debug()
+
+
+def json_in_args(args: Sequence[str]) -> bool:
+    """Whether a command line asks for JSON (``--json``, or ``serve-args``' ``--format json``), read
+    before it is parsed: a usage error, a bad ``ROTATIONZOO_DEBUG`` or Ctrl-C is then JSON too."""
+    for i, arg in enumerate(args):
+        if arg == "--":  # what follows is positional
+            return False
+        if arg in ("--json", "--format=json", "-fjson"):
+            return True
+        if arg in ("--format", "-f") and args[i + 1:i + 2] == ["json"]:
+            return True
+    return False
 
 
 def json_requested(value: bool) -> bool:
@@ -58,8 +82,37 @@ PIPE_WIDTH = 1_000_000
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-_]")
 
 
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escaped(match: re.Match[str]) -> str:
+    ch = match.group()
+    return _NAMED.get(ch) or (f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else f"\\u{ord(ch):04x}")
+
+
+def printable(text: Any, *, drop_ansi: bool = False) -> str:
+    """``text`` as it may reach a terminal: every control character shown escaped (``\\x1b``, ``\\n``,
+    ``\\u202e``; see :data:`~rotationzoo.numbers.CONTROL_CHARS`), so that one value stays on one line and
+    cannot clear, recolour or reorder the screen. The one filter of every text that came from a file, a manifest, a registry, a
+    hub or a path, and of every message; JSON output does not need it.
+
+    Args:
+        text: what to print (``str()`` of it).
+        drop_ansi: drop whole ANSI escape sequences first (:func:`plain`): for messages, which torch
+            and other libraries colour; a file's values keep them, shown escaped.
+    """
+    return CONTROL_CHARS.sub(_escaped, plain(text) if drop_ansi else str(text))
+
+
+def printable_lines(text: Any) -> str:
+    """A message as :func:`printable` shows it (ANSI sequences dropped), its own line breaks kept: the
+    library's multi-line messages (a failed fetch: one line per source tried, then a hint) stay lines."""
+    return "\n".join(printable(line, drop_ansi=True) for line in str(text).split("\n"))
+
+
 def plain(text: Any) -> str:
-    """``text`` without ANSI escape sequences (torch and other libraries put them in messages)."""
+    """``text`` without ANSI escape sequences (torch and other libraries put them in messages), the
+    rest unchanged (for JSON); on a terminal, use ``printable(text, drop_ansi=True)``."""
     return _ANSI.sub("", str(text))
 
 
@@ -96,24 +149,26 @@ def tail(text: str, width: int) -> str:
     return "…" + keep
 
 
-def print_error(message: str) -> None:
-    """Print one error line on stderr, literally (square brackets in it are not rich markup)."""
+def print_error(text: str) -> None:
+    """Print an error on stderr, literally (square brackets in it are not rich markup, control characters
+    but the message's own line breaks shown escaped: :func:`printable_lines`)."""
     from rich.text import Text
 
-    console(stderr=True).print(Text("error: ", style="bold red") + Text(plain(message)))
+    console(stderr=True).print(Text("error: ", style="bold red") + Text(printable_lines(text)))
 
 
-def print_warning(message: str) -> None:
+def print_warning(text: str) -> None:
+    """Print a warning on stderr, literally (:func:`printable_lines`)."""
     from rich.text import Text
 
-    console(stderr=True).print(Text("warning: ", style="yellow") + Text(plain(message)))
+    console(stderr=True).print(Text("warning: ", style="yellow") + Text(printable_lines(text)))
 
 
-def print_note(message: str) -> None:
+def print_note(text: str) -> None:
     """One line of what the command is doing on stderr, literally (never on stdout)."""
     from rich.text import Text
 
-    console(stderr=True).print(Text(plain(message), style="dim"))
+    console(stderr=True).print(Text(printable(text, drop_ansi=True), style="dim"))
 
 
 def _first_line(exc: BaseException) -> str:
@@ -151,6 +206,15 @@ def report_exception(exc: BaseException, *, internal: bool = False) -> None:
         emit_json(error_json(exc, internal=internal))
     else:
         print_error(internal_message(exc) if internal else str(exc))
+
+
+def report_failure(kind: str, text: str) -> None:
+    """Report a failure that is no exception of the library (a usage error, Ctrl-C): one line
+    ``error: text`` on stderr, or ``{"error": {"type": kind, "message": text}}`` on stdout with ``--json``."""
+    if MODE.json:
+        emit_json({"error": {"type": kind, "message": text}})
+    else:
+        print_error(text)
 
 
 def progress_enabled() -> bool:
@@ -196,7 +260,7 @@ class ProgressLines:
 
     def _write(self, line: str) -> None:
         stream = self.stream if self.stream is not None else sys.stderr
-        stream.write(plain(line) + "\n")
+        stream.write(printable(line, drop_ansi=True) + "\n")
         stream.flush()
 
     def __call__(self, done: int, total: int, what: str) -> None:

@@ -43,7 +43,7 @@ from ._options import (
     config_changes,
 )
 from ..errors import CLIError
-from ._output import console, emit_json, print_note, print_warning, progress_reporter
+from ._output import console, emit_json, print_note, print_warning, printable, progress_reporter
 
 
 def eval_command(
@@ -178,16 +178,18 @@ def _write_outputs(report: Any, json_out: Optional[Path], plot: Optional[Path]) 
 
 
 def _print_report(report: Any, title: str, plot: Optional[Path], json_out: Optional[Path]) -> None:
+    from rich.markup import escape
+
     from ..evaluate import results_table, summary_line
 
     for w in report.warnings:
         print_warning(w)
     con = console()
-    con.print(results_table(report, title=title))
+    con.print(results_table(report, title=escape(printable(title))))  # a model folder's name: literally
     con.print(summary_line(report))
     for extra, label in ((plot, "plot"), (json_out, "json")):
         if extra is not None:
-            con.print(f"{label}: {extra}")
+            con.print(printable(f"{label}: {extra}"), markup=False)
 
 
 def register(app: typer.Typer) -> None:

@@ -33,8 +33,8 @@ from ._options import (
 from ._output import (
     console,
     emit_json,
-    plain,
     print_warning,
+    printable,
     progress_enabled,
     stdin_is_tty,
 )
@@ -82,7 +82,7 @@ def cmd_fetch(
     def report(msg: str) -> None:
         messages.append(msg)
         if show:
-            console(stderr=True).print(f"[dim]{escape(plain(msg))}[/]", markup=True)
+            console(stderr=True).print(f"[dim]{escape(printable(msg, drop_ansi=True))}[/]", markup=True)
 
     from ..mla import latent_model
 
@@ -110,7 +110,7 @@ def cmd_fetch(
         emit_json(out)
         return
     for side in ("k", "v"):
-        typer.echo(str(res.paths[side]))
+        typer.echo(printable(res.paths[side]))
 
 
 cache_app = typer.Typer(
@@ -156,15 +156,16 @@ def cmd_cache_ls(cache_dir: CacheDirOpt = None, json_out: JsonOpt = False) -> No
 
     c = console()
     if records:
-        table = Table(title=escape(f"cache {root}"))
+        table = Table(title=escape(printable(f"cache {root}")))
         for col in ("model", "tag", "file", "size", "sha256", "source"):
             table.add_column(col, justify="right" if col == "size" else "left")
         for r in records:
             what = (r.side or "?").upper() if r.area == "files" else f"derived: {r.path.name}"
-            table.add_row(*map(escape, (r.model or "?", r.tag or "?", what, human_size(r.size), (r.sha256 or "-")[:12],
-                                        r.source or "-")))
+            cells = (r.model or "?", r.tag or "?", what, human_size(r.size), (r.sha256 or "-")[:12], r.source or "-")
+            table.add_row(*(escape(printable(cell)) for cell in cells))  # markers are files: shown literally
         c.print(table)
-    c.print(escape(f"total: {len(records)} file{'' if len(records) == 1 else 's'}, {human_size(total)} ({total:,} bytes) in {root}"))
+    c.print(escape(printable(f"total: {len(records)} file{'' if len(records) == 1 else 's'}, {human_size(total)} "
+                             f"({total:,} bytes) in {root}")))
 
 
 @cache_app.command("verify")
@@ -190,8 +191,9 @@ def cmd_cache_verify(
     else:
         c = console()
         for r in records:
-            mark = "[green]ok[/]" if r.ok else f"[red]BAD[/] {escape(str(r.problem))}" + ("" if keep else " (removed)")
-            c.print(f"{escape(str(r.path))}: {mark}")
+            mark = ("[green]ok[/]" if r.ok else f"[red]BAD[/] {escape(printable(r.problem, drop_ansi=True))}"
+                    + ("" if keep else " (removed)"))
+            c.print(f"{escape(printable(r.path))}: {mark}")
         c.print(f"{len(records)} files checked, {len(bad)} bad")
     if bad:
         raise typer.Exit(1)
@@ -247,13 +249,14 @@ def cmd_cache_import(
     if json_out:
         emit_json(got.to_json())
         return
-    typer.echo(f"imported {got.name}: {got.folder}")
+    # every value below came from the folder (its name, the files' metadata, the manifest): shown literally
+    typer.echo(printable(f"imported {got.name}: {got.folder}"))
     for s, p in got.paths.items():
-        typer.echo(f"  {s.upper()} {p.name}  sha256 {got.sha256[s]}")
+        typer.echo(printable(f"  {s.upper()} {p.name}  sha256 {got.sha256[s]}"))
     cal = got.calibration or {}
     if cal:
         keys = ("generation_id", "model_path", "model_revision", "prompt_sha256", "tokens", "tp_size")
-        typer.echo("  calibration: " + ", ".join(f"{k} {cal[k]}" for k in keys if k in cal))
+        typer.echo("  calibration: " + ", ".join(printable(f"{k} {cal[k]}") for k in keys if k in cal))
     else:
         typer.echo("  calibration: not recorded in the files")
 
@@ -306,7 +309,7 @@ def cmd_cache_rm(
     c = console(stderr=not dry_run)  # the listing before a question goes with the question
     if not json_out:
         for r in records:
-            c.print(escape(f"{human_size(r.size):>10}  {r.path}"))
+            c.print(escape(printable(f"{human_size(r.size):>10}  {r.path}")))
     if dry_run:
         c.print(escape(f"would remove {what}"))
         return
@@ -334,6 +337,8 @@ def cmd_demo(
 
     Example:  rotationzoo demo  |  rotationzoo demo --json
     """
+    from rich.markup import escape
+
     from ..demo import run_demo
 
     out = run_demo(model, tag, tokens=tokens)
@@ -341,8 +346,9 @@ def cmd_demo(
         emit_json(out)
         return
     c = console()
-    c.print(f"[bold]{out['model']}@{out['tag']}[/]: {out['layers']} layers × d={out['head_dim']}, loaded and validated "
-            f"in {out['load_seconds'] * 1e3:.1f} ms from {out['k_file']}")
+    c.print(f"[bold]{escape(printable(out['model']))}@{escape(printable(out['tag']))}[/]: {out['layers']} layers × "
+            f"d={out['head_dim']}, loaded and validated in {out['load_seconds'] * 1e3:.1f} ms from "
+            f"{escape(printable(out['k_file']))}")
     c.print(f"K sha256 {out['k_sha256']}")
     c.print(f"INT2 quantized a [{out['tokens']}, {out['heads']}, {out['head_dim']}] bf16 tensor with layer "
             f"{out['layer']}'s R_K: codes {out['codes_shape']} uint8, scales/zeros {out['scales_zeros_shape']} "

@@ -55,7 +55,7 @@ from ._options import (
     SeedOpt,
     choice,
 )
-from ._output import console, emit_json, print_note, progress_reporter
+from ._output import console, emit_json, print_note, printable, progress_reporter
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..fit import FitOutput, FitResult
@@ -173,10 +173,13 @@ def _report(result: "FitResult", out: "FitOutput", as_json: bool) -> None:
             "result": result.summary(),
         })
         return
+    from rich.markup import escape
+
     con = console()
     for side, p in out.paths.items():
         f = out.manifest["files"][side]
-        con.print(f"[bold]{side.upper()}[/] {f['objective']:<16} sha256 {f['sha256'][:12]}…  {p}")
+        objective = escape(printable(f["objective"]).ljust(16))  # the manifest's: literally
+        con.print(f"[bold]{side.upper()}[/] {objective} sha256 {f['sha256'][:12]}…  {escape(printable(p))}")
     s = result.stats
     tokens = f"{result.token_count} tokens/layer, " if result.tokens else ""
     heads = f" × {result.num_kv_heads} KV heads (grouping kv_head)" if result.grouping == "kv_head" else ""
@@ -192,7 +195,7 @@ def _report(result: "FitResult", out: "FitOutput", as_json: bool) -> None:
             con.print(f"{side.upper()} {ref['loss'][side]}: held-out loss {-ref['mean_relative_improvement'][side]:+.1%} "
                       f"mean vs {ref['init']}, refined rotation kept in "
                       f"{kept_flags.count('refined')}/{len(kept_flags)} {unit}")
-    con.print(f"manifest: {out.manifest_path}")
+    con.print(printable(f"manifest: {out.manifest_path}"), markup=False)
 
 
 def fit_command(

@@ -16,7 +16,7 @@ from typing import Any
 import typer
 
 from ..registry import ModelEntry
-from ._output import console, emit_json
+from ._output import console, emit_json, printable
 
 
 def latent_status(m: ModelEntry, cache_dir: str | os.PathLike[str] | None = None) -> dict[str, Any]:
@@ -46,9 +46,11 @@ def print_latent_info(m: ModelEntry, json_out: bool) -> None:
         out["mla_latent"]["cache"] = status
         emit_json(out)
         return
+    from rich.text import Text
+
     c = console()
-    say = lambda text: c.print(text, markup=False)  # noqa: E731 - values come from the registry, printed literally
-    c.print(f"[bold]{m.id}[/]  (aliases: {', '.join(m.aliases) or '-'})")
+    say = lambda text: c.print(printable(text), markup=False)  # noqa: E731 - values come from the registry: literally
+    c.print(Text(printable(m.id), style="bold") + Text(printable(f"  (aliases: {', '.join(m.aliases) or '-'})")))
     if m.description:
         say(m.description)
     ids = lat.expected_layer_ids
@@ -93,7 +95,7 @@ def fetch_latent_cmd(name: str, *, source: str, revision: str | None, cache_dir:
     if json_out:
         emit_json({**got.to_json(), "rank": checked.rotations.rank, "messages": messages})
         return
-    typer.echo(str(got.folder))
+    typer.echo(printable(got.folder))
 
 
 def import_latent_cmd(folder: str, model: str, *, cache_dir: Any, accept_new: bool, subspace: bool,
@@ -105,4 +107,4 @@ def import_latent_cmd(folder: str, model: str, *, cache_dir: Any, accept_new: bo
     if json_out:
         emit_json(got.to_json())
         return
-    typer.echo(f"imported {len(got.files)} layer files of {got.model} ({got.name}): {got.folder}")
+    typer.echo(printable(f"imported {len(got.files)} layer files of {got.model} ({got.name}): {got.folder}"))

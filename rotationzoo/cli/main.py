@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import importlib
 import sys
+from typing import Any
 
 import click
 import typer
+import typer.main
 
 from .._version import __version__
 from ..errors import RotationZooError
@@ -70,34 +72,62 @@ for _name in COMMAND_MODULES:
 use_literal_help(app)  # square brackets in help texts are text, not rich markup
 
 
+def _run(args: list[str]) -> Any:
+    """Parse ``args`` and run the command, letting every exception through to :func:`main` (typer's own
+    loop would turn Ctrl-C into a silent exit 130, and usage errors into a box)."""
+    command = typer.main.get_command(app)
+    with command.make_context("rotationzoo", args) as ctx:
+        return command.invoke(ctx)
+
+
+def _usage_line(exc: click.UsageError) -> str:
+    """A usage error as one line: click's message (its lines joined) and where the help is."""
+    text = "; ".join(line.strip() for line in exc.format_message().splitlines() if line.strip())
+    where = exc.ctx.command_path if exc.ctx is not None else "rotationzoo"
+    return f"{text} (see {where} --help)"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: run the app and return the exit code.
 
-    Errors are reported once, here: a library error as one line ``error: …`` (JSON on stdout with
-    ``--json``), any other exception as one line asking for a report, usage errors as click shows
-    them (exit 2); ``--debug`` or ``ROTATIONZOO_DEBUG=1`` adds the traceback.
+    Errors are reported once, here, as one line ``error: …`` on stderr, or as one JSON document
+    ``{"error": {"type", "message"}}`` on stdout when ``--json`` is among the arguments (even when
+    the command line does not parse, or ``ROTATIONZOO_DEBUG`` is bad): a library error (exit 1), any
+    other exception asking for a report (exit 1), a usage error (type ``UsageError``, exit 2), Ctrl-C
+    (type ``Interrupted``, exit 130). ``--debug`` or ``ROTATIONZOO_DEBUG=1`` adds the traceback of an
+    error. A command group given no command prints its help.
     """
-    from ._output import print_error, report_exception, reset_mode
+    from ._output import json_in_args, report_exception, report_failure, reset_mode
 
+    args = list(sys.argv[1:] if argv is None else argv)
     try:
-        reset_mode()
-        rc = app(args=argv, prog_name="rotationzoo", standalone_mode=False)
+        reset_mode(json=json_in_args(args))  # before parsing: a failure to parse is JSON too
+        rc = _run(args)
     except SystemExit as exc:  # pragma: no cover - typer exits
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except click.exceptions.Exit as exc:  # typer.Exit
+    except click.exceptions.Exit as exc:  # typer.Exit, --help, --version
         return int(exc.exit_code or 0)
-    except click.Abort:
-        print_error("aborted")
+    except click.Abort:  # a question answered with Ctrl-C or end of input
+        report_failure("Aborted", "aborted")
         return 130
-    except click.ClickException as exc:  # usage errors
-        exc.show()
+    except KeyboardInterrupt:
+        report_failure("Interrupted", "interrupted")
+        return 130
+    except click.UsageError as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":  # a group without a command (click >= 8.2): its help
+            exc.show()
+            return exc.exit_code
+        report_failure("UsageError", _usage_line(exc))
+        return exc.exit_code
+    except click.ClickException as exc:  # other click errors (none are raised today)
+        report_failure(type(exc).__name__, exc.format_message())
         return exc.exit_code
     except RotationZooError as exc:
         report_exception(exc)
         return 1
-    except KeyboardInterrupt:
-        print_error("interrupted")
-        return 130
+    except BrokenPipeError:  # stdout closed early (``| head``): nothing more to say
+        sys.stdout = click.utils.PacifyFlushWrapper(sys.stdout)
+        return 1
     except Exception as exc:  # noqa: BLE001 - anything unforeseen: one line, the traceback with --debug
         report_exception(exc, internal=True)
         return 1

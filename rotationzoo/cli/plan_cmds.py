@@ -18,7 +18,7 @@ import typer
 
 from ..errors import CLIError
 from ._options import GroupOpt, HpDtypeOpt, JsonOpt, PrefixOpt, RecentOpt, ScaleDtypeOpt, TagOpt, config_changes
-from ._output import console, emit_json
+from ._output import console, emit_json, printable
 
 _LABELS = {"bf16": "BF16", "fp8": "FP8", "oscar_int2": "OSCAR INT2"}
 
@@ -43,14 +43,16 @@ def render(p: Any) -> None:
     """Print a plan as a rich table plus its header, budget and notes."""
     from rich.table import Table
 
+    from rich.markup import escape
+
     con = console()
     cfg = p.config
-    what = f"{p.model}@{p.tag}" if p.tag else p.model
+    what = escape(printable(f"{p.model}@{p.tag}" if p.tag else p.model))  # a registry id or a model folder's name
     con.print(f"[bold]{what}[/]: {p.layers_with_kv} KV layers × {p.num_kv_heads} KV heads × d {p.head_dim}; "
               f"{p.context:,} tokens × {p.batch} sequence{'s' if p.batch != 1 else ''}; {p.engine} pages of "
               f"{p.page_size} tokens")
     con.print(f"OSCAR INT2: {cfg.label(p.head_dim)} (windows in {cfg.hp_dtype}, scale/zero in {cfg.scale_dtype})")
-    con.print(_budget_line(p))
+    con.print(printable(_budget_line(p)), markup=False)
     table = Table(show_header=True, header_style="bold")
     for col in ("KV format", "bytes/token", "bits/elem", "per sequence", f"× {p.batch}", "fits", "vs BF16",
                 "max context", "max sequences"):
@@ -64,7 +66,7 @@ def render(p: Any) -> None:
     con.print("[dim]bytes/token: all KV layers, K and V (for INT2, an INT2 token; window tokens cost hp_dtype bytes); sizes are "
               "rounded to whole pages; max context is for the batch, max sequences at this context[/]")
     for note in p.notes:
-        con.print(f"[dim]note: {note}[/]")
+        con.print(f"[dim]note: {escape(printable(note, drop_ansi=True))}[/]")
 
 
 def cmd_plan(

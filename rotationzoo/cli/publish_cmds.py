@@ -19,7 +19,7 @@ import typer
 
 from ..errors import CLIError, PublishError
 from ._options import CacheDirOpt, JsonOpt, OfflineOpt, RevisionOpt, SourceOpt, TimeoutOpt
-from ._output import console, emit_json, plain, print_warning, progress_enabled
+from ._output import console, emit_json, print_warning, printable, progress_enabled
 
 
 def _hub_values(values: list[str] | None, what: str) -> str | dict[str, str] | None:
@@ -94,7 +94,8 @@ def cmd_publish(
         if show:
             from rich.markup import escape
 
-            console(stderr=True).print(f"[dim]{escape(plain(msg))}[/]", markup=True, highlight=False)
+            console(stderr=True).print(f"[dim]{escape(printable(msg, drop_ansi=True))}[/]", markup=True,
+                                       highlight=False)
 
     res = publish(
         rotations, repo=_hub_values(repo, "--repo") or "", model=model, tag=tag, to=to, branch=branch, create_tag=create_tag,
@@ -120,11 +121,12 @@ def _print_result(res) -> None:  # noqa: ANN001 - PublishResult, imported lazily
     for w in res.warnings:
         print_warning(w)
     head = "dry run: nothing was uploaded" if res.dry_run else "published"
-    c.print(f"[bold]{head}[/]: {escape(res.model)} {escape(res.tag)} ({len(res.layer_ids)} layers × d {res.head_dim}, "
-            f"K {escape(res.objectives['k'])}, V {escape(res.objectives['v'])})")
-    c.print(f"files → {escape(res.repo)}/{escape(res.folder)}/")
+    lit = lambda text: escape(printable(text))  # noqa: E731 - names, objectives, hub answers: literally
+    c.print(f"[bold]{head}[/]: {lit(res.model)} {lit(res.tag)} ({len(res.layer_ids)} layers × d {res.head_dim}, "
+            f"K {lit(res.objectives['k'])}, V {lit(res.objectives['v'])})")
+    c.print(f"files → {lit(res.repo)}/{lit(res.folder)}/")
     for f in res.files:
-        c.print(escape(f"  {f.path}  {f.size:,} B  sha256 {f.sha256}"))
+        c.print(lit(f"  {f.path}  {f.size:,} B  sha256 {f.sha256}"))
     for h in res.hubs:
         state = "new repository" if h.exists is False else (f"head {h.parent[:12]}" if h.parent else "state unknown")
         if res.dry_run:
@@ -134,11 +136,11 @@ def _print_result(res) -> None:  # noqa: ANN001 - PublishResult, imported lazily
         else:
             line = f"{h.hub}: {h.repo}@{h.branch} commit {h.commit}" + (f", tag {h.tag}" if h.tag else "")
             line += f"; README {h.card}; registry revision {h.revision}"
-        c.print(escape(line))
+        c.print(lit(line))
         for p in h.problems:
-            c.print(f"[red]✗[/] {escape(p)}")
+            c.print(f"[red]✗[/] {escape(printable(p, drop_ansi=True))}")
     if res.registry_out is not None:
-        c.print(f"registry entry {'merged into' if res.registry_changed else 'unchanged in'} {escape(str(res.registry_out))}")
+        c.print(f"registry entry {'merged into' if res.registry_changed else 'unchanged in'} {lit(res.registry_out)}")
     elif not res.dry_run:
         c.print("registry entry (merge it with --registry-out FILE):")
         emit_json(res.model_entry)

@@ -27,7 +27,7 @@ from ._options import (
     TimeoutOpt,
     head_dims_option,
 )
-from ._output import console, emit_json, plain, print_warning, tail
+from ._output import console, emit_json, plain, print_warning, printable, tail
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..registry import ModelEntry
@@ -77,8 +77,8 @@ def cmd_list(
         rows.append((m, str(len(ids)) if ids else "?", f"{n_pinned}/{len(m.tags)}" if m.tags else "-"))
     if plain_out:
         for m, layers, pinned in rows:
-            typer.echo("\t".join((m.id, ",".join(m.aliases), layers, _head_dim(m), _default(m), ",".join(m.tags),
-                                  pinned)))
+            fields = (m.id, ",".join(m.aliases), layers, _head_dim(m), _default(m), ",".join(m.tags), pinned)
+            typer.echo("\t".join(map(printable, fields)))  # an overlay's names: never a tab or a line of their own
         return
     from rich.markup import escape
     from rich.table import Table
@@ -94,8 +94,8 @@ def cmd_list(
     table.add_column("tags", justify="right")
     table.add_column("pinned", justify="center")
     for m, layers, pinned in rows:
-        table.add_row(escape(m.id), escape(", ".join(m.aliases)), f"{layers} × {_head_dim(m)}",
-                      escape(_default(m)), str(len(m.tags)), pinned)
+        table.add_row(escape(printable(m.id)), escape(printable(", ".join(m.aliases))), f"{layers} × {_head_dim(m)}",
+                      escape(printable(_default(m))), str(len(m.tags)), pinned)
     c.print(table)
 
 
@@ -140,46 +140,52 @@ def cmd_info(
             out["tag"]["files"][side]["cached"] = cached.get(side)
         emit_json(out)
         return
+    from rich.text import Text
+
     c = console()
+    # every line holds values of the registry (an overlay), the pin file or a cached file's metadata: printed
+    # without markup, control characters shown escaped
+    say = lambda text: c.print(printable(text), markup=False)  # noqa: E731
     arch = entry.architecture
     ids = arch.expected_layer_ids()
-    c.print(f"[bold]{m.id}[/]  (aliases: {', '.join(m.aliases) or '-'})")
+    c.print(Text(printable(m.id), style="bold") + Text(printable(f"  (aliases: {', '.join(m.aliases) or '-'})")))
     if m.description:
-        c.print(m.description)
-    c.print(
+        say(m.description)
+    say(
         f"architecture: {len(ids) if ids else '?'} attention layers"
         + (f" (ids {', '.join(map(str, ids or ()))})" if arch.attention_layer_ids else "")
         + f", head_dim {arch.head_dims}, kv heads {arch.num_kv_heads or '?'}"
     )
-    c.print(f"tags: {', '.join(('*' + t if t == m.default_tag else t) for t in m.tags)}  (* = default)")
-    c.print(f"\n[bold]tag {entry.name}[/]: {entry.description}")
+    say(f"tags: {', '.join(('*' + t if t == m.default_tag else t) for t in m.tags)}  (* = default)")
+    c.print()
+    c.print(Text(printable(f"tag {entry.name}"), style="bold") + Text(printable(f": {entry.description}")))
     cal = entry.calibration
-    c.print(f"calibration: dataset {cal.dataset or '-'}, tokens {cal.tokens if cal.tokens is not None else '?'}, "
+    say(f"calibration: dataset {cal.dataset or '-'}, tokens {cal.tokens if cal.tokens is not None else '?'}, "
             f"prompts {cal.prompts if cal.prompts is not None else '?'}, group {cal.group_size or '?'}")
-    c.print(f"objectives: K {entry.objectives['k']}, V {entry.objectives['v']}")
+    say(f"objectives: K {entry.objectives['k']}, V {entry.objectives['v']}")
     s = entry.serving
-    c.print(f"serving: K clip {s.k_clip_ratio}, V clip {s.v_clip_ratio}, group {s.group_size}, "
+    say(f"serving: K clip {s.k_clip_ratio}, V clip {s.v_clip_ratio}, group {s.group_size}, "
             f"{s.hp_dtype} sink {s.prefix_tokens} + recent {s.recent_tokens}, scales {s.scale_dtype}, "
             f"Lloyd-Max {'on' if s.lloyd_max else 'off'}")
-    c.print(_bits_line(entry), markup=False)
+    say(_bits_line(entry))
     lc = entry.launch
-    c.print(f"launch: {'per-KV-head' if entry.grouping == 'kv_head' else 'one rotation per layer'}, TP {lc.tp_size}, "
+    say(f"launch: {'per-KV-head' if entry.grouping == 'kv_head' else 'one rotation per layer'}, TP {lc.tp_size}, "
             f"backends {lc.attention_backend} / {lc.prefill_attention_backend} / {lc.decode_attention_backend}, "
             f"V-rotation absorption {'on' if lc.absorb_v_rotation else 'off'}, prefix cache "
             f"{'off' if lc.disable_radix_cache else 'on'}"
             + (f", --mamba-radix-cache-strategy {lc.mamba_scheduler_strategy}" if lc.mamba_scheduler_strategy else "")
-            + (f" (recipe {lc.recipe})" if lc.recipe else ""), markup=False)
+            + (f" (recipe {lc.recipe})" if lc.recipe else ""))
     for r in entry.results:
         bpe = entry.bits_per_element(r.context) if r.context else None
         at = f" at {bpe:.2f} bits/element ({r.context:,} tokens)" if bpe is not None else ""
-        c.print(f"result: {r.benchmark} BF16 {r.bf16} → OSCAR INT2 {r.oscar_int2}{at} ({r.source})", markup=False)
+        say(f"result: {r.benchmark} BF16 {r.bf16} → OSCAR INT2 {r.oscar_int2}{at} ({r.source})")
     for conflict in entry.conflicts:
-        c.print(f"conflict: {conflict.about}", markup=False)
+        say(f"conflict: {conflict.about}")
         for where, says in conflict.sources:
-            c.print(f"    {where}: {says}", markup=False)
-        c.print(f"    the entry follows {conflict.chosen}", markup=False)
+            say(f"    {where}: {says}")
+        say(f"    the entry follows {conflict.chosen}")
     for repo in m.prebuilt_gguf:
-        c.print(f"llama.cpp: ready-made model GGUFs with these rotations appended: huggingface:{repo}", markup=False)
+        say(f"llama.cpp: ready-made model GGUFs with these rotations appended: huggingface:{repo}")
     for side, f in entry.files.items():
         state, local = pins[side]
         if f.sha256:
@@ -188,20 +194,20 @@ def cmd_info(
             sha = "pinned locally"
         else:
             sha = "sha256 unpinned (pinned on first fetch)"
-        c.print(f"{side.upper()} file: {f.path}  {sha}  size {f.size or '?'}", markup=False)
+        say(f"{side.upper()} file: {f.path}  {sha}  size {f.size or '?'}")
         for label, pin in local.items():
-            c.print(f"    sha256 {pin['sha256']} (pinned locally {pin.get('pinned_at') or ''}, from {label})", markup=False)
+            say(f"    sha256 {pin['sha256']} (pinned locally {pin.get('pinned_at') or ''}, from {label})")
         for src in f.sources:
-            c.print(f"    from {src.describe()}{'' if src.pinned else '  (revision not pinned)'}")
+            say(f"    from {src.describe()}{'' if src.pinned else '  (revision not pinned)'}")
         got = cached.get(side)
         if got and "problem" in got:
-            c.print(f"    cached copy unreadable: {got['problem']}", markup=False)
+            c.print(f"    cached copy unreadable: {printable(got['problem'], drop_ansi=True)}", markup=False)
         elif got:
             extra = "".join(f" +{x}" for x in got["companions"])
-            c.print(f"    holds: format_version {got['format_version']}, {got['source_grouping']}{extra}", markup=False)
+            say(f"    holds: format_version {got['format_version']}, {got['source_grouping']}{extra}")
             if got["calibration"]:
                 recorded = ", ".join(f"{k} {v}" for k, v in got["calibration"].items())
-                c.print(f"    calibration: {recorded}", markup=False)
+                say(f"    calibration: {recorded}")
 
 
 def cmd_verify(
@@ -254,13 +260,14 @@ def cmd_verify(
             c = console()
             style = {"ok": "green", "unpinned": "yellow", "missing": "dim", "failed": "red"}
             for ch in checks:
-                c.print(f"[{style[ch.status]}]{ch.status:>8}[/] {escape(ch.model)}@{escape(ch.tag)}")
+                c.print(f"[{style[ch.status]}]{ch.status:>8}[/] {escape(printable(f'{ch.model}@{ch.tag}'))}")
                 if ch.status == "unpinned":
                     for side, f in ch.files.items():
-                        c.print(f"          {side.upper()} sha256 {f['sha256']} ({f['size']} B), not pinned in the registry")
+                        c.print(escape(printable(f"          {side.upper()} sha256 {f['sha256']} ({f['size']} B), "
+                                                 "not pinned in the registry")))
                 elif ch.status == "failed":
                     for p in ch.problems:
-                        c.print(f"          [red]✗[/] {escape(p)}")
+                        c.print(f"          [red]✗[/] {escape(printable(p))}")
             c.print(f"{len(checks)} entries: {counts['ok']} ok, {counts['unpinned']} unpinned, "
                     f"{counts['missing']} not cached{'' if download else ' (use --download)'}, "
                     f"{counts['failed']} failed")
@@ -313,8 +320,10 @@ def _print_reports(reports: list[ValidationReport]) -> None:
     show_layout = any(x not in ("V1", "-") for x in layouts)  # only when a file is not a plain V1 one
     for r, layout in zip(reports, layouts):
         err = f"{r.max_orthogonality_error:.1e}" if r.max_orthogonality_error is not None else "-"
-        rows.append((r.path or "-", "yes" if r.ok else "NO", str(r.num_layers or "-"), _dims(r),
-                     *((layout,) if show_layout else ()), r.objective or "-", err, (r.sha256 or "-")[:12]))
+        # the file's own values (its objective, companions) and its path: shown literally, one line each
+        rows.append(tuple(map(printable, (r.path or "-", "yes" if r.ok else "NO", str(r.num_layers or "-"), _dims(r),
+                                          *((layout,) if show_layout else ()), r.objective or "-", err,
+                                          (r.sha256 or "-")[:12]))))
     heads = ("file", "ok", "layers", "d", *(("layout",) if show_layout else ()), "objective", "max|RRᵀ−I|", "sha256")
     # what the other columns take (content, padding, borders); in a pipe (PIPE_WIDTH) nothing is cut
     others = sum(max(len(h), *(len(row[i]) for row in rows)) + 3 for i, h in enumerate(heads) if i) + 4
@@ -328,9 +337,9 @@ def _print_reports(reports: list[ValidationReport]) -> None:
                       *map(escape, rest))
     c.print(table)
     for w in dict.fromkeys(w for r in reports for w in r.warnings):
-        c.print(f"[yellow]![/] {escape(w)}")
+        c.print(f"[yellow]![/] {escape(printable(w, drop_ansi=True))}")
     for p in dict.fromkeys(p for r in reports for p in r.problems):  # a pair's disagreement fails both sides: once
-        c.print(f"[red]✗[/] {escape(p)}")
+        c.print(f"[red]✗[/] {escape(printable(p))}")
 
 
 def _dims(r: ValidationReport) -> str:

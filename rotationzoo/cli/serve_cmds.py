@@ -36,7 +36,7 @@ from ._options import (
     TimeoutOpt,
     choice,
 )
-from ._output import console, emit_json, json_requested, plain, print_warning
+from ._output import console, emit_json, json_requested, print_warning, printable
 
 
 def _format_callback(value: str) -> str:
@@ -127,9 +127,9 @@ def cmd_serve_args(
         if note.startswith("replace ") or "replace MODEL" in note:
             print_warning(note)
         else:
-            err.print(Text(f"note: {plain(note)}", style="dim"))  # literally: a note may quote file metadata
+            err.print(Text(f"note: {printable(note, drop_ansi=True)}", style="dim"))  # a note may quote file metadata
     for check in spec.checks:
-        err.print(Text(f"check: {plain(check)}"))
+        err.print(Text(f"check: {printable(check, drop_ansi=True)}"))
 
 
 def cmd_export(
@@ -175,9 +175,10 @@ def cmd_export(
     if json_out:
         emit_json(info)
         return
-    what = f"{info['model']}@{info['tag']}" if info["model"] else rotations
-    console().print(f"wrote {path} ({to}, {info['bytes']:,} bytes): {what}, sides {'+'.join(info['sides']).upper()}, "
-                    f"{info['layers']} layers × d={got.head_dims}")
+    what = f"{info['model']}@{info['tag']}" if info["model"] else rotations  # the file's metadata: literally
+    console().print(printable(f"wrote {path} ({to}, {info['bytes']:,} bytes): {what}, sides "
+                              f"{'+'.join(info['sides']).upper()}, {info['layers']} layers × d={got.head_dims}"),
+                    markup=False)
 
 
 def register(app: typer.Typer) -> None:
