@@ -228,6 +228,26 @@ def test_compressed_or_truncated_members_are_refused(dump):
     refused(fit(dump), r"k/3\.pt: refused before loading: member 'archive/data/0' extends past the end of the file")
 
 
+def test_zip_directory_bomb_chunk_is_refused_from_its_end_record(dump):
+    """A chunk whose zip directory lists 50,000 entries (a million took `fit --dump` 10 s and 723 MB) is refused
+    from the zip's end record before zipfile parses the directory, with O(1) memory."""
+    import tracemalloc
+
+    from test_format_hardening import zip_directory_bomb
+
+    zip_directory_bomb(dump / "layer_0" / "q" / "1.pt", 50_000, 0xFFFF)
+    match = (r"layer_0/q/1\.pt: refused before loading: the zip archive declares 65535 members, more than the 17 a "
+             r"Q/K/V dump file may hold")
+    refused(fit(dump), match, error=DumpError)  # within FAST
+    tracemalloc.start()
+    try:
+        refused(fit(dump), match, limit=10 * FAST, error=DumpError)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, f"{peak} bytes allocated to refuse it"  # zipfile: ~500 bytes per entry
+
+
 def test_unsafe_pickles_are_refused_before_loading(dump):
     class Evil:
         def __reduce__(self):

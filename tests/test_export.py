@@ -262,6 +262,122 @@ def test_gguf_merge_refuses_a_base_alignment_no_model_uses(pair_dir, tmp_path, a
     assert not (tmp_path / "x.gguf").exists()
 
 
+def _gstr(b: bytes) -> bytes:
+    import struct
+
+    return struct.pack("<Q", len(b)) + b
+
+
+def hostile_gguf(path: Path, kv: list[tuple[bytes, int, bytes]], *, tensors: int = 0, keys: int | None = None,
+                 tail: bytes = b"") -> Path:
+    """A GGUF v3 header written byte by byte: ``(key, value type, value bytes)`` entries, then ``tail``."""
+    import struct
+
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, tensors, len(kv) if keys is None else keys)
+                     + b"".join(_gstr(k) + struct.pack("<I", t) + v for k, t, v in kv) + tail)
+    return path
+
+
+def test_gguf_metadata_bomb_refused_before_the_reader_parses_it(pair_dir, tmp_path):
+    """One key holding 200,000 empty strings (1.6 MB; 2M in 16 MB cost gguf.GGUFReader 33 s and 3.4 GB) is refused
+    by the header pre-scan in milliseconds, with the memory of one read buffer, as a file and as --base-gguf."""
+    import struct
+    import time
+    import tracemalloc
+
+    n = 200_000
+    bomb = hostile_gguf(tmp_path / "bomb.gguf", [(b"general.junk", 9, struct.pack("<IQ", 8, n) + bytes(8 * n))])
+    match = (rf"bomb\.gguf: cannot read GGUF: key 'general\.junk' is an array of {n} STRING items, more metadata "
+             rf"than a GGUF of {bomb.stat().st_size} bytes may hold \(at most \d+ units")
+    for call in (lambda: read_exported_gguf(bomb), lambda: export_gguf(pair_dir, tmp_path / "x.gguf", base_gguf=bomb)):
+        tracemalloc.start()
+        t0 = time.perf_counter()
+        try:
+            with pytest.raises(ExportError, match=match) as ei:
+                call()
+            seconds, peak = time.perf_counter() - t0, tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert "\n" not in str(ei.value)
+        assert seconds < 0.5, f"took {seconds:.2f} s"
+        assert peak < 4 << 20, f"{peak} bytes allocated to refuse it"  # the reader: ~1.6 KB per string
+    assert not (tmp_path / "x.gguf").exists()
+
+
+@pytest.mark.parametrize("case,match", [
+    ("string past end", r"key 'general\.name' of 1099511627776 bytes at byte \d+ runs past the end of the file"),
+    ("array past end", r"key 'a''s array of 4000 bytes at byte \d+ runs past the end of the file"),
+    ("array string past end", r"a string of key 'a' of 4294967296 bytes .* runs past the end"),
+    ("too many items", r"key 'a' is an array of 4194305 UINT8 items, more than 4194304 array items in all"),
+    ("nested array", r"key 'a' is an array of ARRAY; GGUF arrays hold numbers or strings"),
+    ("unknown type", r"key 'a' has unknown value type 13"),
+    ("key count", r"the header declares 1099511627776 metadata keys and 0 tensors; a model GGUF holds at most 65536"),
+    ("tensor count", r"the header declares 0 metadata keys and 1000000 tensors"),
+    ("tensor dims", r"tensor 't' has 4294967295 dimensions; expected at most 4"),
+    ("many tensors", r"the header, more metadata than a GGUF of \d+ bytes may hold"),
+    ("truncated", r"the type of key 'a' of 4 bytes at byte \d+ runs past the end of the file"),
+])
+def test_gguf_hostile_headers_refused_by_the_pre_scan(tmp_path, monkeypatch, case, match):
+    """Counts and lengths are checked against the bounds and the file's size before gguf.GGUFReader runs."""
+    import struct
+
+    def no_reader(*a, **k):
+        raise AssertionError("gguf.GGUFReader reached")
+
+    monkeypatch.setattr(gguf, "GGUFReader", no_reader)
+    p = tmp_path / "h.gguf"
+    if case == "string past end":
+        hostile_gguf(p, [(b"general.name", 8, struct.pack("<Q", 1 << 40) + b"x")])
+    elif case == "array past end":
+        hostile_gguf(p, [(b"a", 9, struct.pack("<IQ", 4, 1000) + bytes(40))])
+    elif case == "array string past end":
+        hostile_gguf(p, [(b"a", 9, struct.pack("<IQQ", 8, 2, 0) + struct.pack("<Q", 1 << 32))])
+    elif case == "too many items":
+        hostile_gguf(p, [(b"a", 9, struct.pack("<IQ", 0, (1 << 22) + 1))])
+    elif case == "nested array":
+        hostile_gguf(p, [(b"a", 9, struct.pack("<IQ", 9, 1) + struct.pack("<IQ", 0, 0))])
+    elif case == "unknown type":
+        hostile_gguf(p, [(b"a", 13, b"")])
+    elif case == "key count":
+        hostile_gguf(p, [], keys=1 << 40)
+    elif case == "tensor count":
+        hostile_gguf(p, [], tensors=1_000_000)
+    elif case == "tensor dims":
+        hostile_gguf(p, [], tensors=1, tail=_gstr(b"t") + struct.pack("<I", 2**32 - 1))
+    elif case == "many tensors":  # 24 bytes each on disk, ~5 KB each in the reader
+        hostile_gguf(p, [], tensors=50_000, tail=(_gstr(b"") + struct.pack("<IIQ", 0, 0, 0)) * 50_000)
+    else:
+        hostile_gguf(p, [(b"a", 0, b"")], tail=b"")
+        p.write_bytes(p.read_bytes()[:-4])
+    with pytest.raises(ExportError, match=r"h\.gguf: cannot read GGUF: " + match):
+        read_exported_gguf(p)
+
+
+def test_gguf_pre_scan_passes_a_model_sized_tokenizer(tmp_path):
+    """A model-like GGUF with a 32k-token tokenizer (tokens, scores, types, merges) passes the pre-scan quickly."""
+    import time
+
+    from rotationzoo.files.pairfile.gguf_header import scan_gguf_header
+
+    vocab = 32_000
+    path = tmp_path / "model.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(2)
+    toks = [f"tok{i}" for i in range(vocab)]
+    w.add_token_list(toks)
+    w.add_token_scores([0.0] * vocab)
+    w.add_token_types([1] * vocab)
+    w.add_token_merges([f"t{i % 97} k{i}" for i in range(vocab)])
+    w.add_tensor("token_embd.weight", np.zeros((vocab, 8), dtype=np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    t0 = time.perf_counter()
+    scan_gguf_header(path)
+    assert time.perf_counter() - t0 < 1.0
+
+
 # -- bad inputs ------------------------------------------------------------------------------------
 
 

@@ -287,6 +287,59 @@ def test_zip_layout_tricks_refused(tmp_path: Path, no_torch_load) -> None:
         read_rotation(bad)
 
 
+def zip_directory_bomb(path: Path, listed: int, declared: int, *, zip64: bool = False) -> Path:
+    """A ``.pt``-looking zip whose central directory lists ``listed`` tiny entries and whose end record
+    (a ZIP64 one when ``zip64``) declares ``declared``: 55 bytes on disk per entry, a ``ZipInfo`` each in zipfile."""
+    local = struct.pack("<4s5H3L2H", b"PK\x03\x04", 20, 0, 0, 0, 0, 0, 0, 0, 10, 0) + b"k/data.pkl"
+    central = b"".join(struct.pack("<4s6H3L5H2L", b"PK\x01\x02", 20, 20, 0, 0, 0, 0, 0, 0, 0, 9, 0, 0, 0, 0, 0, 0)
+                       + b"k/%07d" % i for i in range(listed))
+    if zip64:
+        tail = struct.pack("<4sQ2H2L4Q", b"PK\x06\x06", 44, 45, 45, 0, 0, declared, declared, len(central),
+                           len(local)) + struct.pack("<4sLQL", b"PK\x06\x07", 0, len(local) + len(central), 1)
+        tail += struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0)
+    else:
+        tail = struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, declared, declared, len(central), len(local), 0)
+    path.write_bytes(local + central + tail)
+    return path
+
+
+@pytest.mark.parametrize("listed,declared,zip64,match", [
+    (50_000, 0xFFFF, False, r"the zip archive declares 65535 members, more than the 6160 a rotation file may hold"),
+    (10, 1_000_000, True, r"the zip archive declares 1000000 members, more than the 6160"),
+    (50_000, 1, False, r"its zip central directory of 2750000 bytes is too large for the 1 member it declares"),
+    (50_000, 100, True, r"its zip central directory of 2750000 bytes is too large for the 100 members"),
+    (50_000, 6000, False, r"its zip central directory lists more entries than the 6000 it declares"),
+])
+def test_zip_directory_bomb_refused_from_its_end_record(tmp_path: Path, no_torch_load, listed: int, declared: int,
+                                                        zip64: bool, match: str) -> None:
+    """A zip listing 50,000 entries (a million in 55 MB took 10 s and 1.1 GB) is refused from its end record and a
+    count of its directory, before zipfile builds a ZipInfo per entry: in milliseconds, with O(1) memory."""
+    import time
+    import tracemalloc
+
+    from rotationzoo.files.artefacts import identify_torch_file
+
+    def refuse() -> str:
+        with pytest.raises(RotationFileError, match=match) as ei:
+            read_rotation(bomb)
+        assert identify_torch_file(bomb) is None  # the second look, at what the file is, stops there too
+        return str(ei.value)
+
+    bomb = zip_directory_bomb(tmp_path / "k_rotation.pt", listed, declared, zip64=zip64)
+    t0 = time.perf_counter()
+    msg = refuse()
+    seconds = time.perf_counter() - t0
+    assert "\n" not in msg and "refused before loading" in msg
+    assert seconds < 0.5, f"took {seconds:.2f} s"  # zipfile: 50,000 ZipInfo, twice: 5 s
+    tracemalloc.start()
+    try:
+        refuse()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"{peak} bytes allocated to refuse it"  # zipfile: ~500 bytes per entry
+
+
 def test_colliding_dict_keys_refused_fast(tmp_path: Path, no_torch_load) -> None:
     # tuple hashes can be made to collide at will, which makes building a dict quadratic
     layers = {(i, i): {"rotation": FakeTensor(FakeStorage("0", 16), (4, 4), (4, 1))} for i in range(3)}

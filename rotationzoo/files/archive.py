@@ -22,7 +22,9 @@ from __future__ import annotations
 import io
 import pickle
 import pickletools
+import struct
 import zipfile
+from contextlib import ExitStack
 from pathlib import Path
 from typing import IO, Any
 
@@ -45,6 +47,15 @@ from .limits import (
 STORAGE_SLACK = 1024
 #: Cap on any archive member other than ``data.pkl`` and the tensor records (``version``, ...).
 SMALL_MEMBER_BYTES = 1 << 20
+#: Most bytes a zip central-directory entry may take on average: the 46-byte record, its name
+#: (``<archive>/data/<key>``, the archive named after the file: under 300 bytes) and any extra field or comment
+#: (torch.save writes neither). With the member count, it bounds the directory ``zipfile`` reads and parses.
+MAX_ZIP_ENTRY_BYTES = 46 + 1024
+
+_EOCD = struct.Struct("<4s4H2LH")  # end of central directory record: 22 bytes, the last thing in a zip
+_EOCD64_LOCATOR_SIZE = 20  # the ZIP64 locator, just before the record above
+_EOCD64 = struct.Struct("<4sQ2H2L4Q")  # the ZIP64 end of central directory record, just before its locator
+_CD_ENTRY_SIZE = 46  # fixed part of a central-directory entry; name, extra and comment lengths at 28, 30, 32
 
 _TORCH_REBUILD_UNSUPPORTED = frozenset({
     "_rebuild_sparse_tensor", "_rebuild_sparse_csr_tensor", "_rebuild_qtensor", "_rebuild_nested_tensor",
@@ -284,9 +295,76 @@ def _member_kind(rest: str) -> str:
     return "other"
 
 
+def check_zip_directory(f: IO[bytes], name: str, limits: Limits) -> None:
+    """Refuse a zip whose central directory lists more entries than ``limits`` allow, before ``zipfile`` parses it.
+
+    ``zipfile.ZipFile`` builds a ``ZipInfo`` for every entry of the directory, however many there are (a
+    55 MB file can list a million). This reads the end of central directory record, and the ZIP64 one
+    when present, where ``zipfile`` finds them (the file's last 22 bytes, else the last 64 KiB), checks
+    the declared entry count against :attr:`Limits.max_members` and the directory size against that
+    count, then walks the directory ``zipfile`` would read, counting its entries (read 64 KiB at a time,
+    no object built). A hostile directory is refused in milliseconds with O(1) memory; a file that is not
+    a zip, or whose directory is damaged, is left to ``zipfile``'s own error. ``f`` is left at offset 0.
+
+    Raises:
+        RotationFileError: more entries declared or listed than ``limits`` allow, or a directory larger
+            than its declared entries can take.
+    """
+    f.seek(0, io.SEEK_END)
+    size = f.tell()
+    if size < _EOCD.size:
+        f.seek(0)
+        return
+    f.seek(size - _EOCD.size)
+    record = f.read(_EOCD.size)
+    at = size - _EOCD.size
+    if not (record[:4] == b"PK\x05\x06" and record[-2:] == b"\0\0"):  # a comment follows: search as zipfile does
+        start = max(size - (1 << 16) - _EOCD.size, 0)
+        f.seek(start)
+        tail = f.read()  # at most 64 KiB + 22 bytes
+        i = tail.rfind(b"PK\x05\x06")
+        if i < 0 or len(tail) - i < _EOCD.size:
+            f.seek(0)
+            return
+        at, record = start + i, tail[i:i + _EOCD.size]
+    _, _, _, on_disk, total, cd_size, _, _ = _EOCD.unpack(record)
+    counts, cd_start = [on_disk, total], at - cd_size
+    if at >= _EOCD64_LOCATOR_SIZE + _EOCD64.size:
+        f.seek(at - _EOCD64_LOCATOR_SIZE)
+        if f.read(4) == b"PK\x06\x07":
+            f.seek(at - _EOCD64_LOCATOR_SIZE - _EOCD64.size)
+            record64 = f.read(_EOCD64.size)
+            if len(record64) == _EOCD64.size and record64[:4] == b"PK\x06\x06":
+                *_, on_disk64, total64, cd_size, _ = _EOCD64.unpack(record64)
+                counts = [on_disk64, total64] + [n for n in counts if n != 0xFFFF]  # 0xFFFF: "see ZIP64"
+                cd_start = at - _EOCD64_LOCATOR_SIZE - _EOCD64.size - cd_size
+    declared = max(counts)
+    if declared > limits.max_members:
+        raise refuse(name, f"the zip archive declares {declared} members, more than the {limits.max_members} a "
+                           f"{limits.what} may hold{limits.note}")
+    if cd_size > declared * MAX_ZIP_ENTRY_BYTES:
+        members = f"{declared} member{'' if declared == 1 else 's'}"
+        raise refuse(name, f"its zip central directory of {cd_size} bytes is too large for the {members} it declares "
+                           f"(at most {MAX_ZIP_ENTRY_BYTES} bytes each)")
+    pos, end, listed, buf, buf_at = cd_start, cd_start + cd_size, 0, b"", 0
+    while 0 <= pos < end:  # the entries zipfile will parse, read 64 KiB at a time: O(1) memory
+        i = pos - buf_at
+        if not 0 <= i <= len(buf) - _CD_ENTRY_SIZE:
+            f.seek(pos)
+            buf, buf_at, i = f.read(1 << 16), pos, 0
+        if len(buf) - i < _CD_ENTRY_SIZE or buf[i:i + 4] != b"PK\x01\x02":
+            break  # damaged: zipfile says so
+        listed += 1
+        if listed > declared:
+            raise refuse(name, f"its zip central directory lists more entries than the {declared} it declares")
+        name_len, extra_len, comment_len = struct.unpack_from("<3H", buf, i + 28)
+        pos += _CD_ENTRY_SIZE + name_len + extra_len + comment_len
+    f.seek(0)
+
+
 def check_members(name: str, infos: list[zipfile.ZipInfo], limits: Limits) -> tuple[str, dict[str, zipfile.ZipInfo]]:
     """Check the archive directory; return ``data.pkl``'s name and the tensor records by key."""
-    if len(infos) > 16 + limits.max_tensors:
+    if len(infos) > limits.max_members:
         raise refuse(name, f"the archive has {len(infos)} members (max_layers={limits.max_layers})")
     prefixes, names, records, pkl, total = set(), set(), {}, None, 0
     for info in infos:
@@ -323,11 +401,15 @@ def inspect_torch_zip(path: Path, limits: Limits, *, fileobj: IO[bytes] | None =
 
     Raises:
         UnsafeRotationFileError: the pickle references a global other than torch's dense tensor rebuild.
-        RotationFileError: damaged archive, or a declared size, view or count beyond ``limits``.
+        RotationFileError: damaged archive, or a declared size, view or count (of members: read from the zip's
+            end record before ``zipfile`` parses its directory, :func:`check_zip_directory`) beyond ``limits``.
     """
     name = str(path)
     try:
-        with zipfile.ZipFile(fileobj if fileobj is not None else path) as zf:
+        with ExitStack() as stack:
+            f = fileobj if fileobj is not None else stack.enter_context(open(path, "rb"))
+            check_zip_directory(f, name, limits)  # before zipfile parses the directory
+            zf = stack.enter_context(zipfile.ZipFile(f))
             if zf.comment or min((i.header_offset for i in zf.infolist()), default=0) != 0:
                 # torch.save writes neither; either lets two zip readers disagree on the contents
                 raise refuse(name, "a zip with a comment or with data before its first member")

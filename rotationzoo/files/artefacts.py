@@ -26,11 +26,15 @@ from typing import Any, Iterable
 
 from ..errors import ConfigError
 from ..safefile import open_regular, read_regular
+from .archive import check_zip_directory
+from .limits import MAX_BYTES, MAX_HEAD_DIM, MAX_LAYERS, Limits
 
 #: Longest clip table read (a table has one number per layer or per layer and head).
 MAX_TABLE_BYTES = 1 << 20
 #: Most of a pickle scanned to identify a file.
 MAX_SNIFF_BYTES = 4 << 20
+#: The member bound an archive is identified under (a rotation file's largest; codebooks and moments hold fewer).
+_SNIFF_LIMITS = Limits(max_head_dim=MAX_HEAD_DIM, max_layers=MAX_LAYERS, max_bytes=MAX_BYTES, what="file")
 _KINDS = (
     (frozenset({"codebooks_per_layer", "codebooks_stage1"}),
      "a PQ codebook file (codebooks_per_layer / codebooks_stage1 per layer), not a rotation file; a codebook is "
@@ -63,14 +67,18 @@ def _pickle_strings(data: bytes) -> set[str]:
 def identify_torch_file(path: str | os.PathLike[str]) -> str | None:
     """What a ``torch.save`` archive is when it is a known non-rotation artefact (a sentence), else ``None``.
 
-    Reads the archive directory and at most :data:`MAX_SNIFF_BYTES` of its ``data.pkl``; never raises.
+    Reads the archive directory (none whose end record declares more members than a rotation file may
+    hold: :func:`~rotationzoo.files.archive.check_zip_directory`) and at most :data:`MAX_SNIFF_BYTES` of its
+    ``data.pkl``; never raises.
     """
     try:
-        with open_regular(path, what="file", error=ConfigError) as f, zipfile.ZipFile(f) as zf:
-            pkl = next((i for i in zf.infolist() if i.filename.endswith("/data.pkl")), None)
-            if pkl is None or pkl.file_size > MAX_SNIFF_BYTES or pkl.compress_type != zipfile.ZIP_STORED:
-                return None
-            strings = _pickle_strings(zf.read(pkl))
+        with open_regular(path, what="file", error=ConfigError) as f:
+            check_zip_directory(f, str(path), _SNIFF_LIMITS)
+            with zipfile.ZipFile(f) as zf:
+                pkl = next((i for i in zf.infolist() if i.filename.endswith("/data.pkl")), None)
+                if pkl is None or pkl.file_size > MAX_SNIFF_BYTES or pkl.compress_type != zipfile.ZIP_STORED:
+                    return None
+                strings = _pickle_strings(zf.read(pkl))
     except Exception:
         return None
     for keys, what in _KINDS:

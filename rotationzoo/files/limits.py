@@ -89,6 +89,10 @@ class Limits:
         return 6 * self.max_layers  # per layer: rotation, eigenvalues, 2 companion matrices, 2 means
 
     @property
+    def max_members(self) -> int:
+        return 16 + self.max_tensors  # the tensor records plus data.pkl, version, byteorder, ...
+
+    @property
     def max_pickle_bytes(self) -> int:
         return 64 * 1024 + 1024 * self.max_layers  # published files: ~150 B per layer
 

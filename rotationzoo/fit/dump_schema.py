@@ -27,7 +27,7 @@ from typing import IO, Any
 import torch
 
 from ..files.limits import BIG_INT, FLOAT_DTYPES, MAX_KV_HEADS, MAX_LAYERS, Limits, TensorMeta, exc_line, safe_repr
-from ..files.archive import inspect_torch_zip
+from ..files.archive import check_zip_directory, inspect_torch_zip
 from ..errors import DumpError, RotationFileError
 from ..safefile import file_kind, pseudo_file
 from ..kernels.layout import MIN_GROUP_SIZE
@@ -281,7 +281,9 @@ def inspect_file(path: Path, real: str, kind: str, limits: DumpLimits) -> tuple[
 
     Raises:
         DumpError: not a regular file, empty, too large, not a torch zip archive (a text or foreign
-            file), a compressed or truncated member, or a pickle refused by :mod:`rotationzoo.files.limits`.
+            file), more archive members than a chunk holds (counted from the zip's end record before the
+            directory is parsed), a compressed or truncated member, or a pickle refused by
+            :mod:`rotationzoo.files.limits`.
     """
     f, st = open_regular(path, real)
     with f:
@@ -295,6 +297,12 @@ def inspect_file(path: Path, real: str, kind: str, limits: DumpLimits) -> tuple[
         if magic != b"PK\x03\x04":
             raise DumpError(f"{path}: cannot read: not a torch.save archive (it starts with {safe_repr(magic)}; "
                             "a text or foreign file?); dump chunks are tensors written by torch.save")
+        try:
+            check_zip_directory(f, str(path), _file_limits(kind, limits))  # before zipfile parses the directory
+        except RotationFileError as exc:
+            raise DumpError(str(exc)) from None
+        except OSError as exc:
+            raise DumpError(f"{path}: cannot read ({exc_line(exc)})") from None
         _check_records(str(path), f, st.st_size)
         f.seek(0)
         try:

@@ -35,6 +35,7 @@ from ..format import RotationSet
 from ...headdims import HeadDims
 from ...registry.model import SIDES
 from ...safefile import check_regular, open_regular
+from .gguf_header import scan_gguf_header
 from .common import (
     EXPORT_FORMAT_VERSION,
     LAYER_ID,
@@ -182,6 +183,7 @@ def _open_reader(path: Path, gguf: Any, what: str) -> Any:
         raise ExportError(f"{path}: {what} not found") from None
     if not is_gguf(path):
         raise ExportError(f"{path}: not a GGUF file (no GGUF magic)")
+    scan_gguf_header(path)  # bounded, before the reader builds an object for every key, item and tensor
     try:
         return gguf.GGUFReader(str(path), "r")
     except Exception as exc:  # noqa: BLE001 - gguf raises ValueError/struct errors on damage
