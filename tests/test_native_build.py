@@ -224,6 +224,36 @@ def test_a_cached_library_others_may_write_is_not_loaded(tmp_path):
     assert not native._trusted(link)
 
 
+def test_a_built_library_is_kept_only_in_a_folder_it_would_be_loaded_from_never_through_a_link(tmp_path):
+    """A library is written into the cache's kernels folder only when that folder is a real one of this user
+    that nobody else may write, through a new file (a name planted there is never written through)."""
+    from rotationzoo.kernels import native
+
+    built = tmp_path / "built.so"
+    built.write_bytes(b"\x7fELF library")
+    victim = tmp_path / "victim"
+    victim.write_text("export IMPORTANT=1\n")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    linked = tmp_path / "c1" / "kernels"
+    linked.parent.mkdir()
+    linked.symlink_to(outside)  # the kernels folder a link out of the cache
+    assert not native._keep(str(built), linked, linked / "rz_decode-x.so") and list(outside.iterdir()) == []
+    shared = tmp_path / "c2" / "kernels"
+    shared.mkdir(parents=True)
+    shared.chmod(0o777)  # a team cache: others may plant names in it
+    for pid in range(os.getpid() - 2, os.getpid() + 3):
+        (shared / f".rz_decode-x.so.{pid}.tmp").symlink_to(victim)
+    assert not native._keep(str(built), shared, shared / "rz_decode-x.so")
+    assert victim.read_text() == "export IMPORTANT=1\n" and not (shared / "rz_decode-x.so").exists()
+    own = tmp_path / "c3" / "kernels"
+    own.mkdir(parents=True, mode=0o700)
+    (own / "rz_decode-x.so").symlink_to(victim)  # a link at the final name is replaced, not written through
+    assert native._keep(str(built), own, own / "rz_decode-x.so")
+    assert victim.read_text() == "export IMPORTANT=1\n" and (own / "rz_decode-x.so").read_bytes() == built.read_bytes()
+    assert [p.name for p in own.iterdir()] == ["rz_decode-x.so"]
+
+
 _FORK = r"""
 import multiprocessing, sys, warnings
 import torch

@@ -187,10 +187,11 @@ def _cache_key(name: str, cc: str, cflags: list[str], ldflags: list[str], source
     return h.hexdigest()[:20]
 
 
-def _trusted(path: Path) -> bool:
-    """A regular file (not a link) of this user that nobody else may write, in such a folder."""
+def _trusted(path: Path, *, folder_only: bool = False) -> bool:
+    """A regular file (not a link) of this user that nobody else may write, in such a folder (``folder_only``:
+    the folder alone)."""
     try:
-        for p, want in ((path.parent, stat.S_ISDIR), (path, stat.S_ISREG)):
+        for p, want in ((path.parent, stat.S_ISDIR), (path, stat.S_ISREG))[:1 if folder_only else 2]:
             st = os.lstat(p)
             if not want(st.st_mode) or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
                 return False
@@ -199,6 +200,35 @@ def _trusted(path: Path) -> bool:
     except OSError:
         return False
     return True
+
+
+def _keep(built: str, cache: Path, cached: Path) -> bool:
+    """Copy the library ``built`` to ``cached`` for later processes, only into a folder :func:`_trusted` would
+    load from (a real folder of this user that nobody else may write; never through a link), through a new
+    file beside it (``O_EXCL | O_NOFOLLOW``: a name planted there is never written through) renamed into
+    place. Returns whether it is there.
+
+    Raises:
+        OSError: the folder or the file cannot be written.
+    """
+    cache.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if not _trusted(cached, folder_only=True):
+        log.debug("rotationzoo: %s is not a folder of this user only (a link, or others may write it); "
+                  "the library is not kept there", cache)
+        return False
+    fd, tmp = -1, cache / f".{cached.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o700)
+        with open(built, "rb") as src, os.fdopen(fd, "wb") as out:
+            fd = -1
+            shutil.copyfileobj(src, out)
+        os.replace(tmp, cached)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        if tmp.exists() and not tmp.is_symlink():
+            tmp.unlink()
+    return _trusted(cached)
 
 
 def _kill_session(proc: subprocess.Popen[bytes]) -> None:
@@ -315,12 +345,7 @@ def _build(name: str) -> ctypes.CDLL | str:
             built = _run_build(cc, name, work, cflags, ldflags)
             log.debug("rotationzoo: built %s in %.1f s", KERNELS[name][0][0], time.monotonic() - start)
             try:  # keep it for later processes: written beside, then renamed into place
-                cache.mkdir(parents=True, exist_ok=True, mode=0o700)
-                tmp = cache / f".{cached.name}.{os.getpid()}.tmp"
-                shutil.copyfile(built, tmp)
-                os.chmod(tmp, 0o700)
-                os.replace(tmp, cached)
-                if _trusted(cached):
+                if _keep(built, cache, cached):
                     built = str(cached)
             except OSError as exc:  # a read-only cache: load it from the build folder
                 log.debug("rotationzoo: %s not cached (%s)", KERNELS[name][0][0], exc)
