@@ -169,12 +169,16 @@ def copy_regular(path: str | os.PathLike[str], out: BinaryIO, max_bytes: int, *,
             out.write(block)  # an OSError here is the destination's: the caller's to say
 
 
+#: Most files and folders a model folder may hold (its subfolders' included), and how deep they may nest.
+MAX_MODEL_ENTRIES, MAX_MODEL_DEPTH = 100_000, 8
+
+
 def check_model_files(path: str | os.PathLike[str], *, option: str | None = None) -> Path:
     """A local model (a GGUF file, or a transformers folder) whose files are all regular files.
 
     A file is checked as a regular file outside ``/proc``, ``/sys`` and ``/dev``; a folder's entries
-    (``config.json``, weights, tokenizer files; links followed) likewise, without opening any of
-    them. Call it before a model is loaded: a FIFO or a device given as a model would block the
+    (``config.json``, weights, tokenizer files, and those of its subfolders up to :data:`MAX_MODEL_DEPTH`
+    deep; links followed; hidden ones skipped) likewise, without opening any of them. Call it before a model is loaded: a FIFO or a device given as a model would block the
     loader or feed it endless bytes.
 
     Args:
@@ -182,7 +186,8 @@ def check_model_files(path: str | os.PathLike[str], *, option: str | None = None
         option: how the caller names it in messages (``--model``).
 
     Raises:
-        ModelLoadError: missing, or it (or a file in the folder) is not a regular file.
+        ModelLoadError: missing, or it (or a file in the folder) is not a regular file, or the folder holds
+            more than :data:`MAX_MODEL_ENTRIES` entries or nests deeper than :data:`MAX_MODEL_DEPTH`.
     """
     p = Path(path).expanduser()
     label = f"{option} {p}" if option else str(p)
@@ -196,20 +201,30 @@ def check_model_files(path: str | os.PathLike[str], *, option: str | None = None
     if not stat.S_ISDIR(st.st_mode):
         _checked(p, st, "model", ModelLoadError, hint, label)
         return p
-    try:
-        entries = sorted(os.scandir(p), key=lambda e: e.name)
-    except OSError as exc:
-        raise ModelLoadError(f"{label}: cannot list the folder ({exc.strerror or exc}); {hint}") from None
-    for e in entries:
-        if e.name.startswith("."):
-            continue
+    folders, seen = [(p, label, 0)], 0
+    while folders:  # subfolders too (an index may name sub/model.safetensors), to a bounded depth and count
+        folder, shown_as, depth = folders.pop()
         try:
-            est = os.stat(e.path)
+            entries = sorted(os.scandir(folder), key=lambda e: e.name)
         except OSError as exc:
-            raise ModelLoadError(f"{label}: {e.name} cannot be read ({exc.strerror or exc})") from None
-        if not stat.S_ISDIR(est.st_mode):
-            _checked(e.path, est, "model's file", ModelLoadError, "a model folder holds regular files only",
-                     os.path.join(label, e.name))
+            raise ModelLoadError(f"{shown_as}: cannot list the folder ({exc.strerror or exc}); {hint}") from None
+        for e in entries:
+            if e.name.startswith("."):
+                continue
+            seen += 1
+            if seen > MAX_MODEL_ENTRIES:
+                raise ModelLoadError(f"{label}: more than {MAX_MODEL_ENTRIES} files and folders; {hint}")
+            name = os.path.join(shown_as, e.name)
+            try:
+                est = os.stat(e.path)
+            except OSError as exc:
+                raise ModelLoadError(f"{name} cannot be read ({exc.strerror or exc})") from None
+            if not stat.S_ISDIR(est.st_mode):
+                _checked(e.path, est, "model's file", ModelLoadError, "a model folder holds regular files only", name)
+            elif depth + 1 > MAX_MODEL_DEPTH:
+                raise ModelLoadError(f"{name}: folders nested more than {MAX_MODEL_DEPTH} deep in a model; {hint}")
+            else:
+                folders.append((Path(e.path), name, depth + 1))
     return p
 
 

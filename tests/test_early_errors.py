@@ -185,3 +185,37 @@ def test_keep_model_of_another_shape_is_refused_before_it_loads(tmp_path, no_wei
         load_judge([text], str(folder), None, 64, bound=64, fits=(right, (0,)))
     with pytest.raises(AssertionError, match="weights were loaded"):  # everything checked: now it would load
         load_judge([text], str(folder), None, 64, bound=64, fits=(right, (0, 1)))
+
+
+@pytest.mark.parametrize("config_file", ["config.json", "tokenizer_config.json"])
+def test_a_model_folder_naming_its_own_code_is_refused_and_the_code_never_runs(tmp_path, config_file, capsys) -> None:
+    """transformers imports a folder's Python when a config has ``auto_map`` and the user says yes (or passes
+    trust_remote_code): rotationzoo refuses such a folder before transformers reads it."""
+    import json
+
+    pytest.importorskip("transformers")
+    from helpers import run_cli
+    from rotationzoo.integrations.transformers.loading import load_model, load_tokenizer
+    from rotationzoo.integrations.transformers.modelfile import peek_model
+
+    marker = tmp_path / "CODE_RAN"
+    folder = tmp_path / "model"
+    folder.mkdir()
+    config = {"model_type": "llama", "num_attention_heads": 9, "hidden_size": 576, "num_hidden_layers": 30,
+              "num_key_value_heads": 3, "max_position_embeddings": 8192, "vocab_size": 100}
+    auto_map = {"AutoConfig": "evil.EvilConfig", "AutoTokenizer": ["evil.EvilTokenizer", None]}
+    if config_file == "config.json":
+        config["auto_map"] = auto_map
+    else:
+        (folder / config_file).write_text(json.dumps({"auto_map": auto_map}))
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    text = tmp_path / "t.txt"
+    text.write_text("Some text to read. " * 200)
+    for call in (lambda: peek_model(folder), lambda: load_tokenizer(folder), lambda: load_model(folder)):
+        with pytest.raises(ModelLoadError, match="names Python code of the model folder"):
+            call()
+    rc, _, err = run_cli(capsys, "eval", "--model", str(folder), "--text", str(text), "--methods", "fp,none",
+                         "--tokens", "512", "--context", "400")
+    assert rc == 1 and "never runs code from a model folder" in err and len(err.strip().splitlines()) == 1
+    assert not marker.exists()

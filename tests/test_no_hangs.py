@@ -5,6 +5,7 @@ a bounded time; a lock file that cannot be created is an error at once."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import time
@@ -388,3 +389,24 @@ def test_a_fifo_as_the_manifest_of_a_pair_folder_never_blocks_load(tmp_path) -> 
     t0 = time.monotonic()
     pair = rotationzoo.load(tmp_path / "pair")
     assert time.monotonic() - t0 < FAST and pair.layer_ids == (0, 1)
+
+
+def test_a_fifo_in_a_model_subfolder_never_blocks_the_loader(tmp_path) -> None:
+    """A model's index may name weights in a subfolder: a FIFO there is refused before any loader opens it."""
+    from rotationzoo.errors import ModelLoadError
+    from rotationzoo.safefile import MAX_MODEL_DEPTH, check_model_files
+
+    model = tmp_path / "model"
+    (model / "sub").mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"lm_head.weight": "sub/pipe.safetensors"}}))
+    os.mkfifo(model / "sub" / "pipe.safetensors")
+    t0 = time.monotonic()
+    with pytest.raises(ModelLoadError, match=r"sub/pipe.safetensors: a FIFO"):
+        check_model_files(model)
+    assert time.monotonic() - t0 < FAST
+    deep = tmp_path / "deep"
+    (deep.joinpath(*["d"] * (MAX_MODEL_DEPTH + 1))).mkdir(parents=True)
+    with pytest.raises(ModelLoadError, match="nested more than"):
+        check_model_files(deep)

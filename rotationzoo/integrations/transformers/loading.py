@@ -16,7 +16,7 @@ from ...errors import ModelLoadError
 from ...hashing import sha256_file
 from ...safefile import check_model_files
 from .common import require_transformers
-from .modelfile import ModelShape, model_shape, read_gguf_header, shape_of_config
+from .modelfile import ModelShape, check_no_remote_code, model_shape, read_gguf_header, shape_of_config
 
 __all__ = ["ModelShape", "load_model", "load_tokenizer", "model_provenance", "model_shape", "shape_of_config"]
 
@@ -81,7 +81,7 @@ def _where(model: str | os.PathLike[str]) -> tuple[Path, Path, dict[str, Any]]:
         raise ModelLoadError(f"model {model} not found; give a local model folder or a .gguf file (nothing is "
                              f"downloaded)")
     path = check_model_files(model)
-    kwargs: dict[str, Any] = {"local_files_only": True}
+    kwargs: dict[str, Any] = {"local_files_only": True, "trust_remote_code": False}  # never code from a folder
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelLoadError(f"{path}: not a .gguf file; give a model folder (config.json) or a .gguf file")
@@ -89,6 +89,7 @@ def _where(model: str | os.PathLike[str]) -> tuple[Path, Path, dict[str, Any]]:
         return path, path.parent, {**kwargs, "gguf_file": path.name}
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path}: no config.json; not a transformers model folder")
+    check_no_remote_code(path)
     return path, path, kwargs
 
 

@@ -54,6 +54,36 @@ class ModelShape:
     context_length: int | None
 
 
+#: The JSON files of a model folder that can name Python code of the folder for transformers to import.
+CODE_NAMING_FILES: tuple[str, ...] = ("config.json", "tokenizer_config.json", "generation_config.json",
+                                      "processor_config.json", "preprocessor_config.json")
+
+
+def check_no_remote_code(folder: Path) -> None:
+    """Refuse a model folder whose configs ask transformers to import the folder's own Python code
+    (``auto_map``), before transformers reads them: rotationzoo never runs code from a model folder (and
+    passes ``trust_remote_code=False`` besides, so transformers never asks).
+
+    Raises:
+        ModelLoadError: a config of the folder has an ``auto_map`` (or cannot be read as JSON).
+    """
+    import json
+
+    from ...safefile import read_regular
+
+    for name in CODE_NAMING_FILES:
+        p = folder / name
+        if not p.is_file():
+            continue
+        try:
+            data = json.loads(read_regular(p, 64 << 20, what="model config", error=ModelLoadError).decode("utf-8"))
+        except (OSError, ValueError, RecursionError) as exc:
+            raise ModelLoadError(f"{p}: not a JSON config ({type(exc).__name__}); fix the model folder") from None
+        if isinstance(data, dict) and "auto_map" in data:
+            raise ModelLoadError(f"{p}: names Python code of the model folder (auto_map); rotationzoo never runs "
+                                 f"code from a model folder: use a model transformers supports as it is, or a .gguf")
+
+
 def model_shape(model: Any) -> ModelShape:
     """The :class:`ModelShape` of a transformers decoder (from its text config)."""
     return shape_of_config(model.config)
@@ -211,8 +241,9 @@ def peek_model(model: str | os.PathLike[str], *, option: str | None = None) -> M
     if not (p / "config.json").is_file():
         raise ModelLoadError(f"{p}: no config.json; not a transformers model folder")
     transformers = require_transformers()
+    check_no_remote_code(p)
     try:
-        cfg = transformers.AutoConfig.from_pretrained(str(p), local_files_only=True)
+        cfg = transformers.AutoConfig.from_pretrained(str(p), local_files_only=True, trust_remote_code=False)
         return shape_of_config(cfg)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ModelLoadError(f"{p}/config.json: cannot be read as a decoder config "
