@@ -432,3 +432,79 @@ def test_cli_fit_refine_keep_window_is_the_dump_context(tmp_path):
     r = CliRunner().invoke(app, [*refine, "--out", str(tmp_path / "none"), "--keep-text", str(short)])
     assert r.exit_code == 1 and not (tmp_path / "none").exists()
     assert "--keep-text holds 501 tokens, fewer than one keep window of 1024 (the calibration context" in str(r.exception)
+
+
+# -- refused before the model loads (and before the capture) ---------------------------------------
+
+
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    """Fails the test if the tokenizer or the weights are loaded."""
+    import rotationzoo.integrations.transformers as tr
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(tr, "load_model", refuse)
+    monkeypatch.setattr(tr, "load_tokenizer", refuse)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--seq-len", "0"], "seq_len (--seq-len) must be an integer of at least 1 token, got 0; give a positive "
+                         "--seq-len"),
+    (["--seq-len", "-7"], "seq_len (--seq-len) must be an integer of at least 1 token, got -7"),
+    (["--out", "FILE"], "output folder (--out) {file} exists and is not a folder; give a folder"),
+    (["--dump-out", "FILE"], "dump folder (--dump-out) {file} exists and is not a folder"),
+    (["--device", "bogus"], "device 'bogus' is not a torch device"),
+    (["--dtype", "float8"], "unknown dtype 'float8'"),
+])
+def test_cli_calibrate_refuses_bad_options_before_the_model_loads(tiny_model_dir, tmp_path, capsys, nothing_loads,
+                                                                   args, message):
+    """--seq-len 0 was refused after the weight load; --out naming a file failed with FileExistsError after the
+    whole capture; --device bogus with a RuntimeError after the weight load."""
+    from helpers import run_cli
+
+    file = tmp_path / "existing"
+    file.write_text("x")
+    argv = ["calibrate", "--model", str(tiny_model_dir), "--text", str(tiny_model_dir / "calib_a.txt"), "--tokens",
+            "300", "--out", str(tmp_path / "rot"), *[str(file) if a == "FILE" else a for a in args]]
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 1 and len(err.strip().splitlines()) == 1 and "internal error" not in err, err
+    assert message.format(file=file) in err, err
+    assert file.read_text() == "x" and not (tmp_path / "rot").exists()
+
+
+def test_calibrate_checks_its_sizes_and_output_folder_for_python_callers(tiny_model_dir, tmp_path, nothing_loads):
+    from rotationzoo.recipe import FitRecipe
+    from rotationzoo.workflows import calibrate as calibrate_workflow
+
+    text = [tiny_model_dir / "calib_a.txt"]
+    for seq_len in (0, -7, 1.5, True):
+        with pytest.raises(FitError, match=r"seq_len \(--seq-len\) must be an integer of at least 1 token"):
+            calibrate_workflow(tiny_model_dir, text, FitRecipe(), tmp_path / "rot", tokens=300, seq_len=seq_len)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FitError, match="exists and is not a folder"):
+        calibrate_workflow(tiny_model_dir, text, FitRecipe(), tmp_path / "file", tokens=300, seq_len=128)
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(FitError, match="is a link to nothing"):
+        calibrate_workflow(tiny_model_dir, text, FitRecipe(), tmp_path / "dangling", tokens=300, seq_len=128)
+    with pytest.raises(FitError, match=r"file is not a folder; give a path in a folder"):
+        calibrate_workflow(tiny_model_dir, text, FitRecipe(), tmp_path / "file" / "rot", tokens=300, seq_len=128)
+
+
+def test_write_fitted_into_a_file_is_a_typed_error(tmp_path):
+    """FileExistsError (an internal error on the command line) before; nothing is written."""
+    from rotationzoo.fit import FitResult, hadamard_rotations, write_fitted
+    from rotationzoo.recipe import FitRecipe
+    from rotationzoo.workflows import fit_dump
+
+    h = hadamard_rotations((0, 1), D)
+    res = FitResult(k=h, v=h, objective="hadamard", composition="none", group_size=None,
+                    targets={"k": None, "v": None}, layer_ids=(0, 1), head_dim=D)
+    (tmp_path / "out").write_text("x")
+    with pytest.raises(FitError, match=r"output folder .*out exists and is not a folder; give a folder"):
+        write_fitted(res, tmp_path / "out")
+    assert (tmp_path / "out").read_text() == "x"
+    assert write_fitted(res, tmp_path / "new" / "rot").paths["k"].is_file()
+    with pytest.raises(FitError, match=r"output folder \(--out\) .*out exists and is not a folder"):
+        fit_dump(None, FitRecipe(objective="hadamard"), tmp_path / "out", num_layers=2, head_dim=D)

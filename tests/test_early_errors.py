@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+import struct
 import time
 from pathlib import Path
 
@@ -219,3 +221,218 @@ def test_a_model_folder_naming_its_own_code_is_refused_and_the_code_never_runs(t
                          "--tokens", "512", "--context", "400")
     assert rc == 1 and "never runs code from a model folder" in err and len(err.strip().splitlines()) == 1
     assert not marker.exists()
+
+
+# -- model files that declare an impossible shape: one line, before anything is built from it ------
+
+
+_U32, _I32, _BOOL, _STR, _ARR, _U64 = 4, 5, 7, 8, 9, 10
+
+
+def _gguf_str(text: str) -> bytes:
+    raw = text.encode()
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _raw_gguf(path: Path, changes: dict[str, tuple[int, bytes] | None]) -> Path:
+    """A GGUF header of a small Llama (2 layers, 4 heads, 2 KV heads, embedding 256) with no tensors, its
+    metadata changed by ``changes`` (``{"llama.block_count": (type, bytes)}``; ``None`` drops the key): a
+    hostile header needs no weights."""
+    meta: dict[str, tuple[int, bytes]] = {
+        "general.architecture": (_STR, _gguf_str("llama")), "llama.block_count": (_U32, struct.pack("<I", 2)),
+        "llama.attention.head_count": (_U32, struct.pack("<I", 4)),
+        "llama.attention.head_count_kv": (_U32, struct.pack("<I", 2)),
+        "llama.embedding_length": (_U32, struct.pack("<I", 256)),
+        "llama.context_length": (_U32, struct.pack("<I", 512)),
+    }
+    for key, value in changes.items():
+        if value is None:
+            meta.pop(key, None)
+        else:
+            meta[key] = value
+    body = b"".join(_gguf_str(k) + struct.pack("<I", t) + v for k, (t, v) in meta.items())
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, len(meta)) + body + bytes(32))
+    return path
+
+
+def _u32(n: int) -> tuple[int, bytes]:
+    return _U32, struct.pack("<I", n)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"llama.block_count": (_U64, struct.pack("<Q", 1 << 40))},
+     r"llama\.block_count is 1099511627776; expected an integer from 1 to 1024 \(MAX_LAYERS"),
+    ({"llama.block_count": _u32(1025)}, r"llama\.block_count is 1025; expected an integer from 1 to 1024"),
+    ({"llama.block_count": _u32(0)}, r"llama\.block_count is 0; expected an integer from 1"),
+    ({"llama.attention.head_count": _u32(0)}, r"llama\.attention\.head_count is 0; expected an integer from 1 to 256"),
+    ({"llama.attention.head_count": (_I32, struct.pack("<i", -9))}, r"head_count is -9"),
+    ({"llama.attention.head_count": (_BOOL, b"\x01")}, r"head_count is True"),
+    ({"llama.attention.head_count_kv": _u32(0)}, r"llama\.attention\.head_count_kv is 0; expected an integer"),
+    ({"llama.attention.head_count_kv": _u32(3)},
+     r"head_count is 4, not a multiple of llama\.attention\.head_count_kv"),
+    ({"llama.attention.key_length": _u32(1 << 20)}, r"key_length is 1048576; expected an integer from 1 to 4096"),
+    ({"llama.embedding_length": _u32(3)}, r"head_dim 0 \(llama\.embedding_length 3 / llama\.attention\.head_count 4\)"),
+    ({"llama.context_length": _u32(0)}, r"llama\.context_length is 0; expected a positive integer"),
+    ({"llama.block_count": None}, r"has no llama\.block_count"),
+])
+def test_a_gguf_declaring_an_impossible_shape_is_refused_in_one_line(tmp_path, change, message) -> None:
+    """Layer and head counts bounded by the rotation files' limits before ``tuple(range(layers))`` is built
+    (2^40 layers was a MemoryError, 2^26 a 2.8 GB peak), zero or negative counts refused (0 layers gave an
+    empty report, 0 KV heads was read as the head count, 0 heads a head_dim of the whole embedding)."""
+    from rotationzoo.integrations.transformers import load_model, peek_model
+
+    p = _raw_gguf(tmp_path / "m.gguf", change)
+    t0 = time.perf_counter()
+    for call in (peek_model, load_model):
+        with pytest.raises(ModelLoadError, match=message) as info:
+            call(p)
+        assert "\n" not in str(info.value)
+    assert time.perf_counter() - t0 < 5
+
+
+def test_a_gguf_shape_within_the_bounds_is_read(tmp_path) -> None:
+    from rotationzoo.integrations.transformers import peek_model
+
+    nested = struct.pack("<IQ", _ARR, 2) + 2 * (struct.pack("<IQ", _U32, 1) + struct.pack("<I", 7))  # arrays of arrays
+    p = _raw_gguf(tmp_path / "m.gguf", {"llama.block_count": _u32(1024), "llama.attention.head_count_kv": None,
+                                        "llama.attention.key_length": _u32(128), "x.nested": (_ARR, nested)})
+    shape = peek_model(p)
+    assert (shape.head_dim, shape.num_q_heads, shape.num_kv_heads, len(shape.layer_ids), shape.context_length) == \
+        (128, 4, 4, 1024, 512)
+
+
+def test_gguf_metadata_arrays_nested_deep_are_refused_in_one_line(tmp_path) -> None:
+    """5000 levels of arrays in arrays: a RecursionError ("internal error") before."""
+    from rotationzoo.integrations.transformers import peek_model
+
+    value = struct.pack("<IQ", _ARR, 1) * 4999 + struct.pack("<IQ", _U32, 0)
+    p = _raw_gguf(tmp_path / "m.gguf", {"x.nested": (_ARR, value)})
+    with pytest.raises(ModelLoadError, match="metadata arrays nested more than 8 deep") as info:
+        peek_model(p)
+    assert "\n" not in str(info.value)
+
+
+_CONFIG = {"model_type": "llama", "num_attention_heads": 4, "hidden_size": 256, "num_hidden_layers": 2,
+           "num_key_value_heads": 2, "max_position_embeddings": 512, "vocab_size": 100}
+
+
+def _config_folder(tmp_path: Path, raw: str) -> Path:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(raw)
+    return folder
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"num_attention_heads": 0}, r"num_attention_heads is 0; expected an integer from 1 to 256 \(MAX_KV_HEADS"),
+    ({"num_attention_heads": "Infinity"}, r"num_attention_heads is inf; expected an integer"),
+    ({"hidden_size": "576"}, r"hidden_size is '576'; expected a positive integer"),
+    ({"num_hidden_layers": -3}, r"num_hidden_layers is -3; expected an integer from 1 to 1024 \(MAX_LAYERS"),
+    ({"num_hidden_layers": 1 << 40}, r"num_hidden_layers is 1099511627776; expected an integer from 1 to 1024"),
+    ({"num_hidden_layers": 0}, r"num_hidden_layers is 0"),
+    ({"num_key_value_heads": 0}, r"num_key_value_heads is 0"),
+    ({"num_key_value_heads": 3}, r"num_attention_heads is 4, not a multiple of num_key_value_heads \(3\)"),
+    ({"head_dim": 8192}, r"head_dim is 8192; expected an integer from 1 to 4096 \(MAX_HEAD_DIM"),
+    ({"max_position_embeddings": -5}, r"max_position_embeddings is -5; expected a positive integer"),
+    ({"text_config": {"num_hidden_layers": -1}}, r"text_config\.num_hidden_layers is -1"),
+    ({"x": "DEEP"}, r"not a JSON config \(RecursionError\)"),
+])
+def test_a_config_declaring_an_impossible_shape_is_refused_in_one_line(tmp_path, capsys, change, message) -> None:
+    """ZeroDivisionError, transformers' StrictDataclassFieldValidationError, a MemoryError or an empty report
+    before; now one line naming the value and the bound, from peek_model and from ``eval`` before any weight."""
+    import json
+
+    from helpers import run_cli
+    from rotationzoo.integrations.transformers import load_model, peek_model
+
+    pytest.importorskip("transformers")
+    raw = json.dumps({**_CONFIG, **change})
+    raw = raw.replace('"Infinity"', "Infinity").replace('"DEEP"', "[" * 100_000 + "]" * 100_000)
+    folder = _config_folder(tmp_path, raw)
+    for call in (peek_model, load_model):
+        with pytest.raises(ModelLoadError, match=message) as info:
+            call(folder)
+        assert "\n" not in str(info.value)
+    text = tmp_path / "t.txt"
+    text.write_text("Some text to read. " * 200)
+    rc, _, err = run_cli(capsys, "eval", "--model", str(folder), "--text", str(text), "--methods", "fp,none",
+                         "--baseline", "none", "--tokens", "512", "--context", "400")
+    assert rc == 1 and len(err.strip().splitlines()) == 1 and "internal error" not in err, err
+    assert re.search(message, err), err
+
+
+@pytest.mark.parametrize("error", [RecursionError("maximum recursion depth exceeded"),
+                                   ZeroDivisionError("integer division or modulo by zero"),
+                                   type("StrictDataclassFieldValidationError", (Exception,), {})(
+                                       "Validation error for field 'x':\n    TypeError: expected int")])
+def test_whatever_transformers_config_parsing_raises_is_one_typed_line(tmp_path, monkeypatch, error) -> None:
+    import json
+
+    transformers = pytest.importorskip("transformers")
+    from rotationzoo.integrations.transformers import peek_model
+
+    folder = _config_folder(tmp_path, json.dumps(_CONFIG))
+
+    def fail(*a, **k):
+        raise error
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", fail)
+    with pytest.raises(ModelLoadError, match=rf"cannot be read as a decoder config \({type(error).__name__}: ") as info:
+        peek_model(folder)
+    assert "\n" not in str(info.value)
+
+
+def test_a_tokenizer_that_raises_a_plain_exception_is_one_typed_line(tmp_path, monkeypatch) -> None:
+    """tokenizers raises ``Exception`` (a GGUF whose token list is cut: "Error while initializing BPE")."""
+    transformers = pytest.importorskip("transformers")
+    from rotationzoo.integrations.transformers import load_tokenizer
+
+    folder, _ = _tiny_folder(tmp_path)
+
+    def fail(*a, **k):
+        raise Exception("Error while initializing BPE: Token `Ġ` out of vocabulary")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fail)
+    with pytest.raises(ModelLoadError, match=r"with transformers \(Exception: Error while initializing BPE") as info:
+        load_tokenizer(folder)
+    assert "\n" not in str(info.value)
+
+
+_NO_DEVICES = [("bogus", "is not a torch device"), ("meta", "holds no weights"), ("cuda:99", "cuda")]
+if not torch.cuda.is_available():
+    _NO_DEVICES.append(("cuda", "this machine has no cuda device"))
+
+
+@pytest.mark.parametrize("device,message", _NO_DEVICES)
+def test_a_device_this_machine_cannot_use_is_refused_before_anything_loads(tmp_path, capsys, monkeypatch, no_weights,
+                                                                         device, message) -> None:
+    """A RuntimeError / AssertionError after the weight load (``lm.to(device)``) before."""
+    transformers = pytest.importorskip("transformers")
+    import rotationzoo.integrations.transformers as tr
+    from helpers import run_cli
+    from rotationzoo.integrations.transformers.loading import load_model
+
+    folder, text = _tiny_folder(tmp_path)
+
+    def refuse(*a, **k):
+        raise AssertionError("loaded before the device was checked")
+
+    monkeypatch.setattr(tr, "load_tokenizer", refuse)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    with pytest.raises(ModelLoadError, match=message) as info:
+        load_model(folder, device=device)
+    assert "\n" not in str(info.value)
+    rc, _, err = run_cli(capsys, "eval", "--model", str(folder), "--text", str(text), "--methods", "fp,none",
+                         "--baseline", "none", "--device", device)
+    assert rc == 1 and len(err.strip().splitlines()) == 1 and message in err and "internal error" not in err, err
+
+
+def test_eval_refuses_a_copy_probe_longer_than_the_text_before_the_weights_load(tmp_path, capsys, no_weights) -> None:
+    from helpers import run_cli
+
+    folder, text = _tiny_folder(tmp_path)  # 600 words
+    rc, _, err = run_cli(capsys, "eval", "--model", str(folder), "--text", str(text), "--methods", "fp,none",
+                         "--baseline", "none", "--probe", "copy", "--probe-count", "100")
+    assert rc == 1 and len(err.strip().splitlines()) == 1, err
+    assert "the copy probe needs 100 × " in err and "use fewer --probe-count" in err

@@ -144,6 +144,26 @@ def test_copy_probe_first_passage_is_int2() -> None:
         probe_sequences(list(range(50)), probe, conf)
 
 
+def test_check_evaluation_refuses_a_copy_probe_the_text_cannot_hold() -> None:
+    """Checked with the other early checks, once the texts are tokenized (before: inside evaluate(), after the
+    weight load)."""
+    from rotationzoo.evaluate import check_evaluation
+    from rotationzoo.integrations.transformers import ModelShape
+
+    shape = ModelShape(head_dim=D, num_q_heads=4, num_kv_heads=2, layer_ids=(0, 1), context_length=256)
+    conf = Int2KVConfig(prefix_tokens=4, recent_tokens=8)
+    methods = [MethodSpec.fp(), MethodSpec.none()]
+    protocol = EvalProtocol(baseline="none", probe=CopyProbe(passage_tokens=10, filler_tokens=20, probes=100))
+    assert check_evaluation(methods, shape, conf, protocol) is None  # the sizes alone: the text is not read yet
+    with pytest.raises(ConfigError, match=r"the copy probe needs 100 × 34 = 3400 tokens of text, the text has 512; "
+                                          r"use fewer --probe-count"):
+        check_evaluation(methods, shape, conf, protocol, 512)
+    assert check_evaluation(methods, shape, conf, protocol, 512, probe_tokens=4000) == 256  # probes from other text
+    short = EvalProtocol(baseline="none", probe=CopyProbe(passage_tokens=1))
+    with pytest.raises(ConfigError, match="passages of at least 2 tokens"):
+        check_evaluation(methods, shape, conf, short)
+
+
 # -- evaluate() ------------------------------------------------------------------------------------
 
 

@@ -133,14 +133,67 @@ def test_an_unusable_compiler_is_named_once_and_the_reference_runs(tmp_path, kin
 @needs_ninja
 def test_a_failing_compiler_is_run_once_per_kernel_and_said_once_each(tmp_path):
     runs = tmp_path / "runs"
-    cc = script(tmp_path / "c++", f'echo run >> {runs}\necho "cc1plus: error: no space left on device" >&2\nexit 1\n')
+    cc = script(tmp_path / "c++", f'echo run >> {runs}\necho "cc1plus: error: no space left on device" >&2\nexit 3\n')
     report, _ = probe({"CXX": str(cc)}, cache=tmp_path / "cache")
     assert not report["decode"] and not report["quantize"]
     assert 2 <= len(runs.read_text().split()) <= 3  # one build per kernel (decode: two sources), not one per call
     assert sorted(report["warnings"]) == sorted(
         f"rotationzoo: CPU {what} runs the PyTorch reference (slower): C++ compiler {cc} failed on {src}: "
-        f"cc1plus: error: no space left on device"
+        f"exit status 3: cc1plus: error: no space left on device"
         for what, src in (("decode attention", "native_decode.cpp"), ("quantization", "native_quantize.cpp")))
+
+
+@pytest.mark.timeout(240)
+@needs_ninja
+def test_a_compiler_that_fails_silently_is_named_by_its_exit_status(tmp_path):
+    """A compiler that prints nothing: the warning read ``raise CalledProcessError(retcode, process.args,``
+    (a line of torch's traceback) before."""
+    cc = script(tmp_path / "c++", "exit 1\n")
+    report, _ = probe({"CXX": str(cc)}, cache=tmp_path / "cache")
+    assert sorted(report["warnings"]) == sorted(
+        f"rotationzoo: CPU {what} runs the PyTorch reference (slower): C++ compiler {cc} failed on {src}: "
+        f"exit status 1, no error message"
+        for what, src in (("decode attention", "native_decode.cpp"), ("quantization", "native_quantize.cpp")))
+
+
+#: What torch's extension tooling leaves in the build log when the compiler (CXX=a script that exits 1 silently)
+#: fails: ninja's FAILED steps inside a Python traceback.
+_SILENT_LOG = """Traceback (most recent call last):
+  File "/venv/lib/python3.11/site-packages/torch/utils/cpp_extension.py", line 2893, in _run_ninja_build
+    subprocess.run(
+  File "/usr/lib/python3.11/subprocess.py", line 571, in run
+    raise CalledProcessError(retcode, process.args,
+subprocess.CalledProcessError: Command '['ninja', '-v', '-j', '2']' returned non-zero exit status 1.
+
+The above exception was the direct cause of the following exception:
+
+Traceback (most recent call last):
+  File "<string>", line 6, in <module>
+  File "/venv/lib/python3.11/site-packages/torch/utils/cpp_extension.py", line 2910, in _run_ninja_build
+    raise RuntimeError(message) from e
+RuntimeError: Error building extension 'rz_quantize': [1/2] /tmp/failcc -c native_quantize.cpp -o native_quantize.o
+FAILED: [code=1] native_quantize.o
+/tmp/failcc -c native_quantize.cpp -o native_quantize.o
+{said}ninja: build stopped: subcommand failed.
+"""
+
+
+@pytest.mark.parametrize("log,want", [
+    (_SILENT_LOG.format(said=""), "exit status 1, no error message"),
+    (_SILENT_LOG.format(said="In file included from x.h:1,\nx.cpp:3:5: error: 'foo' was not declared\n"),
+     "exit status 1: x.cpp:3:5: error: 'foo' was not declared"),
+    (_SILENT_LOG.format(said="/bin/sh: 1: /tmp/failcc: Permission denied\n").replace("[code=1]", "[code=126]"),
+     "exit status 126: /bin/sh: 1: /tmp/failcc: Permission denied"),
+    ("[1/2] c++ -c a.cpp\nFAILED: a.o\nc++ -c a.cpp\na.cpp:1:1: error: bad\nninja: build stopped\n",  # ninja < 1.12
+     "a.cpp:1:1: error: bad"),
+    ("Traceback (most recent call last):\n  File \"x\", line 1\n    raise OSError(2)\n"
+     "OSError: [Errno 2] no such file\n", "OSError: [Errno 2] no such file"),  # torch's tooling failed
+    ("", "no error message"),
+])
+def test_the_build_failure_names_the_compilers_status_and_first_error_never_a_traceback_line(log, want):
+    from rotationzoo.kernels.native import _first_error
+
+    assert _first_error(log) == want
 
 
 @pytest.mark.timeout(240)

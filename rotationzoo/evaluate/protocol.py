@@ -202,6 +202,34 @@ class Exposure:
         }
 
 
+def check_probe(probe: CopyProbe, config: Int2KVConfig, tokens: int | None = None) -> int:
+    """Refuse a copy probe that cannot be cut: passages of fewer than 2 tokens, or (given ``tokens``, the probe
+    text's length) a text too short for the probes.
+    :func:`~rotationzoo.evaluate.run.check_evaluation` calls it once the texts are tokenized, before the weights
+    load.
+
+    Args:
+        probe: the copy probe.
+        config: the INT2-KV settings the probes are cut for (their sink sets the lead-in).
+        tokens: the token count of the text the probes are cut from (``None``: the sizes alone).
+
+    Returns:
+        The tokens the probes need.
+
+    Raises:
+        ConfigError: one line saying what the probe needs and what to change.
+    """
+    if probe.passage_tokens < 2:
+        raise ConfigError(f"the copy probe needs passages of at least 2 tokens, got {probe.passage_tokens}; give a "
+                          f"larger --probe-tokens")
+    stretch = config.prefix_tokens + probe.passage_tokens + probe.filler(config)
+    need = probe.probes * stretch
+    if tokens is not None and need > tokens:
+        raise ConfigError(f"the copy probe needs {probe.probes} × {stretch} = {need} tokens of text, the text has "
+                          f"{tokens}; use fewer --probe-count or shorter --probe-tokens (or more --tokens of text)")
+    return need
+
+
 def probe_sequences(ids: Sequence[int], probe: CopyProbe, config: Int2KVConfig) -> list[tuple[list[int], int]]:
     """``(token ids, first scored target)`` of each copy-probe sequence, cut from ``ids``.
 
@@ -210,15 +238,11 @@ def probe_sequences(ids: Sequence[int], probe: CopyProbe, config: Int2KVConfig) 
     passage without its first token (the tokens that have a copy cue): positions ``first … end − 1``.
 
     Raises:
-        ConfigError: the text is too short for the probes asked for.
+        ConfigError: the text is too short for the probes asked for (:func:`check_probe`).
     """
     lead, length, filler = config.prefix_tokens, probe.passage_tokens, probe.filler(config)
     stretch = lead + length + filler
-    if probe.passage_tokens < 2:
-        raise ConfigError(f"the copy probe needs passages of at least 2 tokens, got {probe.passage_tokens}")
-    if probe.probes * stretch > len(ids):
-        raise ConfigError(f"the copy probe needs {probe.probes} × {stretch} = {probe.probes * stretch} tokens of text, "
-                          f"the text has {len(ids)}; use fewer --probe-count or shorter --probe-tokens")
+    check_probe(probe, config, len(ids))
     out = []
     for k in range(probe.probes):
         a = k * stretch

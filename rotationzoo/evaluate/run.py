@@ -20,6 +20,7 @@ from .protocol import (
     EvalProtocol,
     Exposure,
     check_int2_window,
+    check_probe,
     probe_sequences,
     resolve_context,
     windows,
@@ -65,10 +66,15 @@ def _runs(methods: Sequence[MethodSpec], protocol: EvalProtocol) -> list[Run]:
 
 
 def check_evaluation(methods: Sequence[MethodSpec], shape: ModelShape, config: Int2KVConfig,
-                     protocol: EvalProtocol, tokens: int | None = None) -> int | None:
+                     protocol: EvalProtocol, tokens: int | None = None, probe_tokens: int | None = None) -> int | None:
     """Every refusal :func:`evaluate` would make, from the model's shape alone: call it before the model
     loads (the shape from :func:`~rotationzoo.integrations.transformers.peek_model`), and again with
     ``tokens`` once the texts are tokenized.
+
+    Args:
+        methods, shape, config, protocol: as :func:`evaluate` gets them.
+        tokens: the evaluation text's token count (``None``: not tokenized yet).
+        probe_tokens: the token count of the text the copy probes are cut from (``None``: ``tokens``).
 
     Returns:
         The window length (``None`` without ``tokens``).
@@ -76,7 +82,8 @@ def check_evaluation(methods: Sequence[MethodSpec], shape: ModelShape, config: I
     Raises:
         EvaluationError: unnamed or duplicate methods, an unknown baseline, rotations that do not fit the
             model, a group size the model's head_dim cannot run.
-        ConfigError: with ``tokens``, windows too short to quantize anything.
+        ConfigError: a copy probe with passages under 2 tokens; with ``tokens``, windows too short to quantize
+            anything, or a text too short for the copy probes asked for.
     """
     names = [m.name for m in methods]
     if len(set(names)) != len(names):
@@ -98,6 +105,9 @@ def check_evaluation(methods: Sequence[MethodSpec], shape: ModelShape, config: I
                 m.format_of(config).group_for(shape.head_dim)
             except ConfigError as exc:
                 raise EvaluationError(f"method {m.name!r}: {exc}") from None
+    probe_text = probe_tokens if probe_tokens is not None else tokens
+    if protocol.probe is not None:  # the probes are cut with the widest sink of the methods' formats
+        check_probe(protocol.probe, _widest(methods, config), probe_text)
     if tokens is None:
         return None
     context = resolve_context(protocol, shape.context_length, tokens)
@@ -255,7 +265,8 @@ def evaluate(
     config = config or Int2KVConfig()
     protocol = protocol or EvalProtocol()
     shape = model_shape(model)
-    context = check_evaluation(methods, shape, config, protocol, len(ids))
+    context = check_evaluation(methods, shape, config, protocol, len(ids),
+                               None if probe_ids is None else len(probe_ids))
     assert context is not None
     stride = protocol.stride or context
     wins = windows(len(ids), context, stride)

@@ -89,6 +89,37 @@ def build_manifest(result: FitResult, files: Mapping[str, Mapping[str, Any]], *,
     }
 
 
+def check_output_folder(out_dir: str | os.PathLike[str], *, what: str = "output folder") -> Path:
+    """Refuse, before a long fit or capture, an output folder :func:`write_fitted` could not write: a path that
+    exists and is not a folder (a file, a link to nothing), a folder this process cannot write, or a new
+    folder whose nearest existing parent is not a writable folder (the counterpart for folders of
+    :func:`rotationzoo.safefile.check_output_path`).
+
+    Returns:
+        The path.
+
+    Raises:
+        FitError: one line naming the path and what to do.
+    """
+    p = Path(out_dir)
+    if p.is_symlink() and not p.exists():
+        raise FitError(f"{what} {p} is a link to nothing; give a folder (new or existing)")
+    if p.exists():
+        if not p.is_dir():
+            raise FitError(f"{what} {p} exists and is not a folder; give a folder (new or existing), or remove it")
+        if not os.access(p, os.W_OK | os.X_OK):
+            raise FitError(f"{what} {p} is not writable; give a folder you can write to")
+        return p
+    parent = p.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise FitError(f"{what} {p}: {parent} is not a folder; give a path in a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise FitError(f"{what} {p}: the folder {parent} is not writable; give a path in a writable folder")
+    return p
+
+
 def _check_no_other_fit(out: Path, names: Mapping[str, str]) -> None:
     """Refuse a folder whose manifest describes other files still there: writing would replace its
     manifest and leave them undescribed (a second pair no reader could tell from the first). The same
@@ -135,10 +166,12 @@ def write_fitted(
 
     Raises:
         InvalidRotationError: a set fails validation (nothing is written then).
+        FitError: an unknown format, nothing to write, or an output folder that cannot be written
+            (:func:`check_output_folder`).
     """
     if fmt not in FILE_FORMATS:
         raise FitError(f"unknown output format {fmt!r}; expected one of {', '.join(FILE_FORMATS)}")
-    out = Path(out_dir)
+    out = check_output_folder(out_dir)
     names = output_file_names(result, fmt=fmt)
     if not names:
         raise FitError("nothing to write: the result has neither K nor V rotations")

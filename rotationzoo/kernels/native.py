@@ -40,6 +40,7 @@ import json
 import logging
 import os
 import platform
+import re
 import shutil
 import signal
 import stat
@@ -261,13 +262,46 @@ def _kill_session(proc: subprocess.Popen[bytes]) -> None:
         pass
 
 
+_NINJA_FAILED = re.compile(r"FAILED: (?:\[code=(-?\d+)\] )?")  # ninja >= 1.12 names the command's exit status
+_NINJA_STEP = re.compile(r"\[\d+/\d+\] ")
+_PY_EXCEPTION = re.compile(r"[A-Za-z_][\w.]*(?:Error|Exception|Exit)\b:?")
+
+
 def _first_error(text: str) -> str:
-    """The compiler's first error in a build log (torch's tooling wraps it in a Python traceback)."""
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    wrapper = ("Traceback", "File ", "raise ", "RuntimeError", "subprocess.", "The above exception", "FAILED:", "ninja:")
-    compiler = [ln for ln in lines if "error" in ln.lower() and not ln.startswith(wrapper) and not ln.startswith("[")]
-    picks = compiler or [ln for ln in lines if "error" in ln.lower()] or lines[-1:] or [""]
-    return picks[0][:300]
+    """What the compiler said in a build log, for the one-line warning: ``exit status N: <its first error line>``
+    (``exit status N, no error message`` when it printed none).
+
+    torch's tooling runs ninja, which prints ``FAILED: [code=N] <target>``, the command, then the compiler's
+    output, and wraps all of it in a Python traceback whose lines (``raise CalledProcessError(...``) are never
+    the answer. A log without a failed ninja step (torch's tooling failed around the compiler) gives its first
+    non-Python error line, else the last exception's line.
+    """
+    lines = text.splitlines()
+    status: int | None = None
+    said: list[str] = []  # the failed commands' own output
+    i = 0
+    while i < len(lines):
+        m = _NINJA_FAILED.match(lines[i].strip())
+        if not m:
+            i += 1
+            continue
+        if status is None and m.group(1) is not None:
+            status = int(m.group(1))
+        i += 2  # the line after FAILED: is the command ninja ran
+        while i < len(lines) and not lines[i].startswith(("FAILED: ", "ninja: ")) and not _NINJA_STEP.match(lines[i]):
+            if lines[i].strip():
+                said.append(lines[i].strip())
+            i += 1
+    if status is None and not said:
+        own = [ln.strip() for ln in lines if ln.strip() and not ln[:1].isspace()
+               and not ln.startswith(("Traceback", "The above exception", "During handling"))]
+        python = [ln for ln in own if _PY_EXCEPTION.match(ln)]
+        errors = [ln for ln in own if "error" in ln.lower() and ln not in python]
+        return ((errors or python[-1:] or own[-1:] or ["no error message"])[0])[:300]
+    line = next((ln for ln in said if "error" in ln.lower()), said[0] if said else "")[:300]
+    if status is None:
+        return line
+    return f"exit status {status}: {line}" if line else f"exit status {status}, no error message"
 
 
 def _run_build(cc: str, name: str, work: str, cflags: list[str], ldflags: list[str]) -> str:

@@ -199,10 +199,13 @@ def plan_evaluation(req: EvalRequest) -> EvalPlan:
 
     Raises:
         CLIError, ConfigError, EvaluationError and fetch errors: one line each.
+        ModelLoadError: an unknown dtype, or a device this machine does not have.
     """
     from ..evaluate import EvalProtocol, check_int2_window, check_texts, formats_grid
+    from ..integrations.transformers.loading import check_load_options
 
     texts = check_texts(req.texts, option="--text", tokens=req.tokens)  # every text, before the model is loaded
+    check_load_options(req.dtype, req.device)  # and where it would load: a device it cannot use fails now
     wanted = parse_methods(req.methods)
     specs, serving = method_specs(wanted, req.rotations, req.tag, req.fetch)
     config = base_config(serving, req.model).replace(**req.changes)

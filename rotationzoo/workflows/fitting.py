@@ -85,10 +85,12 @@ def fit_dump(
         FitError, ConfigError, DumpError: a refused recipe, keep rule or dump, before the long work.
     """
     from ..fit import fit_rotations, open_dump, refine_dump, write_fitted
+    from ..fit.output import check_output_folder
 
     recipe.check()
     if dump is None and (recipe.refine is not None or recipe.objective != "hadamard"):
         raise ConfigError("a dump is required: only objective 'hadamard' (without a refinement) is data-free")
+    check_output_folder(out, what="output folder (--out)")  # before the dump is read: a long fit never ends in it
     ids = None if layers is None else list(layers)
     if recipe.refine is not None:
         assert dump is not None
@@ -157,15 +159,27 @@ def calibrate(
 
     Returns:
         ``(result, written)`` as :func:`fit_dump`.
+
+    Raises:
+        FitError, ConfigError, ModelLoadError: a refused recipe, sizes (``tokens``, ``seq_len``), texts, output
+            folder, dtype, device or model file, before the weights load (one line each); then a capture or fit
+            that fails.
     """
     from ..fit import write_fitted
     from ..fit.fitter import check_token_budget
+    from ..fit.output import check_output_folder
     from ..integrations.transformers import calibrate as run_calibration
     from ..integrations.transformers import check_text_files, load_model, load_tokenizer, peek_model
-    from ..integrations.transformers.loading import model_provenance
+    from ..integrations.transformers.calibration import check_capture_sizes
+    from ..integrations.transformers.loading import check_load_options, model_provenance
 
     recipe.check()
-    check_token_budget(tokens, recipe.min_tokens)  # before the model loads
+    check_capture_sizes(tokens, seq_len)  # before the model loads: sizes, budget, outputs, dtype and device
+    check_token_budget(tokens, recipe.min_tokens)
+    check_output_folder(out, what="output folder (--out)")
+    if dump_out is not None:
+        check_output_folder(dump_out, what="dump folder (--dump-out)")
+    check_load_options(dtype, device)
     checked = check_text_files(list(texts), what="calibration text", option="--text")
     if grads and dump_out is None:
         raise ConfigError("grads (--grads) writes the output gradients into a dump: give dump_out (--dump-out DIR)")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import operator
 import os
 import tempfile
 from pathlib import Path
@@ -41,6 +42,23 @@ WARMUP_TOKENS = 6
 CalibrationProgress = Progress
 
 
+def check_capture_sizes(tokens: Any, seq_len: Any) -> None:
+    """Refuse a capture of fewer than one token, or in sequences of fewer than one token, before a model loads
+    (:func:`rotationzoo.workflows.calibrate` checks it with its other early checks).
+
+    Raises:
+        FitError: ``tokens`` or ``seq_len`` not an integer of at least 1.
+    """
+    for value, what, option in ((tokens, "tokens", "--tokens"), (seq_len, "seq_len", "--seq-len")):
+        try:
+            n = None if isinstance(value, bool) else operator.index(value)
+        except TypeError:
+            n = None
+        if n is None or n < 1:
+            raise FitError(f"{what} ({option}) must be an integer of at least 1 token, got {value!r}; give a positive "
+                           f"{option}")
+
+
 def token_windows(tokenizer: Any, texts: Iterable[str | os.PathLike[str]], *, tokens: int, seq_len: int,
                   texts_are_paths: bool = False) -> Iterator[list[int]]:
     """Token id windows for calibration.
@@ -51,10 +69,7 @@ def token_windows(tokenizer: Any, texts: Iterable[str | os.PathLike[str]], *, to
     the texts run out). Files (``texts_are_paths=True``, checked with :func:`check_text_files`)
     are read in bounded pieces and only as far as ``tokens`` (:func:`read_token_ids`).
     """
-    if tokens < 1:
-        raise FitError(f"tokens must be ≥ 1, got {tokens}")
-    if seq_len < 1:
-        raise FitError(f"seq_len must be ≥ 1, got {seq_len}")
+    check_capture_sizes(tokens, seq_len)
     for ids in read_token_ids(tokenizer, list(texts), limit=int(tokens), texts_are_paths=texts_are_paths,
                               what="calibration text"):
         for start in range(0, len(ids), seq_len):

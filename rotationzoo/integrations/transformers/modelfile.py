@@ -5,7 +5,11 @@ be refused without the weights is refused first: a path that is not a regular fi
 or malformed, rotations made for another head_dim, KV-head count or layer count. :func:`peek_model`
 reads only ``config.json`` (transformers' own config loader, offline) or the GGUF header (its
 metadata and tensor table, parsed here with every count and length bounded by the file's size), and
-checks that a GGUF file holds every byte its tensor table points at.
+checks that a GGUF file holds every byte its tensor table points at. The shape it reads is checked before
+anything is built from it: layers, heads and head_dim positive integers within the bounds of a rotation
+file (:data:`~rotationzoo.files.limits.MAX_LAYERS`, :data:`~rotationzoo.files.limits.MAX_KV_HEADS`,
+:data:`~rotationzoo.files.limits.MAX_HEAD_DIM`), so a header that declares 2^40 layers or 0 heads is one
+:class:`~rotationzoo.errors.ModelLoadError` line.
 
 GGUF layout (v2/v3, little-endian): ``"GGUF"``, ``u32`` version, ``u64`` tensor count, ``u64``
 metadata count; metadata ``(string key, u32 type, value)``; tensor infos ``(string name, u32
@@ -23,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import ModelLoadError
+from ...files.limits import BIG_INT, MAX_HEAD_DIM, MAX_KV_HEADS, MAX_LAYERS, safe_repr
 from ...safefile import check_model_files, open_regular
 from .common import require_transformers
 
@@ -31,6 +36,8 @@ GGUF_MAGIC = b"GGUF"
 MAX_GGUF_KEYS = 1 << 16
 MAX_GGUF_TENSORS = 1 << 20
 MAX_GGUF_DIMS = 8
+#: Deepest nesting of metadata arrays (arrays of arrays) a GGUF header may hold; model files use one level.
+MAX_GGUF_DEPTH = 8
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
 
@@ -85,18 +92,105 @@ def check_no_remote_code(folder: Path) -> None:
 
 
 def model_shape(model: Any) -> ModelShape:
-    """The :class:`ModelShape` of a transformers decoder (from its text config)."""
+    """The :class:`ModelShape` of a transformers decoder (from its text config).
+
+    Raises:
+        ModelLoadError: as :func:`shape_of_config`.
+    """
     return shape_of_config(model.config)
 
 
-def shape_of_config(cfg: Any) -> ModelShape:
-    """The :class:`ModelShape` a transformers config describes (its text config, for multimodal ones)."""
+#: What each bound on a model's shape is, for refusals.
+_BOUNDS = {"layers": (MAX_LAYERS, "MAX_LAYERS, the most layers a rotation file holds"),
+           "heads": (MAX_KV_HEADS, "MAX_KV_HEADS, the most heads a rotation file holds"),
+           "head_dim": (MAX_HEAD_DIM, "MAX_HEAD_DIM, the largest rotation a file holds"),
+           "size": (BIG_INT, ""), "context": (BIG_INT, "")}  # no bound of their own
+
+
+def _shape_number(value: Any, key: str, kind: str, name: str, fix: str) -> int:
+    """``value`` (the model's ``key``) as an int from 1 to the bound of ``kind``, else one refusal.
+
+    Raises:
+        ModelLoadError: not an int (a bool, float or string is not one), below 1 or above the bound.
+    """
+    hi, why = _BOUNDS[kind]
+    if type(value) is int and 1 <= value <= hi:
+        return value
+    expected = f"an integer from 1 to {hi} ({why})" if hi < BIG_INT else "a positive integer"
+    raise ModelLoadError(f"{name}: {key} is {safe_repr(value)}; expected {expected}; {fix}")
+
+
+def checked_shape(name: str, fix: str, *, heads: tuple[str, Any], kv: tuple[str, Any], layers: tuple[str, Any],
+                  head_dim: tuple[str, Any] | None = None, hidden: tuple[str, Any] | None = None,
+                  context: tuple[str, Any] | None = None) -> ModelShape:
+    """A :class:`ModelShape` from the values a model file declares, each given as ``(its key, its value)``,
+    checked before anything is built from them: every count an integer from 1 to its bound (layers
+    :data:`MAX_LAYERS`, query and KV heads :data:`MAX_KV_HEADS`, head_dim :data:`MAX_HEAD_DIM`), the query
+    heads a multiple of the KV heads, the context length (if given) positive.
+
+    Args:
+        name: the file, for messages; fix: what to do, for messages.
+        heads, layers: the query-head and layer counts.
+        kv: the KV-head count (value ``None``: as many as the query heads).
+        head_dim: ``d`` (value ``None``: ``hidden`` divided by the query heads).
+        hidden: the hidden size, when ``head_dim`` is not given.
+        context: the maximum context (value ``None``: unknown).
+
+    Raises:
+        ModelLoadError: one line naming the key, its value and the bound.
+    """
+    n_layers = _shape_number(layers[1], layers[0], "layers", name, fix)
+    n_heads = _shape_number(heads[1], heads[0], "heads", name, fix)
+    n_kv = n_heads if kv[1] is None else _shape_number(kv[1], kv[0], "heads", name, fix)
+    if n_heads % n_kv:
+        raise ModelLoadError(f"{name}: {heads[0]} is {n_heads}, not a multiple of {kv[0]} ({n_kv}); expected "
+                             f"query heads in whole groups per KV head; {fix}")
+    if head_dim is not None and head_dim[1] is not None:
+        d = _shape_number(head_dim[1], head_dim[0], "head_dim", name, fix)
+    elif hidden is not None:
+        size = _shape_number(hidden[1], hidden[0], "size", name, fix)
+        d = size // n_heads
+        if not 1 <= d <= MAX_HEAD_DIM:
+            raise ModelLoadError(f"{name}: head_dim {d} ({hidden[0]} {size} / {heads[0]} {n_heads}); expected an "
+                                 f"integer from 1 to {MAX_HEAD_DIM} ({_BOUNDS['head_dim'][1]}); {fix}")
+    else:
+        raise ModelLoadError(f"{name}: no head_dim and no hidden size; not a decoder model; {fix}")
+    ctx = None if context is None or context[1] is None else _shape_number(context[1], context[0], "context", name, fix)
+    return ModelShape(head_dim=d, num_q_heads=n_heads, num_kv_heads=n_kv, layer_ids=tuple(range(n_layers)),
+                      context_length=ctx)
+
+
+_MISSING = object()
+
+
+def shape_of_config(cfg: Any, *, name: str = "the model's config") -> ModelShape:
+    """The :class:`ModelShape` a transformers config describes (its text config, for multimodal ones), its
+    values checked (:func:`checked_shape`) before any is used.
+
+    Args:
+        cfg: a transformers config.
+        name: what the config is, for messages (``models/x/config.json``).
+
+    Raises:
+        ModelLoadError: a count missing, not a positive integer or beyond the bounds of a rotation file.
+    """
     cfg = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
-    heads = int(cfg.num_attention_heads)
-    d = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-    ctx = getattr(cfg, "max_position_embeddings", None)
-    return ModelShape(head_dim=d, num_q_heads=heads, num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
-                      layer_ids=tuple(range(int(cfg.num_hidden_layers))), context_length=int(ctx) if ctx else None)
+    fix = "fix config.json or give another model"
+
+    def get(key: str, required: bool = True) -> Any:
+        value = getattr(cfg, key, _MISSING)
+        if value is _MISSING:
+            if required:
+                raise ModelLoadError(f"{name}: no {key}; not a decoder config; {fix}")
+            return None
+        return value
+
+    return checked_shape(name, fix, heads=("num_attention_heads", get("num_attention_heads")),
+                         kv=("num_key_value_heads", get("num_key_value_heads", False)),
+                         layers=("num_hidden_layers", get("num_hidden_layers")),
+                         head_dim=("head_dim", get("head_dim", False)),
+                         hidden=("hidden_size", get("hidden_size", False)),
+                         context=("max_position_embeddings", get("max_position_embeddings", False)))
 
 
 class _Header:
@@ -125,15 +219,20 @@ class _Header:
         self.pos += n
         return raw.decode("utf-8", errors="replace")
 
-    def value(self, kind: int, keep: bool) -> Any:
+    def value(self, kind: int, keep: bool, depth: int = 0) -> Any:
+        """One metadata value of type ``kind`` (an array: its items, or ``None`` unless ``keep``), arrays
+        nested at most :data:`MAX_GGUF_DEPTH` deep."""
         if kind in _SCALARS:
             return self.take(_SCALARS[kind])
         if kind == _STRING:
             return self.string()
         if kind != _ARRAY:
             raise self.fail(f"unknown metadata type {kind}")
+        if depth >= MAX_GGUF_DEPTH:
+            raise self.fail(f"metadata arrays nested more than {MAX_GGUF_DEPTH} deep")
         item, count = self.take("<I"), self.take("<Q")
-        if count > self.size - self.pos:  # every item takes at least one byte
+        least = 8 if item == _STRING else 12 if item == _ARRAY else 1  # bytes each item takes at least
+        if count * least > self.size - self.pos:
             raise self.fail(f"an array of {count} items")
         if item in _SCALARS and not keep:  # skipped without reading the items
             width = struct.calcsize(_SCALARS[item])
@@ -141,8 +240,11 @@ class _Header:
                 raise self.fail(f"an array of {count} items")
             self.pos += count * width
             return None
-        out = [self.value(item, keep) for _ in range(count)]
-        return out if keep else None
+        if not keep:
+            for _ in range(count):
+                self.value(item, keep, depth + 1)
+            return None
+        return [self.value(item, keep, depth + 1) for _ in range(count)]
 
 
 def read_gguf_header(path: str | os.PathLike[str]) -> tuple[dict[str, Any], int]:
@@ -202,23 +304,28 @@ def read_gguf_header(path: str | os.PathLike[str]) -> tuple[dict[str, Any], int]
     return meta, data + end
 
 
-def _gguf_shape(meta: dict[str, Any], name: str) -> ModelShape:
+def gguf_shape(meta: dict[str, Any], name: str) -> ModelShape:
+    """The :class:`ModelShape` a GGUF header's metadata declares, checked (:func:`checked_shape`).
+
+    Raises:
+        ModelLoadError: no architecture, a count missing, not a positive integer or beyond the bounds.
+    """
     arch = meta.get("general.architecture")
-
-    def get(key: str, required: bool = True) -> Any:
-        value = meta.get(f"{arch}.{key}")
-        if required and not isinstance(value, int):
-            raise ModelLoadError(f"{name}: its GGUF header has no {arch}.{key}; not a decoder model GGUF")
-        return value
-
     if not isinstance(arch, str):
         raise ModelLoadError(f"{name}: its GGUF header has no general.architecture; not a model GGUF")
-    heads, layers = get("attention.head_count"), get("block_count")
-    kv = get("attention.head_count_kv", False) or heads
-    d = get("attention.key_length", False) or get("embedding_length") // max(heads, 1)
-    ctx = get("context_length", False)
-    return ModelShape(head_dim=int(d), num_q_heads=int(heads), num_kv_heads=int(kv),
-                      layer_ids=tuple(range(int(layers))), context_length=int(ctx) if ctx else None)
+    fix = "the file is damaged or not a decoder model: give another model file"
+
+    def get(key: str, required: bool = True) -> tuple[str, Any]:
+        full = f"{arch}.{key}"
+        if full not in meta and required:
+            raise ModelLoadError(f"{name}: its GGUF header has no {full}; not a decoder model GGUF")
+        return full, meta.get(full)
+
+    key_length = get("attention.key_length", False)
+    emb = get("embedding_length", required=key_length[1] is None)  # head_dim: key_length, else embedding / heads
+    return checked_shape(name, fix, heads=get("attention.head_count"), kv=get("attention.head_count_kv", False),
+                         layers=get("block_count"), head_dim=key_length, hidden=emb,
+                         context=get("context_length", False))
 
 
 def peek_model(model: str | os.PathLike[str], *, option: str | None = None) -> ModelShape:
@@ -230,21 +337,77 @@ def peek_model(model: str | os.PathLike[str], *, option: str | None = None) -> M
 
     Raises:
         ModelLoadError: the path or a file in the folder is not a regular file, a GGUF file is cut
-            short or malformed, or the config does not describe a decoder.
+            short or malformed, or the header or config does not describe a decoder: a count missing, not a
+            positive integer, or beyond the bounds of a rotation file (:func:`checked_shape`).
     """
     p = check_model_files(model, option=option)
     if p.is_file():
         if p.suffix.lower() != ".gguf":
             raise ModelLoadError(f"{p}: not a .gguf file; give a model folder (config.json) or a .gguf file")
         meta, _ = read_gguf_header(p)
-        return _gguf_shape(meta, str(p))
+        return gguf_shape(meta, str(p))
     if not (p / "config.json").is_file():
         raise ModelLoadError(f"{p}: no config.json; not a transformers model folder")
-    transformers = require_transformers()
     check_no_remote_code(p)
+    return config_shape(p)
+
+
+def config_shape(folder: Path) -> ModelShape:
+    """The :class:`ModelShape` of a transformers folder's ``config.json`` (checked first for an ``auto_map`` by
+    :func:`check_no_remote_code`): its counts as written checked before transformers parses them, then
+    transformers' config checked (:func:`shape_of_config`).
+
+    Raises:
+        ModelLoadError: a count not a positive integer within the bounds, or anything transformers' config
+            parsing raises (a ZeroDivisionError, its strict field validation, a RecursionError), as one line.
+        MissingDependencyError: transformers is not installed.
+    """
+    transformers = require_transformers()
+    name = f"{folder}/config.json"
+    _check_raw_config(folder / "config.json", name)
+    try:  # whatever transformers' parsing raises: one line
+        cfg = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+        return shape_of_config(cfg, name=name)
+    except ModelLoadError:
+        raise
+    except Exception as exc:
+        raise ModelLoadError(f"{name}: cannot be read as a decoder config ({type(exc).__name__}: {one_line(exc)}); "
+                             f"fix config.json or give another model") from None
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception's message on one line (its lines joined, at most 200 characters), or its type's name."""
+    text = " ".join(str(exc).split())
+    return text[:200] if text else type(exc).__name__
+
+
+#: config.json keys that hold a count of the shape, and the bound each is checked against (``size``: no bound
+#: of its own; the head_dim it gives is bounded).
+_CONFIG_COUNTS = {"num_hidden_layers": "layers", "num_attention_heads": "heads", "num_key_value_heads": "heads",
+                  "head_dim": "head_dim", "hidden_size": "size"}
+
+
+def _check_raw_config(path: Path, name: str) -> None:
+    """Refuse the shape's counts in ``config.json`` (and its ``text_config``) as written, before transformers
+    parses them (it divides by the head count, and builds per-layer lists from the layer count).
+
+    Raises:
+        ModelLoadError: a count that is present (not ``null``) but not an integer from 1 to its bound, or a
+            config that is not a JSON object.
+    """
+    import json
+
+    from ...safefile import read_regular
+
     try:
-        cfg = transformers.AutoConfig.from_pretrained(str(p), local_files_only=True, trust_remote_code=False)
-        return shape_of_config(cfg)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise ModelLoadError(f"{p}/config.json: cannot be read as a decoder config "
-                             f"({str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__})") from None
+        data = json.loads(read_regular(path, 64 << 20, what="model config", error=ModelLoadError).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ModelLoadError(f"{name}: not a JSON config ({type(exc).__name__}); fix the model folder") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{name}: not a JSON object; fix config.json or give another model")
+    for where in (data, data.get("text_config")):
+        if isinstance(where, dict):
+            for key, kind in _CONFIG_COUNTS.items():
+                if where.get(key) is not None:
+                    _shape_number(where[key], key if where is data else f"text_config.{key}", kind, name,
+                                  "fix config.json or give another model")
