@@ -4,7 +4,7 @@ Quick use::
 
     import rotationzoo
     pair = rotationzoo.load("SmolLM2-135M-Instruct")   # bundled, works offline
-    pair.k.rotations.shape                             # torch.Size([30, 64, 64])
+    pair.k.rotations.shape                             # torch.Size([30, 3, 64, 64]): one per KV head
 
 Importing the package is cheap: torch and the hub clients are imported only when a function
 that needs them is called.

@@ -129,7 +129,10 @@ def load(
         model, tag, source, revision, cache_dir, offline, timeout, force, accept_new: as for :func:`fetch`
             (``model`` may also be ``"MODEL@TAG"``). A path instead of a model (a pair folder, such as a
             start-up calibration folder of the authors' server, ``"K.pt,V.pt"``, a pair file) is read
-            and validated locally; ``tag`` and the fetch options do not apply to it.
+            and validated locally: a ``tag`` is refused (:class:`~rotationzoo.errors.PairError`) and the fetch
+            options are ignored. A path that exists is taken before a registry id of the same spelling
+            (``Qwen3-8B`` names a folder of that name in the working folder when there is one; ``Qwen/Qwen3-8B``
+            or ``Qwen3-8B@TAG`` names the registry entry there).
         device: device of the returned tensors.
         dtype: dtype of the returned rotations (default fp32, as stored; serving engines use bf16).
         atol: orthogonality tolerance for validation.

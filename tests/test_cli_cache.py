@@ -55,7 +55,7 @@ def test_cache_rm_dry_run_lists_sizes_and_removes_nothing(filled, capsys) -> Non
 
 def test_cache_rm_refuses_without_yes_when_stdin_is_not_a_terminal(filled, capsys) -> None:
     rc, out, err = run_cli(capsys, "cache", "rm", "--model", SMOL)
-    assert rc == 1 and out == "" and err.count("\n") == 1 and "--yes" in err and "2 files" in err
+    assert rc == 2 and out == "" and err.count("\n") == 1 and "--yes" in err and "2 files" in err
     assert len(cache_records(filled)) == 3
     rc, out, _ = run_cli(capsys, "cache", "rm", "--model", SMOL, "--tag", "hadamard", "--yes")
     assert rc == 0 and out == "removed 1 file, 1000 B (1,000 bytes)\n"

@@ -81,7 +81,7 @@ def test_cli_refine_same_seed_same_bytes(dump: Path, tmp_path: Path, capsys: pyt
 def test_cli_refine_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     ran = run_cli(capsys, "fit", "--out", str(tmp_path / "o"), "--objective", "hadamard", "--num-layers", "2",
                "--head-dim", "64", "--loss", "block", "--refine", "5")
-    assert ran[0] == 1, ran[2]
+    assert ran[0] == 2, ran[2]  # options that do not go together: a usage error
     assert "--refine needs --dump" in ran[2]
     with pytest.raises(Exception, match="unknown init"):
         Refinement(init="random")
@@ -190,7 +190,7 @@ def test_refine_trains_for_the_store_it_is_served_in(dump: Path, tmp_path: Path,
     want = get_entry("SmolLM2-135M-Instruct").serving.replace(group_size=32, scale_dtype="bfloat16", recent_tokens=128)
     assert Int2KVConfig.from_json(m["int2kv"]) == want
     ran = run_cli(capsys, "fit", "--dump", str(dump), "--out", str(tmp_path / "o2"), "--scale-dtype", "bfloat16")
-    assert ran[0] == 1, ran[2]
+    assert ran[0] == 2, ran[2]
     err = ran[2].strip().splitlines()
     assert err == ["error: --scale-dtype: the INT2 store that --refine trains for; add --refine STEPS"]
     opts = Refinement(int2kv=Int2KVConfig(scale_dtype="bfloat16"))

@@ -392,7 +392,7 @@ def test_cli_eval_checks_its_output_paths_first(tmp_path, capsys) -> None:
                            (["--json-out", str(tmp_path / "a_file" / "e.json")], "is not a folder"),
                            (["--plot", str(tmp_path / "eval.txt")], "matplotlib saves"),
                            (["--plot", str(tmp_path / "e.png"), "--json-out", str(tmp_path / "e.png")], "same file")):
-        assert main(run + extra) == 1
+        assert main(run + extra) == 2  # a usage error, before the model is touched
         captured = capsys.readouterr()
         assert message in captured.err and len(captured.err.strip().splitlines()) == 1, captured.err
         assert "ΔKL" not in captured.out  # refused before anything ran

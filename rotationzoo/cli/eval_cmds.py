@@ -129,7 +129,7 @@ def eval_command(
 
       rotationzoo eval --model model.gguf -r rotations/ --text held_out.txt --draws 4 --plot eval.png --json-out eval.json
 
-      rotationzoo eval --model ./Qwen3-8B -r Qwen3-8B --text seq20000_prompt83_group128 --text a.txt --methods fp,hadamard,oscar,g32=rot-g32/ -g 32
+      rotationzoo eval --model ./Qwen3-8B -r Qwen/Qwen3-8B@seq20000_prompt83_group128 --text a.txt --methods fp,hadamard,oscar,g32=rot-g32/ -g 32
     """
     from ..evaluate import CopyProbe, EvalProtocol
     from ..workflows import EvalRequest, plan_evaluation, run_evaluation
@@ -157,13 +157,17 @@ def eval_command(
 
 
 def _check_outputs(json_out: Optional[Path], plot: Optional[Path]) -> None:
+    from ..errors import ConfigError
     from ..evaluate.plot import check_plot_path
     from ..safefile import check_output_path
 
     if json_out is not None:
         check_output_path(json_out, what="--json-out", error=CLIError)
     if plot is not None:
-        check_plot_path(plot)
+        try:
+            check_plot_path(plot)
+        except ConfigError as exc:  # an option's value the command refuses before it runs: a usage error
+            raise CLIError(str(exc)) from None
     if json_out is not None and plot is not None and json_out.resolve() == plot.resolve():
         raise CLIError(f"--json-out and --plot name the same file {json_out}; give two")
 

@@ -19,7 +19,7 @@ import typer
 import typer.main
 
 from .._version import __version__
-from ..errors import RotationZooError
+from ..errors import CLIError, RotationZooError
 from ._options import Group, use_literal_help
 
 app = typer.Typer(
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except RotationZooError as exc:
         report_exception(exc)
-        return 1
+        return 2 if isinstance(exc, CLIError) else 1  # a command line the options alone refuse: a usage error
     except BrokenPipeError:  # stdout closed early (``| head``): nothing more to say
         sys.stdout = click.utils.PacifyFlushWrapper(sys.stdout)
         return 1

@@ -157,7 +157,7 @@ class HubClient:
         out = []
         if state.exists and not state.branch_exists:
             out.append(f"{self.name}: {self.repo} has no branch {self.branch!r}; create it first or pass "
-                       f"another --revision")
+                       f"another --branch")
         if not state.exists and self.branch not in ("main", "master"):
             out.append(f"{self.name}: {self.repo} does not exist; a new repository only has its default branch, "
                        f"not {self.branch!r}")
