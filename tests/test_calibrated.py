@@ -116,7 +116,8 @@ def test_verify_leaves_an_import_in_progress_alone(tmp_path, cache_dir) -> None:
     for p in [staging, *staged]:
         os.utime(p, (old, old))
     recs = verify_cache(cache_dir)
-    assert [str(r.problem) for r in recs if r.area == "partial"] == ["left by a killed import or write (removed)"] * 2
+    assert [(str(r.problem), r.removed) for r in recs if r.area == "partial"] == [
+        ("left by a killed import or write", True)] * 2
     assert not any(p.exists() for p in staged) and all(p.is_file() for p in got.paths.values())
 
 
@@ -182,20 +183,18 @@ def test_a_manifest_naming_k_and_v_alike_is_refused(tmp_path, cache_dir) -> None
         import_calibrated(d)
 
 
-def test_a_link_out_of_the_folder_is_refused_and_one_inside_is_read(tmp_path, cache_dir, capsys) -> None:
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    torch.save(layouts.v1(seed=0), outside / "k.pt")
-    d = tmp_path / "pair"
-    d.mkdir()
-    torch.save(layouts.v1(seed=1), d / "v_rotation_x.pt")
-    (d / "k_rotation_x.pt").symlink_to(outside / "k.pt")
-    code, _, err = run_cli(capsys, "cache", "import", str(d))
-    assert code == 1 and "outside" in err and len(err.strip().splitlines()) == 1
-    assert not (cache_dir / "imported").exists() or not any((cache_dir / "imported").iterdir())
-    with pytest.raises(PairError, match="a link to .*, outside"):
-        rotationzoo.load(d)
-    (d / "k_rotation_x.pt").unlink()
-    torch.save(layouts.v1(seed=0), d / "k_real.pt")
-    (d / "k_rotation_x.pt").symlink_to("k_real.pt")  # a link to another file of the folder: its own file
-    assert import_calibrated(d).sha256["k"] == hashlib.sha256((d / "k_real.pt").read_bytes()).hexdigest()
+def test_a_folder_of_links_is_read_as_its_files(tmp_path, cache_dir) -> None:
+    """A Hugging Face snapshot folder holds links into ``../../blobs``: its pair is read, and an import copies
+    the bytes (never a link) into the cache."""
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    torch.save(layouts.v1(seed=0), blobs / "kblob")
+    torch.save(layouts.v1(seed=1), blobs / "vblob")
+    d = tmp_path / "snapshots" / "abc"
+    d.mkdir(parents=True)
+    (d / "k_rotation_x.pt").symlink_to("../../blobs/kblob")
+    (d / "v_rotation_x.pt").symlink_to("../../blobs/vblob")
+    assert rotationzoo.load(d).sha256["k"] == hashlib.sha256((blobs / "kblob").read_bytes()).hexdigest()
+    got = import_calibrated(d, name="snap")
+    assert got.sha256["k"] == hashlib.sha256((blobs / "kblob").read_bytes()).hexdigest()
+    assert all(not p.is_symlink() for p in got.paths.values())

@@ -224,7 +224,7 @@ def test_refine_signs_learns_only_column_signs(dump: Path, tmp_path: Path, capsy
         flipped += int((signs < 0).sum())
     assert flipped > 0  # some columns' signs change the rounding enough to be chosen
     ran = run_cli(capsys, "fit", "--dump", str(dump), "--out", str(tmp_path / "x"), "--param", "signs")
-    assert ran[0] == 1, ran[2]
+    assert ran[0] == 2, ran[2]
     assert "--param signs: what --refine learns; add --refine STEPS" in ran[2]
 
 

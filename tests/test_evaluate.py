@@ -364,9 +364,9 @@ def test_cli_eval_errors(tmp_path, capsys) -> None:
     from rotationzoo.cli.main import main
 
     folder, text = _save_tiny(tmp_path)
-    assert main(["eval", "--model", str(folder), "--text", str(text), "--methods", "fp,oscar"]) == 1
+    assert main(["eval", "--model", str(folder), "--text", str(text), "--methods", "fp,oscar"]) == 2
     assert "--rotations" in capsys.readouterr().err
-    assert main(["eval", "--model", str(folder), "--text", str(text), "--methods", "fp,bogus"]) == 1
+    assert main(["eval", "--model", str(folder), "--text", str(text), "--methods", "fp,bogus"]) == 2
     assert "unknown method" in capsys.readouterr().err
     # a missing text is refused before the model is loaded (the model path does not even exist)
     assert main(["eval", "--model", str(tmp_path / "nope"), "--text", str(tmp_path / "nope.txt")]) == 1

@@ -447,7 +447,7 @@ def test_cli_export(pair_dir, tmp_path, capsys):
     assert rc == 2 and "Invalid value for '--to'" in err and "'safetensors', 'gguf'" in err
     rc, _, err = run_cli(capsys, "export", str(pair_dir), "--to", "safetensors", "--base-gguf", str(base),
                          "--out", str(tmp_path / "x"))
-    assert rc == 1 and "--base-gguf applies to --to gguf only" in err
+    assert rc == 2 and "--base-gguf applies to --to gguf only" in err
     rc, _, err = run_cli(capsys, "export", str(tmp_path / "missing"), "--to", "gguf", "--out", str(tmp_path / "x"))
     assert rc == 1 and "no such file or folder" in err
 

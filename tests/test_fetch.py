@@ -238,6 +238,7 @@ def test_offline_warm_and_cold(zoo, monkeypatch, tmp_path) -> None:
         with pytest.raises(OfflineError, match=f"--{flag.replace('_', '-')} downloads .* again") as ei:
             rotationzoo.fetch(MODEL, **{flag: True})
         assert "not cached" not in str(ei.value)
+        assert rotationzoo.fetch("SmolLM2-135M-Instruct", **{flag: True}).paths["k"].is_file()  # bundled: no network
     assert zoo.server.requests() == []
 
 
@@ -336,8 +337,15 @@ def test_a_hub_clients_unfinished_download_is_listed_and_removed_once_left_alone
     listed = {Path(f["path"]).name: f for f in json.loads(capsys.readouterr().out)["files"]}
     assert listed[fresh.name]["area"] == listed[stale.name]["area"] == "partial"
     assert main(["cache", "verify", "--json"]) == 1
-    capsys.readouterr()
+    got = json.loads(capsys.readouterr().out)
+    assert got["bad"] == 2 and got["removed"] == 1  # the live one is reported, not removed
     assert fresh.exists() and not stale.exists()
+    stale.write_bytes(b"y")
+    os.utime(stale, (hour_ago, hour_ago))
+    assert main(["cache", "verify"]) == 1
+    lines = {line.split(": ", 1)[0].rsplit("/", 1)[-1]: line for line in capsys.readouterr().out.splitlines()}
+    assert lines[fresh.name].endswith("(kept)") and lines[stale.name].endswith("(removed)")
+    assert "(removed) (removed)" not in lines[stale.name]
     assert rotationzoo.fetch(MODEL, source="huggingface", offline=True).from_cache  # the verified files stay
 
 

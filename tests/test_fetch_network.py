@@ -294,7 +294,7 @@ def test_orphaned_part_files_are_listed_and_swept(zoo) -> None:
     assert listed and listed[0].area == "partial" and listed[0].size == 4096
     records = verify_cache()
     assert not orphan.exists()
-    assert any(r.path == orphan and "removed" in (r.problem or "") for r in records)
+    assert any(r.path == orphan and r.removed and "killed download" in (r.problem or "") for r in records)
     # the next download of an entry sweeps its folder too
     orphan.write_bytes(b"x")
     rotationzoo.fetch(MODEL, force=True)

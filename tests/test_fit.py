@@ -563,4 +563,4 @@ def test_cli_help_and_errors(tmp_path, capsys):
     code, _, stderr = run_cli(capsys, "fit", "--dump", str(tmp_path / "missing"), "--out", str(tmp_path / "o"))
     assert code == 1 and "does not exist" in stderr
     code, _, stderr = run_cli(capsys, "fit", "--out", str(tmp_path / "o"))
-    assert code == 1 and "--dump DIR is required" in stderr
+    assert code == 2 and "--dump DIR is required" in stderr

@@ -334,7 +334,7 @@ def test_cli_eval_formats(tmp_path, capsys) -> None:
     assert rows["none@int2-g32-fp32-w4+8-c0.96/0.92"]["bpe"] == pytest.approx(
         Int2KVConfig(group_size=32, prefix_tokens=4, recent_tokens=8).bits_per_element(64, 300))
     assert rows["none@fp8"]["bpe"] == 8.0 and rows["none@fp8"]["baseline"] == "hadamard@fp8"
-    assert main([*args[:-3], "--formats", "int5", "--json"]) == 1
+    assert main([*args[:-3], "--formats", "int5", "--json"]) == 2
     assert "not a KV format name" in capsys.readouterr().out
     mixed = ["--methods", "none,hadamard", "--formats"]
     assert main([*args[:-3], *mixed, "int2-g32-w4+8-int3:1,int2-g32-w4+8-int4:7", "--json"]) == 1

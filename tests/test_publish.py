@@ -716,7 +716,7 @@ def test_cli_publish_errors(hubs, fitted, tmp_path, capsys) -> None:
     assert "unknown hub" in capsys.readouterr().err
     assert main([*base, "--model", MODEL, "--parent-commit", "abc"]) == 1
     assert "not a 40-hex commit sha" in capsys.readouterr().err
-    assert main([*base, "--model", MODEL, "--token", "a", "--token", "b"]) == 1
+    assert main([*base, "--model", MODEL, "--token", "a", "--token", "b"]) == 2
     assert "HUB=VALUE" in capsys.readouterr().err
     assert main(["publish", str(tmp_path / "nope"), "--repo", REPO_ID, "--tag", TAG, "--model", MODEL]) == 1
     assert "no such file or folder" in capsys.readouterr().err

@@ -130,13 +130,13 @@ def test_without_download_only_the_cache_is_checked_and_rehashed(zoo) -> None:
 
 
 def test_verify_usage_errors(tmp_path, capsys) -> None:
-    assert main(["verify"]) == 1
+    assert main(["verify"]) == 2
     assert "--registry" in capsys.readouterr().err
     p = tmp_path / "k.pt"
     write_rotation(p, RotationSet(_orthogonal(1), range(L), "x"))
-    assert main(["verify", str(p), "--registry"]) == 1
+    assert main(["verify", str(p), "--registry"]) == 2
     assert "not both" in capsys.readouterr().err
-    assert main(["verify", str(p), "--download"]) == 1
+    assert main(["verify", str(p), "--download"]) == 2
     assert "--download goes with --registry" in capsys.readouterr().err
     assert main(["verify", str(p), "--num-layers", str(L), "--head-dim", str(D), "--json"]) == 0  # files as before
     assert json.loads(capsys.readouterr().out)[0]["ok"]

@@ -262,8 +262,8 @@ def render_cli() -> str:
         "among the arguments, even when the command line does not parse (type `UsageError`) or is "
         "interrupted (type `Interrupted`). Without `--json` an error is one line `error: …` on stderr (a "
         "failed download adds one line per source tried). Exit codes: 0 success, 1 an error or a failed "
-        "check, 2 a usage error (options that do not parse, or that the command refuses before it runs, "
-        "such as `plan` without `--context`), 130 interrupted.",
+        "check, 2 a usage error (an option that does not parse, a missing one such as `plan` without "
+        "`--context`, or options that do not go together), 130 interrupted.",
         "",
     ]
     entries = list(_walk(root, ["rotationzoo"]))

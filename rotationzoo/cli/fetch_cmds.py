@@ -160,7 +160,7 @@ def cmd_cache_ls(cache_dir: CacheDirOpt = None, json_out: JsonOpt = False) -> No
         for col in ("model", "tag", "file", "size", "sha256", "source"):
             table.add_column(col, justify="right" if col == "size" else "left")
         for r in records:
-            what = (r.side or "?").upper() if r.area == "files" else f"derived: {r.path.name}"
+            what = (r.side or "?").upper() if r.area == "files" else f"{r.area}: {r.path.name}"
             cells = (r.model or "?", r.tag or "?", what, human_size(r.size), (r.sha256 or "-")[:12], r.source or "-")
             table.add_row(*(escape(printable(cell)) for cell in cells))  # markers are files: shown literally
         c.print(table)
@@ -186,13 +186,13 @@ def cmd_cache_verify(
     records = verify_cache(cache_dir, remove_bad=not keep)
     bad = [r for r in records if not r.ok]
     if json_out:
-        emit_json({"checked": len(records), "bad": len(bad), "removed": 0 if keep else len(bad),
+        emit_json({"checked": len(records), "bad": len(bad), "removed": sum(r.removed for r in records),
                    "files": [r.to_json() for r in records]})
     else:
         c = console()
         for r in records:
             mark = ("[green]ok[/]" if r.ok else f"[red]BAD[/] {escape(printable(r.problem, drop_ansi=True))}"
-                    + ("" if keep else " (removed)"))
+                    + (" (removed)" if r.removed else " (kept)"))
             c.print(f"{escape(printable(r.path))}: {mark}")
         c.print(f"{len(records)} files checked, {len(bad)} bad")
     if bad:

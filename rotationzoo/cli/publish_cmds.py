@@ -18,7 +18,7 @@ from typing import Annotated, Optional
 import typer
 
 from ..errors import CLIError, PublishError
-from ._options import CacheDirOpt, JsonOpt, OfflineOpt, RevisionOpt, SourceOpt, TimeoutOpt
+from ._options import CacheDirOpt, JsonOpt, RevisionOpt, SourceOpt, TimeoutOpt
 from ._output import console, emit_json, print_warning, printable, progress_enabled
 
 
@@ -69,7 +69,8 @@ def cmd_publish(
     source: SourceOpt = "auto",
     revision: RevisionOpt = None,
     cache_dir: CacheDirOpt = None,
-    offline: OfflineOpt = False,
+    offline: Annotated[bool, typer.Option("--offline", help="Offline mode: publish is refused at once, before any "
+                                          "request (as with ROTATIONZOO_OFFLINE or HF_HUB_OFFLINE).")] = False,
     timeout: TimeoutOpt = None,
     json_out: JsonOpt = False,
 ) -> None:

@@ -3,7 +3,6 @@ verification of files, pair files and folders (used by ``rotationzoo verify``)."
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
@@ -80,7 +79,7 @@ def find_pair_files(directory: str | os.PathLike[str]) -> dict[str, Path]:
     check_not_pending(d)
     picked = manifest_files(d)
     if picked:
-        return _inside(d, picked)
+        return picked
     files = sorted(f for f in d.iterdir() if f.is_file() and f.suffix in ROTATION_SUFFIXES)
     chosen = {s: p for s in SIDES if (p := _pick(d, s, files)) is not None}
     if not chosen and any(re.fullmatch(r"layer_\d+\.pt", f.name) for f in files):
@@ -94,22 +93,7 @@ def find_pair_files(directory: str | os.PathLike[str]) -> dict[str, Path]:
         have = next(iter(chosen.values()))
         raise PairError(f"{d}: found {have.name} but no {missing[0]}_rotation*.pt; give the single file instead, "
                           f"or add its partner")
-    return _inside(d, chosen)
-
-
-def _inside(folder: Path, files: dict[str, Path]) -> dict[str, Path]:
-    """``files``, each of which must stay inside ``folder`` (a link may point to another file of the folder).
-
-    Raises:
-        PairError: a link that leads out of the folder: a folder's pair is the folder's own files.
-    """
-    root = folder.resolve()
-    for s, p in files.items():
-        target = p.resolve()
-        if target.parent != root and root not in target.parents:
-            raise PairError(f"{p}: a link to {target}, outside {folder}; a folder's pair must be files in it (copy "
-                            f"the file in, or give the two files as 'K_FILE,V_FILE')")
-    return files
+    return chosen
 
 
 def verify_path(path: str | os.PathLike[str], *, atol: float = DEFAULT_ATOL, layer_ids: Sequence[int] | None = None,

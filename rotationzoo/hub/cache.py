@@ -63,6 +63,8 @@ class CacheRecord:
             killed process).
         side: ``"k"`` / ``"v"`` for downloads; ``None`` for derived files.
         inputs: for derived files, the sha256 of each input side it was built from.
+        ok, problem: set by :func:`verify_cache` (``problem``: why it is bad).
+        removed: whether :func:`verify_cache` removed it (a bad file; a partial one only once left alone).
     """
 
     path: Path
@@ -76,6 +78,7 @@ class CacheRecord:
     inputs: dict[str, str] | None = None
     ok: bool | None = None
     problem: str | None = None
+    removed: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in self.__dict__.items()}
@@ -210,7 +213,7 @@ def verify_cache(cache_dir: str | os.PathLike[str] | None = None, *, remove_bad:
             if _area_of(root, r.path) == HUB_AREA:  # no entry lock covers a client's blob: its age decides
                 if remove_bad and _left_alone_file(r.path):
                     remove_inside(root, [r.path])
-                    r.problem = "left by a killed download (removed)"
+                    r.problem, r.removed = "left by a killed download", True
                 continue
             staging = _staging_folder(root, _area_of(root, r.path), r.path)
             if staging is not None:  # a writer's own folder: removed only once it has long been left alone
@@ -218,16 +221,17 @@ def verify_cache(cache_dir: str | os.PathLike[str] | None = None, *, remove_bad:
                     left_alone[staging] = _left_alone(staging)
                 if remove_bad and left_alone[staging]:
                     remove_inside(root, [r.path, marker_path(r.path)])
-                    r.problem = "left by a killed import or write (removed)"
+                    r.problem, r.removed = "left by a killed import or write", True
                 continue
             if remove_bad and _unlocked(root, r.path):
                 remove_inside(root, [r.path])
-                r.problem = "left by a killed download (removed)"
+                r.problem, r.removed = "left by a killed download", True
             continue
         if r.path.is_symlink() or r.sha256 is None and r.problem is not None:
             r.ok = False
             if remove_bad:
                 remove_inside(root, [r.path, marker_path(r.path)])
+                r.removed = True
             continue
         registry_sha = None
         if r.area == FILES_AREA and r.model and r.tag and r.side:
@@ -241,6 +245,7 @@ def verify_cache(cache_dir: str | os.PathLike[str] | None = None, *, remove_bad:
             r.ok, r.problem = False, "not a regular file (never opened)"
             if remove_bad:
                 remove_inside(root, [r.path, marker_path(r.path)])
+                r.removed = True
             continue
         except OSError as exc:
             r.ok, r.problem = False, f"cannot be read ({exc.strerror or exc})"
@@ -249,6 +254,7 @@ def verify_cache(cache_dir: str | os.PathLike[str] | None = None, *, remove_bad:
         r.ok, r.problem = problem is None, problem
         if not r.ok and remove_bad:
             remove_inside(root, [r.path, marker_path(r.path)])
+            r.removed = True
     return records
 
 

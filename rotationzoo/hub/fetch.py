@@ -439,7 +439,8 @@ def fetch_entry(
             check_revision(revision, "--revision")
         except RegistryError as exc:
             raise ConfigError(str(exc)) from None
-    if offline and (force or accept_new):
+    bundled = all(f.bundled and source in ("auto", "bundled") for f in entry.files.values())
+    if offline and (force or accept_new) and not bundled:  # bundled files need no network, forced or not
         raise OfflineError(f"offline mode: --{'force' if force else 'accept-new'} downloads {entry.key} again, which "
                            f"needs the network (offline because {offline_reason()}); drop it to use the cached copy")
     if any(f.sha256 is None for f in entry.files.values()):

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import IO
 
 from ..limits import MAX_LAYERS, safe_repr
-from ...errors import ExportError
+from ...errors import ExportError, RotationZooError
 from ...safefile import open_regular
 
 # Bounds of the GGUF header pre-scan (:func:`scan_gguf_header`), checked before ``gguf.GGUFReader`` parses a file:
@@ -56,15 +56,15 @@ class _HeaderScan:
     """Bounded reads over an open GGUF: ordinary buffered reads of at most :data:`_SCAN_CHUNK` bytes at a time,
     every length checked against the file's size before it is skipped; nothing is mapped or decoded."""
 
-    def __init__(self, f: IO[bytes], size: int, path: Path) -> None:
-        self.f, self.size, self.path = f, size, path
+    def __init__(self, f: IO[bytes], size: int, path: Path, error: type[RotationZooError] = ExportError) -> None:
+        self.f, self.size, self.path, self.error = f, size, path, error
         self.buf, self.i, self.base = b"", 0, 0  # self.buf holds the file's bytes from offset self.base
         self.u32, self.u64 = struct.Struct("<I"), struct.Struct("<Q")
 
-    def fail(self, what: str) -> ExportError:
-        return ExportError(f"{self.path}: cannot read GGUF: {what}")
+    def fail(self, what: str) -> RotationZooError:
+        return self.error(f"{self.path}: cannot read GGUF: {what}")
 
-    def past_end(self, what: str, n: int) -> ExportError:
+    def past_end(self, what: str, n: int) -> RotationZooError:
         return self.fail(f"{what} of {n} bytes at byte {self.base + self.i} runs past the end of the file "
                          f"({self.size} bytes); the file is cut short or damaged")
 
@@ -112,7 +112,7 @@ class _HeaderScan:
         return total
 
 
-def scan_gguf_header(path: Path) -> None:
+def scan_gguf_header(path: Path, *, error: type[RotationZooError] = ExportError) -> None:
     """Walk a GGUF's header (magic, version, tensor and key counts, every key and value, every tensor's name,
     dimensions, type and offset) without building anything for the values, and refuse one that declares more
     than a model GGUF holds (:data:`MAX_GGUF_KEYS`, :data:`MAX_GGUF_TENSORS`, :data:`MAX_GGUF_ARRAY_ITEMS`,
@@ -120,12 +120,12 @@ def scan_gguf_header(path: Path) -> None:
     or whose lengths run past its end. Run before ``gguf.GGUFReader``, which parses all of it into Python objects.
 
     Raises:
-        ExportError: not a regular file, a GGUF version other than 2 or 3, a count or length beyond the bounds,
-            an array of arrays or an unknown value type, or a header cut short.
+        error: (``ExportError`` unless given) not a regular file, a GGUF version other than 2 or 3, a count or
+            length beyond the bounds, an array of arrays or an unknown value type, or a header cut short.
     """
-    with open_regular(path, what="GGUF file", error=ExportError) as f:
+    with open_regular(path, what="GGUF file", error=error) as f:
         size = os.fstat(f.fileno()).st_size
-        h = _HeaderScan(f, size, path)
+        h = _HeaderScan(f, size, path, error)
         if h.read(4, "the magic") != b"GGUF":
             raise h.fail("no GGUF magic")
         raw = h.read(4, "the version")
@@ -148,7 +148,7 @@ def scan_gguf_header(path: Path) -> None:
             if units > allowance:
                 raise h.fail(f"{what}, more metadata than a GGUF of {size} bytes may hold (at most {allowance} units, "
                              f"counting 1 per array number, 2 per array string, {_KEY_UNITS} per key and "
-                             f"{_TENSOR_UNITS} per tensor); the file is damaged or hostile")
+                             f"{_TENSOR_UNITS} per tensor); the file is cut short, damaged or hostile")
             if text > MAX_GGUF_STRING_BYTES:
                 raise h.fail(f"{what}, more than {MAX_GGUF_STRING_BYTES} bytes of strings; a model's tokenizer takes "
                              "under 40 MB")

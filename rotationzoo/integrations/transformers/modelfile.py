@@ -28,16 +28,14 @@ from typing import Any
 
 from ...errors import ModelLoadError
 from ...files.limits import BIG_INT, MAX_HEAD_DIM, MAX_KV_HEADS, MAX_LAYERS, safe_repr
+from ...files.pairfile.gguf_header import MAX_GGUF_DIMS, MAX_GGUF_KEYS, MAX_GGUF_TENSORS, scan_gguf_header
 from ...safefile import check_model_files, open_regular
 from .common import require_transformers
 
 GGUF_MAGIC = b"GGUF"
-#: Largest counts a GGUF header may declare (metadata entries, tensors, array items, dims).
-MAX_GGUF_KEYS = 1 << 16
-MAX_GGUF_TENSORS = 1 << 20
-MAX_GGUF_DIMS = 8
-#: Deepest nesting of metadata arrays (arrays of arrays) a GGUF header may hold; model files use one level.
-MAX_GGUF_DEPTH = 8
+#: Deepest nesting of metadata arrays: none (an array of arrays is refused by :func:`scan_gguf_header` first,
+#: as llama.cpp reads none); kept as a bound of the walk below.
+MAX_GGUF_DEPTH = 1
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
 
@@ -67,28 +65,40 @@ CODE_NAMING_FILES: tuple[str, ...] = ("config.json", "tokenizer_config.json", "g
 
 
 def check_no_remote_code(folder: Path) -> None:
-    """Refuse a model folder whose configs ask transformers to import the folder's own Python code
-    (``auto_map``), before transformers reads them: rotationzoo never runs code from a model folder (and
-    passes ``trust_remote_code=False`` besides, so transformers never asks).
+    """Refuse a model folder that transformers could load only by importing the folder's own Python code,
+    before transformers reads it: a config naming such code (``auto_map``) for a ``model_type`` transformers
+    does not have itself. A model type transformers has (MiniMax-M2, DeepSeek-V3, Phi-3 ship an ``auto_map``
+    beside one) loads with transformers' own classes; every call passes ``trust_remote_code=False``, so the
+    folder's code is never imported either way and transformers never asks.
 
     Raises:
-        ModelLoadError: a config of the folder has an ``auto_map`` (or cannot be read as JSON).
+        ModelLoadError: such a folder (or a config that cannot be read as JSON).
     """
     import json
 
     from ...safefile import read_regular
 
+    configs = {}
     for name in CODE_NAMING_FILES:
         p = folder / name
         if not p.is_file():
             continue
         try:
-            data = json.loads(read_regular(p, 64 << 20, what="model config", error=ModelLoadError).decode("utf-8"))
+            configs[name] = json.loads(read_regular(p, 64 << 20, what="model config",
+                                                    error=ModelLoadError).decode("utf-8"))
         except (OSError, ValueError, RecursionError) as exc:
             raise ModelLoadError(f"{p}: not a JSON config ({type(exc).__name__}); fix the model folder") from None
-        if isinstance(data, dict) and "auto_map" in data:
-            raise ModelLoadError(f"{p}: names Python code of the model folder (auto_map); rotationzoo never runs "
-                                 f"code from a model folder: use a model transformers supports as it is, or a .gguf")
+    naming = [n for n, data in configs.items() if isinstance(data, dict) and "auto_map" in data]
+    if not naming:
+        return
+    model_type = configs.get("config.json", {}).get("model_type") if isinstance(configs.get("config.json"), dict) \
+        else None
+    transformers = require_transformers()
+    if isinstance(model_type, str) and model_type in transformers.CONFIG_MAPPING:
+        return  # transformers' own classes; auto_map is ignored with trust_remote_code=False
+    raise ModelLoadError(f"{folder / naming[0]}: names Python code of the model folder (auto_map) for model_type "
+                         f"{model_type!r}, which transformers does not have; rotationzoo never runs code from a model "
+                         f"folder: use a model transformers supports, or a .gguf")
 
 
 def model_shape(model: Any) -> ModelShape:
@@ -262,6 +272,8 @@ def read_gguf_header(path: str | os.PathLike[str]) -> tuple[dict[str, Any], int]
         size = os.fstat(f.fileno()).st_size
         if size < 24:
             raise ModelLoadError(f"{p}: {size} bytes, not a GGUF file; download or copy it again")
+        if f.read(4) == GGUF_MAGIC:  # the bounds every GGUF reader of the package keeps, before this walk
+            scan_gguf_header(p, error=ModelLoadError)
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             h = _Header(buf, str(p))
             if bytes(buf[:4]) != GGUF_MAGIC:
