@@ -68,7 +68,8 @@ def test_links_inside_the_root_and_fifos_are_reported_and_removed_as_links(cache
     folder = cache_dir / "files" / "models--acme--Tiny-LM" / TAG
     folder.mkdir(parents=True)
     (folder / K_NAME).write_bytes(b"data")
-    kept = cache_dir / "kept.json"
+    kept = cache_dir / "locks" / "kept.json"  # inside the root, in no area verify walks
+    kept.parent.mkdir(parents=True)
     kept.write_text(json.dumps({"sha256": "0" * 64, "size": 4}))
     (folder / (K_NAME + ".verified")).symlink_to(kept)
     (folder / "dangling.pt").symlink_to(cache_dir / "nonexistent")
@@ -86,7 +87,7 @@ def test_cache_rm_all_with_a_linked_area_removes_nothing(zoo, tmp_path, capsys, 
     victim, files = _victim(tmp_path)
     link = zoo.cache / area
     if link.exists():
-        link.rename(zoo.cache / f"{area}.moved")
+        link.rename(zoo.cache / f".{area}.moved")  # hidden: the root holds only the cache's own entries
     link.symlink_to(victim)
     code, out, err = run_cli(capsys, "cache", "rm", "--all", "--yes")
     assert code == 1 and "is a symlink" in err and len(err.strip().splitlines()) == 1
@@ -95,8 +96,8 @@ def test_cache_rm_all_with_a_linked_area_removes_nothing(zoo, tmp_path, capsys, 
         remove_cached(cache_dir=zoo.cache)
     _intact(files)
     link.unlink()
-    if (zoo.cache / f"{area}.moved").exists():
-        (zoo.cache / f"{area}.moved").rename(link)
+    if (zoo.cache / f".{area}.moved").exists():
+        (zoo.cache / f".{area}.moved").rename(link)
     assert sorted(p for p in zoo.cache.rglob("*") if p.is_file()) == before  # nothing else went either
 
 

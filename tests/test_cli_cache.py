@@ -76,3 +76,20 @@ def test_cache_rm_all_with_yes(filled, capsys) -> None:
     assert rc == 0 and json.loads(out)["bytes"] == 7000 and cache_records(filled) == []
     rc, out, _ = run_cli(capsys, "cache", "rm", "--all", "--yes")
     assert rc == 0 and out == "nothing to remove\n"
+
+
+def test_a_folder_that_is_not_a_cache_loses_nothing_to_verify_or_rm(tmp_path, capsys) -> None:
+    """`--cache-dir project` by mistake: its files/, derived/ and imported/ folders hold the user's files, which
+    `cache verify` had removed as unmarked and `cache rm --all` with the folders."""
+    project = tmp_path / "project"
+    for rel, text in (("files/report.pdf", "report"), ("imported/q3/data.csv", "a,b"), ("derived/fig.png", "x"),
+                      ("hub/blob.bin", "blob"), ("src/main.py", "code")):
+        (project / rel).parent.mkdir(parents=True, exist_ok=True)
+        (project / rel).write_text(text)
+    before = sorted(p.relative_to(project) for p in project.rglob("*"))
+    for argv in (["cache", "verify"], ["cache", "rm", "--all", "--yes"]):
+        rc, _, err = run_cli(capsys, *argv, "--cache-dir", str(project))
+        assert rc == 1 and "does not look like a rotationzoo cache (it holds src)" in err, err
+    assert sorted(p.relative_to(project) for p in project.rglob("*")) == before
+    rc, out, _ = run_cli(capsys, "cache", "verify", "--keep", "--cache-dir", str(project))  # reports, removes nothing
+    assert sorted(p.relative_to(project) for p in project.rglob("*")) == before

@@ -35,6 +35,7 @@ from .layout import (
     MARKER_SUFFIX,
     area_dir,
     cache_root,
+    check_cache_root,
     derived_dir,
     inside,
     is_orphan_name,
@@ -203,6 +204,8 @@ def verify_cache(cache_dir: str | os.PathLike[str] | None = None, *, remove_bad:
         CacheError: an area is a symlink or a folder in it leads outside the cache root.
     """
     root = cache_root(cache_dir)
+    if remove_bad:
+        check_cache_root(root)  # a project folder given as the cache: nothing in it is the cache's to remove
     reg = load_registry()
     records = cache_records(root)  # walks (and checks) both areas before anything is removed
     inputs = _verified_inputs(records)
@@ -349,6 +352,7 @@ def remove_cached(model: str | None = None, tag: str | None = None,
     that leads outside the cache root, raises :class:`~rotationzoo.errors.CacheError` with nothing removed.
     """
     root = cache_root(cache_dir)
+    check_cache_root(root)
     if model is None:
         areas = [area_dir(root, sub) for sub in (FILES_AREA, DERIVED_AREA, IMPORTED_AREA, HUB_AREA)]
         for sub in (FILES_AREA, DERIVED_AREA, IMPORTED_AREA, HUB_AREA):

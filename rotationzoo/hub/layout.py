@@ -43,6 +43,9 @@ HUB_AREA = "hub"
 LOCKS_AREA = "locks"
 #: Pairs imported from outside the registry (``rotationzoo cache import``): ``imported/<name>/``.
 IMPORTED_AREA = "imported"
+#: What a cache root holds: its areas and the compiled CPU kernels (``kernels/``,
+#: :data:`rotationzoo.kernels.native.CACHE_AREA`); hidden entries are the cache's own too.
+ROOT_ENTRIES = frozenset({FILES_AREA, DERIVED_AREA, HUB_AREA, LOCKS_AREA, IMPORTED_AREA, "kernels", "CACHEDIR.TAG"})
 
 
 def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
@@ -58,6 +61,27 @@ def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
         where = "--cache-dir" if cache_dir is not None else "ROTATIONZOO_CACHE (or the user cache dir)"
         raise CacheError(f"the cache root {root} is not a folder; set {where} to a folder")
     return root
+
+
+def check_cache_root(root: Path) -> None:
+    """Refuse to remove anything from a folder that is not a rotationzoo cache (``--cache-dir`` or
+    ``ROTATIONZOO_CACHE`` pointed at a project folder): its top level may hold only :data:`ROOT_ENTRIES` and
+    hidden entries. Listing and fetching do not need it; ``cache verify`` and ``cache rm`` call it first.
+
+    Raises:
+        CacheError: the root holds anything else (nothing was removed).
+    """
+    try:
+        names = sorted(e.name for e in os.scandir(root))
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise CacheError(f"cannot list the cache root {root} ({exc.strerror or exc}); nothing was removed") from None
+    foreign = [n for n in names if n not in ROOT_ENTRIES and not n.startswith(".")]
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise CacheError(f"{root} does not look like a rotationzoo cache (it holds {shown}); nothing was removed; "
+                         f"give the cache folder (--cache-dir or ROTATIONZOO_CACHE)")
 
 
 def inside(root: Path, path: Path) -> Path:
