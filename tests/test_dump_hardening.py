@@ -592,6 +592,71 @@ def test_overwriting_a_dump_never_follows_a_linked_layer_folder(tmp_path):
     assert (keep / "notes.txt").read_text() == "keep me" and (root / "layer_0").is_symlink()
 
 
+@pytest.mark.parametrize("foreign", ["layer_1/notes/thesis.tex", "layer_2/photo.jpg", "layer_0/q/notes.md",
+                                     "layer_0/rank_0/analysis.txt"])
+def test_overwriting_a_dump_removes_nothing_that_is_not_a_dump(tmp_path, foreign):
+    """--overwrite-dump deleted whole layer_<L> folders whatever they held (a user's notes, another tool's
+    files): a folder holding anything but kind folders and chunk files is refused, nothing removed."""
+    from rotationzoo.fit import DumpWriter
+
+    root = tmp_path / "dump"
+    w = DumpWriter(root)
+    for lid in range(3):
+        w.write(lid, q=torch.randn(8, 1, 4), k=torch.randn(8, 1, 4), v=torch.randn(8, 1, 4), seq_lens=[8])
+    w.write_info({"model": "m"})
+    (root / foreign).parent.mkdir(parents=True, exist_ok=True)
+    (root / foreign).write_text("keep me")
+    before = sorted(p.relative_to(root) for p in root.rglob("*"))
+    refused(lambda: DumpWriter(root, overwrite=True), "it is not part of a Q/K/V dump", error=DumpError)
+    assert sorted(p.relative_to(root) for p in root.rglob("*")) == before and (root / foreign).read_text() == "keep me"
+    if foreign.startswith("layer_0/q/"):
+        return
+    extra = root.joinpath(*Path(foreign).parts[:2])
+    if extra.is_dir() and not extra.name.startswith("rank_"):
+        shutil.rmtree(extra)  # a dump again: overwritten
+    else:
+        (root / foreign).unlink()
+    DumpWriter(root, overwrite=True).finish()
+    assert not any(root.glob("layer_*")) and not (root / "rotationzoo_dump.json").exists()
+
+
+def test_an_overwrite_cut_short_leaves_a_dump_marked_unfinished(tmp_path, monkeypatch):
+    """A removal that fails half way (EBUSY, Ctrl-C) had left some layers and the info file, unmarked: read as a
+    whole dump of fewer layers. The dump is marked unfinished before anything is removed."""
+    from rotationzoo.fit import DumpWriter, Dump
+    from rotationzoo.fit import dump_writer
+
+    root = tmp_path / "dump"
+    w = DumpWriter(root)
+    for lid in range(4):
+        w.write(lid, q=torch.randn(8, 1, 4), k=torch.randn(8, 1, 4), v=torch.randn(8, 1, 4), seq_lens=[8])
+    w.write_info({"model": "m"})
+    real = shutil.rmtree
+
+    def busy(path, *a, **kw):
+        if Path(path).name == "layer_2":
+            raise OSError(16, "Device or resource busy")
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(dump_writer.shutil, "rmtree", busy)
+    refused(lambda: DumpWriter(root, overwrite=True), "cannot remove the old dump", error=DumpError)
+    assert (root / ".rotationzoo_dump.unfinished").exists()
+    refused(lambda: Dump(root), "unfinished", error=DumpError)
+
+
+def test_two_captures_never_write_one_dump_folder(tmp_path):
+    """Two calibrate runs with one --dump-out: the second wiped the first's chunks and the first's finish then
+    marked the mix whole. The folder is locked while a capture writes."""
+    from rotationzoo.fit import DumpWriter
+
+    root = tmp_path / "dump"
+    first = DumpWriter(root, overwrite=True, unfinished=True)
+    refused(lambda: DumpWriter(root, overwrite=True, unfinished=True), "another capture is writing this dump",
+            error=DumpError)
+    first.finish()
+    DumpWriter(root, overwrite=True, unfinished=True).finish()  # once it is done, the folder is free
+
+
 def test_hadamard_refuses_files_no_reader_could_load(tmp_path):
     refused(lambda: fit_rotations(None, "hadamard", num_layers=4, head_dim=65536), r"beyond what a rotation file may hold",
             error=FitError)

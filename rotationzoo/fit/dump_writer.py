@@ -31,6 +31,50 @@ def _save_atomic(obj: Any, path: Path) -> None:
         raise
 
 
+#: The lock a capture holds on its dump folder while it writes (hidden: readers ignore it).
+WRITER_LOCK_NAME = ".rotationzoo_dump.lock"
+#: What a layer folder of a dump holds: a folder per kind (and ``rank_<r>/`` folders of them), chunk files in them.
+_LAYER_ENTRIES = (*KINDS, "seq_lens", GRAD_KIND)
+
+
+def _take_writer_lock(root: Path) -> Any:
+    """The held lock of a dump folder, or :class:`DumpError` when another capture holds it."""
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(str(root / WRITER_LOCK_NAME), timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise DumpError(f"{root}: another capture is writing this dump; wait for it, or give another --dump-out") \
+            from None
+    except OSError as exc:
+        raise DumpError(f"{root}: cannot lock the dump folder ({exc.strerror or exc})") from None
+    return lock
+
+
+def _not_dump_content(layer: Path) -> str | None:
+    """Why ``layer`` (a ``layer_<L>`` entry) holds something a dump does not (None: only kind folders, ``rank_<r>/``
+    folders of them, and chunk files ``<n>.pt``, with the writers' hidden temporary files)."""
+    if layer.is_symlink() or not layer.is_dir():  # never followed, never removed: what it points to is not the dump's
+        return f"{layer}: a link or a file, not a layer folder of this dump"
+    for e in sorted(layer.iterdir()):
+        if e.name.startswith(".") and e.is_file() and not e.is_symlink():
+            continue
+        if e.name.startswith("rank_") and parse_index(e.name[5:]) is not None and e.is_dir() and not e.is_symlink():
+            problem = _not_dump_content(e)
+            if problem is not None:
+                return problem
+            continue
+        if e.name not in _LAYER_ENTRIES or e.is_symlink() or not e.is_dir():
+            return f"{e}"
+        for chunk in sorted(e.iterdir()):
+            ok = (not chunk.is_symlink() and chunk.is_file()
+                  and (chunk.name.startswith(".") or (chunk.suffix == ".pt" and parse_index(chunk.stem) is not None)))
+            if not ok:
+                return f"{chunk}"
+    return None
+
+
 class DumpWriter:
     """Write activations in the SGLang dump layout, with the dump hook's per-layer token budget.
 
@@ -65,23 +109,32 @@ class DumpWriter:
             raise DumpError(f"unknown dump kinds {bad}; expected a subset of {KINDS}")
         if self.root.exists() and not self.root.is_dir():
             raise DumpError(f"{self.root} exists and is not a directory")
-        existing = [c for c in self.root.iterdir() if _is_layer_dir_name(c.name)] if self.root.is_dir() else []
-        if existing:
-            if not overwrite:
-                raise DumpError(f"{self.root} already holds a dump ({len(existing)} layer folders); choose an empty folder")
-            linked = [c for c in existing if c.is_symlink() or not c.is_dir()]
-            if linked:  # never followed, never removed: what it points to is not this dump's
-                raise DumpError(f"{linked[0]}: a link or a file, not a layer folder of this dump; remove it yourself "
-                                "to overwrite the dump")
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._lock = _take_writer_lock(self.root)  # one capture at a time: another would mix its chunks in
+        try:
+            existing = [c for c in self.root.iterdir() if _is_layer_dir_name(c.name)]
+            if existing:
+                if not overwrite:
+                    raise DumpError(f"{self.root} already holds a dump ({len(existing)} layer folders); choose an "
+                                    f"empty folder")
+                for c in existing:  # everything is checked before anything goes
+                    problem = _not_dump_content(c)
+                    if problem is not None:
+                        raise DumpError(f"{problem}; it is not part of a Q/K/V dump, so the dump is not overwritten: "
+                                        f"move it out, or give another --dump-out")
+            if unfinished or existing:  # marked before the old layers go: a removal cut short is never read as whole
+                (self.root / DUMP_UNFINISHED_NAME).write_text("a capture is writing this dump\n", encoding="utf-8")
             try:
                 for c in existing:
                     shutil.rmtree(c)
-                (self.root / DUMP_INFO_NAME).unlink(missing_ok=True)
+                if existing:
+                    (self.root / DUMP_INFO_NAME).unlink(missing_ok=True)
             except OSError as exc:
-                raise DumpError(f"{self.root}: cannot remove the old dump ({exc}); remove it yourself") from None
-        self.root.mkdir(parents=True, exist_ok=True)
-        if unfinished:
-            (self.root / DUMP_UNFINISHED_NAME).write_text("a capture is writing this dump\n", encoding="utf-8")
+                raise DumpError(f"{self.root}: cannot remove the old dump ({exc}); it stays marked unfinished; "
+                                f"remove it yourself") from None
+        except BaseException:
+            self._lock.release()
+            raise
         self._next_chunk: dict[int, int] = {}
         self._saved: dict[int, int] = {}
         self._last: dict[int, tuple[int, int] | None] = {}  # layer → (chunk, rows) of its last write() (None: nothing)
@@ -195,8 +248,12 @@ class DumpWriter:
         return p
 
     def finish(self) -> None:
-        """Mark the dump whole: readers refuse it while it is marked unfinished."""
+        """Mark the dump whole (readers refuse it while it is marked unfinished) and let another capture write
+        into the folder."""
         (self.root / DUMP_UNFINISHED_NAME).unlink(missing_ok=True)
+        lock = getattr(self, "_lock", None)
+        if lock is not None:
+            lock.release()
 
 
 def write_dump(
