@@ -407,3 +407,27 @@ def test_sigint_with_json_prints_the_json_error(tmp_path) -> None:
                          cwd=tmp_path)
     assert got.returncode == 130, got.stderr
     assert json.loads(got.stdout) == {"error": {"type": "Interrupted", "message": "interrupted"}}
+
+
+def test_sigterm_runs_the_commands_cleanup_and_exits_143(tmp_path) -> None:
+    """`timeout` or a job scheduler sends SIGTERM: the command's finally blocks run (a capture's temporary K/V
+    folder was left in TMPDIR for good), then one line and exit 143."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os, signal, sys, tempfile, rotationzoo.registry as r\n"
+            "from rotationzoo.cli.main import main\n"
+            "def slow():\n"
+            "    with tempfile.TemporaryDirectory(prefix='rotationzoo-kv-') as d:\n"
+            "        open(os.path.join(d, 'chunk.pt'), 'w').write('x')\n"
+            "        os.kill(os.getpid(), signal.SIGTERM)\n"
+            "        __import__('time').sleep(30)\n"
+            "r.list_models = slow\n"
+            "sys.exit(main(['list']))\n")
+    env = {**os.environ, "ROTATIONZOO_DEBUG": "0", "TMPDIR": str(tmp_path)}
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                         cwd=tmp_path)
+    assert got.returncode == 143, got.stderr
+    assert got.stderr.strip().splitlines()[-1] == "error: terminated (SIGTERM)"
+    assert not list(tmp_path.glob("rotationzoo-kv-*"))  # cleaned up on the way out

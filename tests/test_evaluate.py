@@ -388,7 +388,9 @@ def test_cli_eval_checks_its_output_paths_first(tmp_path, capsys) -> None:
            "--prefix-tokens", "4", "--recent-tokens", "8", "--baseline", "none"]
     (tmp_path / "results").mkdir()
     (tmp_path / "a_file").write_text("x")
-    for extra, message in ((["--json-out", str(tmp_path / "results")], "is a folder; give a file name"),
+    for extra, message in ((["--json-out", str(text)], "a file this run reads"),  # its own --text
+                           (["--json-out", str(folder / "config.json")], "a folder this run reads"),
+                           (["--json-out", str(tmp_path / "results")], "is a folder; give a file name"),
                            (["--json-out", str(tmp_path / "a_file" / "e.json")], "is not a folder"),
                            (["--plot", str(tmp_path / "eval.txt")], "matplotlib saves"),
                            (["--plot", str(tmp_path / "e.png"), "--json-out", str(tmp_path / "e.png")], "same file")):

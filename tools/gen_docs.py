@@ -263,7 +263,8 @@ def render_cli() -> str:
         "interrupted (type `Interrupted`). Without `--json` an error is one line `error: …` on stderr (a "
         "failed download adds one line per source tried). Exit codes: 0 success, 1 an error or a failed "
         "check, 2 a usage error (an option that does not parse, a missing one such as `plan` without "
-        "`--context`, or options that do not go together), 130 interrupted.",
+        "`--context`, or options that do not go together), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM; "
+        "the command cleans up first, as on Ctrl-C).",
         "",
     ]
     entries = list(_walk(root, ["rotationzoo"]))

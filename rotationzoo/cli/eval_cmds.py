@@ -17,7 +17,7 @@ This module imports torch, transformers and the library only inside the command.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, List, Optional
+from typing import Annotated, Any, List, Optional, Sequence
 
 import typer
 
@@ -145,7 +145,8 @@ def eval_command(
                               error_windows=error_windows,
                               probe=CopyProbe(probe_tokens, probe_filler, probe_count) if probe == "copy" else None))
     plan = plan_evaluation(request)  # texts, methods, settings and windows: before the model is touched
-    _check_outputs(json_out, plot)  # and the files asked for: a long run never ends in a path it cannot write
+    # and the files asked for: a long run never ends in a path it cannot write, nor writes over one it reads
+    _check_outputs(json_out, plot, inputs=[*text, model, *([rotations] if rotations else [])])
     with progress_reporter("eval") as progress:  # stderr: a bar on a terminal, else a few lines
         report = run_evaluation(plan, progress=progress, note=print_note)
     if as_json:
@@ -156,7 +157,7 @@ def eval_command(
     _write_outputs(report, json_out, plot)  # after the report is shown: a failing write cannot lose it
 
 
-def _check_outputs(json_out: Optional[Path], plot: Optional[Path]) -> None:
+def _check_outputs(json_out: Optional[Path], plot: Optional[Path], *, inputs: Sequence[Any] = ()) -> None:
     from ..errors import ConfigError
     from ..evaluate.plot import check_plot_path
     from ..safefile import check_output_path
@@ -170,6 +171,18 @@ def _check_outputs(json_out: Optional[Path], plot: Optional[Path]) -> None:
             raise CLIError(str(exc)) from None
     if json_out is not None and plot is not None and json_out.resolve() == plot.resolve():
         raise CLIError(f"--json-out and --plot name the same file {json_out}; give two")
+    read = {}
+    for item in inputs:  # a file the run reads is never written over by its report
+        for part in str(item).split(","):  # 'K.pt,V.pt'
+            p = Path(part).expanduser()
+            if p.exists():
+                read[p.resolve()] = part
+    for option, out in (("--json-out", json_out), ("--plot", plot)):
+        target = out.resolve() if out is not None else None
+        for src, given in read.items():
+            if target is not None and (target == src or (src.is_dir() and src in target.parents)):
+                what = f"is {given}, a file" if target == src else f"is inside {given}, a folder"
+                raise CLIError(f"{option} {out} {what} this run reads; give another file name")
 
 
 def _write_outputs(report: Any, json_out: Optional[Path], plot: Optional[Path]) -> None:

@@ -80,6 +80,25 @@ def _run(args: list[str]) -> Any:
         return command.invoke(ctx)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``timeout``, ``kill``, a job scheduler) raised in the command like Ctrl-C, so that its
+    ``finally`` blocks run (a capture's temporary K/V folder is removed) before it exits 143."""
+
+
+def _terminate_as_interrupt() -> Any:
+    """Make SIGTERM raise :class:`Terminated` while a command runs (main thread only); the handler before."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum: int, frame: Any) -> None:
+        raise Terminated()
+
+    return signal.signal(signal.SIGTERM, handler)
+
+
 def _usage_line(exc: click.UsageError) -> str:
     """A usage error as one line: click's message (its lines joined) and where the help is."""
     text = "; ".join(line.strip() for line in exc.format_message().splitlines() if line.strip())
@@ -100,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     from ._output import json_in_args, report_exception, report_failure, reset_mode
 
     args = list(sys.argv[1:] if argv is None else argv)
+    previous = _terminate_as_interrupt()
     try:
         reset_mode(json=json_in_args(args))  # before parsing: a failure to parse is JSON too
         rc = _run(args)
@@ -110,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     except click.Abort:  # a question answered with Ctrl-C or end of input
         report_failure("Aborted", "aborted")
         return 130
+    except Terminated:
+        report_failure("Terminated", "terminated (SIGTERM)")
+        return 143
     except KeyboardInterrupt:
         report_failure("Interrupted", "interrupted")
         return 130
@@ -131,6 +154,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - anything unforeseen: one line, the traceback with --debug
         report_exception(exc, internal=True)
         return 1
+    finally:
+        if previous is not None:
+            import signal
+
+            signal.signal(signal.SIGTERM, previous)
     return int(rc) if isinstance(rc, int) else 0
 
 
