@@ -36,7 +36,8 @@ def test_outputs_get_the_umask_not_0600(tmp_path, umask022) -> None:
     info = DumpWriter(tmp_path / "dump").write_info({"model": "m"})
     for p in (manifest, reg, info):
         assert _mode(p) == 0o644, (p, oct(_mode(p)))
-    assert not [p for p in tmp_path.rglob(".*") if p.is_file()]  # no temporary file left
+    left = [p for p in tmp_path.rglob(".*") if p.is_file() and p.name != ".rotationzoo_dump.lock"]
+    assert not left  # no temporary file left (the dump folder's lock file stays, as lock files do)
 
 
 def test_a_fit_never_takes_over_a_folder_holding_another(tmp_path) -> None:
@@ -64,6 +65,49 @@ def test_a_fit_never_takes_over_a_folder_holding_another(tmp_path) -> None:
     assert (tmp_path / "rot" / "rotationzoo.json").read_bytes() == before
     assert not list((tmp_path / "rot").glob("*qqt*"))
     write_fitted(other, tmp_path / "rot2", tag="run2")  # its own folder: fine
+
+
+def test_a_fit_never_writes_over_files_no_manifest_describes(tmp_path) -> None:
+    """The authors' files copied in by hand (no manifest), or a manifest cut short: a fit with the same file
+    names had replaced them silently."""
+    from rotationzoo.errors import FitError
+    from rotationzoo.fit import fit_rotations, write_fitted
+
+    had = fit_rotations(None, "hadamard", num_layers=2, head_dim=16)
+    out = write_fitted(had, tmp_path / "by_hand")
+    (tmp_path / "by_hand" / "rotationzoo.json").unlink()  # files only, as downloaded by hand
+    k = out.paths["k"]
+    k.write_bytes(b"the authors' bytes")
+    with pytest.raises(FitError, match="exists and no rotationzoo.json of a fit describes it"):
+        write_fitted(had, tmp_path / "by_hand")
+    assert k.read_bytes() == b"the authors' bytes"
+    other = write_fitted(had, tmp_path / "cut")
+    other.manifest_path.write_bytes(other.manifest_path.read_bytes()[:-5])  # cut short
+    with pytest.raises(FitError, match="not valid JSON.*may hold another fit"):
+        write_fitted(had, tmp_path / "cut")
+
+
+def test_a_refit_that_fails_between_its_sides_leaves_the_old_pair_whole(tmp_path, monkeypatch) -> None:
+    """A disk full (or Ctrl-C) after K was replaced and before V had served a new K with the old V."""
+    from rotationzoo.fit import fit_rotations, output, write_fitted
+
+    had = fit_rotations(None, "hadamard", num_layers=2, head_dim=16)
+    first = write_fitted(had, tmp_path / "rot")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "rot").iterdir()}
+    real = output.write_rotation
+
+    def full_on_v(path, rs, **kw):
+        if "v_rotation" in Path(path).name:
+            raise OSError(28, "No space left on device")
+        return real(path, rs, **kw)
+
+    monkeypatch.setattr(output, "write_rotation", full_on_v)
+    again = fit_rotations(None, "hadamard", num_layers=2, head_dim=16)
+    again.k.rotations = -again.k.rotations  # other K bytes
+    with pytest.raises(OSError):
+        write_fitted(again, tmp_path / "rot")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "rot").iterdir()} == before
+    assert first.paths["k"].exists()
 
 
 def test_a_registry_file_is_updated_where_it_lives_and_only_if_it_is_one(tmp_path) -> None:

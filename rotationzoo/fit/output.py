@@ -11,7 +11,13 @@ from typing import Any, Mapping
 from .._version import __version__
 from ..errors import FitError
 from ..files.format import write_rotation
-from ..files.manifest import MANIFEST_NAME, MANIFEST_VERSION, folder_manifest, write_manifest  # noqa: F401  (MANIFEST_NAME re-exported)
+from ..files.manifest import (  # noqa: F401  (MANIFEST_NAME re-exported)
+    MANIFEST_NAME,
+    MANIFEST_VERSION,
+    read_manifest,
+    write_manifest,
+)
+from ..errors import RotationZooError
 from ..hashing import sha256_file
 from ..int2kv import Int2KVConfig
 from ..files.validation import validate
@@ -123,10 +129,23 @@ def check_output_folder(out_dir: str | os.PathLike[str], *, what: str = "output 
 def _check_no_other_fit(out: Path, names: Mapping[str, str]) -> None:
     """Refuse a folder whose manifest describes other files still there: writing would replace its
     manifest and leave them undescribed (a second pair no reader could tell from the first). The same
-    files again (a re-run), or the same ones in the other format, are this fit's own."""
-    old = folder_manifest(out)
+    files again (a re-run), or the same ones in the other format, are this fit's own. A file of the names
+    to write that no readable manifest describes (the authors' files copied in by hand; a manifest cut
+    short) is not a fit's, and is refused rather than written over."""
+    old: dict[str, Any] = {}
+    if (out / MANIFEST_NAME).exists():
+        try:
+            old = read_manifest(out / MANIFEST_NAME, error=FitError)
+        except RotationZooError as exc:
+            raise FitError(f"{exc}; {out} may hold another fit it describes: give another --out, or remove the "
+                           f"manifest and its files first") from None
     listed = old.get("files")
     entries: dict[str, Any] = listed if isinstance(listed, dict) else {}
+    described = {e.get("name") for e in entries.values() if isinstance(e, dict)}
+    foreign = sorted(n for n in names.values() if (out / n).exists() and n not in described)
+    if foreign:
+        raise FitError(f"{out / foreign[0]} exists and no {MANIFEST_NAME} of a fit describes it; writing this fit "
+                       f"would replace it: give another --out, or move it away first")
     stems = {Path(n).stem for n in names.values()}
     others = sorted(str(e["name"]) for e in entries.values()
                     if isinstance(e, dict) and isinstance(e.get("name"), str) and Path(e["name"]).name == e["name"]
@@ -184,11 +203,20 @@ def write_fitted(
     out.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Path] = {}
     files: dict[str, dict[str, Any]] = {}
-    for side, rs in sets.items():
-        p = write_rotation(out / names[side], rs, fmt=fmt)
-        paths[side] = p
-        files[side] = {"name": p.name, "objective": rs.objective, "format_version": rs.layout_version,
-                       "sha256": sha256_file(p), "size": p.stat().st_size}
+    staged: dict[str, Path] = {}
+    try:  # both sides written in full before either replaces a file: a failure between them mixes no pair
+        for side, rs in sets.items():
+            name = names[side]
+            staged[side] = write_rotation(out / f".{name}.{os.getpid()}.new{Path(name).suffix}", rs, fmt=fmt)
+        for side, tmp in staged.items():
+            p = out / names[side]
+            files[side] = {"name": p.name, "objective": sets[side].objective, "format_version": sets[side].layout_version,
+                           "sha256": sha256_file(tmp), "size": tmp.stat().st_size}
+            os.replace(tmp, p)
+            paths[side] = p
+    finally:
+        for tmp in staged.values():
+            tmp.unlink(missing_ok=True)
     manifest = build_manifest(result, files, model=model, tag=tag, prompts=prompts, int2kv=int2kv, fmt=fmt)
     if result.tokens and len(set(result.tokens.values())) > 1:
         manifest["tokens_per_layer"] = {str(k): v for k, v in result.tokens.items()}
