@@ -158,6 +158,50 @@ def test_nan_rows_make_the_output_nan_in_both_backends():
         assert not torch.isnan(out[0, 0]).any() and torch.isnan(out[0, 1]).all(), backend
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+def test_a_row_that_sees_no_key_gets_zeros_even_beside_a_flagged_row(backend):
+    """A query row the mask hides every key from gets zeros (the documented rule); a flagged value row in its
+    KV head made the Triton kernel's merge return NaN there (0 x NaN)."""
+    if backend == "triton":
+        pytest.importorskip("triton", reason="triton is not installed")
+    if backend == "cpu":
+        from rotationzoo.kernels import native
+
+        if not native.native_available():
+            pytest.skip("the C++ kernels are not built here (no compiler)")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 1, 16, 64, generator=g)
+    x[0, 0, 5, 0] = float("nan")  # one value row flagged by the quantizer
+    codes, sz = quantize_int2(x.to(DEVICE))
+    kc, ks = quantize_int2(torch.randn(1, 1, 16, 64, generator=g).to(DEVICE))
+    k, v = Int2KV(None, kc, ks, None), Int2KV(None, codes, sz, None)
+    mask = torch.ones(1, 2, 1, 16, dtype=torch.bool, device=DEVICE)
+    mask[0, 1] = False  # query head 1 sees no key
+    out = decode_attention_int2(torch.randn(1, 2, 1, 64, generator=g).to(DEVICE), k, v, mask=mask, backend=backend,
+                                dtype=torch.float32)
+    assert torch.isnan(out[0, 0]).all() and torch.equal(out[0, 1], torch.zeros_like(out[0, 1])), backend
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+def test_a_score_that_overflows_makes_the_row_nan_in_every_backend(backend):
+    """q.k past fp32's range is +inf: the softmax is undefined and the reference gives NaN; the C++ kernel's
+    vectorized exp had turned the NaN into 0 and returned a silent row of zeros."""
+    if backend == "triton":
+        pytest.importorskip("triton", reason="triton is not installed")
+    if backend == "cpu":
+        from rotationzoo.kernels import native
+
+        if not native.native_available():
+            pytest.skip("the C++ kernels are not built here (no compiler)")
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 1, 1, 64, generator=g).abs().to(DEVICE)
+    recent = torch.randn(1, 1, 4, 64, generator=g)
+    recent[0, 0, 2] = 1e38  # finite, but q.k / 8 overflows
+    k, v = Int2KV(None, None, None, recent.to(DEVICE)), Int2KV(None, None, None, torch.randn(1, 1, 4, 64).to(DEVICE))
+    out = decode_attention_int2(q, k, v, backend=backend, dtype=torch.float32)
+    assert torch.isnan(out).all(), (backend, out[0, 0, 0, :4])
+
+
 # -- argument rules --------------------------------------------------------------------------------
 
 

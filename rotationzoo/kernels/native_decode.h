@@ -50,7 +50,8 @@ struct SimdTable {
 bool simd_table(int d, SimdTable *t);
 
 #if RZ_AVX2
-/* exp(x) for 8 lanes (Cephes' polynomial, about 1 ulp); x < -87 (and -inf) gives 0. */
+/* exp(x) for 8 lanes (Cephes' polynomial, about 1 ulp); x < -87 (and -inf) gives 0, NaN gives NaN (as expf:
+   a score that overflowed to +inf makes the row NaN, as in the reference, never a silent 0). */
 inline __m256 exp8(__m256 x) {
     const __m256 lo = _mm256_set1_ps(-87.0f);
     const __m256 xc = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), lo);
@@ -67,7 +68,8 @@ inline __m256 exp8(__m256 x) {
     y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
     y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-    return _mm256_and_ps(y, _mm256_cmp_ps(x, lo, _CMP_GE_OQ));
+    y = _mm256_and_ps(y, _mm256_cmp_ps(x, lo, _CMP_GE_OQ));
+    return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
 }
 #endif
 

@@ -216,7 +216,7 @@ def _decode_split_kernel(
         acc2 = _dot_fw(w, _window_quarter(v_sink, v_rec, in_sink, in_rec, jq, 2, Q), SPLIT_DOT, HP_KIND)
         acc3 = _dot_fw(w, _window_quarter(v_sink, v_rec, in_sink, in_rec, jq, 3, Q), SPLIT_DOT, HP_KIND)
 
-    seen = l_i > 0.0
+    seen = l_i != 0.0  # NaN (a score past fp32, +inf) stays NaN through the merge, as in the reference
     inv = 1.0 / tl.where(seen, l_i, 1.0)
     lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
     slot = (bh.to(tl.int64) * n_splits + pid) * M
@@ -262,6 +262,7 @@ def _decode_merge_kernel(
             part = tl.load(po_ptr + (base + sp * M + rows)[:, None] * D + (kb * BK + kk)[None, :], mask=keep[:, None],
                            other=0.0)
             ob += wgt[:, None] * part
+        ob = tl.where((l_i == 0.0)[:, None], 0.0, ob)  # a row that sees no key: 0, even beside a NaN partial
         if ROTATE_O:
             rb = tl.load(ro_ptr + hk.to(tl.int64) * sr_h + (kb * BK + kk)[:, None] * sr_i + dims[None, :])
             res += _dot_ff(ob, rb.to(tl.float32), SPLIT_DOT)
