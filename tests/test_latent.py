@@ -272,6 +272,42 @@ def test_an_import_replaces_a_set_whole_or_not_at_all(tmp_path, monkeypatch, cac
     assert not list(folder.glob(".*"))  # no staged copy left behind
 
 
+def test_a_replacement_cut_short_leaves_the_set_before_whole(tmp_path, monkeypatch, cache_dir):
+    """A full disk writing the second layer's marker had left layer 3 of the new set beside layers 7 and 11 of
+    the old one, each verified: the layers replaced are moved aside first and put back on a failure."""
+    import errno
+
+    from rotationzoo.hashing import sha256_file
+    from rotationzoo.hub import latent as lat
+    from rotationzoo.hub.latent import import_latent
+    from rotationzoo.registry import get_model
+
+    overlay(tmp_path, monkeypatch, num_layers=None, layer_count=3)
+    a = latent_folder(tmp_path / "a", ids=(3, 7, 11))
+    folder = import_latent(a, get_model("Tiny-MLA"), cache_dir=cache_dir).folder
+    before = {q.name: q.read_bytes() for q in folder.iterdir()}
+    b = tmp_path / "b"
+    b.mkdir()
+    for i in (3, 7, 11):
+        torch.save(bare(100 + i), b / f"layer_{i}.pt")
+    real, calls = lat.record_verified, []
+
+    def full(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(lat, "record_verified", full)
+    with pytest.raises(OSError):
+        import_latent(b, get_model("Tiny-MLA"), cache_dir=cache_dir, accept_new=True)
+    assert {q.name: q.read_bytes() for q in folder.iterdir()} == before  # nothing of b, nothing left aside
+    monkeypatch.setattr(lat, "record_verified", real)
+    got = import_latent(b, get_model("Tiny-MLA"), cache_dir=cache_dir, accept_new=True)
+    assert all(sha256_file(got.folder / f"layer_{i}.pt") == sha256_file(b / f"layer_{i}.pt") for i in (3, 7, 11))
+    assert not list(got.folder.glob(".*"))
+
+
 @pytest.mark.parametrize("bad", ["oversized", "dangling"])
 def test_an_import_copies_at_most_a_rotation_file_and_says_why_not(tmp_path, monkeypatch, cache_dir, bad):
     """A layer file over the size bound is refused before a byte lands in the cache (a sparse file here:

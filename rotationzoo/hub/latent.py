@@ -183,19 +183,52 @@ def import_latent(folder: str | os.PathLike[str], model: ModelEntry, *,
                 if old is not None and old["sha256"] != sha and not accept_new:
                     pins.check_or_pin(entry, side, sha, source=label)  # raises, saying how to accept it
                 staged[lid] = (staged[lid][0], sha)
-            for lid, (tmp, sha) in staged.items():  # all good: pinned, marked and renamed into place
-                side = latent_file_key(lid)
-                target = dest / f"layer_{lid}.pt"
-                pins.check_or_pin(entry, side, sha, source=label, accept_new=accept_new)
-                marker = record_verified(target, entry, side, sha=sha, source=label, of=tmp)
-                os.replace(tmp, target)
-                got[lid] = CachedFile(side, target, sha, marker["size"], label)
-            if not subspace:  # a whole set replaces the one before: no layer of that one stays beside it
-                stale = [q for q in dest.glob("layer_*.pt") if q.name not in {f"layer_{lid}.pt" for lid in got}]
-                remove_inside(root, [x for q in stale for x in (q, marker_path(q))])
+            _place(root, dest, staged, got, entry, label, subspace)  # the set before back in place on a failure
+            for lid, (_, sha) in staged.items():  # all in place: pinned
+                pins.check_or_pin(entry, latent_file_key(lid), sha, source=label, accept_new=accept_new)
         finally:
             remove_inside(root, [tmp for tmp, _ in staged.values()])
     return LatentFiles(model.id, entry.name, dest, got, None)
+
+
+def _place(root: Path, dest: Path, staged: dict[int, tuple[Path, str]], got: dict[int, CachedFile],
+           entry: TagEntry, label: str, subspace: bool) -> None:
+    """Mark and rename the checked copies into place, whole or not at all: the layers they replace (with a whole
+    set, every layer of the set before) are moved aside first, removed once every copy is in place, and put
+    back, the new ones removed, when one fails (a full disk writing a marker, Ctrl-C).
+
+    Raises:
+        OSError: a marker or a rename failed (the set before is back in place).
+    """
+    names = {f"layer_{lid}.pt" for lid in staged}
+    going = sorted(q for q in dest.glob("layer_*.pt") if not subspace or q.name in names)
+    aside = Path(tempfile.mkdtemp(prefix=".layers-before.", dir=dest))
+    moved: list[tuple[Path, Path]] = []
+    placed: list[Path] = []
+    try:
+        for q in going:
+            for x in (q, marker_path(q)):
+                if x.exists():
+                    os.replace(x, aside / x.name)
+                    moved.append((aside / x.name, x))
+        for lid, (tmp, sha) in staged.items():
+            side = latent_file_key(lid)
+            target = dest / f"layer_{lid}.pt"
+            placed += [target, marker_path(target)]
+            marker = record_verified(target, entry, side, sha=sha, source=label, of=tmp)
+            os.replace(tmp, target)
+            got[lid] = CachedFile(side, target, sha, marker["size"], label)
+    except BaseException:
+        got.clear()
+        remove_inside(root, placed)
+        while moved:  # one that cannot go back stays in the hidden folder, with the ones after it
+            os.replace(*moved[-1])
+            moved.pop()
+        raise
+    finally:
+        if not moved or got:  # everything back, or the new set in place: the folder aside goes
+            remove_inside(root, list(aside.iterdir()))
+            aside.rmdir()
 
 
 __all__ = ["LatentFiles", "cached_layer_ids", "fetch_latent", "import_latent", "latent_entry"]
