@@ -259,14 +259,25 @@ def check_output_path(path: str | os.PathLike[str], *, what: str, error: ErrorTy
     p = Path(path)
     if p.is_dir() and not p.is_symlink():
         raise error(f"{what} {p} is a folder; give a file name")
-    parent = p.parent
+    return check_writable_parent(p, what=what, error=error)
+
+
+def check_writable_parent(path: Path, *, what: str, error: ErrorType) -> Path:
+    """``path``, after checking that a file or folder can be made there: its nearest existing parent is a
+    folder this process can write to (the outputs' shared check: :func:`check_output_path`, and the fit's
+    output folder).
+
+    Raises:
+        error: one line naming the path and what to do.
+    """
+    parent = path.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
     if not parent.is_dir():
-        raise error(f"{what} {p}: {parent} is not a folder; give a path in a folder")
+        raise error(f"{what} {path}: {parent} is not a folder; give a path in a folder")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise error(f"{what} {p}: the folder {parent} is not writable; give a path in a writable folder")
-    return p
+        raise error(f"{what} {path}: the folder {parent} is not writable; give a path in a writable folder")
+    return path
 
 
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:

@@ -158,10 +158,8 @@ def test_nan_rows_make_the_output_nan_in_both_backends():
         assert not torch.isnan(out[0, 0]).any() and torch.isnan(out[0, 1]).all(), backend
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
-def test_a_row_that_sees_no_key_gets_zeros_even_beside_a_flagged_row(backend):
-    """A query row the mask hides every key from gets zeros (the documented rule); a flagged value row in its
-    KV head made the Triton kernel's merge return NaN there (0 x NaN)."""
+def _skip_unless_built(backend: str) -> None:
+    """Skip a backend this machine cannot run (no triton; no C++ compiler for the CPU kernels)."""
     if backend == "triton":
         pytest.importorskip("triton", reason="triton is not installed")
     if backend == "cpu":
@@ -169,6 +167,13 @@ def test_a_row_that_sees_no_key_gets_zeros_even_beside_a_flagged_row(backend):
 
         if not native.native_available():
             pytest.skip("the C++ kernels are not built here (no compiler)")
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+def test_a_row_that_sees_no_key_gets_zeros_even_beside_a_flagged_row(backend):
+    """A query row the mask hides every key from gets zeros (the documented rule); a flagged value row in its
+    KV head made the Triton kernel's merge return NaN there (0 x NaN)."""
+    _skip_unless_built(backend)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 1, 16, 64, generator=g)
     x[0, 0, 5, 0] = float("nan")  # one value row flagged by the quantizer
@@ -186,13 +191,7 @@ def test_a_row_that_sees_no_key_gets_zeros_even_beside_a_flagged_row(backend):
 def test_a_score_that_overflows_makes_the_row_nan_in_every_backend(backend):
     """q.k past fp32's range is +inf: the softmax is undefined and the reference gives NaN; the C++ kernel's
     vectorized exp had turned the NaN into 0 and returned a silent row of zeros."""
-    if backend == "triton":
-        pytest.importorskip("triton", reason="triton is not installed")
-    if backend == "cpu":
-        from rotationzoo.kernels import native
-
-        if not native.native_available():
-            pytest.skip("the C++ kernels are not built here (no compiler)")
+    _skip_unless_built(backend)
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 1, 1, 64, generator=g).abs().to(DEVICE)
     recent = torch.randn(1, 1, 4, 64, generator=g)

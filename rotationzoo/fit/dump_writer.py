@@ -12,6 +12,7 @@ import torch
 
 from ..errors import DumpError
 from ..safefile import temp_beside, write_text_atomic
+from .dump_ranks import LAYER_KINDS, RANK_PREFIX
 from .dump_schema import DUMP_INFO_NAME, DUMP_UNFINISHED_NAME, GRAD_KIND, KINDS, parse_index
 
 
@@ -34,7 +35,7 @@ def _save_atomic(obj: Any, path: Path) -> None:
 #: The lock a capture holds on its dump folder while it writes (hidden: readers ignore it).
 WRITER_LOCK_NAME = ".rotationzoo_dump.lock"
 #: What a layer folder of a dump holds: a folder per kind (and ``rank_<r>/`` folders of them), chunk files in them.
-_LAYER_ENTRIES = (*KINDS, "seq_lens", GRAD_KIND)
+_LAYER_ENTRIES = (*LAYER_KINDS, GRAD_KIND)
 
 
 def _take_writer_lock(root: Path) -> Any:
@@ -60,7 +61,8 @@ def _not_dump_content(layer: Path) -> str | None:
     for e in sorted(layer.iterdir()):
         if e.name.startswith(".") and e.is_file() and not e.is_symlink():
             continue
-        if e.name.startswith("rank_") and parse_index(e.name[5:]) is not None and e.is_dir() and not e.is_symlink():
+        if (e.name.startswith(RANK_PREFIX) and parse_index(e.name[len(RANK_PREFIX):]) is not None and e.is_dir()
+                and not e.is_symlink()):
             problem = _not_dump_content(e)
             if problem is not None:
                 return problem

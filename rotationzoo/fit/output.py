@@ -23,6 +23,7 @@ from ..int2kv import Int2KVConfig
 from ..files.validation import validate
 from ..vocab import FILE_FORMATS
 from ..recipe import RECIPES
+from ..safefile import check_writable_parent
 from .recipes import file_marker
 from .result import FitResult
 
@@ -116,14 +117,7 @@ def check_output_folder(out_dir: str | os.PathLike[str], *, what: str = "output 
         if not os.access(p, os.W_OK | os.X_OK):
             raise FitError(f"{what} {p} is not writable; give a folder you can write to")
         return p
-    parent = p.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise FitError(f"{what} {p}: {parent} is not a folder; give a path in a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise FitError(f"{what} {p}: the folder {parent} is not writable; give a path in a writable folder")
-    return p
+    return check_writable_parent(p, what=what, error=FitError)
 
 
 def _check_no_other_fit(out: Path, names: Mapping[str, str]) -> None:

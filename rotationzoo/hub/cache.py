@@ -214,7 +214,7 @@ def verify_cache(cache_dir: str | os.PathLike[str] | None = None, *, remove_bad:
         if r.area == PARTIAL_AREA:
             r.ok = False
             if _area_of(root, r.path) == HUB_AREA:  # no entry lock covers a client's blob: its age decides
-                if remove_bad and _left_alone_file(r.path):
+                if remove_bad and _left_alone(r.path):
                     remove_inside(root, [r.path])
                     r.problem, r.removed = "left by a killed download", True
                 continue
@@ -265,22 +265,14 @@ def _area_of(root: Path, path: Path) -> str:
     return path.relative_to(root).parts[0]
 
 
-def _left_alone(folder: Path) -> bool:
-    """True when nothing in the staging ``folder`` changed for :data:`STAGING_GRACE_S` seconds."""
+def _left_alone(path: Path) -> bool:
+    """True when nothing in the staging folder ``path`` (or the file itself: a hub client's partial download)
+    changed for :data:`STAGING_GRACE_S` seconds."""
     try:
-        newest = max([os.lstat(folder).st_mtime] + [os.lstat(p).st_mtime for p in folder.rglob("*")])
+        newest = max([os.lstat(path).st_mtime] + [os.lstat(p).st_mtime for p in path.rglob("*")])
     except OSError:  # changed while we looked: in use
         return False
     return time.time() - newest > STAGING_GRACE_S
-
-
-def _left_alone_file(path: Path) -> bool:
-    """True when ``path`` has not been written for :data:`STAGING_GRACE_S` seconds (a download in progress
-    writes to it every few seconds at most)."""
-    try:
-        return time.time() - os.lstat(path).st_mtime > STAGING_GRACE_S
-    except OSError:
-        return False
 
 
 def _entry_lock(root: Path, folder: Path) -> Path:

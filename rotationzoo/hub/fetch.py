@@ -399,12 +399,17 @@ def _warn_unpinned(entry: TagEntry, side: str, sha: str) -> None:
     )
 
 
+def _from_package(f: FileEntry, source: str) -> bool:
+    """Whether ``f`` is served from the files bundled with the package (no cache, no network) for ``source``."""
+    return f.bundled and source in ("auto", "bundled")
+
+
 def _warm_files(entry: TagEntry, root: Path, source: str, revision: str | None) -> dict[str, CachedFile]:
     """The sides already verified in the cache (bundled sides are left to :func:`fetch_file`)."""
     out: dict[str, CachedFile] = {}
     for side in SIDES:
         f = entry.files[side]
-        if f.bundled and source in ("auto", "bundled"):
+        if _from_package(f, source):
             continue
         hit = cached_copy(entry, side, root, revision)
         if hit is None:
@@ -439,7 +444,7 @@ def fetch_entry(
             check_revision(revision, "--revision")
         except RegistryError as exc:
             raise ConfigError(str(exc)) from None
-    bundled = all(f.bundled and source in ("auto", "bundled") for f in entry.files.values())
+    bundled = all(_from_package(f, source) for f in entry.files.values())
     if offline and (force or accept_new) and not bundled:  # bundled files need no network, forced or not
         raise OfflineError(f"offline mode: --{'force' if force else 'accept-new'} downloads {entry.key} again, which "
                            f"needs the network (offline because {offline_reason()}); drop it to use the cached copy")
@@ -453,7 +458,7 @@ def fetch_entry(
         need = []  # name every missing file in one message
         for side in missing:
             f = entry.files[side]
-            if f.bundled and source in ("auto", "bundled"):
+            if _from_package(f, source):
                 out.files[side] = fetch_file(entry, side, root=root, source=source, offline=True)
             else:
                 need.append(f.filename)

@@ -64,6 +64,22 @@ CODE_NAMING_FILES: tuple[str, ...] = ("config.json", "tokenizer_config.json", "g
                                       "processor_config.json", "preprocessor_config.json")
 
 
+def _json_config(path: Path) -> Any:
+    """A model folder's JSON config (at most 64 MiB, a regular file), parsed.
+
+    Raises:
+        ModelLoadError: it cannot be read or is not JSON.
+    """
+    import json
+
+    from ...safefile import read_regular
+
+    try:
+        return json.loads(read_regular(path, 64 << 20, what="model config", error=ModelLoadError).decode("utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:
+        raise ModelLoadError(f"{path}: not a JSON config ({type(exc).__name__}); fix the model folder") from None
+
+
 def check_no_remote_code(folder: Path) -> None:
     """Refuse a model folder that transformers could load only by importing the folder's own Python code,
     before transformers reads it: a config naming such code (``auto_map``) for a ``model_type`` transformers
@@ -74,20 +90,7 @@ def check_no_remote_code(folder: Path) -> None:
     Raises:
         ModelLoadError: such a folder (or a config that cannot be read as JSON).
     """
-    import json
-
-    from ...safefile import read_regular
-
-    configs = {}
-    for name in CODE_NAMING_FILES:
-        p = folder / name
-        if not p.is_file():
-            continue
-        try:
-            configs[name] = json.loads(read_regular(p, 64 << 20, what="model config",
-                                                    error=ModelLoadError).decode("utf-8"))
-        except (OSError, ValueError, RecursionError) as exc:
-            raise ModelLoadError(f"{p}: not a JSON config ({type(exc).__name__}); fix the model folder") from None
+    configs = {name: _json_config(folder / name) for name in CODE_NAMING_FILES if (folder / name).is_file()}
     naming = [n for n, data in configs.items() if isinstance(data, dict) and "auto_map" in data]
     if not naming:
         return
@@ -407,14 +410,7 @@ def _check_raw_config(path: Path, name: str) -> None:
         ModelLoadError: a count that is present (not ``null``) but not an integer from 1 to its bound, or a
             config that is not a JSON object.
     """
-    import json
-
-    from ...safefile import read_regular
-
-    try:
-        data = json.loads(read_regular(path, 64 << 20, what="model config", error=ModelLoadError).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise ModelLoadError(f"{name}: not a JSON config ({type(exc).__name__}); fix the model folder") from None
+    data = _json_config(path)
     if not isinstance(data, dict):
         raise ModelLoadError(f"{name}: not a JSON object; fix config.json or give another model")
     for where in (data, data.get("text_config")):
