@@ -130,6 +130,80 @@ def test_padding_is_read_by_the_kernel_as_a_mask(monkeypatch):
     torch.testing.assert_close(torch.stack(fast.scores), torch.stack(slow.scores), atol=TOL, rtol=TOL)
 
 
+def left_padded(prompts):
+    """``(ids, attention_mask)`` of ``prompts`` (1-D token tensors) left-padded to one length, as generate's
+    callers batch prompts of different lengths."""
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):], mask[row, width - len(p):] = p, 1
+    return ids, mask
+
+
+def generate_rows(model, oscar, prompts, steps, **kwargs):
+    """Greedy ``generate`` of the left-padded batch, and of each prompt alone: ``(batched, alone)`` as lists of
+    ``(new tokens, scores [steps, vocab])`` per prompt."""
+    ids, mask = left_padded(prompts)
+    args = dict(max_new_tokens=steps, do_sample=False, output_scores=True, return_dict_in_generate=True, **kwargs)
+    with torch.no_grad(), oscar_kv(model, oscar) as kv:
+        out = model.generate(ids, attention_mask=mask, cache=kv.new_cache(), **args)
+        alone = [model.generate(p[None], cache=kv.new_cache(), **args) for p in prompts]
+    scores = torch.stack(out.scores)
+    batched = [(out.sequences[row, ids.shape[1]:], scores[:, row]) for row in range(len(prompts))]
+    return batched, [(a.sequences[0, len(p):], torch.stack(a.scores)[:, 0]) for a, p in zip(alone, prompts)]
+
+
+@pytest.mark.parametrize("prefix,recent,lengths", [
+    (4, 8, (40, 30)),      # the sink of the shorter prompt behind 10 padding tokens
+    (4, 8, (40, 38, 29)),  # three paddings
+    (16, 8, (20, 6)),      # a prompt shorter than the sink: the decode steps fill its sink
+    (3, 2, (9, 30)),       # the padded row's tokens reach the INT2 tier during decode only
+])
+def test_each_sequence_of_a_left_padded_batch_decodes_as_alone(prefix, recent, lengths, monkeypatch):
+    """A left-padded batch: every sequence keeps its own first prefix_tokens tokens in the sink and its last
+    recent_tokens exact, so each row's logits are those of its prompt generated alone (the padding of another
+    row changes nothing), in the decode steps that read the codes and in the dequantize path."""
+    model = tiny_llama(seed=30)
+    oscar = OscarKV(rotations(), rotations(seed=31), config=Int2KVConfig(prefix_tokens=prefix, recent_tokens=recent))
+    g = torch.Generator().manual_seed(32)
+    prompts = [torch.randint(3, 96, (n,), generator=g) for n in lengths]
+    count = Counter(monkeypatch)
+    for dequantize in (False, True):
+        if dequantize:
+            monkeypatch.setattr(cache_module, "DECODE_MAX_QUERIES", 0)  # every forward: dequantize, then SDPA
+        batched, alone = generate_rows(model, oscar, prompts, steps=24)
+        for (tokens, scores), (tokens1, scores1) in zip(batched, alone):
+            assert torch.equal(tokens, tokens1)
+            torch.testing.assert_close(scores, scores1, atol=TOL, rtol=TOL)
+    assert count.calls >= 2 * 23  # the first pass's decode steps read the codes
+
+
+def test_a_left_padded_batch_keeps_each_sequences_sink_through_beams_and_crop():
+    """Beam search reorders the rows and their sinks together; cropping a left-padded batch's last tokens
+    gives the logits of never having added them."""
+    model = tiny_llama(seed=33)
+    oscar = OscarKV(rotations(), rotations(seed=34), config=Int2KVConfig(prefix_tokens=4, recent_tokens=3))
+    g = torch.Generator().manual_seed(35)
+    prompts = [torch.randint(3, 96, (n,), generator=g) for n in (26, 12)]
+    batched, alone = generate_rows(model, oscar, prompts, steps=10, num_beams=2)
+    for (tokens, _), (tokens1, _) in zip(batched, alone):
+        assert torch.equal(tokens, tokens1)
+    ids, mask = left_padded(prompts)
+    more = torch.randint(3, 96, (2, 3), generator=g)
+    with torch.no_grad(), oscar_kv(model, oscar) as kv:
+        cache = kv.new_cache()
+        model(ids, attention_mask=mask, cache=cache)
+        ones = torch.ones(2, 3, dtype=torch.long)
+        model(more, attention_mask=torch.cat([mask, ones], 1), cache=cache)
+        cache.crop(-3)
+        again = model(more, attention_mask=torch.cat([mask, ones], 1), cache=cache).logits
+        fresh = kv.new_cache()
+        model(ids, attention_mask=mask, cache=fresh)
+        once = model(more, attention_mask=torch.cat([mask, ones], 1), cache=fresh).logits
+    torch.testing.assert_close(again, once, atol=TOL, rtol=TOL)
+
+
 def test_int2_buffers_grow_without_copying_each_step(monkeypatch):
     monkeypatch.setattr(cache_module, "INT2_GROWTH_TOKENS", 8)
     model = tiny_llama(seed=12, layers=1)

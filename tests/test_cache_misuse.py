@@ -128,6 +128,21 @@ def test_rotations_for_another_shape_fail_on_the_first_call(model, ids, path, ma
 # -- what transformers expects of a cache ----------------------------------------------------------
 
 
+def test_a_head_dim_the_kernels_do_not_run_fails_on_the_first_forward(ids) -> None:
+    """head_dim 32 (the kernels run 64, 128, 256): the prefill is refused naming the layer, before a row is kept
+    (it had been accepted and failed at the first decode step, one layer ahead of the other)."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    m32 = transformers.LlamaForCausalLM(cfg).eval()
+    oscar = OscarKV(rotations(d=32), rotations(d=32, seed=2), config=small(group_size=None))
+    with torch.no_grad(), oscar_kv(m32, oscar) as kv:
+        cache = kv.new_cache()
+        with pytest.raises(EvaluationError, match=r"layer 0: .* head_dim 32 .* 64, 128, 256"):
+            m32(ids[:, :20], cache=cache)
+        assert cache.get_seq_length() == 0 and all(layer.get_seq_length() == 0 for layer in cache.layers)
+
+
 def test_reset_between_prompts_equals_a_fresh_cache(model, ids) -> None:
     oscar = OscarKV(rotations(), rotations(seed=2), config=small())
     with torch.no_grad(), oscar_kv(model, oscar) as kv:

@@ -15,7 +15,7 @@ from rotationzoo.integrations.transformers import OscarKV, oscar_kv  # noqa: E40
 from rotationzoo.integrations.transformers import cache as cache_module  # noqa: E402
 from rotationzoo.kernels import native  # noqa: E402
 
-from test_cache_decode import TOL, Counter, decode, rotations, tiny_llama  # noqa: E402
+from test_cache_decode import TOL, Counter, decode, generate_rows, rotations, tiny_llama  # noqa: E402
 
 D = 64
 #: aten operators that copy a tensor's value to the host (a device synchronisation on a GPU)
@@ -122,6 +122,21 @@ def test_a_sliding_layer_keeps_only_its_window_of_int2_rows(monkeypatch):
     monkeypatch.setattr(cache_module, "DECODE_MAX_QUERIES", 0)  # every forward: dequantize, then SDPA
     slow, _ = decode(model, oscar, ids, prefill=20)
     torch.testing.assert_close(fast, slow, atol=1e-4, rtol=1e-4)
+
+
+def test_a_left_padded_batch_on_a_sliding_layer_decodes_each_sequence_as_alone():
+    """The sliding layer drops the same token slots as transformers' sliding cache, from each sequence's own
+    sink and the shared INT2 tier: each row of a left-padded batch gets the logits of its prompt alone, while
+    the window moves past the sink."""
+    window = 24
+    model = tiny_qwen2(window, seed=36)
+    oscar = OscarKV(rotations(), rotations(seed=37), config=Int2KVConfig(prefix_tokens=4, recent_tokens=4))
+    g = torch.Generator().manual_seed(38)
+    prompts = [torch.randint(3, 96, (n,), generator=g) for n in (18, 9)]
+    batched, alone = generate_rows(model, oscar, prompts, steps=30)
+    for (tokens, scores), (tokens1, scores1) in zip(batched, alone):
+        assert torch.equal(tokens, tokens1)
+        torch.testing.assert_close(scores, scores1, atol=TOL, rtol=TOL)
 
 
 def test_batch_size_follows_the_cache_api():

@@ -67,6 +67,24 @@ class OscarSession:
         self.oscar = oscar
         self.collect_errors = collect_errors
         self.errors = _LayerErrors()
+        self.row_mask: torch.Tensor | None = None
+        self._pads: tuple[Any, list[int] | None] = (None, None)
+
+    def note_inputs(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        """Forward pre-hook of the model: keep the forward's 2-D ``attention_mask`` (``[batch, tokens]``), from
+        which a new cache's layers read each sequence's leading padding (:meth:`leading_pads`)."""
+        mask = kwargs.get("attention_mask")
+        self.row_mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+
+    def leading_pads(self, batch: int) -> list[int] | None:
+        """Per sequence of the current forward, how many masked tokens come before its first one (a left-padded
+        batch); ``None`` without a 2-D mask of ``batch`` rows. Read on the host once per forward."""
+        mask = self.row_mask
+        if mask is None or mask.shape[0] != batch:
+            return None
+        if self._pads[0] is not mask:
+            self._pads = (mask, [int(n) for n in ((mask != 0).cumsum(-1) == 0).sum(-1).tolist()])
+        return self._pads[1]
 
     def new_cache(self) -> Any:
         """A fresh :class:`OscarInt2Cache` for this model (pass it as ``cache=`` /
@@ -201,6 +219,7 @@ class oscar_kv:  # noqa: N801 - used as a context manager, like a function
         self.session = OscarSession(model, oscar, collect_errors)
         self._prev: str | None = None
         self._token: contextvars.Token | None = None
+        self._hook: Any = None
 
     def __enter__(self) -> OscarSession:
         if ACTIVE_SESSION.get() is not None:
@@ -209,9 +228,14 @@ class oscar_kv:  # noqa: N801 - used as a context manager, like a function
         self._prev = getattr(model.config, "_attn_implementation", None) or "sdpa"
         switch_attention(model, oscar_attention_name(base_implementation(model, OSCAR_IMPL_PREFIX)))
         self._token = ACTIVE_SESSION.set(self.session)
+        self._hook = model.register_forward_pre_hook(self.session.note_inputs, with_kwargs=True)
         return self.session
 
     def __exit__(self, *exc: Any) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+            self.session.row_mask, self.session._pads = None, (None, None)
         if self._token is not None:
             ACTIVE_SESSION.reset(self._token)
             self._token = None

@@ -11,7 +11,8 @@ from typing import Any, Callable
 
 import torch
 
-from ...errors import EvaluationError
+from ...errors import ConfigError, EvaluationError
+from ...int2kv import check_group_size
 from ...kernels import Int2KV, decode_attention_int2
 from ...kernels.decode_plan import DECODE_MAX_QUERIES
 from .common import require_transformers
@@ -95,6 +96,11 @@ class _LayerBody:
         self._last_tokens = 0
         self._demoted: dict[str, torch.Tensor | None] = {"k": None, "v": None}
         self._demoted_count = {"k": 0, "v": 0}
+        # token slots [0, _sink_end) go to the sink, [_tier_start, ∞) to the INT2 tier and the recent rows; in a
+        # left-padded batch (sequences of different padding) the two overlap and sequence b reads a slot of the
+        # overlap from the sink when it is before _row_ends[b] (its padding + prefix_tokens), else from the tier
+        self._sink_end = self._tier_start = 0
+        self._row_ends: torch.Tensor | None = None
 
     # the INT2 tier: views of the buffers
     def _int2_view(self, name: str) -> torch.Tensor | None:
@@ -108,7 +114,12 @@ class _LayerBody:
     sz_v = property(lambda self: self._int2_view("sz_v"), doc="Value scales/zeros.")
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        int2_store(self.oscar)  # one line for a format the cache does not store (FP8, KIVI, …)
+        cfg = int2_store(self.oscar)  # one line for a format the cache does not store (FP8, KIVI, …)
+        for what, dim in (("keys", key_states.shape[-1]), ("values", value_states.shape[-1])):
+            try:  # the kernels' head_dim and group rule, before anything is kept (not at the first decode step)
+                check_group_size(cfg.group_size, int(dim), lloyd_max=cfg.lloyd_max)
+            except ConfigError as exc:
+                raise EvaluationError(f"layer {self.layer_idx}: the INT2 cache cannot store these {what}: {exc}") from None
         self.device = key_states.device
         self.dtype = key_states.dtype
         wdt = self.oscar.hp_dtype
@@ -119,6 +130,13 @@ class _LayerBody:
         self.transform.values(value_states[:, :, :0], wdt)
         self.r_k, self.r_v = self.transform.r_k, self.transform.r_v
         empty = lambda n: key_states.new_zeros((b, h, 0, n), dtype=wdt)  # noqa: E731
+        prefix = cfg.prefix_tokens
+        session = ACTIVE_SESSION.get()
+        pads = session.leading_pads(b) if prefix and session is not None else None
+        low, high = (min(pads), max(pads)) if pads else (0, 0)
+        self._tier_start, self._sink_end = prefix + low, prefix + high  # each sequence's first prefix tokens
+        if high > low:
+            self._row_ends = torch.tensor(pads, device=self.device) + prefix
         self.sink_k, self.recent_k = empty(d), empty(d)
         self.sink_v, self.recent_v = empty(dv), empty(dv)
         self.is_initialized = True
@@ -146,19 +164,64 @@ class _LayerBody:
 
     def _history(self, side: str) -> torch.Tensor:
         sink, recent = getattr(self, f"sink_{side}"), getattr(self, f"recent_{side}")
-        return self._materialize(side, (sink, getattr(self, f"codes_{side}"), getattr(self, f"sz_{side}"), recent))
+        parts = (sink, getattr(self, f"codes_{side}"), getattr(self, f"sz_{side}"), recent)
+        return self._materialize(side, parts, self.cumulative_length)
 
-    def _materialize(self, side: str, parts: tuple) -> torch.Tensor:
-        """``[sink | INT2 dequantized | recent]`` in the cache dtype (what the prefill path attends to)."""
+    def _overlap(self, sink_rows: int, tier_rows: int, end: int) -> tuple[int, int]:
+        """``(first, count)``: the token slots held both in the sink and in the tier by a view whose last slot is
+        ``end − 1`` (``count`` 0: none, the case of every batch but a left-padded one)."""
+        if self._row_ends is None or not sink_rows:
+            return 0, 0
+        sink_hi, tier_lo = min(end, self._sink_end), end - tier_rows
+        return tier_lo, max(sink_hi - tier_lo, 0)
+
+    def _materialize(self, side: str, parts: tuple, end: int) -> torch.Tensor:
+        """``[sink | INT2 dequantized | recent]`` in the cache dtype, one row per token slot up to ``end`` (what
+        the prefill path attends to); a slot held twice (a left-padded batch) is each sequence's own."""
         sink, codes, sz, recent = parts
-        out = [sink.to(self.dtype)]
+        tier = []
         if codes is not None and codes.shape[2]:
             if self.oscar.quantize_k if side == "k" else self.oscar.quantize_v:
-                out.append(dequantize_rows(codes, sz, self.oscar, self.dtype))
+                tier.append(dequantize_rows(codes, sz, self.oscar, self.dtype))
             else:
-                out.append(codes.to(self.dtype))  # kept unquantized (quantize_<side>=False)
-        out.append(recent.to(self.dtype))
-        return torch.cat(out, dim=2)
+                tier.append(codes.to(self.dtype))  # kept unquantized (quantize_<side>=False)
+        tier.append(recent.to(self.dtype))
+        rows = torch.cat(tier, dim=2)
+        sink = sink.to(self.dtype)
+        first, count = self._overlap(sink.shape[2], rows.shape[2], end)
+        if not count:
+            return torch.cat([sink, rows], dim=2)
+        assert self._row_ends is not None
+        from_sink = torch.arange(first, first + count, device=sink.device)[None, :] < self._row_ends[:, None]
+        both = torch.where(from_sink[:, None, :, None], sink[:, :, sink.shape[2] - count:], rows[:, :, :count])
+        return torch.cat([sink[:, :, :sink.shape[2] - count], both, rows[:, :, count:]], dim=2)
+
+    def _view_mask(self, view: Int2KV, mask: torch.Tensor | None, queries: int) -> tuple[bool, torch.Tensor | None]:
+        """``(fits, mask)``: the model's ``mask`` (``[B or 1, 1 or Hq, S, slots]``, a column per token slot) as
+        the kernel reads ``view`` (a column per row of sink, INT2 tier and recent rows); ``fits`` is False for a
+        mask of another width. In a left-padded batch a slot held twice is read by each sequence from one place."""
+        assert view.sink is not None and view.recent is not None
+        sink_rows = view.sink.shape[2]
+        tier_rows = view.recent.shape[2] + (0 if view.codes is None else view.codes.shape[2])
+        end = self.cumulative_length
+        first, count = self._overlap(sink_rows, tier_rows, end)
+        if mask is not None and mask.shape[-1] != sink_rows + tier_rows - count:
+            return False, None
+        if not count:
+            return True, visible(mask)
+        assert self._row_ends is not None
+        dev = view.recent.device
+        sink_hi = min(end, self._sink_end)
+        slots = torch.cat([torch.arange(sink_hi - sink_rows, sink_hi, device=dev), torch.arange(end - tier_rows, end, device=dev)])
+        ends = self._row_ends[:, None]
+        own = torch.cat([slots[None, :sink_rows] < ends, slots[None, sink_rows:] >= ends], dim=1)[:, None, None, :]
+        start = min(sink_hi - sink_rows, end - tier_rows)  # the mask's first column
+        if mask is None:  # causal over the new tokens
+            seen = slots[None, :] <= torch.arange(end - queries, end, device=dev)[:, None]
+            return True, own & seen[None, None]
+        seen_by_model = visible(mask)
+        assert seen_by_model is not None
+        return True, seen_by_model[..., slots - start] & own
 
     def _store(self, side: str, x: torch.Tensor) -> Int2KV:
         """Append rotated window-dtype rows ``x [B, H, n, d]``; demote what leaves the window.
@@ -174,11 +237,13 @@ class _LayerBody:
         o = self.oscar
         cfg = int2_store(o)
         sink = getattr(self, f"sink_{side}")
-        take = min(max(cfg.prefix_tokens - self.cumulative_length, 0), x.shape[2])  # positions < prefix
+        start, n = self.cumulative_length, x.shape[2]
+        take = min(max(self._sink_end - start, 0), n)  # slots < prefix (+ the padding)
         if take:
             sink = torch.cat([sink, x[:, :, :take]], dim=2)
             setattr(self, f"sink_{side}", sink)
-        recent = torch.cat([getattr(self, f"recent_{side}"), x[:, :, take:]], dim=2)
+        skip = min(max(self._tier_start - start, 0), n)
+        recent = torch.cat([getattr(self, f"recent_{side}"), x[:, :, skip:]], dim=2)
         view = Int2KV(sink, getattr(self, f"codes_{side}"), getattr(self, f"sz_{side}"), recent)
         extra = recent.shape[2] - cfg.recent_tokens
         self._demoted[side], self._demoted_count[side] = None, max(extra, 0)
@@ -192,24 +257,27 @@ class _LayerBody:
             self._demoted[side] = old[:, :, -CROP_TOKENS:].clone()
         setattr(self, f"recent_{side}", recent.contiguous())
         if self.sliding_window is not None:
-            self._slide(side)
+            self._slide(side, start + n)
         return view
 
-    def _slide(self, side: str) -> None:
-        """Drop the oldest tokens of ``side`` past the last ``sliding_window − 1``: the sink first, then
-        the front of the INT2 tier, then of the recent rows (the view a pending step reads stays as it was)."""
+    def _slide(self, side: str, end: int) -> None:
+        """Drop the token slots of ``side`` before the last ``sliding_window − 1`` (of ``end``): from the sink,
+        then from the front of the INT2 tier, then of the recent rows (the view a pending step reads stays as
+        it was)."""
         assert self.sliding_window is not None
         sink, recent = getattr(self, f"sink_{side}"), getattr(self, f"recent_{side}")
         int2 = self._n_int2[side] - self._int2_lo[side]
-        drop = sink.shape[2] + int2 + recent.shape[2] - (self.sliding_window - 1)
-        if drop <= 0:
+        new_first = end - (self.sliding_window - 1)
+        sink_first = min(end, self._sink_end) - sink.shape[2]
+        from_sink = min(max(new_first - sink_first, 0), sink.shape[2])
+        from_tier = min(max(new_first - (end - int2 - recent.shape[2]), 0), int2 + recent.shape[2])
+        if not from_sink and not from_tier:
             return
         self._slid = True
-        from_sink = min(drop, sink.shape[2])
-        from_int2 = min(drop - from_sink, int2)
+        from_int2 = min(from_tier, int2)
         setattr(self, f"sink_{side}", sink[:, :, from_sink:])
         self._int2_lo[side] += from_int2
-        setattr(self, f"recent_{side}", recent[:, :, drop - from_sink - from_int2:])
+        setattr(self, f"recent_{side}", recent[:, :, from_tier - from_int2:])
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,15 +327,17 @@ class _LayerBody:
         Nothing here reads a tensor's values on the host."""
         assert self.pending is not None
         k, v = self.pending
-        total = sum(t.shape[2] for t in (k.sink, k.codes, k.recent) if t is not None)
         b, hq, s = query.shape[:3]
         if mask is not None and (mask.dim() != 4 or mask.shape[0] not in (1, b) or mask.shape[1] not in (1, hq)
-                                 or tuple(mask.shape[2:]) != (s, total)):
+                                 or mask.shape[2] != s):
+            return None
+        fits, read = self._view_mask(k, mask, s)
+        if not fits:
             return None
         self.pending = None
         t = self.transform  # centering, q_rotation / o_rotation and v_mean included
         out = decode_attention_int2(query, k, v, config=int2_store(self.oscar), q_rotation=t.query_matrix,
-                                    o_rotation=t.output_matrix, scale=scale, mask=visible(mask),
+                                    o_rotation=t.output_matrix, scale=scale, mask=read,
                                     backend=self.oscar.backend)  # type: ignore[arg-type]
         return out if t.v_mean is None else t.with_v_mean(out)
 
@@ -276,7 +346,7 @@ class _LayerBody:
         assert self.pending is not None
         k, v = self.pending
         self.pending = None
-        return self._materialize("k", k), self._materialize("v", v)
+        return self._materialize("k", k, self.cumulative_length), self._materialize("v", v, self.cumulative_length)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """``(kv_length, kv_offset)`` of the mask: every token so far, or for a sliding layer the last
@@ -326,13 +396,14 @@ class _LayerBody:
                 f"OscarInt2Cache can undo only the tokens of its last forward ({self._last_tokens}) whose INT2 rows it "
                 f"still holds exactly (at most {CROP_TOKENS}); cannot remove {n}: INT2 tokens cannot be restored")
         for side in "kv":
-            self._undo(side, n)
+            self._undo(side, n, self.cumulative_length)
         self.cumulative_length -= n
         self._last_tokens -= n
         self.pending = None
 
-    def _undo(self, side: str, n: int) -> None:
-        """Remove the newest ``n`` rows of ``side`` and move back the rows their arrival demoted."""
+    def _undo(self, side: str, n: int, end: int) -> None:
+        """Remove the newest ``n`` token slots of ``side`` (of ``end``) and move back the rows their arrival
+        demoted."""
         sink, recent = getattr(self, f"sink_{side}"), getattr(self, f"recent_{side}")
         log = self._demoted[side]
         back = min(n, self._demoted_count[side])  # INT2 rows that leave the tier: back into the window, or removed
@@ -341,10 +412,10 @@ class _LayerBody:
             self._demoted[side] = log[:, :, :log.shape[2] - back]
         else:
             rows = recent
-        keep = rows.shape[2] - n  # at most recent_tokens: back <= n
-        if keep < 0:  # the removed tokens reach into the sink (a sequence shorter than prefix_tokens)
-            setattr(self, f"sink_{side}", sink[:, :, :sink.shape[2] + keep].contiguous())
-            keep = 0
+        keep = max(rows.shape[2] - n, 0)  # at most recent_tokens: back <= n
+        cut = min(min(end, self._sink_end) - min(end - n, self._sink_end), sink.shape[2])
+        if cut:  # the removed tokens reach into the sink (a sequence shorter than prefix_tokens)
+            setattr(self, f"sink_{side}", sink[:, :, :sink.shape[2] - cut].contiguous())
         setattr(self, f"recent_{side}", rows[:, :, :keep].contiguous())
         self._n_int2[side] -= back
         self._demoted_count[side] -= back
@@ -364,6 +435,8 @@ class _LayerBody:
                 self._demoted[side] = fn(log)
             self._n_int2[side] -= self._int2_lo[side]  # the buffers now start at the tier's first token
             self._int2_lo[side] = 0
+        if self._row_ends is not None:
+            self._row_ends = fn(self._row_ends)
         self.pending = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
