@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ExportError
+from .safefile import check_not_input, check_output_path
 from .files.pair import RotationPair, read_pair, resolve_pair
 from .files.pairfile import EXPORT_FORMAT_VERSION, file_kind, is_gguf, write_gguf, write_pair_safetensors
 from .files.pairfile.gguf import GGUF_KEY_PREFIX, GGUF_TENSOR
@@ -32,7 +33,14 @@ from .vocab import EXPORT_FORMATS
 
 
 
-def _resolve(rotations: Any, tag: str | None, side: str | None, fetch: dict[str, Any]) -> RotationPair:
+def _resolve(rotations: Any, tag: str | None, side: str | None, fetch: dict[str, Any], out: Any,
+             base_gguf: Any = None) -> RotationPair:
+    """The pair to export, after refusing an output that cannot be written or that is what the export reads
+    (the pair's file or folder, the base GGUF): before anything is fetched or read."""
+    check_output_path(Path(out).expanduser(), what="export output", error=ExportError)
+    inputs = [part for part in str(rotations).split(",")] if isinstance(rotations, (str, os.PathLike)) else []
+    check_not_input(out, inputs + ([base_gguf] if base_gguf is not None else []), what="export output",
+                    error=ExportError)
     return resolve_pair(rotations, tag, side=side, **fetch)
 
 
@@ -63,7 +71,7 @@ def export_safetensors(
         eigenvalues and companions, string metadata (model, tag, objectives, sha256).
     """
     pair = _resolve(rotations, tag, side, dict(source=source, revision=revision, cache_dir=cache_dir,
-                                               offline=offline, timeout=timeout))
+                                               offline=offline, timeout=timeout), out)
     p = Path(out).expanduser()
     meta = pair_metadata(pair.sets, model=pair.model, tag=pair.tag, sha256=pair.sha256)
     return write_pair_safetensors(pair.sets, meta, p)
@@ -96,7 +104,7 @@ def export_gguf(
         The path written.
     """
     pair = _resolve(rotations, tag, side, dict(source=source, revision=revision, cache_dir=cache_dir,
-                                               offline=offline, timeout=timeout))
+                                               offline=offline, timeout=timeout), out, base_gguf)
     base = Path(base_gguf).expanduser() if base_gguf is not None else None
     return write_gguf(pair.sets, Path(out).expanduser(), model=pair.model, tag=pair.tag, sha256=pair.sha256,
                       base_gguf=base)

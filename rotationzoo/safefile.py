@@ -24,7 +24,7 @@ import contextlib
 import os
 import stat
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Iterable, Iterator
 
 from .errors import ConfigError, ModelLoadError, RotationZooError
 
@@ -257,9 +257,55 @@ def check_output_path(path: str | os.PathLike[str], *, what: str, error: ErrorTy
         error: one line naming the path and what to do.
     """
     p = Path(path)
-    if p.is_dir() and not p.is_symlink():
-        raise error(f"{what} {p} is a folder; give a file name")
+    check_replaceable(p, what=what, error=error)
     return check_writable_parent(p, what=what, error=error)
+
+
+def check_replaceable(path: str | os.PathLike[str], *, what: str, error: ErrorType) -> None:
+    """Refuse a path that exists as something a file renamed onto it would destroy rather than replace: a
+    folder, a device (``/dev/null``), a pipe or a socket. A regular file is replaced; a link is replaced
+    itself, never written through.
+
+    Raises:
+        error: one line naming the path and what to do.
+    """
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:  # nothing there (yet)
+        return
+    if stat.S_ISREG(mode) or stat.S_ISLNK(mode):
+        return
+    if stat.S_ISDIR(mode):
+        raise error(f"{what} {path} is a folder; give a file name")
+    raise error(f"{what} {path} is a device, a pipe or a socket, which writing a file there would replace; give "
+                f"the name of a file")
+
+
+def replace_with(tmp: str | os.PathLike[str], path: str | os.PathLike[str], *, what: str = "output",
+                 error: ErrorType = ConfigError) -> None:
+    """Rename the finished file ``tmp`` onto ``path`` (:func:`check_replaceable` first, at the moment of
+    writing: what is at ``path`` may have changed since the command began)."""
+    check_replaceable(path, what=what, error=error)
+    os.replace(tmp, path)
+
+
+def check_not_input(out: str | os.PathLike[str], inputs: Iterable[str | os.PathLike[str]], *, what: str,
+                    error: ErrorType) -> None:
+    """Refuse an output that is one of the files a run reads, or inside a folder it reads (a report written
+    over its text; an export written over the pair it exports). Inputs that do not exist are skipped.
+
+    Raises:
+        error: one line naming the output, the input and what to do.
+    """
+    target = Path(out).expanduser().resolve()
+    for given in inputs:
+        src = Path(given).expanduser()
+        if not src.exists():
+            continue
+        src = src.resolve()
+        if target == src or (src.is_dir() and src in target.parents):
+            kind = f"is {given}, a file" if target == src else f"is inside {given}, a folder"
+            raise error(f"{what} {out} {kind} this run reads; give another file name")
 
 
 def check_writable_parent(path: Path, *, what: str, error: ErrorType) -> Path:
@@ -289,7 +335,7 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
-        os.replace(tmp, p)
+        replace_with(tmp, p)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)

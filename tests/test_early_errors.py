@@ -447,3 +447,22 @@ def test_eval_refuses_a_copy_probe_longer_than_the_text_before_the_weights_load(
                          "--baseline", "none", "--probe", "copy", "--probe-count", "100")
     assert rc == 1 and len(err.strip().splitlines()) == 1, err
     assert "the copy probe needs 100 × " in err and "use fewer --probe-count" in err
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["fit", "--objective", "hadamard", "--num-layers", "2", "--head-dim", "64", "--out", ""], "--out is given"),
+    (["fit", "--objective", "hadamard", "--num-layers", "2", "--head-dim", "64", "--out="], "--out is given"),
+    (["cache", "import", ""], "argument 3 is empty"),
+    (["serve-args", "", "--json"], "argument 2 is empty"),
+])
+def test_an_empty_argument_is_a_usage_error_not_the_working_folder(argv, named, tmp_path, monkeypatch, capsys):
+    """An empty value (an unset shell variable) is refused before the command runs: as a path it had meant the
+    working folder (``fit --out ""`` wrote rotation files there, ``cache import ""`` imported it)."""
+    from rotationzoo.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("ROTATIONZOO_CACHE", str(tmp_path / "cache"))
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert named in (out + err) and "unset shell variable" in (out + err)
+    assert list(tmp_path.iterdir()) == []  # nothing written, no cache made

@@ -496,3 +496,49 @@ def test_side_of_a_single_file_from_its_name_or_objective(tmp_path) -> None:
     with pytest.raises(PairError, match="K or the V rotation"):
         read_pair(tmp_path / "h.pt")
     assert read_pair(tmp_path / "h.pt", side="k").sides == ("k",)
+
+
+@pytest.mark.parametrize("to", ["safetensors", "gguf"])
+def test_export_never_replaces_a_pipe_or_its_own_input(pair_dir, tmp_path, to, capsys):
+    """A FIFO (or a device such as /dev/null) at --out is refused, not replaced by a regular file; an output
+    that is the pair's file, a file inside the pair's folder or the base GGUF is refused before anything is
+    read, and every input keeps its bytes."""
+    import os
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(ExportError, match="a device, a pipe or a socket"):
+        export(pair_dir, fifo, to=to)
+    assert fifo.is_fifo()
+    before = {p: p.read_bytes() for p in pair_dir.iterdir()}
+    k_file = pair_dir / "k_rotation_qqt_r_h_pbr.pt"
+    for source, out in ((pair_dir, k_file), (pair_dir, pair_dir / "new.out"), (k_file, k_file)):
+        with pytest.raises(ExportError, match="this run reads; give another file name"):
+            export(source, out, to=to, side="k" if source == k_file else None)
+    assert {p: p.read_bytes() for p in pair_dir.iterdir()} == before
+    rc, _, err = run_cli(capsys, "export", str(pair_dir), "--to", to, "--out", str(k_file))
+    assert rc == 1 and "inside" in err and {p: p.read_bytes() for p in pair_dir.iterdir()} == before
+    if to == "gguf":
+        base = tmp_path / "model.gguf"
+        fake_model_gguf(base)
+        kept = base.read_bytes()
+        with pytest.raises(ExportError, match="this run reads"):
+            export(pair_dir, base, to="gguf", base_gguf=base)
+        assert base.read_bytes() == kept
+
+
+def test_every_user_output_writer_refuses_a_pipe(tmp_path):
+    """The writers that rename a finished file onto a user's path (rotation files, text reports and manifests)
+    refuse a FIFO there at the moment of writing, and leave it."""
+    import os
+
+    from rotationzoo.errors import ConfigError
+    from rotationzoo.safefile import write_text_atomic
+
+    fifo = tmp_path / "pipe.pt"
+    os.mkfifo(fifo)
+    with pytest.raises(RotationFileError, match="a device, a pipe or a socket"):
+        write_rotation(fifo, make_set())
+    with pytest.raises(ConfigError, match="a device, a pipe or a socket"):
+        write_text_atomic(fifo, "{}")
+    assert fifo.is_fifo() and [p.name for p in tmp_path.iterdir()] == ["pipe.pt"]  # no temporary file left

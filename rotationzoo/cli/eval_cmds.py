@@ -160,7 +160,7 @@ def eval_command(
 def _check_outputs(json_out: Optional[Path], plot: Optional[Path], *, inputs: Sequence[Any] = ()) -> None:
     from ..errors import ConfigError
     from ..evaluate.plot import check_plot_path
-    from ..safefile import check_output_path
+    from ..safefile import check_not_input, check_output_path
 
     if json_out is not None:
         check_output_path(json_out, what="--json-out", error=CLIError)
@@ -171,18 +171,10 @@ def _check_outputs(json_out: Optional[Path], plot: Optional[Path], *, inputs: Se
             raise CLIError(str(exc)) from None
     if json_out is not None and plot is not None and json_out.resolve() == plot.resolve():
         raise CLIError(f"--json-out and --plot name the same file {json_out}; give two")
-    read = {}
-    for item in inputs:  # a file the run reads is never written over by its report
-        for part in str(item).split(","):  # 'K.pt,V.pt'
-            p = Path(part).expanduser()
-            if p.exists():
-                read[p.resolve()] = part
+    read = [part for item in inputs for part in str(item).split(",")]  # 'K.pt,V.pt'
     for option, out in (("--json-out", json_out), ("--plot", plot)):
-        target = out.resolve() if out is not None else None
-        for src, given in read.items():
-            if target is not None and (target == src or (src.is_dir() and src in target.parents)):
-                what = f"is {given}, a file" if target == src else f"is inside {given}, a folder"
-                raise CLIError(f"{option} {out} {what} this run reads; give another file name")
+        if out is not None:  # a file the run reads is never written over by its report
+            check_not_input(out, read, what=option, error=CLIError)
 
 
 def _write_outputs(report: Any, json_out: Optional[Path], plot: Optional[Path]) -> None:

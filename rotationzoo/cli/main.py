@@ -99,6 +99,17 @@ def _terminate_as_interrupt() -> Any:
     return signal.signal(signal.SIGTERM, handler)
 
 
+def _empty_argument(args: list[str]) -> str | None:
+    """The usage error of an empty argument (``--out ""``, ``--out=``, a positional ``""``: an unset shell
+    variable), which would otherwise mean the working folder to every path option; ``None`` when there is none."""
+    for i, arg in enumerate(args):
+        if arg == "" or (arg.startswith("--") and arg.endswith("=")):
+            option = arg[:-1] if arg else (args[i - 1] if i and args[i - 1].startswith("-") else None)
+            what = f"{option} is given an empty value" if option else f"argument {i + 1} is empty"
+            return f"{what} (an unset shell variable?); give a value (see rotationzoo --help)"
+    return None
+
+
 def _usage_line(exc: click.UsageError) -> str:
     """A usage error as one line: click's message (its lines joined) and where the help is."""
     text = "; ".join(line.strip() for line in exc.format_message().splitlines() if line.strip())
@@ -122,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     previous = _terminate_as_interrupt()
     try:
         reset_mode(json=json_in_args(args))  # before parsing: a failure to parse is JSON too
+        empty = _empty_argument(args)
+        if empty is not None:
+            report_failure("UsageError", empty)
+            return 2
         rc = _run(args)
     except SystemExit as exc:  # pragma: no cover - typer exits
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)

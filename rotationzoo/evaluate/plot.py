@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import ConfigError, MissingDependencyError
-from ..safefile import check_output_path, temp_beside
+from ..safefile import check_output_path, replace_with, temp_beside
 from .report import EvalReport, MethodResult
 
 
@@ -124,7 +124,7 @@ def _save(plt: Any, fig: Any, path: str | os.PathLike[str]) -> Path:
     try:
         with os.fdopen(fd, "wb") as f:
             fig.savefig(f, dpi=120, format=out.suffix[1:].lower() or "png")
-        os.replace(tmp, out)
+        replace_with(tmp, out, what="--plot")
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -23,7 +23,7 @@ from ..int2kv import Int2KVConfig
 from ..files.validation import validate
 from ..vocab import FILE_FORMATS
 from ..recipe import RECIPES
-from ..safefile import check_writable_parent
+from ..safefile import check_writable_parent, replace_with
 from .recipes import file_marker
 from .result import FitResult
 
@@ -206,7 +206,7 @@ def write_fitted(
             p = out / names[side]
             files[side] = {"name": p.name, "objective": sets[side].objective, "format_version": sets[side].layout_version,
                            "sha256": sha256_file(tmp), "size": tmp.stat().st_size}
-            os.replace(tmp, p)
+            replace_with(tmp, p, what="fit output", error=FitError)
             paths[side] = p
     finally:
         for tmp in staged.values():

@@ -12,7 +12,6 @@ file the side was exported from; nothing trusts it (see :mod:`rotationzoo.files.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import tempfile
@@ -22,6 +21,7 @@ from typing import Any, Mapping
 
 from ..limits import MAX_LAYERS, parse_index, safe_repr
 from ...errors import ExportError, RegistryError, UnsupportedFormatError
+from ...safefile import check_replaceable, replace_with
 from ..format import RotationSet
 from ...registry.model import SIDES
 from ...registry.safety import check_model_id, check_tag
@@ -122,8 +122,7 @@ class atomic_path:  # noqa: N801 - a context manager used like a function
         self.tmpdir: Path | None = None
 
     def __enter__(self) -> Path:
-        if self.target.is_dir():
-            raise ExportError(f"{self.target}: is a folder; give a file name")
+        check_replaceable(self.target, what="export output", error=ExportError)
         self.target.parent.mkdir(parents=True, exist_ok=True)
         self.tmpdir = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.", dir=self.target.parent))
         return self.tmpdir / self.target.name
@@ -133,6 +132,6 @@ class atomic_path:  # noqa: N801 - a context manager used like a function
         assert self.tmpdir is not None
         try:
             if exc_type is None:
-                os.replace(self.tmpdir / self.target.name, self.target)
+                replace_with(self.tmpdir / self.target.name, self.target, what="export output", error=ExportError)
         finally:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
