@@ -8,12 +8,15 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigError
+from .numbers import check_int
 from .kernels import dequantize_int2, quantize_int2
 from .files.pair import load_registered
 from .registry import split_model_tag
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+MAX_DEMO_TOKENS = 262_144
+"""Most rows of the demo's random tensor (``--tokens``): a few hundred MB at head_dim 128."""
 
 
 def run_demo(model: str = DEFAULT_MODEL, tag: str | None = None, *, tokens: int = 1024, seed: int = 0) -> dict[str, Any]:
@@ -26,10 +29,9 @@ def run_demo(model: str = DEFAULT_MODEL, tag: str | None = None, *, tokens: int 
         entry's group size and clip ratio, code / scale shapes and the three errors.
 
     Raises:
-        ConfigError: ``tokens`` is not positive.
+        ConfigError: ``tokens`` is not from 1 to :data:`MAX_DEMO_TOKENS`.
     """
-    if tokens < 1:
-        raise ConfigError(f"tokens must be a positive number of rows, got {tokens}")
+    check_int(tokens, "tokens", low=1, high=MAX_DEMO_TOKENS, hint=" rows of the random K-like tensor")
     t0 = time.perf_counter()
     name, at_tag = split_model_tag(model)
     pair = load_registered(name, tag or at_tag)

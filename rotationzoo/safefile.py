@@ -248,6 +248,27 @@ def temp_beside(path: str | os.PathLike[str], *, suffix: str = ".tmp") -> tuple[
     raise FileExistsError(f"no free temporary name beside {p}")
 
 
+def current_umask() -> int:
+    """The process's umask, read without changing it where the system says it (``/proc``), else by setting and
+    restoring it."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def give_default_mode(path: str | os.PathLike[str]) -> None:
+    """Give a file written by a library that creates it 0600 (safetensors) the permissions ``open(path, "w")``
+    would give: 0666 less the umask, as every other output of the project."""
+    os.chmod(path, 0o666 & ~current_umask())
+
+
 def check_output_path(path: str | os.PathLike[str], *, what: str, error: ErrorType) -> Path:
     """Refuse, before any long work, an output path that cannot be written: an existing folder, or a
     parent that is a file or a folder this process cannot write to (the nearest existing one is judged

@@ -466,3 +466,19 @@ def test_an_empty_argument_is_a_usage_error_not_the_working_folder(argv, named, 
     out, err = capsys.readouterr()
     assert named in (out + err) and "unset shell variable" in (out + err)
     assert list(tmp_path.iterdir()) == []  # nothing written, no cache made
+
+
+def test_sizes_past_their_bound_are_one_line_not_an_internal_error(capsys):
+    """``demo --tokens`` past its bound had reached torch's allocator, ``fit --layers 0-99999999999`` built the
+    range before the layer cap (a MemoryError): both are usage errors now, and the Python demo refuses too."""
+    from rotationzoo.cli.main import main
+    from rotationzoo.demo import MAX_DEMO_TOKENS, run_demo
+    from rotationzoo.errors import ConfigError
+
+    assert main(["demo", "--tokens", "99999999999999"]) == 2
+    assert "--tokens" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"tokens must be an integer from 1 to 262,144"):
+        run_demo(tokens=MAX_DEMO_TOKENS + 1)
+    assert main(["fit", "--objective", "hadamard", "--num-layers", "2", "--head-dim", "64", "--out", "x",
+                 "--layers", "0-99999999999"]) == 2
+    assert "spans more than 1,024 layers" in capsys.readouterr().err

@@ -542,3 +542,21 @@ def test_every_user_output_writer_refuses_a_pipe(tmp_path):
     with pytest.raises(ConfigError, match="a device, a pipe or a socket"):
         write_text_atomic(fifo, "{}")
     assert fifo.is_fifo() and [p.name for p in tmp_path.iterdir()] == ["pipe.pt"]  # no temporary file left
+
+
+def test_safetensors_outputs_follow_the_umask(pair_dir, tmp_path):
+    """safetensors creates its files 0600: an export and a rotation file in safetensors get 0666 less the umask,
+    as the .pt and .gguf outputs do (0644 under umask 022), readable by those the user shares them with."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        export(pair_dir, tmp_path / "pair.safetensors", to="safetensors")
+        write_rotation(tmp_path / "k.safetensors", make_set())
+        export(pair_dir, tmp_path / "pair.gguf", to="gguf")
+    finally:
+        os.umask(old)
+    modes = {name: stat.S_IMODE((tmp_path / name).stat().st_mode) for name in ("pair.safetensors", "k.safetensors",
+                                                                              "pair.gguf")}
+    assert modes == {"pair.safetensors": 0o644, "k.safetensors": 0o644, "pair.gguf": 0o644}

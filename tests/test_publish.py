@@ -683,8 +683,9 @@ def test_cli_publish_json(hubs, fitted, tmp_path, capsys) -> None:
     assert main([*args, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["ok"] and [h["hub"] for h in out["hubs"]] == ["huggingface", "modelscope"]
-    assert out["hubs"][0]["commit"] == hubs.hf.head(REPO_ID) == out["entry"]["tags"][TAG]["sources"][0]["revision"]
-    assert out["registry_out"] == str(reg) and json.loads(reg.read_text())["models"][0] == out["entry"]
+    assert out["hubs"][0]["commit"] == hubs.hf.head(REPO_ID) == out["model_entry"]["tags"][TAG]["sources"][0]["revision"]
+    assert out["registry_out"] == str(reg) and json.loads(reg.read_text())["models"][0] == out["model_entry"]
+    assert out["entry"] == out["model_entry"]["tags"][TAG] and set(out["entry"]["files"]) == {"k", "v"}
     assert any("committed" in m for m in out["messages"])
     # the same again: refused, exit 1, the error as JSON (with --json) naming the fix
     assert main([*args, "--json"]) == 1

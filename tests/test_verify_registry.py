@@ -245,3 +245,35 @@ def test_verify_takes_what_the_resolver_takes(tmp_path, capsys) -> None:
     reports = json.loads(capsys.readouterr().out)
     assert [r["ok"] for r in reports] == [False, False] and "K and V disagree" in reports[0]["problems"][-1]
     assert main(["verify", "NoSuchModel-9B"]) == 1
+
+
+def test_offline_flag_wins_over_download_and_fetch_options_reach_the_hub(zoo, capsys) -> None:
+    """``verify --registry --download --offline`` sends no request (the flag had been dropped: 4 requests to the
+    hub); the fetch options of the files mode (--source, --revision, --timeout) reach the registry mode too."""
+    argv = ["verify", "--registry", "--download", "--model", MODEL, "--json"]
+    assert main([*argv, "--offline"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["counts"] == {"ok": 0, "unpinned": 0, "missing": 3, "failed": 0}
+    assert "--offline" in out["entries"][0]["problems"][0]
+    assert zoo.server.requests() == []
+    assert main([*argv, "--source", "modelscope"]) == 1  # the entries name a Hugging Face source only
+    assert zoo.server.requests() == [] and "modelscope" in capsys.readouterr().out
+    assert main([*argv, "--revision", "no-such-branch"]) == 1
+    asked = [r["path"] for r in zoo.server.requests()]
+    assert asked and all("no-such-branch" in path for path in asked), asked
+
+
+@pytest.mark.parametrize("atol", ["nan", "-1", "inf"])
+def test_a_tolerance_that_is_not_one_is_a_usage_error(atol, tmp_path, capsys) -> None:
+    """--atol nan had passed a file with max|RRᵀ−I| = 8 (every comparison with NaN is false); -1 failed every
+    file as 'not orthogonal'. The Python validator refuses them too."""
+    p = write_rotation(tmp_path / "k.pt", RotationSet(_orthogonal(1), range(L), "x"))
+    assert main(["verify", str(p), "--atol", atol]) == 2
+    assert "--atol must be a finite number in [0, 1]" in capsys.readouterr().err
+    from rotationzoo.errors import ConfigError
+    from rotationzoo.files.validation import validate
+
+    with pytest.raises(ConfigError, match="atol must be a finite number"):
+        validate(RotationSet(_orthogonal(1), range(L), "x"), atol=float(atol))
+    with pytest.raises(ConfigError, match="checks a RotationSet, got str"):
+        validate(str(p))  # type: ignore[arg-type]

@@ -326,7 +326,7 @@ def cmd_cache_rm(
 def cmd_demo(
     model: Annotated[str, typer.Option("--model", "-m", help="Registry model to demonstrate.")] = "SmolLM2-135M-Instruct",
     tag: TagOpt = None,
-    tokens: Annotated[int, typer.Option("--tokens", min=1, help="Rows of the random K-like tensor.")] = 1024,
+    tokens: Annotated[int, typer.Option("--tokens", min=1, max=262_144, help="Rows of the random K-like tensor.")] = 1024,
     json_out: JsonOpt = False,
 ) -> None:
     """Load a registry entry (the bundled one by default: no network) and INT2-quantize a tensor with it.

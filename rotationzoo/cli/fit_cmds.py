@@ -96,6 +96,7 @@ def _parse_layers(text: Optional[str]) -> Optional[list[int]]:
     if text is None:
         return None
     from ..errors import CLIError
+    from ..files.limits import MAX_LAYERS
 
     ids: list[int] = []
     for part in text.split(","):
@@ -105,6 +106,8 @@ def _parse_layers(text: Optional[str]) -> Optional[list[int]]:
         try:
             if "-" in part:
                 a, b = part.split("-", 1)
+                if int(b) - int(a) >= MAX_LAYERS:  # before the range is built
+                    raise CLIError(f"--layers: {part} spans more than {MAX_LAYERS:,} layers; give the model's layer ids")
                 ids.extend(range(int(a), int(b) + 1))
             else:
                 ids.append(int(part))

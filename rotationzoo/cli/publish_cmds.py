@@ -18,7 +18,7 @@ from typing import Annotated, Optional
 import typer
 
 from ..errors import CLIError, PublishError
-from ._options import CacheDirOpt, JsonOpt, RevisionOpt, SourceOpt, TimeoutOpt
+from ._options import CacheDirOpt, JsonOpt, RevisionOpt, SourceOpt
 from ._output import console, emit_json, print_warning, printable, progress_enabled
 
 
@@ -71,7 +71,9 @@ def cmd_publish(
     cache_dir: CacheDirOpt = None,
     offline: Annotated[bool, typer.Option("--offline", help="Offline mode: publish is refused at once, before any "
                                           "request (as with ROTATIONZOO_OFFLINE or HF_HUB_OFFLINE).")] = False,
-    timeout: TimeoutOpt = None,
+    timeout: Annotated[Optional[float], typer.Option(
+        "--timeout", help="Seconds each network step of fetching a MODEL@TAG given as the pair may take (default: "
+                          "ROTATIONZOO_TIMEOUT or 10); the hub clients' own requests of the upload keep theirs.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Validate a fitted K/V pair and publish it to the Hugging Face Hub and ModelScope.

@@ -240,8 +240,13 @@ def cmd_verify(
     rotationzoo verify k.pt --model Qwen3-8B --json  |  rotationzoo verify k.pt,v.pt  |
     rotationzoo verify Qwen3-8B@seq20000_prompt83_group128 --offline  |  rotationzoo verify --registry --download --json
     """
-    from ..errors import CLIError
+    from ..errors import CLIError, ConfigError
+    from ..numbers import check_real
 
+    try:  # before anything is read: a NaN tolerance would pass every file
+        check_real(atol, "--atol", low=0.0, high=1.0, hint=" (a tolerance on max|R Rᵀ − I|)")
+    except ConfigError as exc:
+        raise CLIError(str(exc)) from None
     if registry:
         if paths:
             raise CLIError("give rotation files or --registry, not both")
@@ -249,7 +254,8 @@ def cmd_verify(
 
         from ..publish import verify_registry
 
-        checks = verify_registry(download=download, model=model, cache_dir=cache_dir, atol=atol)
+        checks = verify_registry(download=download, model=model, cache_dir=cache_dir, source=source, revision=revision,
+                                 offline=offline or None, timeout=timeout, atol=atol)
         for ch in checks:
             ch.problems = [plain(p) for p in ch.problems]
         counts = {s: sum(ch.status == s for ch in checks) for s in ("ok", "unpinned", "missing", "failed")}

@@ -65,7 +65,7 @@ from .schema import (  # noqa: F401  (public names of this module)
 from ..errors import RotationFileError, TorchVersionError, UnsafeRotationFileError
 from ..headdims import HeadDims
 from .rotation_set import RotationFormatWarning, RotationSet, set_from_dict  # noqa: F401  (public names of this module)
-from ..safefile import check_regular, open_regular, replace_with
+from ..safefile import check_regular, give_default_mode, open_regular, replace_with
 
 _SAFETENSORS_MAGIC_MAX_HEADER = 100 * 1024 * 1024
 
@@ -340,6 +340,7 @@ def write_rotation(path: str | os.PathLike[str], rotation_set: RotationSet, *, f
                 if key in d:
                     meta[key] = json.dumps(d[key], sort_keys=True)
             save_file(tensors, str(tmp), metadata=meta)
+            give_default_mode(tmp)  # safetensors creates 0600
         replace_with(tmp, p, what="rotation file", error=RotationFileError)
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)

@@ -23,7 +23,8 @@ import hashlib
 
 from .limits import MAX_LAYERS, exc_line
 from .schema import validation_chunks
-from ..errors import InvalidRotationError, RotationZooError
+from ..errors import ConfigError, InvalidRotationError, RotationZooError
+from ..numbers import check_real
 from .format import RotationFormatWarning, RotationSet, read_rotation
 from ..hashing import sha256_file
 from ..headdims import HeadDims
@@ -230,6 +231,11 @@ def validate(
     Returns:
         A :class:`ValidationReport`; messages name the file, the layer and the measured error.
     """
+    if not isinstance(rotation_set, RotationSet):
+        raise ConfigError(f"validate() checks a RotationSet, got {type(rotation_set).__name__}; read a file first "
+                          f"(rotationzoo.read_rotation(path))")
+    for what, tol in (("atol", atol), ("inverse_atol", inverse_atol)):  # NaN would pass every file
+        check_real(tol, what, low=0.0, high=1.0, hint=" (a tolerance on max|R Rᵀ − I|)")
     rs = rotation_set
     name = str(rs.path) if rs.path else "rotation set"
     ids = list(rs.layer_ids)

@@ -69,7 +69,8 @@ def _changed_layers(model: str, cache_dir: str | os.PathLike[str] | None) -> lis
 
 
 def _latent_check(model: str, name: str, *, offline: bool, download: bool, source: str,
-                  cache_dir: str | os.PathLike[str] | None, atol: float) -> EntryCheck:
+                  cache_dir: str | os.PathLike[str] | None, atol: float, revision: str | None = None,
+                  timeout: float | None = None) -> EntryCheck:
     """One MLA latent set: every layer file present (cached, or downloaded), checked and covering the model.
     The registry pins no latent file, so a good set is ``"unpinned"`` with each layer's observed sha256."""
     from ..mla import load_latent
@@ -78,7 +79,8 @@ def _latent_check(model: str, name: str, *, offline: bool, download: bool, sourc
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UnpinnedEntryWarning)
-            lat = load_latent(model, cache_dir=cache_dir, offline=offline, source_type=source, atol=atol)
+            lat = load_latent(model, cache_dir=cache_dir, offline=offline, source_type=source, atol=atol,
+                              revision=revision, timeout=timeout)
     except OfflineError as exc:
         changed = _changed_layers(model, cache_dir)
         if changed:  # present but not served: the bytes changed after verification
@@ -104,6 +106,9 @@ def verify_registry(
     model: str | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     source: str = "auto",
+    revision: str | None = None,
+    offline: bool | None = None,
+    timeout: float | None = None,
     atol: float = 1e-5,
     report: Reporter | None = None,
 ) -> list[EntryCheck]:
@@ -115,7 +120,9 @@ def verify_registry(
             ``ROTATIONZOO_OFFLINE`` / ``HF_HUB_OFFLINE`` win: nothing is downloaded then.
         model: only this model (id or alias).
         cache_dir: cache root (default ``ROTATIONZOO_CACHE`` or the user cache dir).
-        source: as for :func:`rotationzoo.fetch`.
+        source, revision, timeout: as for :func:`rotationzoo.fetch`.
+        offline: never touch the network, as ``ROTATIONZOO_OFFLINE``: with ``download`` too, only cached and
+            bundled files are checked.
         atol: orthogonality tolerance.
         report: called with one line per entry.
 
@@ -124,13 +131,13 @@ def verify_registry(
         cache hit alone would not notice a file changed on disk).
     """
     say: Reporter = report or (lambda msg: log.info(msg))
-    offline = not download or config.offline()  # ROTATIONZOO_OFFLINE wins over --download
+    offline = not download or bool(offline) or config.offline()  # --offline / ROTATIONZOO_OFFLINE win over --download
     models = [get_model(model)] if model is not None else list(load_registry())
     checks: list[EntryCheck] = []
     for m in models:
         if m.mla_latent is not None:  # an MLA latent model: its set, layer by layer, instead of K/V tags
             check = _latent_check(m.id, m.mla_latent.name, offline=offline, download=download, source=source,
-                                  cache_dir=cache_dir, atol=atol)
+                                  cache_dir=cache_dir, atol=atol, revision=revision, timeout=timeout)
             say(f"{m.id}@{check.tag}: {check.status}" + (f" ({check.problems[0]})" if check.status == "failed" else ""))
             checks.append(check)
         for tname, entry in m.tags.items():
@@ -140,7 +147,8 @@ def verify_registry(
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", UnpinnedEntryWarning)
-                    got = fetch_entry(entry, source=source, cache_dir=cache_dir, offline=offline)
+                    got = fetch_entry(entry, source=source, cache_dir=cache_dir, offline=offline, revision=revision,
+                                      timeout=timeout)
             except OfflineError:
                 changed = _changed_copies(entry, cache_dir)
                 if changed:  # present but not served: the bytes changed after verification

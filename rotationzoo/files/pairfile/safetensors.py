@@ -32,7 +32,7 @@ from ...errors import ExportError
 from ..format import RotationSet
 from ...headdims import HeadDims
 from ...registry.model import SIDES
-from ...safefile import check_regular, open_regular
+from ...safefile import check_regular, give_default_mode, open_regular
 from .common import EXPORT_FORMAT_VERSION, LAYER_ID, Sets, atomic_path, check_metadata, parse_version, sides_of
 
 #: ``format`` metadata value of a pair file.
@@ -79,6 +79,7 @@ def write_pair_safetensors(sets: Sets, metadata: Mapping[str, str], out: Path) -
                 tensors[f"{s}.{lid}.{name}"] = t.detach().to("cpu", torch.float32).contiguous().clone()
     with atomic_path(out) as tmp:
         save_file(tensors, str(tmp), metadata=dict(metadata))
+        give_default_mode(tmp)  # safetensors creates 0600
     return out
 
 
