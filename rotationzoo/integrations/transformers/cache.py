@@ -11,11 +11,11 @@ from typing import Any, Callable
 
 import torch
 
-from ...errors import ConfigError, EvaluationError
-from ...int2kv import check_group_size
+from ...errors import EvaluationError
 from ...kernels import Int2KV, decode_attention_int2
 from ...kernels.decode_plan import DECODE_MAX_QUERIES
 from .common import require_transformers
+from .slots import Slots
 from .windows import sliding_windows, visible
 from .oscar import (
     ACTIVE_SESSION,
@@ -33,9 +33,7 @@ INT2_GROWTH_TOKENS = 256
 
 CROP_TOKENS = 128
 """Most rows demoted to INT2 by the last forward that the cache keeps in ``hp_dtype`` as well, so that
-:meth:`crop` can undo that forward's tokens exactly (assisted and prompt-lookup decoding verify a few
-drafted tokens, then drop the rejected ones)."""
-
+:meth:`crop` can undo that forward's tokens exactly (assisted and prompt-lookup decoding verify drafts)."""
 
 _INT2_NAMES = ("codes_k", "sz_k", "codes_v", "sz_v")
 _WINDOW_NAMES = ("sink_k", "sink_v", "recent_k", "recent_v")
@@ -57,9 +55,9 @@ class _LayerBody:
     forward (a prefill) gets the history dequantized plus the new tokens, as before. Either way the
     returned key tensor is tagged so that the OSCAR attention knows it comes from this layer.
 
-    A sliding-window layer (``sliding_window`` ``W``) keeps only the last ``W − 1`` tokens, as
-    transformers' sliding layers do: what falls out of the window leaves the sink, then the front of
-    the INT2 tier (an offset into its buffers, no copy).
+    A sliding-window layer (``sliding_window`` ``W``) keeps only the last ``W − 1`` tokens, as transformers'
+    sliding layers do: what falls out leaves the sink, then the front of the INT2 tier (no copy). Which slots
+    each tier holds (each sequence's own sink in a left-padded batch): :class:`~.slots.Slots`.
     """
 
     is_compileable = False
@@ -96,11 +94,7 @@ class _LayerBody:
         self._last_tokens = 0
         self._demoted: dict[str, torch.Tensor | None] = {"k": None, "v": None}
         self._demoted_count = {"k": 0, "v": 0}
-        # token slots [0, _sink_end) go to the sink, [_tier_start, ∞) to the INT2 tier and the recent rows; in a
-        # left-padded batch (sequences of different padding) the two overlap and sequence b reads a slot of the
-        # overlap from the sink when it is before _row_ends[b] (its padding + prefix_tokens), else from the tier
-        self._sink_end = self._tier_start = 0
-        self._row_ends: torch.Tensor | None = None
+        self.slots = Slots()  # which token slots each tier holds (each sequence's own sink in a padded batch)
 
     # the INT2 tier: views of the buffers
     def _int2_view(self, name: str) -> torch.Tensor | None:
@@ -114,12 +108,7 @@ class _LayerBody:
     sz_v = property(lambda self: self._int2_view("sz_v"), doc="Value scales/zeros.")
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        cfg = int2_store(self.oscar)  # one line for a format the cache does not store (FP8, KIVI, …)
-        for what, dim in (("keys", key_states.shape[-1]), ("values", value_states.shape[-1])):
-            try:  # the kernels' head_dim and group rule, before anything is kept (not at the first decode step)
-                check_group_size(cfg.group_size, int(dim), lloyd_max=cfg.lloyd_max)
-            except ConfigError as exc:
-                raise EvaluationError(f"layer {self.layer_idx}: the INT2 cache cannot store these {what}: {exc}") from None
+        cfg = int2_store(self.oscar, self.layer_idx, key_states.shape[-1], value_states.shape[-1])  # before any row
         self.device = key_states.device
         self.dtype = key_states.dtype
         wdt = self.oscar.hp_dtype
@@ -130,13 +119,9 @@ class _LayerBody:
         self.transform.values(value_states[:, :, :0], wdt)
         self.r_k, self.r_v = self.transform.r_k, self.transform.r_v
         empty = lambda n: key_states.new_zeros((b, h, 0, n), dtype=wdt)  # noqa: E731
-        prefix = cfg.prefix_tokens
         session = ACTIVE_SESSION.get()
-        pads = session.leading_pads(b) if prefix and session is not None else None
-        low, high = (min(pads), max(pads)) if pads else (0, 0)
-        self._tier_start, self._sink_end = prefix + low, prefix + high  # each sequence's first prefix tokens
-        if high > low:
-            self._row_ends = torch.tensor(pads, device=self.device) + prefix
+        pads = session.leading_pads(b) if session is not None else None  # a left-padded batch
+        self.slots = Slots.of(cfg.prefix_tokens, pads, self.device)
         self.sink_k, self.recent_k = empty(d), empty(d)
         self.sink_v, self.recent_v = empty(dv), empty(dv)
         self.is_initialized = True
@@ -167,14 +152,6 @@ class _LayerBody:
         parts = (sink, getattr(self, f"codes_{side}"), getattr(self, f"sz_{side}"), recent)
         return self._materialize(side, parts, self.cumulative_length)
 
-    def _overlap(self, sink_rows: int, tier_rows: int, end: int) -> tuple[int, int]:
-        """``(first, count)``: the token slots held both in the sink and in the tier by a view whose last slot is
-        ``end − 1`` (``count`` 0: none, the case of every batch but a left-padded one)."""
-        if self._row_ends is None or not sink_rows:
-            return 0, 0
-        sink_hi, tier_lo = min(end, self._sink_end), end - tier_rows
-        return tier_lo, max(sink_hi - tier_lo, 0)
-
     def _materialize(self, side: str, parts: tuple, end: int) -> torch.Tensor:
         """``[sink | INT2 dequantized | recent]`` in the cache dtype, one row per token slot up to ``end`` (what
         the prefill path attends to); a slot held twice (a left-padded batch) is each sequence's own."""
@@ -186,42 +163,7 @@ class _LayerBody:
             else:
                 tier.append(codes.to(self.dtype))  # kept unquantized (quantize_<side>=False)
         tier.append(recent.to(self.dtype))
-        rows = torch.cat(tier, dim=2)
-        sink = sink.to(self.dtype)
-        first, count = self._overlap(sink.shape[2], rows.shape[2], end)
-        if not count:
-            return torch.cat([sink, rows], dim=2)
-        assert self._row_ends is not None
-        from_sink = torch.arange(first, first + count, device=sink.device)[None, :] < self._row_ends[:, None]
-        both = torch.where(from_sink[:, None, :, None], sink[:, :, sink.shape[2] - count:], rows[:, :, :count])
-        return torch.cat([sink[:, :, :sink.shape[2] - count], both, rows[:, :, count:]], dim=2)
-
-    def _view_mask(self, view: Int2KV, mask: torch.Tensor | None, queries: int) -> tuple[bool, torch.Tensor | None]:
-        """``(fits, mask)``: the model's ``mask`` (``[B or 1, 1 or Hq, S, slots]``, a column per token slot) as
-        the kernel reads ``view`` (a column per row of sink, INT2 tier and recent rows); ``fits`` is False for a
-        mask of another width. In a left-padded batch a slot held twice is read by each sequence from one place."""
-        assert view.sink is not None and view.recent is not None
-        sink_rows = view.sink.shape[2]
-        tier_rows = view.recent.shape[2] + (0 if view.codes is None else view.codes.shape[2])
-        end = self.cumulative_length
-        first, count = self._overlap(sink_rows, tier_rows, end)
-        if mask is not None and mask.shape[-1] != sink_rows + tier_rows - count:
-            return False, None
-        if not count:
-            return True, visible(mask)
-        assert self._row_ends is not None
-        dev = view.recent.device
-        sink_hi = min(end, self._sink_end)
-        slots = torch.cat([torch.arange(sink_hi - sink_rows, sink_hi, device=dev), torch.arange(end - tier_rows, end, device=dev)])
-        ends = self._row_ends[:, None]
-        own = torch.cat([slots[None, :sink_rows] < ends, slots[None, sink_rows:] >= ends], dim=1)[:, None, None, :]
-        start = min(sink_hi - sink_rows, end - tier_rows)  # the mask's first column
-        if mask is None:  # causal over the new tokens
-            seen = slots[None, :] <= torch.arange(end - queries, end, device=dev)[:, None]
-            return True, own & seen[None, None]
-        seen_by_model = visible(mask)
-        assert seen_by_model is not None
-        return True, seen_by_model[..., slots - start] & own
+        return self.slots.merge(sink.to(self.dtype), torch.cat(tier, dim=2), end)
 
     def _store(self, side: str, x: torch.Tensor) -> Int2KV:
         """Append rotated window-dtype rows ``x [B, H, n, d]``; demote what leaves the window.
@@ -238,11 +180,10 @@ class _LayerBody:
         cfg = int2_store(o)
         sink = getattr(self, f"sink_{side}")
         start, n = self.cumulative_length, x.shape[2]
-        take = min(max(self._sink_end - start, 0), n)  # slots < prefix (+ the padding)
+        take, skip = self.slots.split(start, n)  # slots < prefix (+ the padding); slots of the tier
         if take:
             sink = torch.cat([sink, x[:, :, :take]], dim=2)
             setattr(self, f"sink_{side}", sink)
-        skip = min(max(self._tier_start - start, 0), n)
         recent = torch.cat([getattr(self, f"recent_{side}"), x[:, :, skip:]], dim=2)
         view = Int2KV(sink, getattr(self, f"codes_{side}"), getattr(self, f"sz_{side}"), recent)
         extra = recent.shape[2] - cfg.recent_tokens
@@ -261,20 +202,13 @@ class _LayerBody:
         return view
 
     def _slide(self, side: str, end: int) -> None:
-        """Drop the token slots of ``side`` before the last ``sliding_window − 1`` (of ``end``): from the sink,
-        then from the front of the INT2 tier, then of the recent rows (the view a pending step reads stays as
-        it was)."""
+        """Drop the slots of ``side`` before the last ``sliding_window − 1`` of ``end``: from the sink, then the
+        front of the INT2 tier, then of the recent rows (the view a pending step reads stays as it was)."""
         assert self.sliding_window is not None
         sink, recent = getattr(self, f"sink_{side}"), getattr(self, f"recent_{side}")
         int2 = self._n_int2[side] - self._int2_lo[side]
-        new_first = end - (self.sliding_window - 1)
-        sink_first = min(end, self._sink_end) - sink.shape[2]
-        from_sink = min(max(new_first - sink_first, 0), sink.shape[2])
-        from_tier = min(max(new_first - (end - int2 - recent.shape[2]), 0), int2 + recent.shape[2])
-        if not from_sink and not from_tier:
-            return
-        self._slid = True
-        from_int2 = min(from_tier, int2)
+        from_sink, from_tier = self.slots.dropped(sink.shape[2], int2 + recent.shape[2], end, self.sliding_window)
+        self._slid, from_int2 = self._slid or bool(from_sink or from_tier), min(from_tier, int2)
         setattr(self, f"sink_{side}", sink[:, :, from_sink:])
         self._int2_lo[side] += from_int2
         setattr(self, f"recent_{side}", recent[:, :, from_tier - from_int2:])
@@ -331,7 +265,9 @@ class _LayerBody:
         if mask is not None and (mask.dim() != 4 or mask.shape[0] not in (1, b) or mask.shape[1] not in (1, hq)
                                  or mask.shape[2] != s):
             return None
-        fits, read = self._view_mask(k, mask, s)
+        assert k.sink is not None and k.recent is not None
+        tier_rows = k.recent.shape[2] + (0 if k.codes is None else k.codes.shape[2])
+        fits, read = self.slots.kernel_mask(visible(mask), k.sink.shape[2], tier_rows, self.cumulative_length, s)
         if not fits:
             return None
         self.pending = None
@@ -413,7 +349,7 @@ class _LayerBody:
         else:
             rows = recent
         keep = max(rows.shape[2] - n, 0)  # at most recent_tokens: back <= n
-        cut = min(min(end, self._sink_end) - min(end - n, self._sink_end), sink.shape[2])
+        cut = self.slots.sink_cut(end, n, sink.shape[2])
         if cut:  # the removed tokens reach into the sink (a sequence shorter than prefix_tokens)
             setattr(self, f"sink_{side}", sink[:, :, :sink.shape[2] - cut].contiguous())
         setattr(self, f"recent_{side}", rows[:, :, :keep].contiguous())
@@ -435,8 +371,7 @@ class _LayerBody:
                 self._demoted[side] = fn(log)
             self._n_int2[side] -= self._int2_lo[side]  # the buffers now start at the tier's first token
             self._int2_lo[side] = 0
-        if self._row_ends is not None:
-            self._row_ends = fn(self._row_ends)
+        self.slots.map_batch(fn)
         self.pending = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

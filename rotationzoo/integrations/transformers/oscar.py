@@ -21,8 +21,8 @@ from typing import Any, Sequence
 import torch
 
 from ...dtypes import TORCH_DTYPES
-from ...errors import EvaluationError
-from ...int2kv import Int2KVConfig
+from ...errors import ConfigError, EvaluationError
+from ...int2kv import Int2KVConfig, check_group_size
 from ...kernels import dequantize_int2, fake_quantize_int2, quantize_int2
 from ...kernels.formats import fake_quantize_format
 from ...kvformat import KVFormat
@@ -371,12 +371,19 @@ def _with_clip_search(config: Int2KVConfig, clip_search: str | None) -> Int2KVCo
     return config.replace(clip_search=clip_search)
 
 
-def int2_store(oscar: OscarKV) -> Int2KVConfig:
-    """``oscar``'s INT2 store, or one line saying that its format is simulated only."""
+def int2_store(oscar: OscarKV, layer: int | None = None, *dims: int) -> Int2KVConfig:
+    """``oscar``'s INT2 store, or one line saying that its format is simulated only; with a ``layer`` and its
+    keys' and values' ``dims``, one line naming the layer when the kernels cannot store rows of that head_dim
+    (their head_dims and group rule)."""
     if oscar.config is None:
         why = " (one code width per cache)" if oscar.kv_format.mixed else ""
         raise EvaluationError(f"the INT2 cache stores INT2 rows{why}; {oscar.kv_format.name} is evaluated by the "
                               f"decode-time simulation only (a forward without the cache, as rotationzoo eval runs)")
+    for what, dim in zip(("keys", "values"), dims):
+        try:
+            check_group_size(oscar.config.group_size, int(dim), lloyd_max=oscar.config.lloyd_max)
+        except ConfigError as exc:
+            raise EvaluationError(f"layer {layer}: the INT2 cache cannot store these {what}: {exc}") from None
     return oscar.config
 
 
