@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .errors import ConfigError
 from .hub import Reporter, fetch_entry
+from .numbers import shown
 from .registry import SIDES, TagEntry, get_entry, split_model_tag
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -113,7 +115,7 @@ def load(
     tag: str | None = None,
     *,
     device: "str | torch.device" = "cpu",
-    dtype: "torch.dtype | None" = None,
+    dtype: "torch.dtype | str | None" = None,
     source: str = "auto",
     revision: str | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
@@ -133,17 +135,30 @@ def load(
             options are ignored. A path that exists is taken before a registry id of the same spelling
             (``Qwen3-8B`` names a folder of that name in the working folder when there is one; ``Qwen/Qwen3-8B``
             or ``Qwen3-8B@TAG`` names the registry entry there).
-        device: device of the returned tensors.
-        dtype: dtype of the returned rotations (default fp32, as stored; serving engines use bf16).
+        device: device of the returned tensors (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...: one this machine
+            has, checked before anything is fetched).
+        dtype: dtype of the returned rotations: a torch floating-point dtype or its name as the CLI spells it
+            (``"float32"``, ``"float16"``, ``"bfloat16"``); default fp32, as stored (serving engines use bf16).
         atol: orthogonality tolerance for validation.
 
     Returns:
         :class:`~rotationzoo.files.pair.RotationPair` whose ``k.rotations`` and ``v.rotations`` are
         ``[L, d, d]`` tensors for the model's attention layers ``pair.layer_ids``, with
         ``pair.entry`` and ``pair.serving`` from the registry.
+
+    Raises:
+        ConfigError: ``model`` is neither a string nor a path, a dtype that is not a floating-point one, a
+            device torch does not know or this machine does not have (one line, before anything is read).
+        UnknownModelError, UnknownTagError, FetchError, IntegrityError, OfflineError, PairError,
+            RotationFileError, InvalidRotationError: as for :func:`fetch` and the local readers.
     """
     from .files.pair import load_registered, looks_like_path, resolve_pair  # torch only when tensors are needed
 
+    if not isinstance(model, (str, os.PathLike)):
+        raise ConfigError(f"load() takes a registry id (MODEL or MODEL@TAG) or a path, got {type(model).__name__} "
+                          f"{shown(model)}")
+    dtype = _tensor_dtype(dtype)
+    _check_device(device)
     text = os.fspath(model)
     if isinstance(model, os.PathLike) or Path(text).expanduser().exists() or looks_like_path(text):
         pair = resolve_pair(text, tag, atol=atol)
@@ -152,6 +167,41 @@ def load(
     return load_registered(name, tag or at_tag, device=device, dtype=dtype, source=source, revision=revision,
                            cache_dir=cache_dir, offline=offline, timeout=timeout, force=force, accept_new=accept_new,
                            atol=atol)
+
+
+def _tensor_dtype(dtype: Any) -> "torch.dtype | None":
+    """``dtype`` as a torch floating-point dtype (a name of :data:`~rotationzoo.dtypes.TORCH_DTYPES` accepted),
+    or ``None``; anything else is a :class:`~rotationzoo.errors.ConfigError`."""
+    if dtype is None:
+        return None
+    import torch
+
+    from .dtypes import TORCH_DTYPES
+
+    got = TORCH_DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+    if not isinstance(got, torch.dtype) or not got.is_floating_point:
+        raise ConfigError(f"dtype {shown(dtype)} is not a floating-point dtype; use {', '.join(TORCH_DTYPES)} (or "
+                          f"torch.float32, torch.float16, torch.bfloat16), or None for fp32 as stored")
+    return got
+
+
+def _check_device(device: Any) -> None:
+    """Refuse a device torch does not know or this machine does not have, with the check ``eval`` and
+    ``calibrate`` make (:func:`~rotationzoo.integrations.transformers.loading.check_load_options`)."""
+    if isinstance(device, str) and device == "cpu":
+        return
+    import torch
+
+    if not isinstance(device, (str, torch.device)):
+        raise ConfigError(f"device must be a string such as 'cpu', 'cuda' or 'cuda:1' (or a torch.device), got "
+                          f"{type(device).__name__} {shown(device)}")
+    from .errors import ModelLoadError
+    from .integrations.transformers.loading import check_load_options
+
+    try:
+        check_load_options(None, device)
+    except ModelLoadError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def __getattr__(name: str) -> Any:

@@ -97,6 +97,17 @@ def check_group_size(group_size: object, head_dim: int | None = None, *, lloyd_m
     return group_size
 
 
+def check_knob_names(changes: Any, what: str = "INT2-KV settings") -> None:
+    """Refuse ``changes`` unless it maps :class:`Int2KVConfig` field names (``group_size``, ``k_clip_ratio``, ...)
+    to values: one :class:`~rotationzoo.errors.ConfigError` line naming the first unknown name and the knobs."""
+    if not isinstance(changes, Mapping):
+        raise ConfigError(f"{what} must be a mapping of knob names to values, got {type(changes).__name__}")
+    known = [f.name for f in fields(Int2KVConfig)]
+    unknown = [k for k in changes if k not in known]
+    if unknown:
+        raise ConfigError(f"{what}: {shown(unknown[0])} is not an INT2-KV knob; expected {', '.join(known)}")
+
+
 @dataclass(frozen=True)
 class Int2KVConfig:
     """How keys and values are stored in an OSCAR INT2 KV cache (everything but the rotations).
@@ -161,7 +172,12 @@ class Int2KVConfig:
             raise ConfigError(f"{where}: {exc}") from None
 
     def replace(self, **changes: Any) -> "Int2KVConfig":
-        """A copy with some knobs changed; ``None`` values are ignored (handy for optional CLI flags)."""
+        """A copy with some knobs changed; ``None`` values are ignored (handy for optional CLI flags).
+
+        Raises:
+            ConfigError: a name that is not a knob (one line listing the knobs), or a bad value.
+        """
+        check_knob_names(changes)
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
 
     def to_json(self) -> dict[str, Any]:
@@ -246,4 +262,4 @@ class Int2KVConfig:
 
 
 __all__ = ["CLIP_SEARCHES", "DTYPE_BITS", "DTYPE_NAMES", "HEAD_DIMS", "MAX_CONTEXT_TOKENS", "MIN_GROUP_SIZE",
-           "ClipSearch", "DtypeName", "Int2KVConfig", "allowed_group_sizes", "check_group_size"]
+           "ClipSearch", "DtypeName", "Int2KVConfig", "allowed_group_sizes", "check_group_size", "check_knob_names"]

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from .errors import InvalidRotationError, RotationZooError, UnknownModelError, UnknownTagError
+from .errors import ConfigError, InvalidRotationError, RotationZooError, UnknownModelError, UnknownTagError
 from .hub.latent import LatentFiles, fetch_latent, import_latent
 from .files.latent import LatentReport, LatentRotations, is_latent_folder, read_latent_folder, validate_latent
 from .registry import ModelEntry, get_model, split_model_tag
+from .numbers import shown
 from .registry.model import LatentSet
 from .files.validation import DEFAULT_ATOL, ValidationReport
 
@@ -84,18 +85,25 @@ def _checked(folder: Path, expect: dict[str, Any], atol: float) -> tuple[LatentR
     return rotations, report
 
 
-def load_latent(source: str | os.PathLike[str], *, model: str | None = None, atol: float = DEFAULT_ATOL,
-                cache_dir: str | os.PathLike[str] | None = None, offline: bool | None = None,
-                source_type: str = "auto", revision: str | None = None, timeout: float | None = None) -> LoadedLatent:
+def load_latent(source: str | os.PathLike[str] | None = None, /, *, model: str | None = None,
+                atol: float = DEFAULT_ATOL, cache_dir: str | os.PathLike[str] | None = None,
+                offline: bool | None = None, source_type: str = "auto", revision: str | None = None,
+                timeout: float | None = None, **misnamed: Any) -> LoadedLatent:
     """A validated latent set: a registry model (fetched and cached) or a local folder (checked against
     ``model``'s latent layers when given, else its ids must run from 0 without a gap).
 
+    ``source`` is what to load (a model id or a folder; ``source=`` by keyword works too); the hub it is
+    fetched from is ``source_type`` (``"auto"``, ``"huggingface"``, ``"modelscope"``, ...: what
+    :func:`rotationzoo.fetch` calls ``source``).
+
     Raises:
+        ConfigError: ``source=`` given beside the positional model or folder (the hub is ``source_type=``).
         InvalidRotationError: a layer missing, stray, not finite, not orthogonal, or not inverted by its
             ``q_rotation`` (the first problem; one line naming the layer).
         RotationFileError: a file that cannot be read safely.
         OfflineError / FetchError: the set is not cached and cannot be downloaded.
     """
+    source = _what_to_load(source, misnamed)
     m = latent_model(str(source)) if not Path(source).expanduser().is_dir() else None
     files = None
     if m is not None:
@@ -109,6 +117,24 @@ def load_latent(source: str | os.PathLike[str], *, model: str | None = None, ato
     if not report.ok:
         raise InvalidRotationError(report.problems[0])
     return LoadedLatent(rotations, report, m.id if m else None, m.mla_latent if m else None, files)
+
+
+def _what_to_load(source: Any, misnamed: dict[str, Any]) -> str | os.PathLike[str]:
+    """``load_latent``'s model or folder, given by position or as ``source=``; ``source=`` beside a positional
+    one (meant as the hub, which is ``source_type=``) is refused with one line, as is any other unknown keyword."""
+    given = misnamed.pop("source", None)
+    if misnamed:
+        name = next(iter(misnamed))
+        raise TypeError(f"load_latent() got an unexpected keyword argument {name!r}")
+    if source is not None and given is not None:
+        raise ConfigError(f"load_latent() names the hub to fetch from source_type=, not source= (its first argument, "
+                          f"{shown(source)}, is the model or folder): load_latent({shown(source)}, "
+                          f"source_type={shown(given)})")
+    what = source if source is not None else given
+    if not isinstance(what, (str, os.PathLike)):
+        raise ConfigError(f"load_latent() takes a registry model id or a folder of layer_<id>.pt files, got "
+                          f"{type(what).__name__} {shown(what)}")
+    return what
 
 
 def _model_for(model: str | None) -> ModelEntry | None:

@@ -31,6 +31,7 @@ from typing import Any, Mapping, Sequence
 
 from .errors import ConfigError, FitError
 from .int2kv import Int2KVConfig
+from .numbers import check_int
 from .vocab import (
     CENTERS,
     COMPOSITIONS,
@@ -90,6 +91,11 @@ SERVED_LOSSES: tuple[str, ...] = ("served", "fisher")
 DEFAULT_QUERIES_PER_BLOCK = 64
 #: Refinement init → the composition of the closed form it starts from (``None``: ``H_d``, data-free).
 INIT_COMPOSITIONS: dict[str, str | None] = {"hadamard": None, "oscar": "r_h_pbr", "r_pbr_hg": "r_pbr_hg"}
+#: Fewest tokens the keep rule judges on, and fewest per window (``KeepRule.tokens`` / ``context``,
+#: ``--keep-tokens`` / ``--keep-context``): a shorter window says nothing about the context served.
+MIN_KEEP_TOKENS = 512
+#: Most layers (or refinement jobs) a fit processes concurrently (``workers``, ``--workers``).
+MAX_WORKERS = 1024
 
 
 # -- the rules (the fitter applies the same) ------------------------------------------------------
@@ -183,6 +189,12 @@ def check_trained_store(int2kv: Any) -> None:
     if int2kv.clip_search != "exact":
         raise FitError(f"refinement clips rows at their exact thresholds; int2kv.clip_search="
                        f"{int2kv.clip_search!r} is not modelled: refine with clip_search='exact'")
+
+
+def check_workers(workers: Any, what: str = "workers") -> int | None:
+    """``workers`` (layers or jobs processed concurrently): ``None`` (auto) or an integer from 1 to
+    :data:`MAX_WORKERS`; a :class:`FitError` otherwise (0 or a negative count is never taken as auto)."""
+    return None if workers is None else check_int(workers, what, low=1, high=MAX_WORKERS, error=FitError)
 
 
 def _count(value: Any, what: str, low: int) -> None:
@@ -287,9 +299,9 @@ class KeepRule:
 
     Attributes:
         texts: held-out text files (not the calibration text).
-        tokens: held-out tokens judged (``None``: 4,096, at least one window).
+        tokens: held-out tokens judged (``None``: 4,096, at least one window); at least :data:`MIN_KEEP_TOKENS`.
         context: tokens per window (``None``: the context the refinement saw: the dump's longest prompt, or
-            ``calibrate``'s ``seq_len``).
+            ``calibrate``'s ``seq_len``); at least :data:`MIN_KEEP_TOKENS`.
         model: the judge, a local transformers folder or ``.gguf`` file, for a fit from a dump (``None``: the
             SmolLM2-135M-Instruct GGUF, as ``rotationzoo eval``); ``calibrate`` judges with the model it runs.
         k_clip_ratio, v_clip_ratio: the clips the candidates are judged at, where they will be served at
@@ -317,9 +329,9 @@ class KeepRule:
         if not self.texts:
             raise FitError("the keep rule judges on held-out text; give at least one text file (--keep-text)")
         if self.tokens is not None:
-            _count(self.tokens, "keep tokens (--keep-tokens)", 1)
+            _count(self.tokens, "keep tokens (--keep-tokens)", MIN_KEEP_TOKENS)
         if self.context is not None:
-            _count(self.context, "keep context (--keep-context)", 1)
+            _count(self.context, "keep context (--keep-context)", MIN_KEEP_TOKENS)
         try:
             self.judged_store(Int2KVConfig())
         except ConfigError as e:
@@ -349,7 +361,7 @@ class FitRecipe:
             ``"oscar2_center"`` (see :func:`rotationzoo.fit.fit_rotations`). A refinement's inits are
             ``qqt_sst`` fits: leave it at ``qqt_sst`` then.
         composition: ``None`` (``r_h_pbr``, or the recipe's own) or one of :data:`~rotationzoo.vocab.COMPOSITIONS`;
-            not with a refinement (its ``init`` says where it starts).
+            not with a refinement (its ``init`` says where it starts), nor with ``"hadamard"`` (data-free).
         group_size: ``G`` of ``r_pbr_hg``; with a refinement, the INT2 group its loss trains for.
         grouping: ``"layer"`` or ``"kv_head"`` (``None``: ``kv_head`` for the recipes, else ``layer``).
         center: ``"none"``, ``"k"`` or ``"kv"`` (``None``: ``k`` for ``oscar2_center``, else ``none``).
@@ -388,6 +400,9 @@ class FitRecipe:
             self._check_refinement(self.refine)
         else:
             self.resolved_center()
+            if self.objective == "hadamard" and self.composition is not None:
+                raise FitError(f"objective 'hadamard' is data-free (H_d for every layer): composition "
+                               f"{self.composition!r} does not apply (--composition); leave it unset")
             if self.objective != "hadamard":
                 comp = resolve_composition(self.objective, self.composition)
                 if comp != V2_COMPOSITION:
@@ -479,6 +494,7 @@ def _known(cls: Any, data: Mapping[str, Any], where: str) -> dict[str, Any]:
 
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_MIN_TOKENS", "DEFAULT_QUERIES_PER_BLOCK", "DEFAULT_SAMPLE_TOKENS",
-           "DEFAULT_STEPS", "INIT_COMPOSITIONS", "OBJECTIVE_TARGETS", "OSCAR2_OBJECTIVES", "RECIPES",
-           "SERVED_BLOCK_SIZE", "V2_COMPOSITION", "V2_OBJECTIVE", "FitRecipe", "KeepRule", "Refinement",
-           "check_composition", "check_min_tokens", "check_trained_store", "resolve_center", "resolve_composition", "resolve_grouping"]
+           "DEFAULT_STEPS", "INIT_COMPOSITIONS", "MAX_WORKERS", "MIN_KEEP_TOKENS", "OBJECTIVE_TARGETS",
+           "OSCAR2_OBJECTIVES", "RECIPES", "SERVED_BLOCK_SIZE", "V2_COMPOSITION", "V2_OBJECTIVE", "FitRecipe", "KeepRule",
+           "Refinement", "check_composition", "check_min_tokens", "check_trained_store", "check_workers",
+           "resolve_center", "resolve_composition", "resolve_grouping"]

@@ -29,7 +29,7 @@ import re
 import shlex
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal, Sequence, get_args
 
 from .engines import (
     ENGINES,
@@ -47,9 +47,9 @@ from .engines import (
     vllm_env,
 )
 from .files.derived import ensure_rotation_files, ensure_rotations_gguf, rotations_gguf_path
-from .errors import RegistryError, RotationZooError, ServingError
+from .errors import ConfigError, RegistryError, RotationZooError, ServingError
 from .launch import LaunchConfig
-from .numbers import check_int, shown
+from .numbers import check_int, check_real, shown
 from .launchspec import OUTPUT_FORMATS, LaunchSpec, OutputFormat, check_printable
 from .serving_mla import latent_model, latent_spec
 from .files.pair import RotationPair, looks_like_path, resolve_pair
@@ -102,7 +102,7 @@ def launch_spec(
     disable_radix_cache: bool | None = None,
     calibrate: bool = False,
     block_size: int | None = None,
-    k_clip_per_layer: str | os.PathLike[str] | None = None,
+    k_clip_per_layer: str | os.PathLike[str] | Sequence[float] | None = None,
     k_clip_per_head: str | os.PathLike[str] | None = None,
 ) -> LaunchSpec:
     """Resolve rotations (fetching and verifying registry files if needed) and build a launch.
@@ -128,9 +128,10 @@ def launch_spec(
             instead of rotation paths (a registry model; nothing is fetched).
         block_size: the engine's KV block size (vLLM targets' ``--block-size``); the vLLM port keeps
             whole blocks of the sink, so a sink shorter than one block is refused.
-        k_clip_per_layer, k_clip_per_head: K clip tables for the current tree (a JSON file, or a comma
-            list per layer), read and checked against the rotations' layers and KV heads first
-            (:mod:`rotationzoo.files.artefacts`).
+        k_clip_per_layer, k_clip_per_head: K clip tables for the current tree, read and checked against the
+            rotations' layers and KV heads first (:mod:`rotationzoo.files.artefacts`): per layer a JSON file
+            (``{layer: ratio}`` or a list in global layer order), a comma list ``"0.9,0.95,..."`` or a Python
+            list of ratios in global layer order; per head a JSON file.
 
     Returns:
         A :class:`LaunchSpec`; ``render("shell" | "env" | "json")`` prints it.
@@ -139,6 +140,10 @@ def launch_spec(
         ServingError: an unknown engine, rotations or a knob the target cannot take (one line).
         ConfigError: a TP size the KV heads cannot be split over.
     """
+    k_clip_per_layer = _clip_list(k_clip_per_layer)
+    if k_clip_per_head is not None and not isinstance(k_clip_per_head, (str, os.PathLike)):
+        raise ConfigError(f"k_clip_per_head (--k-clip-per-head) is a JSON file {{\"<layer>,<head>\": ratio}}: give its "
+                          f"path, got {type(k_clip_per_head).__name__}")
     t = target(engine)
     if t.model_file == "gguf" and model_path and Path(model_path).suffix.lower() != ".gguf":
         raise ServingError(f"--model-path for {t.name} is the model's GGUF file, got {model_path!r}")
@@ -200,6 +205,19 @@ def launch_spec(
                          "(Hugging Face)")
     return LaunchSpec(engine=t.name, model=name, tag=pair.tag, env=built.env, args=built.args, files=files,
                       prepare=built.prepare, notes=notes, ranks=[r.to_json() for r in inp.ranks], checks=built.checks)
+
+
+def _clip_list(per_layer: Any) -> str | os.PathLike[str] | None:
+    """``k_clip_per_layer`` as the launch names it: a path or a comma list as given, a list of ratios (in global
+    layer order) as the comma list of the same ratios; anything else refused with one line."""
+    if per_layer is None or isinstance(per_layer, (str, os.PathLike)):
+        return per_layer
+    if isinstance(per_layer, (list, tuple)) and per_layer:
+        return ",".join(repr(check_real(r, f"k_clip_per_layer[{i}]", low=0.0, high=1.0, hint=" (a clip ratio)"))
+                        for i, r in enumerate(per_layer))
+    raise ConfigError(f"k_clip_per_layer (--k-clip-per-layer) is a JSON file, a comma list '0.9,0.95,...' or a "
+                      f"non-empty list of clip ratios in global layer order, got {type(per_layer).__name__} "
+                      f"{shown(per_layer)}")
 
 
 def _clip_tables(per_layer: str | os.PathLike[str] | None, per_head: str | os.PathLike[str] | None,

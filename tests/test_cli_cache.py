@@ -62,6 +62,21 @@ def test_cache_rm_refuses_without_yes_when_stdin_is_not_a_terminal(filled, capsy
     assert {r.tag for r in cache_records(filled)} == {get_entry(SMOL).name, "seq20000_prompt83_group128"}
 
 
+def test_cache_rm_takes_model_at_tag_as_every_command_does(filled, capsys) -> None:
+    """``--model MODEL@TAG`` means that tag (it had been refused as an unknown model)."""
+    from rotationzoo.hub import removal_plan
+
+    rc, out, err = run_cli(capsys, "cache", "rm", "--model", f"{SMOL}@hadamard", "--dry-run", "--json")
+    got = json.loads(out)
+    assert rc == 0 and got["bytes"] == 1000 and len(got["files"]) == 1 and got["files"][0]["tag"] == "hadamard", err
+    assert [r.tag for r in removal_plan(f"{SMOL}@hadamard", cache_dir=filled)[0]] == ["hadamard"]
+    rc, out, err = run_cli(capsys, "cache", "rm", "--model", f"{SMOL}@hadamard", "--tag", get_entry(SMOL).name)
+    assert rc == 2 and out == "" and "name different tags; give one" in err and len(cache_records(filled)) == 3
+    rc, out, _ = run_cli(capsys, "cache", "rm", "--model", f"{SMOL}@hadamard", "--yes")
+    assert rc == 0 and out == "removed 1 file, 1000 B (1,000 bytes)\n"
+    assert {r.tag for r in cache_records(filled)} == {get_entry(SMOL).name, "seq20000_prompt83_group128"}
+
+
 @pytest.mark.parametrize("answer, kept", [("n\n", 3), ("y\n", 1)])
 def test_cache_rm_asks_on_a_terminal(filled, capsys, monkeypatch, answer, kept) -> None:
     monkeypatch.setattr(fetch_cmds, "stdin_is_tty", lambda: True)

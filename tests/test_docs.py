@@ -79,3 +79,16 @@ def test_mkdocs_build_strict(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert (site / "index.html").is_file() and (site / "zoo" / "index.html").is_file()
+
+
+def test_every_list_of_exit_codes_names_sigterm() -> None:
+    """Where the docs give 130 (interrupted) as an exit code, they give 143 (terminated by SIGTERM) too."""
+    import re
+
+    pages = [REPO / "README.md", DOCS / "quickstart.md", DOCS / "cli.md"]
+    for page in pages:
+        text = " ".join(page.read_text(encoding="utf-8").split())
+        said = [m.start() for m in re.finditer(r"\b130 (?:when )?interrupted", text)]
+        assert said, page
+        for at in said:
+            assert re.search(r"\b143\b[^.]{0,40}(?:SIGTERM|terminated)", text[at:at + 200]), (page, text[at:at + 200])

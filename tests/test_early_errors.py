@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from rotationzoo import read_rotation  # noqa: E402
-from rotationzoo.errors import ExportError, ModelLoadError, RotationFileError  # noqa: E402
+from rotationzoo.errors import ExportError, FitError, ModelLoadError, RotationFileError  # noqa: E402
 
 from helpers import random_orthogonal  # noqa: E402
 
@@ -482,3 +482,195 @@ def test_sizes_past_their_bound_are_one_line_not_an_internal_error(capsys):
     assert main(["fit", "--objective", "hadamard", "--num-layers", "2", "--head-dim", "64", "--out", "x",
                  "--layers", "0-99999999999"]) == 2
     assert "spans more than 1,024 layers" in capsys.readouterr().err
+
+
+# -- the public Python API: plausible misuse is one typed line, never a raw TypeError / AttributeError --------
+
+
+SMOL = "SmolLM2-135M-Instruct"
+
+
+def _hadamard_k() -> Path:
+    import rotationzoo
+
+    return Path(rotationzoo.__file__).parent / "data" / "rotations" / SMOL / "hadamard" / "k_rotation_hadamard.pt"
+
+
+def _api_misuse() -> list:
+    import rotationzoo
+    from rotationzoo.recipe import FitRecipe
+    from rotationzoo.workflows import EvalRequest, fit_dump
+
+    rs = lambda: rotationzoo.read_rotation(_hadamard_k())  # noqa: E731
+    return [
+        ("load dtype fp16", lambda tmp: rotationzoo.load(SMOL, dtype="fp16"), "dtype 'fp16' is not a floating-point"),
+        ("load dtype int8", lambda tmp: rotationzoo.load(SMOL, dtype=torch.int8), "use float32, float16, bfloat16"),
+        ("load device tpu", lambda tmp: rotationzoo.load(SMOL, device="tpu"), "device 'tpu' is not a torch device"),
+        ("load device 123", lambda tmp: rotationzoo.load(SMOL, device=123), "device must be a string"),
+        ("load None", lambda tmp: rotationzoo.load(None), "takes a registry id"),
+        ("get_model None", lambda tmp: rotationzoo.get_model(None), "a model is named by its registry id"),
+        ("get_entry tag 123", lambda tmp: rotationzoo.get_entry("Qwen3-8B", 123), "a tag is named by a string"),
+        ("fetch None", lambda tmp: rotationzoo.fetch(None), "a model is named by its registry id"),
+        ("write_rotation folder", lambda tmp: rotationzoo.write_rotation(tmp, rs()), "is a folder; give a file name"),
+        ("validate layer_ids text", lambda tmp: rotationzoo.validate(rs(), layer_ids="0-x"),
+         "layer_ids: '0-x' is not a layer id or range"),
+        ("launch_spec clip dict", lambda tmp: rotationzoo.launch_spec(SMOL, k_clip_per_layer={"a": 1}),
+         r"k_clip_per_layer \(--k-clip-per-layer\) is a JSON file, a comma list"),
+        ("launch_spec clip 1.5", lambda tmp: rotationzoo.launch_spec(SMOL, k_clip_per_layer=[1.5] * 30),
+         r"k_clip_per_layer\[0\] must be a finite number in \[0, 1\]"),
+        ("fit_dump layers text", lambda tmp: fit_dump(None, FitRecipe(objective="hadamard"), tmp / "o", num_layers=2,
+                                                      head_dim=64, layers="0,x"), "layers: 'x' is not a layer id"),
+        ("fit_dump layers int", lambda tmp: fit_dump(None, FitRecipe(objective="hadamard"), tmp / "o", head_dim=64,
+                                                     layers=5), "layers must be layer ids"),
+        ("EvalRequest changes", lambda tmp: EvalRequest(texts=["t.txt"], changes={"bogus": 1}),
+         "changes: 'bogus' is not an INT2-KV knob; expected k_clip_ratio"),
+        ("Int2KVConfig.replace", lambda tmp: rotationzoo.Int2KVConfig().replace(group_szie=32),
+         "'group_szie' is not an INT2-KV knob"),
+        ("load_latent source=", lambda tmp: rotationzoo.load_latent("GLM-5.2", source="modelscope"),
+         r"names the hub to fetch from source_type=, not source=.*source_type='modelscope'"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(17))
+def test_public_api_misuse_is_one_typed_line(case, tmp_path, monkeypatch) -> None:
+    """Each of these had raised a raw TypeError, AttributeError, RuntimeError or ValueError from deep inside
+    (``to()`` of a dtype name, ``'NoneType' object has no attribute 'strip'``, ``int('-')``, a list taken for a
+    path, a multiple-values TypeError for ``source=``), or not been refused at all (an unknown knob)."""
+    from rotationzoo.errors import RotationZooError
+
+    monkeypatch.setenv("ROTATIONZOO_OFFLINE", "1")
+    cases = _api_misuse()
+    assert len(cases) == 17
+    label, call, message = cases[case]
+    with pytest.raises(RotationZooError, match=message) as info:
+        call(tmp_path)
+    assert "\n" not in str(info.value), label
+    assert not (tmp_path / "o").exists()
+
+
+def test_what_the_cli_spells_the_python_api_takes(tmp_path, monkeypatch) -> None:
+    """The CLI's spellings work from Python too: a dtype name, a layer list as text (parsed, never iterated per
+    character: ``"12"`` had fitted layers 1 and 2), a per-layer clip list, ``source=`` for ``load_latent``'s
+    first argument."""
+    import rotationzoo
+    from rotationzoo.recipe import FitRecipe
+    from rotationzoo.workflows import fit_dump
+
+    monkeypatch.setenv("ROTATIONZOO_OFFLINE", "1")
+    pair = rotationzoo.load(SMOL, "hadamard", dtype="bfloat16")
+    assert pair.k.rotations.dtype == torch.bfloat16 == pair.v.rotations.dtype
+    assert rotationzoo.load(SMOL, "hadamard", device=torch.device("cpu")).k.rotations.dtype == torch.float32
+    hadamard = FitRecipe(objective="hadamard")
+    assert fit_dump(None, hadamard, tmp_path / "a", head_dim=64, layers="12")[0].layer_ids == (12,)
+    assert fit_dump(None, hadamard, tmp_path / "b", head_dim=64, num_layers=4, layers="0,2-3")[0].layer_ids == (0, 2, 3)
+    report = rotationzoo.validate(rotationzoo.read_rotation(_hadamard_k()), layer_ids="0-29")
+    assert report.ok and report.layer_ids == list(range(30))
+    spec = rotationzoo.launch_spec(SMOL, "hadamard", k_clip_per_layer=[0.9] * 30)
+    assert spec.env["SGLANG_OSCAR_K_CLIP_PER_LAYER"] == ",".join(["0.9"] * 30)
+    from rotationzoo.errors import OfflineError
+
+    with pytest.raises(OfflineError):  # source= as the first argument by keyword: the model, looked up
+        rotationzoo.load_latent(source="GLM-5.2", cache_dir=tmp_path / "c")
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda tmp: _fit(tmp, num_layers=2, layers="5"), r"layer 5 \(layers, --layers\) is not one of the 2 layers"),
+    (lambda tmp: _fit(tmp, num_layers=2), "needs head_dim"),
+    (lambda tmp: _fit(tmp, head_dim=64), r"needs num_layers \(--num-layers N\) or layer ids"),
+    (lambda tmp: _fit(tmp, num_layers=2, head_dim=64, workers=0), "workers must be an integer from 1 to 1,024"),
+    (lambda tmp: _fit(tmp, num_layers=2, head_dim=64, workers=-3), "workers must be an integer from 1 to 1,024"),
+    (lambda tmp: _fit(tmp, num_layers=2, head_dim=64, composition="r_h"), "composition 'r_h' does not apply"),
+])
+def test_fit_dump_refuses_what_the_command_refuses(tmp_path, call, message) -> None:
+    """``fit --objective hadamard --num-layers 2 --layers 5`` had written layer 5 alone, ``--composition`` and
+    ``--workers 0`` / ``-3`` were ignored: the Python call refuses them, before anything is written."""
+    from rotationzoo.errors import RotationZooError
+
+    with pytest.raises(RotationZooError, match=message) as info:
+        call(tmp_path)
+    assert "\n" not in str(info.value) and not (tmp_path / "o").exists()
+
+
+def _fit(tmp: Path, composition: str | None = None, **kw):
+    from rotationzoo.recipe import FitRecipe
+    from rotationzoo.workflows import fit_dump
+
+    return fit_dump(None, FitRecipe(objective="hadamard", composition=composition), tmp / "o", **kw)
+
+
+def test_the_fitter_refuses_the_same_as_fit_dump() -> None:
+    from rotationzoo.fit import fit_rotations
+
+    with pytest.raises(FitError, match="layer 5 is not one of the 2 layers"):
+        fit_rotations(None, "hadamard", num_layers=2, layers=[5], head_dim=64)
+    with pytest.raises(FitError, match="composition 'r_h' does not apply"):
+        fit_rotations(None, "hadamard", "r_h", num_layers=2, head_dim=64)
+    for workers in (0, -3, True):
+        with pytest.raises(FitError, match="num_workers must be an integer from 1 to 1,024"):
+            fit_rotations(None, "hadamard", num_layers=2, head_dim=64, num_workers=workers)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "Qwen3-8B", "-c", "0"], "--context must be an integer from 1 to 1,073,741,824 tokens"),
+    (["plan", "Qwen3-8B", "-c", "4096", "-b", "0"], "--batch must be an integer from 1 to 1,048,576"),
+    (["serve-args", SMOL, "-e", "vllm", "--block-size", "99999999999"],
+     "--block-size must be an integer from 1 to 65,536 tokens, got 99999999999"),
+    (["serve-args", SMOL, "-e", "vllm", "--block-size", "0"], "--block-size must be an integer from 1 to 65,536"),
+    (["fit", "--objective", "hadamard", "--num-layers", "2", "--head-dim", "64", "--keep-text", "t.txt"],
+     "judge --refine's result; add --refine STEPS"),
+    (["fit", "--objective", "hadamard", "--head-dim", "64"], r"needs num_layers \(--num-layers N\)"),
+    (["fit", "--objective", "hadamard", "--num-layers", "2"], r"needs head_dim \(--head-dim D\)"),
+    (["fit", "--objective", "hadamard", "--num-layers", "2", "--head-dim", "64", "--layers", "5"],
+     r"layer 5 \(layers, --layers\) is not one of the 2 layers"),
+    (["fit", "--objective", "hadamard", "--num-layers", "2", "--head-dim", "64", "--composition", "r_h"],
+     "composition 'r_h' does not apply"),
+    (["fit", "--objective", "hadamard", "--num-layers", "2", "--head-dim", "64", "--workers", "0"],
+     "--workers must be an integer from 1 to 1,024, got 0"),
+    (["fit", "--objective", "hadamard", "--num-layers", "2", "--head-dim", "64", "--workers", "-3"],
+     "--workers must be an integer from 1 to 1,024, got -3"),
+])
+def test_what_the_command_line_alone_refuses_is_a_usage_error(argv, message, tmp_path, monkeypatch, capsys) -> None:
+    """Exit 2 and one line naming the option, like ``demo --tokens 0`` and ``fit --param signs`` without
+    ``--refine`` (these had exited 1, some naming the Python argument, or been ignored)."""
+    import re
+
+    from rotationzoo.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    out = ["--out", str(tmp_path / "o")] if argv[0] == "fit" else []
+    assert main([*argv, *out]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and re.search(message, lines[0]), err
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_cli_bounds_are_the_librarys(capsys) -> None:
+    """A bound the command line enforces is the one the Python object enforces."""
+    import click
+    import typer.main
+
+    from rotationzoo.cli.main import app
+    from rotationzoo.recipe import MIN_KEEP_TOKENS
+    from rotationzoo.workflows.evaluation import MAX_SKIP_TOKENS
+
+    group = typer.main.get_command(app)
+    assert isinstance(group, click.Group)
+
+    def option(command: str, name: str) -> click.Option:
+        return next(p for p in group.commands[command].params if isinstance(p, click.Option) and name in p.opts)
+
+    for command in ("fit", "calibrate"):
+        for name in ("--keep-tokens", "--keep-context"):
+            assert option(command, name).type.min == MIN_KEEP_TOKENS == 512  # type: ignore[attr-defined]
+    assert (option("eval", "--skip").type.min, option("eval", "--skip").type.max) == (0, MAX_SKIP_TOKENS)  # type: ignore[attr-defined]
+    from rotationzoo.errors import ConfigError
+    from rotationzoo.recipe import FitRecipe, KeepRule, Refinement
+    from rotationzoo.workflows import EvalRequest
+
+    for skip in (-1, MAX_SKIP_TOKENS + 1, 1.5):
+        with pytest.raises(ConfigError, match=r"skip \(--skip\) must be an integer from 0 to 1,073,741,824"):
+            EvalRequest(texts=["t.txt"], skip=skip)
+    assert EvalRequest(texts=["t.txt"], skip=MAX_SKIP_TOKENS).skip == MAX_SKIP_TOKENS
+    for field in ("tokens", "context"):  # the keep rule's refusals below the bound: tests/test_recipe.py
+        FitRecipe(refine=Refinement(), keep=KeepRule(texts=("t.txt",), **{field: MIN_KEEP_TOKENS})).check()

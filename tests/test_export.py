@@ -527,6 +527,27 @@ def test_export_never_replaces_a_pipe_or_its_own_input(pair_dir, tmp_path, to, c
         assert base.read_bytes() == kept
 
 
+@pytest.mark.timeout(60)
+def test_a_pipe_given_as_input_is_named_a_fifo_not_missing(tmp_path, capsys):
+    """A FIFO (or another file that is not a regular file) given as the rotations of ``export`` or ``serve-args``
+    is said to be one, not "no such file or folder"; nothing is read from it (a read would block)."""
+    import os
+
+    from rotationzoo.files.pair import resolve_pair
+
+    fifo = tmp_path / "k_rotation_x.pt"
+    os.mkfifo(fifo)
+    with pytest.raises(PairError, match=r"k_rotation_x.pt: a FIFO, not a regular file or a folder"):
+        resolve_pair(fifo)
+    for argv in (["export", str(fifo), "--to", "safetensors", "--out", str(tmp_path / "o.safetensors")],
+                 ["serve-args", str(fifo)]):
+        rc, _, err = run_cli(capsys, *argv)
+        assert rc == 1 and "a FIFO, not a regular file or a folder" in err and len(err.strip().splitlines()) == 1, err
+    rc, _, err = run_cli(capsys, "serve-args", str(tmp_path / "missing.pt"))
+    assert rc == 1 and "missing.pt: no such file or folder" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k_rotation_x.pt"]
+
+
 def test_every_user_output_writer_refuses_a_pipe(tmp_path):
     """The writers that rename a finished file onto a user's path (rotation files, text reports and manifests)
     refuse a FIFO there at the moment of writing, and leave it."""

@@ -231,7 +231,7 @@ def test_cli_fit_kv_head_writes_a_verified_pair(tmp_path, capsys):
         assert torch.equal(torch.stack([obj["layers"][i]["rotation"] for i in (0, 1)]), rs.rotations)
     ran = run_cli(capsys, "fit", "--objective", "hadamard", "--num-layers", "2", "--head-dim", "16", "--out",
                str(tmp_path / "h"), "--grouping", "kv_head")
-    assert ran[0] == 1, ran[2]
+    assert ran[0] == 2, ran[2]  # a recipe the options alone refuse: a usage error
     assert "data-free" in ran[2]
 
 

@@ -220,3 +220,19 @@ def test_plan_command_imports_nothing_heavy() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert r.stderr.strip().splitlines()[-1:] in ([], [""]), f"imported: {r.stderr.strip()}"
+
+
+def test_engine_help_lists_every_engine_plan_accepts(capsys) -> None:
+    """``--engine`` lists the engine vocabulary it accepts (it had listed 3 of the 5)."""
+    import click
+    import typer.main
+
+    from rotationzoo.cli.main import app
+    from rotationzoo.vocab import ENGINES
+
+    plan_cmd = typer.main.get_command(app).commands["plan"]  # type: ignore[attr-defined]
+    help_text = next(p.help for p in plan_cmd.params if isinstance(p, click.Option) and "--engine" in p.opts)
+    assert len(ENGINES) == 5 and " | ".join(ENGINES) in help_text, help_text
+    for engine in ENGINES:
+        code, out, err = run_cli(capsys, "plan", "Qwen3-8B", "-c", "4096", "--engine", engine, "--json")
+        assert code == 0 and json.loads(out)["engine"] == engine, err

@@ -117,6 +117,11 @@ def test_the_recipe_round_trips_through_json() -> None:
     (lambda: Refinement(param="givens"), "param must be one of expm, cayley, signs"),
     (lambda: Refinement(int2kv=Int2KVConfig(lloyd_max=True)), "lloyd_max=True is not modelled"),
     (lambda: FitRecipe(min_tokens=0), "min_tokens must be a positive integer"),
+    (lambda: FitRecipe(objective="hadamard", composition="r_h"), "data-free .*composition 'r_h' does not apply"),
+    (lambda: FitRecipe(refine=Refinement(), keep=KeepRule(texts=("a.txt",), tokens=511)),
+     r"keep tokens \(--keep-tokens\) must be an integer ≥ 512, got 511"),  # the command line's bound
+    (lambda: FitRecipe(refine=Refinement(), keep=KeepRule(texts=("a.txt",), context=64)),
+     r"keep context \(--keep-context\) must be an integer ≥ 512, got 64"),
 ])
 def test_every_refusal_comes_from_check(make, match: str) -> None:
     with pytest.raises(FitError, match=match):

@@ -142,6 +142,26 @@ def test_verify_usage_errors(tmp_path, capsys) -> None:
     assert json.loads(capsys.readouterr().out)[0]["ok"]
 
 
+def test_verify_model_takes_model_at_tag(cache_dir, capsys) -> None:
+    """``verify --model MODEL@TAG`` (files against that tag's architecture; with --registry only that tag) had
+    been refused as an unknown model, though every other command takes the form."""
+    import rotationzoo
+
+    smol = "SmolLM2-135M-Instruct"
+    k = Path(rotationzoo.__file__).parent / "data" / "rotations" / smol / "hadamard" / "k_rotation_hadamard.pt"
+    assert main(["verify", str(k), "--model", f"{smol}@hadamard", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)[0]
+    assert report["ok"] and report["num_layers"] == 30 and report["head_dim"] == 64
+    assert main(["verify", "--registry", "--model", f"{smol}@hadamard", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["checked"] == 1 and [(e["tag"], e["status"]) for e in out["entries"]] == [("hadamard", "ok")]
+    assert [c.tag for c in verify_registry(model=f"{smol}@hadamard")] == ["hadamard"]
+    for argv in (["verify", str(k), "--model", f"{smol}@nope"], ["verify", "--registry", "--model", f"{smol}@nope"]):
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert "has no tag 'nope'" in err and len(err.strip().splitlines()) == 1, err
+
+
 # -- the CI workflows ----------------------------------------------------------------------------
 
 

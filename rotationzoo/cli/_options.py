@@ -15,6 +15,7 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 from .. import vocab
+from ..recipe import MIN_KEEP_TOKENS
 from ..workflows.evaluation import ROTATIONS_HELP
 from ._output import json_requested
 
@@ -79,6 +80,20 @@ def head_dims_option(value: Optional[str]) -> Optional[str]:
     except ConfigError as exc:
         raise typer.BadParameter(str(exc)) from None
     return value
+
+
+@contextlib.contextmanager
+def usage_errors() -> Iterator[None]:
+    """Inside: a library check of what the command line alone gives (a :class:`~rotationzoo.errors.ConfigError`
+    or :class:`~rotationzoo.errors.FitError`: a count out of range, options that do not go together) is raised
+    as a :class:`~rotationzoo.errors.CLIError`, a usage error (exit 2), with the library's one line. The CLI
+    checks nothing itself: the Python objects it builds refuse the same values with the same bounds."""
+    from ..errors import CLIError, ConfigError, FitError
+
+    try:
+        yield
+    except (ConfigError, FitError) as exc:
+        raise CLIError(str(exc)) from None
 
 
 def use_literal_help(app: typer.Typer) -> None:
@@ -169,11 +184,11 @@ KeepTextOpt = Annotated[Optional[List[Path]], typer.Option(
          "against its init by a short KL evaluation: the refined, init and mixed K/V sets are compared and the "
          "one with the lowest KL is kept.")]
 KeepTokensOpt = Annotated[Optional[int], typer.Option(
-    "--keep-tokens", min=512,
+    "--keep-tokens", min=MIN_KEEP_TOKENS,
     help="Tokens of --keep-text the keep rule evaluates, in whole windows of --keep-context (default: 4096, at "
          "least one window).")]
 KeepContextOpt = Annotated[Optional[int], typer.Option(
-    "--keep-context", min=512,
+    "--keep-context", min=MIN_KEEP_TOKENS,
     help="Tokens per window of the keep rule (default: the calibration context, the longest calibration "
          "sequence: --seq-len for calibrate, the dump's prompts for fit).")]
 

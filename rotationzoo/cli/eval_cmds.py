@@ -43,6 +43,7 @@ from ._options import (
     config_changes,
 )
 from ..errors import CLIError
+from ..workflows.evaluation import MAX_SKIP_TOKENS
 from ._output import console, emit_json, print_note, print_warning, printable, progress_reporter
 
 
@@ -59,7 +60,8 @@ def eval_command(
                        "MODEL@TAG).")] = "fp,none,hadamard,oscar",
     tokens: Annotated[Optional[int], typer.Option("--tokens", min=2, help="Evaluate N tokens of the text, at most "
                       "4194304 (default: all; then at most 16 MiB of text).")] = None,
-    skip: Annotated[int, typer.Option("--skip", min=0, help="Skip the first N tokens of the text.")] = 0,
+    skip: Annotated[int, typer.Option("--skip", min=0, max=MAX_SKIP_TOKENS,
+                                      help="Skip the first N tokens of the text (at most 2^30).")] = 0,
     context: Annotated[Optional[int], typer.Option("--context", min=2, help="Tokens per scoring window (default: the "
                        "model's context length, or the text length).")] = None,
     stride: Annotated[Optional[int], typer.Option("--stride", min=1, help="Tokens between window starts (default: --context).")] = None,

@@ -263,7 +263,8 @@ def cmd_cache_import(
 
 @cache_app.command("rm")
 def cmd_cache_rm(
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Only this model.")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Only this model, MODEL or MODEL@TAG (only "
+                                                 "that tag).")] = None,
     tag: Annotated[str | None, typer.Option("--tag", "-t", help="With --model: only this tag (default: every tag).")] = None,
     all_: Annotated[bool, typer.Option("--all", help="Remove everything, including the hub clients' caches.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="List what would be removed, with sizes; remove nothing.")] = False,
@@ -277,11 +278,12 @@ def cmd_cache_rm(
     question, --dry-run only lists. Without a terminal on stdin (scripts, CI) --yes is required.
 
     Examples:  rotationzoo cache rm --model Qwen3-8B --dry-run  |  rotationzoo cache rm --model Qwen3-8B  |
-    rotationzoo cache rm --all --yes
+    rotationzoo cache rm --model Qwen3-8B@seq20000_prompt83_group128  |  rotationzoo cache rm --all --yes
     """
     from rich.markup import escape
 
     from ..hub import removal_plan, remove_cached
+    from ..registry import split_model_tag
 
     if model is None and not all_:
         raise CLIError("say what to remove: --model M [--tag T], or --all")
@@ -289,6 +291,9 @@ def cmd_cache_rm(
         raise CLIError("give --model M [--tag T] or --all, not both")
     if tag is not None and model is None:
         raise CLIError("--tag needs --model")
+    at_tag = split_model_tag(model)[1] if model is not None else None
+    if tag is not None and at_tag is not None and at_tag != tag:
+        raise CLIError(f"--model {model!r} and --tag {tag!r} name different tags; give one")
     records, hub_bytes = removal_plan(model, tag, cache_dir)
     total = sum(r.size for r in records) + hub_bytes
     what = f"{len(records)} file{'' if len(records) == 1 else 's'}, {human_size(total)} ({total:,} bytes)" + (

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Annotated, Any, List, Optional
 import typer
 
 from .. import vocab
+from ..recipe import MAX_WORKERS
 from ..workflows.keep import check_keep_options
 from ._options import (
     BlockSizeOpt,
@@ -54,6 +55,7 @@ from ._options import (
     SampleTokensOpt,
     SeedOpt,
     choice,
+    usage_errors,
 )
 from ._output import console, emit_json, print_note, printable, progress_reporter
 
@@ -93,27 +95,17 @@ CenterOpt = Annotated[Optional[str], typer.Option(
 
 
 def _parse_layers(text: Optional[str]) -> Optional[list[int]]:
+    """``--layers``, read as ``layers=`` is (:func:`~rotationzoo.files.limits.parse_layer_ids`); a refusal is a
+    usage error."""
     if text is None:
         return None
-    from ..errors import CLIError
-    from ..files.limits import MAX_LAYERS
+    from ..errors import CLIError, ConfigError
+    from ..files.limits import parse_layer_ids
 
-    ids: list[int] = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        try:
-            if "-" in part:
-                a, b = part.split("-", 1)
-                if int(b) - int(a) >= MAX_LAYERS:  # before the range is built
-                    raise CLIError(f"--layers: {part} spans more than {MAX_LAYERS:,} layers; give the model's layer ids")
-                ids.extend(range(int(a), int(b) + 1))
-            else:
-                ids.append(int(part))
-        except ValueError:
-            raise CLIError(f"--layers: {part!r} is not a layer id or range (e.g. 0,1,2 or 3-7)") from None
-    return ids
+    try:
+        return parse_layer_ids(text, "--layers")
+    except ConfigError as exc:
+        raise CLIError(str(exc)) from None
 
 
 def _trained_store(refine: Optional[int], serving: Optional[str], param: str = "expm", **knobs: Any) -> Any:
@@ -141,7 +133,8 @@ def _recipe(objective: str, composition: Optional[str], group_size: Optional[int
             store: Any, param: str, keep_text: Optional[List[Path]], keep_tokens: Optional[int],
             keep_context: Optional[int], keep_model: Optional[str] = None,
             keep_clips: tuple[Optional[float], Optional[float]] = (None, None)) -> Any:
-    """The :class:`~rotationzoo.recipe.FitRecipe` the flags ask for, checked (before anything is read or loaded)."""
+    """The :class:`~rotationzoo.recipe.FitRecipe` the flags ask for, checked (before anything is read or loaded);
+    a refusal is a usage error."""
     from ..recipe import FitRecipe, KeepRule, Refinement
 
     # the flags' strings are checked by check(), the one place that knows the names; an option not given
@@ -150,14 +143,15 @@ def _recipe(objective: str, composition: Optional[str], group_size: Optional[int
         "steps": refine, "init": init, "seed": seed, "loss": loss, "block_size": block_size, "param": param,
         "queries_per_block": queries_per_block, "int2kv": store,
         **({"sample_tokens": sample_tokens} if sample_tokens is not None else {})}
-    refinement = None if refine is None else Refinement(**refine_fields)
-    keep = (KeepRule(texts=tuple(str(t) for t in keep_text), tokens=keep_tokens, context=keep_context,
-                     model=keep_model, k_clip_ratio=keep_clips[0], v_clip_ratio=keep_clips[1])
-            if keep_text and refinement is not None else None)
-    fields: dict[str, Any] = {"objective": objective, "composition": composition, "group_size": group_size,
-                              "grouping": grouping, "center": center, "signs": signs, "refine": refinement,
-                              "keep": keep, **({"min_tokens": min_tokens} if min_tokens is not None else {})}
-    return FitRecipe(**fields).check()
+    with usage_errors():  # refused from the options alone: a usage error
+        refinement = None if refine is None else Refinement(**refine_fields)
+        keep = (KeepRule(texts=tuple(str(t) for t in keep_text), tokens=keep_tokens, context=keep_context,
+                         model=keep_model, k_clip_ratio=keep_clips[0], v_clip_ratio=keep_clips[1])
+                if keep_text and refinement is not None else None)
+        fields: dict[str, Any] = {"objective": objective, "composition": composition, "group_size": group_size,
+                                  "grouping": grouping, "center": center, "signs": signs, "refine": refinement,
+                                  "keep": keep, **({"min_tokens": min_tokens} if min_tokens is not None else {})}
+        return FitRecipe(**fields).check()
 
 
 def _print_kept(result: "FitResult") -> None:
@@ -220,7 +214,8 @@ def fit_command(
     model: Annotated[Optional[str], typer.Option("--model", help="Model id recorded in rotationzoo.json.")] = None,
     tag: TagOpt = None,
     signs: SignsOpt = "canonical",
-    workers: Annotated[Optional[int], typer.Option("--workers", help="Layers processed concurrently (default: auto).")] = None,
+    workers: Annotated[Optional[int], typer.Option(
+        "--workers", help=f"Layers processed concurrently, 1 to {MAX_WORKERS:,} (default: auto).")] = None,
     refine: RefineOpt = None,
     init: InitOpt = "hadamard",
     seed: SeedOpt = 0,
@@ -316,15 +311,21 @@ def fit_command(
     values, or a zero or rank-deficient covariance are refused with one line (docs/security.md).
     """
     from ..errors import CLIError
-    from ..workflows.fitting import fit_dump
+    from ..recipe import check_workers
+    from ..workflows.fitting import check_data_free, fit_dump
 
     if dump is None and objective != "hadamard":
         raise CLIError("--dump DIR is required (only --objective hadamard works without a dump)")
     if refine is not None and dump is None:
         raise CLIError("--refine needs --dump DIR (the calibration samples)")
+    layer_ids = _parse_layers(layers)
     keep_clips = (keep_k_clip_ratio, keep_v_clip_ratio)
-    check_keep_options(keep_text, keep_tokens, keep_context, refine is not None, keep_model,
-                       clipped=keep_clips != (None, None))
+    with usage_errors():  # what the options alone refuse: the library's checks, as usage errors
+        check_workers(workers, "--workers")
+        if dump is None:
+            check_data_free(layer_ids, num_layers, head_dim)
+        check_keep_options(keep_text, keep_tokens, keep_context, refine is not None, keep_model,
+                           clipped=keep_clips != (None, None))
     store = _trained_store(refine, serving, param, scale_dtype=scale_dtype, prefix_tokens=prefix_tokens,
                            recent_tokens=recent_tokens, k_clip_ratio=k_clip_ratio, v_clip_ratio=v_clip_ratio)
     recipe = _recipe(objective, composition, group_size, grouping, center, signs, min_tokens, refine, init, seed,
@@ -332,7 +333,7 @@ def fit_command(
                      keep_context, keep_model, keep_clips)
     label = "refine" if refine is not None else "fit"
     with progress_reporter(label, enabled=dump is not None and objective != "hadamard") as progress:
-        result, written = fit_dump(dump, recipe, out, layers=_parse_layers(layers), keep_first_chunk=keep_first_chunk,
+        result, written = fit_dump(dump, recipe, out, layers=layer_ids, keep_first_chunk=keep_first_chunk,
                                    tp_size=tp_size, num_layers=num_layers, head_dim=head_dim, workers=workers,
                                    model=model, tag=tag, fmt=fmt, progress=progress, note=print_note)
     _print_kept(result)
@@ -426,7 +427,8 @@ def calibrate_command(
     from ..workflows.fitting import calibrate
 
     keep_clips = (keep_k_clip_ratio, keep_v_clip_ratio)
-    check_keep_options(keep_text, keep_tokens, keep_context, refine is not None, clipped=keep_clips != (None, None))
+    with usage_errors():
+        check_keep_options(keep_text, keep_tokens, keep_context, refine is not None, clipped=keep_clips != (None, None))
     store = _trained_store(refine, serving, param, scale_dtype=scale_dtype, prefix_tokens=prefix_tokens,
                            recent_tokens=recent_tokens, k_clip_ratio=k_clip_ratio, v_clip_ratio=v_clip_ratio)
     recipe = _recipe(objective, composition, group_size, grouping, center, signs, min_tokens, refine, init, seed,

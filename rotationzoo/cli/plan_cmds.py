@@ -16,11 +16,17 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from .. import vocab
 from ..errors import CLIError
-from ._options import GroupOpt, HpDtypeOpt, JsonOpt, PrefixOpt, RecentOpt, ScaleDtypeOpt, TagOpt, config_changes
+from ._options import (GroupOpt, HpDtypeOpt, JsonOpt, PrefixOpt, RecentOpt, ScaleDtypeOpt, TagOpt, config_changes,
+                       usage_errors)
 from ._output import console, emit_json, printable
 
 _LABELS = {"bf16": "BF16", "fp8": "FP8", "oscar_int2": "OSCAR INT2"}
+#: ``--engine``: the engines of the engine table (``rotationzoo.vocab.ENGINES``, what ``plan`` accepts).
+_ENGINE_HELP = (" | ".join(vocab.ENGINES) + " (llama.cpp / llama-cpp work too): the engine whose KV page size the "
+                "capacities are rounded to (the SGLang targets: 4·itemsize(hp_dtype) tokens; the vLLM targets: "
+                "16-token blocks; llamacpp: 1).")
 
 
 def gib(n: int | None) -> str:
@@ -79,8 +85,7 @@ def cmd_plan(
     gpu_memory: Annotated[Optional[str], typer.Option("--gpu-memory", help="GPU memory for one model replica: 80GiB "
                           "(binary, 1024³), 80GB or 80G (decimal, 10⁹), 80000MiB; at most 1 PiB. Without it no "
                           "capacities.")] = None,
-    engine: Annotated[str, typer.Option("--engine", "-e", help="sglang (pages of 4·itemsize(hp_dtype) tokens) | "
-                      "vllm (16-token blocks) | llamacpp (1).")] = "sglang",
+    engine: Annotated[str, typer.Option("--engine", "-e", help=_ENGINE_HELP)] = "sglang",
     weights_gib: Annotated[Optional[float], typer.Option("--weights-gib", help="Weights in GiB, 0 to 2^20 (default: "
                            "the registry's num_parameters × bytes(weight_dtype)).")] = None,
     reserve: Annotated[float, typer.Option("--reserve", help="Fraction of GPU memory kept for activations and "
@@ -104,7 +109,9 @@ def cmd_plan(
     rotationzoo plan -m Qwen3-8B -c 131072 --gpu-memory 80GiB --batch 8  |
     rotationzoo plan -m Qwen3-32B -c 65536 --gpu-memory 141GB --scale-dtype bfloat16 --json
     """
-    from ..planner import gib_bytes, parse_size, plan
+    from ..int2kv import MAX_CONTEXT_TOKENS
+    from ..numbers import check_int
+    from ..planner import MAX_BATCH, gib_bytes, parse_size, plan
     from ..registry import get_model
     from ..registry.model import split_model_tag
 
@@ -115,6 +122,10 @@ def cmd_plan(
         raise CLIError(f"MODEL {model_arg!r} and --model {model!r} disagree; give one")
     if context is None:
         raise CLIError("give --context TOKENS (tokens per sequence, e.g. 131072)")
+    with usage_errors():  # the planner's own bounds, named as the options
+        check_int(context, "--context", low=1, high=MAX_CONTEXT_TOKENS, hint=" tokens (2^30)")
+        if batch is not None:
+            check_int(batch, "--batch", low=1, high=MAX_BATCH, hint=" sequences (2^20)")
     base, at_tag = split_model_tag(name)
     if tag and at_tag and tag != at_tag:
         raise CLIError(f"--tag {tag!r} and MODEL@{at_tag} disagree; give one")

@@ -219,7 +219,8 @@ def cmd_verify(
     head_dim: Annotated[Optional[str], typer.Option(
         metavar="D[,LAYER:D...]", callback=head_dims_option,
         help="Expect this d (matrices [d, d] or [H_kv, d, d]); per-layer head_dims as 256,5:512,11-13:512.")] = None,
-    model: Annotated[Optional[str], typer.Option(help="Take layer ids and head_dim from this registry model (with --registry: check only this model).")] = None,
+    model: Annotated[Optional[str], typer.Option(help="Take layer ids and head_dim from this registry model, MODEL[@TAG] "
+                                                      "(with --registry: check only this model, or only that tag).")] = None,
     atol: Annotated[float, typer.Option(help="Tolerance on max|RRᵀ−I|.")] = 1e-5,
     registry: Annotated[bool, typer.Option("--registry", help="Check every registry entry instead of files: cached (or bundled) files, or all with --download.")] = False,
     download: Annotated[bool, typer.Option("--download", help="With --registry: download (and verify) entries that are not cached.")] = False,
@@ -291,14 +292,15 @@ def cmd_verify(
     num_kv_heads: int | None = None
     dims = HeadDims.parse(head_dim) if head_dim is not None else None  # checked by head_dims_option
     if model is not None:
-        from ..registry import get_model
+        from ..registry import get_model, split_model_tag
 
-        m = get_model(model)
+        name, at_tag = split_model_tag(model)  # MODEL@TAG: that tag's architecture
+        m = get_model(name)
         if m.mla_latent is not None:  # an MLA latent set: its layers and rank
             ids = m.mla_latent.expected_layer_ids
             layer_ids, dims = (tuple(ids) if ids is not None else None), dims or HeadDims(m.mla_latent.rank)
         else:
-            arch = m.tag().architecture
+            arch = m.tag(at_tag).architecture
             layer_ids, num_kv_heads = arch.expected_layer_ids(), arch.num_kv_heads
             dims = dims or arch.head_dims
     fetch = dict(source=source, revision=revision, cache_dir=cache_dir, offline=offline or None, timeout=timeout)

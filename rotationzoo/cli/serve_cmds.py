@@ -35,6 +35,7 @@ from ._options import (
     TagOpt,
     TimeoutOpt,
     choice,
+    usage_errors,
 )
 from ._output import console, emit_json, json_requested, print_warning, printable
 
@@ -70,9 +71,9 @@ def cmd_serve_args(
     calibrate: Annotated[bool, typer.Option("--calibrate", help="Print the start-up calibration settings instead of "
                          "rotation paths: the authors' current tree fits a pair when it starts (a registry model; "
                          "nothing is downloaded).")] = False,
-    block_size: Annotated[Optional[int], typer.Option("--block-size", metavar="TOKENS", min=1, help="vLLM targets: "
-                          "the KV block size to launch with (vLLM's own flag); the port keeps whole blocks of the "
-                          "sink, so a sink shorter than one block is refused.")] = None,
+    block_size: Annotated[Optional[int], typer.Option("--block-size", metavar="TOKENS", help="vLLM targets: "
+                          "the KV block size to launch with (vLLM's own flag), 1 to 65,536 tokens; the port keeps "
+                          "whole blocks of the sink, so a sink shorter than one block is refused.")] = None,
     k_clip_per_layer: Annotated[Optional[str], typer.Option("--k-clip-per-layer", metavar="FILE|R,R,...", help="sglang: "
                                 "a per-layer K clip table (JSON {layer: ratio} or list in global layer order, or a "
                                 "comma list), checked against the rotations' layers.")] = None,
@@ -105,8 +106,12 @@ def cmd_serve_args(
     """
     import warnings
 
-    from ..serving import launch_spec
+    from ..numbers import check_int
+    from ..serving import MAX_BLOCK_TOKENS, launch_spec
 
+    if block_size is not None:
+        with usage_errors():  # launch_spec's own bound, named as the option
+            check_int(block_size, "--block-size", low=1, high=MAX_BLOCK_TOKENS, hint=" tokens")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         spec = launch_spec(model, tag, engine=engine, model_path=model_path, source=source, revision=revision,

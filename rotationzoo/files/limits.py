@@ -5,17 +5,21 @@ shape, stride, storage, with no data) and :func:`check_view` (empty, over-large,
 overlapping views refused) are shared by every reader that inspects before it loads: the ``.pt``
 archive (:mod:`rotationzoo.files.archive`), the safetensors header (:mod:`rotationzoo.files.stheader`),
 the pair files and the Q/K/V dump chunks (:mod:`rotationzoo.fit.dump_schema`). The registry bounds its
-numbers by the same maxima. Imports: the standard library and errors only.
+numbers by the same maxima. :func:`parse_layer_ids` reads the layer ids a caller names (``--layers``,
+``layers=``). Imports: the standard library, errors and numbers only.
 """
 
 from __future__ import annotations
 
+import itertools
+import operator
 import re
 import reprlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable, Mapping
 
-from ..errors import RotationFileError
+from ..errors import ConfigError, RotationFileError, RotationZooError
+from ..numbers import check_int, shown
 
 #: Largest ``d`` (rotation size) a file may declare; published files use 64 … 256.
 MAX_HEAD_DIM = 4096
@@ -25,6 +29,8 @@ MAX_LAYERS = 1024
 #: plus the fp64 working set of validation (:func:`rotationzoo.files.schema.memory_need`); the largest
 #: published file (2.6 MB) needs 16.4 MB. Expectations passed to :func:`read_rotation` tighten it.
 MAX_BYTES = 256 << 20
+#: Largest layer id a caller may name (``layers``, ``--layers``): any id an int32 holds.
+MAX_LAYER_ID = 2**31 - 1
 #: Most KV heads a per-KV-head file (``source_grouping: "kv_head"``) may hold per layer.
 MAX_KV_HEADS = 256
 
@@ -65,6 +71,53 @@ def parse_index(x: Any) -> int | None:
     if isinstance(x, str) and _DECIMAL.match(x):
         return int(x)
     return None
+
+
+_LAYER_PART = re.compile(r"([0-9]{1,18})(?:-([0-9]{1,18}))?")
+
+
+def parse_layer_ids(value: Any, what: str = "layers", *, error: type[RotationZooError] = ConfigError,
+                    empty_ok: bool = False) -> list[int]:
+    """The layer ids ``value`` names, in the order given: text as ``--layers`` takes it (``"0,1,2"``, ``"3-7"``,
+    ``"0-3,8"``; parsed, never iterated per character) or an iterable of integers (a list, a range, ...).
+
+    At most :data:`MAX_LAYERS` ids, each from 0 to :data:`MAX_LAYER_ID`; none only with ``empty_ok``.
+
+    Raises:
+        error: one line naming ``what``: not such text or integers, an empty or reversed range, a range
+            spanning more than :data:`MAX_LAYERS` layers, no ids at all, or too many.
+    """
+    ids: list[int] = []
+    if isinstance(value, str):
+        for part in value.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            m = _LAYER_PART.fullmatch(part)
+            if m is None:
+                raise error(f"{what}: {shown(part)} is not a layer id or range (e.g. 0,1,2 or 3-7)")
+            low, high = int(m[1]), int(m[2] or m[1])
+            if high < low:
+                raise error(f"{what}: {part} is a reversed range; write the lower id first (e.g. 3-7)")
+            if high - low >= MAX_LAYERS:  # before the range is built
+                raise error(f"{what}: {part} spans more than {MAX_LAYERS:,} layers; give the model's layer ids")
+            if high > MAX_LAYER_ID:
+                raise error(f"{what}: layer id {high:,} is beyond {MAX_LAYER_ID:,}; give the model's layer ids")
+            ids.extend(range(low, high + 1))
+            if len(ids) > MAX_LAYERS:
+                break
+    elif isinstance(value, (bytes, bytearray, Mapping)) or not isinstance(value, Iterable):
+        raise error(f"{what} must be layer ids: integers (a list, a range) or text such as '0,1,2' or '3-7', got "
+                    f"{type(value).__name__} {shown(value)}")
+    else:
+        for x in itertools.islice(value, MAX_LAYERS + 1):
+            n = operator.index(x) if hasattr(x, "__index__") and not isinstance(x, bool) else x  # numpy / torch ints
+            ids.append(check_int(n, f"a layer id of {what}", low=0, high=MAX_LAYER_ID, error=error))
+    if not ids and not empty_ok:
+        raise error(f"{what} names no layer id; give e.g. 0,1,2 or 3-7 (or leave it unset for every layer)")
+    if len(ids) > MAX_LAYERS:
+        raise error(f"{what} names more than {MAX_LAYERS:,} layer ids, more than a rotation file holds")
+    return ids
 
 
 @dataclass(frozen=True)

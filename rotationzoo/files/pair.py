@@ -259,6 +259,18 @@ def _read_sides(files: Mapping[str, Path], source: str, metadata: Mapping[str, s
                         source=source)
 
 
+def _not_a_file(p: Path) -> str:
+    """Why nothing can be read at ``p`` (not a folder, not a regular file): missing, or what it is instead."""
+    from ..safefile import file_kind as mode_kind
+
+    try:
+        mode = p.stat().st_mode
+    except OSError:  # missing, or a link to nothing
+        return f"{p}: no such file or folder"
+    return (f"{p}: {mode_kind(mode)}, not a regular file or a folder; give rotation files, a pair file or a pair "
+            f"folder (nothing was read from it)")
+
+
 def read_pair(path: str | os.PathLike[str], *, side: str | None = None) -> RotationPair:
     """Rotations from a local folder, ``"k.pt,v.pt"``, a pair file or one rotation file (not validated).
 
@@ -278,7 +290,7 @@ def read_pair(path: str | os.PathLike[str], *, side: str | None = None) -> Rotat
             check_not_pending(folder)
         return _read_sides({"k": parts[0], "v": parts[1]}, text)
     if not p.is_file():
-        raise PairError(f"{p}: no such file or folder")
+        raise PairError(_not_a_file(p))
     if file_kind(p) is not None:
         (sets, meta), sha = read_hashed(p, read_pair_file)  # the file's own k.sha256 / v.sha256 are provenance only
         return RotationPair(sets, paths={s: p for s in sets}, sha256={s: sha for s in sets}, metadata=meta,

@@ -21,7 +21,7 @@ import torch
 
 import hashlib
 
-from .limits import MAX_LAYERS, exc_line
+from .limits import MAX_LAYERS, exc_line, parse_layer_ids
 from .schema import validation_chunks
 from ..errors import ConfigError, InvalidRotationError, RotationZooError
 from ..numbers import check_real
@@ -209,7 +209,7 @@ def validate(
     *,
     atol: float = DEFAULT_ATOL,
     inverse_atol: float = DEFAULT_INVERSE_ATOL,
-    layer_ids: Iterable[int] | None = None,
+    layer_ids: Iterable[int] | str | None = None,
     num_layers: int | None = None,
     head_dim: int | HeadDims | None = None,
     num_kv_heads: int | None = None,
@@ -221,7 +221,8 @@ def validate(
         rotation_set: the set to check (any layout: per layer, per KV head, ragged, with companions).
         atol: tolerance on ``max|R Rᵀ − I|`` (orthogonal sets).
         inverse_atol: tolerance on ``max|Qᵀ R − I|`` of ``q_rotation`` / ``o_rotation``.
-        layer_ids: the exact layer ids the model needs (e.g. sparse ids of a hybrid model).
+        layer_ids: the exact layer ids the model needs (e.g. sparse ids of a hybrid model), as integers or
+            text as ``--layers`` takes it (``"0-3"``, ``"0,2,4"``).
         num_layers: the number of layers the model needs (ids ``0 … num_layers-1``) when
             ``layer_ids`` is not given.
         head_dim: the model's head dimension ``d`` (or :class:`~rotationzoo.headdims.HeadDims` per layer).
@@ -236,6 +237,8 @@ def validate(
                           f"(rotationzoo.read_rotation(path))")
     for what, tol in (("atol", atol), ("inverse_atol", inverse_atol)):  # NaN would pass every file
         check_real(tol, what, low=0.0, high=1.0, hint=" (a tolerance on max|R Rᵀ − I|)")
+    if layer_ids is not None:  # text such as "0-3" is read as --layers reads it, never per character
+        layer_ids = parse_layer_ids(layer_ids, "layer_ids", empty_ok=True)
     rs = rotation_set
     name = str(rs.path) if rs.path else "rotation set"
     ids = list(rs.layer_ids)

@@ -18,7 +18,7 @@ from ..errors import DumpError, FitError
 from ..files.format import MAX_BYTES, MAX_HEAD_DIM, MAX_LAYERS, RotationSet
 from ..progress import Progress, Tally
 from ..recipe import (DEFAULT_MIN_TOKENS, OBJECTIVE_TARGETS, V2_COMPOSITION, V2_OBJECTIVE, check_composition,
-                      check_min_tokens, resolve_center, resolve_composition, resolve_grouping)
+                      check_min_tokens, check_workers, resolve_center, resolve_composition, resolve_grouping)
 from ..vocab import Center, Grouping, SignConvention
 from .accumulate import LayerAccumulator, kinds_for, statistics_bytes
 from .compose import check_head_dim, hadamard_rotations
@@ -124,11 +124,10 @@ def check_grouping(grouping: str | None, objective: str = "qqt_sst") -> bool:
 
 
 def _resolve_workers(num_workers: int | None, n_layers: int) -> int:
-    if num_workers is None:
-        num_workers = min(MAX_DEFAULT_WORKERS, torch.get_num_threads())
-    if int(num_workers) < 1:
-        raise FitError(f"num_workers must be ≥ 1, got {num_workers}")
-    return max(1, min(int(num_workers), n_layers))
+    workers = check_workers(num_workers, "num_workers")
+    if workers is None:
+        workers = min(MAX_DEFAULT_WORKERS, torch.get_num_threads())
+    return max(1, min(workers, n_layers))
 
 
 def _fit_hadamard(source: Any, *, layers: Iterable[int] | None, num_layers: int | None, head_dim: int | None,
@@ -145,6 +144,10 @@ def _fit_hadamard(source: Any, *, layers: Iterable[int] | None, num_layers: int 
             ids = tuple(sorted({int(i) for i in layers}))
             if len(ids) > MAX_LAYERS or any(not 0 <= i < 1 << 31 for i in ids):
                 raise FitError(f"layer ids must be at most {MAX_LAYERS} integers in [0, 2^31)")
+            stray = [i for i in ids if i >= num_layers] if num_layers is not None else []
+            if stray and num_layers is not None:
+                raise FitError(f"layer {stray[0]} is not one of the {num_layers} layers num_layers names (ids 0 to "
+                               f"{num_layers - 1}); give layer ids below num_layers (--num-layers), or leave it unset")
         elif num_layers is not None:
             ids = tuple(range(int(num_layers)))
         else:
@@ -342,7 +345,11 @@ def fit_rotations(
     centered = resolve_center(objective, center, (k_target, v_target))
     stats = FitStats(device=str(torch.device(device)))
     info: dict[str, Any] = dict(source_info or {})
+    check_workers(num_workers, "num_workers")  # 0 or a negative count is refused, never taken as auto
     if objective == "hadamard":
+        if composition is not None:
+            raise FitError(f"objective 'hadamard' is data-free (H_d for every layer): composition {composition!r} "
+                           f"does not apply (--composition); leave it unset")
         return _fit_hadamard(source, layers=layers, num_layers=num_layers, head_dim=head_dim,
                              keep_first_chunk=keep_first_chunk, info=info, stats=stats, t0=t0, signs=signs)
     comp = resolve_composition(objective, composition)

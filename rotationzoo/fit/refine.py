@@ -58,6 +58,7 @@ from ..errors import FitError
 from ..files.format import RotationSet
 from ..hadamard import hadamard_matrix
 from ..progress import Progress, Tally
+from ..recipe import check_workers
 from .accumulate import LayerAccumulator
 from .compose import rotation_from_covariance
 from .refine_loss import LayerData, RefineConfig, heldout_loss, layer_data, numerators, total_loss
@@ -379,6 +380,7 @@ def refine_rotations(
     """
     cfg = config or RefineConfig()
     t0 = time.perf_counter()
+    asked = check_workers(num_workers, "num_workers")  # 0 or a negative count is refused, never taken as auto
     ids = tuple(sorted(int(i) for i in layers)) if layers is not None else samples.layer_ids()
     if not ids:
         raise FitError("no calibration samples to refine on")
@@ -398,7 +400,7 @@ def refine_rotations(
         return refine_layer(samples.layers[lid], side, r0, cfg, init_name=name, mean=mean,
                             progress=(lambda done, total, what: tally.set(job, done, what)) if progress else None)
 
-    workers = max(1, min(int(num_workers or torch.get_num_threads()), len(jobs)))
+    workers = max(1, min(asked or torch.get_num_threads(), len(jobs)))
     threads_before = torch.get_num_threads()
     torch.set_num_threads(1)  # one thread per job: faster for these small ops, and worker-count independent
     try:

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from ..errors import CacheError, RotationZooError
+from ..errors import CacheError, ConfigError, RotationZooError
 from ..hashing import sha256_file
-from ..registry import TagEntry, get_model, load_registry
+from ..registry import ModelEntry, TagEntry, get_model, load_registry, split_model_tag
 from ..safefile import file_kind, file_lock
 from .layout import (
     DERIVED_AREA,
@@ -303,19 +303,30 @@ def _tree_bytes(root: Path, area: str) -> int:
     return total
 
 
+def _model_and_tag(model: str, tag: str | None) -> tuple[ModelEntry, str | None]:
+    """The model ``model`` names (``MODEL`` or ``MODEL@TAG``) and the tag asked for: ``tag``, else the one after ``@``;
+    the two disagreeing is refused (a removal never guesses which)."""
+    name, at_tag = split_model_tag(model)
+    if tag is not None and at_tag is not None and tag != at_tag:
+        raise ConfigError(f"tag {tag!r} (--tag) and {model!r} name different tags; give one")
+    return get_model(name), tag or at_tag
+
+
 def removal_plan(model: str | None = None, tag: str | None = None,
                  cache_dir: str | os.PathLike[str] | None = None) -> tuple[list[CacheRecord], int]:
     """What :func:`remove_cached` with the same arguments removes: the cached files (as
     :func:`cache_records` lists them) and, with ``model=None``, the bytes of the hub clients' caches.
+    ``model`` may name a tag as ``MODEL@TAG`` (the same as ``tag``).
 
     Raises:
         CacheError: an area is a symlink or a folder in it leads outside the cache root.
+        ConfigError: ``tag`` and ``MODEL@TAG`` name different tags.
     """
     root = cache_root(cache_dir)
     records = cache_records(root)
     if model is None:
         return records, _tree_bytes(root, HUB_AREA)
-    m = get_model(model)
+    m, tag = _model_and_tag(model, tag)
     folder, want = model_folder(m.id), None if tag is None else m.tag(tag).name
     picked = []
     for r in records:
@@ -338,7 +349,8 @@ def _rmtree(root: Path, folder: Path) -> list[Path]:
 
 def remove_cached(model: str | None = None, tag: str | None = None,
                   cache_dir: str | os.PathLike[str] | None = None) -> list[Path]:
-    """Delete cached files (all, one model, or one model+tag), derived files included; returns what was removed.
+    """Delete cached files (all, one model, or one model+tag: ``tag`` or ``MODEL@TAG``), derived files included;
+    returns what was removed.
 
     Every area and folder is checked before anything is removed: an area that is a symlink, or a folder
     that leads outside the cache root, raises :class:`~rotationzoo.errors.CacheError` with nothing removed.
@@ -354,7 +366,7 @@ def remove_cached(model: str | None = None, tag: str | None = None,
             for d in areas:
                 removed.extend(_rmtree(root, d))
         return removed
-    m = get_model(model)
+    m, tag = _model_and_tag(model, tag)
     want = None if tag is None else m.tag(tag).name
     folders = []
     for area in (FILES_AREA, DERIVED_AREA):

@@ -12,7 +12,7 @@ from .. import config
 from ..errors import OfflineError, RotationZooError
 from ..hashing import sha256_file
 from ..hub import UnpinnedEntryWarning, cache_root, entry_dir, fetch_entry, offline_reason, warm_hit
-from ..registry import SIDES, TagEntry, get_model, load_registry
+from ..registry import SIDES, TagEntry, get_model, load_registry, split_model_tag
 from ..files.validation import verify_file
 
 log = logging.getLogger("rotationzoo")
@@ -118,7 +118,7 @@ def verify_registry(
         download: fetch entries that are not cached (through :func:`rotationzoo.fetch`, which
             verifies on download); otherwise only cached and bundled files are checked.
             ``ROTATIONZOO_OFFLINE`` / ``HF_HUB_OFFLINE`` win: nothing is downloaded then.
-        model: only this model (id or alias).
+        model: only this model (id or alias), or only one of its tags (``MODEL@TAG``).
         cache_dir: cache root (default ``ROTATIONZOO_CACHE`` or the user cache dir).
         source, revision, timeout: as for :func:`rotationzoo.fetch`.
         offline: never touch the network, as ``ROTATIONZOO_OFFLINE``: with ``download`` too, only cached and
@@ -132,7 +132,11 @@ def verify_registry(
     """
     say: Reporter = report or (lambda msg: log.info(msg))
     offline = not download or bool(offline) or config.offline()  # --offline / ROTATIONZOO_OFFLINE win over --download
-    models = [get_model(model)] if model is not None else list(load_registry())
+    name, only_tag = split_model_tag(model) if model is not None else (None, None)
+    models = [get_model(name)] if name is not None else list(load_registry())
+    latent = models[0].mla_latent if name is not None else None
+    if only_tag is not None and (latent is None or only_tag != latent.name):
+        only_tag = models[0].tag(only_tag).name  # an unknown tag is refused here, as everywhere
     checks: list[EntryCheck] = []
     for m in models:
         if m.mla_latent is not None:  # an MLA latent model: its set, layer by layer, instead of K/V tags
@@ -141,6 +145,8 @@ def verify_registry(
             say(f"{m.id}@{check.tag}: {check.status}" + (f" ({check.problems[0]})" if check.status == "failed" else ""))
             checks.append(check)
         for tname, entry in m.tags.items():
+            if only_tag is not None and tname != only_tag:
+                continue
             arch = entry.architecture
             ids = arch.expected_layer_ids()
             check = EntryCheck(m.id, tname, "failed")

@@ -375,7 +375,15 @@ class Registry:
         return cls(models)
 
     def resolve(self, model: str) -> ModelEntry:
-        """The model called ``model`` (id, alias or id's last segment; case-insensitive)."""
+        """The model called ``model`` (id, alias or id's last segment; case-insensitive).
+
+        Raises:
+            UnknownModelError: no model has this name.
+            ConfigError: ``model`` is not a string.
+        """
+        if not isinstance(model, str):
+            raise ConfigError(f"a model is named by its registry id or alias, a string such as 'Qwen3-8B', got "
+                              f"{type(model).__name__} {shown(model)}")
         key = model.strip().lower()
         if key in self._index:
             return self.models[self._index[key]]

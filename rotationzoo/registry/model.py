@@ -11,10 +11,11 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
-from ..errors import UnknownTagError
+from ..errors import ConfigError, UnknownTagError
 from ..headdims import HeadDims
 from ..int2kv import Int2KVConfig
 from ..launch import LaunchConfig
+from ..numbers import shown
 from ..vocab import SIDES, SOURCE_TYPES, Grouping, Side, SourceType, WeightDtypeName  # noqa: F401 - re-exported
 from .bounds import check_architecture, check_layer_head_dims
 
@@ -38,7 +39,14 @@ def parse_tag_name(tag: str) -> dict[str, int] | None:
 
 
 def split_model_tag(name: str) -> tuple[str, str | None]:
-    """``"Qwen3-8B@longbench-seq…"`` → ``("Qwen3-8B", "longbench-seq…")``; no ``@`` → tag ``None``."""
+    """``"Qwen3-8B@longbench-seq…"`` → ``("Qwen3-8B", "longbench-seq…")``; no ``@`` → tag ``None``.
+
+    Raises:
+        ConfigError: ``name`` is not a string.
+    """
+    if not isinstance(name, str):
+        raise ConfigError(f"a model is named by its registry id or alias (MODEL or MODEL@TAG), a string such as "
+                          f"'Qwen3-8B', got {type(name).__name__} {shown(name)}")
     model, at, tag = name.partition("@")
     return model, (tag or None) if at else None
 
@@ -396,12 +404,16 @@ class ModelEntry:
 
         Raises:
             UnknownTagError: no such tag, or the model has an MLA latent set and no K/V pair at all.
+            ConfigError: ``name`` is not a string.
         """
         if self.mla_latent is not None or self.default_tag is None:
             raise UnknownTagError(self.mla_latent.describe(self.id) if self.mla_latent is not None
                                   else f"{self.id} has no calibration tags")
         if name is None:
             return self.tags[self.default_tag]
+        if not isinstance(name, str):
+            raise ConfigError(f"a tag is named by a string such as {self.default_tag!r} (or None for the default), "
+                              f"got {type(name).__name__} {shown(name)}")
         if name in self.tags:
             return self.tags[name]
         lowered = {t.lower(): t for t in self.tags}

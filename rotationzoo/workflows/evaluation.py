@@ -25,12 +25,15 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ..errors import CLIError, ConfigError
-from ..int2kv import Int2KVConfig
+from ..int2kv import Int2KVConfig, check_knob_names
 from ..kvformat import KVFormat, parse_format
+from ..numbers import check_int
 from ..progress import Progress
 
 #: The ``--formats`` word for the INT2 settings the rotations are served with.
 SERVED = "served"
+#: Most tokens ``skip`` (``--skip``) may pass over: 2^30, more than any text an evaluation reads.
+MAX_SKIP_TOKENS = 2**30
 
 
 def parse_methods(text: str) -> list[tuple[str, str | None]]:
@@ -159,8 +162,10 @@ class EvalRequest:
         rotations: the ``oscar`` method's rotations; tag: a registry id's tag.
         methods: ``--methods`` (see the module docstring).
         formats: ``--formats`` names (``None``: every method in the INT2 settings of the rotations).
-        changes: INT2-KV knobs that override the rotations' settings (``group_size=32``, ...).
-        tokens, skip: how much of the texts; protocol: windows, draws, baseline, probe.
+        changes: INT2-KV knobs that override the rotations' settings (``group_size=32``, ...): names of
+            :class:`~rotationzoo.int2kv.Int2KVConfig` fields.
+        tokens, skip: how much of the texts (``skip`` from 0 to :data:`MAX_SKIP_TOKENS`); protocol: windows, draws,
+            baseline, probe.
         dtype, device: the model's.
         fetch: fetch options of registry ids (``source``, ``revision``, ``cache_dir``, ``offline``, ``timeout``).
     """
@@ -178,6 +183,12 @@ class EvalRequest:
     dtype: str = "auto"
     device: str = "cpu"
     fetch: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        """Refuse what no evaluation takes, with one line each: an unknown INT2-KV knob in ``changes``, a
+        ``skip`` outside ``--skip``'s bounds."""
+        check_knob_names(self.changes, "changes")
+        check_int(self.skip, "skip (--skip)", low=0, high=MAX_SKIP_TOKENS, hint=" tokens")
 
 
 @dataclass
@@ -251,5 +262,5 @@ def run_evaluation(req: EvalRequest | EvalPlan, *, progress: Progress | None = N
                     texts=[str(t) for t in plan.texts], progress=progress)
 
 
-__all__ = ["SERVED", "EvalPlan", "EvalRequest", "base_config", "method_specs", "model_path", "parse_formats",
-           "parse_methods", "plan_evaluation", "run_evaluation"]
+__all__ = ["MAX_SKIP_TOKENS", "SERVED", "EvalPlan", "EvalRequest", "base_config", "method_specs", "model_path",
+           "parse_formats", "parse_methods", "plan_evaluation", "run_evaluation"]

@@ -46,7 +46,7 @@ def fit_dump(
     recipe: FitRecipe,
     out: str | os.PathLike[str],
     *,
-    layers: Optional[Iterable[int]] = None,
+    layers: Optional[Iterable[int] | str] = None,
     keep_first_chunk: bool = False,
     tp_size: Optional[int] = None,
     num_layers: Optional[int] = None,
@@ -67,8 +67,8 @@ def fit_dump(
         recipe: what to fit; a refinement (``recipe.refine``) learns from a reservoir of the dump's blocks,
             its OSCAR inits fitted from the whole dump, then the keep rule (``recipe.keep``) judges it.
         out: output folder.
-        layers, keep_first_chunk, tp_size: which layers and chunks of the dump are read, how many TP ranks
-            a per-rank dump must have.
+        layers, keep_first_chunk, tp_size: which layers and chunks of the dump are read (``layers``: layer ids, or
+            text as ``--layers`` takes it, ``"0,1,2"`` or ``"3-7"``), how many TP ranks a per-rank dump must have.
         num_layers, head_dim: the data-free Hadamard baseline's shape.
         workers: layers processed concurrently (default: auto).
         model, tag: recorded in ``rotationzoo.json``.
@@ -84,14 +84,19 @@ def fit_dump(
     Raises:
         FitError, ConfigError, DumpError: a refused recipe, keep rule or dump, before the long work.
     """
+    from ..files.limits import parse_layer_ids
     from ..fit import fit_rotations, open_dump, refine_dump, write_fitted
+    from ..recipe import check_workers
     from ..fit.output import check_output_folder
 
     recipe.check()
     if dump is None and (recipe.refine is not None or recipe.objective != "hadamard"):
         raise ConfigError("a dump is required: only objective 'hadamard' (without a refinement) is data-free")
+    ids = None if layers is None else parse_layer_ids(layers, "layers")
+    check_workers(workers)
+    if dump is None:
+        check_data_free(ids, num_layers, head_dim)
     check_output_folder(out, what="output folder (--out)")  # before the dump is read: a long fit never ends in it
-    ids = None if layers is None else list(layers)
     if recipe.refine is not None:
         assert dump is not None
         opened = open_dump(dump, keep_first_chunk=keep_first_chunk, layers=ids, tp_size=tp_size)
@@ -114,6 +119,32 @@ def fit_dump(
                                signs=recipe.signs, num_layers=num_layers, head_dim=head_dim,
                                grouping=recipe.grouping, min_tokens=recipe.min_tokens, center=recipe.center)
     return result, write_fitted(result, out, model=model, tag=tag, fmt=fmt, extra={"recipe": recipe.to_json()})
+
+
+def check_data_free(layers: Optional[Sequence[int]], num_layers: Optional[int], head_dim: Optional[int]) -> None:
+    """The shape of the data-free Hadamard baseline (``objective="hadamard"`` without a dump), checked before
+    anything is written: ``num_layers`` (from 1 to the most layers a rotation file holds) or ``layers``, every
+    layer id below ``num_layers`` when both are given, and a ``head_dim``.
+
+    Raises:
+        ConfigError: one line naming the Python argument and its option (``num_layers (--num-layers)``).
+    """
+    from ..files.limits import MAX_LAYERS
+    from ..numbers import check_int
+
+    if num_layers is None and layers is None:
+        raise ConfigError("objective 'hadamard' without a dump needs num_layers (--num-layers N) or layer ids "
+                          "(layers, --layers)")
+    if num_layers is not None:
+        check_int(num_layers, "num_layers (--num-layers)", low=1, high=MAX_LAYERS, hint=" (the most layers a "
+                  "rotation file holds)")
+        stray = [i for i in layers or () if i >= num_layers]
+        if stray:
+            raise ConfigError(f"layer {stray[0]} (layers, --layers) is not one of the {num_layers} layers of "
+                              f"num_layers (--num-layers; ids 0 to {num_layers - 1}): give ids below it, or leave "
+                              f"num_layers unset")
+    if head_dim is None:
+        raise ConfigError("objective 'hadamard' without a dump needs head_dim (--head-dim D)")
 
 
 def calibrate(
@@ -213,4 +244,4 @@ def calibrate(
     return result, write_fitted(result, out, model=mid, tag=tag, fmt=fmt, extra={"recipe": recipe.to_json()})
 
 
-__all__ = ["calibrate", "fit_dump"]
+__all__ = ["calibrate", "check_data_free", "fit_dump"]
