@@ -17,13 +17,14 @@ and :func:`parse_format` reads it back (shorter spellings take the defaults)::
     fp8-row                                FP8 e4m3, one dynamic fp32 scale per (token, KV head) row
     int4-g64-bf16-w64+256-c0/0             4-bit codes, groups of 64 dims, bf16 scale/zero, 64 + 256 windows
     int2-g64-bf16-w64+256-c0.96/0.92-lm    OSCAR INT2 with Lloyd-Max levels (``-bisect``: the decode search)
-    kivi2-g32-r128-fp16                    KIVI-2: groups of 32, a residual of 128 tokens, fp16 scale/min
+    kivi2-g32-r128-fp16                    KIVI-2: groups of 32, a residual of 128 fp16 tokens, fp16 scale/min
     int2-g64-bf16-int3:0/1/29              mixed code widths: layers 0, 1 and 29 keep 3-bit codes (simulated)
     int2-g64-bf16-int3:18.1/23.0/29        ... KV head 1 of layer 18, head 0 of layer 23 and all of layer 29
 
 ``g`` is omitted for one group per row (``group_size=None``); an INT name without ``w`` keeps the 64 + 256
 windows (``-w0+0`` for none), without ``c`` it clips as OSCAR serves INT2 (0.96 / 0.92) for ``int2`` and
-not at all for wider codes.
+not at all for wider codes. Windows are bf16 unless a name says ``-hpfp16`` or ``-hpfp32``; KIVI keeps its
+residual in fp16 as its code does (``-hpbf16`` names a bf16 residual).
 
 Bits per element (:meth:`KVFormat.bits_per_element`): a quantized row costs its codes plus its share of
 scales (and zeros); window tokens cost ``hp_dtype``'s bits; the average over the ``T`` tokens of a
@@ -61,6 +62,9 @@ DEFAULT_WINDOWS: tuple[int, int] = (64, 256)
 INT2_CLIPS: tuple[float, float] = (0.96, 0.92)
 #: KIVI's group size and residual when a ``kivi`` name gives none (its LongBench runs).
 KIVI_DEFAULTS: tuple[int, int] = (32, 128)
+#: The dtype of KIVI's full-precision residual when a ``kivi`` name gives none (``-hp…``): its code keeps
+#: the residual, like its scales and minima, in fp16.
+KIVI_HP_DTYPE: DtypeName = "float16"
 _SHORT_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 _DTYPE_SHORT = {v: k for k, v in _SHORT_DTYPES.items()}
 _MAX_TOKENS = 2**30
@@ -83,7 +87,8 @@ class KVFormat:
         lloyd_max: approximate Lloyd-Max INT2 levels (one group per row).
         clip_search: ``exact`` or ``bisect`` clip thresholds (INT2).
         prefix_tokens, recent_tokens: tokens kept in ``hp_dtype`` (the sink and the recent window).
-        hp_dtype: dtype of the window tokens.
+        hp_dtype: dtype of the window tokens (KIVI's residual). A KIVI name without ``-hp…`` gives
+            ``float16``, KIVI's own; the field's default, for a format built field by field, is ``bfloat16``.
         wide_code, wide_layers, wide_heads: mixed code widths per layer or KV head (INT codes along rows;
             the decode-time simulation only: the INT2 store keeps one width): the layers ``wide_layers`` (ids
             as the model numbers them) and the ``(layer, KV head)`` pairs ``wide_heads`` store ``wide_code``
@@ -189,7 +194,9 @@ class KVFormat:
                 else f"fp8{self._group_part()}-{_DTYPE_SHORT[self.scale_dtype]}")
             return base + self._windows_part()
         if self.axis == "kivi":
-            return f"kivi{CODE_BITS[self.code]}-g{self.group_size}-r{self.recent_tokens}-{_DTYPE_SHORT[self.scale_dtype]}"
+            hp = "" if self.hp_dtype == KIVI_HP_DTYPE else f"-hp{_DTYPE_SHORT[self.hp_dtype]}"
+            return (f"kivi{CODE_BITS[self.code]}-g{self.group_size}-r{self.recent_tokens}-"
+                    f"{_DTYPE_SHORT[self.scale_dtype]}{hp}")
         parts = [self.code + self._group_part(), _DTYPE_SHORT[self.scale_dtype],
                  f"w{self.prefix_tokens}+{self.recent_tokens}", f"c{self.k_clip_ratio:g}/{self.v_clip_ratio:g}"]
         if self.lloyd_max:
@@ -346,7 +353,7 @@ _INT = re.compile(r"int([234])(?:-g(\d+))?(?:-(bf16|fp16|fp32))?(?:-w(\d+)\+(\d+
                   r"(-lm)?(-bisect)?(?:-hp(bf16|fp16|fp32))?(?:-(int[34]):(\d+(?:\.\d+)?(?:/\d+(?:\.\d+)?)*))?")
 _FP8 = re.compile(r"fp8(?:-(row)|(?:-g(\d+))?-(bf16|fp16|fp32))?(?:-w(\d+)\+(\d+))?(?:-hp(bf16|fp16|fp32))?")
 _BF16 = re.compile(r"bf16(?:-w(\d+)\+(\d+))?")
-_KIVI = re.compile(r"kivi([24])(?:-g(\d+))?(?:-r(\d+))?(?:-(bf16|fp16|fp32))?")
+_KIVI = re.compile(r"kivi([24])(?:-g(\d+))?(?:-r(\d+))?(?:-(bf16|fp16|fp32))?(?:-hp(bf16|fp16|fp32))?")
 
 
 def parse_format(text: str) -> KVFormat:
@@ -385,18 +392,19 @@ def parse_format(text: str) -> KVFormat:
             return KVFormat(code="bf16", prefix_tokens=int(m.group(1) or 0), recent_tokens=int(m.group(2) or 0))
         m = _KIVI.fullmatch(s)
         if m:
-            bits, g, r, sdt = m.groups()
+            bits, g, r, sdt, hp = m.groups()
             return KVFormat(code=f"int{bits}", axis="kivi",  # type: ignore[arg-type]
                             group_size=int(g) if g else KIVI_DEFAULTS[0],
                             recent_tokens=int(r) if r else KIVI_DEFAULTS[1],
-                            scale_dtype=_SHORT_DTYPES[sdt or "fp16"])  # type: ignore[arg-type]
+                            scale_dtype=_SHORT_DTYPES[sdt or "fp16"],  # type: ignore[arg-type]
+                            hp_dtype=_SHORT_DTYPES[hp] if hp else KIVI_HP_DTYPE)  # type: ignore[arg-type]
     except ConfigError as exc:
         raise ConfigError(f"format {text!r}: {exc}") from None
     raise ConfigError(f"format {str(text)[:60]!r} is not a KV format name; expected bf16, fp8, fp8-row, "
                       f"int{{2,3,4}}[-gG][-bf16|fp16|fp32][-wP+R][-cK/V][-lm][-bisect][-int{{3,4}}:L/L.h…] or "
-                      f"kivi{{2,4}}[-gG][-rR] "
+                      f"kivi{{2,4}}[-gG][-rR][-bf16|fp16|fp32][-hpDT] "
                       f"(e.g. int4-g64-bf16, int2-g64-bf16-w64+256, kivi2)")
 
 
-__all__ = ["AXES", "CODES", "CODE_BITS", "DEFAULT_WINDOWS", "DTYPE_BITS", "INT2_CLIPS", "KIVI_DEFAULTS", "Axis",
-           "Code", "KVFormat", "parse_format"]
+__all__ = ["AXES", "CODES", "CODE_BITS", "DEFAULT_WINDOWS", "DTYPE_BITS", "INT2_CLIPS", "KIVI_DEFAULTS", "KIVI_HP_DTYPE",
+           "Axis", "Code", "KVFormat", "parse_format"]

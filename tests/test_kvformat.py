@@ -17,8 +17,8 @@ from rotationzoo.kvformat import KVFormat, parse_format  # noqa: E402
 
 NAMES = ["bf16", "fp8", "fp8-row", "fp8-g32-bf16", "int4-g64-bf16", "int3-g64-bf16", "int2-g64-bf16", "int2",
          "int2-g16-fp32", "int2-lm", "int2-g64-bf16-w64+256-c0.96/0.92-bisect", "int4-g64-bf16-w0+0-c0/0", "kivi2",
-         "kivi4-g32-r128-fp16", "int3-g32-fp16-w4+8-c0.9/0.9", "bf16-w64+256", "int2-g64-bf16-int3:0/1/29",
-         "int2-int4:3", "int3-g32-int4:0"]
+         "kivi4-g32-r128-fp16", "kivi2-g16-r32-bf16-hpfp32", "int3-g32-fp16-w4+8-c0.9/0.9", "bf16-w64+256",
+         "int2-g64-bf16-int3:0/1/29", "int2-int4:3", "int3-g32-int4:0"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -252,21 +252,51 @@ def test_the_general_rule_is_the_window_rule(prefix, recent) -> None:
     torch.testing.assert_close(a, b, atol=2e-6, rtol=0)
 
 
-@pytest.mark.parametrize("residual", [16, 32])
-def test_kivi_rule_matches_a_decode_loop(residual) -> None:
-    """Keys quantized in whole blocks of R once full, values once R newer ones exist: a token-by-token loop."""
+@pytest.mark.parametrize("residual", [1, 5, 16, 32])
+def test_kivi_rule_is_kivis_decode_order(residual) -> None:
+    """A token-by-token cache written from KIVI's decode step (jy-yuan/KIVI ``models/llama_kivi.py``): append
+    the new key and value to the full-precision residual, attend, and only then quantize a full residual of
+    ``R`` keys and the oldest of ``R + 1`` values. The simulation, the exposure count and the shortest window
+    that reads a quantized key must agree with it."""
+    from rotationzoo.evaluate.protocol import int2_keys, min_int2_window
     from rotationzoo.integrations.transformers.simulate import kivi_boundaries, simulated_attention
 
     q, k, v, kq, vq = _qkv()
     got = simulated_attention(q, k, v, kq, vq, prefix=0, scale=0.25, block=40,
                               boundaries=lambda i: kivi_boundaries(i, residual))
+    fmt = parse_format(f"kivi2-g{residual}-r{residual}")
+    keys_q: list = []  # what the cache holds: quantized history, then the full-precision residual
+    values_q: list = []
+    keys_r: list = []
+    values_r: list = []
+    first_read = None
     for i in range(q.shape[2]):
-        b_k, b_v = residual * ((i + 1) // residual), i + 1 - residual
-        j = torch.arange(i + 1)
-        kk = torch.where((j < b_k)[None, None, :, None], kq[:, :, :i + 1], k[:, :, :i + 1]).repeat_interleave(2, 1)
-        vv = torch.where((j < b_v)[None, None, :, None], vq[:, :, :i + 1], v[:, :, :i + 1]).repeat_interleave(2, 1)
+        keys_r.append(k[:, :, i])  # 1. the new token joins the residual
+        values_r.append(v[:, :, i])
+        kk = torch.stack(keys_q + keys_r, 2).repeat_interleave(2, 1)  # 2. attention over what is held now
+        vv = torch.stack(values_q + values_r, 2).repeat_interleave(2, 1)
         want = torch.softmax(q[:, :, i:i + 1] @ kk.transpose(-1, -2) * 0.25, -1) @ vv
         torch.testing.assert_close(got[:, :, i:i + 1], want, atol=2e-6, rtol=0)
+        assert int2_keys(torch.tensor([i]), fmt).item() == len(keys_q)
+        if keys_q and first_read is None:
+            first_read = i
+        if len(keys_r) == residual:  # 3. then a full residual of keys is quantized ...
+            keys_q += [kq[:, :, len(keys_q) + n] for n in range(residual)]
+            keys_r = []
+        if len(values_r) > residual:  # ... and the oldest of R + 1 values
+            values_q.append(vq[:, :, len(values_q)])
+            values_r.pop(0)
+    assert first_read == residual and min_int2_window(fmt) == first_read + 2  # scored positions: 0 … n − 2
+
+
+def test_kivi_keeps_its_residual_in_fp16() -> None:
+    """KIVI's code keeps the residual (and its scale/min) in fp16; ``-hp…`` names another dtype."""
+    fmt = parse_format("kivi2")
+    assert fmt.hp_dtype == "float16" and fmt.name == "kivi2-g32-r128-fp16" == parse_format(fmt.name).name
+    bf = parse_format("kivi2-g32-r128-fp16-hpbf16")
+    assert bf.hp_dtype == "bfloat16" and bf.name == "kivi2-g32-r128-fp16-hpbf16" and parse_format(bf.name) == bf
+    assert bf == fmt.replace(hp_dtype="bfloat16") and KVFormat.from_json(bf.to_json()) == bf
+    assert bf.bits_per_element(128, 32768) == fmt.bits_per_element(128, 32768)  # both 16-bit
 
 
 # -- the model, every format -----------------------------------------------------------------------

@@ -4,8 +4,9 @@ For each method (the unquantized model, INT2 without rotation, Hadamard, any rot
 long scoring windows (default: the model's context length): perplexity, mean per-token
 ``KL(p_fp ‖ p_method)``, top-1 agreement with the unquantized model, INT2 exposure, a copy probe
 that reads a passage back from the INT2 history, and paired differences to a baseline with block
-bootstrap confidence intervals that also resample sign draws (the noise floor of equally valid
-rotations).
+bootstrap confidence intervals over token blocks of each method's as-served rotation. Sign draws
+(``EvalProtocol(draws=N)``: equally valid variants of a rotation), when requested, are reported as a
+spread beside the as-served result (``kl_spread``, ``draw_kl``); they are not in the intervals.
 
 Quick use::
 

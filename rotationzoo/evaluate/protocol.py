@@ -7,9 +7,11 @@ what a token attends to, as in long generation.
 
 Exposure: query position ``i`` of a window reads key ``j`` (``j ≤ i``) quantized when
 ``prefix_tokens ≤ j ≤ i − recent_tokens − 1``, i.e. ``max(0, i − recent_tokens − prefix_tokens)`` of
-its ``i + 1`` keys (a KIVI format: the ``R·⌊(i + 1)/R⌋`` keys of its full residual blocks). A result
-reports the fraction of (query, key) pairs read quantized and the fraction of scored tokens that read at
-least one quantized key.
+its ``i + 1`` keys (a KIVI format: the ``R·⌊i/R⌋`` keys of the residual blocks completed before its
+step, as KIVI attends before it quantizes; see
+:func:`~rotationzoo.integrations.transformers.simulate.kivi_boundaries`). A result reports the fraction
+of (query, key) pairs read quantized and the fraction of scored tokens that read at least one quantized
+key.
 
 Copy probe: sequences ``[lead-in: prefix_tokens] [P: passage_tokens] [filler: filler_tokens] [P]``
 cut from the evaluation text, scored on the second ``P`` only (tokens 2 … L of it, which have a
@@ -141,11 +143,12 @@ def min_int2_window(config: Int2KVConfig | KVFormat) -> int:
 
     The scored query positions of a window of ``n`` tokens are ``0 … n − 2`` (the last token has no
     target); position ``i`` reads quantized keys only when ``i > prefix_tokens + recent_tokens`` (a KIVI
-    format: once ``i + 1 ≥ R``).
+    format: once ``i ≥ R``, its first residual block quantized after the step of position ``R − 1``), so a
+    window needs ``prefix_tokens + recent_tokens + 3`` tokens (KIVI: ``R + 2``).
     """
     fmt = _format(config)
     if fmt.axis == "kivi":
-        return fmt.recent_tokens + 1
+        return fmt.recent_tokens + 2
     return fmt.prefix_tokens + fmt.recent_tokens + 3
 
 
@@ -175,7 +178,7 @@ def int2_keys(query_pos: torch.Tensor, config: Int2KVConfig | KVFormat) -> torch
     """How many keys query positions ``query_pos`` (within their forward) read quantized."""
     fmt = _format(config)
     if fmt.axis == "kivi":
-        return fmt.recent_tokens * torch.div(query_pos + 1, fmt.recent_tokens, rounding_mode="floor")
+        return fmt.recent_tokens * torch.div(query_pos, fmt.recent_tokens, rounding_mode="floor")
     return (query_pos - fmt.recent_tokens - fmt.prefix_tokens).clamp_min(0)
 
 

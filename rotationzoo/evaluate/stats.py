@@ -1,11 +1,18 @@
-"""Paired statistics of evaluation results: a block bootstrap over tokens and over sign draws.
+"""Paired statistics of evaluation results: a block bootstrap over tokens.
 
 Every method is scored on the same tokens as its baseline, so the comparison is paired: the
 difference of per-token means, with a confidence interval from a bootstrap that resamples
-contiguous blocks of tokens (neighbouring tokens are correlated: a block keeps that correlation)
-and, independently for the method and the baseline, their sign draws (``R·D``, ``D`` diagonal
-±1: equally valid variants of a rotation), so the interval covers both the token and the draw
-variance. A difference is reported only when the interval excludes zero.
+contiguous blocks of tokens (neighbouring tokens are correlated: a block keeps that correlation).
+A difference is reported only when the interval excludes zero.
+
+:func:`paired_difference` can also resample rows of sign draws per side (``[K, N]`` inputs), but
+:func:`~rotationzoo.evaluate.run.evaluate` passes each method's as-served run alone (one row per side,
+``PairedDifference.draws == (1, 1)``): its intervals are over token blocks of the as-served rotation,
+and sign draws (``R·D``, ``D`` diagonal ±1), when requested, are reported as a spread beside it
+(:func:`mean_and_spread`, ``MethodResult.kl_spread``), not in the interval. The copy probe's intervals
+use one block per probe passage, so they resample the probes (8 by default): with that few clusters a
+percentile bootstrap covers less than its nominal level (about 89 % for a nominal 95 % with 8, in a
+synthetic check).
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ cache would hold it while that query's token is decoded.
 read back from its quantized form), with fused (flash) attention pieces on CPU merged by their
 log-sum-exp; :func:`simulated_attention`: any rule of the form "key (or value) ``j`` is read quantized
 when ``prefix ≤ j < b(i)``", with separate boundaries for keys and values (KIVI's residual: keys
-quantized in whole blocks of ``R`` tokens, values once ``R`` newer ones exist); :func:`exact_attention`:
-plain causal attention (the reference of the per-layer errors).
+quantized in whole blocks of ``R`` tokens, values once more than ``R`` newer ones exist:
+:func:`kivi_boundaries`); :func:`exact_attention`: plain causal attention (the reference of the
+per-layer errors).
 """
 
 from __future__ import annotations
@@ -258,10 +259,15 @@ def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 def kivi_boundaries(positions: torch.Tensor, residual: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """KIVI's read rule at absolute query positions ``i``: keys ``j < R·⌊(i + 1)/R⌋`` and values ``j ≤ i − R``
-    are read quantized (``(b_k, b_v)``, exclusive bounds): keys are quantized in whole blocks of ``R``
-    once the block is full, values as soon as ``R`` newer ones exist."""
-    return residual * torch.div(positions + 1, residual, rounding_mode="floor"), positions + 1 - residual
+    """KIVI's read rule at absolute query positions ``i``: keys ``j < R·⌊i/R⌋`` and values ``j < i − R``
+    are read quantized (``(b_k, b_v)``, exclusive bounds).
+
+    KIVI's decode step (jy-yuan/KIVI ``models/llama_kivi.py``) appends the new key and value to the
+    full-precision residual and attends *first*; only afterwards is a full residual of ``R`` keys quantized
+    (whole blocks of ``R``) and the oldest of ``R + 1`` values quantized. So query ``i`` reads its own key
+    and value exactly, a block of ``R`` keys quantized from the query after the one that completes it
+    on, and ``R + 1`` values exactly (its own included)."""
+    return residual * torch.div(positions, residual, rounding_mode="floor"), positions - residual
 
 
 def simulated_attention(
