@@ -179,6 +179,23 @@ def test_each_sequence_of_a_left_padded_batch_decodes_as_alone(prefix, recent, l
     assert count.calls >= 2 * 23  # the first pass's decode steps read the codes
 
 
+@pytest.mark.parametrize("prefix,recent", [(4, 8), (16, 4), (3, 2)])
+def test_the_simulation_keeps_each_sequences_own_sink_in_a_left_padded_batch(prefix, recent):
+    """The decode-time simulation (a forward without the cache, as eval runs) reads each sequence's own first
+    prefix tokens exactly, as the cache stores them: each row of a left-padded batch has its prompt's logits
+    alone (it had read the shorter prompts' first tokens as INT2: 0.08-0.2 apart)."""
+    model = tiny_llama(seed=40)
+    g = torch.Generator().manual_seed(41)
+    prompts = [torch.randint(3, 96, (n,), generator=g) for n in (60, 41, 30)]
+    ids, mask = left_padded(prompts)
+    oscar = OscarKV(rotations(), rotations(seed=42), config=Int2KVConfig(prefix_tokens=prefix, recent_tokens=recent))
+    with torch.no_grad(), oscar_kv(model, oscar):
+        batch = model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=False)
+        for row, p in enumerate(prompts):
+            alone = model(p[None], use_cache=False).logits[0]
+            torch.testing.assert_close(batch.logits[row, ids.shape[1] - len(p):], alone, atol=TOL, rtol=TOL)
+
+
 def test_a_left_padded_batch_keeps_each_sequences_sink_through_beams_and_crop():
     """Beam search reorders the rows and their sinks together; cropping a left-padded batch's last tokens
     gives the logits of never having added them."""

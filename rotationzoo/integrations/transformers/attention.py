@@ -121,7 +121,10 @@ def _simulate(session: OscarSession, module: torch.nn.Module, query: torch.Tenso
     vr = tr.values(value, oscar.hp_dtype)
     k_exact, v_exact = kr.to(dtype), vr.to(dtype)
     kivi = fmt.axis == "kivi"
-    needs = key.shape[2] > (fmt.recent_tokens if kivi else fmt.prefix_tokens + fmt.recent_tokens + 1)
+    pads = session.leading_pads(query.shape[0]) if fmt.prefix_tokens and not kivi else None
+    sink_ends = [n + fmt.prefix_tokens for n in pads] if pads and any(pads) else None  # each sequence's own sink
+    first = min(sink_ends) if sink_ends else fmt.prefix_tokens
+    needs = key.shape[2] > (fmt.recent_tokens if kivi else first + fmt.recent_tokens + 1)
     k_q = fake_quantize(kr, oscar, "k", dtype) if needs and oscar.quantize_k else k_exact
     v_q = fake_quantize(vr, oscar, "v", dtype) if needs and oscar.quantize_v else v_exact
     wide = list(session.oscar.kv_format.wide_heads_of(lid))
@@ -143,7 +146,8 @@ def _simulate(session: OscarSession, module: torch.nn.Module, query: torch.Tenso
                                     attention_mask=attention_mask)
     else:
         out_r = simulated_int2_attention(q, k_exact, v_exact, k_q, v_q, prefix=fmt.prefix_tokens,
-                                         recent=fmt.recent_tokens, scale=scale, attention_mask=attention_mask)
+                                         recent=fmt.recent_tokens, scale=scale, attention_mask=attention_mask,
+                                         sink_ends=sink_ends)
     out = tr.output(out_r)
     if session.collect_errors:
         ref = exact_attention(query, key, value, scale, attention_mask)

@@ -51,6 +51,7 @@ def simulated_int2_attention(
     scale: float,
     attention_mask: torch.Tensor | None = None,
     block: int = SIM_QUERY_BLOCK,
+    sink_ends: list[int] | None = None,
 ) -> torch.Tensor:
     """Causal attention where each query reads window keys exactly and older keys as INT2.
 
@@ -78,15 +79,18 @@ def simulated_int2_attention(
         attention_mask: optional ``[B or 1, 1, S, L]`` boolean (True = attend) or additive mask,
             combined with the causal rule (padding).
         block: query rows per block.
+        sink_ends: per sequence of a left-padded batch, where its sink ends (its leading padding + ``prefix``):
+            each sequence's own first ``prefix`` tokens are exact, as the INT2 cache keeps them
+            (:class:`~rotationzoo.integrations.transformers.slots.Slots`); ``None``: ``prefix`` for every one.
 
     Returns:
         ``[B, Hq, S, d]`` in ``query``'s dtype.
     """
     s, length = query.shape[2], k_exact.shape[2]
     grads = torch.is_grad_enabled() and any(t.requires_grad for t in (query, k_exact, v_exact, k_int2, v_int2))
-    if attention_mask is not None or s != length or query.device.type != "cpu" or grads:
+    if attention_mask is not None or s != length or query.device.type != "cpu" or grads or sink_ends:
         return _blocked_int2_attention(query, k_exact, v_exact, k_int2, v_int2, prefix=prefix, recent=recent,
-                                       scale=scale, attention_mask=attention_mask, block=block)
+                                       scale=scale, attention_mask=attention_mask, block=block, sink_ends=sink_ends)
     g = query.shape[1] // k_exact.shape[1]
     parts = _exact_parts(query, k_exact, v_exact, prefix=prefix, recent=recent, scale=scale, block=block)
     c = prefix + recent + 1
@@ -205,39 +209,46 @@ def _blocked_int2_attention(
     scale: float,
     attention_mask: torch.Tensor | None = None,
     block: int = SIM_QUERY_BLOCK,
+    sink_ends: list[int] | None = None,
 ) -> torch.Tensor:
     """The general path of :func:`simulated_int2_attention` (padding masks, ``S < L``, any device), with its
     arguments: blocks of ``block`` queries attend at once over only the keys they need (the sink, the INT2
     keys ``prefix ≤ j ≤ i − recent − 1``, the exact band), through one masked SDPA per block, so the cost is
-    about that of one causal attention."""
+    about that of one causal attention. With ``sink_ends`` a key before the longest sink end and from the
+    shortest is gathered in both places, and each sequence reads it from its own (the sink before its end)."""
     b, _, s, _ = query.shape
     length = k_exact.shape[2]
     offset = length - s
     dev = query.device
     mask = _bool_mask(attention_mask)
     outs = []
-    p = min(prefix, length)
+    lo, hi = (min(sink_ends), max(sink_ends)) if sink_ends else (prefix, prefix)
+    ends = torch.tensor(sink_ends, device=dev)[:, None] if sink_ends else None
+    p = min(hi, length)
     for a in range(0, s, block):
         e = min(s, a + block)
         i = torch.arange(offset + a, offset + e, device=dev)[:, None]  # absolute query positions
-        q_end = max(prefix, offset + e - 1 - recent)  # INT2 keys: prefix <= j <= i - recent - 1
-        band = max(prefix, offset + a - recent)  # exact band: max(prefix, i - recent) <= j <= i
+        q_end = max(lo, offset + e - 1 - recent)  # INT2 keys: prefix <= j <= i - recent - 1
+        band = max(lo, offset + a - recent)  # exact band: max(prefix, i - recent) <= j <= i
         band = min(band, offset + e)
-        parts_k = [k_exact[:, :, :p], k_int2[:, :, prefix:q_end], k_exact[:, :, band:offset + e]]
-        parts_v = [v_exact[:, :, :p], v_int2[:, :, prefix:q_end], v_exact[:, :, band:offset + e]]
+        parts_k = [k_exact[:, :, :p], k_int2[:, :, lo:q_end], k_exact[:, :, band:offset + e]]
+        parts_v = [v_exact[:, :, :p], v_int2[:, :, lo:q_end], v_exact[:, :, band:offset + e]]
         js = torch.arange(0, p, device=dev)[None, :]
-        jq = torch.arange(prefix, max(prefix, q_end), device=dev)[None, :]
+        jq = torch.arange(lo, max(lo, q_end), device=dev)[None, :]
         jb = torch.arange(band, offset + e, device=dev)[None, :]
         m = torch.cat([js <= i, (i - jq) > recent, (jb <= i) & ((i - jb) <= recent)], dim=1)
+        cols = torch.cat([js[0], jq[0], jb[0]])
+        if ends is not None:  # each sequence's own sink: [0, its end) from the sink, the rest from the others
+            own = torch.cat([js < ends, jq >= ends, jb >= ends], dim=1)
+            m = m[None, None] & own[:, None, None, :]
         if mask is not None:
-            cols = torch.cat([js[0], jq[0], jb[0]])
             m = m & mask[:, :, a:e][..., cols]
-        else:
+        elif ends is None:
             m = m[None, None]
         o = _sdpa(query[:, :, a:e], torch.cat(parts_k, 2), torch.cat(parts_v, 2), m, scale)
         outs.append(o)
     out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
-    return torch.nan_to_num(out, nan=0.0) if mask is not None else out
+    return torch.nan_to_num(out, nan=0.0) if mask is not None or ends is not None else out
 
 
 def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
