@@ -674,3 +674,26 @@ def test_the_cli_bounds_are_the_librarys(capsys) -> None:
     assert EvalRequest(texts=["t.txt"], skip=MAX_SKIP_TOKENS).skip == MAX_SKIP_TOKENS
     for field in ("tokens", "context"):  # the keep rule's refusals below the bound: tests/test_recipe.py
         FitRecipe(refine=Refinement(), keep=KeepRule(texts=("t.txt",), **{field: MIN_KEEP_TOKENS})).check()
+
+
+def test_the_copy_probe_and_error_windows_take_the_clis_bounds() -> None:
+    """CopyProbe(probes=0, filler_tokens=-5) and EvalProtocol(error_windows=-3) had been accepted (the CLI
+    refused them): the objects refuse with the options' names, and the CLI's ranges are theirs."""
+    import click
+    import typer.main
+
+    from rotationzoo.cli.main import app
+    from rotationzoo.errors import ConfigError
+    from rotationzoo.evaluate.protocol import MAX_COUNT, CopyProbe, EvalProtocol
+
+    for make, match in ((lambda: CopyProbe(probes=0), r"probes \(--probe-count\)"),
+                        (lambda: CopyProbe(filler_tokens=-5), r"filler_tokens \(--probe-filler\)"),
+                        (lambda: CopyProbe(passage_tokens=1), r"passage_tokens \(--probe-tokens\)"),
+                        (lambda: EvalProtocol(error_windows=-3), r"error_windows \(--error-windows\)")):
+        with pytest.raises(ConfigError, match=match):
+            make()
+    command = typer.main.get_command(app).commands["eval"]  # type: ignore[attr-defined]
+    ranges = {p.opts[0]: (p.type.min, p.type.max) for p in command.params if isinstance(p, click.Option)
+              and p.opts[0] in ("--probe-tokens", "--probe-filler", "--probe-count", "--error-windows")}
+    assert ranges == {"--probe-tokens": (2, MAX_COUNT), "--probe-filler": (1, MAX_COUNT),
+                      "--probe-count": (1, MAX_COUNT), "--error-windows": (0, MAX_COUNT)}

@@ -159,9 +159,8 @@ def test_check_evaluation_refuses_a_copy_probe_the_text_cannot_hold() -> None:
                                           r"use fewer --probe-count"):
         check_evaluation(methods, shape, conf, protocol, 512)
     assert check_evaluation(methods, shape, conf, protocol, 512, probe_tokens=4000) == 256  # probes from other text
-    short = EvalProtocol(baseline="none", probe=CopyProbe(passage_tokens=1))
-    with pytest.raises(ConfigError, match="passages of at least 2 tokens"):
-        check_evaluation(methods, shape, conf, short)
+    with pytest.raises(ConfigError, match=r"passage_tokens \(--probe-tokens\) must be an integer from 2"):
+        CopyProbe(passage_tokens=1)  # refused where it is made, before any check of the evaluation
 
 
 # -- evaluate() ------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from ._options import (
     config_changes,
 )
 from ..errors import CLIError
+from ..evaluate.protocol import MAX_COUNT
 from ..workflows.evaluation import MAX_SKIP_TOKENS
 from ._output import console, emit_json, print_note, print_warning, printable, progress_reporter
 
@@ -79,14 +80,14 @@ def eval_command(
     baseline: Annotated[str, typer.Option("--baseline", help="Method the others are compared with.")] = "hadamard",
     probe: Annotated[Optional[str], typer.Option("--probe", click_type=choice(("copy",)),
                      help="copy: also read passages back from the INT2 history (copy probe).")] = None,
-    probe_tokens: Annotated[int, typer.Option("--probe-tokens", min=2, help="Copy probe: passage length L.")] = 128,
-    probe_filler: Annotated[Optional[int], typer.Option("--probe-filler", min=1, help="Copy probe: filler tokens F "
+    probe_tokens: Annotated[int, typer.Option("--probe-tokens", min=2, max=MAX_COUNT, help="Copy probe: passage length L.")] = 128,
+    probe_filler: Annotated[Optional[int], typer.Option("--probe-filler", min=1, max=MAX_COUNT, help="Copy probe: filler tokens F "
                             "between the copies (default: recent_tokens + 64).")] = None,
-    probe_count: Annotated[int, typer.Option("--probe-count", min=1, help="Copy probe: number of probes.")] = 8,
+    probe_count: Annotated[int, typer.Option("--probe-count", min=1, max=MAX_COUNT, help="Copy probe: number of probes.")] = 8,
     group_size: GroupOpt = None, k_clip_ratio: KClipOpt = None, v_clip_ratio: VClipOpt = None,
     prefix_tokens: PrefixOpt = None, recent_tokens: RecentOpt = None, hp_dtype: HpDtypeOpt = None,
     scale_dtype: ScaleDtypeOpt = None, lloyd_max: LloydMaxOpt = None, clip_search: ClipSearchOpt = None,
-    error_windows: Annotated[int, typer.Option("--error-windows", min=0, help="Windows over which the attention-output "
+    error_windows: Annotated[int, typer.Option("--error-windows", min=0, max=MAX_COUNT, help="Windows over which the attention-output "
                              "error per layer and per KV head is measured (0: off).")] = 0,
     dtype: Annotated[str, typer.Option("--dtype", help="Model dtype: auto, bfloat16, float16 or float32.")] = "auto",
     device: Annotated[str, typer.Option("--device", help="Where the model runs (cpu, cuda, ...).")] = "cpu",

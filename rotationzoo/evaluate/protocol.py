@@ -30,7 +30,12 @@ import torch
 from ..errors import ConfigError
 from ..int2kv import Int2KVConfig
 from ..kvformat import KVFormat
+from ..numbers import check_int
 from .stats import DEFAULT_BLOCK_TOKENS, DEFAULT_RESAMPLES
+
+#: Largest copy-probe passage, filler and probe count, and error windows (``--probe-tokens``,
+#: ``--probe-filler``, ``--probe-count``, ``--error-windows``): 2^20, past any text an evaluation reads.
+MAX_COUNT = 2**20
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,12 @@ class CopyProbe:
     passage_tokens: int = 128
     filler_tokens: int | None = None
     probes: int = 8
+
+    def __post_init__(self) -> None:  # the bounds of --probe-tokens, --probe-filler and --probe-count
+        check_int(self.passage_tokens, "passage_tokens (--probe-tokens)", low=2, high=MAX_COUNT)
+        if self.filler_tokens is not None:
+            check_int(self.filler_tokens, "filler_tokens (--probe-filler)", low=1, high=MAX_COUNT)
+        check_int(self.probes, "probes (--probe-count)", low=1, high=MAX_COUNT)
 
     def filler(self, config: Int2KVConfig) -> int:
         return self.filler_tokens if self.filler_tokens is not None else config.recent_tokens + 64
@@ -104,6 +115,7 @@ class EvalProtocol:
             raise ConfigError(f"confidence must be in (0, 1), got {self.confidence}")
         if self.block_tokens < 1 or self.resamples < 1:
             raise ConfigError("block_tokens and resamples must be positive")
+        check_int(self.error_windows, "error_windows (--error-windows)", low=0, high=MAX_COUNT)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -222,9 +234,6 @@ def check_probe(probe: CopyProbe, config: Int2KVConfig, tokens: int | None = Non
     Raises:
         ConfigError: one line saying what the probe needs and what to change.
     """
-    if probe.passage_tokens < 2:
-        raise ConfigError(f"the copy probe needs passages of at least 2 tokens, got {probe.passage_tokens}; give a "
-                          f"larger --probe-tokens")
     stretch = config.prefix_tokens + probe.passage_tokens + probe.filler(config)
     need = probe.probes * stretch
     if tokens is not None and need > tokens:
