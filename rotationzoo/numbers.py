@@ -36,6 +36,12 @@ def shown(value: object) -> str:
     return f"{text[:half]}…{text[-half:]} ({len(text)} characters)"
 
 
+#: Largest count a user gives of things an evaluation makes one by one (the copy probe's passage, filler and
+#: probes, error windows: ``--probe-tokens``, ``--probe-filler``, ``--probe-count``, ``--error-windows``): 2^20,
+#: past any text an evaluation reads.
+MAX_COUNT = 2**20
+
+
 def check_int(value: object, what: str, *, low: int, high: int, hint: str = "",
               error: type[RotationZooError] = ConfigError) -> int:
     """``value`` when it is an integer with ``low <= value <= high``; otherwise ``error``.
@@ -72,4 +78,4 @@ def _bound(x: float) -> str:
     return f"{int(x):,}" if float(x).is_integer() else f"{x:g}"
 
 
-__all__ = ["SHOWN_CHARS", "check_int", "check_real", "shown"]
+__all__ = ["MAX_COUNT", "SHOWN_CHARS", "check_int", "check_real", "shown"]

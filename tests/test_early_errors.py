@@ -684,7 +684,8 @@ def test_the_copy_probe_and_error_windows_take_the_clis_bounds() -> None:
 
     from rotationzoo.cli.main import app
     from rotationzoo.errors import ConfigError
-    from rotationzoo.evaluate.protocol import MAX_COUNT, CopyProbe, EvalProtocol
+    from rotationzoo.evaluate.protocol import CopyProbe, EvalProtocol
+    from rotationzoo.numbers import MAX_COUNT
 
     for make, match in ((lambda: CopyProbe(probes=0), r"probes \(--probe-count\)"),
                         (lambda: CopyProbe(filler_tokens=-5), r"filler_tokens \(--probe-filler\)"),

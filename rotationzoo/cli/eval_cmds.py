@@ -43,7 +43,7 @@ from ._options import (
     config_changes,
 )
 from ..errors import CLIError
-from ..evaluate.protocol import MAX_COUNT
+from ..numbers import MAX_COUNT
 from ..workflows.evaluation import MAX_SKIP_TOKENS
 from ._output import console, emit_json, print_note, print_warning, printable, progress_reporter
 

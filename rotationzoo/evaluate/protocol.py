@@ -30,12 +30,8 @@ import torch
 from ..errors import ConfigError
 from ..int2kv import Int2KVConfig
 from ..kvformat import KVFormat
-from ..numbers import check_int
+from ..numbers import MAX_COUNT, check_int
 from .stats import DEFAULT_BLOCK_TOKENS, DEFAULT_RESAMPLES
-
-#: Largest copy-probe passage, filler and probe count, and error windows (``--probe-tokens``,
-#: ``--probe-filler``, ``--probe-count``, ``--error-windows``): 2^20, past any text an evaluation reads.
-MAX_COUNT = 2**20
 
 
 @dataclass(frozen=True)
