@@ -77,6 +77,13 @@ def test_cache_rm_takes_model_at_tag_as_every_command_does(filled, capsys) -> No
     assert {r.tag for r in cache_records(filled)} == {get_entry(SMOL).name, "seq20000_prompt83_group128"}
 
 
+@pytest.mark.parametrize("name", [f"{SMOL}@", "@hadamard"])
+def test_an_empty_side_of_model_at_tag_removes_nothing(filled, capsys, name) -> None:
+    """``--model "$M@$TAG"`` with TAG unset (``MODEL@``) had been read as the whole model: every tag removed."""
+    rc, out, err = run_cli(capsys, "cache", "rm", "--model", name, "--yes")
+    assert rc == 1 and out == "" and "unset shell variable" in err and len(cache_records(filled)) == 3
+
+
 @pytest.mark.parametrize("answer, kept", [("n\n", 3), ("y\n", 1)])
 def test_cache_rm_asks_on_a_terminal(filled, capsys, monkeypatch, answer, kept) -> None:
     monkeypatch.setattr(fetch_cmds, "stdin_is_tty", lambda: True)

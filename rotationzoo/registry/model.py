@@ -42,13 +42,17 @@ def split_model_tag(name: str) -> tuple[str, str | None]:
     """``"Qwen3-8B@longbench-seq…"`` → ``("Qwen3-8B", "longbench-seq…")``; no ``@`` → tag ``None``.
 
     Raises:
-        ConfigError: ``name`` is not a string.
+        ConfigError: ``name`` is not a string, or has nothing before or after its ``@`` (``"$MODEL@$TAG"`` with
+            a variable unset: taken as the whole model, a removal would take every tag).
     """
     if not isinstance(name, str):
         raise ConfigError(f"a model is named by its registry id or alias (MODEL or MODEL@TAG), a string such as "
                           f"'Qwen3-8B', got {type(name).__name__} {shown(name)}")
     model, at, tag = name.partition("@")
-    return model, (tag or None) if at else None
+    if at and not (model and tag):
+        raise ConfigError(f"{shown(name)} names {'no tag after' if model else 'no model before'} its '@' (an unset "
+                          f"shell variable?); give MODEL or MODEL@TAG")
+    return model, tag if at else None
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,11 @@ class OscarSession:
         mask = kwargs.get("attention_mask")
         self.row_mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
 
+    def forget_inputs(self, module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
+        """Forward hook of the model (run even when the forward fails): the mask belongs to that forward only, so
+        a later forward that bypasses the hook (the inner model called directly) assumes no padding."""
+        self.row_mask = None
+
     def leading_pads(self, batch: int) -> list[int] | None:
         """Per sequence of the current forward, how many masked tokens come before its first one (a left-padded
         batch); ``None`` without a 2-D mask of ``batch`` rows. Read on the host once per forward."""
@@ -223,7 +228,7 @@ class oscar_kv:  # noqa: N801 - used as a context manager, like a function
         self.session = OscarSession(model, oscar, collect_errors)
         self._prev: str | None = None
         self._token: contextvars.Token | None = None
-        self._hook: Any = None
+        self._hooks: list[Any] = []
 
     def __enter__(self) -> OscarSession:
         if ACTIVE_SESSION.get() is not None:
@@ -232,14 +237,15 @@ class oscar_kv:  # noqa: N801 - used as a context manager, like a function
         self._prev = getattr(model.config, "_attn_implementation", None) or "sdpa"
         switch_attention(model, oscar_attention_name(base_implementation(model, OSCAR_IMPL_PREFIX)))
         self._token = ACTIVE_SESSION.set(self.session)
-        self._hook = model.register_forward_pre_hook(self.session.note_inputs, with_kwargs=True)
+        self._hooks = [model.register_forward_pre_hook(self.session.note_inputs, with_kwargs=True),
+                       model.register_forward_hook(self.session.forget_inputs, with_kwargs=True, always_call=True)]
         return self.session
 
     def __exit__(self, *exc: Any) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
-            self.session.row_mask, self.session._pads = None, (None, None)
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self.session.row_mask, self.session._pads = None, (None, None)
         if self._token is not None:
             ACTIVE_SESSION.reset(self._token)
             self._token = None

@@ -42,8 +42,8 @@ _WINDOW_NAMES = ("sink_k", "sink_v", "recent_k", "recent_v")
 class _LayerBody:
     """One layer of :class:`OscarInt2Cache`.
 
-    Storage (all ``[B, H_kv, n, ·]``, in the rotated basis): ``sink_k/v`` (first ``prefix``
-    tokens, ``hp_dtype``), INT2 ``codes_k/v`` (uint8 ``[..., d/4]``) with ``sz_k/v``
+    Storage (all ``[B, H_kv, n, ·]``, in the rotated basis): ``sink_k/v`` (first ``prefix`` tokens of each
+    sequence, after its padding, ``hp_dtype``), INT2 ``codes_k/v`` (uint8 ``[..., d/4]``) with ``sz_k/v``
     (``[..., 2·d/G]`` in ``scale_dtype``), and ``recent_k/v`` (the last ``recent`` tokens,
     ``hp_dtype``). The INT2 tier lives in buffers with room for more tokens (grown by an eighth, at
     least :data:`INT2_GROWTH_TOKENS`), so demoting a token does not copy the history.
@@ -409,7 +409,7 @@ class _LayerBody:
         return sum(t.numel() * t.element_size() for t in self._tensors(True))
 
     def stored_tokens(self) -> dict[str, int]:
-        """``{"prefix": …, "int2": …, "recent": …}`` token counts held."""
+        """``{"prefix": …, "int2": …, "recent": …}`` rows held per tier (a left-padded batch holds a slot in two)."""
         if not self.is_initialized:
             return {"prefix": 0, "int2": 0, "recent": 0}
         assert self.sink_k is not None and self.recent_k is not None
@@ -465,12 +465,12 @@ class _CacheBody:
         return sum(layer.reserved_bytes() for layer in self.layers)
 
     def bits_per_element(self) -> float:
-        """Stored bits per cached K/V element (codes, scales/zeros and windows over all layers)."""
+        """Stored bits per cached K/V element (codes, scales/zeros and windows over all layers, per token slot)."""
         elems = 0
         for layer in self.layers:
             if layer.is_initialized:
-                b, h, _, d = layer.sink_k.shape
-                elems += 2 * b * h * d * sum(layer.stored_tokens().values())
+                (b, h, _, d), n = layer.sink_k.shape, layer.stored_tokens()
+                elems += 2 * b * h * d * layer.slots.held(n["prefix"], n["int2"] + n["recent"], layer.cumulative_length)
         return 8.0 * self.nbytes() / elems if elems else 0.0
 
 

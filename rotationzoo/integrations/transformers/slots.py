@@ -54,6 +54,11 @@ class Slots:
         tier_lo = end - tier_rows
         return tier_lo, max(min(end, self.sink_end) - tier_lo, 0)
 
+    def held(self, sink_rows: int, tier_rows: int, end: int) -> int:
+        """Token slots held by ``sink_rows`` sink rows and ``tier_rows`` tier rows ending at ``end`` (a slot held
+        in both counted once)."""
+        return sink_rows + tier_rows - self.overlap(sink_rows, tier_rows, end)[1]
+
     def merge(self, sink: torch.Tensor, rows: torch.Tensor, end: int) -> torch.Tensor:
         """``[sink | rows]`` (``[B, H, n, d]`` each, the tier's rows ending at slot ``end − 1``) as one row per
         slot: a slot held twice is each sequence's own copy."""
