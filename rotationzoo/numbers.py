@@ -12,6 +12,7 @@ flood the terminal. Plain Python (no torch).
 from __future__ import annotations
 
 import math
+import operator
 import re
 
 from .errors import ConfigError, RotationZooError
@@ -53,6 +54,11 @@ def check_int(value: object, what: str, *, low: int, high: int, hint: str = "",
         hint: appended to the message (``"; 0 disables"``).
         error: the exception type raised.
     """
+    if not isinstance(value, (bool, int)) and hasattr(type(value), "__index__"):  # numpy / torch integers
+        try:
+            value = operator.index(value)
+        except TypeError:
+            pass
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise error(f"{what} must be an integer from {low:,} to {high:,}{hint}, got {shown(value)}")
     return value

@@ -294,7 +294,16 @@ def check_replaceable(path: str | os.PathLike[str], *, what: str, error: ErrorTy
         mode = os.lstat(path).st_mode
     except OSError:  # nothing there (yet)
         return
-    if stat.S_ISREG(mode) or stat.S_ISLNK(mode):
+    if stat.S_ISLNK(mode):  # replaced itself; but not a link to a device (/dev/stdout, as root)
+        try:
+            target = os.stat(path).st_mode
+        except OSError:  # a link to nothing
+            return
+        if not (stat.S_ISREG(target) or stat.S_ISDIR(target)):
+            raise error(f"{what} {path} is a link to a device, a pipe or a socket, which writing a file there "
+                        f"would replace; give the name of a file")
+        return
+    if stat.S_ISREG(mode):
         return
     if stat.S_ISDIR(mode):
         raise error(f"{what} {path} is a folder; give a file name")

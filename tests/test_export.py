@@ -581,3 +581,23 @@ def test_safetensors_outputs_follow_the_umask(pair_dir, tmp_path):
     modes = {name: stat.S_IMODE((tmp_path / name).stat().st_mode) for name in ("pair.safetensors", "k.safetensors",
                                                                               "pair.gguf")}
     assert modes == {"pair.safetensors": 0o644, "k.safetensors": 0o644, "pair.gguf": 0o644}
+
+
+def test_a_link_to_a_pipe_at_the_output_is_refused(pair_dir, tmp_path):
+    """A link is replaced itself, never written through, but not one to a device, pipe or socket: as root
+    ``--out /dev/stdout`` (a link to /proc/self/fd/1) would have replaced the system's /dev/stdout."""
+    import os
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    link = tmp_path / "out.safetensors"
+    link.symlink_to(fifo)
+    with pytest.raises(ExportError, match="a link to a device, a pipe or a socket"):
+        export(pair_dir, link, to="safetensors")
+    assert link.is_symlink() and fifo.is_fifo()
+    regular = tmp_path / "file.safetensors"
+    regular.write_bytes(b"old")
+    other = tmp_path / "other.safetensors"
+    other.symlink_to(regular)
+    export(pair_dir, other, to="safetensors")  # a link to a file: the link is replaced, the file keeps its bytes
+    assert not other.is_symlink() and regular.read_bytes() == b"old"

@@ -149,3 +149,17 @@ def test_the_recipe_module_imports_no_torch() -> None:
     code = "import sys, rotationzoo.recipe; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-500:]
+
+
+def test_layer_text_takes_spaces_and_counts_take_numpy_integers():
+    """``--layers "3 - 7"`` reads as 3-7 (the parser shared by --layers and layers= had refused it), and a count
+    given as a numpy integer is an integer (num_workers=np.int64(2) had been refused)."""
+    import numpy as np
+
+    from rotationzoo.files.limits import parse_layer_ids
+    from rotationzoo.recipe import check_workers
+
+    assert parse_layer_ids("3 - 7, 9") == [3, 4, 5, 6, 7, 9] and parse_layer_ids("3- 5") == [3, 4, 5]
+    assert check_workers(np.int64(2)) == 2 and type(check_workers(np.int64(2))) is int
+    with pytest.raises(FitError, match="workers must be an integer"):
+        check_workers(np.float64(2.0))

@@ -297,3 +297,10 @@ def test_a_tolerance_that_is_not_one_is_a_usage_error(atol, tmp_path, capsys) ->
         validate(RotationSet(_orthogonal(1), range(L), "x"), atol=float(atol))
     with pytest.raises(ConfigError, match="checks a RotationSet, got str"):
         validate(str(p))  # type: ignore[arg-type]
+
+
+def test_verify_against_an_mla_model_refuses_a_tag_it_does_not_have(tmp_path, capsys) -> None:
+    """``verify FILE --model GLM-5.2@no-such-tag`` had checked against the latent set, ignoring the tag."""
+    p = write_rotation(tmp_path / "k.pt", RotationSet(_orthogonal(1), range(L), "x"))
+    assert main(["verify", str(p), "--model", "GLM-5.2@no-such-tag"]) == 2
+    assert "has one latent set" in capsys.readouterr().err

@@ -297,6 +297,9 @@ def cmd_verify(
         name, at_tag = split_model_tag(model)  # MODEL@TAG: that tag's architecture
         m = get_model(name)
         if m.mla_latent is not None:  # an MLA latent set: its layers and rank
+            if at_tag is not None and at_tag != m.mla_latent.name:
+                raise CLIError(f"--model {printable(model)}: {m.id} has one latent set, {m.mla_latent.name!r}, not "
+                               f"{at_tag!r}; give --model {m.id}")
             ids = m.mla_latent.expected_layer_ids
             layer_ids, dims = (tuple(ids) if ids is not None else None), dims or HeadDims(m.mla_latent.rank)
         else:

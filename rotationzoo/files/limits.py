@@ -73,7 +73,7 @@ def parse_index(x: Any) -> int | None:
     return None
 
 
-_LAYER_PART = re.compile(r"([0-9]{1,18})(?:-([0-9]{1,18}))?")
+_LAYER_PART = re.compile(r"([0-9]{1,18})(?:\s*-\s*([0-9]{1,18}))?")
 
 
 def parse_layer_ids(value: Any, what: str = "layers", *, error: type[RotationZooError] = ConfigError,
