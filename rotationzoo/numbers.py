@@ -56,7 +56,7 @@ def check_int(value: object, what: str, *, low: int, high: int, hint: str = "",
     """
     if not isinstance(value, (bool, int)) and hasattr(type(value), "__index__"):  # numpy / torch integers
         try:
-            value = operator.index(value)
+            value = operator.index(value)  # type: ignore[arg-type]
         except TypeError:
             pass
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
