@@ -19,7 +19,8 @@ class ConfigError(RotationZooError, ValueError):
 
 
 class MissingDependencyError(RotationZooError, ImportError):
-    """An optional dependency is not installed: ``this needs transformers: pip install 'rotationzoo[transformers]'``.
+    """An optional dependency is not installed: ``the optional package 'transformers' is needed for this: pip install
+    'rotationzoo[transformers]'``.
 
     Attributes:
         package: the missing import name (``"transformers"``).
@@ -30,7 +31,7 @@ class MissingDependencyError(RotationZooError, ImportError):
         self.package = package
         self.extra = extra
         install = f"pip install 'rotationzoo[{extra}]'" if extra else f"pip install {package}"
-        super().__init__(f"{what or 'this'} needs the optional package {package!r}: {install}")
+        super().__init__(f"the optional package {package!r} is needed for {what or 'this'}: {install}")
 
 
 # --- registry -----------------------------------------------------------------------------------

@@ -58,6 +58,9 @@ for _i, _p in enumerate("kmgt", start=1):
 _SIZE_RE = re.compile(r"^\s*(?P<num>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[a-z]*)\s*$", re.IGNORECASE)
 #: Longest size text :func:`parse_size` reads (``1125899906842624`` is 16 characters).
 _SIZE_CHARS = 40
+#: Smallest GPU memory :func:`parse_gpu_memory` reads from a number without a unit (1 MiB): a smaller one is a
+#: unit left out (``--gpu-memory 80`` meant 80GiB, not 80 bytes).
+MIN_UNITLESS_GPU_BYTES = 2**20
 
 
 def parse_size(text: str) -> int:
@@ -77,8 +80,34 @@ def parse_size(text: str) -> int:
                           f"80000MiB, or a byte count (at most {_SIZE_CHARS} characters)")
     exact = Decimal(m["num"]) * _SIZE_UNITS[unit]  # exact: no float overflow or rounding of long numbers
     if not 1 <= exact <= MAX_MEMORY_BYTES:
-        raise ConfigError(f"size {shown(text)} must be from one byte to {MAX_MEMORY_BYTES:,} bytes (1 PiB)")
+        raise ConfigError(f"size {shown(text)} must be from one byte to {MAX_MEMORY_BYTES:,} bytes (1 PiB, "
+                          f"written 1024TiB)")
     return round(exact)
+
+
+def parse_gpu_memory(text: str) -> int:
+    """Bytes of a GPU memory size (``--gpu-memory``): :func:`parse_size`, except that a number without a unit
+    below :data:`MIN_UNITLESS_GPU_BYTES` (1 MiB) is refused as a unit left out (``80`` is 80 bytes, not 80GiB).
+
+    Raises:
+        ConfigError: as :func:`parse_size`, or such a number, with the size it probably meant.
+    """
+    n = parse_size(text)
+    m = _SIZE_RE.match(str(text))  # parse_size read it: it matches
+    if n < MIN_UNITLESS_GPU_BYTES and m is not None and not m["unit"]:
+        raise ConfigError(f"GPU memory {shown(text)} has no unit, so it is {n:,} bytes (less than 1 MiB); did you "
+                          f"mean {str(text).strip()}GiB? Write the unit: 80GiB (binary), 80GB (decimal) or 80000MiB")
+    return n
+
+
+def check_reserve(reserve: float, what: str = "reserve") -> float:
+    """``reserve`` (the fraction of GPU memory kept for activations and workspace) as a float: a finite number
+    in [0, 1); ``what`` names it in the refusal (``--reserve`` on the command line).
+
+    Raises:
+        ConfigError: NaN, infinite, negative, 1 or more, or not a number.
+    """
+    return check_real(reserve, what, low=0.0, high=1.0, high_open=True)
 
 
 def gib_bytes(gib: float, what: str = "weights_gib") -> int:
@@ -275,7 +304,7 @@ def _check_inputs(context: int, batch: int, gpu_memory_bytes: int | None, reserv
     check_int(batch, "batch", low=1, high=MAX_BATCH, hint=" sequences (2^20)")
     if gpu_memory_bytes is not None:
         check_int(gpu_memory_bytes, "gpu_memory_bytes", low=1, high=MAX_MEMORY_BYTES, hint=" (1 PiB)")
-    return check_real(reserve, "reserve", low=0.0, high=1.0, high_open=True)
+    return check_reserve(reserve)
 
 
 def plan(
@@ -364,5 +393,6 @@ def plan(
     )
 
 
-__all__ = ["DEFAULT_RESERVE", "KV_FORMATS", "MAX_BATCH", "MAX_MEMORY_BYTES", "VLLM_BLOCK_TOKENS", "WEIGHT_DTYPE_BITS",
-           "KVFormatPlan", "MemoryPlan", "engine_page_size", "gib_bytes", "parse_size", "plan"]
+__all__ = ["DEFAULT_RESERVE", "KV_FORMATS", "MAX_BATCH", "MAX_MEMORY_BYTES", "MIN_UNITLESS_GPU_BYTES",
+           "VLLM_BLOCK_TOKENS", "WEIGHT_DTYPE_BITS", "KVFormatPlan", "MemoryPlan", "check_reserve", "engine_page_size",
+           "gib_bytes", "parse_gpu_memory", "parse_size", "plan"]

@@ -698,3 +698,34 @@ def test_the_copy_probe_and_error_windows_take_the_clis_bounds() -> None:
               and p.opts[0] in ("--probe-tokens", "--probe-filler", "--probe-count", "--error-windows")}
     assert ranges == {"--probe-tokens": (2, MAX_COUNT), "--probe-filler": (1, MAX_COUNT),
                       "--probe-count": (1, MAX_COUNT), "--error-windows": (0, MAX_COUNT)}
+
+
+def test_a_gguf_model_without_transformers_names_the_transformers_extra(tmp_path, monkeypatch, capsys) -> None:
+    """A ``.gguf`` model given to ``eval`` without transformers said ``pip install 'rotationzoo[gguf]'`` (its
+    header was read first); following it only led to a second error. transformers is asked for first, and the
+    message reads as English (it had said "GGUF files needs")."""
+    import sys
+
+    from rotationzoo.cli.main import main
+    from rotationzoo.errors import MissingDependencyError
+    from rotationzoo.files.pairfile.gguf import gguf_module
+    from rotationzoo.integrations.transformers import peek_model
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF" + bytes(100))
+    monkeypatch.setitem(sys.modules, "transformers", None)  # ``import transformers`` raises ImportError
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    with pytest.raises(MissingDependencyError, match=r"pip install 'rotationzoo\[transformers\]'$") as info:
+        peek_model(model)
+    assert info.value.extra == "transformers"
+    text = tmp_path / "t.txt"
+    text.write_text("It is a truth universally acknowledged. " * 50)
+    rot = tmp_path / "rot"
+    assert main(["fit", "--objective", "hadamard", "--num-layers", "2", "--head-dim", "64", "--out", str(rot)]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--model", str(model), "-r", str(rot), "--text", str(text)]) != 0
+    err = capsys.readouterr().err
+    assert "rotationzoo[transformers]" in err and "rotationzoo[gguf]" not in err
+    with pytest.raises(MissingDependencyError) as info:
+        gguf_module()
+    assert str(info.value) == "the optional package 'gguf' is needed for GGUF files: pip install 'rotationzoo[gguf]'"

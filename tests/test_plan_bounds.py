@@ -55,10 +55,7 @@ CLI_CASES = [
     (("--gpu-memory", "0"), "must be from one byte"),
     (("--gpu-memory", "0.1"), "must be from one byte"),
     (("--gpu-memory", "-80GiB"), "cannot read the size"),
-    (("--reserve", "nan"), "reserve must be a finite number in [0, 1)"),
-    (("--reserve", "1"), "reserve must be a finite number in [0, 1)"),
-    (("--reserve", "-0.1"), "reserve must be a finite number in [0, 1)"),
-    (("--reserve", "inf"), "reserve must be a finite number in [0, 1)"),
+    # --reserve: a usage error (exit 2), test_plan_refuses_impossible_reserves below
     (("--prefix-tokens", "-1"), "prefix_tokens must be an integer from 0 to 1,073,741,824"),
     (("--prefix-tokens", NINES_400), "prefix_tokens must be an integer from 0"),
     (("--recent-tokens", str(MAX_CONTEXT_TOKENS + 1)), "recent_tokens must be an integer from 0 to 1,073,741,824"),
@@ -217,3 +214,51 @@ def test_numbers_checks() -> None:
         check_int(True, "x", low=0, high=5, error=RegistryError)
     assert len(shown(10**400)) <= 80 and "(401 characters)" in shown(10**400)
     assert "digits" in shown(10**5000)  # past Python's int-to-text limit
+
+
+@pytest.mark.parametrize("reserve", ["1", "nan", "-0.1", "inf", "1.5"])
+def test_plan_refuses_impossible_reserves(capsys, reserve) -> None:
+    """``--reserve 1`` exited 1 while --context and --batch out of bounds exit 2: now a usage error (exit 2)
+    naming ``--reserve``, with the planner's own bound (:func:`~rotationzoo.planner.check_reserve`)."""
+    from rotationzoo.planner import check_reserve
+
+    line = one_error_line(capsys, *BASE, "--reserve", reserve, rc_expected=2)
+    assert "error: --reserve must be a finite number in [0, 1)" in line, line
+    with pytest.raises(ConfigError, match=r"^reserve must be a finite number in \[0, 1\)"):
+        check_reserve(float(reserve))
+    with pytest.raises(ConfigError, match=r"^reserve must be a finite number in \[0, 1\)"):
+        plan("Qwen3-8B", context=8, reserve=float(reserve))
+
+
+@pytest.mark.parametrize("text", ["80", "141", "80.5", "4096", "1048575"])
+def test_plan_refuses_a_gpu_memory_without_its_unit(capsys, text) -> None:
+    """``--gpu-memory 80`` was planned as 80 bytes (a negative KV budget printed): a number without a unit below
+    1 MiB is refused with one line saying what was probably meant; parse_size still reads byte counts."""
+    line = one_error_line(capsys, *BASE, "--gpu-memory", text)
+    assert f"did you mean {text}GiB?" in line and "has no unit" in line, line
+    assert parse_size(text) == round(float(text))  # the library's byte count, as documented
+
+
+@pytest.mark.parametrize("text,value", [("1048576", 2**20), ("80GiB", 80 * GIB), ("80B", 80), ("1024TiB", 2**50)])
+def test_gpu_memory_with_a_unit_or_a_large_byte_count_is_read(text, value) -> None:
+    from rotationzoo.planner import parse_gpu_memory
+
+    assert parse_gpu_memory(text) == value
+
+
+def test_the_gpu_memory_help_names_only_units_it_reads(capsys) -> None:
+    """The help said "at most 1 PiB", but PiB is not a unit --gpu-memory reads: the largest is written 1024TiB."""
+    import re
+
+    import click
+    import typer.main
+
+    from rotationzoo.cli.main import app
+
+    command = typer.main.get_command(app).commands["plan"]  # type: ignore[attr-defined]
+    help_text = next(p.help for p in command.params if isinstance(p, click.Option) and "--gpu-memory" in p.opts)
+    for size in re.findall(r"\b\d[\d.]*\s*[A-Za-z]+\b", help_text or ""):
+        if size.split()[-1] in ("alone", "bytes"):  # "80 alone", "2⁵⁰ bytes": prose, not a size
+            continue
+        parse_size(size)  # every size the help shows is one it reads
+    assert "1024TiB" in (help_text or "") and "PiB" not in (help_text or "")

@@ -222,10 +222,10 @@ def cmd_cache_import(
     Refused while the folder holds a .oscar_*.pending.json (the server is still writing it, or was
     interrupted), and when K and V record different calibrations (unless --allow-mixed). The files
     are copied into the cache first; the copies are validated and hashed, their markers written from
-    those hashes, and only then moved to <cache>/imported/NAME/ (cache ls, verify and rm know them), so
-    a source changing meanwhile is never kept as verified. The calibration they record is printed
-    (generation id, prompt sha256, tokens, model revision). Serve, evaluate or publish the imported
-    folder like any pair.
+    those hashes, and only then moved to <cache>/imported/NAME/ (cache ls and verify list them; cache rm
+    removes them with --all only, not with --model), so a source changing meanwhile is never kept as
+    verified. The calibration they record is printed (generation id, prompt sha256, tokens, model
+    revision). Serve, evaluate or publish the imported folder like any pair.
 
     With --latent MODEL, FOLDER is a copy of MODEL's MLA latent set (layer_<id>.pt files, e.g. from the
     authors' image): it must cover the model's latent layers, every file is checked, pinned to the folder

@@ -83,8 +83,9 @@ def cmd_plan(
     batch: Annotated[Optional[int], typer.Option("--batch", "-b", help="Concurrent sequences for the totals "
                      "and for max context (default 1; at most 2^20).")] = None,
     gpu_memory: Annotated[Optional[str], typer.Option("--gpu-memory", help="GPU memory for one model replica: 80GiB "
-                          "(binary, 1024³), 80GB or 80G (decimal, 10⁹), 80000MiB; at most 1 PiB. Without it no "
-                          "capacities.")] = None,
+                          "(binary, 1024³), 80GB or 80G (decimal, 10⁹), 80000MiB; a number without a unit is bytes, "
+                          "at least 1 MiB (80 alone is refused: write 80GiB); at most 1024TiB (2⁵⁰ bytes). Without it "
+                          "no capacities.")] = None,
     engine: Annotated[str, typer.Option("--engine", "-e", help=_ENGINE_HELP)] = "sglang",
     weights_gib: Annotated[Optional[float], typer.Option("--weights-gib", help="Weights in GiB, 0 to 2^20 (default: "
                            "the registry's num_parameters × bytes(weight_dtype)).")] = None,
@@ -111,7 +112,7 @@ def cmd_plan(
     """
     from ..int2kv import MAX_CONTEXT_TOKENS
     from ..numbers import check_int
-    from ..planner import MAX_BATCH, gib_bytes, parse_size, plan
+    from ..planner import MAX_BATCH, check_reserve, gib_bytes, parse_gpu_memory, plan
     from ..registry import get_model
     from ..registry.model import split_model_tag
 
@@ -126,6 +127,7 @@ def cmd_plan(
         check_int(context, "--context", low=1, high=MAX_CONTEXT_TOKENS, hint=" tokens (2^30)")
         if batch is not None:
             check_int(batch, "--batch", low=1, high=MAX_BATCH, hint=" sequences (2^20)")
+        check_reserve(reserve, "--reserve")
     base, at_tag = split_model_tag(name)
     if tag and at_tag and tag != at_tag:
         raise CLIError(f"--tag {tag!r} and MODEL@{at_tag} disagree; give one")
@@ -134,7 +136,7 @@ def cmd_plan(
                                                     prefix_tokens=prefix_tokens, recent_tokens=recent_tokens,
                                                     hp_dtype=hp_dtype))
     result = plan(entry, context=context, batch=batch, engine=engine, config=config, reserve=reserve,
-                  gpu_memory_bytes=parse_size(gpu_memory) if gpu_memory is not None else None,
+                  gpu_memory_bytes=parse_gpu_memory(gpu_memory) if gpu_memory is not None else None,
                   weights_bytes=gib_bytes(weights_gib, "--weights-gib") if weights_gib is not None else None)
     if json_out:
         emit_json(result.to_json())

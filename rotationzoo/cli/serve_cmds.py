@@ -155,7 +155,9 @@ def cmd_export(
 ) -> None:
     """Export K/V rotations to one safetensors file, or to GGUF for the llama.cpp branch.
 
-    safetensors: tensors k.<layer>.rotation, v.<layer>.rotation (fp32 [d, d]) and eigenvalues,
+    safetensors: tensors k.<layer>.rotation, v.<layer>.rotation (fp32 [d, d], or [H_kv, d, d] per KV
+    head), their eigenvalues when the source has them, and the companions a pair carries
+    (k.<layer>.k_mean, k.<layer>.q_rotation, v.<layer>.o_rotation, v.<layer>.v_mean; docs/export.md);
     metadata with model, tag, objective and format_version per side. GGUF: tensors
     blk.<layer>.attn_k_rot.weight / attn_v_rot.weight holding the transposed matrices (F32), so that
     ggml_mul_mat(rot, K) == K @ M; with --base-gguf they are appended to a copy of a model GGUF.

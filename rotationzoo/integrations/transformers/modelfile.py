@@ -354,11 +354,14 @@ def peek_model(model: str | os.PathLike[str], *, option: str | None = None) -> M
         ModelLoadError: the path or a file in the folder is not a regular file, a GGUF file is cut
             short or malformed, or the header or config does not describe a decoder: a count missing, not a
             positive integer, or beyond the bounds of a rotation file (:func:`checked_shape`).
+        MissingDependencyError: transformers is not installed (checked before the GGUF header, which needs
+            ``gguf``: the ``transformers`` extra installs both, so the hint names the one extra that works).
     """
     p = check_model_files(model, option=option)
     if p.is_file():
         if p.suffix.lower() != ".gguf":
             raise ModelLoadError(f"{p}: not a .gguf file; give a model folder (config.json) or a .gguf file")
+        require_transformers()  # the model is loaded with transformers: name its extra, not gguf's alone
         meta, _ = read_gguf_header(p)
         return gguf_shape(meta, str(p))
     if not (p / "config.json").is_file():
