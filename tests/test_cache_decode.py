@@ -196,6 +196,58 @@ def test_the_simulation_keeps_each_sequences_own_sink_in_a_left_padded_batch(pre
             torch.testing.assert_close(batch.logits[row, ids.shape[1] - len(p):], alone, atol=TOL, rtol=TOL)
 
 
+def test_a_left_padded_batch_costs_the_memory_of_an_unpadded_one_and_prefills_in_chunks():
+    """Each sequence's sink is its own prefix_tokens rows gathered after its padding: a batch of a long and a
+    short prompt holds what two long prompts hold (no BF16 rows for the padding), a prefill in chunks
+    smaller than the padding finds each sink, and a prompt of one sequence behind padding, short enough for
+    the kernel path, decodes as alone."""
+    model = tiny_llama(seed=46)
+    oscar = OscarKV(rotations(), rotations(seed=47), config=Int2KVConfig(prefix_tokens=4, recent_tokens=8))
+    g = torch.Generator().manual_seed(48)
+    long, short = torch.randint(3, 96, (200,), generator=g), torch.randint(3, 96, (5,), generator=g)
+    sizes = []
+    for prompts in ([long, long], [long, short]):
+        ids, mask = left_padded(prompts)
+        with torch.no_grad(), oscar_kv(model, oscar) as kv:
+            cache = kv.new_cache()
+            model(ids, attention_mask=mask, cache=cache)
+        sizes.append((cache.nbytes(), cache.bits_per_element(), cache.layers[0].stored_tokens()))
+    assert sizes[0] == sizes[1] and sizes[1][2] == {"prefix": 4, "int2": 188, "recent": 8}
+    batched, alone = generate_rows(model, oscar, [torch.randint(3, 96, (30,), generator=g), short], steps=12,
+                                   prefill_chunk_size=8)  # chunks of 8: the short prompt's first is all padding
+    for (tokens, scores), (tokens1, scores1) in zip(batched, alone):
+        assert torch.equal(tokens, tokens1)
+        torch.testing.assert_close(scores, scores1, atol=TOL, rtol=TOL)
+    ids1 = torch.cat([torch.zeros(5, dtype=torch.long), short])[None]
+    with torch.no_grad(), oscar_kv(model, oscar) as kv:  # 10 tokens, 5 of them padding: the kernel path
+        one = model.generate(ids1, attention_mask=(ids1 != 0).long(), cache=kv.new_cache(), max_new_tokens=6,
+                             do_sample=False, output_scores=True, return_dict_in_generate=True)
+        ref = model.generate(short[None], cache=kv.new_cache(), max_new_tokens=6, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True)
+    torch.testing.assert_close(torch.stack(one.scores), torch.stack(ref.scores), atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_decode_steps_given_no_mask_after_a_padded_prefill_leave_the_padding_unread(chunk, monkeypatch):
+    """Forwards without an attention mask after a left-padded prefill: the kernel path and the dequantize path
+    both keep each sequence off its padding (the dequantize path had read the padding's slots: 0.38 apart)."""
+    model = tiny_llama(seed=49)
+    oscar = OscarKV(rotations(), rotations(seed=50), config=Int2KVConfig(prefix_tokens=4, recent_tokens=3))
+    g = torch.Generator().manual_seed(51)
+    ids, mask = left_padded([torch.randint(3, 96, (n,), generator=g) for n in (14, 3)])
+    more = torch.randint(3, 96, (2, 9), generator=g)
+
+    def run():
+        with torch.no_grad(), oscar_kv(model, oscar) as kv:
+            cache = kv.new_cache()
+            model(ids, attention_mask=mask, cache=cache)
+            return torch.cat([model(more[:, t:t + chunk], cache=cache).logits for t in range(0, 9, chunk)], 1)
+
+    fast = run()
+    monkeypatch.setattr(cache_module, "DECODE_MAX_QUERIES", 0)  # every forward: dequantize, then SDPA
+    torch.testing.assert_close(fast, run(), atol=TOL, rtol=TOL)
+
+
 def test_a_forward_past_the_hook_assumes_no_padding_from_an_earlier_one():
     """The padding mask belongs to its forward: the inner model called directly afterwards (eval's hidden
     states do) reads no padding from the padded forward before it (it had: 0.39 apart)."""

@@ -199,7 +199,7 @@ def test_decode_from_the_codes_matches_the_dequantize_path(lm, shipped, monkeypa
     def attend_and_compare(self, query, mask, scale):  # the real attend, plus the old path on its inputs
         k, v = self.pending
         end = self.cumulative_length
-        keys, values = self._materialize("k", k, end), self._materialize("v", v, end)
+        keys, values = self._materialize("k", k, end, 0), self._materialize("v", v, end, 0)
         g = query.shape[1] // keys.shape[1]
         ref = torch.nn.functional.scaled_dot_product_attention(
             rotate(query, self.r_k, query.dtype), keys.repeat_interleave(g, 1), values.repeat_interleave(g, 1),

@@ -21,6 +21,7 @@ from .cache import cache_classes
 from .common import base_attention, base_implementation, register_attention, require_transformers, switch_attention
 from .oscar import ACTIVE_SESSION, OSCAR_IMPL_PREFIX, OSCAR_TAG, OscarKV, fake_quantize
 from .simulate import exact_attention, kivi_boundaries, simulated_attention, simulated_int2_attention
+from .windows import visible
 
 
 class _LayerErrors:
@@ -188,6 +189,10 @@ def oscar_attention_name(base: str = "sdpa") -> str:
                 if out is not None:
                     return out.transpose(1, 2), None
                 key, value = layer.take_pending()  # a padding mask or another variant: attend the old way
+            if layer.slots.starts is not None:  # a padded batch: each sequence off its padding, as the kernel path
+                end, s = layer.cumulative_length, query.shape[2]
+                padded = layer.slots.padding_mask(visible(attention_mask), end, layer._first(end, s), s, query.dtype)
+                attention_mask = attention_mask if padded is None else padded
             q = layer.transform.queries(query, query.dtype)
             out, weights = base_attention(module, base)(module, q, key.to(query.dtype), value.to(query.dtype),
                                                         attention_mask, **kwargs)

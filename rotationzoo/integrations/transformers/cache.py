@@ -32,8 +32,7 @@ INT2_GROWTH_TOKENS = 256
 """Fewest tokens of room added when an INT2 buffer of the cache is full (it grows by an eighth)."""
 
 CROP_TOKENS = 128
-"""Most rows demoted to INT2 by the last forward that the cache keeps in ``hp_dtype`` as well, so that
-:meth:`crop` can undo that forward's tokens exactly (assisted and prompt-lookup decoding verify drafts)."""
+"""Most rows demoted to INT2 by the last forward also kept in ``hp_dtype``, so that :meth:`crop` can undo it."""
 
 _INT2_NAMES = ("codes_k", "sz_k", "codes_v", "sz_v")
 _WINDOW_NAMES = ("sink_k", "sink_v", "recent_k", "recent_v")
@@ -54,7 +53,6 @@ class _LayerBody:
     with the model's attention mask, if any, read on the device (no host synchronisation). A longer
     forward (a prefill) gets the history dequantized plus the new tokens, as before. Either way the
     returned key tensor is tagged so that the OSCAR attention knows it comes from this layer.
-
     A sliding-window layer (``sliding_window`` ``W``) keeps only the last ``W − 1`` tokens, as transformers'
     sliding layers do: what falls out leaves the sink, then the front of the INT2 tier (no copy). Which slots
     each tier holds (each sequence's own sink in a left-padded batch): :class:`~.slots.Slots`.
@@ -94,7 +92,7 @@ class _LayerBody:
         self._last_tokens = 0
         self._demoted: dict[str, torch.Tensor | None] = {"k": None, "v": None}
         self._demoted_count = {"k": 0, "v": 0}
-        self.slots = Slots()  # which token slots each tier holds (each sequence's own sink in a padded batch)
+        self.slots = Slots()  # which slots each tier holds (each sequence's own sink in a left-padded batch)
 
     # the INT2 tier: views of the buffers
     def _int2_view(self, name: str) -> torch.Tensor | None:
@@ -121,7 +119,7 @@ class _LayerBody:
         empty = lambda n: key_states.new_zeros((b, h, 0, n), dtype=wdt)  # noqa: E731
         session = ACTIVE_SESSION.get()
         pads = session.leading_pads(b) if session is not None else None  # a left-padded batch
-        self.slots = Slots.of(cfg.prefix_tokens, pads, self.device)
+        self.slots = Slots.of(cfg.prefix_tokens, pads, self.device, key_states.shape[2])
         self.sink_k, self.recent_k = empty(d), empty(d)
         self.sink_v, self.recent_v = empty(dv), empty(dv)
         self.is_initialized = True
@@ -150,11 +148,14 @@ class _LayerBody:
     def _history(self, side: str) -> torch.Tensor:
         sink, recent = getattr(self, f"sink_{side}"), getattr(self, f"recent_{side}")
         parts = (sink, getattr(self, f"codes_{side}"), getattr(self, f"sz_{side}"), recent)
-        return self._materialize(side, parts, self.cumulative_length)
+        return self._materialize(side, parts, self.cumulative_length, self._first(self.cumulative_length, 0))
 
-    def _materialize(self, side: str, parts: tuple, end: int) -> torch.Tensor:
-        """``[sink | INT2 dequantized | recent]`` in the cache dtype, one row per token slot up to ``end`` (what
-        the prefill path attends to); a slot held twice (a left-padded batch) is each sequence's own."""
+    def _first(self, end: int, new: int) -> int:
+        """The first slot the model's mask covers when ``new`` of the slots to ``end`` are new (sliding: W − 1 more)."""
+        return 0 if self.sliding_window is None else max(0, end - new - (self.sliding_window - 1))
+
+    def _materialize(self, side: str, parts: tuple, end: int, first: int) -> torch.Tensor:
+        """Slots ``[first, end)``, ``[sink | INT2 dequantized | recent]`` in the cache dtype (the prefill path's)."""
         sink, codes, sz, recent = parts
         tier = []
         if codes is not None and codes.shape[2]:
@@ -163,7 +164,7 @@ class _LayerBody:
             else:
                 tier.append(codes.to(self.dtype))  # kept unquantized (quantize_<side>=False)
         tier.append(recent.to(self.dtype))
-        return self.slots.merge(sink.to(self.dtype), torch.cat(tier, dim=2), end)
+        return self.slots.merge(sink.to(self.dtype), torch.cat(tier, dim=2), end, first)
 
     def _store(self, side: str, x: torch.Tensor) -> Int2KV:
         """Append rotated window-dtype rows ``x [B, H, n, d]``; demote what leaves the window.
@@ -180,10 +181,8 @@ class _LayerBody:
         cfg = int2_store(o)
         sink = getattr(self, f"sink_{side}")
         start, n = self.cumulative_length, x.shape[2]
-        take, skip = self.slots.split(start, n)  # slots < prefix (+ the padding); slots of the tier
-        if take:
-            sink = torch.cat([sink, x[:, :, :take]], dim=2)
-            setattr(self, f"sink_{side}", sink)
+        sink, skip = self.slots.store(sink, x, start)  # each sequence's first prefix tokens; the tier's first slot
+        setattr(self, f"sink_{side}", sink)
         recent = torch.cat([getattr(self, f"recent_{side}"), x[:, :, skip:]], dim=2)
         view = Int2KV(sink, getattr(self, f"codes_{side}"), getattr(self, f"sz_{side}"), recent)
         extra = recent.shape[2] - cfg.recent_tokens
@@ -234,8 +233,9 @@ class _LayerBody:
                 raise EvaluationError(f"layer {self.layer_idx}: keys {list(key_states.shape)} do not continue the "
                                       f"cached [batch, KV heads, tokens, head_dim] = {list(held)}; call cache.reset() "
                                       f"before another prompt batch")
-        wdt = self.oscar.hp_dtype
-        self._slid = False
+        if self.slots.open:  # a prefill in chunks, a sequence all padding so far: where its sink begins
+            self.slots.reopen(session.leading_pads(key_states.shape[0]), self.cumulative_length + key_states.shape[2])
+        wdt, self._slid = self.oscar.hp_dtype, False
         kr = self.transform.keys(key_states, wdt)  # one line when the rotations do not fit the model
         vr = self.transform.values(value_states, wdt)
         if key_states.shape[2] <= DECODE_MAX_QUERIES and self.oscar.quantize_k and self.oscar.quantize_v:
@@ -267,14 +267,15 @@ class _LayerBody:
             return None
         assert k.sink is not None and k.recent is not None
         tier_rows = k.recent.shape[2] + (0 if k.codes is None else k.codes.shape[2])
-        fits, read = self.slots.kernel_mask(visible(mask), k.sink.shape[2], tier_rows, self.cumulative_length, s)
+        end = self.cumulative_length
+        fits, read = self.slots.kernel_mask(visible(mask), k.sink.shape[2], tier_rows, end, self._first(end, s), s)
         if not fits:
             return None
         self.pending = None
         t = self.transform  # centering, q_rotation / o_rotation and v_mean included
         out = decode_attention_int2(query, k, v, config=int2_store(self.oscar), q_rotation=t.query_matrix,
-                                    o_rotation=t.output_matrix, scale=scale, mask=read,
-                                    backend=self.oscar.backend)  # type: ignore[arg-type]
+                                    o_rotation=t.output_matrix, scale=scale, mask=read, causal=self.slots.starts is None,
+                                    backend=self.oscar.backend)  # type: ignore[arg-type]  # padded: the mask says all
         return out if t.v_mean is None else t.with_v_mean(out)
 
     def take_pending(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,7 +283,8 @@ class _LayerBody:
         assert self.pending is not None
         k, v = self.pending
         self.pending = None
-        return self._materialize("k", k, self.cumulative_length), self._materialize("v", v, self.cumulative_length)
+        end, first = self.cumulative_length, self._first(self.cumulative_length, self._last_tokens)
+        return self._materialize("k", k, end, first), self._materialize("v", v, end, first)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """``(kv_length, kv_offset)`` of the mask: every token so far, or for a sliding layer the last
@@ -409,7 +411,7 @@ class _LayerBody:
         return sum(t.numel() * t.element_size() for t in self._tensors(True))
 
     def stored_tokens(self) -> dict[str, int]:
-        """``{"prefix": …, "int2": …, "recent": …}`` rows held per tier (a left-padded batch holds a slot in two)."""
+        """``{"prefix": …, "int2": …, "recent": …}`` rows held per tier."""
         if not self.is_initialized:
             return {"prefix": 0, "int2": 0, "recent": 0}
         assert self.sink_k is not None and self.recent_k is not None
@@ -465,12 +467,12 @@ class _CacheBody:
         return sum(layer.reserved_bytes() for layer in self.layers)
 
     def bits_per_element(self) -> float:
-        """Stored bits per cached K/V element (codes, scales/zeros and windows over all layers, per token slot)."""
+        """Stored bits per cached K/V element (codes, scales/zeros and windows over all layers)."""
         elems = 0
         for layer in self.layers:
             if layer.is_initialized:
                 (b, h, _, d), n = layer.sink_k.shape, layer.stored_tokens()
-                elems += 2 * b * h * d * layer.slots.held(n["prefix"], n["int2"] + n["recent"], layer.cumulative_length)
+                elems += 2 * b * h * d * layer.slots.held(n["prefix"], n["int2"] + n["recent"])
         return 8.0 * self.nbytes() / elems if elems else 0.0
 
 
