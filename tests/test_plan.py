@@ -198,7 +198,7 @@ def test_cli_table_and_errors(capsys) -> None:
     assert "OSCAR INT2" in out and "23,040" in out and "5.87×" in out and "56.73 GiB" in out
     assert main(["plan", "--model", "Qwen3-8B"]) == 2  # a usage error
     assert "--context" in capsys.readouterr().err
-    assert main(["plan", "Qwen3-8B", "--context", "10", "--gpu-memory", "80 GiBs"]) == 1
+    assert main(["plan", "Qwen3-8B", "--context", "10", "--gpu-memory", "80 GiBs"]) == 2  # a usage error
     assert "cannot read the size" in capsys.readouterr().err
 
 

@@ -70,7 +70,8 @@ CLI_CASES = [
 
 @pytest.mark.parametrize("extra,message", CLI_CASES, ids=lambda v: " ".join(v) if isinstance(v, tuple) else None)
 def test_plan_refuses_impossible_numbers_with_one_line(capsys, extra, message) -> None:
-    line = one_error_line(capsys, *BASE, *extra)
+    """Values the command line alone gives: a usage error (exit 2) with the library's bound."""
+    line = one_error_line(capsys, *BASE, *extra, rc_expected=2)
     assert message in line, line
     assert len(line) < 400  # a 400-digit value is not echoed whole
 
@@ -101,7 +102,7 @@ def test_the_acceptance_case_g8() -> None:
 
     r = subprocess.run([sys.executable, "-m", "rotationzoo.cli.main", "plan", "--model", "Qwen3-8B", "--context",
                         "4096", "-g", "8"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1 and r.stdout == ""
+    assert r.returncode == 2 and r.stdout == ""  # a usage error
     assert r.stderr.strip().splitlines() == [
         "error: group_size 8 is not one the INT2 kernels run; expected one of 256, 128, 64, 32, 16 (or None for head_dim)"]
 
@@ -234,7 +235,7 @@ def test_plan_refuses_impossible_reserves(capsys, reserve) -> None:
 def test_plan_refuses_a_gpu_memory_without_its_unit(capsys, text) -> None:
     """``--gpu-memory 80`` was planned as 80 bytes (a negative KV budget printed): a number without a unit below
     1 MiB is refused with one line saying what was probably meant; parse_size still reads byte counts."""
-    line = one_error_line(capsys, *BASE, "--gpu-memory", text)
+    line = one_error_line(capsys, *BASE, "--gpu-memory", text, rc_expected=2)
     assert f"did you mean {text}GiB?" in line and "has no unit" in line, line
     assert parse_size(text) == round(float(text))  # the library's byte count, as documented
 

@@ -132,12 +132,14 @@ def cmd_plan(
     if tag and at_tag and tag != at_tag:
         raise CLIError(f"--tag {tag!r} and MODEL@{at_tag} disagree; give one")
     entry = get_model(base).tag(tag or at_tag)
-    config = entry.serving.replace(**config_changes(group_size=group_size, scale_dtype=scale_dtype,
-                                                    prefix_tokens=prefix_tokens, recent_tokens=recent_tokens,
-                                                    hp_dtype=hp_dtype))
-    result = plan(entry, context=context, batch=batch, engine=engine, config=config, reserve=reserve,
-                  gpu_memory_bytes=parse_gpu_memory(gpu_memory) if gpu_memory is not None else None,
-                  weights_bytes=gib_bytes(weights_gib, "--weights-gib") if weights_gib is not None else None)
+    with usage_errors():  # sizes and INT2-KV knobs the command line gives: the library's bounds, exit 2
+        config = entry.serving.replace(**config_changes(group_size=group_size, scale_dtype=scale_dtype,
+                                                        prefix_tokens=prefix_tokens, recent_tokens=recent_tokens,
+                                                        hp_dtype=hp_dtype))
+        gpu_bytes = parse_gpu_memory(gpu_memory) if gpu_memory is not None else None
+        weights = gib_bytes(weights_gib, "--weights-gib") if weights_gib is not None else None
+        result = plan(entry, context=context, batch=batch, engine=engine, config=config, reserve=reserve,
+                      gpu_memory_bytes=gpu_bytes, weights_bytes=weights)  # a group size the head_dim refuses
     if json_out:
         emit_json(result.to_json())
         return
