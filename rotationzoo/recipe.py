@@ -91,8 +91,7 @@ SERVED_LOSSES: tuple[str, ...] = ("served", "fisher")
 DEFAULT_QUERIES_PER_BLOCK = 64
 #: Refinement init → the composition of the closed form it starts from (``None``: ``H_d``, data-free).
 INIT_COMPOSITIONS: dict[str, str | None] = {"hadamard": None, "oscar": "r_h_pbr", "r_pbr_hg": "r_pbr_hg"}
-#: Fewest tokens the keep rule judges on, and fewest per window (``KeepRule.tokens`` / ``context``,
-#: ``--keep-tokens`` / ``--keep-context``): a shorter window says nothing about the context served.
+#: Fewest tokens the keep rule judges on, and per window (``--keep-tokens`` / ``--keep-context``).
 MIN_KEEP_TOKENS = 512
 #: Most layers (or refinement jobs) a fit processes concurrently (``workers``, ``--workers``).
 MAX_WORKERS = 1024
@@ -142,7 +141,12 @@ def resolve_center(objective: str, center: str | None, targets: tuple[str | None
 
 
 def resolve_composition(objective: str, composition: str | None) -> str:
-    """The composition an objective uses (``None``: ``r_h_pbr``; the recipes fix theirs)."""
+    """The composition an objective uses (``None``: ``r_h_pbr``; the recipes fix theirs; ``hadamard``: ``"none"``)."""
+    if objective == "hadamard":
+        if composition is not None:
+            raise FitError(f"objective 'hadamard' is data-free (H_d for every layer): composition {composition!r} "
+                           f"does not apply (--composition); leave it unset")
+        return "none"
     if objective == V2_OBJECTIVE:
         if composition is not None:
             raise FitError(f"{V2_OBJECTIVE} composes U_desc·H as the authors' V2 fitter does; composition "
@@ -400,13 +404,9 @@ class FitRecipe:
             self._check_refinement(self.refine)
         else:
             self.resolved_center()
-            if self.objective == "hadamard" and self.composition is not None:
-                raise FitError(f"objective 'hadamard' is data-free (H_d for every layer): composition "
-                               f"{self.composition!r} does not apply (--composition); leave it unset")
-            if self.objective != "hadamard":
-                comp = resolve_composition(self.objective, self.composition)
-                if comp != V2_COMPOSITION:
-                    check_composition(comp, self.group_size)
+            comp = resolve_composition(self.objective, self.composition)
+            if self.objective != "hadamard" and comp != V2_COMPOSITION:
+                check_composition(comp, self.group_size)
         if self.keep is not None:
             if not isinstance(self.keep, KeepRule):
                 raise FitError(f"keep must be a KeepRule, got {type(self.keep).__name__}")

@@ -99,13 +99,10 @@ def _parse_layers(text: Optional[str]) -> Optional[list[int]]:
     usage error."""
     if text is None:
         return None
-    from ..errors import CLIError, ConfigError
     from ..files.limits import parse_layer_ids
 
-    try:
+    with usage_errors():
         return parse_layer_ids(text, "--layers")
-    except ConfigError as exc:
-        raise CLIError(str(exc)) from None
 
 
 def _trained_store(refine: Optional[int], serving: Optional[str], param: str = "expm", **knobs: Any) -> Any:

@@ -26,6 +26,7 @@ from ._options import (
     TagOpt,
     TimeoutOpt,
     head_dims_option,
+    usage_errors,
 )
 from ._output import console, emit_json, plain, print_warning, printable, tail
 
@@ -241,13 +242,11 @@ def cmd_verify(
     rotationzoo verify k.pt --model Qwen3-8B --json  |  rotationzoo verify k.pt,v.pt  |
     rotationzoo verify Qwen3-8B@seq20000_prompt83_group128 --offline  |  rotationzoo verify --registry --download --json
     """
-    from ..errors import CLIError, ConfigError
+    from ..errors import CLIError
     from ..numbers import check_real
 
-    try:  # before anything is read: a NaN tolerance would pass every file
+    with usage_errors():  # before anything is read: a NaN tolerance would pass every file
         check_real(atol, "--atol", low=0.0, high=1.0, hint=" (a tolerance on max|R Rᵀ − I|)")
-    except ConfigError as exc:
-        raise CLIError(str(exc)) from None
     if registry:
         if paths:
             raise CLIError("give rotation files or --registry, not both")

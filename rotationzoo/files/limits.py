@@ -12,7 +12,6 @@ numbers by the same maxima. :func:`parse_layer_ids` reads the layer ids a caller
 from __future__ import annotations
 
 import itertools
-import operator
 import re
 import reprlib
 from dataclasses import dataclass
@@ -110,9 +109,8 @@ def parse_layer_ids(value: Any, what: str = "layers", *, error: type[RotationZoo
         raise error(f"{what} must be layer ids: integers (a list, a range) or text such as '0,1,2' or '3-7', got "
                     f"{type(value).__name__} {shown(value)}")
     else:
-        for x in itertools.islice(value, MAX_LAYERS + 1):
-            n = operator.index(x) if hasattr(x, "__index__") and not isinstance(x, bool) else x  # numpy / torch ints
-            ids.append(check_int(n, f"a layer id of {what}", low=0, high=MAX_LAYER_ID, error=error))
+        for x in itertools.islice(value, MAX_LAYERS + 1):  # check_int takes numpy / torch integers too
+            ids.append(check_int(x, f"a layer id of {what}", low=0, high=MAX_LAYER_ID, error=error))
     if not ids and not empty_ok:
         raise error(f"{what} names no layer id; give e.g. 0,1,2 or 3-7 (or leave it unset for every layer)")
     if len(ids) > MAX_LAYERS:

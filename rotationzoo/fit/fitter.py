@@ -346,17 +346,13 @@ def fit_rotations(
     stats = FitStats(device=str(torch.device(device)))
     info: dict[str, Any] = dict(source_info or {})
     check_workers(num_workers, "num_workers")  # 0 or a negative count is refused, never taken as auto
+    comp = resolve_composition(objective, composition)  # bad arguments first, before any file is read
     if objective == "hadamard":
-        if composition is not None:
-            raise FitError(f"objective 'hadamard' is data-free (H_d for every layer): composition {composition!r} "
-                           f"does not apply (--composition); leave it unset")
         return _fit_hadamard(source, layers=layers, num_layers=num_layers, head_dim=head_dim,
                              keep_first_chunk=keep_first_chunk, info=info, stats=stats, t0=t0, signs=signs)
-    comp = resolve_composition(objective, composition)
     if comp != V2_COMPOSITION:
         check_composition(comp, group_size)
     min_tokens = check_min_tokens(min_tokens)
-    _resolve_workers(num_workers, 1)  # bad arguments first, before any file is read
     targets = tuple(t for t in (k_target, v_target) if t is not None)
     model, prompts = info.get("model"), info.get("prompts")
     opened, plan = _open_source(source, layers, targets, objective, keep_first_chunk, info)

@@ -471,8 +471,8 @@ class _CacheBody:
         elems = 0
         for layer in self.layers:
             if layer.is_initialized:
-                (b, h, _, d), n = layer.sink_k.shape, layer.stored_tokens()
-                elems += 2 * b * h * d * layer.slots.held(n["prefix"], n["int2"] + n["recent"])
+                b, h, _, d = layer.sink_k.shape
+                elems += 2 * b * h * d * sum(layer.stored_tokens().values())
         return 8.0 * self.nbytes() / elems if elems else 0.0
 
 

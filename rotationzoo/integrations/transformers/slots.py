@@ -70,10 +70,6 @@ class Slots:
         at = (slot - start).clamp(0, n - 1)[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3])
         return torch.where(inside[:, None, :, None], x.gather(2, at), sink), skip
 
-    def held(self, sink_rows: int, tier_rows: int) -> int:
-        """Token slots a sequence holds (the least padded one's: its sink and the tier)."""
-        return sink_rows + tier_rows
-
     def merge(self, sink: torch.Tensor, rows: torch.Tensor, end: int, first: int) -> torch.Tensor:
         """The slots ``[first, end)`` as one row each (``[B, H, end − first, d]``): ``[sink | rows]``, ``rows``
         the tier's, ending at slot ``end − 1``; in a padded batch each sequence's sink rows at its own slots."""
