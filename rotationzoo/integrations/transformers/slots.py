@@ -42,7 +42,7 @@ class Slots:
     def of(cls, prefix: int, pads: list[int] | None, device: torch.device, seen: int) -> "Slots":
         """The ranges for sinks of ``prefix`` tokens after each sequence's ``pads`` (``None``: no padding) in the
         first ``seen`` slots."""
-        if not prefix or not pads or not any(pads):
+        if not pads or not any(pads):
             return cls(prefix, prefix, None, prefix)
         return cls(prefix, prefix + min(pads), torch.tensor(pads, device=device), prefix + max(pads), max(pads) >= seen)
 
@@ -61,7 +61,7 @@ class Slots:
         if self.starts is None:
             take = min(max(self.prefix - start, 0), n)
             return (torch.cat([sink, x[:, :, :take]], dim=2) if take else sink), skip
-        if start >= self.filled and sink.shape[2]:  # every sequence's sink is full
+        if not self.prefix or (start >= self.filled and sink.shape[2]):  # no sink, or every sequence's is full
             return sink, skip
         if not sink.shape[2]:
             sink = x.new_zeros(x.shape[:2] + (self.prefix, x.shape[3]))
