@@ -175,7 +175,9 @@ def cmd_cache_verify(
     json_out: JsonOpt = False,
 ) -> None:
     """Re-hash every cached file against its marker (downloads also against the registry, derived
-    files against the inputs they were built from); remove bad ones. Exit 1 if any file was bad.
+    files against the inputs they were built from); remove bad ones. Each entry is judged while its lock
+    is held, so a fetch or import writing it meanwhile is waited for (10 s at most, then the entry is
+    left for the next check). Exit 1 if any file was bad or could not be checked.
 
     Example:  rotationzoo cache verify --json
     """
@@ -184,18 +186,21 @@ def cmd_cache_verify(
     from ..hub import verify_cache
 
     records = verify_cache(cache_dir, remove_bad=not keep)
-    bad = [r for r in records if not r.ok]
+    bad = [r for r in records if r.ok is False]
+    busy = [r for r in records if r.ok is None]  # a writer held its entry meanwhile: left for the next check
     if json_out:
-        emit_json({"checked": len(records), "bad": len(bad), "removed": sum(r.removed for r in records),
-                   "files": [r.to_json() for r in records]})
+        emit_json({"checked": len(records) - len(busy), "bad": len(bad), "not_checked": len(busy),
+                   "removed": sum(r.removed for r in records), "files": [r.to_json() for r in records]})
     else:
         c = console()
         for r in records:
-            mark = ("[green]ok[/]" if r.ok else f"[red]BAD[/] {escape(printable(r.problem, drop_ansi=True))}"
-                    + (" (removed)" if r.removed else " (kept)"))
+            why = escape(printable(r.problem, drop_ansi=True))
+            mark = ("[green]ok[/]" if r.ok else f"[yellow]{why}[/]" if r.ok is None
+                    else f"[red]BAD[/] {why}" + (" (removed)" if r.removed else " (kept)"))
             c.print(f"{escape(printable(r.path))}: {mark}")
-        c.print(f"{len(records)} files checked, {len(bad)} bad")
-    if bad:
+        c.print(f"{len(records) - len(busy)} files checked, {len(bad)} bad"
+                + (f", {len(busy)} in use by another process (not checked: run it again)" if busy else ""))
+    if bad or busy:
         raise typer.Exit(1)
 
 

@@ -16,7 +16,7 @@ from typing import Any
 from ..errors import RotationZooError, ServingError
 from ..export import export_gguf
 from .format import read_rotation, write_rotation
-from ..hub import derived_hit, derived_path, record_derived
+from ..hub import derived_hit, derived_path, record_derived, writing_derived
 from .pair import RotationPair
 
 ROTATIONS_GGUF_NAME = "oscar-rot-kv.gguf"
@@ -48,13 +48,14 @@ def ensure_rotations_gguf(pair: RotationPair, *, cache_dir: str | os.PathLike[st
     """
     inputs = _inputs(pair, "the llama.cpp launch")
     out = rotations_gguf_path(pair, cache_dir)
-    if not force and derived_hit(out, inputs) and _gguf_holds(out, pair):
-        return out
-    export_gguf(pair, out)
-    if not _gguf_holds(out, pair):
-        raise ServingError(f"{out}: the rotations GGUF just written does not read back as {pair.source}; "
-                           "check the disk and the cache (rotationzoo cache verify)")
-    record_derived(out, inputs=inputs, entry=pair.entry)
+    with writing_derived(out, cache_dir):  # a cache verify meanwhile waits, never sees it without its marker
+        if not force and derived_hit(out, inputs) and _gguf_holds(out, pair):
+            return out
+        export_gguf(pair, out)
+        if not _gguf_holds(out, pair):
+            raise ServingError(f"{out}: the rotations GGUF just written does not read back as {pair.source}; "
+                               "check the disk and the cache (rotationzoo cache verify)")
+        record_derived(out, inputs=inputs, entry=pair.entry)
     return out
 
 
@@ -75,14 +76,15 @@ def ensure_rotation_files(pair: RotationPair, *, cache_dir: str | os.PathLike[st
     inputs = _inputs(pair, "a launch from a one-file pair")
     out = {s: derived_path(name, entry=pair.entry, inputs=inputs, cache_dir=cache_dir)
            for s, name in ROTATION_FILE_NAMES.items()}
-    for s, p in out.items():
-        if not force and derived_hit(p, inputs) and _pt_holds(p, pair, s):
-            continue
-        write_rotation(p, pair[s], fmt="pt")
-        if not _pt_holds(p, pair, s):
-            raise ServingError(f"{p}: the {s.upper()} file just written does not read back as {pair.source}; "
-                               "check the disk and the cache (rotationzoo cache verify)")
-        record_derived(p, inputs=inputs, entry=pair.entry)
+    with writing_derived(out["k"], cache_dir):  # one folder for both (made from the same inputs)
+        for s, p in out.items():
+            if not force and derived_hit(p, inputs) and _pt_holds(p, pair, s):
+                continue
+            write_rotation(p, pair[s], fmt="pt")
+            if not _pt_holds(p, pair, s):
+                raise ServingError(f"{p}: the {s.upper()} file just written does not read back as {pair.source}; "
+                                   "check the disk and the cache (rotationzoo cache verify)")
+            record_derived(p, inputs=inputs, entry=pair.entry)
     return out
 
 

@@ -4,21 +4,14 @@ Sources are tried in the entry's order (or only the one asked for): Hugging Face
 ``huggingface_hub``, ModelScope through ``modelscope``, a plain ``url``, or data ``bundled`` with
 the package. Modules: :mod:`~rotationzoo.hub.layout` (where things live, markers),
 :mod:`~rotationzoo.hub.sources` (one downloader per source type), :mod:`~rotationzoo.hub.fetch`
-(failover, verification, locking), :mod:`~rotationzoo.hub.cache` (list, verify, remove; derived files).
+(failover, verification, locking), :mod:`~rotationzoo.hub.cache` (list, verify, remove),
+:mod:`~rotationzoo.hub.derived` (files derived from verified ones).
 """
 
 from __future__ import annotations
 
-from .cache import (
-    CacheRecord,
-    cache_records,
-    derived_hit,
-    derived_path,
-    record_derived,
-    removal_plan,
-    remove_cached,
-    verify_cache,
-)
+from .cache import CacheRecord, cache_records, removal_plan, remove_cached, verify_cache
+from .derived import derived_hit, derived_path, record_derived, writing_derived
 from .fetch import (
     SOURCE_CHOICES,
     CachedFile,
@@ -63,4 +56,5 @@ __all__ = [
     "remove_cached",
     "verify_cache",
     "warm_hit",
+    "writing_derived",
 ]

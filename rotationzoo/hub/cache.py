@@ -1,7 +1,7 @@
-"""Managing the cache: list, verify and remove what it holds, and record files derived from it.
+"""Managing the cache: list, verify and remove what it holds.
 
 Two areas hold files (see :mod:`rotationzoo.hub.layout`): ``files/`` (verified downloads) and
-``derived/`` (files built from verified inputs, e.g. the rotations GGUF that ``serve-args
+``derived/`` (files built from verified inputs, :mod:`~rotationzoo.hub.derived`, e.g. the rotations GGUF that ``serve-args
 --engine llamacpp`` writes). Both carry markers; :func:`verify_cache` checks each file against its
 marker (and, for downloads, the registry; for derived files, that their inputs are still the
 verified ones) and never removes a file that passes. Hidden download-in-progress files left by a
@@ -24,7 +24,7 @@ from typing import Any, Iterator, Mapping
 
 from ..errors import CacheError, ConfigError, RotationZooError
 from ..hashing import sha256_file
-from ..registry import ModelEntry, TagEntry, get_model, load_registry, split_model_tag
+from ..registry import ModelEntry, get_model, load_registry, split_model_tag
 from ..safefile import file_kind, file_lock
 from .layout import (
     DERIVED_AREA,
@@ -36,7 +36,8 @@ from .layout import (
     area_dir,
     cache_root,
     check_cache_root,
-    derived_dir,
+    entry_lock,
+    hold_entry,
     inside,
     is_orphan_name,
     marker_path,
@@ -44,7 +45,6 @@ from .layout import (
     read_marker,
     remove_inside,
     walk_area,
-    write_marker,
 )
 
 #: The area of download-in-progress files (orphans when no download holds their entry's lock) and of
@@ -52,6 +52,8 @@ from .layout import (
 PARTIAL_AREA = "partial"
 #: A staging folder untouched for this long was left by a killed process (the writers hold no lock).
 STAGING_GRACE_S = 3600.0
+#: How long ``verify_cache`` waits for a writer to release an entry's lock before it leaves the entry unchecked.
+VERIFY_LOCK_WAIT_S = 10.0
 
 
 @dataclass
@@ -95,36 +97,36 @@ def _staging_folder(root: Path, area: str, path: Path) -> Path | None:
 
 
 def _records(root: Path, area: str) -> list[CacheRecord]:
-    out: list[CacheRecord] = []
-    for p in walk_area(root, area):
-        if _staging_folder(root, area, p) is not None:
-            if not p.name.endswith(MARKER_SUFFIX):
-                out.append(CacheRecord(p, PARTIAL_AREA, None, None, None, 0, None, None,
-                                       problem="in a staging folder: an import or write in progress, or left by a "
-                                               "killed process"))
-            continue
-        if p.is_symlink():
-            out.append(CacheRecord(p, area, None, None, None, 0, None, None,
-                                   problem=f"a symlink (to {os.readlink(p)}; never served or followed)"))
-            continue
+    return [r for r in (_record(root, area, p) for p in walk_area(root, area)) if r is not None]
+
+
+def _record(root: Path, area: str, p: Path) -> CacheRecord | None:
+    """The record of the entry ``p`` of ``area`` as it is now (``None``: a marker, a hidden file that is not a
+    download's, or gone)."""
+    if _staging_folder(root, area, p) is not None:
         if p.name.endswith(MARKER_SUFFIX):
-            continue
-        try:
-            st = p.stat()
-        except OSError:
-            continue  # removed while we walked
-        if not stat.S_ISREG(st.st_mode):
-            out.append(CacheRecord(p, area, None, None, None, 0, None, None, problem="not a regular file"))
-            continue
-        if p.name.startswith("."):
-            if is_orphan_name(p.name):
-                out.append(CacheRecord(p, PARTIAL_AREA, None, None, None, st.st_size, None, None,
-                                       problem="download in progress or left by a killed process"))
-            continue
-        m = read_marker(p) or {}
-        out.append(CacheRecord(p, area, m.get("model"), m.get("tag"), m.get("side"), st.st_size,
-                               m.get("sha256"), m.get("source"), m.get("inputs"), problem=_marker_problem(p, m)))
-    return out
+            return None
+        return CacheRecord(p, PARTIAL_AREA, None, None, None, 0, None, None,
+                           problem="in a staging folder: an import or write in progress, or left by a killed process")
+    if p.is_symlink():
+        return CacheRecord(p, area, None, None, None, 0, None, None,
+                           problem=f"a symlink (to {os.readlink(p)}; never served or followed)")
+    if p.name.endswith(MARKER_SUFFIX):
+        return None
+    try:
+        st = p.stat()
+    except OSError:
+        return None  # removed while we walked
+    if not stat.S_ISREG(st.st_mode):
+        return CacheRecord(p, area, None, None, None, 0, None, None, problem="not a regular file")
+    if p.name.startswith("."):
+        if is_orphan_name(p.name):
+            return CacheRecord(p, PARTIAL_AREA, None, None, None, st.st_size, None, None,
+                               problem="download in progress or left by a killed process")
+        return None
+    m = read_marker(p) or {}
+    return CacheRecord(p, area, m.get("model"), m.get("tag"), m.get("side"), st.st_size,
+                       m.get("sha256"), m.get("source"), m.get("inputs"), problem=_marker_problem(p, m))
 
 
 def _marker_problem(path: Path, marker: Mapping[str, Any]) -> str | None:
@@ -204,10 +206,10 @@ def verify_cache(cache_dir: str | os.PathLike[str] | None = None, *, remove_bad:
         CacheError: an area is a symlink or a folder in it leads outside the cache root.
     """
     root = cache_root(cache_dir)
-    if remove_bad:
-        check_cache_root(root)  # a project folder given as the cache: nothing in it is the cache's to remove
     reg = load_registry()
     records = cache_records(root)  # walks (and checks) both areas before anything is removed
+    if remove_bad:
+        check_cache_root(root)  # a project folder given as the cache: nothing in it is the cache's to remove
     inputs = _verified_inputs(records)
     left_alone: dict[Path, bool] = {}
     for r in records:
@@ -215,27 +217,44 @@ def verify_cache(cache_dir: str | os.PathLike[str] | None = None, *, remove_bad:
             r.ok = False
             if _area_of(root, r.path) == HUB_AREA:  # no entry lock covers a client's blob: its age decides
                 if remove_bad and _left_alone(r.path):
-                    remove_inside(root, [r.path])
-                    r.problem, r.removed = "left by a killed download", True
+                    r.problem, r.removed = "left by a killed download", bool(remove_inside(root, [r.path]))
                 continue
             staging = _staging_folder(root, _area_of(root, r.path), r.path)
             if staging is not None:  # a writer's own folder: removed only once it has long been left alone
                 if staging not in left_alone:  # judged once, before this check removes anything from it
                     left_alone[staging] = _left_alone(staging)
                 if remove_bad and left_alone[staging]:
-                    remove_inside(root, [r.path, marker_path(r.path)])
-                    r.problem, r.removed = "left by a killed import or write", True
+                    r.problem = "left by a killed import or write"
+                    r.removed = r.path in remove_inside(root, [r.path, marker_path(r.path)])
                 continue
             if remove_bad and _unlocked(root, r.path):
-                remove_inside(root, [r.path])
-                r.problem, r.removed = "left by a killed download", True
+                r.problem, r.removed = "left by a killed download", bool(remove_inside(root, [r.path]))
             continue
-        if r.path.is_symlink() or r.sha256 is None and r.problem is not None:
-            r.ok = False
-            if remove_bad:
-                remove_inside(root, [r.path, marker_path(r.path)])
-                r.removed = True
+        if not remove_bad:
+            _judge(root, r, reg, inputs, remove=False)
             continue
+        try:  # judged again under the entry's lock, from the marker as it is then: a writer holds that lock
+            with hold_entry(root, r.path.parent, what=f"check of {r.path.parent}", timeout=VERIFY_LOCK_WAIT_S):
+                now = _record(root, r.area, r.path)
+                if now is None:  # replaced or removed by another process meanwhile
+                    r.ok, r.problem = None, "removed or replaced while the cache was checked: not checked"
+                    continue
+                _judge(root, now, reg, inputs, remove=True)
+                r.__dict__.update(now.__dict__)
+        except CacheError as exc:  # held by a writer: left for the next check; no lock can be made: judged, kept
+            if os.access(root / LOCKS_AREA if (root / LOCKS_AREA).is_dir() else root, os.W_OK):
+                r.ok, r.problem = None, f"not checked: {exc}"
+            else:
+                _judge(root, r, reg, inputs, remove=False)
+    return records
+
+
+def _judge(root: Path, r: CacheRecord, reg: Any, inputs: Mapping[tuple[str | None, str | None], Any],
+           remove: bool) -> None:
+    """Set ``r.ok`` / ``r.problem`` from its bytes and marker; remove ``r``'s file and marker when bad and ``remove``."""
+    if r.path.is_symlink() or r.sha256 is None and r.problem is not None:
+        r.ok = False
+    else:
         registry_sha = None
         if r.area == FILES_AREA and r.model and r.tag and r.side:
             try:
@@ -246,19 +265,16 @@ def verify_cache(cache_dir: str | os.PathLike[str] | None = None, *, remove_bad:
             sha = sha256_file(r.path, error=CacheError)  # a FIFO swapped in is refused, never waited on
         except CacheError:
             r.ok, r.problem = False, "not a regular file (never opened)"
-            if remove_bad:
-                remove_inside(root, [r.path, marker_path(r.path)])
-                r.removed = True
-            continue
         except OSError as exc:
             r.ok, r.problem = False, f"cannot be read ({exc.strerror or exc})"
-            continue
-        problem = _problem(r, sha, registry_sha, inputs.get((r.model, r.tag)))
-        r.ok, r.problem = problem is None, problem
-        if not r.ok and remove_bad:
-            remove_inside(root, [r.path, marker_path(r.path)])
-            r.removed = True
-    return records
+            return
+        else:
+            r.problem = _problem(r, sha, registry_sha, inputs.get((r.model, r.tag)))
+            r.ok = r.problem is None
+    if not r.ok and remove:
+        r.removed = r.path in remove_inside(root, [r.path, marker_path(r.path)])
+        if not r.removed and os.path.lexists(r.path):
+            r.problem = f"{r.problem}; it could not be removed (check the folder's permissions)"
 
 
 def _area_of(root: Path, path: Path) -> str:
@@ -275,14 +291,9 @@ def _left_alone(path: Path) -> bool:
     return time.time() - newest > STAGING_GRACE_S
 
 
-def _entry_lock(root: Path, folder: Path) -> Path:
-    """The download lock of the entry folder ``folder`` (the name :func:`~.layout.lock_path` gives it)."""
-    return root / LOCKS_AREA / f"{folder.parent.name}--{folder.name}.lock"
-
-
 def _unlocked(root: Path, path: Path) -> bool:
     """True when no download holds the lock of the entry folder ``path`` is in."""
-    lock = _entry_lock(root, path.parent)
+    lock = entry_lock(root, path.parent)
     if not lock.exists():
         return True
     try:
@@ -405,66 +416,8 @@ def _no_download_running(root: Path, folders: list[Path]) -> Iterator[None]:
                     if t.is_dir() and not t.is_symlink()]
     with contextlib.ExitStack() as stack:
         if entries:
-            (root / LOCKS_AREA).mkdir(parents=True, exist_ok=True)
+            area_dir(root, LOCKS_AREA).mkdir(parents=True, exist_ok=True)
         for e in entries:
-            stack.enter_context(file_lock(_entry_lock(root, e), timeout=0, what=f"download into {e}", error=CacheError,
+            stack.enter_context(file_lock(entry_lock(root, e), timeout=0, what=f"download into {e}", error=CacheError,
                                           hint="nothing was removed"))
         yield
-
-
-# -- derived files ---------------------------------------------------------------------------------
-
-
-def derived_path(name: str, *, entry: TagEntry | None = None, inputs: Mapping[str, str] | None = None,
-                 cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """Where a file derived from ``entry``'s verified files (or from local files with ``inputs``
-    sha256s) is kept: ``derived/<model>/<tag>/<id>/<name>`` or ``derived/local/<id>/<name>``.
-
-    ``inputs`` maps each side to the sha256 of the bytes it was read from (never to a hash a file
-    merely records about itself); ``<id>`` is made from all of them, so other bytes get another folder
-    (two revisions of one tag never share a derived file).
-
-    Raises:
-        CacheError: no inputs, an input that is not a 64-hex sha256, or a ``name``
-            that is not a plain file name.
-    """
-    import hashlib
-    import re
-
-    from ..errors import CacheError
-
-    if not re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}", name) or name.endswith(MARKER_SUFFIX):
-        raise CacheError(f"derived file name {name!r} must be a plain file name (letters, digits and . _ -)")
-    root = cache_root(cache_dir)
-    if not inputs:
-        raise CacheError("a derived file needs the sha256 of the files it is built from")
-    bad = {k: v for k, v in inputs.items() if not (isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v))}
-    if bad:
-        raise CacheError(f"derived file inputs must be 64-hex sha256s, got {bad!r}"[:300])
-    local_id = hashlib.sha256(",".join(f"{s}={h}" for s, h in sorted(inputs.items())).encode()).hexdigest()[:16]
-    return derived_dir(root, entry, local_id=local_id) / name
-
-
-def record_derived(path: Path, *, inputs: Mapping[str, str], entry: TagEntry | None = None) -> dict[str, Any]:
-    """Write the marker of a derived file: its sha256 and the sha256 of each input it was built from."""
-    return write_marker(path, {
-        "kind": "derived",
-        "model": entry.model_id if entry is not None else None,
-        "tag": entry.name if entry is not None else None,
-        "sha256": sha256_file(path),
-        "inputs": dict(inputs),
-        "source": "derived",
-        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    })
-
-
-def derived_hit(path: Path, inputs: Mapping[str, str]) -> bool:
-    """True when ``path`` is a regular file (not a link) whose bytes match its marker, built from
-    exactly ``inputs`` (the sha256 of each side it was made from)."""
-    marker = read_marker(path)
-    if marker is None or path.is_symlink() or not path.is_file() or marker.get("inputs") != dict(inputs):
-        return False
-    try:
-        return path.stat().st_size == marker["size"] and sha256_file(path, error=CacheError) == marker.get("sha256")
-    except (OSError, CacheError):
-        return False

@@ -29,11 +29,11 @@ import re
 import stat
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from .. import config
 from ..errors import CacheError
-from ..safefile import file_kind, open_regular
+from ..safefile import file_kind, file_lock, open_regular
 from ..registry import TagEntry
 
 MARKER_SUFFIX = ".verified"
@@ -82,6 +82,23 @@ def check_cache_root(root: Path) -> None:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         raise CacheError(f"{root} does not look like a rotationzoo cache (it holds {shown}); nothing was removed; "
                          f"give the cache folder (--cache-dir or ROTATIONZOO_CACHE)")
+    held = [a for a in (FILES_AREA, DERIVED_AREA, IMPORTED_AREA) if _holds_files(root / a)]
+    if held and not (any(_holds_files(root / a, MARKER_SUFFIX) for a in held)
+                     or _holds_files(root / LOCKS_AREA, ".lock")):  # what every write into the cache leaves
+        raise CacheError(f"{root} does not look like a rotationzoo cache (its {', '.join(held)} folder holds files "
+                         f"but neither a {MARKER_SUFFIX} marker, which the cache writes beside each file it keeps, "
+                         f"nor a lock of a download); nothing was removed; give the cache folder (--cache-dir or "
+                         f"ROTATIONZOO_CACHE)")
+
+
+def _holds_files(folder: Path, suffix: str = "") -> bool:
+    """Whether ``folder`` (not a link) holds a regular file whose name ends with ``suffix``, at any depth."""
+    if folder.is_symlink() or not folder.is_dir():
+        return False
+    for _, _, names in os.walk(folder):
+        if any(n.endswith(suffix) for n in names):
+            return True
+    return False
 
 
 def inside(root: Path, path: Path) -> Path:
@@ -126,6 +143,25 @@ def lock_path(root: Path, entry: TagEntry, revision: str | None = None) -> Path:
     """The lock held while an entry's files are downloaded."""
     name = f"{model_folder(entry.model_id)}--{entry.name}" + (f"@{revision}" if revision else "")
     return inside(root, area_dir(root, LOCKS_AREA) / (name.replace("/", "--") + ".lock"))
+
+
+def entry_lock(root: Path, folder: Path) -> Path:
+    """The lock of the entry folder ``folder`` (for a download's folder, the one :func:`lock_path` names), refused
+    when the locks area or the lock leads out of the cache root."""
+    return inside(root, area_dir(root, LOCKS_AREA) / f"{folder.parent.name}--{folder.name}.lock")
+
+
+@contextlib.contextmanager
+def hold_entry(root: Path, folder: Path, *, what: str, timeout: float) -> Iterator[None]:
+    """Hold the lock of the entry folder ``folder`` (the one downloads into it hold) while files and markers in it
+    are written, replaced or judged, so that ``cache verify`` never judges a file against another's marker.
+
+    Raises:
+        CacheError: the lock cannot be created, or another process held it for ``timeout`` seconds.
+    """
+    area_dir(root, LOCKS_AREA).mkdir(parents=True, exist_ok=True)
+    with file_lock(entry_lock(root, folder), timeout=timeout, what=what, error=CacheError):
+        yield
 
 
 def marker_path(path: Path) -> Path:
@@ -216,15 +252,16 @@ def write_marker(path: Path, marker: dict[str, Any], *, of: Path | None = None) 
     return marker
 
 
-def remove_inside(root: Path, paths: Iterable[Path]) -> None:
+def remove_inside(root: Path, paths: Iterable[Path]) -> list[Path]:
     """Unlink files and symlinks (never what a link points to) whose folder resolves inside ``root``;
-    paths already gone are skipped.
+    paths already gone, or that cannot be unlinked (a read-only folder), are skipped. Returns those removed.
 
     Raises:
         CacheError: a path is a folder, or lies in a folder that resolves outside the cache root
             (nothing more is removed).
     """
     base = root.resolve()
+    removed: list[Path] = []
     for p in paths:
         try:
             st = os.lstat(p)
@@ -238,7 +275,9 @@ def remove_inside(root: Path, paths: Iterable[Path]) -> None:
         try:
             os.unlink(p)
         except OSError:
-            pass
+            continue
+        removed.append(p)
+    return removed
 
 
 def _link_target(p: Path) -> str:
