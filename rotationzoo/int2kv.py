@@ -49,7 +49,14 @@ MAX_CONTEXT_TOKENS = 2**30
 
 
 def allowed_group_sizes(head_dim: int) -> tuple[int, ...]:
-    """``head_dim, head_dim/2, head_dim/4, ...`` down to :data:`MIN_GROUP_SIZE` (``128`` → ``128, 64, 32, 16``)."""
+    """``head_dim, head_dim/2, head_dim/4, ...`` down to :data:`MIN_GROUP_SIZE` (``128`` → ``128, 64, 32, 16``).
+
+    Raises:
+        ConfigError: a head_dim no kernel runs (not one of :data:`HEAD_DIMS`).
+    """
+    if isinstance(head_dim, bool) or head_dim not in HEAD_DIMS:
+        raise ConfigError(f"head_dim {shown(head_dim)} is not one the INT2 kernels run; expected one of "
+                          f"{', '.join(map(str, HEAD_DIMS))}")
     out = []
     g = head_dim
     while g >= MIN_GROUP_SIZE:
@@ -82,12 +89,9 @@ def check_group_size(group_size: object, head_dim: int | None = None, *, lloyd_m
             raise ConfigError(f"group_size {shown(group_size)} is not one the INT2 kernels run; expected one of "
                               f"{', '.join(map(str, anywhere))} (or None for head_dim)")
         return group_size
-    if isinstance(head_dim, bool) or head_dim not in HEAD_DIMS:
-        raise ConfigError(f"head_dim {shown(head_dim)} is not one the INT2 kernels run; expected one of "
-                          f"{', '.join(map(str, HEAD_DIMS))}")
+    allowed = allowed_group_sizes(head_dim)  # refuses a head_dim no kernel runs
     if group_size is None:
         return head_dim
-    allowed = allowed_group_sizes(head_dim)
     if group_size not in allowed:
         raise ConfigError(f"group_size {shown(group_size)} is not valid for head_dim {head_dim}; expected one of "
                           f"{', '.join(map(str, allowed))} (or None for head_dim)")

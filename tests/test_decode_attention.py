@@ -201,6 +201,61 @@ def test_a_score_that_overflows_makes_the_row_nan_in_every_backend(backend):
     assert torch.isnan(out).all(), (backend, out[0, 0, 0, :4])
 
 
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_an_inf_window_entry_with_small_groups_reads_as_in_the_reference(backend):
+    """Groups smaller than a quarter of the dims (G = 16 at d = 128): a window key or value holding +inf gives
+    what the reference gives. Triton's block-diagonal query rows (and its one-hot merge of the group rows) had
+    multiplied it by 0: NaN in every query row of the KV head."""
+    _skip_unless_built(backend)
+    d, cfg = 128, Int2KVConfig(group_size=16)
+    g = torch.Generator().manual_seed(0)
+
+    def side():
+        c, sz = quantize_int2(torch.randn(1, 1, 8, d, generator=g).to(DEVICE), config=cfg, backend="torch")
+        sink, recent = torch.randn(1, 1, 2, d, generator=g), torch.randn(1, 1, 4, d, generator=g)
+        return Int2KV(sink.bfloat16().to(DEVICE), c, sz, recent.bfloat16().to(DEVICE))
+
+    k, v = side(), side()
+    q = torch.randn(1, 2, 1, d, generator=g)
+    q[0, 0, 0, 5], q[0, 1, 0, 5] = -1.0, 1.0  # head 0 scores the key -inf (weight 0), head 1 +inf (NaN)
+    q = q.to(DEVICE)
+    for where in ("key", "value"):
+        (k if where == "key" else v).recent[0, 0, 1, 5] = float("inf")
+        ref = decode_attention_int2(q, k, v, config=cfg, backend="torch", dtype=torch.float32).cpu()
+        got = decode_attention_int2(q, k, v, config=cfg, backend=backend, dtype=torch.float32).cpu()
+        if where == "key":
+            assert not torch.isnan(ref[0, 0]).any() and torch.isnan(ref[0, 1]).all()
+        else:
+            assert torch.isinf(ref[0, :, 0, 5]).all() and torch.isfinite(ref[..., :5]).all()
+        assert torch.equal(torch.isnan(got), torch.isnan(ref)), (where, got[0, :, 0, :8])
+        assert torch.equal(torch.isinf(got), torch.isinf(ref)) and torch.equal(got[torch.isinf(ref)], ref[torch.isinf(ref)])
+        fin = torch.isfinite(ref)
+        torch.testing.assert_close(got[fin], ref[fin], rtol=1e-5 if DEVICE.type == "cpu" else 1e-3, atol=1e-5)
+        (k if where == "key" else v).recent[0, 0, 1, 5] = 0.0
+
+
+def test_the_triton_window_precision_comes_from_the_rows_it_reads():
+    """An empty bf16 sink beside fp32 recent rows (validation compares non-empty windows only): the compiled
+    kernel's window products are fp32 (``HP_KIND`` 2), not bf16 from the empty sink's dtype."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from rotationzoo.kernels import triton_decode
+
+    d = 64
+    empty = torch.zeros(1, 1, 0, d, dtype=torch.bfloat16)
+    side = Int2KV(empty, None, None, torch.randn(1, 1, 40, d))
+    q = torch.randn(1, 1, 1, d)
+    assert decode_attention_int2(q, side, side, backend="torch").dtype == torch.float32  # validation passes
+    parts = (empty, torch.empty(1, 1, 0, d // 4, dtype=torch.uint8), torch.empty(1, 1, 0, 2), side.recent)
+    po, pl = torch.empty(1, 2, 1, d), torch.empty(1, 2, 1)
+    kinds = {}
+    for name, recent in (("fp32", side.recent), ("fp16", side.recent.half()), ("none", side.recent[:, :, :0])):
+        kv = parts[:3] + (recent,)
+        launch = triton_decode.decode_launch(q, q, kv, kv, po, pl, scale=0.125, causal=True, splits=(0, 64),
+                                             windows=2, interpret=False)
+        kinds[name] = launch.kwargs["HP_KIND"]
+    assert kinds == {"fp32": 2, "fp16": 1, "none": 0}, kinds
+
+
 # -- argument rules --------------------------------------------------------------------------------
 
 
@@ -231,6 +286,14 @@ def test_bad_arguments_get_one_line_errors():
         (dict(dtype=torch.int32), "dtype"),
         (dict(num_splits=[2]), "num_splits"),
         (dict(causal=[True]), "causal must be true or false"),
+        (dict(scale=1e300), "float32's normal range"),  # inf in fp32
+        (dict(scale=1e-300), "float32's normal range"),  # 0 in fp32
+        (dict(scale=10 ** 400), "float32's normal range"),  # past float: was a raw OverflowError
+        (dict(scale=float("nan")), "float32's normal range"),
+        (dict(query=torch.randn(1, 0, 1, 64).to(DEVICE)), "at least one sequence, head and token"),
+        (dict(keys=Int2KV(*(t[:, :0] for t in k)), query=torch.randn(1, 0, 1, 64).to(DEVICE)),
+         "at least one sequence, head and token"),
+        (dict(keys=Int2KV(*(t[:, :0] for t in k))), "at least one KV head"),  # was a raw ZeroDivisionError
     ]
     # a call with the same shapes, dtypes and settings as one that passed skips the checks: first valid calls
     # (scale 1.0 equals True and hashes alike), then each bad one (twice: a refused call is never remembered)
@@ -243,6 +306,16 @@ def test_bad_arguments_get_one_line_errors():
             with pytest.raises(KernelInputError, match=match) as exc:
                 decode_attention_int2(kw.pop("query"), kw.pop("keys"), kw.pop("values"), backend="torch", **kw)
             assert "\n" not in str(exc.value)
+    # an empty query, or a cache without KV heads, is refused alike by every backend (the C++ kernel had raised a
+    # RuntimeError, the others returned an empty tensor)
+    for backend in ("torch", "cpu", "triton"):
+        if backend == "cpu" and DEVICE.type != "cpu":
+            continue
+        for over in (dict(query=torch.randn(1, 0, 1, 64).to(DEVICE)), dict(keys=Int2KV(*(t[:, :0] for t in k)))):
+            kw = dict(query=q, keys=k, values=k)
+            kw.update(over)
+            with pytest.raises(KernelInputError, match="at least one"):
+                decode_attention_int2(kw.pop("query"), kw.pop("keys"), kw.pop("values"), backend=backend)
     # the config the cache was written with is accepted
     cfg = Int2KVConfig(group_size=None, hp_dtype="bfloat16", scale_dtype="float32")
     decode_attention_int2(q, k, k, config=cfg, backend="torch")

@@ -114,3 +114,53 @@ def test_the_domain_ends_at_max_dequant_in_every_backend():
                 assert not torch.isnan(out).any(), (side, backend)
             else:
                 assert torch.isnan(out[0, 2:]).all() and not torch.isnan(out[0, :2]).any(), (side, backend)
+
+
+
+def test_float16_scale_zero_hold_only_what_docs_say():
+    """docs/kernels.md, "float16 scale/zero": the fork's pair (fp32 ``scale = max(range, 1e-8) / 3``, ``zero =
+    −min / scale``) rounded to float16 underflows (scale ≤ 2^-25: every constant group) or overflows (``|zero|``
+    or scale ≥ 65520) for finite rows, in every backend, and decode attention reads such a row as NaN;
+    bfloat16 and float32 hold the same groups."""
+    from rotationzoo.int2kv import Int2KVConfig
+    from rotationzoo.kernels import dequantize_int2, quantize_int2
+
+    groups = {  # the first group of a row: its values, what float16 reads back
+        "constant 0.5": ([0.5] * 16, "nan"),  # scale 0, zero -inf
+        "min 1, range 1e-5": ([1.0] * 15 + [1.00001], "inf"),  # zero -3e5 -> -inf
+        "range 2e5": ([0.0] * 15 + [2e5], "not finite"),  # scale 66667 -> inf
+        "constant 1e-4": ([1e-4] * 16, "zeros"),  # scale 0 beside a finite zero (-3e4)
+    }
+    backends = ["torch"] + (["cpu"] if native.native_available("quantize") else [])
+    q = torch.randn(1, 2, 1, D, generator=torch.Generator().manual_seed(1))
+    for name, (values, fp16_reads) in groups.items():
+        x = torch.randn(1, 1, 2, D, generator=torch.Generator().manual_seed(0))
+        x[0, 0, 0, :16] = torch.tensor(values)
+        for sdt, be in itertools.product(("float16", "bfloat16", "float32"), backends):
+            cfg = Int2KVConfig(k_clip_ratio=0.0, v_clip_ratio=0.0, group_size=16, scale_dtype=sdt)
+            codes, sz = quantize_int2(x, config=cfg, backend=be)
+            back = dequantize_int2(codes, sz, config=cfg, dtype=torch.float32, backend="torch")[0, 0]
+            got, s = back[0, :16], sz[0, 0, 0, 0]
+            kv = Int2KV(None, codes, sz, None)
+            out = decode_attention_int2(q, kv, kv, config=cfg, backend="torch" if be == "torch" else "auto")
+            what = (name, sdt, be, got[:2].tolist(), sz[0, 0, 0, :2].tolist())
+            assert torch.isfinite(back[1]).all(), what  # the random row
+            if sdt != "float16" or fp16_reads == "zeros":
+                assert not torch.isnan(out).any(), what
+            else:
+                assert torch.isnan(out).all(), what
+            if sdt != "float16":
+                assert torch.isfinite(sz).all() and s > 0, what
+                torch.testing.assert_close(got, x[0, 0, 0, :16], rtol=1e-2, atol=0, msg=lambda m: f"{what}: {m}")
+            elif fp16_reads == "nan":
+                assert s == 0 and torch.isnan(got).all(), what
+            elif fp16_reads == "inf":
+                assert s > 0 and torch.isinf(got).all(), what
+            elif fp16_reads == "not finite":
+                assert s == INF and not torch.isfinite(got).any(), what
+            else:
+                assert s == 0 and torch.isfinite(sz).all() and torch.equal(got, torch.zeros(16)), what
+    # the thresholds: float16 rounds a scale of 2^-25 to 0 and the next fp32 number up to its smallest
+    # subnormal, and numbers from 65520 on to inf (65504 is its largest finite number)
+    edge = torch.tensor([2.0 ** -25, 2.0 ** -25 * (1 + 2 ** -23), 65519.0, 65520.0])
+    assert edge.half().float().tolist() == [0.0, 2.0 ** -24, 65504.0, INF]

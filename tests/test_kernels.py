@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from rotationzoo.errors import BackendUnavailableError, KernelInputError
+from rotationzoo.errors import BackendUnavailableError, ConfigError, KernelInputError
 from rotationzoo.kernels import (
     allowed_group_sizes,
     byte_index_and_shift,
@@ -525,12 +525,45 @@ def test_bad_inputs_raise_kernel_input_error():
         lambda: quantize_int2_into(x3, loc, cbuf, sbuf, config=int2_config(0.0, 64)),
         lambda: quantize_int2_into(x3, loc, cbuf, torch.zeros(4, 1, 4), config=int2_config(lloyd_max=True)),
         lambda: quantize_int2_into(x3, loc, cbuf, sbuf.bfloat16(), config=int2_config()),  # not the config's dtype
+        # writes would alias: every slot (or head) of an expanded buffer is the same memory
+        lambda: quantize_int2_into(x3, loc, cbuf[:1].expand(4, 1, 32), sbuf, backend="torch"),
+        lambda: quantize_int2_into(x3, loc, cbuf, sbuf[:1].expand(4, 1, 2), backend="torch"),
+        lambda: quantize_int2_into(x[:2, None].expand(2, 3, 128), loc[:2], cbuf[:, :1].expand(4, 3, 32),
+                                   torch.zeros(4, 3, 2), backend="torch"),
+        # the quantizer reads values; a raw RuntimeError of .item() on a meta tensor before
+        lambda: quantize_int2(x.to("meta"), backend="torch"),
+        lambda: fake_quantize_int2(x.to("meta"), backend="torch"),
+        lambda: quantize_int2_into(x3.to("meta"), loc.to("meta"), cbuf.to("meta"), sbuf.to("meta"), backend="torch"),
+        lambda: clip_index(float("nan"), 128),  # a raw ValueError of int(nan) before
+        lambda: clip_index(float("inf"), 128),
+        lambda: clip_index("0.9", 128),
     ]
     for i, call in enumerate(bad_calls):
         with pytest.raises(KernelInputError) as info:
             call()
         assert isinstance(info.value, ValueError), i
         assert str(info.value), i
+
+
+def test_helpers_and_buffers_refuse_what_no_kernel_can_use():
+    with pytest.raises(KernelInputError, match="clip_ratio must be a finite number .* got nan"):
+        clip_index(float("nan"), 128)
+    assert clip_index(float("-inf"), 128) == -1  # <= 0: no clip
+    with pytest.raises(ConfigError, match="head_dim 96 .* 64, 128, 256"):
+        allowed_group_sizes(96)  # had listed 96, 48, 24: sizes for a head_dim no kernel runs
+    assert allowed_group_sizes(256) == (256, 128, 64, 32, 16)
+    with pytest.raises(KernelInputError, match="meta device"):
+        quantize_int2(torch.zeros(2, 64, device="meta"), backend="torch")
+    x = rand((4, 1, 64))
+    loc = torch.arange(4)
+    codes = torch.zeros(1, 1, 16, dtype=torch.uint8).expand(4, 1, 16)
+    with pytest.raises(KernelInputError, match=r"codes_buf .* strides \[0, 16, 1\] \(an expanded tensor"):
+        quantize_int2_into(x, loc, codes, torch.zeros(4, 1, 2), backend="torch")
+    # a strided view with memory of its own per slot is a buffer like any other
+    big_c, big_s = torch.zeros(8, 1, 16, dtype=torch.uint8), torch.zeros(8, 1, 2)
+    quantize_int2_into(x, loc, big_c[::2], big_s[::2], backend="torch")
+    want = quantize_int2(x, backend="torch")
+    assert torch.equal(big_c[::2], want[0]) and torch.equal(big_s[::2], want[1]) and not big_c[1::2].any()
 
 
 def test_error_messages_name_what_was_expected():

@@ -9,9 +9,11 @@ imported triton earlier (checked in a subprocess below).
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import torch
 
@@ -253,6 +255,31 @@ def test_paged_store(sdt):
                            backend=backend)
         out[backend] = unpack_codes(codes_buf).int()
     assert (out["triton"] != out["torch"]).float().mean() <= 1e-3
+
+
+_QUANT_STRIDES = {"sx_t", "sx_h", "sx_d", "sr_h", "sr_i", "sr_o", "sc_s", "sc_h", "sc_q", "ss_s", "ss_h", "ss_k"}
+
+
+def test_quantize_offsets_are_64_bit_products():
+    """No scalar 32-bit product in the compiled quantize kernel takes a stride: ``head * sx_h`` (and the
+    codes' and scales' ``head * sc_h``, ``head * ss_h``) had been i32, so a head-major input or cache whose
+    heads lie 2^31 elements apart wrapped around. Read from the kernel's TTIR (no GPU needed)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    aot_report = pytest.importorskip("aot_report")
+    d, h, t, slots = 64, 3, 40, 50
+    x = torch.empty(h, t, d, dtype=torch.bfloat16).transpose(0, 1)  # [T, H, d], head-major
+    codes = torch.empty(h, slots, d // 4, dtype=torch.uint8).transpose(0, 1)
+    sz = torch.empty(h, slots, 2).transpose(0, 1)
+    loc = torch.empty(t, dtype=torch.int64)
+    launch = triton_int2.quant_launch(x, None, loc, codes, sz, clip_index=-1, group_size=d, lloyd_max=False,
+                                      interpret=False, num_sms=132, capability=90)
+    ttir = aot_report.compile_launch(triton_int2.aot_kernels().quant, launch, 90).asm["ttir"]
+    if "%sc_h" not in ttir:
+        pytest.skip("this Triton's TTIR does not name values after the kernel's arguments")
+    narrow = [line.strip() for line in ttir.splitlines()
+              if "arith.muli" in line and "tensor<" not in line and re.search(r":\s*i32\b", line)
+              and _QUANT_STRIDES & set(re.findall(r"%(\w+)", line.split("=", 1)[-1]))]
+    assert "arith.muli" in ttir and not narrow, narrow
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="interpreter check")

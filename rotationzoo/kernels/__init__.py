@@ -48,7 +48,9 @@ from ..vocab import CLIP_SEARCHES, Backend, Side
 INPUT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
 """Accepted dtypes of the values to quantize."""
 SCALE_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
-"""Accepted dtypes of the stored scale/zero pairs (float32 is the SGLang default)."""
+"""Accepted dtypes of the stored scale/zero pairs (float32 is the SGLang default). float16's range cannot hold
+some groups' scale or zero (a constant group reads back NaN; docs/kernels.md, "NaN and inf policy"): for 16
+bits prefer bfloat16."""
 OUTPUT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
 """Accepted dtypes of dequantized output."""
 
@@ -422,7 +424,7 @@ def quantize_int2_into(
             the decode flush writes); a config's ``scale_dtype`` must be the dtype of ``sz_buf``.
 
     Raises:
-        KernelInputError: shape/dtype/device mismatch among the arguments.
+        KernelInputError: shape/dtype/device mismatch among the arguments, or a buffer with a zero stride.
         BackendUnavailableError: the backend cannot run here.
     """
     x = _check_values(x)
@@ -447,6 +449,10 @@ def quantize_int2_into(
     for name, t_ in (("loc", loc), ("codes_buf", codes_buf), ("sz_buf", sz_buf)):
         if t_.device != x.device:
             raise KernelInputError(f"{name} is on {t_.device} but x is on {x.device}")
+    for name, t_ in (("codes_buf", codes_buf), ("sz_buf", sz_buf)):
+        if any(n > 1 and st == 0 for n, st in zip(t_.shape, t_.stride())):
+            raise KernelInputError(f"{name} must hold memory of its own for each slot and head, got strides "
+                                   f"{list(t_.stride())} (an expanded tensor: writes would alias); pass a real buffer")
     st = _settings(config, side, d)
     _check_sz_dtype(config, sz_buf, "sz_buf")
     gs = _group_from_sz(d, sz_buf.shape[-1], config, "sz_buf")

@@ -12,7 +12,6 @@ them by their log-sum-exp. Each backend is a torch operator (:mod:`rotationzoo.k
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple
 
 import torch
@@ -23,10 +22,13 @@ from . import layout
 from .backend import pick_backend
 from .ops import decode_fn
 from ..dtypes import TORCH_DTYPES
+from ..numbers import shown
 from ..vocab import Backend
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 _SCALES = (torch.float32, torch.bfloat16, torch.float16)
+_MIN_SCALE, _MAX_SCALE = 2.0 ** -126, 2.0 ** 127
+"""The softmax scales accepted: fp32 normal numbers, with room for the Triton kernel's ``scale · log2(e)``."""
 
 
 class Int2KV(NamedTuple):
@@ -181,11 +183,13 @@ def _checked(query: torch.Tensor, keys: Int2KV | tuple, values: Int2KV | tuple, 
     b, hq, s, d = query.shape
     if d not in layout.HEAD_DIMS:
         raise KernelInputError(f"query head_dim {d} is not one of {', '.join(map(str, layout.HEAD_DIMS))}")
-    if s < 1 or b < 1:
-        raise KernelInputError(f"query must hold at least one token of one sequence, got {list(query.shape)}")
+    if s < 1 or b < 1 or hq < 1:
+        raise KernelInputError(f"query must hold at least one sequence, head and token, got {list(query.shape)}")
     dev = query.device
     k = _side(keys, "keys", None, d, dev)
     h = k[0].shape[1]
+    if h < 1:
+        raise KernelInputError(f"keys must hold at least one KV head, got {list(k[0].shape)}")
     if (b, h) != tuple(k[0].shape[:2]) or hq % h:
         raise KernelInputError(f"keys hold {k[0].shape[0]} sequences of {h} KV heads; the query has {b} of {hq} "
                                f"heads (Hq must be a multiple of H_kv)")
@@ -228,8 +232,10 @@ def _checked(query: torch.Tensor, keys: Int2KV | tuple, values: Int2KV | tuple, 
               "o_rotation" if o_rotation is not None else "v_rotation", h, d, dev)
     if scale is None:
         scale = d ** -0.5
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-        raise KernelInputError(f"scale must be a positive finite number, got {scale!r}")
+    # compared, not converted: an int past float's range is refused too; NaN fails both comparisons
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not _MIN_SCALE <= scale <= _MAX_SCALE:
+        raise KernelInputError(f"scale must be a positive number within float32's normal range (2^-126 to 2^127: "
+                               f"the kernels scale in fp32), got {shown(scale)}")
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
         raise KernelInputError(f"num_splits must be a positive integer or None, got {num_splits!r}")
     out_dtype = query.dtype if dtype is None else dtype
@@ -275,7 +281,8 @@ def decode_attention_int2(
 
     Args:
         query: ``[B, Hq, S, d]`` new query tokens in the model's basis (bf16, fp16 or fp32), ``d`` in
-            64, 128, 256; ``S`` small (a decode step, a few draft tokens).
+            64, 128, 256; ``S`` small (a decode step, a few draft tokens); ``B``, ``Hq``, ``S`` at least 1
+            (an empty query is refused by every backend).
         keys, values: the cache (:class:`Int2KV` or a ``(sink, codes, scales_zeros, recent)`` tuple),
             the new tokens already appended as the last recent rows.
         config: the INT2-KV settings the cache was written with (group size, Lloyd-Max, scale dtype
@@ -286,7 +293,7 @@ def decode_attention_int2(
             ``q_rotation`` instead of ``R_K``, the output by ``o_rotationᵀ`` (``R_V^{-1}``) instead of
             ``R_Vᵀ``; for orthogonal matrices the two spellings agree. Give one of ``k_rotation``/``q_rotation``, one of
             ``v_rotation``/``o_rotation``.
-        scale: softmax scale (default ``d ** -0.5``).
+        scale: softmax scale (default ``d ** -0.5``), from ``2^-126`` to ``2^127`` (fp32's normal range).
         causal: query token ``t`` of ``S`` sees keys up to position ``P + N + R − S + t`` (the new
             tokens among themselves causally); ``False``: every query sees every key.
         mask: ``None``, or booleans ``[B or 1, Hq or 1, S, L]`` (``True``: may attend; ``L = P + N + R``)

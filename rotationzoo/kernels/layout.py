@@ -15,12 +15,14 @@ dim 70 -> byte 6 bits 4-5; dim 127 -> byte 31 bits 6-7. If ``q[5] = 3``, ``q[37]
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Mapping
 
+from ..errors import KernelInputError
 from ..int2kv import HEAD_DIMS, MIN_GROUP_SIZE, allowed_group_sizes, check_group_size
 
-# HEAD_DIMS (64, 128, 256), MIN_GROUP_SIZE (16) and allowed_group_sizes come from the one
-# group-size rule, rotationzoo.int2kv.check_group_size, which the config and the planner call too.
+# HEAD_DIMS (64, 128, 256), MIN_GROUP_SIZE (16) and allowed_group_sizes come from the one group-size
+# rule, rotationzoo.int2kv.check_group_size, which the config and the planner call too.
 
 QVALUE_BOUNDS: dict[str, tuple[int, int]] = {"uint2": (0, 3)}
 """Code range of each stored integer type (only uint2 here)."""
@@ -69,8 +71,12 @@ def clip_index(clip_ratio: float, d: int) -> int:
 
     ``-1`` if ``clip_ratio <= 0``, else ``min(max(int(clip_ratio * d), 0), d - 1)`` (``int`` floors
     a positive product). The threshold is ``sort(|row|)[index]`` over the full row.
-    d=128: 0.96 -> 122, 0.92 -> 117, 1.0 -> 127.
+    d=128: 0.96 -> 122, 0.92 -> 117, 1.0 -> 127. A NaN, ``+inf`` or a non-number raises
+    :class:`~rotationzoo.errors.KernelInputError`.
     """
+    if (isinstance(clip_ratio, bool) or not isinstance(clip_ratio, numbers.Real) or clip_ratio != clip_ratio
+            or clip_ratio == math.inf):
+        raise KernelInputError(f"clip_ratio must be a finite number (<= 0 disables clipping), got {clip_ratio!r}")
     if clip_ratio <= 0.0:
         return -1
     return min(max(int(clip_ratio * d), 0), d - 1)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import KernelInputError
 from .layout import bisect_iters
 
 # Lloyd-Max (approximate, SGLANG_LLOYD_MAX=1) constants, all exactly representable in fp32.
@@ -182,6 +183,9 @@ def unpack_codes(codes: torch.Tensor) -> torch.Tensor:
 def _levels(v: torch.Tensor, clip_index: int, group_size: int, lloyd_max: bool, clip_search: str
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Steps 2-5 of the module docstring on rows ``v [n, d]``: ``(q, scale, zero, bad rows)``."""
+    if v.device.type == "meta":  # the NaN/inf checks below read values
+        raise KernelInputError("the quantizer reads the values and a tensor on the meta device holds none; pass CPU or "
+                               "CUDA tensors")
     v = v.to(torch.float32)
     if bool(torch.isnan(v).any()):
         nan_row = torch.isnan(v).any(dim=-1)

@@ -13,9 +13,11 @@ launches per call:
    the output matrix (``R_Vᵀ`` or ``o_rotation``, in column blocks) and writes ``[B, Hq, S, d]``.
 
 Groups smaller than ``d`` use block-diagonal query rows: row ``(r, g)`` holds query ``r`` masked to
-the dims of group ``g``, so one ``tl.dot`` gives every group's partial product (and the sum over
-groups the plain one, for the window tokens). Compiled, products run on tensor cores with fp32
-operands split into a bf16 (or fp16) high and low part (codes 0..3 and bf16 window rows are exact);
+the dims of group ``g``, so one ``tl.dot`` gives every group's partial product. Window tokens take
+whole query rows instead, and the group rows' outputs are picked by selection, not by a product with 0:
+a window row holding ±inf then gives what the reference gives (a masked row's 0 times inf would be NaN).
+Compiled, products run on tensor cores with fp32 operands split into a bf16 (or fp16) high and low part
+(codes 0..3 and bf16 window rows are exact; a window's infinities meet only the high part);
 interpreted, they are plain fp32 products. Kernels are built on first use for the current Triton mode;
 their tile helpers live in :mod:`~rotationzoo.kernels.triton_decode_tiles`.
 """
@@ -34,6 +36,7 @@ from .triton_decode_tiles import (  # noqa: F401  (the kernels' helpers: re-crea
     _dot_fc,
     _dot_ff,
     _dot_fw,
+    _first_of_groups,
     _k_quarter,
     _outside,
     _query_quarter,
@@ -104,7 +107,8 @@ def _decode_split_kernel(
     rows = row0 + tl.arange(0, MP)
     limit = total - S + rows % S  # last key position each query row sees (causal)
     # the mask row of each query row (query head hk·GQ + r // S, token r % S); rows past M read nothing
-    mk_rows = mk_ptr + b.to(tl.int64) * smk_b + (hk * GQ + rows // S).to(tl.int64) * smk_h + (rows % S) * smk_s
+    mk_rows = (mk_ptr + b.to(tl.int64) * smk_b + (hk * GQ + rows // S).to(tl.int64) * smk_h
+               + (rows % S).to(tl.int64) * smk_s)
 
     m_i = tl.full([MP], float("-inf"), tl.float32)
     l_i = tl.full([MP], 0.0, tl.float32)
@@ -191,11 +195,18 @@ def _decode_split_kernel(
         in_rec = (u >= n_sink) & (u < n_sink + n_recent)
         k_sink = ks_ptr + b.to(tl.int64) * sks_b + hk.to(tl.int64) * sks_h + u.to(tl.int64)[:, None] * sks_t
         k_rec = kr_ptr + b.to(tl.int64) * skr_b + hk.to(tl.int64) * skr_h + (u - n_sink).to(tl.int64)[:, None] * skr_t
-        raw = _dot_fw(qk0, tl.trans(_window_quarter(k_sink, k_rec, in_sink, in_rec, jq, 0, Q)), SPLIT_DOT, HP_KIND)
-        raw += _dot_fw(qk1, tl.trans(_window_quarter(k_sink, k_rec, in_sink, in_rec, jq, 1, Q)), SPLIT_DOT, HP_KIND)
-        raw += _dot_fw(qk2, tl.trans(_window_quarter(k_sink, k_rec, in_sink, in_rec, jq, 2, Q)), SPLIT_DOT, HP_KIND)
-        raw += _dot_fw(qk3, tl.trans(_window_quarter(k_sink, k_rec, in_sink, in_rec, jq, 3, Q)), SPLIT_DOT, HP_KIND)
-        scores = tl.reduce(tl.reshape(raw, (MP, NQK, HPT)), 1, _SUM_FN)  # the group rows add up to q·k
+        if NQK > 1:  # whole query rows: a block-diagonal row's 0 times an inf window entry would be NaN
+            wq0 = _query_quarter(q_ptr, q_base, r_of < M, rk_rows, qk_scale, 0, Q, GK, 1)
+            wq1 = _query_quarter(q_ptr, q_base, r_of < M, rk_rows, qk_scale, 1, Q, GK, 1)
+            wq2 = _query_quarter(q_ptr, q_base, r_of < M, rk_rows, qk_scale, 2, Q, GK, 1)
+            wq3 = _query_quarter(q_ptr, q_base, r_of < M, rk_rows, qk_scale, 3, Q, GK, 1)
+        else:
+            wq0, wq1, wq2, wq3 = qk0, qk1, qk2, qk3
+        raw = _dot_fw(wq0, tl.trans(_window_quarter(k_sink, k_rec, in_sink, in_rec, jq, 0, Q)), SPLIT_DOT, HP_KIND)
+        raw += _dot_fw(wq1, tl.trans(_window_quarter(k_sink, k_rec, in_sink, in_rec, jq, 1, Q)), SPLIT_DOT, HP_KIND)
+        raw += _dot_fw(wq2, tl.trans(_window_quarter(k_sink, k_rec, in_sink, in_rec, jq, 2, Q)), SPLIT_DOT, HP_KIND)
+        raw += _dot_fw(wq3, tl.trans(_window_quarter(k_sink, k_rec, in_sink, in_rec, jq, 3, Q)), SPLIT_DOT, HP_KIND)
+        scores = _first_of_groups(raw, MP, NQK, HPT)  # the NQK copies of each row are equal: take one
         pos = tl.where(in_sink, u, u + n_int2)
         ok = (in_sink | in_rec)[None, :]
         if CAUSAL:
@@ -276,7 +287,7 @@ def _decode_merge_kernel(
 # --- build (per Triton mode) --------------------------------------------------------------------
 
 _HELPERS = ("_query_quarter", "_k_quarter", "_v_quarter", "_outside", "_tile_outside", "_code_quarter",
-            "_window_quarter", "_store_quarter", "_dot_ff", "_dot_fc", "_dot_fw")
+            "_window_quarter", "_store_quarter", "_first_of_groups", "_dot_ff", "_dot_fc", "_dot_fw")
 
 
 def _copies(namespace: dict, wrap, aot: bool = False) -> types.SimpleNamespace:
@@ -311,6 +322,13 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
 def _rows_last(t: torch.Tensor) -> torch.Tensor:
     """``t`` with unit stride along its last dimension (a copy only when it has not)."""
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def _window_dtype(keys, values) -> torch.dtype:
+    """The dtype of the non-empty window parts (validation gives them one), ``keys.sink``'s when all are
+    empty: an empty part's dtype says nothing about the rows the kernel reads."""
+    parts = (keys[0], keys[3], values[0], values[3])
+    return next((t.dtype for t in parts if t.shape[2]), keys[0].dtype)
 
 
 def decode_launch(query, q_rows, keys, values, po, pl, *, scale: float, causal: bool, splits: tuple[int, int],
@@ -348,7 +366,7 @@ def decode_launch(query, q_rows, keys, values, po, pl, *, scale: float, causal: 
     kwargs = dict(
         GQ=hq // h, S=s, M=rows, MP=mp, D=d, Q=d // 4, GK=gk, GV=gv,
         BN=block_tokens or decode_plan.decode_tile_tokens(d, _quarter_groups(d, gk, gv)), HPT=decode_plan.HP_TILE,
-        CAUSAL=bool(causal and s > 1), HAS_MASK=mask is not None, HP_KIND=_HP_KIND[k_sink.dtype],
+        CAUSAL=bool(causal and s > 1), HAS_MASK=mask is not None, HP_KIND=_HP_KIND[_window_dtype(keys, values)],
         SPLIT_DOT=not interpret,
         num_warps=num_warps or decode_plan.decode_num_warps(d),
         num_stages=num_stages or decode_plan.decode_num_stages(d),

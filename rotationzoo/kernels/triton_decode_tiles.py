@@ -105,13 +105,25 @@ def _store_quarter(o_rows, acc, zacc, inv, keep, jq, unscale, A: tl.constexpr, Q
     times ``unscale`` (``1 / F(A)`` for INT2 tokens, 1 for window tokens) minus ``zacc[r, k(j)]``
     (``k(j)``: the quarter's group of column ``j``)."""
     acc = acc * unscale
-    if NQ > 1:
-        onehot = ((jq[None, :] // G) == tl.arange(0, NQ)[:, None]).to(tl.float32)  # [NQ, Q]
-        out = tl.reduce(tl.reshape(acc, (MP, NQ, Q)) * onehot[None, :, :], 1, _SUM_FN)
-        out = out - tl.reduce(zacc[:, :, None] * onehot[None, :, :], 1, _SUM_FN)
+    if NQ > 1:  # selected, not multiplied by a one-hot: 0 times an inf window value would be NaN
+        onehot = (jq[None, :] // G) == tl.arange(0, NQ)[:, None]  # [NQ, Q]
+        out = tl.reduce(tl.where(onehot[None, :, :], tl.reshape(acc, (MP, NQ, Q)), 0.0), 1, _SUM_FN)
+        out = out - tl.reduce(tl.where(onehot[None, :, :], zacc[:, :, None], 0.0), 1, _SUM_FN)
     else:
         out = acc - zacc
     tl.store(o_rows + (A * Q + jq)[None, :], out * inv[:, None], mask=keep[:, None])
+
+
+@triton.jit
+def _first_of_groups(raw, MP: tl.constexpr, NQ: tl.constexpr, N: tl.constexpr):
+    """Row ``(r, 0)`` of each ``NQ``-row group of ``raw [MP·NQ, N]``: ``[MP, N]`` (selected, so an inf or
+    NaN in the other rows does not reach it)."""
+    if NQ > 1:
+        first = (tl.arange(0, NQ) == 0)[None, :, None]
+        out = tl.reduce(tl.where(first, tl.reshape(raw, (MP, NQ, N)), 0.0), 1, _SUM_FN)
+    else:
+        out = raw
+    return out
 
 
 @triton.jit
@@ -148,17 +160,21 @@ def _dot_fc(a, c, SPLIT_DOT: tl.constexpr, acc):
 @triton.jit
 def _dot_fw(a, w, SPLIT_DOT: tl.constexpr, HP_KIND: tl.constexpr):
     """fp32 × window rows (stored bf16 / fp16 / fp32) → fp32: the window dtype is exact in its own
-    16-bit type, so two products of ``a`` split in that type; fp32 windows take the fp32 product."""
+    16-bit type, so two products of ``a`` split in that type; fp32 windows take the fp32 product. The low
+    part meets the window with its infinities replaced by 0: an exact ``a`` has a low part of 0, and
+    ``0 · inf`` would make NaN of what the high part's product gives (``a · inf``, as the reference)."""
     if SPLIT_DOT and HP_KIND == 0:
         a_hi = a.to(tl.bfloat16)
         a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
         wb = w.to(tl.bfloat16)
-        out = tl.dot(a_lo, wb, tl.dot(a_hi, wb, out_dtype=tl.float32), out_dtype=tl.float32)
+        w_fin = tl.where(tl.abs(wb) == float("inf"), 0.0, wb).to(tl.bfloat16)
+        out = tl.dot(a_lo, w_fin, tl.dot(a_hi, wb, out_dtype=tl.float32), out_dtype=tl.float32)
     elif SPLIT_DOT and HP_KIND == 1:
         a_hi = a.to(tl.float16)
         a_lo = (a - a_hi.to(tl.float32)).to(tl.float16)
         wh = w.to(tl.float16)
-        out = tl.dot(a_lo, wh, tl.dot(a_hi, wh, out_dtype=tl.float32), out_dtype=tl.float32)
+        w_fin = tl.where(tl.abs(wh) == float("inf"), 0.0, wh).to(tl.float16)
+        out = tl.dot(a_lo, w_fin, tl.dot(a_hi, wh, out_dtype=tl.float32), out_dtype=tl.float32)
     else:
         out = tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
     return out

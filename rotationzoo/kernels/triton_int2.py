@@ -84,14 +84,14 @@ def _int2_quant_kernel(
     zeros -> +0; uniform or Lloyd-Max levels; flagged rows store codes 0 and NaN scale/zero.
     """
     pid = tl.program_id(0)
-    head = tl.program_id(1)
+    head = tl.program_id(1).to(tl.int64)  # head offsets in 64 bits: a head-major buffer may pass 2^31 elements
     nprog = tl.num_programs(0)
     dims = tl.arange(0, D)
     qidx = tl.arange(0, Q)
     gidx = tl.arange(0, NG)
     shifts = tl.arange(0, 4) * 2
     if ROTATE:
-        r_offs = head.to(tl.int64) * sr_h + dims[:, None] * sr_i + dims[None, :] * sr_o
+        r_offs = head * sr_h + dims[:, None] * sr_i + dims[None, :] * sr_o
         rmat = tl.load(r_ptr + r_offs)
     for tile in range(pid, num_tiles, nprog):
         rows = tile * BT + tl.arange(0, BT)
