@@ -23,22 +23,20 @@ Example::
 
 from __future__ import annotations
 
-import json
 import os
-import re
-import shlex
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal, Sequence, get_args
+from typing import Any, Sequence
 
 from .engines import (
     ENGINES,
     EngineTarget,
-    arg_path,
+    check_architecture,
     check_options,
     kv_head_counts,
     llamacpp_env,
-    pair_kinds,
+    pair_files,
+    pair_input,
     prepare,
     serve_env,
     sglang_env,
@@ -50,7 +48,7 @@ from .files.derived import ensure_rotation_files, ensure_rotations_gguf, rotatio
 from .errors import ConfigError, RegistryError, RotationZooError, ServingError
 from .launch import LaunchConfig
 from .numbers import check_int, check_real, shown
-from .launchspec import OUTPUT_FORMATS, LaunchSpec, OutputFormat, check_printable
+from .launchspec import OUTPUT_FORMATS, LaunchSpec, check_printable
 from .serving_mla import latent_model, latent_spec
 from .files.pair import RotationPair, looks_like_path, resolve_pair
 from .registry import get_entry, get_model, split_model_tag
@@ -164,10 +162,7 @@ def launch_spec(
                            offline=offline, timeout=timeout, knobs=knobs)
     pair = resolve_pair(model, tag, source=source, revision=revision, cache_dir=cache_dir, offline=offline,
                         timeout=timeout)
-    missing = [s for s in ("k", "v") if s not in pair.sets or s not in pair.paths]
-    if missing:
-        raise ServingError(f"{pair.source}: a launch needs local K and V rotation files (missing {', '.join(missing)})")
-    files = {s: str(pair.paths[s]) for s in ("k", "v")}
+    files = pair_files(pair)  # absolute: a launch from another folder must read the same files
     cfg = pair.config()
     name = pair.model or pair.source
     loads, unnamed = _engine_model(pair, model_path)
@@ -175,19 +170,17 @@ def launch_spec(
     heads = kv_head_counts(pair)
     clip_layer, clip_head = _clip_tables(k_clip_per_layer, k_clip_per_head, pair.k.layer_ids,
                                          heads[0] if heads else arch.num_kv_heads if arch is not None else None)
-    inp = prepare(t, config=cfg, launch=pair.entry.launch if pair.entry is not None else LaunchConfig(),
-                  paths=files, model=loads, head_dims=pair.head_dims, kinds=pair_kinds(pair, cfg),
-                  source=pair.source or "rotations", kv_head_counts=heads,
-                  model_kv_heads=arch.num_kv_heads if arch is not None else None,
-                  hybrid=bool(arch is not None and arch.attention_layer_ids), model_path=model_path,
-                  k_clip_per_layer=clip_layer, k_clip_per_head=clip_head, **knobs)
+    inp = pair_input(t, pair, model=loads, config=cfg, paths=files, model_path=model_path,
+                     k_clip_per_layer=clip_layer, k_clip_per_head=clip_head, **knobs)
     notes_first = []
+    why = pair.engine_files_problem() if t.rotations_as == "pt" else None
     if t.rotations_as == "gguf":  # the engine reads the rotations from the model GGUF: export them once
         inp = replace(inp, gguf=str(ensure_rotations_gguf(pair, cache_dir=cache_dir)))
-    elif files["k"] == files["v"]:  # one file holds both sides: the engine reads two
-        files.update({s: str(p) for s, p in ensure_rotation_files(pair, cache_dir=cache_dir).items()})
-        notes_first = [f"{pair.source} holds K and V in one file; the launch reads the K and V .pt files "
-                       f"written from it into the cache's derived area"]
+    elif why:  # one file holds both sides, or a layout the loaders cannot index: write the two files they read
+        own = pair if files["k"] == files["v"] else replace(pair, paths={})
+        files.update({s: str(p) for s, p in ensure_rotation_files(own, cache_dir=cache_dir).items()})
+        notes_first = [f"{pair.source} {why}; the launch reads the K and V .pt files written from it in the "
+                       f"authors' layout into the cache's derived area"]
         inp = replace(inp, paths=dict(files))
     built = t.build(inp)
     files.update(built.files)
@@ -239,8 +232,8 @@ def _clip_tables(per_layer: str | os.PathLike[str] | None, per_head: str | os.Pa
 
 def _precheck(t: EngineTarget, model: Any, tag: str | None, tp_size: int | None) -> None:
     """For a registry model, refuse before its files are downloaded what the launch would refuse after:
-    a hybrid model on a target that does not serve them, a TP size its KV heads cannot be split over
-    (the files' own heads are checked again once read)."""
+    a hybrid model or an architecture the target does not serve, a TP size its KV heads cannot be split
+    over (the files' own heads are checked again once read)."""
     if not isinstance(model, str) or Path(model).expanduser().exists() or looks_like_path(model):
         return
     base, at_tag = split_model_tag(model)
@@ -252,6 +245,7 @@ def _precheck(t: EngineTarget, model: Any, tag: str | None, tp_size: int | None)
     if arch.attention_layer_ids and not t.hybrid_models:
         prepare(t, config=entry.serving, launch=entry.launch, paths=None, model=entry.model_id, head_dims=None,
                 kinds=frozenset(), source=entry.key, hybrid=True)
+    check_architecture(t, entry.model_id, entry.key)
     if arch.num_kv_heads and tp_size is not None:
         kv_heads_per_rank(arch.num_kv_heads, tp_size)
 

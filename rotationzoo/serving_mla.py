@@ -61,7 +61,8 @@ def latent_spec(t: EngineTarget, model: ModelEntry, *, model_path: str | None, s
                           group_size=lat.group_size, lloyd_max=lat.lloyd_max, hp_subspace=hp, pp_size=lat.pp_size,
                           attention_backend=lat.attention_backend,
                           prefill_attention_backend=lat.prefill_attention_backend,
-                          decode_attention_backend=lat.decode_attention_backend, companions=got.rotations.companions)
+                          decode_attention_backend=lat.decode_attention_backend, companions=got.rotations.companions,
+                          layouts=got.rotations.layouts)
     config = Int2KVConfig(prefix_tokens=lat.prefix_tokens, recent_tokens=lat.recent_tokens)
     lc = LaunchConfig(tp_size=lat.tp_size, mamba_scheduler_strategy=lat.mamba_scheduler_strategy,  # type: ignore[arg-type]
                       recipe=lat.recipe)

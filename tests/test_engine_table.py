@@ -68,3 +68,11 @@ def test_page_sizes_and_plan_notes_come_from_the_table() -> None:
         [8, 8, 16, 16, 1]
     p = plan("Qwen3-8B", context=4096, engine="llamacpp")
     assert p.page_size == 1 and any("q2_0" in n for n in p.notes)
+
+
+def test_a_target_names_the_architectures_it_serves() -> None:
+    """The llama.cpp branch rotates the cache in its dense-Qwen3 and Gemma-4 graphs only; other targets take any
+    model."""
+    assert dict(target("llama.cpp").architectures or {}).keys() == {"qwen3", "gemma4"}
+    assert target("llamacpp").to_json()["architectures"] == ["qwen3", "gemma4"]
+    assert [n for n, t in TARGETS.items() if t.architectures is not None] == ["llamacpp"]

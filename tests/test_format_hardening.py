@@ -557,3 +557,59 @@ def test_unsafe_message_names_the_global(tmp_path: Path, protocol: int) -> None:
     msg = str(ei.value)
     assert f"'{os.system.__module__}.system'" in msg and "weights_only" not in msg and str(path) in msg
     assert "\n" not in msg
+
+
+# -- 6. what a file holds beside the rotations, and in what precision ---------------------------------
+
+
+@pytest.mark.parametrize("extra", [{"k_mean": torch.zeros(2, 8)}, {"q_rotation": torch.eye(8)},
+                                   {"stats": {"keys": torch.ones(2)}}, {"stats": [1, torch.ones(2)]}])
+def test_an_unknown_tensor_beside_the_layers_is_refused(tmp_path: Path, extra: dict) -> None:
+    """The rule a layer's fields follow holds at the top level too: a tensor this release does not know may
+    change what the rotations mean (a top-level ``k_mean [L, d]`` would be ignored by every loader)."""
+    layers = {i: {"rotation": r.clone()} for i, r in enumerate(random_orthogonal(2, 8))}
+    path = tmp_path / "k.pt"
+    torch.save({**rotation_dict(layers), **extra}, path)
+    key = next(iter(extra))
+    with pytest.raises(RotationFileError, match=f"holds a tensor '{key}' beside 'layers', which this rotationzoo "
+                                                f"does not know"):
+        read_rotation(path)
+    report = verify_file(path)
+    assert not report.ok and any(f"'{key}'" in p for p in report.problems)
+
+
+def test_plain_values_beside_the_rotations_are_metadata(tmp_path: Path) -> None:
+    r = random_orthogonal(2, 8)
+    layers = {i: {"layer_id": i, "rotation": r[i].clone(), "note": "calibrated"} for i in range(2)}
+    path = tmp_path / "k.pt"
+    torch.save({**rotation_dict(layers), "note": "fitted on a laptop", "stats": {"tokens": 30000}}, path)
+    assert torch.equal(read_rotation(path).rotations, r) and verify_file(path).ok
+    torch.save(rotation_dict({0: {"rotation": r[0].clone(), "extra": {"x": torch.ones(2)}}}), path)
+    with pytest.raises(RotationFileError, match="layer 0 holds a tensor 'extra'"):
+        read_rotation(path)
+
+
+@pytest.mark.parametrize("dtype, name", [(torch.bfloat16, "bfloat16"), (torch.float16, "float16")])
+def test_a_rotation_stored_in_16_bits_is_refused_naming_its_dtype(tmp_path: Path, dtype, name: str) -> None:
+    """16 bits cannot hold an orthogonal matrix to the 1e-5 tolerance: the message says so, not only
+    'not orthogonal'; a matrix whose entries are exact in 16 bits (a Hadamard) is read."""
+    r = random_orthogonal(2, 64)
+    path = tmp_path / "k.pt"
+    torch.save(rotation_dict({0: {"rotation": r[0].clone()}, 1: {"rotation": r[1].to(dtype)}}), path)
+    pattern = (rf"layer 1: rotation is stored as {name}, too coarse to hold an orthogonal matrix "
+               rf"\(max\|RRᵀ−I\| = .* > 1e-05 in {name}\); store rotations in float32 or float64")
+    with pytest.raises(InvalidRotationError, match=pattern) as ei:
+        read_rotation(path)
+    assert "\n" not in str(ei.value)
+    report = verify_file(path)
+    assert not report.ok and any(f"stored as {name}" in p for p in report.problems)
+    from rotationzoo.hadamard import hadamard_matrix
+
+    h = hadamard_matrix(64, dtype=torch.float32)  # entries ±1/8, exact in 16 bits
+    torch.save(rotation_dict({0: {"rotation": h.to(dtype)}}), path)
+    assert torch.equal(read_rotation(path).rotations[0], h) and verify_file(path).ok
+    # a non-orthogonal transform (its inverse carried as q_rotation) is not measured against RRᵀ = I
+    a = torch.diag(torch.linspace(0.5, 2.0, 8)) @ random_orthogonal(1, 8)[0]
+    v3 = {**rotation_dict({0: {"rotation": a.to(dtype), "q_rotation": torch.linalg.inv(a).T}}), "format_version": 3}
+    torch.save(v3, path)
+    assert not read_rotation(path).orthogonal

@@ -103,8 +103,11 @@ def test_bad_latent_files_are_refused_in_one_line(tmp_path):
     with pytest.raises(RotationFileError, match=r"a \[32, 32\] latent rotation, but the model's latent rank is 64"):
         read_latent_file(tmp_path / "layer_9.pt", rank=R)
     torch.save({"rotation": bare(0), "extra": torch.ones(3)}, tmp_path / "extra.pt")
-    with pytest.raises(RotationFileError, match="holds 'extra'"):
+    with pytest.raises(RotationFileError, match="holds a tensor 'extra'"):
         read_latent_file(tmp_path / "extra.pt")
+    torch.save({"rotation": bare(0), "stats": {"c_kv_norm": torch.ones(3)}}, tmp_path / "nested.pt")
+    with pytest.raises(RotationFileError, match="holds a tensor 'stats'"):
+        read_latent_file(tmp_path / "nested.pt")
     torch.save({"format_version": 1, "layers": {0: {"rotation": bare(0)}}}, tmp_path / "kv.pt")
     with pytest.raises(RotationFileError, match="a K/V rotation file"):
         read_latent_file(tmp_path / "kv.pt")
@@ -112,6 +115,35 @@ def test_bad_latent_files_are_refused_in_one_line(tmp_path):
                tmp_path / "pq.pt")
     with pytest.raises(RotationFileError, match="a PQ codebook file"):
         read_latent_file(tmp_path / "pq.pt")
+
+
+def test_plain_values_beside_the_rotation_are_metadata_as_in_a_kv_file(tmp_path):
+    """A key the latent dict does not know is refused only when it holds a tensor, as in a K/V rotation file
+    (at its top level and in its layers); a note or a count is metadata."""
+    from rotationzoo import read_rotation
+
+    torch.save({"rotation": bare(0), "note": "fitted on GLM-5.2 c_kv", "tokens": 30000, "layer_id": 0},
+               tmp_path / "layer_0.pt")
+    lay = read_latent_file(tmp_path / "layer_0.pt", rank=R, layer_id=0)
+    assert lay.layout == "dict" and torch.equal(lay.rotation, bare(0))
+    kv = {"format_version": 1, "objective": "qqt_r_h_pbr", "note": "fitted on a laptop",
+          "layers": {0: {"layer_id": 0, "rotation": bare(0), "note": "x"}}}
+    torch.save(kv, tmp_path / "k_rotation.pt")
+    assert read_rotation(tmp_path / "k_rotation.pt").layer_ids == (0,)
+
+
+def test_a_latent_rotation_stored_in_16_bits_is_refused_naming_its_dtype(tmp_path):
+    q, _ = torch.linalg.qr(torch.randn(R, R, generator=torch.Generator().manual_seed(0), dtype=torch.float64))
+    torch.save(q.to(torch.bfloat16), tmp_path / "layer_0.pt")
+    pattern = (r"rotation is stored as bfloat16, too coarse to hold an orthogonal matrix "
+               r"\(max\|RRᵀ−I\| = .* > 1e-05 in bfloat16\); store rotations in float32")
+    with pytest.raises(InvalidRotationError, match=pattern):
+        read_latent_file(tmp_path / "layer_0.pt", rank=R)
+    torch.save({"rotation": q.half()}, tmp_path / "layer_1.pt")
+    with pytest.raises(InvalidRotationError, match="stored as float16"):
+        read_latent_file(tmp_path / "layer_1.pt", rank=R)
+    torch.save(bare(2).to(torch.bfloat16), tmp_path / "layer_2.pt")  # ±1/8: exact in bfloat16, orthogonal
+    assert torch.equal(read_latent_file(tmp_path / "layer_2.pt", rank=R).rotation, bare(2))
 
 
 class _Boom:
@@ -233,6 +265,10 @@ def test_an_unpublished_set_is_imported_then_served_with_its_bits(tmp_path, monk
     assert args[args.index("--pipeline-parallel-size") + 1] == "2"
     assert args[args.index("--mamba-radix-cache-strategy") + 1] == "extra_buffer"
     assert "SGLANG_OSCAR_K_ROTATION_PATH" not in env
+    # without the prefix cache the Mamba strategy is left out: SGLang refuses extra_buffer with --disable-radix-cache
+    off = launch_spec("Tiny-MLA", disable_radix_cache=True)
+    assert off.args[-1] == "--disable-radix-cache" and "--mamba-radix-cache-strategy" not in off.args
+    assert any("extra_buffer (the entry's) is left out" in n for n in off.notes)
     # the vLLM port's MLA path is INT2 only; the other targets do not read latent sets
     with pytest.raises(ServingError, match="quantizes the latent to INT2 only"):
         launch_spec("Tiny-MLA", engine="vllm")
@@ -352,6 +388,16 @@ def test_vllm_mla_path_reads_bare_files_only(tmp_path, monkeypatch, cache_dir, c
     assert rc == 0, err
     with pytest.raises(ServingError, match="reads bare"):
         launch_spec("Tiny-MLA", engine="vllm")
+    # a dict layer without companions is still a dict: the port does torch.load(path).shape
+    plain = latent_folder(tmp_path / "p", ids=range(L))
+    torch.save({"rotation": bare(1), "eigenvalues": torch.rand(R), "transform": {"latent": "joint"}},
+               plain / "layer_1.pt")
+    rc, _, err = run_cli(capsys, "cache", "import", str(plain), "--latent", "Tiny-MLA", "--accept-new")
+    assert rc == 0, err
+    assert launch_spec("Tiny-MLA").env["SGLANG_OSCAR_MLA_KV_BITS"] == "2"  # the current tree reads it
+    rc, out, err = run_cli(capsys, "serve-args", "Tiny-MLA", "--engine", "vllm")
+    assert rc == 1 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "OSCAR-2 dict layer files" in err and "torch.load(path).shape" in err and "--engine sglang" in err
 
 
 def test_load_latent_of_a_folder_against_a_registry_model(tmp_path, monkeypatch):

@@ -318,32 +318,58 @@ def test_llamacpp_gguf_is_rebuilt_for_other_files(qwen_cache, cache_dir):
     assert not gguf_path.exists() and Path(spec2.files["gguf"]).is_file()
 
 
-def test_the_gguf_is_a_derived_file_the_cache_knows(cache_dir, capsys):
+def test_the_gguf_is_a_derived_file_the_cache_knows(qwen_cache, cache_dir, capsys):
     """serve-args writes its GGUF into the derived area; cache ls lists it and cache verify keeps it."""
-    rc, _, err = run_cli(capsys, "serve-args", SMOL_SHARED, "--engine", "llamacpp")
+    rc, _, err = run_cli(capsys, "serve-args", QWEN, "--engine", "llamacpp")
     assert rc == 0, err
-    gguf = hub.derived_path("oscar-rot-kv.gguf", entry=get_entry(*SMOL_SHARED.split("@")),
-                            inputs=rotationzoo.fetch(*SMOL_SHARED.split("@")).sha256)
+    gguf = hub.derived_path("oscar-rot-kv.gguf", entry=get_entry(QWEN), inputs=rotationzoo.fetch(QWEN).sha256)
     assert gguf.is_file()
     rc, out, err = run_cli(capsys, "cache", "verify", "--json")
     assert rc == 0, out + err
     report = json.loads(out)
-    assert report["bad"] == 0 and [f["path"] for f in report["files"]] == [str(gguf)] and gguf.is_file()
+    assert report["bad"] == 0 and str(gguf) in [f["path"] for f in report["files"]] and gguf.is_file()
     rc, out, _ = run_cli(capsys, "cache", "ls", "--json")
-    (rec,) = json.loads(out)["files"]
-    assert rec["area"] == "derived" and rec["size"] == gguf.stat().st_size and rec["model"].endswith("SmolLM2-135M-Instruct")
+    (rec,) = [f for f in json.loads(out)["files"] if f["area"] == "derived"]
+    assert rec["size"] == gguf.stat().st_size and rec["model"].endswith("Qwen3-8B")
     # a derived file whose bytes changed is reported and removed; a rebuilt one is valid again
     gguf.write_bytes(gguf.read_bytes()[:-1] + b"\0")
     rc, out, _ = run_cli(capsys, "cache", "verify", "--json")
     assert rc == 1 and json.loads(out)["bad"] == 1 and not gguf.exists()
-    launch_spec(SMOL_SHARED, engine="llamacpp")
+    launch_spec(QWEN, engine="llamacpp")
     assert run_cli(capsys, "cache", "verify")[0] == 0
 
 
-def test_bundled_model_gguf_goes_to_the_cache(cache_dir):
-    spec = launch_spec(SMOL_SHARED, engine="llamacpp")
-    assert Path(spec.files["gguf"]).is_relative_to(cache_dir)
-    assert spec.notes[0].startswith("replace MODEL.gguf")
+def test_llamacpp_serves_the_architectures_its_branch_rotates(qwen_cache, cache_dir, capsys):
+    """The branch's graphs apply the rotation tensors for dense Qwen3 and Gemma-4 only: a registry model of
+    another architecture is refused in one line naming the ones it serves, before anything is fetched or
+    exported; a local pair that names no registry model gets a note instead."""
+    from rotationzoo.engines import llama_architecture
+
+    assert [llama_architecture(m) for m in ("Qwen/Qwen3-8B", "Qwen/Qwen3-4B-Thinking-2507", "Qwen/Qwen3-32B",
+                                            "google/gemma-4-12B-it", "Qwen/Qwen3-30B-A3B", "Qwen/Qwen3-VL-4B-Instruct",
+                                            "Qwen/Qwen3.5-35B-A3B", "HuggingFaceTB/SmolLM2-135M-Instruct")] == \
+        ["qwen3", "qwen3", "qwen3", "gemma4", "qwen3moe", "qwen3vl", "qwen35", None]
+    for model in (SMOL_SHARED, "Qwen3-30B-A3B@shared", "Qwen3-VL-4B", "MiniMax-M3", "GLM-4.7"):
+        rc, out, err = run_cli(capsys, "serve-args", model, "--engine", "llamacpp", "--offline")
+        assert rc == 1 and out == "" and len(err.strip().splitlines()) == 1, (model, err)
+        assert "rotates the KV cache of Qwen3 (dense" in err and "Gemma-4 (" in err and "--engine sglang" in err, err
+    assert "SmolLM2-135M-Instruct is not a Qwen3 or Gemma-4 model" in run_cli(
+        capsys, "serve-args", SMOL_SHARED, "--engine", "llamacpp")[2]
+    with pytest.raises(ServingError, match="Qwen3-VL-4B-Instruct is a qwen3vl model"):
+        launch_spec("Qwen3-VL-4B", engine="llamacpp", offline=True)
+    with pytest.raises(ServingError, match="not a Qwen3 or Gemma-4 model"):
+        rotationzoo.load(SMOL_SHARED.split("@")[0], SMOL_SHARED.split("@")[1]).serve_env("llamacpp")
+    assert not (cache_dir / "derived").exists()  # nothing exported for a refused model
+    # Qwen3 (dense) is served; rotations that name no registry model get a note to check the GGUF
+    spec = launch_spec(QWEN, engine="llamacpp")
+    assert spec.env["LLAMA_KV_V_ROT"] == "1" and Path(spec.files["gguf"]).is_relative_to(cache_dir)
+    assert spec.notes[0].startswith("replace MODEL.gguf") and not any("not a registry model" in n for n in spec.notes)
+    folder = cache_dir.parent / "local"
+    folder.mkdir()
+    for side in ("k", "v"):
+        (folder / qwen_cache[side].name).write_bytes(qwen_cache[side].read_bytes())
+    spec = launch_spec(str(folder), engine="llamacpp")
+    assert any("not a registry model" in n and "general.architecture qwen3 or gemma4" in n for n in spec.notes)
 
 
 # -- Python API ------------------------------------------------------------------------------------

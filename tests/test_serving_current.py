@@ -163,9 +163,13 @@ def test_a_tp_size_the_heads_cannot_split_over_fails_with_one_line(moe_cache, ca
 
 
 def test_per_head_files_are_refused_by_targets_that_cannot_read_them(moe_cache, moe_pair, cache_dir, capsys):
+    rc, out, err = run_cli(capsys, "serve-args", MOE, "--engine", "vllm")
+    assert rc == 1 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "per-KV-head rotations ([L, H_kv, d, d]) cannot be served by vllm" in err and "--engine sglang" in err
+    # the llama.cpp branch has no graph for Qwen3-MoE at all: refused for the model, before the files are read
     rc, out, err = run_cli(capsys, "serve-args", MOE, "--engine", "llamacpp")
     assert rc == 1 and out == "" and len(err.strip().splitlines()) == 1, err
-    assert "per-KV-head rotations ([L, H_kv, d, d]) cannot be served by llamacpp" in err and "--engine sglang" in err
+    assert "Qwen/Qwen3-30B-A3B is a qwen3moe model" in err and "--engine sglang" in err
     assert not (cache_dir / "derived").exists()  # no GGUF was exported
     for engine in ("vllm", "sglang-legacy", "llama.cpp"):
         with pytest.raises(ServingError, match=r"per-KV-head rotations \(\[L, H_kv, d, d\]\) cannot be served by"):
@@ -504,3 +508,125 @@ def test_a_one_file_pair_is_served_as_two_derived_pt_files(fmt, cache_dir, tmp_p
     k.write_bytes(b"tampered")
     assert run_cli(capsys, "serve-args", str(one), "-f", "json")[0] == 0
     assert torch.equal(rotationzoo.load(f"{k},{v}")["k"].stacked(), want["k"].stacked().float())
+
+
+# -- hybrid models without the prefix cache ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", ["Qwen3.5-4B", "Qwen3.5-35B-A3B"])
+def test_the_legacy_line_of_a_hybrid_model_is_the_authors_hybrid_recipe(model, cache_dir, capsys):
+    """The May 2026 fork's Mamba radix cache (no_buffer, its default) forces page_size 1 for a hybrid model,
+    and its INT2 cache then refuses the launch ("Unified mixed KV requires --page-size=8"); the authors ran
+    Qwen3.5 there with --disable-radix-cache (rotation/qwen3.5-4B/eval_gpqa.sh@797e39c7)."""
+    seed_v1(cache_dir, model)
+    rc, out, err = run_cli(capsys, "serve-args", model, "-e", "sglang-legacy", "--json")
+    assert rc == 0, err
+    data = json.loads(out)
+    assert data["args"][-1] == "--disable-radix-cache" and flag(data["args"], "--page-size") == "8"
+    assert not any("mamba" in a for a in data["args"])
+    assert any("eval_gpqa.sh@797e39c7" in n and "--page-size 8" in n for n in data["notes"])
+    rc, out, _ = run_cli(capsys, "serve-args", model, "-e", "sglang-legacy", "--disable-radix-cache", "--json")
+    assert rc == 0 and json.loads(out)["args"].count("--disable-radix-cache") == 1
+
+
+def test_without_the_prefix_cache_the_mamba_strategy_is_left_out(cache_dir, capsys):
+    """SGLang refuses --mamba-radix-cache-strategy extra_buffer with --disable-radix-cache ("mamba extra_buffer
+    is not compatible with --disable-radix-cache"): the strategy of a cache that is off is not printed."""
+    seed_v1(cache_dir, "Qwen3.5-4B")
+    on = launch_spec("Qwen3.5-4B")
+    assert flag(on.args, "--mamba-radix-cache-strategy") == "extra_buffer" and "--disable-radix-cache" not in on.args
+    rc, out, err = run_cli(capsys, "serve-args", "Qwen3.5-4B", "--disable-radix-cache", "--json")
+    assert rc == 0, err
+    data = json.loads(out)
+    assert data["args"][-1] == "--disable-radix-cache" and not any("mamba" in a for a in data["args"])
+    assert any("extra_buffer (the entry's) is left out" in n and "no_buffer" in n for n in data["notes"])
+
+
+# -- RotationPair.serve_env is launch_spec's environment ---------------------------------------------------
+
+
+def _env_or_refusal(call) -> object:
+    try:
+        return call()
+    except ServingError as exc:
+        return ("refused", str(exc))
+
+
+def test_serve_env_is_the_env_of_launch_spec(cache_dir):
+    """serve_env reads a pair as launch_spec does (the model's hybrid layers, its architecture, absolute
+    paths): the same environment, or the same one-line refusal."""
+    from rotationzoo.vocab import ENGINES
+
+    seed_v1(cache_dir, "Qwen3-8B")
+    seed_v1(cache_dir, "Qwen3.5-4B")
+    for model in ("Qwen3-8B", "Qwen3.5-4B"):
+        pair = rotationzoo.load(model)
+        for engine in ENGINES:
+            want = _env_or_refusal(lambda: launch_spec(pair, engine=engine).env)
+            assert _env_or_refusal(lambda: pair.serve_env(engine)) == want, (model, engine)
+    hybrid = rotationzoo.load("Qwen3.5-4B")
+    for engine, why in (("vllm", "a hybrid model"), ("llamacpp", "Qwen/Qwen3.5-4B is a qwen35 model")):
+        with pytest.raises(ServingError, match=why):
+            hybrid.serve_env(engine)
+
+
+def test_serve_env_of_a_pair_held_in_one_file_names_launch_spec(cache_dir, tmp_path):
+    """The engines read a K and a V .pt file: launch_spec writes them from a pair file; serve_env, which
+    writes nothing, refuses in one line naming it instead of pointing the engine at the .safetensors."""
+    from rotationzoo.export import export
+
+    d = local_pair(tmp_path / "src", layouts.v1(2, 64), layouts.v1(2, 64, seed=1, objective="sst_r_h_pbr"))
+    pair = rotationzoo.load(str(export(str(d), tmp_path / "pair.safetensors", to="safetensors")))
+    for engine in ("sglang", "sglang-legacy", "vllm", "vllm-prototype"):
+        with pytest.raises(ServingError, match=rf"pair.safetensors: holds K and V in one file, which {engine} cannot "
+                                               rf"read as it is; rotationzoo.serving.launch_spec\(pair") as ei:
+            pair.serve_env(engine)
+        assert "\n" not in str(ei.value)
+        env = launch_spec(pair, engine=engine).env
+        paths = [v for k, v in env.items() if k.endswith("_ROTATION_PATH")]
+        assert len(paths) == 2 and all(p.endswith(".pt") and Path(p).is_file() for p in paths), env
+    assert pair.serve_env("llamacpp") == launch_spec(pair, engine="llamacpp").env  # no paths in its env
+
+
+# -- flat layers and relative paths ---------------------------------------------------------------------------
+
+
+def test_flat_layers_are_served_from_files_in_the_authors_layout(cache_dir, tmp_path, monkeypatch, capsys):
+    """{"layers": {i: tensor}} validates, but the authors' SGLang loaders index each layer's "rotation": the
+    launch serves the two files written in the authors' layout into the derived area (as for a pair held in
+    one file), and serve_env says so."""
+    rot = {s: layouts.orthogonal(2, 64, 64, seed=i) for i, s in enumerate("kv")}
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for s, objective in (("k", "qqt_r_h_pbr"), ("v", "sst_r_h_pbr")):
+        torch.save({"format_version": 1, "objective": objective, "layers": {i: rot[s][i] for i in range(2)}},
+                   flat / f"{s}_rotation_flat.pt")
+    monkeypatch.chdir(tmp_path)
+    for engine, var in (("sglang", "SGLANG_OSCAR_K_ROTATION_PATH"), ("vllm", "VLLM_OSCAR_K_ROTATION_PATH")):
+        rc, out, err = run_cli(capsys, "serve-args", "flat", "-e", engine, "-f", "json")
+        assert rc == 0, err
+        data = json.loads(out)
+        k = Path(data["env"][var])
+        assert k.is_absolute() and (cache_dir / "derived") in k.parents and k.name == "k_rotation.pt"
+        assert any("bare tensors" in n and "derived area" in n for n in data["notes"])
+    got = torch.load(k, weights_only=True)  # what the authors' loader does: ldata["rotation"] per layer
+    assert all(torch.equal(got["layers"][i]["rotation"], rot["k"][i]) for i in range(2))
+    with pytest.raises(ServingError, match=r"keeps the layers of its K and V files as bare tensors .* "
+                                           r"rotationzoo.serving.launch_spec\(pair, engine='sglang'\)"):
+        rotationzoo.load("flat").serve_env("sglang")
+
+
+def test_rotation_paths_are_printed_absolute(cache_dir, tmp_path, monkeypatch, capsys):
+    """A launch started from another folder must read the same files (a relative path there is another file,
+    or none: the server then calibrates at start-up without a word)."""
+    d = local_pair(tmp_path / "rel", layouts.v1(2, 64), layouts.v1(2, 64, seed=1, objective="sst_r_h_pbr"))
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = run_cli(capsys, "serve-args", "rel", "-f", "json")
+    assert rc == 0, err
+    data = json.loads(out)
+    assert data["env"]["SGLANG_OSCAR_K_ROTATION_PATH"] == str(d / "k_rotation_test.pt") == data["files"]["k"]
+    assert all(str(d) in c for c in data["checks"])
+    assert rotationzoo.load("rel").serve_env("vllm")["VLLM_OSCAR_V_ROTATION_PATH"] == str(d / "v_rotation_test.pt")
+    rc, out, _ = run_cli(capsys, "serve-args", "rel/k_rotation_test.pt,rel/v_rotation_test.pt", "-e", "sglang-legacy",
+                         "-f", "env")
+    assert rc == 0 and f"SGLANG_OSCAR_K_ROTATION_PATH={d / 'k_rotation_test.pt'}" in out.splitlines()

@@ -5,7 +5,8 @@ branches on an engine's name. A target says which file kinds it reads
 (:data:`rotationzoo.vocab.FILE_KINDS`: one rotation per layer ``v1``, per KV head ``v2``,
 ``format_version`` 3 files ``v3``, key centering ``k_mean``, the non-orthogonal ``companions``
 ``q_rotation`` / ``o_rotation``, value centering ``v_mean``, ``ragged`` layers, the ``lloyd_max``
-levels, and ``mla`` latent sets), which launch knobs it takes, its KV page size and planner notes,
+levels, and ``mla`` latent sets), which launch knobs it takes, which models it serves (hybrid ones;
+for llama.cpp the architectures whose graphs apply the rotations), its KV page size and planner notes,
 how it is given the rotations (K/V ``.pt`` paths or a model GGUF), what ``--model-path`` names, and
 how its environment and command line are built. Rotations it cannot read are refused with one line
 naming what the files hold (:func:`refuse`); Lloyd-Max levels, a setting rather than file content,
@@ -29,10 +30,33 @@ loaders, the same as V1 or V2.) Pure functions of settings and local paths: no f
 from __future__ import annotations
 
 from ..vocab import ENGINES, Engine
-from .common import SGLANG_HP_MAX_SPLITS, LatentLaunch, Launch, LaunchInput, RankHeads, arg_path, sglang_page_size
+from .common import (
+    SGLANG_HP_MAX_SPLITS,
+    LatentLaunch,
+    Launch,
+    LaunchInput,
+    RankHeads,
+    arg_path,
+    llama_architecture,
+    sglang_page_size,
+)
 from .legacy import sglang_legacy_args, sglang_legacy_env
 from .llamacpp import llamacpp_args, llamacpp_env
-from .rules import NO_ABSORPTION, absorption, check_options, kv_head_counts, pair_kinds, prepare, rank_heads, refuse, serve_env
+from .rules import (
+    NO_ABSORPTION,
+    absorption,
+    check_architecture,
+    check_options,
+    known_model,
+    kv_head_counts,
+    pair_files,
+    pair_input,
+    pair_kinds,
+    prepare,
+    rank_heads,
+    refuse,
+    serve_env,
+)
 from .sglang import CALIBRATION_ENV, MAMBA_FLAG, sglang_env
 from .table import OPTIONS, TARGETS, EngineTarget, check_engine, target
 from .vllm import VLLM_DEFAULT_BLOCK, VLLM_STAGING_TOKENS, vllm_args, vllm_env
@@ -55,11 +79,16 @@ __all__ = [
     "RankHeads",
     "absorption",
     "arg_path",
+    "check_architecture",
     "check_engine",
     "check_options",
+    "known_model",
     "kv_head_counts",
+    "llama_architecture",
     "llamacpp_args",
     "llamacpp_env",
+    "pair_files",
+    "pair_input",
     "pair_kinds",
     "prepare",
     "rank_heads",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
@@ -49,6 +50,8 @@ class LatentLaunch:
         pp_size: pipeline-parallel stages of the recipe.
         attention_backend, prefill_attention_backend, decode_attention_backend: the recipe's backends.
         companions: some layers carry ``q_rotation`` (a non-orthogonal transform) or a ``mean``.
+        layouts: the layer files' layouts: ``"tensor"`` (a bare ``[rank, rank]`` tensor) and/or ``"dict"``
+            (the OSCAR-2 dict, even one holding only ``rotation``).
     """
 
     folder: str
@@ -63,6 +66,7 @@ class LatentLaunch:
     prefill_attention_backend: str = "triton"
     decode_attention_backend: str = "triton"
     companions: bool = False
+    layouts: tuple[str, ...] = ("tensor",)
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,7 @@ class LaunchInput:
         model_path: what the caller asked the engine to load (``--model-path``), if anything.
         latent: the MLA latent set to launch with, instead of K/V files.
         k_clip_per_layer, k_clip_per_head: checked K clip tables (a file, or a comma list per layer).
+        model_id: the registry model the rotations are for, when known (the architecture checks use it).
     """
 
     config: Int2KVConfig
@@ -111,6 +116,7 @@ class LaunchInput:
     latent: LatentLaunch | None = None
     k_clip_per_layer: str | None = None
     k_clip_per_head: str | None = None
+    model_id: str | None = None
 
 
 @dataclass
@@ -124,6 +130,25 @@ class Launch:
     checks: list[str] = field(default_factory=list)
     prepare: list[list[str]] = field(default_factory=list)
     files: dict[str, str] = field(default_factory=dict)
+
+
+#: How a model id names its llama.cpp architecture (GGUF ``general.architecture``), first match wins: the Qwen3
+#: variants with graphs of their own (vision-language, the hybrid 3.5 / 3.8 line, mixture of experts) before
+#: dense Qwen3.
+_ARCHITECTURE_OF_NAME: tuple[tuple[str, str], ...] = (
+    (r"qwen3[-_.]?vl", "qwen3vl"),
+    (r"qwen3\.[1-9]", "qwen35"),
+    (r"qwen3-.*-a\d+(\.\d+)?b(?![a-z0-9])", "qwen3moe"),
+    (r"qwen3(?![0-9])", "qwen3"),
+    (r"gemma-?4(?![0-9])", "gemma4"),
+)
+
+
+def llama_architecture(model_id: str) -> str | None:
+    """llama.cpp's architecture name of a model, as far as its id tells (``Qwen/Qwen3-8B`` → ``qwen3``,
+    ``Qwen/Qwen3-30B-A3B`` → ``qwen3moe``, ``google/gemma-4-12B-it`` → ``gemma4``); ``None`` for others."""
+    name = str(model_id).rsplit("/", 1)[-1].lower()
+    return next((arch for pattern, arch in _ARCHITECTURE_OF_NAME if re.search(pattern, name)), None)
 
 
 def arg_path(path: str | Path) -> str:

@@ -4,7 +4,12 @@ The launch line of that fork's reference recipe, kept byte for byte: V-rotation 
 prefill, ``SGLANG_LLOYD_MAX`` always passed, ``--page-size`` set to the fork's quantised page
 ``4 · itemsize(hp_dtype)`` (8 for bfloat16), which the fork requires. It reads one ``[d, d]``
 rotation per layer. ``--tensor-parallel-size`` and ``--disable-radix-cache`` are added only when
-asked (a TP size above 1, the flag).
+asked (a TP size above 1, the flag), except for hybrid models (Qwen3.5): there the prefix cache is
+always off, as in the authors' hybrid recipe (``rotation/qwen3.5-4B/eval_gpqa.sh@797e39c7`` adds
+``--disable-radix-cache``). With it on, the fork's Mamba radix cache (``no_buffer``, its default)
+forces ``page_size`` to 1 and the INT2 cache then refuses the launch ("Unified mixed KV requires
+--page-size=8"; ``_handle_mamba_radix_cache`` and ``_handle_page_size`` in
+``sglang-research/python/sglang/srt/server_args.py@797e39c7``).
 """
 
 from __future__ import annotations
@@ -68,6 +73,12 @@ def build(inp: LaunchInput) -> Launch:
     args = sglang_legacy_args(inp.config, inp.model, d)
     if inp.launch.tp_size > 1:
         args[5:5] = ["--tensor-parallel-size", str(inp.launch.tp_size)]
-    if inp.launch.disable_radix_cache:
+    notes = legacy_notes(inp.config, d)
+    if inp.launch.disable_radix_cache or inp.hybrid:
         args.append("--disable-radix-cache")
-    return Launch(env, args, legacy_notes(inp.config, d) + rank_notes(inp))
+    if inp.hybrid and not inp.launch.disable_radix_cache:
+        notes.append(f"hybrid model: --disable-radix-cache, as in the authors' recipe (rotation/qwen3.5-4B/"
+                     f"eval_gpqa.sh@797e39c7); with the prefix cache on, the fork's Mamba radix cache forces "
+                     f"page_size 1 and its INT2 cache then refuses the launch (it needs --page-size "
+                     f"{sglang_page_size(inp.config.hp_dtype)})")
+    return Launch(env, args, notes + rank_notes(inp))

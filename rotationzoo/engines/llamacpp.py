@@ -2,7 +2,10 @@
 
 The branch reads one ``[d, d]`` rotation per layer from GGUF tensors ``blk.{i}.attn_{k,v}_rot.weight``
 inside the model GGUF it loads (per-layer sizes: Gemma-4's 256 and 512), applies them in the graph,
-and quantises the cache with its own ``q2_0`` type. The launch is the branch README's: the fused
+and quantises the cache with its own ``q2_0`` type. Only two of its model graphs read those tensors: dense
+Qwen3 (``src/models/qwen3.cpp@08ad957e``) and Gemma-4 (``src/models/gemma4.cpp@7e1019bf``); every other
+architecture's graph (Qwen3-MoE, Qwen3-VL, the hybrid Qwen3.5 line, Llama, …) never creates them, so
+registry models of other architectures are refused. The launch is the branch README's: the fused
 mixed-precision flash-attention kernels (``-fa on``, ``LLAMA_KV_FUSED_FA=1``), every layer offloaded
 (``-ngl 99``), the in-quant Hadamard skipped (``LLAMA_KV_NO_HADAMARD=1``: the calibrated rotation holds
 one), one clip ratio, the BF16 sink and recent windows, and ``LLAMA_KV_V_ROT=1``, without which the
@@ -19,6 +22,10 @@ from .common import Launch, LaunchInput, arg_path, ratio
 
 #: The sink and recent windows the branch's README recommends ("64 / 256 matches the official OSCAR setup").
 BRANCH_WINDOWS = (64, 256)
+#: The llama.cpp architectures (GGUF ``general.architecture``) whose graph in the branch applies the rotation
+#: tensors, and what they are.
+ROTATING_ARCHITECTURES = {"qwen3": "Qwen3 (dense; src/models/qwen3.cpp@08ad957e)",
+                          "gemma4": "Gemma-4 (src/models/gemma4.cpp@7e1019bf)"}
 #: What the launch loads when no ``--model-path`` names the model GGUF.
 MODEL_GGUF_PLACEHOLDER = "MODEL.gguf"
 
@@ -82,6 +89,10 @@ def build_llamacpp(inp: LaunchInput) -> Launch:
     if "ragged" in inp.kinds:
         notes.append("layers of two head_dims (Gemma-4): the branch's Gemma-4 graph rotates V only when LLAMA_KV_V_ROT "
                      "is set, which the launch does; K is always rotated")
+    if inp.model_id is None:
+        notes.append("the model of these rotations is not a registry model: the branch rotates the KV cache of "
+                     f"{' and '.join(n.split(' (')[0] for n in ROTATING_ARCHITECTURES.values())} models only "
+                     f"(general.architecture {' or '.join(ROTATING_ARCHITECTURES)}): check that the model GGUF is one")
     if not inp.model_path:
         notes.insert(0, f"replace {MODEL_GGUF_PLACEHOLDER} with the model's GGUF file (or pass --model-path)")
     return Launch(llamacpp_env(inp.config), llamacpp_args(arg_path(merged)), notes, prepare=prepare, files=files)

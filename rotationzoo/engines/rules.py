@@ -1,18 +1,21 @@
 """The checks every launch goes through, driven by the engine table: file kinds a target does not
-read, knobs it does not take, models it does not serve, V-rotation absorption, tensor-parallel ranks."""
+read, knobs it does not take, models it does not serve (hybrid ones, other architectures), V-rotation
+absorption, tensor-parallel ranks; and :func:`pair_input`, the one reading of a rotation pair that
+:func:`rotationzoo.serving.launch_spec` and :meth:`RotationPair.serve_env` share."""
 
 from __future__ import annotations
 
 import os
 from typing import Any, Mapping
 
-from ..errors import ServingError
+from ..errors import RotationZooError, ServingError
 from ..headdims import HeadDims
 from ..int2kv import Int2KVConfig
 from ..launch import LaunchConfig
+from ..registry import get_model
 from ..sharding import kv_heads_per_rank
 from ..vocab import FILE_KINDS
-from .common import LatentLaunch, LaunchInput, RankHeads
+from .common import LatentLaunch, LaunchInput, RankHeads, llama_architecture
 from .table import OPTIONS, EngineTarget, target
 
 _KIND_TEXT = {
@@ -136,12 +139,14 @@ def prepare(t: EngineTarget, *, config: Int2KVConfig, launch: LaunchConfig, path
             absorb_v_rotation: bool | None = None, disable_radix_cache: bool | None = None,
             calibrate: bool = False, block_size: int | None = None, hybrid: bool = False,
             model_path: str | None = None, latent: LatentLaunch | None = None,
-            k_clip_per_layer: str | None = None, k_clip_per_head: str | None = None) -> LaunchInput:
+            k_clip_per_layer: str | None = None, k_clip_per_head: str | None = None,
+            model_id: str | None = None) -> LaunchInput:
     """Check the request against ``t`` and the files, apply the overrides, and decide absorption and sharding.
 
     ``kv_head_counts`` are the KV-head counts of a per-KV-head file's layers (empty for one rotation
     per layer); ``model_kv_heads`` the model's, when known; ``hybrid`` whether the model mixes
-    attention with linear-attention layers; ``latent`` an MLA latent set launched instead of K/V files.
+    attention with linear-attention layers; ``latent`` an MLA latent set launched instead of K/V files;
+    ``model_id`` the registry model the rotations are for, when known (:func:`check_architecture`).
 
     Raises:
         ServingError: a knob the target does not take, rotations or a model it cannot serve, absorption
@@ -158,6 +163,8 @@ def prepare(t: EngineTarget, *, config: Int2KVConfig, launch: LaunchConfig, path
     if hybrid and not t.hybrid_models and latent is None:
         raise ServingError(f"{source}: the model mixes attention with linear-attention layers (a hybrid model), "
                            f"which {t.name} ({t.title}) does not serve; serve it with --engine sglang")
+    if latent is None:
+        check_architecture(t, model_id, source)
     lc = launch.replace(tp_size=tp_size, disable_radix_cache=disable_radix_cache or None)
     absorb, note = absorption(t, kinds, lc, absorb_v_rotation, calibrate, source)
     counts = kv_head_counts or ((model_kv_heads,) if model_kv_heads and latent is None else ())
@@ -167,7 +174,74 @@ def prepare(t: EngineTarget, *, config: Int2KVConfig, launch: LaunchConfig, path
                        absorb_note=note, ranks=ranks, sharded=bool(kv_head_counts), calibrate=calibrate,
                        model_kv_heads=model_kv_heads, hybrid=hybrid, block_size=block_size,
                        model_path=model_path, latent=latent, k_clip_per_layer=k_clip_per_layer,
-                       k_clip_per_head=k_clip_per_head)
+                       k_clip_per_head=k_clip_per_head, model_id=model_id)
+
+
+def check_architecture(t: EngineTarget, model_id: str | None, source: str) -> None:
+    """Refuse, in one line, a registry model ``t`` does not serve (:attr:`EngineTarget.architectures`, by the
+    llama.cpp architecture its id names); any model when the target lists none, or the model is unknown.
+
+    Raises:
+        ServingError: names the model's architecture and the ones the target serves.
+    """
+    if t.architectures is None or model_id is None:
+        return
+    arch = llama_architecture(model_id)
+    if arch in t.architectures:
+        return
+    short = [what.split(" (")[0] for what in t.architectures.values()]
+    desc = f"a {arch} model" if arch else f"not a {' or '.join(short)} model"
+    raise ServingError(f"{source}: {model_id} is {desc}; {t.name} ({t.title}) rotates the KV cache of "
+                       f"{' and '.join(t.architectures.values())} models only (general.architecture "
+                       f"{', '.join(t.architectures)}); serve it with --engine sglang")
+
+
+def known_model(pair: Any) -> str | None:
+    """The registry model a pair is for: its entry's, or the registry model its files record; else ``None``."""
+    if pair.entry is not None:
+        return str(pair.entry.model_id)
+    recorded = pair.model
+    if not recorded:
+        return None
+    try:
+        return get_model(str(recorded)).id
+    except RotationZooError:
+        return None
+
+
+def pair_files(pair: Any) -> dict[str, str]:
+    """A pair's local K and V files, as absolute paths (a launch from another folder reads the same files).
+
+    Raises:
+        ServingError: a side without a local file.
+    """
+    missing = [s for s in ("k", "v") if s not in pair.sets or s not in pair.paths]
+    if missing:
+        raise ServingError(f"{pair.source or 'rotations'}: a launch needs local K and V rotation files (missing "
+                           f"{', '.join(missing)})")
+    return {s: os.path.abspath(pair.paths[s]) for s in ("k", "v")}
+
+
+def pair_input(t: EngineTarget, pair: Any, *, model: str, config: Int2KVConfig | None = None,
+               paths: Mapping[str, str] | None = None, **knobs: Any) -> LaunchInput:
+    """The :class:`LaunchInput` of a :class:`~rotationzoo.files.pair.RotationPair` on ``t``: the one reading of a
+    pair that :func:`rotationzoo.serving.launch_spec` and :meth:`RotationPair.serve_env` share. Its files
+    (:func:`pair_files`, or ``paths``), what they hold, its INT2 settings (or ``config``), its registry entry's
+    launch knobs and model (KV heads, hybrid layers, architecture: :func:`known_model`), and ``knobs``
+    (``tp_size``, ``model_path``, K clip tables …) go to :func:`prepare`.
+
+    Raises:
+        ServingError, ConfigError: as :func:`pair_files` and :func:`prepare`.
+    """
+    files = dict(paths) if paths is not None else pair_files(pair)
+    cfg = config if config is not None else pair.config()
+    entry = pair.entry
+    arch = entry.architecture if entry is not None else None
+    return prepare(t, config=cfg, launch=entry.launch if entry is not None else LaunchConfig(), paths=files,
+                   model=model, head_dims=pair.head_dims, kinds=pair_kinds(pair, cfg),
+                   source=pair.source or "rotations", kv_head_counts=kv_head_counts(pair),
+                   model_kv_heads=arch.num_kv_heads if arch is not None else None,
+                   hybrid=bool(arch is not None and arch.attention_layer_ids), model_id=known_model(pair), **knobs)
 
 
 def _flag(knob: str) -> str:
@@ -183,28 +257,37 @@ def serve_env(config: Int2KVConfig, engine: str, paths: Mapping[str, str | os.Pa
         config: the serving settings (``entry.serving`` or ``pair.config()``).
         engine: a target of :data:`~rotationzoo.engines.TARGETS` (``"sglang"``, ``"sglang-legacy"``,
             ``"vllm"``, ``"vllm-prototype"``, ``"llamacpp"``).
-        paths: local rotation files ``{"k": path, "v": path}`` (unused by a target that reads the
-            rotations from the model GGUF).
+        paths: local rotation files ``{"k": path, "v": path}``, printed as absolute paths (unused by a target
+            that reads the rotations from the model GGUF, and with ``pair``, whose own files are used).
         head_dim: the model's head_dim, for a configuration whose ``group_size`` is ``None``.
-        pair: the :class:`~rotationzoo.files.pair.RotationPair` the paths belong to, if any: its files decide
-            what the target must read (and refuses) and whether absorption may be on; its registry entry
-            gives the launch knobs.
+        pair: the :class:`~rotationzoo.files.pair.RotationPair` to serve: then this is
+            ``rotationzoo.serving.launch_spec(pair, engine=engine).env`` (:func:`pair_input`: the same checks,
+            refusals and settings), except that a pair whose own files the target cannot read as they are (one
+            file holding K and V, layers stored as bare tensors: ``pair.engine_files_problem()``) is refused,
+            naming ``launch_spec``, which writes the files it reads into the cache's derived area.
 
     Returns:
         ``{NAME: value}`` as strings, in the engine's launch order.
+
+    Raises:
+        ServingError: an unknown engine, missing paths, or (with ``pair``) what ``launch_spec`` refuses.
     """
     t = target(engine)
+    if pair is not None:
+        inp = pair_input(t, pair, model="MODEL", config=config)
+        why = pair.engine_files_problem() if t.rotations_as == "pt" else None
+        if why:
+            raise ServingError(f"{pair.source or 'rotations'}: {why}, which {t.name} cannot read as it is; "
+                               f"rotationzoo.serving.launch_spec(pair, engine={t.name!r}) (serve-args) writes the K "
+                               "and V .pt files it reads into the cache's derived area and names them")
+        return t.build(inp).env
     if t.rotations_as == "pt":
         missing = [s for s in ("k", "v") if s not in paths]
         if missing:
             raise ServingError(f"serve_env needs local paths for k and v (missing {', '.join(missing)})")
-    entry = getattr(pair, "entry", None)
-    launch = entry.launch if entry is not None else LaunchConfig()
-    kinds = pair_kinds(pair, config) if pair is not None else frozenset({"v1"})
-    dims = pair.head_dims if pair is not None else HeadDims(head_dim) if head_dim else None
-    inp = prepare(t, config=config, launch=launch, model="MODEL", head_dims=dims, kinds=kinds,
-                  paths={s: str(p) for s, p in paths.items()}, kv_head_counts=kv_head_counts(pair) if pair else (),
-                  source=str(getattr(pair, "source", "") or "rotations"))
+    dims = HeadDims(head_dim) if head_dim else None
+    inp = prepare(t, config=config, launch=LaunchConfig(), model="MODEL", head_dims=dims, kinds=frozenset({"v1"}),
+                  paths={s: os.path.abspath(p) for s, p in paths.items()}, source="rotations")
     return t.build(inp).env
 
 

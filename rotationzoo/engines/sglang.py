@@ -8,7 +8,12 @@ asks for absorption and the files allow it, ``SGLANG_LLOYD_MAX`` passed only whe
 Lloyd-Max levels (unset, the pool's own default applies), windows, group size and TP size from the
 entry. It reads one rotation per layer, one per KV head (``[per-head: N kv heads]`` in its log),
 ragged layers, and the OSCAR-2 companions ``k_mean`` / ``q_rotation`` / ``o_rotation``; not
-``v_mean``. Without rotation files (``calibrate``) it fits a shared pair at start-up.
+``v_mean``. Without rotation files (``calibrate``) it fits a shared pair at start-up. A hybrid model's
+Mamba radix-cache strategy (``--mamba-radix-cache-strategy extra_buffer``, the entry's) is a strategy of
+the prefix cache: with ``--disable-radix-cache`` it is left out, since SGLang refuses the pair ("mamba
+extra_buffer is not compatible with --disable-radix-cache … Please use --mamba-scheduler-strategy
+no_buffer instead": ``_handle_mamba_radix_cache`` in ``sglang-research/python/sglang/srt/server_args.py``
+of FutureMLS-Lab/OSCAR at 797e39c7), and the default ``no_buffer`` applies.
 
 MLA models (GLM-5.2, GLM-5.3, Kimi-K3) quantise their shared latent instead: a folder of
 ``layer_<id>.pt`` latent rotations through ``SGLANG_OSCAR_MLA_KV_ROTATION_PATH``, packed
@@ -20,6 +25,7 @@ MLA models (GLM-5.2, GLM-5.3, Kimi-K3) quantise their shared latent instead: a f
 from __future__ import annotations
 
 from ..int2kv import Int2KVConfig
+from ..launch import LaunchConfig
 from .common import SGLANG_HP_MAX_SPLITS, Launch, LaunchInput, group_size, rank_notes, ratio, window_notes
 
 #: SGLang's flag for the Mamba radix cache of hybrid models (``--mamba-scheduler-strategy`` is its old alias).
@@ -57,6 +63,21 @@ def sglang_env(config: Int2KVConfig, k_path: str | None, v_path: str | None, *, 
     return env
 
 
+def mamba_args(lc: LaunchConfig) -> list[str]:
+    """The Mamba radix-cache strategy flag: the entry's, unless the prefix cache is off (see the module docstring)."""
+    if lc.mamba_scheduler_strategy and not lc.disable_radix_cache:
+        return [MAMBA_FLAG, lc.mamba_scheduler_strategy]
+    return []
+
+
+def mamba_notes(lc: LaunchConfig) -> list[str]:
+    if lc.mamba_scheduler_strategy and lc.disable_radix_cache:
+        return [f"{MAMBA_FLAG} {lc.mamba_scheduler_strategy} (the entry's) is left out: it is a strategy of the "
+                "prefix cache, which is off, and SGLang refuses it with --disable-radix-cache; the Mamba state "
+                "needs no buffer then (no_buffer, the default)"]
+    return []
+
+
 def sglang_args(inp: LaunchInput) -> list[str]:
     """``python -m sglang.launch_server`` arguments of the current tree for ``inp``."""
     lc = inp.launch
@@ -70,8 +91,7 @@ def sglang_args(inp: LaunchInput) -> list[str]:
         "--prefill-attention-backend", lc.prefill_attention_backend,
         "--decode-attention-backend", lc.decode_attention_backend,
     ]
-    if lc.mamba_scheduler_strategy:
-        args += [MAMBA_FLAG, lc.mamba_scheduler_strategy]
+    args += mamba_args(lc)
     if lc.disable_radix_cache:
         args.append("--disable-radix-cache")
     return args
@@ -104,6 +124,7 @@ def _notes(inp: LaunchInput) -> list[str]:
         notes.append("SGLANG_LLOYD_MAX is not set: the pool's own default applies (uniform levels for this cache)")
     if lc.disable_radix_cache:
         notes.append("the prefix cache is off on request; the two defects that forced it off are fixed in this tree")
+    notes += mamba_notes(lc)
     if lc.prefill_attention_backend == "fa3" or lc.attention_backend == "fa3":
         notes.append("FA3's INT2 prefill asserts on sliding-window layers; use triton for models that have them")
     return notes + rank_notes(inp)
@@ -142,8 +163,7 @@ def mla_args(inp: LaunchInput) -> list[str]:
     args += ["--kv-cache-dtype", "bfloat16", "--attention-backend", lat.attention_backend,
              "--prefill-attention-backend", lat.prefill_attention_backend,
              "--decode-attention-backend", lat.decode_attention_backend]
-    if lc.mamba_scheduler_strategy:
-        args += [MAMBA_FLAG, lc.mamba_scheduler_strategy]
+    args += mamba_args(lc)
     if lc.disable_radix_cache:
         args.append("--disable-radix-cache")
     return args
@@ -164,6 +184,7 @@ def _mla_notes(inp: LaunchInput) -> list[str]:
                      "and SGLANG_LLOYD_MAX=0 (a 2-bit codebook)")
     elif lat.lloyd_max is None:
         notes.append("SGLANG_LLOYD_MAX is not set: the packed pool's own default applies (Lloyd-Max on at 2 bits)")
+    notes += mamba_notes(lc)
     if lat.pp_size > 1 or lc.tp_size * lat.pp_size > 8:
         notes.append("the recipe spans more than one node: add --nnodes, --node-rank and --dist-init-addr per node")
     return notes

@@ -3,14 +3,14 @@
 What each target reads (file kinds of :data:`rotationzoo.vocab.FILE_KINDS`), which launch knobs it
 takes, its KV page size and planner notes, whether it is given K/V ``.pt`` paths or a model GGUF
 holding the rotations, what its ``--model-path`` names, whether it absorbs ``R_V`` by default,
-whether it serves hybrid models, and its builder. Nothing outside :mod:`rotationzoo.engines` branches
-on an engine's name: callers read these fields.
+whether it serves hybrid models, which architectures it serves, and its builder. Nothing outside
+:mod:`rotationzoo.engines` branches on an engine's name: callers read these fields.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Mapping
 
 from ..errors import ServingError
 from ..int2kv import Int2KVConfig
@@ -43,6 +43,8 @@ class EngineTarget:
         absorbs: ``"always"`` (absorption on unless asked off) or ``"rule"`` (the entry's setting, off
             where the files forbid it).
         hybrid_models: whether it serves models mixing attention with linear-attention layers.
+        architectures: the models it serves, by llama.cpp architecture name (:func:`~.common.llama_architecture`)
+            and what each is; ``None``: any model.
     """
 
     name: Engine
@@ -56,11 +58,13 @@ class EngineTarget:
     model_file: Literal["checkpoint", "gguf"] = "checkpoint"
     absorbs: Literal["always", "rule"] = "rule"
     hybrid_models: bool = True
+    architectures: Mapping[str, str] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "title": self.title, "reads": [k for k in FILE_KINDS if k in self.reads],
                 "options": [o for o in OPTIONS if o in self.options], "rotations_as": self.rotations_as,
-                "model_file": self.model_file, "hybrid_models": self.hybrid_models}
+                "model_file": self.model_file, "hybrid_models": self.hybrid_models,
+                "architectures": None if self.architectures is None else list(self.architectures)}
 
 
 _V1_ONLY = frozenset({"v1", "v3"})
@@ -79,7 +83,8 @@ TARGETS: dict[str, EngineTarget] = {t.name: t for t in (
                  vllm.vllm_page_size, vllm.vllm_plan_notes),
     EngineTarget("llamacpp", "the authors' llama.cpp branch, one rotation per layer in the model GGUF",
                  _V1_ONLY | {"ragged"}, frozenset(), llamacpp.build_llamacpp, one_token_page,
-                 llamacpp.llamacpp_plan_notes, rotations_as="gguf", model_file="gguf"),
+                 llamacpp.llamacpp_plan_notes, rotations_as="gguf", model_file="gguf",
+                 architectures=llamacpp.ROTATING_ARCHITECTURES),
 )}
 assert tuple(TARGETS) == ENGINES
 

@@ -7,7 +7,7 @@
   is refused by the port); no hybrid models; no CUDA graphs. The port rounds the sink *down* to whole
   KV blocks, so a sink shorter than the block size silently becomes 0: refused here in one line. Its
   MLA path fake-quantizes the shared latent at 2 bits from a folder of bare ``[rank, rank]`` tensors
-  (``VLLM_OSCAR_MLA_KV_ROTATION_PATH``).
+  (``VLLM_OSCAR_MLA_KV_ROTATION_PATH``); a set with OSCAR-2 dict layer files, companions or not, is refused.
 - ``vllm-prototype``: another vLLM OSCAR tree (justzhanghong/vllm) that spells the windows
   ``VLLM_OSCAR_PREFIX_TOKENS`` / ``VLLM_OSCAR_RECENT_TOKENS`` and can fold ``R_V`` into the weights
   (``VLLM_OSCAR_ABSORB_V_ROTATION``).
@@ -104,9 +104,10 @@ def _mla(inp: LaunchInput) -> Launch:
     if lat.bits != 2:
         raise ServingError(f"vllm: the latent set is served at {lat.bits} bits; the port's MLA path quantizes the "
                            f"latent to INT2 only; serve it with --engine sglang (SGLANG_OSCAR_MLA_KV_BITS)")
-    if lat.companions:
-        raise ServingError("vllm: the latent set holds OSCAR-2 dict files (q_rotation / mean); the port's MLA path "
-                           "reads bare [rank, rank] tensors only; serve it with --engine sglang")
+    if lat.companions or "dict" in lat.layouts:
+        raise ServingError("vllm: the latent set holds OSCAR-2 dict layer files ({rotation, …}); the port's MLA path "
+                           "reads bare [rank, rank] tensors only (torch.load(path).shape); serve it with --engine "
+                           "sglang")
     if lat.rank % lat.group_size:
         raise ServingError(f"vllm: VLLM_OSCAR_MLA_KV_GROUP_SIZE={lat.group_size} must divide kv_lora_rank={lat.rank}")
     env = {"VLLM_OSCAR_MLA_KV_ROTATION_PATH": lat.folder, "VLLM_OSCAR_MLA_KV_GROUP_SIZE": str(lat.group_size)}

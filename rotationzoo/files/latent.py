@@ -32,7 +32,7 @@ import torch
 
 from .limits import Limits, TensorMeta, parse_index, safe_repr
 from .archive import inspect_torch_zip, refuse_legacy_pickle
-from .schema import FLOAT_DTYPES, _meta
+from .schema import FLOAT_DTYPES, _meta, holds_tensor, precision_problem
 from ..errors import InvalidRotationError, RotationFileError
 from .format import _inspect_named, _is_zip, _torch_load_safe, check_torch_version, regular_file
 from ..safefile import open_regular
@@ -45,7 +45,8 @@ MAX_LATENT_LAYERS = 1024
 #: File name of one layer's latent rotation (or subspace): ``layer_<id>.pt``, ``id`` in plain decimal.
 LAYER_FILE = re.compile(r"^layer_(0|[1-9][0-9]{0,5})\.pt$")
 _LOOSE_LAYER_FILE = re.compile(r"^layer_.*\.pt$")
-#: Keys an OSCAR-2 latent dict may hold (tensors first).
+#: Keys an OSCAR-2 latent dict may hold (tensors first). Another key holding a tensor is refused; other values
+#: are metadata and ignored, as in a K/V rotation file (:data:`~rotationzoo.files.schema.TOP_KEYS`).
 TENSOR_KEYS = ("rotation", "mean", "eigenvalues", "q_rotation")
 META_KEYS = ("transform", "layer_id")
 _PQ_KEYS = frozenset({"codebooks_per_layer", "codebooks_stage1", "codebooks_stage2"})
@@ -160,10 +161,11 @@ def _check_plan(obj: Any, name: str, rank: int | None) -> str:
             keys = ", ".join(safe_repr(k) for k in list(obj)[:6]) or "none"
             raise RotationFileError(f"{name}: expected a [rank, rank] tensor or a dict with a 'rotation' tensor (keys: "
                                     f"{keys}); not an MLA latent rotation file")
-        unknown = [k for k in obj if k not in TENSOR_KEYS and k not in META_KEYS]
-        if unknown:
-            raise RotationFileError(f"{name}: holds {safe_repr(unknown[0])}, which a latent rotation file does not "
-                                    f"(known: {', '.join(TENSOR_KEYS + META_KEYS)}); refusing to load it without it")
+        unknown = [k for k in obj if k not in TENSOR_KEYS and k not in META_KEYS and holds_tensor(obj[k])]
+        if unknown:  # other values are metadata, ignored as in a K/V file
+            raise RotationFileError(f"{name}: holds a tensor {safe_repr(unknown[0])}, which a latent rotation file "
+                                    f"does not (known: {', '.join(TENSOR_KEYS + META_KEYS)}); refusing to load it "
+                                    f"without it")
         tensors = {k: obj[k] for k in TENSOR_KEYS if obj.get(k) is not None}
         for k, t in tensors.items():
             if not isinstance(t, TensorMeta):
@@ -205,6 +207,11 @@ def read_latent_file(path: str | os.PathLike[str], *, rank: int | None = None, l
     plan = _inspect_named(p, limits)
     layout = _check_plan(plan, name, rank)
     obj = _torch_load_safe(p)
+    orthogonal = layout == "tensor" or (obj.get("q_rotation") is None
+                                        and (_meta(obj, "transform", name) or {}).get("orthogonal", True) is not False)
+    problem = precision_problem(obj if layout == "tensor" else obj["rotation"]) if orthogonal else None
+    if problem:
+        raise InvalidRotationError(f"{name}: {problem}")
     if layout == "tensor":
         return LatentLayer(-1 if layer_id is None else layer_id, obj.detach().to(torch.float32), path=p)
     lid = obj.get("layer_id")

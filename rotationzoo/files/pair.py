@@ -50,6 +50,9 @@ from .localpair import (  # noqa: F401  (public names of this module)
     verify_path,
 )
 from .validation import DEFAULT_ATOL, pair_disagreement, validate
+from .archive import inspect_torch_zip
+from .schema import flat_layers, make_limits
+from ..safefile import open_regular
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -230,19 +233,48 @@ class RotationPair:
 
     def serve_env(self, engine: str) -> dict[str, str]:
         """Environment variables that serve this pair with ``engine`` (``"sglang"``, ``"sglang-legacy"``,
-        ``"vllm"`` or ``"llamacpp"``): local rotation paths, clip ratios, windows, group size, dtypes.
-        Rotations the engine cannot read are refused (:mod:`rotationzoo.engines`).
-
-        See :mod:`rotationzoo.serving` for the full launch (arguments, notes).
+        ``"vllm"``, ``"vllm-prototype"`` or ``"llamacpp"``): ``rotationzoo.serving.launch_spec(pair,
+        engine=engine).env``, from the same reading of the pair (:func:`rotationzoo.engines.pair_input`: its
+        absolute paths, settings and refusals). A pair whose own files the engine cannot read as they are
+        (:meth:`engine_files_problem`) is refused, naming ``launch_spec``, which writes the files it reads.
         """
         from ..engines import serve_env
 
         return serve_env(self.config(), engine, {s: str(p) for s, p in self.paths.items()}, pair=self)
 
+    def engine_files_problem(self) -> str | None:
+        """Why an engine reading a K and a V ``.pt`` file cannot be handed this pair's own files, else ``None``:
+        one file holds both sides (a pair file, a rotations GGUF), or a side keeps its layers as bare tensors
+        (``{"layers": {i: tensor}}``, which the authors' SGLang loaders cannot index). ``launch_spec`` then
+        writes both sides in the authors' layout into the cache's derived area."""
+        k, v = self.paths.get("k"), self.paths.get("v")
+        if k is None or v is None:
+            return None
+        if Path(k) == Path(v):
+            return "holds K and V in one file"
+        flat = [s.upper() for s in ("k", "v") if _stored_flat(self.paths[s])]
+        if flat:
+            return (f"keeps the layers of its {' and '.join(flat)} file{'s' if len(flat) > 1 else ''} as bare tensors "
+                    f"({{'layers': {{i: tensor}}}}, not {{'rotation': tensor}} dicts)")
+        return None
+
     def __repr__(self) -> str:
         what = self.entry.key if self.entry is not None else (self.source or "local files")
         objs = ", ".join(f"{s}={rs.objective}" for s, rs in self)
         return f"RotationPair({what}, layers={len(self.layer_ids)}, d={self.head_dim}, {objs})"
+
+
+def _stored_flat(path: Path) -> bool:
+    """Whether the ``.pt`` file at ``path`` is the flat variant (:func:`~rotationzoo.files.schema.flat_layers`): its
+    pickle inspected again, nothing loaded; ``False`` for safetensors or a file that cannot be inspected."""
+    try:
+        with open_regular(Path(path), what="rotation file", error=RotationFileError) as f:
+            if f.read(4) != b"PK\x03\x04":
+                return False
+            f.seek(0)
+            return flat_layers(inspect_torch_zip(Path(path), make_limits(), fileobj=f, check_crc=False)[0])
+    except RotationZooError:
+        return False
 
 
 #: Companions that belong to the other side of the pair.

@@ -26,7 +26,7 @@ from .limits import (
     parse_index,
     safe_repr,
 )
-from ..errors import RotationFileError, UnsupportedFormatError
+from ..errors import InvalidRotationError, RotationFileError, UnsupportedFormatError
 from ..headdims import HeadDims
 from .stheader import SAFETENSORS_DTYPES, inspect_safetensors  # noqa: F401  (re-exported)
 
@@ -69,6 +69,13 @@ VECTOR_FIELDS = ("k_mean", "v_mean")
 LAYER_FIELDS = ("rotation", "eigenvalues", *MATRIX_FIELDS, *VECTOR_FIELDS)
 #: Tensors one layer may hold (the archive limits count them).
 MAX_FIELDS_PER_LAYER = len(LAYER_FIELDS)
+#: Top-level keys of the authors' dict. A key holding a tensor that is not one of these (or a layer's field not
+#: in :data:`LAYER_FIELDS`) is refused: a tensor this release does not know may change what the rotations mean.
+#: Other values are metadata and ignored, at the top level and in a layer alike (``layer_id``, notes).
+TOP_KEYS = ("format_version", "objective", "source_grouping", "layers", "calibration", "transform")
+#: Largest ``max|RRᵀ − I|`` of a rotation stored in 16 bits (validation's default tolerance; float16 / bfloat16
+#: hold one no closer than about 1e-4 / 1e-3 unless its entries are exact in them, as a Hadamard's may be).
+LOW_PRECISION_ATOL = 1e-5
 
 _MOMENTS_KEYS = frozenset({"M_q", "k_sum", "M_k", "S_v"})
 _ROWS_KEYS = frozenset({"q_samples", "positions"})
@@ -125,6 +132,10 @@ def parse(obj: Any, name: str, limits: Limits) -> Parsed:
         _refuse_other_artefacts(obj, name)
         keys = ", ".join(safe_repr(k) for k in list(obj)[:8]) or "none"
         raise RotationFileError(f"{name}: no 'layers' entry (keys: {keys}); not a rotation file")
+    stray = [k for k in obj if k not in TOP_KEYS and holds_tensor(obj[k])]
+    if stray:
+        raise RotationFileError(f"{name}: holds a tensor {safe_repr(stray[0])} beside 'layers', which this rotationzoo "
+                                f"does not know (known: {', '.join(TOP_KEYS)}); refusing to load it without it")
     version = obj.get("format_version", 1)
     check_format_version(version, name)
     label = _text(obj, "source_grouping", LAYER, name)
@@ -143,8 +154,49 @@ def parse(obj: Any, name: str, limits: Limits) -> Parsed:
     kind = KV_HEAD if len(rows[0][1]["rotation"].shape) == 3 else LAYER
     _check_layers(rows, kind, name)
     _check_loaded_bytes(rows, kind, name, limits)
+    transform = _meta(obj, "transform", name)
+    _check_precision(rows, transform, name)
     return Parsed(version, kind, label, _text(obj, "objective", "unknown", name), rows,
-                  _meta(obj, "calibration", name), _meta(obj, "transform", name))
+                  _meta(obj, "calibration", name), transform)
+
+
+def holds_tensor(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` is a tensor (or record) or a dict / list holding one (nesting past 16 levels counts)."""
+    if _is_tensor(value) or depth > 16:
+        return True
+    items = value.values() if isinstance(value, Mapping) else value if isinstance(value, (list, tuple)) else ()
+    return any(holds_tensor(v, depth + 1) for v in items)
+
+
+def flat_layers(obj: Any) -> bool:
+    """Whether a rotation dict (tensors or inspected records) keeps its layers as bare tensors, the flat variant
+    ``{"layers": {i: tensor}}``: the authors' SGLang loaders index each layer's ``rotation`` and cannot read it."""
+    layers = obj.get("layers") if isinstance(obj, Mapping) else None
+    return isinstance(layers, Mapping) and any(_is_tensor(v) for v in layers.values())
+
+
+def precision_problem(r: Any) -> str | None:
+    """Why a rotation stored in float16 / bfloat16 is not orthogonal (naming the dtype), else ``None``."""
+    if not isinstance(r, torch.Tensor) or r.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    m = r.detach().to("cpu", torch.float64).reshape(-1, r.shape[-2], r.shape[-1])
+    err = float((m @ m.transpose(-1, -2) - torch.eye(m.shape[-1], dtype=torch.float64)).abs().amax())
+    if not err > LOW_PRECISION_ATOL:  # NaN passes: validation names non-finite values
+        return None
+    dtype = str(r.dtype).removeprefix("torch.")
+    return (f"rotation is stored as {dtype}, too coarse to hold an orthogonal matrix (max|RRᵀ−I| = {err:.1e} > "
+            f"{LOW_PRECISION_ATOL:.0e} in {dtype}); store rotations in float32 or float64")
+
+
+def _check_precision(rows: list[tuple[int, dict[str, Any]]], transform: Mapping[str, Any] | None, name: str) -> None:
+    """:func:`precision_problem` of each orthogonal rotation, orthogonal as :attr:`RotationSet.orthogonal` says
+    (``transform["orthogonal"]`` when given, else unless the layer has companions)."""
+    said = (transform or {}).get("orthogonal")
+    for lid, fields in rows:
+        orthogonal = said if isinstance(said, bool) else not set(fields) & set(MATRIX_FIELDS)
+        problem = precision_problem(fields["rotation"]) if orthogonal else None
+        if problem:
+            raise InvalidRotationError(f"{name}: layer {lid}: {problem}")
 
 
 def _refuse_other_artefacts(obj: Mapping, name: str) -> None:
@@ -168,7 +220,7 @@ def _layer_fields(entry: Any, lid: int, name: str, limits: Limits) -> dict[str, 
             if key in LAYER_FIELDS:
                 if value is not None:
                     fields[key] = value
-            elif _is_tensor(value):  # a tensor we do not know may change what the rotation means
+            elif holds_tensor(value):  # a tensor we do not know may change what the rotation means
                 raise RotationFileError(f"{name}: layer {lid} holds a tensor {safe_repr(key)} this rotationzoo does "
                                         f"not know (known: {', '.join(LAYER_FIELDS)}); refusing to load it without it")
     elif isinstance(entry, Mapping) and _MOMENTS_KEYS & set(entry):
