@@ -32,16 +32,28 @@ from .files.pairfile.safetensors import SAFETENSORS_FORMAT, pair_metadata
 from .vocab import EXPORT_FORMATS
 
 
-
 def _resolve(rotations: Any, tag: str | None, side: str | None, fetch: dict[str, Any], out: Any,
              base_gguf: Any = None) -> RotationPair:
-    """The pair to export, after refusing an output that cannot be written or that is what the export reads
-    (the pair's file or folder, the base GGUF): before anything is fetched or read."""
+    """The pair to export, after refusing an output that cannot be written or that is what the export reads:
+    the pair's file or folder and the base GGUF as given (before anything is fetched or read), then the
+    files the pair was read from (a registry id's cached or bundled files, and their folder)."""
     check_output_path(Path(out).expanduser(), what="export output", error=ExportError)
     inputs = [part for part in str(rotations).split(",")] if isinstance(rotations, (str, os.PathLike)) else []
     check_not_input(out, inputs + ([base_gguf] if base_gguf is not None else []), what="export output",
                     error=ExportError)
-    return resolve_pair(rotations, tag, side=side, **fetch)
+    pair = resolve_pair(rotations, tag, side=side, **fetch)
+    check_not_input(out, pair_inputs(pair), what="export output", error=ExportError)
+    return pair
+
+
+def pair_inputs(pair: RotationPair) -> list[Path]:
+    """What an output must never be written over or into, beyond the names given: the files ``pair`` was
+    read from and, for a registry entry, their folder (the entry's folder in the cache, or the package's
+    data folder)."""
+    paths = list(pair.paths.values())
+    if pair.entry is not None:
+        paths += [p.parent for p in paths]
+    return paths
 
 
 def export_safetensors(

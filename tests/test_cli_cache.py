@@ -115,3 +115,47 @@ def test_a_folder_that_is_not_a_cache_loses_nothing_to_verify_or_rm(tmp_path, ca
     assert sorted(p.relative_to(project) for p in project.rglob("*")) == before
     rc, out, _ = run_cli(capsys, "cache", "verify", "--keep", "--cache-dir", str(project))  # reports, removes nothing
     assert sorted(p.relative_to(project) for p in project.rglob("*")) == before
+
+
+# -- cache import: refusals name the file the user gave -------------------------------------------------
+
+
+def _pair_folder(folder):
+    """A valid K/V pair (2 layers, d 16) in ``folder``; returns its K file."""
+    from helpers import random_orthogonal
+
+    from rotationzoo import RotationSet, write_rotation
+
+    for side, obj, seed in (("k", "qqt_r_h_pbr", 1), ("v", "sst_r_h_pbr", 2)):
+        write_rotation(folder / f"{side}_rotation_{obj}.pt", RotationSet(random_orthogonal(2, 16, seed), range(2), obj))
+    return folder / "k_rotation_qqt_r_h_pbr.pt"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("odd", ["a FIFO", "a link to a character device"])
+def test_cache_import_says_the_k_file_is_not_a_regular_file(cache_dir, tmp_path, capsys, odd) -> None:
+    """Before: "found v_rotation_….pt but no k_rotation*.pt", as if the K file were not there."""
+    import os
+
+    k = _pair_folder(tmp_path)
+    k.unlink()
+    os.mkfifo(k) if odd == "a FIFO" else k.symlink_to("/dev/zero")
+    rc, _, err = run_cli(capsys, "cache", "import", str(tmp_path), "--name", "odd")
+    assert rc == 1 and f"{k}: the K rotation file is {odd}, not a regular file" in err, err
+    assert len(err.strip().splitlines()) == 1 and not (cache_dir / "imported" / "odd").exists()
+
+
+def test_a_refused_import_names_the_source_file_not_the_staging_copy(cache_dir, tmp_path, capsys) -> None:
+    import os
+
+    import torch
+
+    class _Code:
+        def __reduce__(self):
+            return (os.getcwd, ())
+
+    k = _pair_folder(tmp_path)
+    torch.save({"format_version": 1, "x": _Code()}, k)
+    rc, _, err = run_cli(capsys, "cache", "import", str(tmp_path), "--name", "evil")
+    assert rc == 1 and err.startswith(f"error: {k}: refused to load"), err  # before: imported/.evil.xxxx/k_….pt
+    assert ".evil." not in err and not (cache_dir / "imported" / "evil").exists()

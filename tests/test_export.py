@@ -527,6 +527,20 @@ def test_export_never_replaces_a_pipe_or_its_own_input(pair_dir, tmp_path, to, c
         assert base.read_bytes() == kept
 
 
+@pytest.mark.parametrize("to", ["safetensors", "gguf"])
+def test_export_never_writes_over_or_into_a_registry_ids_package_files(to, capsys):
+    """A registry id names no file: the files it was read from (here, bundled with the package) are checked
+    once resolved, and an output there or beside them is refused, nothing written."""
+    bundled = rotationzoo.load("SmolLM2-135M-Instruct").paths["k"]
+    kept = bundled.read_bytes()
+    for out in (bundled, bundled.parent / "new.out"):
+        with pytest.raises(ExportError, match="this run reads; give another file name"):
+            export("SmolLM2-135M-Instruct", out, to=to)
+    rc, _, err = run_cli(capsys, "export", "SmolLM2-135M-Instruct", "--to", to, "--out", str(bundled))
+    assert rc == 1 and "a file this run reads" in err
+    assert bundled.read_bytes() == kept and not (bundled.parent / "new.out").exists()
+
+
 @pytest.mark.timeout(60)
 def test_a_pipe_given_as_input_is_named_a_fifo_not_missing(tmp_path, capsys):
     """A FIFO (or another file that is not a regular file) given as the rotations of ``export`` or ``serve-args``

@@ -8,6 +8,8 @@ import stat
 from pathlib import Path
 
 import pytest
+from hubserver import hub_env, hub_server  # noqa: F401  (fixtures)
+from test_fetch import MODEL, zoo  # noqa: F401  (fixture)
 
 from rotationzoo.files.manifest import write_manifest
 from rotationzoo.fit.dump_writer import DumpWriter
@@ -131,3 +133,34 @@ def test_a_registry_file_is_updated_where_it_lives_and_only_if_it_is_one(tmp_pat
         with pytest.raises(RegistryError, match="not a registry document of version 1.*refusing to overwrite"):
             read_for_update(other)
         assert json.loads(other.read_text()) == doc
+
+
+# -- an output is never written over, or into, what a registry id was read from -----------------------
+
+
+def test_export_and_eval_never_write_over_a_registry_ids_cached_files(zoo, tmp_path, capsys) -> None:
+    """``export MODEL --out <its cached K file>`` (or a file beside it) and ``eval -r MODEL --json-out``
+    there are refused before anything is written: before, only the names as given were checked, and the
+    export replaced the verified cache copy it had just read."""
+    from helpers import run_cli
+
+    import rotationzoo
+    from rotationzoo.errors import ExportError
+    from rotationzoo.export import export
+
+    k = rotationzoo.fetch(MODEL).paths["k"]
+    kept = k.read_bytes()
+    for out in (k, k.parent / "k.gguf", k.parent / "export.safetensors"):
+        with pytest.raises(ExportError, match="this run reads; give another file name"):
+            export(MODEL, out, to="gguf" if out.suffix == ".gguf" else "safetensors")
+    rc, _, err = run_cli(capsys, "export", "Tiny-LM", "--to", "safetensors", "--out", str(k))
+    assert rc == 1 and f"export output {k} is " in err and "a file this run reads" in err, err
+    text, model = tmp_path / "t.txt", tmp_path / "model"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    model.mkdir()
+    rc, out, err = run_cli(capsys, "eval", "--model", str(model), "-r", "Tiny-LM", "--text", str(text),
+                           "--methods", "fp,oscar", "--json-out", str(k))
+    assert rc == 2 and "--json-out" in err and "this run reads" in err and len(err.strip().splitlines()) == 1, err
+    assert k.read_bytes() == kept and sorted(p.name for p in k.parent.iterdir() if not p.name.startswith(".")) == [
+        "k_rotation_qqt_r_h_pbr.pt", "k_rotation_qqt_r_h_pbr.pt.verified",
+        "v_rotation_sst_r_h_pbr.pt", "v_rotation_sst_r_h_pbr.pt.verified"]

@@ -149,7 +149,12 @@ def eval_command(
                               probe=CopyProbe(probe_tokens, probe_filler, probe_count) if probe == "copy" else None))
     plan = plan_evaluation(request)  # texts, methods, settings and windows: before the model is touched
     # and the files asked for: a long run never ends in a path it cannot write, nor writes over one it reads
-    _check_outputs(json_out, plot, inputs=[*text, model, *([rotations] if rotations else [])])
+    # (the rotations as named, and the files a registry id was read from: the cache's, the package's)
+    from ..export import pair_inputs
+
+    read = [p for spec in plan.specs if getattr(spec, "pair", None) is not None
+            for p in pair_inputs(spec.pair)]
+    _check_outputs(json_out, plot, inputs=[*text, model, *([rotations] if rotations else []), *read])
     with progress_reporter("eval") as progress:  # stderr: a bar on a terminal, else a few lines
         report = run_evaluation(plan, progress=progress, note=print_note)
     if as_json:

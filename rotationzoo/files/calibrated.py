@@ -32,14 +32,17 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .limits import MAX_BYTES
-from ..errors import CacheError, PairError
+from ..errors import CacheError, PairError, RotationZooError
 from .format import read_rotation
 from ..hashing import read_hashed, sha256_file
-from ..hub.layout import IMPORTED_AREA, area_dir, cache_root, inside, write_marker
+from ..hub.layout import IMPORTED_AREA, area_dir, cache_root, hold_entry, inside, write_marker
 from .localpair import COMPLETE_GLOB, check_not_pending, find_pair_files
 from .pair import RotationPair, read_pair
 from ..registry import SIDES
 from ..safefile import copy_regular, read_regular
+
+#: How long an import waits for another process holding its name's lock (another import, a cache verify).
+IMPORT_LOCK_WAIT_S = 60.0
 
 #: Largest manifest read.
 MAX_MANIFEST_BYTES = 64 << 10
@@ -163,12 +166,26 @@ def _copy_regular(src: Path, dst: Path) -> None:
         copy_regular(src, out, MAX_BYTES, what="rotation file", error=PairError)
 
 
-def _read_copies(copies: Mapping[str, Path], source: str) -> RotationPair:
-    """The copies, read once each with the sha256 of exactly the bytes read, validated as a pair."""
-    read = {s: read_hashed(p, read_rotation) for s, p in copies.items()}
-    pair = RotationPair({s: rs for s, (rs, _) in read.items()}, paths=dict(copies),
-                        sha256={s: sha for s, (_, sha) in read.items()}, source=source)
-    return pair.validate()
+def _read_copies(copies: Mapping[str, Path], originals: Mapping[str, Path], source: str) -> RotationPair:
+    """The copies, read once each with the sha256 of exactly the bytes read, validated as a pair. A refusal
+    names the file the user gave (``originals``), never the staging copy it was read from."""
+    try:
+        read = {s: read_hashed(p, read_rotation) for s, p in copies.items()}
+        pair = RotationPair({s: rs for s, (rs, _) in read.items()}, paths=dict(copies),
+                            sha256={s: sha for s, (_, sha) in read.items()}, source=source)
+        return pair.validate()
+    except RotationZooError as exc:
+        def named(text: Any) -> Any:
+            if not isinstance(text, str):
+                return text
+            for s, copy in copies.items():
+                text = text.replace(str(copy), str(originals[s]))
+            return text
+
+        exc.args = tuple(named(a) for a in exc.args)
+        if isinstance(getattr(exc, "problems", None), list):
+            exc.problems = [named(p) for p in exc.problems]  # type: ignore[attr-defined]
+        raise
 
 
 def _same_import(dest: Path, copies: Mapping[str, Path], sha: Mapping[str, str]) -> bool:
@@ -213,21 +230,22 @@ def import_calibrated(folder: str | os.PathLike[str], *, name: str | None = None
         for s, p in files.items():
             _copy_regular(p, copies[s])
         check_not_pending(src)  # a publication that began while we copied: its files may be half written
-        pair = _read_copies(copies, str(src))
+        pair = _read_copies(copies, files, str(src))
         check_provenance(src, pair, manifest, allow_mixed=allow_mixed)
         sha = dict(pair.sha256)
-        if dest.exists() and not force and not _same_import(dest, copies, sha):
-            raise PairError(f"{dest}: another pair is imported under the name {name!r}; give --name or --force")
         calibration = next((rs.calibration for _, rs in pair if rs.calibration), None)
         for s, c in copies.items():
             write_marker(c, {"kind": "imported", "side": s, "sha256": sha[s], "source": str(src),
                              "model": str((calibration or {}).get("model_path") or "") or None, "tag": name,
                              "verified_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-        if dest.exists():  # the old import stays whole until the new one is in place
-            old = Path(tempfile.mkdtemp(prefix=f".{name}.old.", dir=dest.parent))
-            os.replace(dest, old / name)
-        os.replace(staging, dest)
-        staging = None
+        with hold_entry(root, dest, what=f"import into {dest}", timeout=IMPORT_LOCK_WAIT_S):  # verify waits
+            if dest.exists() and not force and not _same_import(dest, copies, sha):
+                raise PairError(f"{dest}: another pair is imported under the name {name!r}; give --name or --force")
+            if dest.exists():  # the old import stays whole until the new one is in place
+                old = Path(tempfile.mkdtemp(prefix=f".{name}.old.", dir=dest.parent))
+                os.replace(dest, old / name)
+            os.replace(staging, dest)
+            staging = None
     except OSError as exc:
         raise CacheError(f"cannot import into {dest} ({exc.strerror or exc}); set ROTATIONZOO_CACHE to a writable "
                          f"folder") from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -14,6 +15,7 @@ from ..headdims import HeadDims
 from .manifest import MANIFEST_NAME, ROTATION_SUFFIXES, manifest_files
 from .pairfile import file_kind, read_pair_file
 from ..registry import SIDES
+from ..safefile import file_kind as mode_kind
 from .validation import DEFAULT_ATOL, ValidationReport, pair_disagreement, validate, verify_file
 
 def infer_side(path: Path | None, objective: str | None) -> str | None:
@@ -42,6 +44,17 @@ def _pick(d: Path, side: str, files: list[Path]) -> Path | None:
             f"keep one pair in the folder, name them in {MANIFEST_NAME}, or give 'k.pt,v.pt'"
         )
     return next(iter(by_stem.values()), None)
+
+
+def _kind(path: Path) -> str:
+    """What ``path`` is, in words (``"a FIFO"``, ``"a link to a character device"``, ``"a broken link"``)."""
+    try:
+        st = path.lstat()
+        if not stat.S_ISLNK(st.st_mode):
+            return mode_kind(st.st_mode)
+        return f"a link to {mode_kind(path.stat().st_mode)}"
+    except OSError:
+        return "a broken link"
 
 
 #: Manifests the authors' server writes beside a pair it publishes (start-up calibration):
@@ -80,8 +93,14 @@ def find_pair_files(directory: str | os.PathLike[str]) -> dict[str, Path]:
     picked = manifest_files(d)
     if picked:
         return picked
-    files = sorted(f for f in d.iterdir() if f.is_file() and f.suffix in ROTATION_SUFFIXES)
+    entries = sorted(f for f in d.iterdir() if f.suffix in ROTATION_SUFFIXES)
+    files = [f for f in entries if f.is_file()]
     chosen = {s: p for s in SIDES if (p := _pick(d, s, files)) is not None}
+    for s in SIDES:  # a side named only by a FIFO, a device or a link to one: say so, not "no such file"
+        odd = _pick(d, s, [f for f in entries if not f.is_file()]) if s not in chosen else None
+        if odd is not None:
+            raise PairError(f"{odd}: the {s.upper()} rotation file is {_kind(odd)}, not a regular file; a rotation "
+                            f"file must be a regular file")
     if not chosen and any(re.fullmatch(r"layer_\d+\.pt", f.name) for f in files):
         raise PairError(f"{d}: an MLA latent rotation folder (layer_<id>.pt files), not a K/V rotation pair; "
                         f"check it with `rotationzoo verify {d}` and load it with rotationzoo.load_latent")

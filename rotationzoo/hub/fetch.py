@@ -2,16 +2,18 @@
 
 Every downloaded file is copied into a temporary file beside its place in the cache, and that copy
 is checked against the registry (size, sha256) and structurally validated; its marker is written
-from the copy's sha256 and only then is the copy renamed into place. A file that fails is removed
-from every cache involved, downloaded once more, and only then is an
-:class:`~rotationzoo.errors.IntegrityError` raised. Files the registry does not pin are compared with
-the user's pin file (:mod:`.pins`, trust on first use).
+from the copy's sha256 and only then is the copy renamed into place (:mod:`.accept`). A file that
+fails is removed from every cache involved and downloaded once more; failing again, the source is
+skipped for the next one (:class:`BadBytesError`). Files the registry does not pin are compared with
+the user's pin file (:mod:`.pins`, trust on first use): a different file is refused at once.
 
 A source that cannot serve the file (host unreachable, 404, a 5xx or a dropped connection after
-``ROTATIONZOO_RETRIES`` retries, a wrong declared size: see :mod:`.network` and
-:func:`.sources.download`) is skipped for the next one; when all fail,
-:class:`~rotationzoo.errors.FetchError` lists one line per source and a hint. Downloads of one entry
-are serialised by a lock file waited on for at most :data:`LOCK_WAIT_S` seconds.
+``ROTATIONZOO_RETRIES`` retries, a wrong declared size, more bytes than expected: see :mod:`.network`
+and :func:`.sources.download`) is skipped for the next one; when all fail,
+:class:`~rotationzoo.errors.FetchError` lists one line per source and a hint
+(:class:`~rotationzoo.errors.IntegrityError` when one served bad bytes). A file the disk cannot hold
+is a :class:`~rotationzoo.errors.CacheError` at once (:mod:`.localdisk`). Downloads of one entry are
+serialised by a lock file waited on for at most :data:`LOCK_WAIT_S` seconds.
 
 A warm hit re-hashes the cached file (a few milliseconds for a rotation file: see
 docs/performance.md) and never follows a symlink: a swapped or linked file is not served.
@@ -22,8 +24,6 @@ from __future__ import annotations
 import logging
 import os
 import shlex
-import shutil
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -34,26 +34,18 @@ from .. import config
 from ..errors import CacheError, ConfigError, FetchError, IntegrityError, OfflineError, RegistryError, RotationZooError
 from ..hashing import sha256_file
 from ..registry import SIDES, FileEntry, Source, TagEntry
-from ..safefile import file_lock, open_regular
+from ..safefile import file_lock
 from ..registry.safety import check_revision
 from ..vocab import SOURCE_CHOICES
 from . import network, pins
-from .layout import (
-    HUB_AREA,
-    cache_root,
-    check_links,
-    entry_dir,
-    inside,
-    lock_path,
-    partial_files,
-    read_marker,
-    regular_file,
-    remove_inside,
-    write_marker,
-)
+from .layout import (HUB_AREA, cache_root, check_links, entry_dir, lock_path, partial_files, read_marker,
+                     regular_file, remove_inside, write_marker)
+from .accept import accept
 from .checks import check_downloaded as _check
 from .discover import resolve
-from .sources import MAX_DOWNLOAD_BYTES, Download, bundled_path, describe_exc, download, hf_endpoint, ms_endpoint
+from .localdisk import check_room, disk_error, local_write_error
+from .sources import (MAX_DOWNLOAD_BYTES, Download, bundled_path, check_endpoint, describe_exc, download,
+                      hf_endpoint, ms_endpoint)
 
 log = logging.getLogger("rotationzoo")
 
@@ -61,6 +53,16 @@ log = logging.getLogger("rotationzoo")
 Reporter = Callable[[str], None]
 #: Longest wait, in seconds, for another process's download of the same entry (its lock).
 LOCK_WAIT_S = 60.0
+
+
+class BadBytesError(IntegrityError):
+    """One source served bytes that failed verification twice (size, sha256, structure); ``reason``: the
+    short form, for the line the source gets when others are tried (:func:`fetch_file`); ``problem``:
+    what was wrong with them."""
+
+    def __init__(self, message: str, reason: str, problem: str) -> None:
+        super().__init__(message)
+        self.reason, self.problem = reason, problem
 
 
 class UnpinnedEntryWarning(UserWarning):
@@ -185,44 +187,12 @@ def _fetch_bundled(entry: TagEntry, side: str, src: Source) -> CachedFile:
     return CachedFile(side, p, sha, p.stat().st_size, src.describe(), None, from_cache=True)
 
 
-def _inside_download(root: Path, got: Download) -> None:
-    """Refuse a download whose file (or what it links to) lies outside the cache root: a link planted
-    in a hub client's cache is never read, and what it points to is never removed."""
-    for p in [got.path, *got.purge]:
-        try:
-            inside(root, p)
-        except CacheError:
-            raise CacheError(f"the downloaded file {got.path} resolves to {p.resolve()}, outside the cache root "
-                             f"{root.resolve()}; refusing to read or remove it; remove the link") from None
-
-
-def _accept(got: Download, target: Path, f: FileEntry, entry: TagEntry, root: Path,
-            place: Callable[[Path, str], dict]) -> tuple[str | None, str, dict | None]:
-    """Copy a download out of the client's cache into a temporary file beside ``target``, check the
-    copy, and when it is good call ``place(copy, sha256)`` (pin check, marker from the copy) and only
-    then rename the copy to ``target``. Returns (problem or None, sha256, the marker written)."""
-    _inside_download(root, got)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{f.filename}.", suffix=".tmp", dir=target.parent)
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "wb") as out, open_regular(got.path, what="downloaded file", error=CacheError) as src:
-            shutil.copyfileobj(src, out, 1 << 20)
-        problem, sha = _check(tmp, f, entry)
-        marker = None
-        if problem is None:
-            marker = place(tmp, sha)
-            os.replace(tmp, target)
-        return problem, sha, marker
-    finally:
-        remove_inside(root, [tmp])
-
-
-def _preflight(src: Source, f: FileEntry, rev: str | None, say: Reporter) -> str | None:
+def _preflight(src: Source, f: FileEntry, rev: str | None, say: Reporter) -> tuple[str | None, int | None]:
     """Ask the hub about the file before its client does (see :mod:`.network`): fail fast, check what
     it declares (size and, for an LFS file on Hugging Face and any file on ModelScope, sha256) against
-    the registry. Returns the commit if known."""
+    the registry. Returns the commit and the size declared, where known."""
     if not src.is_hub or rev is None or src.repo is None:
-        return None
+        return None, None
     endpoint = hf_endpoint() if src.type == "huggingface" else ms_endpoint()
     url, method, headers = network.file_url(src.type, src.repo, f.source_path(src), rev, endpoint)
     answer = network.ask(url, method=method, headers=headers, read_body=src.type == "modelscope", say=say)
@@ -239,7 +209,7 @@ def _preflight(src: Source, f: FileEntry, rev: str | None, say: Reporter) -> str
         raise network.Unavailable(f"lists sha256 {sha[:12]}…, the registry expects {f.sha256[:12]}…", "wrong_size")
     if size is not None and f.size is None and size > MAX_DOWNLOAD_BYTES:
         raise network.Unavailable(f"declares {size} B, more than the {MAX_DOWNLOAD_BYTES} B limit", "too_large")
-    return commit
+    return commit, size
 
 
 def _from_source(entry: TagEntry, side: str, src: Source, *, root: Path, revision: str | None, force: bool,
@@ -249,7 +219,9 @@ def _from_source(entry: TagEntry, side: str, src: Source, *, root: Path, revisio
     ``revision`` is the caller's override (it also selects the cache folder).
 
     Raises:
-        IntegrityError: the bytes failed verification twice, or differ from the local pin.
+        BadBytesError: the bytes failed verification twice (the caller fails over).
+        IntegrityError: the bytes differ from the local pin.
+        CacheError: the cache cannot hold the file (no room, a file size limit, a write refused).
         network.Unavailable: the source cannot serve the file (the caller fails over).
         Exception: whatever else the client raised (the caller fails over).
     """
@@ -259,8 +231,13 @@ def _from_source(entry: TagEntry, side: str, src: Source, *, root: Path, revisio
     target = entry_dir(root, entry, revision) / f.filename
     bad_hashes: list[str] = []
     problem = None
+    if src.is_hub:
+        check_endpoint(src.type)
     got_f = resolve(src, f, rev, say) if src.is_hub and rev is not None else f  # a '*' path: the one match
-    listed_commit = _preflight(src, got_f, rev, say)
+    listed_commit, declared = _preflight(src, got_f, rev, say)
+    size = f.size if f.size is not None else declared
+    if size is not None:  # a file that cannot fit is the disk's failure, found before any download
+        check_room([target.parent, root / HUB_AREA], size, f"{entry.key} {side.upper()} file {f.filename}")
     for attempt in (1, 2):
         got: Download | None = None
         if src.is_hub:  # the client writes there: no link in it may lead out of the cache
@@ -279,11 +256,12 @@ def _from_source(entry: TagEntry, side: str, src: Source, *, root: Path, revisio
             with network.quiet_clients():
                 got = download(src, got_f, hub_cache=root / HUB_AREA, dest_dir=target.parent, revision=rev,
                                force=force or attempt > 1, say=say)
-            problem, sha, marker = _accept(got, target, f, entry, root, place)
+            problem, sha, marker = accept(got, target, f, entry, root, place)
         except BaseException as exc:
             # a url download is ours to remove; a hub client's copy goes too when its bytes were refused (the
-            # local pin): the client would keep serving them otherwise
-            if got is not None and (src.type == "url" or isinstance(exc, IntegrityError)):
+            # local pin, too many bytes): the client would keep serving them otherwise
+            refused = isinstance(exc, IntegrityError) or getattr(exc, "kind", None) == "too_large"
+            if got is not None and (src.type == "url" or refused):
                 remove_inside(root, got.purge)
             raise
         if problem is None and marker is not None:
@@ -296,16 +274,30 @@ def _from_source(entry: TagEntry, side: str, src: Source, *, root: Path, revisio
         bad_hashes.append(sha)
         if attempt == 1:
             say(f"{label}: {f.filename}: {problem}; removed the bad copy, downloading again")
-    raise IntegrityError(
-        f"{entry.key} {side.upper()} file {f.filename} from {label} failed verification twice: {problem} "
-        f"(sha256 of the copies: {', '.join(bad_hashes)}). No bad copy was kept. The source may be corrupted "
-        f"or tampered with; try another source (--source) or report it."
-    )
+    reason = f"failed verification twice: {problem} (sha256 of the copies: {', '.join(bad_hashes)})"
+    raise BadBytesError(
+        f"{entry.key} {side.upper()} file {f.filename} from {label} {reason}. No bad copy was kept. The source "
+        f"may be corrupted or tampered with; try another source (--source) or report it.", reason, str(problem))
 
 
-def _attempt(src: Source, rev: str | None, kind: str, reason: str) -> dict[str, str]:
+def _attempt(src: Source, rev: str | None, kind: str, reason: str, limit: int = 120) -> dict[str, str]:
     label = f"{src.type}:{src.repo}@{rev}" if src.is_hub else src.describe()
-    return {"source": label, "kind": kind, "reason": network.shorten(reason)}
+    return {"source": label, "kind": kind, "reason": network.shorten(reason, limit)}
+
+
+def _all_failed(entry: TagEntry, side: str, attempts: list[dict[str, str]], bad: list[BadBytesError]) -> Exception:
+    """The error after every source failed: one line per source. ``IntegrityError`` when a source served
+    bad bytes (the one source's own error when it was the only one tried), else ``FetchError``."""
+    f = entry.files[side]
+    if bad and len(attempts) == 1:
+        return bad[0]
+    lines = "\n".join(f"  {a['source']}: {a['reason']}" for a in attempts) or "  no usable source"
+    head = f"could not fetch {entry.key} {side.upper()} file {f.filename} from {len(attempts)} source(s)"
+    if bad:
+        return IntegrityError(f"{head}, {len(bad)} of which served bytes that failed verification "
+                              f"({network.shorten(bad[0].problem, 100)}):\n{lines}\nhint: no bad copy was kept; "
+                              f"a source serving such bytes may be corrupted or tampered with: report it")
+    return FetchError(f"{head}:\n{lines}\n{FETCH_HINT}", attempts)
 
 
 FETCH_HINT = ("hint: check the network or use a mirror (HF_ENDPOINT=..., MODELSCOPE_ENDPOINT=...); "
@@ -364,6 +356,7 @@ def fetch_file(
     _sweep(root, target.parent)
     usable = [s for s in sources if s.type != "bundled"]
     attempts: list[dict[str, str]] = []
+    bad: list[BadBytesError] = []
     for i, src in enumerate(usable):
         rev = (revision or src.revision) if src.is_hub else None
         if src.is_hub and not rev:
@@ -372,18 +365,21 @@ def fetch_file(
         try:
             return _from_source(entry, side, src, root=root, revision=revision, force=force,
                                 accept_new=accept_new, say=say)
+        except BadBytesError as exc:  # this source's bytes are wrong: another source may serve good ones
+            bad.append(exc)
+            attempts.append(_attempt(src, rev, "integrity", exc.reason, 400))
         except RotationZooError:
             raise
         except network.Unavailable as exc:
             attempts.append(_attempt(src, rev, exc.kind, exc.reason))
         except Exception as exc:  # the client's own errors (HTTP, connection): fail over
+            local = local_write_error(exc)
+            if local is not None:  # the disk's failure: every source would meet it
+                raise disk_error(local, target.parent) from None
             attempts.append(_attempt(src, rev, "error", describe_exc(exc)))
         nxt = usable[i + 1] if i + 1 < len(usable) else None
         say(f"{attempts[-1]['source']}: {attempts[-1]['reason']}" + (f"; trying {nxt.describe()}" if nxt else ""))
-    lines = "\n".join(f"  {a['source']}: {a['reason']}" for a in attempts) or "  no usable source"
-    raise FetchError(
-        f"could not fetch {entry.key} {side.upper()} file {f.filename} from {len(attempts)} source(s):\n"
-        f"{lines}\n{FETCH_HINT}", attempts)
+    raise _all_failed(entry, side, attempts, bad)
 
 
 def _warn_unpinned(entry: TagEntry, side: str, sha: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import http.client
+import inspect
 import io
 import os
 import re
@@ -17,15 +18,19 @@ import stat
 import sys
 import tempfile
 import time
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from .. import config
+from ..errors import CacheError, RegistryError
 from ..files.limits import MAX_BYTES
 from ..registry import FileEntry, Source
-from ..registry.safety import bundled_file
+from ..registry.safety import bundled_file, check_url
 from . import transfer
+from .layout import remove_inside
+from .localdisk import disk_error, local_write_error
 from .network import Unavailable, header_size, limits, reach, shorten
 
 
@@ -51,6 +56,23 @@ def hf_endpoint() -> str | None:
 
 def ms_endpoint() -> str | None:
     return os.environ.get("MODELSCOPE_ENDPOINT") or None
+
+
+def check_endpoint(kind: str) -> None:
+    """Refuse, as the source's failure, an ``HF_ENDPOINT`` / ``MODELSCOPE_ENDPOINT`` (for ``kind``) that is
+    not an http(s) URL with a host, naming the value (it would fail as "cannot reach" an empty host)."""
+    name, value = ("HF_ENDPOINT", hf_endpoint()) if kind == "huggingface" else ("MODELSCOPE_ENDPOINT", ms_endpoint())
+    if value is None:
+        return
+    try:
+        parts = urllib.parse.urlsplit(value)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname)
+    except ValueError:
+        ok = False
+    if not ok:
+        example = "https://huggingface.co" if kind == "huggingface" else "https://modelscope.cn"
+        raise Unavailable(f"{name}={value[:60]!r} is not an http(s) URL with a host (like {example}); "
+                          f"fix or unset it", "error")
 
 
 def user_has_modelscope_home() -> bool:
@@ -118,22 +140,39 @@ def _hf_bars() -> Iterator[None]:
             enable_progress_bars()
 
 
-def _bounded(call: Callable[[], str], error: type[transfer.TransferStopped] = transfer.TransferStopped) -> str:
-    """Run a hub client's download under the deadlines (:mod:`.transfer`); a missed one is the
-    source's failure (``Unavailable``, kind ``timeout``), whatever the client made of it. An answer
-    the client would sleep and retry on (408, 429, 5xx: kind ``http``) and a dropped connection are
-    ``Unavailable`` too, marked retryable (see :func:`download`)."""
+def _bounded(call: Callable[[], str], hub_cache: Path, cap: int, partials: Callable[[], list[Path]] | None = None,
+             error: type[transfer.TransferStopped] = transfer.TransferStopped) -> str:
+    """Run a hub client's download under the deadlines and the byte cap (:mod:`.transfer`): no answer
+    may bring more than ``cap`` bytes, nor may the client write more (its progress callback reports to
+    the transfer, or the files ``partials()`` are watched). A missed deadline or a passed cap is the
+    source's failure (``Unavailable``, kind ``timeout`` / ``too_large``), whatever the client made of
+    it. An answer the client would sleep and retry on (408, 429, 5xx: kind ``http``) and a dropped
+    connection are ``Unavailable`` too, marked retryable (see :func:`download`). A write the local disk
+    refused is a ``CacheError`` (:mod:`.localdisk`)."""
     transfer.hook_clients()
-    with transfer.transfer(limits(), client=True, error=error) as t:
+    with transfer.transfer(limits(), client=True, error=error, max_bytes=cap) as t, \
+            (transfer.watch_files(t, partials, cap) if partials is not None else contextlib.nullcontext()):
         try:
-            return call()
+            path = call()
         except Exception as exc:
             if t.stopped is not None:
                 raise Unavailable(t.stopped.reason, t.stopped.kind, retryable=t.stopped.kind == "http") from None
+            local = local_write_error(exc)
+            if local is not None:
+                raise disk_error(local, hub_cache) from None
             dropped = dropped_connection(exc)
             if dropped is not None:
                 raise Unavailable(f"connection dropped ({dropped})", "error", retryable=True) from None
             raise
+    if t.stopped is not None:  # the file passed the cap after the client's last read: it is not kept
+        remove_inside(hub_cache, _with_blob(path).purge)
+        raise Unavailable(t.stopped.reason, t.stopped.kind)
+    return path
+
+
+def _cap(f: FileEntry) -> int:
+    """The most bytes a download of ``f`` may bring: its registry size, else :data:`MAX_DOWNLOAD_BYTES`."""
+    return f.size if f.size is not None else MAX_DOWNLOAD_BYTES
 
 
 #: Exception types (by name, anywhere in an exception's class hierarchy or its causes) that mean the
@@ -190,12 +229,33 @@ def download(src: Source, f: FileEntry, *, hub_cache: Path, dest_dir: Path, revi
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+@functools.lru_cache(maxsize=1)
+def _hf_counting_bar() -> type:
+    """``huggingface_hub``'s progress bar, reporting each chunk the client is about to write (decoded: a
+    compressed body counts what it inflates to) to the active transfer (:meth:`.transfer.Transfer.wrote`)."""
+    from huggingface_hub.utils import tqdm as hf_tqdm
+
+    class CountingBar(hf_tqdm):
+        def update(self, n: float | None = 1) -> bool | None:
+            t = transfer.active()
+            if t is not None and n:
+                t.wrote(int(n))
+            return super().update(n)
+
+    return CountingBar
+
+
 def download_huggingface(src: Source, f: FileEntry, *, hub_cache: Path, dest_dir: Path, revision: str | None,
                          force: bool) -> Download:
     from huggingface_hub import hf_hub_download
 
     assert src.repo is not None
     repo = src.repo
+    # what it writes is counted through its progress bar class (clients before it took one: the byte cap on
+    # the wire, and the bounded copy of :mod:`.accept`, still hold)
+    counting: dict[str, Any] = {}
+    if "tqdm_class" in _parameters(hf_hub_download):
+        counting["tqdm_class"] = _hf_counting_bar()
     with _hf_bars():  # a stopped download's ``.incomplete`` file is removed by the client itself
         return _with_blob(_bounded(lambda: hf_hub_download(
             repo_id=repo,
@@ -205,7 +265,14 @@ def download_huggingface(src: Source, f: FileEntry, *, hub_cache: Path, dest_dir
             endpoint=hf_endpoint(),
             force_download=force,
             etag_timeout=limits().timeout,
-        )))
+            **counting,
+        ), hub_cache, _cap(f)))
+
+
+@functools.lru_cache(maxsize=8)
+def _parameters(fn: Callable[..., Any]) -> frozenset[str]:
+    """The keyword names ``fn`` takes."""
+    return frozenset(inspect.signature(fn).parameters)
 
 
 @functools.lru_cache(maxsize=1)
@@ -255,6 +322,7 @@ def download_modelscope(src: Source, f: FileEntry, *, hub_cache: Path, dest_dir:
     # force switch): a download is asked for only when the cache has no verified copy (or --force), so its
     # copy goes first and the bytes come from the hub at the revision asked for
     _remove_partials(_modelscope_copies(hub_cache, repo, revision, f.source_path(src)), hub_cache)
+    partials = _modelscope_copies(hub_cache, repo, revision, f.source_path(src), ".incomplete")
     try:
         with quiet, modelscope_config(hub_cache / "modelscope"):
             path = _bounded(lambda: model_file_download(
@@ -263,10 +331,10 @@ def download_modelscope(src: Source, f: FileEntry, *, hub_cache: Path, dest_dir:
                 revision=revision,  # always explicit: None would mean "newest tag"
                 cache_dir=str(hub_cache / "modelscope"),
                 endpoint=ms_endpoint(),
-            ), _modelscope_stop())
+            ), hub_cache, _cap(f), lambda: partials, error=_modelscope_stop())
     except BaseException:
         # ModelScope keeps what it got to resume it another time: nothing partial stays in the cache
-        _remove_partials(_modelscope_copies(hub_cache, repo, revision, f.source_path(src), ".incomplete"), hub_cache)
+        _remove_partials(partials, hub_cache)
         raise
     return _with_blob(path)
 
@@ -277,8 +345,7 @@ def download_url(src: Source, f: FileEntry, *, hub_cache: Path, dest_dir: Path, 
     :data:`MAX_DOWNLOAD_BYTES` (unpinned). One attempt: 5xx, 408, 429, silent timeouts and dropped
     connections raise a retryable :class:`Unavailable` for :func:`download` to retry."""
     assert src.url is not None
-    limit = f.size if f.size is not None else MAX_DOWNLOAD_BYTES
-    return _stream_url(src.url, f.filename, dest_dir, limit)
+    return _stream_url(src.url, f.filename, dest_dir, _cap(f))
 
 
 def _stream_url(url: str, name: str, dest_dir: Path, limit: int) -> Download:
@@ -294,7 +361,7 @@ def _stream_url_in(url: str, name: str, dest_dir: Path, limit: int, timeout: flo
     reach(url, timeout)
     req = urllib.request.Request(url, headers={"User-Agent": "rotationzoo"})
     try:
-        resp = transfer.opener().open(req, timeout=timeout)
+        resp = transfer.opener(check_redirect).open(req, timeout=timeout)
     except transfer.TransferStopped as exc:  # a silent server is retried like a timeout, a dripping one is not
         raise Unavailable(exc.reason, "timeout", retryable=exc.silent) from None
     except urllib.error.HTTPError as exc:
@@ -310,8 +377,8 @@ def _stream_url_in(url: str, name: str, dest_dir: Path, limit: int, timeout: flo
         if declared is not None and declared > limit:
             raise Unavailable(f"declares {declared} B, more than the expected {limit} B", "too_large")
         fd, tmp = tempfile.mkstemp(prefix=".url-", suffix=".part", dir=dest_dir)
-        try:
-            with os.fdopen(fd, "wb") as out, _bar(declared, name) as bar:
+        try:  # unbuffered: a write the disk refuses fails at that write, not at close
+            with os.fdopen(fd, "wb", buffering=0) as out, _bar(declared, name) as bar:
                 total = 0
                 while True:
                     block = resp.read(1 << 20)
@@ -320,7 +387,7 @@ def _stream_url_in(url: str, name: str, dest_dir: Path, limit: int, timeout: flo
                     total += len(block)
                     if total > limit:
                         raise Unavailable(f"sent more than the expected {limit} B; stopped", "too_large")
-                    out.write(block)
+                    _write_all(out, block, dest_dir)
                     bar(len(block))
         except transfer.TransferStopped as exc:
             os.unlink(tmp)
@@ -328,6 +395,9 @@ def _stream_url_in(url: str, name: str, dest_dir: Path, limit: int, timeout: flo
         except TimeoutError:
             os.unlink(tmp)
             raise Unavailable(f"stalled for {timeout:g} s mid-download", "timeout", retryable=True) from None
+        except CacheError:  # the disk's failure (an OSError too): not a dropped connection
+            os.unlink(tmp)
+            raise
         except (OSError, http.client.HTTPException) as exc:  # a reset, a body cut short
             os.unlink(tmp)
             raise Unavailable(f"connection dropped mid-download ({shorten(str(exc) or type(exc).__name__, 60)})",
@@ -336,6 +406,26 @@ def _stream_url_in(url: str, name: str, dest_dir: Path, limit: int, timeout: flo
             os.unlink(tmp)
             raise
     return Download(Path(tmp), [Path(tmp)])
+
+
+def _write_all(out: Any, block: bytes, folder: Path) -> None:
+    """Write ``block`` whole to the unbuffered ``out``; a write the disk refuses is a ``CacheError``."""
+    view = memoryview(block)
+    try:
+        while view:
+            view = view[out.write(view):]
+    except OSError as exc:
+        raise disk_error(exc, folder) from None
+
+
+def check_redirect(url: str) -> None:
+    """Follow a ``url`` source's redirect only to where the registry may point one (``https://``;
+    ``http://`` to loopback when allowed: :func:`~rotationzoo.registry.safety.check_url`)."""
+    try:
+        check_url(url, "redirect")
+    except RegistryError:
+        raise Unavailable(f"refused a redirect to {shorten(url, 70)}: https:// only (no credentials; http:// only "
+                          f"to loopback with ROTATIONZOO_ALLOW_HTTP_LOOPBACK=1)", "denied") from None
 
 
 @contextlib.contextmanager

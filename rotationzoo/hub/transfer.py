@@ -13,6 +13,13 @@ nothing outside a transfer:
 * urllib3's ``HTTPConnection.getresponse``: the same, and its socket is wrapped in a
   :class:`GuardedSocket` so that ``http.client``'s reads are cut the same way.
 
+A transfer may also cap the bytes of each answer (``max_bytes``): an answer that declares more
+(``Content-Length``) is stopped at its headers, one that sends more is stopped at the read that
+passes the cap (plus :func:`byte_slack` for chunk framing), whatever the client would have made of
+it. A compressed body the client inflates is stopped once what it writes passes the cap: counted by
+the client's progress callback (:meth:`Transfer.wrote`, ``huggingface_hub``) or seen by
+:func:`watch_files` (ModelScope).
+
 The clients run in the calling thread, so when a download returns or raises, nothing of it is left
 running. A stopped transfer raises into the client an exception it does not retry on (for
 ModelScope, one of its own non-retryable errors), and every later request of the transfer raises at
@@ -27,12 +34,14 @@ import contextvars
 import http.client
 import io
 import logging
+import os
 import socket
+import stat
 import sys
 import threading
 import time
 import urllib.request
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 from .limits import Limits
 
@@ -40,8 +49,9 @@ log = logging.getLogger("rotationzoo")
 
 
 class TransferStopped(Exception):
-    """A transfer missed a deadline (``kind`` ``"timeout"``), or a hub client got an answer it would
-    sleep and retry on (``kind`` ``"http"``). ``silent``: nothing at all arrived in time."""
+    """A transfer missed a deadline (``kind`` ``"timeout"``), a hub client got an answer it would
+    sleep and retry on (``kind`` ``"http"``), or an answer passed the byte cap (``kind``
+    ``"too_large"``). ``silent``: nothing at all arrived in time."""
 
     def __init__(self, reason: str, kind: str = "timeout", silent: bool = False) -> None:
         super().__init__(reason)
@@ -54,9 +64,12 @@ class Transfer:
     transfer stays stopped: every later read or request of it raises ``error`` at once, so a client
     that retries or swallows the error cannot go on."""
 
-    def __init__(self, lim: Limits, *, client: bool = False, error: type[TransferStopped] = TransferStopped) -> None:
-        self.limits, self.client, self.error = lim, client, error
+    def __init__(self, lim: Limits, *, client: bool = False, error: type[TransferStopped] = TransferStopped,
+                 max_bytes: int | None = None) -> None:
+        self.limits, self.client, self.error, self.max_bytes = lim, client, error, max_bytes
         self.stopped: TransferStopped | None = None
+        self._answer_bytes = 0
+        self._written = 0
         self._headers_due: float | None = None
         self._in_body = False
         self._body_start: float | None = None
@@ -68,13 +81,17 @@ class Transfer:
         self._check()
         self._headers_due, self._in_body, self._phase_bytes = time.monotonic() + self.limits.timeout, False, 0
 
-    def answered(self, status: int) -> None:
-        """The answer's headers arrived. A hub client's 408 / 429 / 5xx ends the transfer: the client
-        would sleep (as long as a ``Retry-After`` says) and retry, while rotationzoo fails over."""
+    def answered(self, status: int, declared: int | None = None) -> None:
+        """The answer's headers arrived (``declared``: its ``Content-Length``, ``None`` for a ``HEAD``).
+        A hub client's 408 / 429 / 5xx ends the transfer: the client would sleep (as long as a
+        ``Retry-After`` says) and retry, while rotationzoo fails over. So does an answer declaring more
+        than ``max_bytes``."""
         self._check()
-        self._headers_due, self._in_body, self._phase_bytes = None, True, 0
+        self._headers_due, self._in_body, self._phase_bytes, self._answer_bytes = None, True, 0, 0
         if self.client and (status in (408, 429) or status >= 500):
             self._stop(f"HTTP {status} on the download request", "http")
+        if self.max_bytes is not None and declared is not None and declared > self.max_bytes:
+            self._stop(f"the download declares {declared} B, more than the expected {self.max_bytes} B", "too_large")
 
     def read_timeout(self, timeout: float | None) -> float:
         """Socket timeout for the next read: ``timeout`` (the caller's), at most ``limits.timeout``,
@@ -92,9 +109,28 @@ class Transfer:
         return max(limit, 1e-3)
 
     def received(self, n: int) -> None:
+        """``n`` bytes were read; past ``max_bytes`` (and :func:`byte_slack`) in one answer the transfer stops."""
         self._phase_bytes += n
         if self._in_body:
             self._body_bytes += n
+            self._answer_bytes += n
+            cap = self.max_bytes
+            if cap is not None and self._answer_bytes > cap + byte_slack(cap):
+                self._stop(f"sent more than the expected {cap} B; stopped", "too_large")
+
+    def wrote(self, n: int) -> None:
+        """The client is about to write ``n`` more bytes of the file (``n < 0``: it dropped some to start
+        over); past ``max_bytes`` the transfer stops before they are written."""
+        self._check()
+        self._written += n
+        if self.max_bytes is not None and self._written > self.max_bytes:
+            self._stop(f"wrote more than the expected {self.max_bytes} B; stopped", "too_large")
+
+    def trip(self, reason: str, kind: str) -> None:
+        """Stop the transfer from another thread (:func:`watch_files`): the client's next read or request
+        raises ``error``."""
+        if self.stopped is None:
+            self.stopped = self.error(reason, kind)
 
     def timed_out(self) -> None:
         """A read timed out: raise ``error`` if that was a deadline (else it was a silent read, for
@@ -138,18 +174,59 @@ def active() -> Transfer | None:
     return _active.get()
 
 
+def byte_slack(cap: int) -> int:
+    """Bytes an answer may read past a cap of ``cap`` before it is stopped: chunked encoding's framing."""
+    return (64 << 10) + cap // 64
+
+
+def declared_length(headers: Any, method: str | None) -> int | None:
+    """An answer's ``Content-Length`` (plain digits), ``None`` when absent, malformed or the request a ``HEAD``."""
+    if (method or "").upper() == "HEAD":
+        return None
+    text = str(headers.get("Content-Length") or "").strip()
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 19 else None
+
+
 @contextlib.contextmanager
-def transfer(lim: Limits, *, client: bool = False, error: type[TransferStopped] = TransferStopped
-             ) -> Iterator[Transfer]:
+def transfer(lim: Limits, *, client: bool = False, error: type[TransferStopped] = TransferStopped,
+             max_bytes: int | None = None) -> Iterator[Transfer]:
     """Run a download under ``lim``: socket reads in this block (this thread or task) report to the
     yielded :class:`Transfer`. ``client``: the requests are a hub client's (see
-    :meth:`Transfer.answered`); ``error``: the exception type raised into the client."""
-    t = Transfer(lim, client=client, error=error)
+    :meth:`Transfer.answered`); ``error``: the exception type raised into the client; ``max_bytes``:
+    the most bytes one answer may bring (see :meth:`Transfer.received`)."""
+    t = Transfer(lim, client=client, error=error, max_bytes=max_bytes)
     token = _active.set(t)
     try:
         yield t
     finally:
         _active.reset(token)
+
+
+@contextlib.contextmanager
+def watch_files(t: Transfer, paths: Callable[[], Iterable[os.PathLike[str]]], cap: int,
+                interval: float = 0.05) -> Iterator[None]:
+    """While the block runs, stop ``t`` (:meth:`Transfer.trip`, kind ``"too_large"``) as soon as a
+    regular file among ``paths()`` — the partial files a hub client writes — is larger than ``cap``:
+    the byte cap of :meth:`Transfer.received` counts the bytes on the wire, this one what the client
+    wrote from them (a compressed body it inflates). Checked every ``interval`` seconds by a thread."""
+    done = threading.Event()
+
+    def run() -> None:
+        while not done.wait(interval):
+            for p in paths():
+                with contextlib.suppress(OSError):
+                    st = os.lstat(p)
+                    if stat.S_ISREG(st.st_mode) and st.st_size > cap:
+                        t.trip(f"wrote more than the expected {cap} B; stopped", "too_large")
+                        return
+
+    watcher = threading.Thread(target=run, daemon=True, name="rotationzoo-watch")
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
 
 
 class GuardedSocket:
@@ -220,10 +297,12 @@ def guarded_getresponse(conn: Any, getresponse: Callable[[], _R]) -> _R:
         return getresponse()
     if conn.sock is not None and not isinstance(conn.sock, GuardedSocket):
         conn.sock = GuardedSocket(conn.sock)
+    # the request's method: urllib3 keeps it in its response options, http.client on the connection
+    method = getattr(getattr(conn, "_response_options", None), "request_method", None) or getattr(conn, "_method", None)
     t.request()
     response = getresponse()
     try:
-        t.answered(int(getattr(response, "status", 0)))
+        t.answered(int(getattr(response, "status", 0)), declared_length(getattr(response, "headers", {}), method))
     except BaseException:
         response.close()  # type: ignore[attr-defined]
         raise
@@ -254,10 +333,30 @@ class _HTTPSHandler(urllib.request.HTTPSHandler):
         return self.do_open(GuardedHTTPSConnection, req)  # the default TLS context, as urlopen's
 
 
-def opener() -> urllib.request.OpenerDirector:
+class _CheckedRedirectHandler(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect only after ``check(new_url)`` passed (it raises to refuse one)."""
+
+    def __init__(self, check: Callable[[str], None]) -> None:
+        self._check_url = check
+
+    def redirect_request(self, req: urllib.request.Request, fp: Any, code: int, msg: str, headers: Any,
+                         newurl: str) -> urllib.request.Request | None:
+        try:
+            self._check_url(newurl)
+        except BaseException:
+            fp.close()
+            raise
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def opener(check_redirect: Callable[[str], None] | None = None) -> urllib.request.OpenerDirector:
     """A ``urllib`` opener (redirects, proxies from the environment) whose connections honour the
-    active transfer's deadlines."""
-    return urllib.request.build_opener(_HTTPHandler, _HTTPSHandler)
+    active transfer's deadlines. ``check_redirect(url)`` is called with every redirect's target before
+    it is followed, and raises to refuse it (the exception reaches the caller of ``open``)."""
+    handlers: list[Any] = [_HTTPHandler, _HTTPSHandler]
+    if check_redirect is not None:
+        handlers.append(_CheckedRedirectHandler(check_redirect))
+    return urllib.request.build_opener(*handlers)
 
 
 _hook_lock = threading.Lock()
@@ -317,7 +416,7 @@ def _hook_httpx(httpx_name: str, core_name: str) -> None:
         t.request()
         response = original_handle(self, request)
         try:
-            t.answered(response.status_code)
+            t.answered(response.status_code, declared_length(response.headers, request.method))
         except BaseException:
             response.close()
             raise
