@@ -248,25 +248,29 @@ def test_decode_steps_given_no_mask_after_a_padded_prefill_leave_the_padding_unr
     torch.testing.assert_close(fast, run(), atol=TOL, rtol=TOL)
 
 
-@pytest.mark.parametrize("prefix", [0, 4])
-def test_steps_without_a_mask_after_a_padded_prefill_give_each_sequence_alone(prefix):
+@pytest.mark.parametrize("prefix,chunk", [(0, 1), (4, 1), (0, 20)])
+def test_steps_without_a_mask_after_a_padded_prefill_give_each_sequence_alone(prefix, chunk):
     """After a left-padded prefill, forwards given no mask read each sequence as its prompt alone at the same
-    positions, with a sink or without one (without one the padding's slots had been read: 0.09 apart)."""
+    positions, with a sink or without one (without one the padding's slots had been read: 0.09 apart), a token at
+    a time (the kernel path) or in chunks past DECODE_MAX_QUERIES (the dequantize path, which had failed on an
+    empty sink)."""
     model = tiny_llama(seed=30)
     oscar = OscarKV(rotations(), rotations(seed=31), config=Int2KVConfig(prefix_tokens=prefix, recent_tokens=8))
     g = torch.Generator().manual_seed(32)
     prompts = [torch.randint(3, 96, (n,), generator=g) for n in (40, 30)]
     ids, mask = left_padded(prompts)
-    more, width = torch.randint(3, 96, (2, 9), generator=g), ids.shape[1]
+    n = 9 if chunk == 1 else 40
+    more, width = torch.randint(3, 96, (2, n), generator=g), ids.shape[1]
     with torch.no_grad(), oscar_kv(model, oscar) as kv:
         cache = kv.new_cache()
         model(ids, attention_mask=mask, cache=cache)
-        batched = torch.cat([model(more[:, t:t + 1], cache=cache).logits for t in range(9)], 1)
+        batched = torch.cat([model(more[:, t:t + chunk], cache=cache).logits for t in range(0, n, chunk)], 1)
         for row, p in enumerate(prompts):
             alone = kv.new_cache()
             model(p[None], cache=alone, position_ids=torch.arange(width - len(p), width)[None])
-            steps = [model(more[row:row + 1, t:t + 1], cache=alone, position_ids=torch.tensor([[width + t]])).logits
-                     for t in range(9)]
+            steps = [model(more[row:row + 1, t:t + chunk], cache=alone,
+                           position_ids=torch.arange(width + t, width + min(t + chunk, n))[None]).logits
+                     for t in range(0, n, chunk)]
             torch.testing.assert_close(batched[row], torch.cat(steps, 1)[0], atol=TOL, rtol=TOL)
 
 

@@ -90,6 +90,10 @@ def test_a_folder_that_is_not_a_cache_is_never_cleaned(tmp_path, capsys) -> None
         verify_cache(proj)
     assert all(p.read_bytes() == data for p, data in mine.items())
     assert [r.ok for r in verify_cache(proj, remove_bad=False)] == [False, False]  # listed, kept
+    left = tmp_path / "cache" / "imported" / ".X.abc" / "k_rotation_x.pt"  # a cache holding only what a killed
+    left.parent.mkdir(parents=True)  # import left behind is a cache: checked, not refused
+    left.write_bytes(b"k")
+    assert [(r.area, r.removed) for r in verify_cache(tmp_path / "cache")] == [("partial", False)]
 
 
 def test_cache_rm_never_locks_through_a_linked_locks_area(zoo, tmp_path, capsys) -> None:

@@ -48,8 +48,10 @@ def ensure_rotations_gguf(pair: RotationPair, *, cache_dir: str | os.PathLike[st
     """
     inputs = _inputs(pair, "the llama.cpp launch")
     out = rotations_gguf_path(pair, cache_dir)
+    if not force and derived_hit(out, inputs) and _gguf_holds(out, pair):  # read only: a read-only cache serves it
+        return out
     with writing_derived(out, cache_dir):  # a cache verify meanwhile waits, never sees it without its marker
-        if not force and derived_hit(out, inputs) and _gguf_holds(out, pair):
+        if not force and derived_hit(out, inputs) and _gguf_holds(out, pair):  # another process wrote it meanwhile
             return out
         export_gguf(pair, out)
         if not _gguf_holds(out, pair):
@@ -76,6 +78,8 @@ def ensure_rotation_files(pair: RotationPair, *, cache_dir: str | os.PathLike[st
     inputs = _inputs(pair, "a launch from a one-file pair")
     out = {s: derived_path(name, entry=pair.entry, inputs=inputs, cache_dir=cache_dir)
            for s, name in ROTATION_FILE_NAMES.items()}
+    if not force and all(derived_hit(p, inputs) and _pt_holds(p, pair, s) for s, p in out.items()):
+        return out  # read only: a read-only cache serves them
     with writing_derived(out["k"], cache_dir):  # one folder for both (made from the same inputs)
         for s, p in out.items():
             if not force and derived_hit(p, inputs) and _pt_holds(p, pair, s):

@@ -92,11 +92,13 @@ def check_cache_root(root: Path) -> None:
 
 
 def _holds_files(folder: Path, suffix: str = "") -> bool:
-    """Whether ``folder`` (not a link) holds a regular file whose name ends with ``suffix``, at any depth."""
+    """Whether ``folder`` (not a link) holds a file whose name ends with ``suffix``, at any depth, hidden files and
+    folders left out (the cache's own partial downloads and staging folders)."""
     if folder.is_symlink() or not folder.is_dir():
         return False
-    for _, _, names in os.walk(folder):
-        if any(n.endswith(suffix) for n in names):
+    for _, dirs, names in os.walk(folder):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        if any(n.endswith(suffix) and not n.startswith(".") for n in names):
             return True
     return False
 
@@ -159,7 +161,11 @@ def hold_entry(root: Path, folder: Path, *, what: str, timeout: float) -> Iterat
     Raises:
         CacheError: the lock cannot be created, or another process held it for ``timeout`` seconds.
     """
-    area_dir(root, LOCKS_AREA).mkdir(parents=True, exist_ok=True)
+    locks = area_dir(root, LOCKS_AREA)
+    try:
+        locks.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CacheError(f"cannot create the locks folder {locks} for the {what} ({exc.strerror or exc})") from None
     with file_lock(entry_lock(root, folder), timeout=timeout, what=what, error=CacheError):
         yield
 

@@ -78,6 +78,8 @@ class Slots:
         b, h, _, d = rows.shape
         out = rows.new_zeros((b, h, end - first, d))
         out[:, :, end - first - rows.shape[2]:] = rows
+        if not self.prefix:  # no sink: the slots before the tier are padding for every sequence
+            return out
         col = torch.arange(first, end, device=rows.device)[None, :] - self.starts[:, None]  # sink row of each slot
         own = (col >= 0) & (col < self.prefix)
         at = col.clamp(0, self.prefix - 1)[:, None, :, None].expand(-1, h, -1, d)
