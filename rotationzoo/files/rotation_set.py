@@ -88,6 +88,8 @@ class RotationSet:
         k_mean, v_mean, q_rotation, o_rotation: the companions (see the module docstring), or ``None``.
         calibration, transform: metadata dicts (scalars and short lists), or ``None``.
         path: the file it was read from, if any.
+        coarse: layer id → why its rotation, stored in 16 bits in that file, cannot be orthogonal (read as fp32;
+            validation names it beside "not orthogonal", so a tolerance loose enough still accepts it).
     """
 
     rotations: Stack
@@ -104,6 +106,7 @@ class RotationSet:
     o_rotation: Stack | None = None
     calibration: dict[str, Any] | None = None
     transform: dict[str, Any] | None = None
+    coarse: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         name = self._name()
@@ -397,7 +400,7 @@ def set_from_dict(obj: Any, *, path: Path | None = None, max_head_dim: int = MAX
     return RotationSet(
         rotations=stacks.pop("rotation"), layer_ids=tuple(lid for lid, _ in parsed.layers), objective=parsed.objective,
         format_version=parsed.version, source_grouping=parsed.kind, path=path,
-        calibration=parsed.calibration, transform=parsed.transform, **stacks,
+        calibration=parsed.calibration, transform=parsed.transform, coarse=parsed.coarse, **stacks,
     )
 
 

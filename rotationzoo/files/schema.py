@@ -8,7 +8,7 @@ written once here, for both. The safetensors header is checked in :mod:`rotation
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
@@ -26,7 +26,7 @@ from .limits import (
     parse_index,
     safe_repr,
 )
-from ..errors import InvalidRotationError, RotationFileError, UnsupportedFormatError
+from ..errors import RotationFileError, UnsupportedFormatError
 from ..headdims import HeadDims
 from .stheader import SAFETENSORS_DTYPES, inspect_safetensors  # noqa: F401  (re-exported)
 
@@ -91,6 +91,7 @@ class Parsed:
         label: ``source_grouping`` as written.
         layers: ``[(layer_id, {field: tensor})]`` sorted by id (fields of :data:`LAYER_FIELDS`).
         calibration, transform: the top-level metadata dicts, or ``None``.
+        coarse: layer id → why its orthogonal rotation, stored in 16 bits, is not orthogonal (:func:`precision_problem`).
     """
 
     version: int | str
@@ -100,6 +101,7 @@ class Parsed:
     layers: list[tuple[int, dict[str, Any]]]
     calibration: dict[str, Any] | None = None
     transform: dict[str, Any] | None = None
+    coarse: dict[int, str] = field(default_factory=dict)
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -155,9 +157,8 @@ def parse(obj: Any, name: str, limits: Limits) -> Parsed:
     _check_layers(rows, kind, name)
     _check_loaded_bytes(rows, kind, name, limits)
     transform = _meta(obj, "transform", name)
-    _check_precision(rows, transform, name)
     return Parsed(version, kind, label, _text(obj, "objective", "unknown", name), rows,
-                  _meta(obj, "calibration", name), transform)
+                  _meta(obj, "calibration", name), transform, _coarse(rows, transform))
 
 
 def holds_tensor(value: Any, depth: int = 0) -> bool:
@@ -188,15 +189,13 @@ def precision_problem(r: Any) -> str | None:
             f"{LOW_PRECISION_ATOL:.0e} in {dtype}); store rotations in float32 or float64")
 
 
-def _check_precision(rows: list[tuple[int, dict[str, Any]]], transform: Mapping[str, Any] | None, name: str) -> None:
-    """:func:`precision_problem` of each orthogonal rotation, orthogonal as :attr:`RotationSet.orthogonal` says
-    (``transform["orthogonal"]`` when given, else unless the layer has companions)."""
+def _coarse(rows: list[tuple[int, dict[str, Any]]], transform: Mapping[str, Any] | None) -> dict[int, str]:
+    """:func:`precision_problem` of each orthogonal rotation (as :attr:`RotationSet.orthogonal` says: ``transform
+    ["orthogonal"]`` when given, else unless the layer has companions), for validation's message to name."""
     said = (transform or {}).get("orthogonal")
-    for lid, fields in rows:
-        orthogonal = said if isinstance(said, bool) else not set(fields) & set(MATRIX_FIELDS)
-        problem = precision_problem(fields["rotation"]) if orthogonal else None
-        if problem:
-            raise InvalidRotationError(f"{name}: layer {lid}: {problem}")
+    found = {lid: precision_problem(f["rotation"]) for lid, f in rows
+             if (said if isinstance(said, bool) else not set(f) & set(MATRIX_FIELDS))}
+    return {lid: problem for lid, problem in found.items() if problem}
 
 
 def _refuse_other_artefacts(obj: Mapping, name: str) -> None:

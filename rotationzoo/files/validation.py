@@ -375,7 +375,8 @@ def _check_numerics(rs: RotationSet, name: str, atol: float, inverse_atol: float
             if worst is None or float(errs[top]) > worst[0]:
                 worst = (float(errs[top]), lid)
             for m in (errs > atol).nonzero().flatten().tolist():
-                problems.append(f"{name}: {where(m)}: not orthogonal, max|RRᵀ−I| = {float(errs[m]):.3e} > {atol:.0e}")
+                why = f": {rs.coarse[lid]}" if lid in rs.coarse else ""
+                problems.append(f"{name}: {where(m)}: not orthogonal, max|RRᵀ−I| = {float(errs[m]):.3e} > {atol:.0e}{why}")
         for f, t in fields.items():
             if f == "rotation":
                 continue
