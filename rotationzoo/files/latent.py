@@ -56,7 +56,8 @@ _PQ_KEYS = frozenset({"codebooks_per_layer", "codebooks_stage1", "codebooks_stag
 class LatentLayer:
     """One layer's latent transform, as read (fp32 tensors on the CPU).
 
-    ``layout`` is ``"tensor"`` (a bare ``[rank, rank]`` file) or ``"dict"`` (the OSCAR-2 dict).
+    ``layout`` is ``"tensor"`` (a bare ``[rank, rank]`` file) or ``"dict"`` (the OSCAR-2 dict). ``coarse``: why the
+    rotation, stored in 16 bits, cannot be orthogonal (validation names it beside "not orthogonal"), else ``None``.
     """
 
     layer_id: int
@@ -67,6 +68,7 @@ class LatentLayer:
     q_rotation: torch.Tensor | None = None
     transform: dict[str, Any] | None = None
     path: Path | None = None
+    coarse: str | None = None
 
     @property
     def rank(self) -> int:
@@ -209,18 +211,16 @@ def read_latent_file(path: str | os.PathLike[str], *, rank: int | None = None, l
     obj = _torch_load_safe(p)
     orthogonal = layout == "tensor" or (obj.get("q_rotation") is None
                                         and (_meta(obj, "transform", name) or {}).get("orthogonal", True) is not False)
-    problem = precision_problem(obj if layout == "tensor" else obj["rotation"]) if orthogonal else None
-    if problem:
-        raise InvalidRotationError(f"{name}: {problem}")
+    coarse = precision_problem(obj if layout == "tensor" else obj["rotation"]) if orthogonal else None
     if layout == "tensor":
-        return LatentLayer(-1 if layer_id is None else layer_id, obj.detach().to(torch.float32), path=p)
+        return LatentLayer(-1 if layer_id is None else layer_id, obj.detach().to(torch.float32), path=p, coarse=coarse)
     lid = obj.get("layer_id")
     if lid is not None and layer_id is not None and parse_index(lid) != layer_id:
         raise RotationFileError(f"{name}: layer_id {safe_repr(lid)} disagrees with its file name (layer {layer_id})")
     fields = {k: obj[k].detach().to(torch.float32) for k in TENSOR_KEYS if obj.get(k) is not None}
     transform = _meta(obj, "transform", name)
     return LatentLayer(-1 if layer_id is None else layer_id, fields.pop("rotation"), "dict", transform=transform,
-                       path=p, **fields)
+                       path=p, coarse=coarse, **fields)
 
 
 def layer_files(folder: str | os.PathLike[str], what: str = "latent rotation folder") -> dict[int, Path]:
@@ -340,7 +340,9 @@ def validate_latent(lr: LatentRotations, *, layer_ids: Iterable[int] | None = No
         if lay.orthogonal:
             ortho = max(ortho, float(err))
             if float(err) > atol:
-                report.problems.append(f"{where}: layer {lid}: not orthogonal, max|RRᵀ−I| = {float(err):.3e} > {atol:.0e}")
+                why = f": {lay.coarse}" if lay.coarse else ""
+                report.problems.append(f"{where}: layer {lid}: not orthogonal, max|RRᵀ−I| = {float(err):.3e} > {atol:.0e}"
+                                       f"{why}")
         elif lay.q_rotation is None:
             report.problems.append(f"{where}: layer {lid}: the transform is not orthogonal and the file has no "
                                    f"q_rotation to invert it")
