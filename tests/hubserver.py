@@ -2008,6 +2008,15 @@ if _pytest is not None:
             yield server
 
     @_pytest.fixture
+    def fresh_probe_memory() -> Iterator[None]:
+        """rotationzoo forgets the hosts it found unreachable before and after the test (every test's hub is new)."""
+        from rotationzoo.hub import network
+
+        network.forget_unreachable()
+        yield
+        network.forget_unreachable()
+
+    @_pytest.fixture
     def hub_env(hub_server: HubServer, tmp_path: Path, monkeypatch: Any) -> HubEnv:
         """``hub_server`` plus both clients pointed at it, with caches under ``tmp_path``."""
         return configure_clients(monkeypatch, hub_server, tmp_path / "clients")

@@ -7,23 +7,15 @@ from __future__ import annotations
 import time
 
 import pytest
-from hubserver import hub_env, hub_server  # noqa: F401  (fixtures)
+from hubserver import fresh_probe_memory, hub_env, hub_server  # noqa: F401  (fixtures)
 from test_fetch import MODEL, zoo  # noqa: F401  (fixture)
 from test_fetch_deadline import _first, _request_of
 
 import rotationzoo
-from rotationzoo.hub import network
 
 SOURCES = ("huggingface", "modelscope", "url")
 
-pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_probe_memory():
-    network.forget_unreachable()
-    yield
-    network.forget_unreachable()
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("fresh_probe_memory")]
 
 
 def _faulted(zoo, match: str) -> list[dict]:

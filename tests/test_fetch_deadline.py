@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from hubserver import hub_env, hub_server  # noqa: F401  (fixtures)
+from hubserver import fresh_probe_memory, hub_env, hub_server  # noqa: F401  (fixtures)
 from test_fetch import MODEL, TAG, zoo  # noqa: F401  (fixture)
 
 import rotationzoo
@@ -23,14 +23,8 @@ TIMEOUT = 1.0  # ROTATIONZOO_TIMEOUT here: the headers deadline, and the constan
 DRIP = 0.2  # seconds between dripped bytes: well under TIMEOUT, so only a deadline can stop a drip
 SLACK = 2.5  # what failing over costs on a loaded machine (the next source's pre-flight included)
 
-pytestmark = pytest.mark.timeout(90)  # without deadlines, a drip here lasts for hours
-
-
-@pytest.fixture(autouse=True)
-def _fresh_probe_memory():
-    network.forget_unreachable()
-    yield
-    network.forget_unreachable()
+# without deadlines, a drip here lasts for hours
+pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("fresh_probe_memory")]
 
 
 @pytest.fixture

@@ -19,25 +19,17 @@ from pathlib import Path
 
 import pytest
 import hubserver
-from hubserver import hub_env, hub_server  # noqa: F401  (fixtures)
+from hubserver import fresh_probe_memory, hub_env, hub_server  # noqa: F401  (fixtures)
 from test_fetch import MODEL, TAG, zoo  # noqa: F401  (fixture)
 from test_fetch_deadline import _request_of
 
 import rotationzoo
 from rotationzoo.errors import CacheError, FetchError, IntegrityError
-from rotationzoo.hub import network
 
 HUBS = ("huggingface", "modelscope")
 FLOOD = 64 << 20  # what an inflated answer sends: far more than the 8 KiB rotation files here
 
-pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_probe_memory():
-    network.forget_unreachable()
-    yield
-    network.forget_unreachable()
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("fresh_probe_memory")]
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hubserver import hub_env, hub_server  # noqa: F401  (fixtures)
+from hubserver import fresh_probe_memory, hub_env, hub_server  # noqa: F401  (fixtures)
 from test_fetch import MODEL, REPO_ID, TAG, zoo  # noqa: F401  (fixture)
 
 import rotationzoo
@@ -28,11 +28,7 @@ from rotationzoo.hub.pins import local_pins, pin_state, read_pins
 from rotationzoo.registry import get_entry
 
 
-@pytest.fixture(autouse=True)
-def _fresh_probe_memory():
-    network.forget_unreachable()
-    yield
-    network.forget_unreachable()
+pytestmark = pytest.mark.usefixtures("fresh_probe_memory")
 
 
 def _closed_port() -> int:

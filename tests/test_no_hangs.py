@@ -13,24 +13,18 @@ from pathlib import Path
 
 import pytest
 from helpers import run_cli
-from hubserver import hub_env, hub_server  # noqa: F401  (fixtures)
+from hubserver import fresh_probe_memory, hub_env, hub_server  # noqa: F401  (fixtures)
 from test_fetch import MODEL, zoo  # noqa: F401  (fixture)
 
 import rotationzoo
 from rotationzoo import safefile
 from rotationzoo.errors import CacheError, ConfigError, ModelLoadError, OfflineError, RotationFileError
-from rotationzoo.hub import cache_records, network, read_marker
+from rotationzoo.hub import cache_records, read_marker
 from rotationzoo.hub.layout import marker_path
 
-pytestmark = pytest.mark.timeout(20)  # a hang fails the test instead of the run
+# a hang fails the test instead of the run
+pytestmark = [pytest.mark.timeout(20), pytest.mark.usefixtures("fresh_probe_memory")]
 FAST = 5.0  # seconds: every refusal here is due well within this
-
-
-@pytest.fixture(autouse=True)
-def _fresh_probe_memory():
-    network.forget_unreachable()
-    yield
-    network.forget_unreachable()
 
 
 def _cli(capsys, *argv: str) -> tuple[int, str, str, float]:
