@@ -107,6 +107,16 @@ class IntegrityError(RotationZooError, ValueError):
     """Downloaded bytes do not match the registry: ``sha256 expected ab12…, got cd34… (source huggingface)``."""
 
 
+class BadBytesError(IntegrityError):
+    """One source served bytes that failed verification twice (size, sha256, structure); fetch tries the next
+    source. ``reason``: the short form, for that source's line when others are tried; ``problem``: what was
+    wrong with the bytes."""
+
+    def __init__(self, message: str, reason: str, problem: str) -> None:
+        super().__init__(message)
+        self.reason, self.problem = reason, problem
+
+
 class OfflineError(RotationZooError, ConnectionError):
     """Offline mode and the files are not cached: ``offline: missing k.pt; run `rotationzoo fetch ...```."""
 

@@ -19,7 +19,7 @@ from ..safefile import open_regular
 from .checks import check_downloaded as _check
 from .layout import inside, remove_inside
 from .network import Unavailable
-from .sources import MAX_DOWNLOAD_BYTES, Download
+from .sources import Download, download_cap
 
 
 def _copy_at_most(src: BinaryIO, out: BinaryIO, cap: int) -> int:
@@ -47,11 +47,11 @@ def inside_download(root: Path, got: Download) -> None:
 def accept(got: Download, target: Path, f: FileEntry, entry: TagEntry, root: Path,
            place: Callable[[Path, str], dict]) -> tuple[str | None, str, dict | None]:
     """Copy a download out of the client's cache into a temporary file beside ``target`` (never more
-    than the registry's size, or :data:`MAX_DOWNLOAD_BYTES` unpinned: ``Unavailable``, kind ``too_large``),
+    than the registry's size, or :data:`~.sources.MAX_DOWNLOAD_BYTES` unpinned: ``Unavailable``, kind ``too_large``),
     check the copy, and when it is good call ``place(copy, sha256)`` (pin check, marker from the copy)
     and only then rename the copy to ``target``. Returns (problem or None, sha256, the marker written)."""
     inside_download(root, got)
-    cap = f.size if f.size is not None else MAX_DOWNLOAD_BYTES
+    cap = download_cap(f)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{f.filename}.", suffix=".tmp", dir=target.parent)
     tmp = Path(tmp_name)
     try:

@@ -4,7 +4,7 @@ Every downloaded file is copied into a temporary file beside its place in the ca
 is checked against the registry (size, sha256) and structurally validated; its marker is written
 from the copy's sha256 and only then is the copy renamed into place (:mod:`.accept`). A file that
 fails is removed from every cache involved and downloaded once more; failing again, the source is
-skipped for the next one (:class:`BadBytesError`). Files the registry does not pin are compared with
+skipped for the next one (:class:`~rotationzoo.errors.BadBytesError`). Files the registry does not pin are compared with
 the user's pin file (:mod:`.pins`, trust on first use): a different file is refused at once.
 
 A source that cannot serve the file (host unreachable, 404, a 5xx or a dropped connection after
@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Callable
 
 from .. import config
-from ..errors import CacheError, ConfigError, FetchError, IntegrityError, OfflineError, RegistryError, RotationZooError
+from ..errors import (BadBytesError, CacheError, ConfigError, FetchError, IntegrityError, OfflineError, RegistryError,
+                      RotationZooError)
 from ..hashing import sha256_file
 from ..registry import SIDES, FileEntry, Source, TagEntry
 from ..safefile import file_lock
@@ -53,16 +54,6 @@ log = logging.getLogger("rotationzoo")
 Reporter = Callable[[str], None]
 #: Longest wait, in seconds, for another process's download of the same entry (its lock).
 LOCK_WAIT_S = 60.0
-
-
-class BadBytesError(IntegrityError):
-    """One source served bytes that failed verification twice (size, sha256, structure); ``reason``: the
-    short form, for the line the source gets when others are tried (:func:`fetch_file`); ``problem``:
-    what was wrong with them."""
-
-    def __init__(self, message: str, reason: str, problem: str) -> None:
-        super().__init__(message)
-        self.reason, self.problem = reason, problem
 
 
 class UnpinnedEntryWarning(UserWarning):

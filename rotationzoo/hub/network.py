@@ -40,7 +40,7 @@ from typing import Callable, Iterator
 
 from .. import config
 from .limits import Limits, limits, using  # noqa: F401  (public names of this module)
-from .transfer import GuardedHTTPConnection, GuardedHTTPSConnection, TransferStopped, transfer
+from .transfer import GuardedHTTPConnection, GuardedHTTPSConnection, TransferStopped, header_size, transfer
 
 log = logging.getLogger("rotationzoo")
 
@@ -211,12 +211,6 @@ def header_sha256(value: str | None) -> str | None:
     """A sha256 from an ETag-like header (``"<64 hex>"``, ``W/`` allowed), lowercase, else ``None``."""
     text = (value or "").strip().removeprefix("W/").strip('"').lower()
     return text if len(text) == 64 and all(c in "0123456789abcdef" for c in text) else None
-
-
-def header_size(value: str | None) -> int | None:
-    """A size from an HTTP header: plain ASCII digits (at most 19), else ``None`` (``"²"``, ``"1e9"``, junk)."""
-    text = (value or "").strip()
-    return int(text) if text.isascii() and text.isdigit() and len(text) <= 19 else None
 
 
 def ask(url: str, *, method: str = "HEAD", headers: dict[str, str] | None = None, timeout: float | None = None,

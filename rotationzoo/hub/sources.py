@@ -170,7 +170,7 @@ def _bounded(call: Callable[[], str], hub_cache: Path, cap: int, partials: Calla
     return path
 
 
-def _cap(f: FileEntry) -> int:
+def download_cap(f: FileEntry) -> int:
     """The most bytes a download of ``f`` may bring: its registry size, else :data:`MAX_DOWNLOAD_BYTES`."""
     return f.size if f.size is not None else MAX_DOWNLOAD_BYTES
 
@@ -266,7 +266,7 @@ def download_huggingface(src: Source, f: FileEntry, *, hub_cache: Path, dest_dir
             force_download=force,
             etag_timeout=limits().timeout,
             **counting,
-        ), hub_cache, _cap(f)))
+        ), hub_cache, download_cap(f)))
 
 
 @functools.lru_cache(maxsize=8)
@@ -331,7 +331,7 @@ def download_modelscope(src: Source, f: FileEntry, *, hub_cache: Path, dest_dir:
                 revision=revision,  # always explicit: None would mean "newest tag"
                 cache_dir=str(hub_cache / "modelscope"),
                 endpoint=ms_endpoint(),
-            ), hub_cache, _cap(f), lambda: partials, error=_modelscope_stop())
+            ), hub_cache, download_cap(f), lambda: partials, error=_modelscope_stop())
     except BaseException:
         # ModelScope keeps what it got to resume it another time: nothing partial stays in the cache
         _remove_partials(partials, hub_cache)
@@ -345,7 +345,7 @@ def download_url(src: Source, f: FileEntry, *, hub_cache: Path, dest_dir: Path, 
     :data:`MAX_DOWNLOAD_BYTES` (unpinned). One attempt: 5xx, 408, 429, silent timeouts and dropped
     connections raise a retryable :class:`Unavailable` for :func:`download` to retry."""
     assert src.url is not None
-    return _stream_url(src.url, f.filename, dest_dir, _cap(f))
+    return _stream_url(src.url, f.filename, dest_dir, download_cap(f))
 
 
 def _stream_url(url: str, name: str, dest_dir: Path, limit: int) -> Download:

@@ -179,12 +179,17 @@ def byte_slack(cap: int) -> int:
     return (64 << 10) + cap // 64
 
 
+def header_size(value: str | None) -> int | None:
+    """A size from an HTTP header: plain ASCII digits (at most 19), else ``None`` (``"²"``, ``"1e9"``, junk)."""
+    text = (value or "").strip()
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 19 else None
+
+
 def declared_length(headers: Any, method: str | None) -> int | None:
-    """An answer's ``Content-Length`` (plain digits), ``None`` when absent, malformed or the request a ``HEAD``."""
+    """An answer's ``Content-Length`` (:func:`header_size`), ``None`` when absent, malformed or the request a ``HEAD``."""
     if (method or "").upper() == "HEAD":
         return None
-    text = str(headers.get("Content-Length") or "").strip()
-    return int(text) if text.isascii() and text.isdigit() and len(text) <= 19 else None
+    return header_size(str(headers.get("Content-Length") or ""))
 
 
 @contextlib.contextmanager
