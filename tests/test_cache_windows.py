@@ -150,3 +150,29 @@ def test_batch_size_follows_the_cache_api():
         assert cache.batch_size == 3
         cache.reset()
         assert cache.batch_size == -1
+
+
+def test_visible_never_pairs_one_masks_reference_with_anothers_booleans(monkeypatch):
+    """Another thread's call landing between the reads of the one-entry cache must not hand this call the
+    other mask's booleans (forced here: the first read of the cache runs a call with another mask)."""
+    from rotationzoo.integrations.transformers import windows
+
+    low = torch.finfo(torch.float32).min
+    mine = torch.tensor([0.0, low, 0.0, low])
+    other = torch.tensor([low, 0.0, low, 0.0])
+    assert torch.equal(windows.visible(mine), mine == 0)  # cached now
+
+    class Interleaved(list):
+        busy = False
+
+        def __getitem__(self, i):
+            got = super().__getitem__(i)
+            if not Interleaved.busy:
+                Interleaved.busy = True
+                windows.visible(other)  # the other thread's call
+                Interleaved.busy = False
+            return got
+
+    monkeypatch.setattr(windows, "_LAST_MASK", Interleaved(windows._LAST_MASK))
+    assert torch.equal(windows.visible(mine), mine == 0)
+    assert torch.equal(windows.visible(other), other == 0)

@@ -188,6 +188,26 @@ def test_a_row_that_sees_no_key_gets_zeros_even_beside_a_flagged_row(backend):
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+def test_a_float64_rotation_is_applied_in_fp32_as_documented(backend):
+    """Every backend rounds a float64 matrix to fp32 first: the output equals the one for its fp32 rounding
+    (the C++ kernel to its documented summation-order tolerance)."""
+    _skip_unless_built(backend)
+    d, hkv = 64, 2
+    k, _ = make_cache(1, hkv, d, 4, 60, 4, seed=21)
+    v, _ = make_cache(1, hkv, d, 4, 60, 4, seed=22)
+    q = torch.randn(1, 4, 1, d, generator=torch.Generator().manual_seed(23)).to(DEVICE)
+    g = torch.Generator().manual_seed(24)
+    rk = torch.linalg.qr(torch.randn(hkv, d, d, generator=g, dtype=torch.float64))[0].to(DEVICE)
+    rv = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))[0].to(DEVICE)
+    run = lambda a, b: decode_attention_int2(q, k, v, k_rotation=a, v_rotation=b, backend=backend,  # noqa: E731
+                                             dtype=torch.float32)
+    a, b = run(rk, rv), run(rk.float(), rv.float())
+    if backend == "cpu":  # its copy of the fp32 rounding is read in another order than the transposed view
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(a, b)
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 def test_a_score_that_overflows_makes_the_row_nan_in_every_backend(backend):
     """q.k past fp32's range is +inf: the softmax is undefined and the reference gives NaN; the C++ kernel's
     vectorized exp had turned the NaN into 0 and returned a silent row of zeros."""

@@ -19,7 +19,7 @@ from test_fetch import MODEL, zoo  # noqa: F401  (fixture)
 import rotationzoo
 from rotationzoo import safefile
 from rotationzoo.errors import CacheError, ConfigError, ModelLoadError, OfflineError, RotationFileError
-from rotationzoo.hub import cache_records, read_marker
+from rotationzoo.hub import read_marker
 from rotationzoo.hub.layout import marker_path
 
 # a hang fails the test instead of the run

@@ -287,7 +287,8 @@ def decode_attention_int2(
             the new tokens already appended as the last recent rows.
         config: the INT2-KV settings the cache was written with (group size, Lloyd-Max, scale dtype
             and window dtype are checked against the tensors).
-        k_rotation, v_rotation: ``R_K``, ``R_V``: ``[d, d]`` shared or ``[H_kv, d, d]`` per KV head.
+        k_rotation, v_rotation: ``R_K``, ``R_V``: ``[d, d]`` shared or ``[H_kv, d, d]`` per KV head, any floating
+            dtype, applied in fp32 by every backend (a float64 matrix is rounded to fp32 first).
         q_rotation, o_rotation: explicit matrices for non-orthogonal transforms (same shapes), as a
             rotation file stores them (``R_K^{-T}``, ``R_V^{-T}``): queries are multiplied by
             ``q_rotation`` instead of ``R_K``, the output by ``o_rotationᵀ`` (``R_V^{-1}``) instead of

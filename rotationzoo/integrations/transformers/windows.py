@@ -9,7 +9,9 @@ from typing import Any
 import torch
 
 
-_LAST_MASK: list[Any] = [None, None]  # (weak reference to an additive mask, its boolean form)
+# (weak reference to an additive mask, its boolean form), replaced as one tuple so that a thread never reads
+# one mask's reference with another mask's booleans
+_LAST_MASK: list[tuple[Any, torch.Tensor] | None] = [None]
 
 
 def visible(mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -17,11 +19,11 @@ def visible(mask: torch.Tensor | None) -> torch.Tensor | None:
     half its dtype's minimum on the device (once per forward: every layer gets the same mask object)."""
     if mask is None or mask.dtype == torch.bool:
         return mask
-    ref = _LAST_MASK[0]
-    if ref is not None and ref() is mask:
-        return _LAST_MASK[1]
+    last = _LAST_MASK[0]
+    if last is not None and last[0]() is mask:
+        return last[1]
     allowed = mask > torch.finfo(mask.dtype).min / 2
-    _LAST_MASK[:] = [weakref.ref(mask), allowed]
+    _LAST_MASK[0] = (weakref.ref(mask), allowed)
     return allowed
 
 
