@@ -53,7 +53,6 @@ from .serving_mla import latent_model, latent_spec
 from .files.pair import RotationPair, looks_like_path, resolve_pair
 from .registry import get_entry, get_model, split_model_tag
 from .registry.safety import check_model_id
-from .sharding import kv_heads_per_rank
 
 #: What the launch loads when the rotations name no usable model id and no ``--model-path`` is given.
 MODEL_PLACEHOLDER = "MODEL"
@@ -118,7 +117,8 @@ def launch_spec(
             beside it, built by the ``prepare`` step.
         source, revision, cache_dir, offline, timeout: the fetch options, as for :func:`rotationzoo.fetch`.
         tp_size: tensor-parallel ranks instead of the entry's (``launch.tp_size``); the KV heads must
-            split over them by the authors' rule (:func:`rotationzoo.sharding.kv_heads_per_rank`).
+            split over them by the authors' rule, and block-quantized MoE weights into whole blocks
+            (:func:`rotationzoo.sharding.check_tp_size`).
         absorb_v_rotation: ask for V-rotation absorption on (``True``) or off (``False``) instead of
             the entry's setting; on is refused for per-KV-head, centered or non-orthogonal files.
         disable_radix_cache: serve without the prefix cache (SGLang targets).
@@ -233,7 +233,7 @@ def _clip_tables(per_layer: str | os.PathLike[str] | None, per_head: str | os.Pa
 def _precheck(t: EngineTarget, model: Any, tag: str | None, tp_size: int | None) -> None:
     """For a registry model, refuse before its files are downloaded what the launch would refuse after:
     a hybrid model or an architecture the target does not serve, a TP size its KV heads cannot be split
-    over (the files' own heads are checked again once read)."""
+    over or its block-quantized MoE weights cannot (the files' own heads are checked again once read)."""
     if not isinstance(model, str) or Path(model).expanduser().exists() or looks_like_path(model):
         return
     base, at_tag = split_model_tag(model)
@@ -246,8 +246,8 @@ def _precheck(t: EngineTarget, model: Any, tag: str | None, tp_size: int | None)
         prepare(t, config=entry.serving, launch=entry.launch, paths=None, model=entry.model_id, head_dims=None,
                 kinds=frozenset(), source=entry.key, hybrid=True)
     check_architecture(t, entry.model_id, entry.key)
-    if arch.num_kv_heads and tp_size is not None:
-        kv_heads_per_rank(arch.num_kv_heads, tp_size)
+    if tp_size is not None:
+        arch.check_tp_size(tp_size)
 
 
 def _calibration_spec(t: Any, model: Any, tag: str | None, model_path: str | None,

@@ -51,6 +51,31 @@ def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> list[tuple[int, ...]]:
     return out
 
 
+def check_tp_size(tp_size: int, *, num_kv_heads: int | None = None, moe_intermediate_size: int | None = None,
+                  weight_block_size: int | None = None) -> None:
+    """Refuse a TP size a model cannot be served at: KV heads that cannot be split (:func:`kv_heads_per_rank`),
+    or block-quantized MoE weights whose per-rank gate/up shard ``moe_intermediate_size / tp`` is no whole
+    number of ``weight_block_size`` blocks (SGLang refuses such a shard at start-up: MiniMax-M2.7's 1536 over
+    8 ranks is 192, blocks of 128).
+
+    Raises:
+        ConfigError: one line, with TP sizes that work.
+    """
+    if num_kv_heads is not None:
+        kv_heads_per_rank(num_kv_heads, tp_size)
+    tp = _tp(tp_size)
+    if moe_intermediate_size is None or weight_block_size is None or not moe_intermediate_size % (tp * weight_block_size):
+        return
+    fits = [t for t in range(1, moe_intermediate_size // weight_block_size + 1)
+            if not moe_intermediate_size % (t * weight_block_size)
+            and (num_kv_heads is None or num_kv_heads % t == 0 or t % num_kv_heads == 0)]
+    shard = moe_intermediate_size / tp
+    raise ConfigError(f"the MoE weights cannot be split over {tp} tensor-parallel ranks: each rank's gate/up shard "
+                      f"(intermediate size {moe_intermediate_size} / {tp} = {shard:g}) must be a whole number of the "
+                      f"checkpoint's {weight_block_size}-wide quantization blocks; try --tp "
+                      f"{', '.join(map(str, sorted(sorted(fits, key=lambda t: (abs(t - tp), t))[:3])))}")
+
+
 def _valid_tps(h: int, near: int) -> list[int]:
     cands = sorted({t for t in range(1, 4 * max(h, near) + 1) if h % t == 0 or t % h == 0}, key=lambda t: (abs(t - near), t))
     return sorted(cands[:3])

@@ -157,6 +157,13 @@ def test_a_tp_size_the_heads_cannot_split_over_fails_with_one_line(moe_cache, ca
     # the registry knows the model's KV heads: refused before anything is downloaded (the cache is empty)
     rc, out, err = run_cli(capsys, "serve-args", "Qwen3-32B", "--tp", "3", "--offline")
     assert rc == 1 and "8 KV heads cannot be split over 3" in err and "offline" not in err, err
+    # MiniMax-M2.7's FP8 MoE weights (intermediate size 1536, blocks of 128): TP 8 leaves 192-wide shards, which
+    # SGLang refuses at start-up (the authors' recipe says so); refused here before anything is downloaded
+    rc, out, err = run_cli(capsys, "serve-args", "MiniMax-M2.7", "--tp", "8", "--offline")
+    assert rc == 1 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "MoE weights cannot be split over 8" in err and "1536 / 8 = 192" in err and "try --tp 1, 2, 4" in err, err
+    rc, out, err = run_cli(capsys, "serve-args", "MiniMax-M2.7", "--tp", "2", "--offline")
+    assert rc == 1 and "is not cached" in err, err  # TP 2 passes the rule: the files are what is missing
     for tp in ("0", "1025"):  # out of bounds: refused before anything is read
         rc, out, err = run_cli(capsys, "serve-args", "Qwen3-9B-nonexistent", "--tp", tp)
         assert rc == 1 and out == "" and "tp_size must be an integer from 1 to 1,024" in err, err
@@ -450,6 +457,12 @@ def _model(**tag_changes) -> dict:
 @pytest.mark.parametrize("changes, message", [
     ({"launch": {"tp_size": 3}}, "cannot be split over 3"),
     ({"launch": {"tp_size": 0}}, "tp_size must be an integer from 1"),
+    # 1280 / 4 = 320: no whole number of 128-wide blocks (TP 2 and 1 fit: the message names them)
+    ({"launch": {"tp_size": 4}, "architecture": {"moe_intermediate_size": 1280, "weight_block_size": 128}},
+     "MoE weights cannot be split over 4 tensor-parallel ranks: each rank's gate/up shard (intermediate size 1280 / 4 "
+     "= 320) must be a whole number of the checkpoint's 128-wide quantization blocks; try --tp 1, 2"),
+    ({"architecture": {"moe_intermediate_size": 1536}}, "moe_intermediate_size and weight_block_size go together"),
+    ({"architecture": {"moe_intermediate_size": 1000, "weight_block_size": 128}}, "not a multiple of weight_block_size"),
     ({"launch": {"prefill_attention_backend": "flashinfer"}}, "prefill_attention_backend must be one of triton, fa3"),
     ({"launch": {"decode_attention_backend": "fa3"}}, "decode_attention_backend must be triton"),
     ({"launch": {"tp": 2}}, "unknown key(s) tp"),
@@ -458,7 +471,9 @@ def _model(**tag_changes) -> dict:
     ({"grouping": "head"}, "grouping must be one of layer, kv_head"),
 ])
 def test_bad_launch_blocks_are_refused_by_loading_and_lint(changes, message):
+    arch = changes.pop("architecture", {})
     raw = _model(**changes)
+    raw["architecture"].update(arch)
     with pytest.raises(RegistryError, match=__import__("re").escape(message)):
         parse_model(raw, "models[0]", "test")
     report = lint_registry({"models": [raw]})

@@ -12,6 +12,8 @@ no entry can make ``plan``, ``verify`` or ``fetch`` compute with an impossible m
 - ``architecture.num_kv_heads``: 1 … :data:`MAX_KV_HEADS` (256); ``num_attention_heads``:
   1 … :data:`MAX_ATTENTION_HEADS` (4096), a multiple of ``num_kv_heads``;
 - ``architecture.num_parameters``: 1 … :data:`MAX_PARAMETERS` (10^15), with ``weight_dtype``;
+- ``architecture.moe_intermediate_size``: 1 … :data:`MAX_INTERMEDIATE` (2^20), with ``weight_block_size``
+  (1 … 4096), a whole number of its blocks;
 - ``files.*.size``: 1 … :data:`MAX_FILE_BYTES` (256 MiB, the most a rotation file may hold);
   ``files.*.sha256``: 64 lowercase hex digits;
 - ``calibration.tokens`` / ``prompts``: 0 … :data:`MAX_COUNT` (2^40); ``calibration.group_size``:
@@ -42,6 +44,10 @@ REGISTRY_HEAD_DIMS: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
 MAX_ATTENTION_HEADS = 4096
 #: Most parameters of one model (``num_parameters``): 10^15.
 MAX_PARAMETERS = 10**15
+#: Largest MoE intermediate size (``moe_intermediate_size``): 2^20.
+MAX_INTERMEDIATE = 2**20
+#: Widest quantization block of a checkpoint's weights (``weight_block_size``).
+MAX_WEIGHT_BLOCK = 4096
 #: Largest rotation file a registry entry may name (``files.*.size``): 256 MiB.
 MAX_FILE_BYTES = MAX_BYTES
 #: Largest calibration count (``calibration.tokens``, ``calibration.prompts``): 2^40.
@@ -51,8 +57,9 @@ MAX_REGISTRY_BYTES = 16 << 20
 #: Deepest nesting of a registry document (a file source is 9 levels down).
 MAX_JSON_DEPTH = 32
 
-__all__ = ["MAX_ATTENTION_HEADS", "MAX_COUNT", "MAX_FILE_BYTES", "MAX_JSON_DEPTH", "MAX_KV_HEADS", "MAX_LAYERS",
-           "MAX_PARAMETERS", "MAX_REGISTRY_BYTES", "REGISTRY_HEAD_DIMS", "check_architecture", "check_calibration",
+__all__ = ["MAX_ATTENTION_HEADS", "MAX_COUNT", "MAX_FILE_BYTES", "MAX_INTERMEDIATE", "MAX_JSON_DEPTH", "MAX_KV_HEADS",
+           "MAX_LAYERS", "MAX_PARAMETERS", "MAX_REGISTRY_BYTES", "MAX_WEIGHT_BLOCK", "REGISTRY_HEAD_DIMS",
+           "check_architecture", "check_calibration", "check_weight_blocks",
            "check_file_numbers", "check_results"]
 
 
@@ -89,6 +96,24 @@ def check_architecture(head_dim: Any, num_layers: Any, attention_layer_ids: Any,
     if num_parameters is not None and weight_dtype is None:
         raise RegistryError(f"{where}: num_parameters needs weight_dtype too (e.g. \"bfloat16\")")
     return ids
+
+
+def check_weight_blocks(moe_intermediate_size: Any, weight_block_size: Any, where: str = "architecture") -> None:
+    """Both or neither; bounded; the intermediate size a whole number of blocks (else no TP size serves it).
+
+    Raises:
+        RegistryError: one line naming the field.
+    """
+    if (moe_intermediate_size is None) != (weight_block_size is None):
+        raise RegistryError(f"{where}: moe_intermediate_size and weight_block_size go together (the TP rule of "
+                            "block-quantized MoE weights needs both)")
+    if moe_intermediate_size is None:
+        return
+    _int(moe_intermediate_size, f"{where}.moe_intermediate_size", 1, MAX_INTERMEDIATE)
+    _int(weight_block_size, f"{where}.weight_block_size", 1, MAX_WEIGHT_BLOCK)
+    if moe_intermediate_size % weight_block_size:
+        raise RegistryError(f"{where}.moe_intermediate_size {moe_intermediate_size} is not a multiple of "
+                            f"weight_block_size {weight_block_size} (no TP size could split it)")
 
 
 def check_layer_head_dims(raw: Any, ids: tuple[int, ...] | None, num_layers: Any,

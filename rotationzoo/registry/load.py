@@ -18,7 +18,6 @@ from ..errors import ConfigError, RegistryError, UnknownModelError
 from ..int2kv import HEAD_DIMS, Int2KVConfig
 from ..launch import LaunchConfig
 from ..numbers import shown
-from ..sharding import kv_heads_per_rank
 from ..vocab import GROUPINGS
 from . import bounds, safety
 from .latent import parse_latent as _parse_latent
@@ -59,7 +58,7 @@ def schema_path() -> Path:
 
 
 _ARCHITECTURE_KEYS = ("head_dim", "num_layers", "attention_layer_ids", "num_kv_heads", "num_attention_heads",
-                      "num_parameters", "weight_dtype", "layer_head_dims")
+                      "num_parameters", "weight_dtype", "layer_head_dims", "moe_intermediate_size", "weight_block_size")
 
 
 def parse_architecture(raw: Any, where: str) -> Architecture:
@@ -94,12 +93,12 @@ def parse_serving(raw: Any, arch: Architecture, where: str) -> Int2KVConfig:
 
 def parse_launch(raw: Any, arch: Architecture, grouping: str, where: str) -> LaunchConfig:
     """A tag's ``launch`` block: its bounds (:class:`~rotationzoo.launch.LaunchConfig`), a TP size the
-    model's KV heads can be split over (the authors' rule, :func:`~rotationzoo.sharding.kv_heads_per_rank`),
+    model can be served at (its KV heads by the authors' rule, its block-quantized MoE weights:
+    :meth:`~rotationzoo.registry.model.Architecture.check_tp_size`),
     and no V-rotation absorption for per-KV-head files (it folds one ``R_V`` per layer into the weights)."""
     try:
         cfg = LaunchConfig.from_json(raw, where=where)
-        if arch.num_kv_heads is not None:
-            kv_heads_per_rank(arch.num_kv_heads, cfg.tp_size)
+        arch.check_tp_size(cfg.tp_size)
     except ConfigError as exc:
         text = str(exc)
         raise RegistryError(text if text.startswith(where) else f"{where}: tp_size: {text}") from None

@@ -17,7 +17,8 @@ from ..int2kv import Int2KVConfig
 from ..launch import LaunchConfig
 from ..numbers import shown
 from ..vocab import SIDES, SOURCE_TYPES, Grouping, Side, SourceType, WeightDtypeName  # noqa: F401 - re-exported
-from .bounds import check_architecture, check_layer_head_dims
+from ..sharding import check_tp_size
+from .bounds import check_architecture, check_layer_head_dims, check_weight_blocks
 
 #: An entry's serving defaults are an INT2-KV configuration (one type for the concept).
 Serving = Int2KVConfig
@@ -189,6 +190,10 @@ class Architecture:
     weight_dtype: WeightDtypeName | None = None
     #: layers whose head_dim differs from ``head_dim`` (Gemma-4: the full-attention layers' 512).
     layer_head_dims: Mapping[int, int] | None = None
+    #: block-quantized MoE weights: the experts' intermediate size and the checkpoint's block width, which
+    #: decide the TP sizes it can be served at (:meth:`check_tp_size`; MiniMax-M2.7: 1536 and 128)
+    moe_intermediate_size: int | None = None
+    weight_block_size: int | None = None
 
     @property
     def head_dims(self) -> HeadDims:
@@ -200,6 +205,13 @@ class Architecture:
                                  self.num_attention_heads, self.num_parameters, self.weight_dtype)
         object.__setattr__(self, "attention_layer_ids", ids)
         object.__setattr__(self, "layer_head_dims", check_layer_head_dims(self.layer_head_dims, ids, self.num_layers))
+        check_weight_blocks(self.moe_intermediate_size, self.weight_block_size)
+
+    def check_tp_size(self, tp_size: int) -> None:
+        """Refuse a TP size this model cannot be served at (its KV heads, its block-quantized MoE weights:
+        :func:`rotationzoo.sharding.check_tp_size`); :class:`~rotationzoo.errors.ConfigError`, one line."""
+        check_tp_size(tp_size, num_kv_heads=self.num_kv_heads, moe_intermediate_size=self.moe_intermediate_size,
+                      weight_block_size=self.weight_block_size)
 
     def expected_layer_ids(self) -> tuple[int, ...] | None:
         """The layer ids a rotation file must cover (sparse for hybrids), or None if unknown."""
