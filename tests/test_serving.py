@@ -339,7 +339,7 @@ def test_the_gguf_is_a_derived_file_the_cache_knows(qwen_cache, cache_dir, capsy
     assert run_cli(capsys, "cache", "verify")[0] == 0
 
 
-def test_llamacpp_serves_the_architectures_its_branch_rotates(qwen_cache, cache_dir, capsys):
+def test_llamacpp_serves_the_architectures_its_branch_rotates(qwen_cache, cache_dir, capsys, tmp_path):
     """The branch's graphs apply the rotation tensors for dense Qwen3 and Gemma-4 only: a registry model of
     another architecture is refused in one line naming the ones it serves, before anything is fetched or
     exported; a local pair that names no registry model gets a note instead."""
@@ -360,6 +360,20 @@ def test_llamacpp_serves_the_architectures_its_branch_rotates(qwen_cache, cache_
     with pytest.raises(ServingError, match="not a Qwen3 or Gemma-4 model"):
         rotationzoo.load(SMOL_SHARED.split("@")[0], SMOL_SHARED.split("@")[1]).serve_env("llamacpp")
     assert not (cache_dir / "derived").exists()  # nothing exported for a refused model
+    # a model whose id does not tell its architecture: the registry's gguf_architecture decides
+    for declared, refused in ((None, True), ("qwen3", False), ("llama", True)):
+        model = {"id": "acme/SuperChat-8B", "architecture": {"num_layers": 2, "head_dim": 128, "gguf_architecture": declared},
+                 "default_tag": "t", "tags": {"t": {"objectives": {"k": "qqt", "v": "sst"}, "serving": {}, "files": {
+                     s: {"path": f"SuperChat/t/{s}_rotation.pt", "sha256": None, "size": None,
+                         "sources": [{"type": "url", "url": f"https://example.invalid/{s}.pt"}]} for s in "kv"}}}}
+        reg = tmp_path / f"overlay-{declared}.json"
+        reg.write_text(json.dumps({"registry_version": 1, "models": [model]}))
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("ROTATIONZOO_REGISTRY", str(reg))
+            rc, out, err = run_cli(capsys, "serve-args", "acme/SuperChat-8B", "--engine", "llamacpp", "--offline")
+        assert rc == 1 and ("rotates the KV cache of Qwen3" in err) == refused and (
+            "is not cached" in err) != refused, (declared, err)
+        assert (f"is a {declared} model" in err) == (declared == "llama"), err
     # Qwen3 (dense) is served; rotations that name no registry model get a note to check the GGUF
     spec = launch_spec(QWEN, engine="llamacpp")
     assert spec.env["LLAMA_KV_V_ROT"] == "1" and Path(spec.files["gguf"]).is_relative_to(cache_dir)

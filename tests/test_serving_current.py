@@ -150,6 +150,20 @@ def test_tp_names_each_ranks_heads_and_json_says_the_same(moe_cache, moe_pair, c
     assert spec.ranks == [{"rank": r, "kv_heads": list(h), "of": 4} for r, h in enumerate(kv_heads_per_rank(4, 4))]
 
 
+def test_a_loaded_pair_is_held_to_its_models_tp_rule_too(moe_pair):
+    """launch_spec / serve_env of a pair whose entry has block-quantized MoE weights refuse a TP size that
+    splits them into partial blocks, as serve-args does before a download (4 KV heads over 8 ranks is fine)."""
+    import dataclasses
+
+    entry = moe_pair.entry
+    arch = dataclasses.replace(entry.architecture, moe_intermediate_size=1536, weight_block_size=128)
+    pair = dataclasses.replace(moe_pair, entry=dataclasses.replace(entry, architecture=arch))
+    assert launch_spec(pair, tp_size=4).ranks
+    with pytest.raises(ConfigError, match=r"MoE weights cannot be split over 8 .* try --tp 2, 4, 12"):
+        launch_spec(pair, tp_size=8)
+    assert launch_spec(moe_pair, tp_size=8).ranks  # without the weights' rule: 8 ranks, each head on two
+
+
 def test_a_tp_size_the_heads_cannot_split_over_fails_with_one_line(moe_cache, capsys):
     rc, out, err = run_cli(capsys, "serve-args", MOE, "--tp", "3")
     assert rc == 1 and out == "" and len(err.strip().splitlines()) == 1, err

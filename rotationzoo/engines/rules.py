@@ -179,14 +179,15 @@ def prepare(t: EngineTarget, *, config: Int2KVConfig, launch: LaunchConfig, path
 
 def check_architecture(t: EngineTarget, model_id: str | None, source: str) -> None:
     """Refuse, in one line, a registry model ``t`` does not serve (:attr:`EngineTarget.architectures`, by the
-    llama.cpp architecture its id names); any model when the target lists none, or the model is unknown.
+    llama.cpp architecture its registry entry declares (``architecture.gguf_architecture``) or else its id
+    names); any model when the target lists none, or the model is unknown.
 
     Raises:
         ServingError: names the model's architecture and the ones the target serves.
     """
     if t.architectures is None or model_id is None:
         return
-    arch = llama_architecture(model_id)
+    arch = _declared_gguf_architecture(model_id) or llama_architecture(model_id)
     if arch in t.architectures:
         return
     short = [what.split(" (")[0] for what in t.architectures.values()]
@@ -194,6 +195,14 @@ def check_architecture(t: EngineTarget, model_id: str | None, source: str) -> No
     raise ServingError(f"{source}: {model_id} is {desc}; {t.name} ({t.title}) rotates the KV cache of "
                        f"{' and '.join(t.architectures.values())} models only (general.architecture "
                        f"{', '.join(t.architectures)}); serve it with --engine sglang")
+
+
+def _declared_gguf_architecture(model_id: str) -> str | None:
+    """The registry's ``architecture.gguf_architecture`` of ``model_id``, when it names one."""
+    try:
+        return getattr(get_model(model_id).architecture, "gguf_architecture", None)  # none for an MLA latent set
+    except RotationZooError:
+        return None
 
 
 def known_model(pair: Any) -> str | None:
@@ -237,6 +246,8 @@ def pair_input(t: EngineTarget, pair: Any, *, model: str, config: Int2KVConfig |
     cfg = config if config is not None else pair.config()
     entry = pair.entry
     arch = entry.architecture if entry is not None else None
+    if arch is not None and knobs.get("tp_size") is not None:
+        arch.check_tp_size(knobs["tp_size"])  # the entry's own launch.tp_size was checked when the registry was read
     return prepare(t, config=cfg, launch=entry.launch if entry is not None else LaunchConfig(), paths=files,
                    model=model, head_dims=pair.head_dims, kinds=pair_kinds(pair, cfg),
                    source=pair.source or "rotations", kv_head_counts=kv_head_counts(pair),

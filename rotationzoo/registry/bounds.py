@@ -14,6 +14,8 @@ no entry can make ``plan``, ``verify`` or ``fetch`` compute with an impossible m
 - ``architecture.num_parameters``: 1 … :data:`MAX_PARAMETERS` (10^15), with ``weight_dtype``;
 - ``architecture.moe_intermediate_size``: 1 … :data:`MAX_INTERMEDIATE` (2^20), with ``weight_block_size``
   (1 … 4096), a whole number of its blocks;
+- ``architecture.gguf_architecture``: a llama.cpp architecture name (lowercase letters, digits, ``_``;
+  at most 40 characters);
 - ``files.*.size``: 1 … :data:`MAX_FILE_BYTES` (256 MiB, the most a rotation file may hold);
   ``files.*.sha256``: 64 lowercase hex digits;
 - ``calibration.tokens`` / ``prompts``: 0 … :data:`MAX_COUNT` (2^40); ``calibration.group_size``:
@@ -36,6 +38,8 @@ from ..int2kv import MAX_CONTEXT_TOKENS
 from ..numbers import check_int, check_real, shown
 from ..vocab import WEIGHT_DTYPE_NAMES
 
+#: llama.cpp's ``general.architecture`` as a registry may name it (``qwen3``, ``gemma4``).
+GGUF_ARCHITECTURE = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
 #: A sha256 as the registry spells it: 64 lowercase hex digits.
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 #: ``architecture.head_dim`` values a registry may hold.
@@ -59,7 +63,7 @@ MAX_JSON_DEPTH = 32
 
 __all__ = ["MAX_ATTENTION_HEADS", "MAX_COUNT", "MAX_FILE_BYTES", "MAX_INTERMEDIATE", "MAX_JSON_DEPTH", "MAX_KV_HEADS",
            "MAX_LAYERS", "MAX_PARAMETERS", "MAX_REGISTRY_BYTES", "MAX_WEIGHT_BLOCK", "REGISTRY_HEAD_DIMS",
-           "check_architecture", "check_calibration", "check_weight_blocks",
+           "check_architecture", "check_calibration", "check_gguf_architecture", "check_weight_blocks",
            "check_file_numbers", "check_results"]
 
 
@@ -114,6 +118,17 @@ def check_weight_blocks(moe_intermediate_size: Any, weight_block_size: Any, wher
     if moe_intermediate_size % weight_block_size:
         raise RegistryError(f"{where}.moe_intermediate_size {moe_intermediate_size} is not a multiple of "
                             f"weight_block_size {weight_block_size} (no TP size could split it)")
+
+
+def check_gguf_architecture(name: Any, where: str = "architecture") -> None:
+    """``None`` or a llama.cpp architecture name (:data:`GGUF_ARCHITECTURE`).
+
+    Raises:
+        RegistryError: one line naming the field.
+    """
+    if name is not None and (not isinstance(name, str) or not GGUF_ARCHITECTURE.match(name)):
+        raise RegistryError(f"{where}.gguf_architecture must be a llama.cpp architecture name (lowercase letters, "
+                            f"digits and _, e.g. \"qwen3\"), got {shown(name)}")
 
 
 def check_layer_head_dims(raw: Any, ids: tuple[int, ...] | None, num_layers: Any,

@@ -58,7 +58,8 @@ def schema_path() -> Path:
 
 
 _ARCHITECTURE_KEYS = ("head_dim", "num_layers", "attention_layer_ids", "num_kv_heads", "num_attention_heads",
-                      "num_parameters", "weight_dtype", "layer_head_dims", "moe_intermediate_size", "weight_block_size")
+                      "num_parameters", "weight_dtype", "layer_head_dims", "moe_intermediate_size", "weight_block_size",
+                      "gguf_architecture")
 
 
 def parse_architecture(raw: Any, where: str) -> Architecture:

@@ -18,7 +18,7 @@ from ..launch import LaunchConfig
 from ..numbers import shown
 from ..vocab import SIDES, SOURCE_TYPES, Grouping, Side, SourceType, WeightDtypeName  # noqa: F401 - re-exported
 from ..sharding import check_tp_size
-from .bounds import check_architecture, check_layer_head_dims, check_weight_blocks
+from .bounds import check_architecture, check_gguf_architecture, check_layer_head_dims, check_weight_blocks
 
 #: An entry's serving defaults are an INT2-KV configuration (one type for the concept).
 Serving = Int2KVConfig
@@ -194,6 +194,9 @@ class Architecture:
     #: decide the TP sizes it can be served at (:meth:`check_tp_size`; MiniMax-M2.7: 1536 and 128)
     moe_intermediate_size: int | None = None
     weight_block_size: int | None = None
+    #: llama.cpp's ``general.architecture`` of the model's GGUF (``qwen3``), where its id does not tell
+    #: (:func:`rotationzoo.engines.llama_architecture` reads ids like ``Qwen/Qwen3-8B``)
+    gguf_architecture: str | None = None
 
     @property
     def head_dims(self) -> HeadDims:
@@ -206,6 +209,7 @@ class Architecture:
         object.__setattr__(self, "attention_layer_ids", ids)
         object.__setattr__(self, "layer_head_dims", check_layer_head_dims(self.layer_head_dims, ids, self.num_layers))
         check_weight_blocks(self.moe_intermediate_size, self.weight_block_size)
+        check_gguf_architecture(self.gguf_architecture)
 
     def check_tp_size(self, tp_size: int) -> None:
         """Refuse a TP size this model cannot be served at (its KV heads, its block-quantized MoE weights:
