@@ -415,9 +415,6 @@ def _no_download_running(root: Path, folders: list[Path]) -> Iterator[None]:
         entries += [t for m in models if m.is_dir() and not m.is_symlink() for t in sorted(m.iterdir())
                     if t.is_dir() and not t.is_symlink()]
     with contextlib.ExitStack() as stack:
-        if entries:
-            area_dir(root, LOCKS_AREA).mkdir(parents=True, exist_ok=True)
         for e in entries:
-            stack.enter_context(file_lock(entry_lock(root, e), timeout=0, what=f"download into {e}", error=CacheError,
-                                          hint="nothing was removed"))
+            stack.enter_context(hold_entry(root, e, what=f"download into {e}", timeout=0, hint="nothing was removed"))
         yield

@@ -154,9 +154,10 @@ def entry_lock(root: Path, folder: Path) -> Path:
 
 
 @contextlib.contextmanager
-def hold_entry(root: Path, folder: Path, *, what: str, timeout: float) -> Iterator[None]:
+def hold_entry(root: Path, folder: Path, *, what: str, timeout: float, hint: str | None = None) -> Iterator[None]:
     """Hold the lock of the entry folder ``folder`` (the one downloads into it hold) while files and markers in it
-    are written, replaced or judged, so that ``cache verify`` never judges a file against another's marker.
+    are written, replaced, judged or removed, so that ``cache verify`` never judges a file against another's
+    marker and ``cache rm`` never removes what a download writes. ``hint`` ends an error line.
 
     Raises:
         CacheError: the lock cannot be created, or another process held it for ``timeout`` seconds.
@@ -165,8 +166,9 @@ def hold_entry(root: Path, folder: Path, *, what: str, timeout: float) -> Iterat
     try:
         locks.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise CacheError(f"cannot create the locks folder {locks} for the {what} ({exc.strerror or exc})") from None
-    with file_lock(entry_lock(root, folder), timeout=timeout, what=what, error=CacheError):
+        end = f"; {hint}" if hint else ""
+        raise CacheError(f"cannot create the locks folder {locks} for the {what} ({exc.strerror or exc}){end}") from None
+    with file_lock(entry_lock(root, folder), timeout=timeout, what=what, error=CacheError, hint=hint):
         yield
 
 
