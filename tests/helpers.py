@@ -34,3 +34,11 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
     code = main(list(argv))
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def with_cache(cache) -> dict:
+    """``cache`` as the keyword the installed transformers takes it by (``cache=`` from 5.24, ``past_key_values=``
+    before): ``model(ids, **with_cache(c))``."""
+    from rotationzoo.integrations.transformers import cache_argument
+
+    return {cache_argument(): cache}

@@ -11,6 +11,7 @@ transformers = pytest.importorskip("transformers")
 from rotationzoo.int2kv import Int2KVConfig  # noqa: E402
 from rotationzoo.integrations.transformers import OscarKV, oscar_kv  # noqa: E402
 from rotationzoo.integrations.transformers import cache as cache_module  # noqa: E402
+from helpers import with_cache  # noqa: E402
 
 D = 64
 #: logits of the two paths (fp32 model): the same sums in another order
@@ -51,9 +52,9 @@ def decode(model, oscar, ids, prefill, chunk=1):
     """Logits of a prefill of ``prefill`` tokens then the rest ``chunk`` tokens at a time."""
     with torch.no_grad(), oscar_kv(model, oscar) as kv:
         cache = kv.new_cache()
-        out = [model(ids[:, :prefill], cache=cache).logits[:, -1:]]
+        out = [model(ids[:, :prefill], **with_cache(cache)).logits[:, -1:]]
         for t in range(prefill, ids.shape[1], chunk):
-            out.append(model(ids[:, t:t + chunk], cache=cache).logits)
+            out.append(model(ids[:, t:t + chunk], **with_cache(cache)).logits)
     return torch.cat(out, dim=1), cache
 
 
@@ -117,9 +118,9 @@ def test_padding_is_read_by_the_kernel_as_a_mask(monkeypatch):
 
     def run():
         with torch.no_grad(), oscar_kv(model, oscar) as kv:
-            out = model.generate(batch, attention_mask=mask, cache=kv.new_cache(), max_new_tokens=5, do_sample=False,
+            out = model.generate(batch, attention_mask=mask, **kv.cache_kwargs(), max_new_tokens=5, do_sample=False,
                                  output_scores=True, return_dict_in_generate=True)
-            single = model.generate(batch[1:], cache=kv.new_cache(), max_new_tokens=5, do_sample=False)
+            single = model.generate(batch[1:], **kv.cache_kwargs(), max_new_tokens=5, do_sample=False)
         return out, single
 
     fast, single = run()
@@ -147,8 +148,8 @@ def generate_rows(model, oscar, prompts, steps, **kwargs):
     ids, mask = left_padded(prompts)
     args = dict(max_new_tokens=steps, do_sample=False, output_scores=True, return_dict_in_generate=True, **kwargs)
     with torch.no_grad(), oscar_kv(model, oscar) as kv:
-        out = model.generate(ids, attention_mask=mask, cache=kv.new_cache(), **args)
-        alone = [model.generate(p[None], cache=kv.new_cache(), **args) for p in prompts]
+        out = model.generate(ids, attention_mask=mask, **kv.cache_kwargs(), **args)
+        alone = [model.generate(p[None], **kv.cache_kwargs(), **args) for p in prompts]
     scores = torch.stack(out.scores)
     batched = [(out.sequences[row, ids.shape[1]:], scores[:, row]) for row in range(len(prompts))]
     return batched, [(a.sequences[0, len(p):], torch.stack(a.scores)[:, 0]) for a, p in zip(alone, prompts)]
@@ -210,7 +211,7 @@ def test_a_left_padded_batch_costs_the_memory_of_an_unpadded_one_and_prefills_in
         ids, mask = left_padded(prompts)
         with torch.no_grad(), oscar_kv(model, oscar) as kv:
             cache = kv.new_cache()
-            model(ids, attention_mask=mask, cache=cache)
+            model(ids, attention_mask=mask, **with_cache(cache))
         sizes.append((cache.nbytes(), cache.bits_per_element(), cache.layers[0].stored_tokens()))
     assert sizes[0] == sizes[1] and sizes[1][2] == {"prefix": 4, "int2": 188, "recent": 8}
     batched, alone = generate_rows(model, oscar, [torch.randint(3, 96, (30,), generator=g), short], steps=12,
@@ -220,9 +221,9 @@ def test_a_left_padded_batch_costs_the_memory_of_an_unpadded_one_and_prefills_in
         torch.testing.assert_close(scores, scores1, atol=TOL, rtol=TOL)
     ids1 = torch.cat([torch.zeros(5, dtype=torch.long), short])[None]
     with torch.no_grad(), oscar_kv(model, oscar) as kv:  # 10 tokens, 5 of them padding: the kernel path
-        one = model.generate(ids1, attention_mask=(ids1 != 0).long(), cache=kv.new_cache(), max_new_tokens=6,
+        one = model.generate(ids1, attention_mask=(ids1 != 0).long(), **kv.cache_kwargs(), max_new_tokens=6,
                              do_sample=False, output_scores=True, return_dict_in_generate=True)
-        ref = model.generate(short[None], cache=kv.new_cache(), max_new_tokens=6, do_sample=False, output_scores=True,
+        ref = model.generate(short[None], **kv.cache_kwargs(), max_new_tokens=6, do_sample=False, output_scores=True,
                              return_dict_in_generate=True)
     torch.testing.assert_close(torch.stack(one.scores), torch.stack(ref.scores), atol=TOL, rtol=TOL)
 
@@ -240,8 +241,8 @@ def test_decode_steps_given_no_mask_after_a_padded_prefill_leave_the_padding_unr
     def run():
         with torch.no_grad(), oscar_kv(model, oscar) as kv:
             cache = kv.new_cache()
-            model(ids, attention_mask=mask, cache=cache)
-            return torch.cat([model(more[:, t:t + chunk], cache=cache).logits for t in range(0, 9, chunk)], 1)
+            model(ids, attention_mask=mask, **with_cache(cache))
+            return torch.cat([model(more[:, t:t + chunk], **with_cache(cache)).logits for t in range(0, 9, chunk)], 1)
 
     fast = run()
     monkeypatch.setattr(cache_module, "DECODE_MAX_QUERIES", 0)  # every forward: dequantize, then SDPA
@@ -263,12 +264,12 @@ def test_steps_without_a_mask_after_a_padded_prefill_give_each_sequence_alone(pr
     more, width = torch.randint(3, 96, (2, n), generator=g), ids.shape[1]
     with torch.no_grad(), oscar_kv(model, oscar) as kv:
         cache = kv.new_cache()
-        model(ids, attention_mask=mask, cache=cache)
-        batched = torch.cat([model(more[:, t:t + chunk], cache=cache).logits for t in range(0, n, chunk)], 1)
+        model(ids, attention_mask=mask, **with_cache(cache))
+        batched = torch.cat([model(more[:, t:t + chunk], **with_cache(cache)).logits for t in range(0, n, chunk)], 1)
         for row, p in enumerate(prompts):
             alone = kv.new_cache()
-            model(p[None], cache=alone, position_ids=torch.arange(width - len(p), width)[None])
-            steps = [model(more[row:row + 1, t:t + chunk], cache=alone,
+            model(p[None], **with_cache(alone), position_ids=torch.arange(width - len(p), width)[None])
+            steps = [model(more[row:row + 1, t:t + chunk], **with_cache(alone),
                            position_ids=torch.arange(width + t, width + min(t + chunk, n))[None]).logits
                      for t in range(0, n, chunk)]
             torch.testing.assert_close(batched[row], torch.cat(steps, 1)[0], atol=TOL, rtol=TOL)
@@ -303,14 +304,14 @@ def test_a_left_padded_batch_keeps_each_sequences_sink_through_beams_and_crop():
     more = torch.randint(3, 96, (2, 3), generator=g)
     with torch.no_grad(), oscar_kv(model, oscar) as kv:
         cache = kv.new_cache()
-        model(ids, attention_mask=mask, cache=cache)
+        model(ids, attention_mask=mask, **with_cache(cache))
         ones = torch.ones(2, 3, dtype=torch.long)
-        model(more, attention_mask=torch.cat([mask, ones], 1), cache=cache)
+        model(more, attention_mask=torch.cat([mask, ones], 1), **with_cache(cache))
         cache.crop(-3)
-        again = model(more, attention_mask=torch.cat([mask, ones], 1), cache=cache).logits
+        again = model(more, attention_mask=torch.cat([mask, ones], 1), **with_cache(cache)).logits
         fresh = kv.new_cache()
-        model(ids, attention_mask=mask, cache=fresh)
-        once = model(more, attention_mask=torch.cat([mask, ones], 1), cache=fresh).logits
+        model(ids, attention_mask=mask, **with_cache(fresh))
+        once = model(more, attention_mask=torch.cat([mask, ones], 1), **with_cache(fresh)).logits
     torch.testing.assert_close(again, once, atol=TOL, rtol=TOL)
 
 
@@ -321,11 +322,11 @@ def test_int2_buffers_grow_without_copying_each_step(monkeypatch):
     ids = torch.randint(3, 96, (1, 70), generator=torch.Generator().manual_seed(13))
     with torch.no_grad(), oscar_kv(model, oscar) as kv:
         cache = kv.new_cache()
-        model(ids[:, :4], cache=cache)
+        model(ids[:, :4], **with_cache(cache))
         layer = cache.layers[0]
         buffers = set()
         for t in range(4, 70):
-            model(ids[:, t:t + 1], cache=cache)
+            model(ids[:, t:t + 1], **with_cache(cache))
             buffers.add(layer._buf["codes_k"].data_ptr())
     assert layer.stored_tokens() == {"prefix": 1, "int2": 67, "recent": 2}
     assert len(buffers) <= 8  # grown by at least 8 tokens or an eighth: a handful of copies in 66 steps

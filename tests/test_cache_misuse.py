@@ -15,6 +15,7 @@ from rotationzoo.integrations.transformers import OscarKV, oscar_kv  # noqa: E40
 from rotationzoo.integrations.transformers.cache import CROP_TOKENS  # noqa: E402
 
 from test_transformers_int2 import tiny_llama  # noqa: E402
+from helpers import with_cache  # noqa: E402
 
 D = 64
 pytestmark = pytest.mark.timeout(120)
@@ -50,7 +51,7 @@ def test_forward_outside_oscar_kv_raises_before_any_logit(model, ids) -> None:
         cache = kv.new_cache()
     out = None
     with torch.no_grad(), pytest.raises(EvaluationError, match=r"outside oscar_kv") as info:
-        out = model(ids[:, :10], cache=cache)
+        out = model(ids[:, :10], **with_cache(cache))
     assert out is None and "\n" not in str(info.value)
     assert all(layer.get_seq_length() == 0 for layer in cache.layers)
 
@@ -58,9 +59,9 @@ def test_forward_outside_oscar_kv_raises_before_any_logit(model, ids) -> None:
 def test_cache_filled_in_its_block_refuses_a_later_forward(model, ids) -> None:
     with torch.no_grad(), oscar_kv(model, OscarKV(rotations(), rotations(seed=2), config=small())) as kv:
         cache = kv.new_cache()
-        model(ids[:, :10], cache=cache)
+        model(ids[:, :10], **with_cache(cache))
     with torch.no_grad(), pytest.raises(EvaluationError, match=r"outside oscar_kv"):
-        model(ids[:, 10:11], cache=cache)
+        model(ids[:, 10:11], **with_cache(cache))
     assert cache.get_seq_length() == 10
 
 
@@ -119,7 +120,7 @@ def test_rotations_for_another_shape_fail_on_the_first_call(model, ids, path, ma
     with torch.no_grad(), oscar_kv(model, oscar) as kv:
         cache = kv.new_cache() if path == "cache" else None
         with pytest.raises(EvaluationError, match=match) as info:
-            model(ids[:, :3], cache=cache) if cache is not None else model(ids[:, :3], use_cache=False)
+            model(ids[:, :3], **with_cache(cache)) if cache is not None else model(ids[:, :3], use_cache=False)
     assert "layer 0" in str(info.value) and "\n" not in str(info.value)
     if cache is not None:
         assert cache.get_seq_length() == 0
@@ -139,7 +140,7 @@ def test_a_head_dim_the_kernels_do_not_run_fails_on_the_first_forward(ids) -> No
     with torch.no_grad(), oscar_kv(m32, oscar) as kv:
         cache = kv.new_cache()
         with pytest.raises(EvaluationError, match=r"layer 0: .* head_dim 32 .* 64, 128, 256"):
-            m32(ids[:, :20], cache=cache)
+            m32(ids[:, :20], **with_cache(cache))
         assert cache.get_seq_length() == 0 and all(layer.get_seq_length() == 0 for layer in cache.layers)
 
 
@@ -147,11 +148,11 @@ def test_reset_between_prompts_equals_a_fresh_cache(model, ids) -> None:
     oscar = OscarKV(rotations(), rotations(seed=2), config=small())
     with torch.no_grad(), oscar_kv(model, oscar) as kv:
         used = kv.new_cache()
-        model.generate(ids[:, :12], cache=used, max_new_tokens=8, do_sample=False)
+        model.generate(ids[:, :12], **with_cache(used), max_new_tokens=8, do_sample=False)
         used.reset()
         assert used.get_seq_length() == 0
-        again = model.generate(ids[:, 20:30], cache=used, max_new_tokens=10, do_sample=False)
-        fresh = model.generate(ids[:, 20:30], cache=kv.new_cache(), max_new_tokens=10, do_sample=False)
+        again = model.generate(ids[:, 20:30], **with_cache(used), max_new_tokens=10, do_sample=False)
+        fresh = model.generate(ids[:, 20:30], **kv.cache_kwargs(), max_new_tokens=10, do_sample=False)
     assert torch.equal(again, fresh)
 
 
@@ -203,8 +204,8 @@ def test_crop_refuses_what_it_cannot_restore(model, ids) -> None:
     oscar = OscarKV(rotations(), rotations(seed=2), config=small())
     with torch.no_grad(), oscar_kv(model, oscar) as kv:
         cache = kv.new_cache()
-        model(ids[:, :20], cache=cache)
-        model(ids[:, 20:23], cache=cache)
+        model(ids[:, :20], **with_cache(cache))
+        model(ids[:, 20:23], **with_cache(cache))
         cache.crop(0)  # nothing to do
         with pytest.raises(EvaluationError, match=r"last forward \(3\)"):
             cache.crop(-4)
@@ -221,7 +222,7 @@ def test_crop_after_a_long_prefill_is_bounded(model) -> None:
     ids = torch.randint(3, 96, (1, n), generator=torch.Generator().manual_seed(2))
     with torch.no_grad(), oscar_kv(model, oscar) as kv:
         cache = kv.new_cache()
-        model(ids, cache=cache)
+        model(ids, **with_cache(cache))
         layer = cache.layers[0]
         assert layer._demoted["k"].shape[2] == CROP_TOKENS
         with pytest.raises(EvaluationError, match="cannot remove"):
@@ -240,7 +241,7 @@ def test_prompt_lookup_decoding_runs_on_the_cache(model) -> None:
         calls = []
         real = cache.crop
         cache.crop = lambda n: (calls.append(n), real(n))[1]
-        out = model.generate(prompt, cache=cache, max_new_tokens=12, do_sample=False, prompt_lookup_num_tokens=4)
+        out = model.generate(prompt, **with_cache(cache), max_new_tokens=12, do_sample=False, prompt_lookup_num_tokens=4)
     assert out.shape[1] == prompt.shape[1] + 12
     assert calls and cache.get_seq_length() == out.shape[1] - 1
     assert cache.batch_size == 1

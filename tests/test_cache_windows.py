@@ -16,6 +16,7 @@ from rotationzoo.integrations.transformers import cache as cache_module  # noqa:
 from rotationzoo.kernels import native  # noqa: E402
 
 from test_cache_decode import TOL, Counter, decode, generate_rows, rotations, tiny_llama  # noqa: E402
+from helpers import with_cache  # noqa: E402
 
 D = 64
 #: aten operators that copy a tensor's value to the host (a device synchronisation on a GPU)
@@ -72,10 +73,10 @@ def test_a_decode_step_reads_no_tensor_on_the_host(impl, chunk, padded, monkeypa
         ids[0, :3], mask[0, :3] = 0, 0
     with torch.no_grad(), oscar_kv(model, oscar) as kv:
         cache = kv.new_cache()
-        model(ids[:, :20], attention_mask=mask[:, :20], cache=cache)
+        model(ids[:, :20], attention_mask=mask[:, :20], **with_cache(cache))
         mode.seen.clear()
         for t in range(20, 30, chunk):
-            model(ids[:, t:t + chunk], attention_mask=mask[:, :t + chunk], cache=cache)
+            model(ids[:, t:t + chunk], attention_mask=mask[:, :t + chunk], **with_cache(cache))
     assert count.calls >= 2 * (10 // chunk)  # the steps went through the kernel
     assert mode.seen == [], sorted(set(mode.seen))
 
@@ -91,9 +92,9 @@ def test_a_sliding_layer_without_int2_rows_is_the_dynamic_cache(chunk):
     oscar = OscarKV(eye, eye, config=Int2KVConfig(prefix_tokens=2, recent_tokens=64, hp_dtype="float32"))
     with torch.no_grad():
         dyn = transformers.DynamicCache(config=model.config)
-        want = [model(ids[:, :12], past_key_values=dyn).logits[:, -1:]]
+        want = [model(ids[:, :12], **with_cache(dyn)).logits[:, -1:]]
         for t in range(12, 30, chunk):
-            want.append(model(ids[:, t:t + chunk], past_key_values=dyn).logits)
+            want.append(model(ids[:, t:t + chunk], **with_cache(dyn)).logits)
     got, cache = decode(model, oscar, ids, prefill=12, chunk=chunk)
     torch.testing.assert_close(got, torch.cat(want, dim=1), atol=1e-5, rtol=1e-5)
     full, sliding = cache.layers
@@ -146,7 +147,7 @@ def test_batch_size_follows_the_cache_api():
     with torch.no_grad(), oscar_kv(model, oscar) as kv:
         cache = kv.new_cache()
         assert cache.batch_size == -1
-        model(torch.randint(3, 96, (3, 9)), cache=cache)
+        model(torch.randint(3, 96, (3, 9)), **with_cache(cache))
         assert cache.batch_size == 3
         cache.reset()
         assert cache.batch_size == -1

@@ -11,6 +11,7 @@ pytest.importorskip("transformers")
 
 import layouts  # noqa: E402
 from test_transformers_int2 import D, cfg, tiny_llama  # noqa: E402
+from helpers import with_cache  # noqa: E402
 
 from rotationzoo.integrations.transformers import OscarKV, oscar_kv  # noqa: E402
 from rotationzoo.files.rotation_set import RotationSet  # noqa: E402
@@ -57,7 +58,7 @@ def test_nothing_quantized_gives_the_models_logits(model, ids, kind) -> None:
                                        quantize_v=False)
         with oscar_kv(model, oscar) as kv:
             sim = model(ids, use_cache=False).logits
-            cached = model(ids, cache=kv.new_cache()).logits
+            cached = model(ids, **kv.cache_kwargs()).logits
     torch.testing.assert_close(sim, ref, atol=2e-5, rtol=0)
     torch.testing.assert_close(cached, ref, atol=2e-5, rtol=0)
 
@@ -70,8 +71,8 @@ def test_decoding_token_by_token_through_the_cache_is_exact_too(model, ids) -> N
                                        quantize_v=False)
         with oscar_kv(model, oscar) as kv:
             cache = kv.new_cache()
-            model(ids[:, :-1], cache=cache)
-            last = model(ids[:, -1:], cache=cache).logits[:, -1]
+            model(ids[:, :-1], **with_cache(cache))
+            last = model(ids[:, -1:], **with_cache(cache)).logits[:, -1]
     torch.testing.assert_close(last, ref, atol=2e-5, rtol=0)
 
 

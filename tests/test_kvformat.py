@@ -158,7 +158,7 @@ def test_mixed_widths_route_each_layer_to_its_format() -> None:
     assert first[1] != base[1] and errors("int2-g32-w2+4-int3:0/1") == wide
     oscar = OscarKV(None, None, kv_format=parse_format("int2-g32-w2+4-int3:1"))
     with torch.no_grad(), oscar_kv(model, oscar) as kv, pytest.raises(EvaluationError, match="one code width per cache"):
-        model(ids, cache=kv.new_cache())
+        model(ids, **kv.cache_kwargs())
 
 
 def test_int2kvconfig_is_one_format() -> None:
@@ -320,7 +320,7 @@ def test_the_cache_refuses_a_format_it_does_not_store() -> None:
         model(ids, use_cache=False)  # the simulation evaluates any format
         with pytest.raises(EvaluationError, match="int4-g32-bf16-w2\\+4-c0/0 is evaluated by the decode-time "
                                                   "simulation only") as info:
-            model(ids, cache=kv.new_cache())
+            model(ids, **kv.cache_kwargs())
     assert "\n" not in str(info.value)
 
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import run_cli
+from helpers import run_cli, with_cache
 
 from rotationzoo.cli.main import main
 from rotationzoo.errors import ConfigError, RegistryError
@@ -178,9 +178,9 @@ def test_int2_bytes_equal_the_transformers_cache(config) -> None:
     ids = torch.randint(3, 96, (2, 400), generator=torch.Generator().manual_seed(1))
     with torch.no_grad(), oscar_kv(model, OscarKV(None, None, config=cfg)) as kv:
         cache = kv.new_cache()
-        model(ids[:, :390], cache=cache)
+        model(ids[:, :390], **with_cache(cache))
         for t in range(390, 400):
-            model(ids[:, t:t + 1], cache=cache)
+            model(ids[:, t:t + 1], **with_cache(cache))
     arch = Architecture(head_dim=64, num_layers=layers, num_kv_heads=3)
     p = plan(arch, context=400, batch=2, config=cfg)
     assert cache.nbytes() == p.format("oscar_int2").batch_bytes

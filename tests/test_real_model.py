@@ -18,6 +18,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
 from rotationzoo.evaluate import EvalProtocol, MethodSpec, evaluate, find_smollm2_gguf  # noqa: E402
+from helpers import with_cache  # noqa: E402
 
 pytestmark = [pytest.mark.realmodel, pytest.mark.slow]
 
@@ -158,7 +159,7 @@ def test_generate_with_oscar_cache_is_fluent(lm, shipped) -> None:
         ref = model.generate(prompt, **kw)
         with oscar_kv(model, oscar) as kv:
             cache = kv.new_cache()
-            out = model.generate(prompt, cache=cache, **kw)
+            out = model.generate(prompt, **with_cache(cache), **kw)
         assert cache.layers[0].stored_tokens()["int2"] > 250
         ppl_ref = _continuation_perplexity(model, prompt.shape[1], ref)
         ppl = _continuation_perplexity(model, prompt.shape[1], out)
@@ -212,8 +213,8 @@ def test_decode_from_the_codes_matches_the_dequantize_path(lm, shipped, monkeypa
     def run() -> torch.Tensor:
         with torch.no_grad(), oscar_kv(model, oscar) as kv:
             cache = kv.new_cache()
-            out = [model(ids[:, :392], cache=cache).logits[:, -1:]]
-            out += [model(ids[:, t:t + 1], cache=cache).logits for t in range(392, 400)]
+            out = [model(ids[:, :392], **with_cache(cache)).logits[:, -1:]]
+            out += [model(ids[:, t:t + 1], **with_cache(cache)).logits for t in range(392, 400)]
         assert cache.layers[0].stored_tokens()["int2"] == 400 - 320
         return torch.cat(out, dim=1)
 
@@ -267,7 +268,7 @@ def test_the_simulation_is_the_cache_to_rounding(lm, shipped) -> None:
                 for h in hooks:
                     h.remove()
             cache = kv.new_cache()
-            hidden = [model.model(ids[:, t:t + 1], cache=cache).last_hidden_state[0] for t in range(ids.shape[1])]
+            hidden = [model.model(ids[:, t:t + 1], **with_cache(cache)).last_hidden_state[0] for t in range(ids.shape[1])]
             real = model.lm_head(torch.cat(hidden))
     first = cfg.prefix_tokens + cfg.recent_tokens + 1  # positions that read INT2 rows
     assert cache.layers[0].stored_tokens()["int2"] == 320 - 48

@@ -339,5 +339,5 @@ def test_fitted_centering_leaves_the_logits_unchanged_with_int2_off(tmp_path):
                                            quantize_v=False)
             with oscar_kv(model, oscar) as kv:
                 sim = model(ids, use_cache=False).logits
-                cached = model(ids, cache=kv.new_cache()).logits
+                cached = model(ids, **kv.cache_kwargs()).logits
         assert (sim - ref).abs().max() <= 1e-5 and (cached - ref).abs().max() <= 1e-5

@@ -17,7 +17,7 @@ from rotationzoo.integrations.transformers import (  # noqa: E402
 )
 from rotationzoo.kernels import dequantize_int2, quantize_int2  # noqa: E402
 
-from helpers import int2_config  # noqa: E402
+from helpers import int2_config, with_cache  # noqa: E402
 
 D = 64
 
@@ -67,7 +67,7 @@ def test_huge_windows_equal_fp_attention(model, ids, impl) -> None:
             oscar = OscarKV(r, random_rotations(seed=2), config=cfg(prefix_tokens=512, recent_tokens=512, k_clip_ratio=0.96))
             with oscar_kv(model, oscar) as kv:
                 sim = model(ids, use_cache=False).logits
-                cached = model(ids, cache=kv.new_cache()).logits
+                cached = model(ids, **kv.cache_kwargs()).logits
             assert model.config._attn_implementation == impl  # restored on exit
         torch.testing.assert_close(sim, ref, atol=2e-5, rtol=0)
         torch.testing.assert_close(cached, ref, atol=2e-5, rtol=0)
@@ -189,9 +189,9 @@ def test_incremental_cache_equals_simulation(num_kv_heads, group_size, clip) -> 
     with torch.no_grad(), oscar_kv(model, oscar) as kv:
         sim = model(ids, use_cache=False).logits
         cache = kv.new_cache()
-        steps = [model(ids[:, :5], cache=cache).logits[:, -1:]]  # a short prefill: inside the windows
+        steps = [model(ids[:, :5], **with_cache(cache)).logits[:, -1:]]  # a short prefill: inside the windows
         for t in range(5, ids.shape[1]):
-            steps.append(model(ids[:, t:t + 1], cache=cache).logits)
+            steps.append(model(ids[:, t:t + 1], **with_cache(cache)).logits)
     inc = torch.cat(steps, dim=1)
     torch.testing.assert_close(inc, sim[:, 4:], atol=1e-4, rtol=1e-4)
     layer = cache.layers[0]
@@ -213,7 +213,7 @@ def test_cache_codes_are_the_kernels_codes(model, ids) -> None:
             return orig(k, v, *a, **kw)
 
         cache.layers[0].update = spy
-        model(ids, cache=cache)
+        model(ids, **with_cache(cache))
     layer = cache.layers[0]
     k_rot = (keys["k"].float() @ r[0]).to(torch.bfloat16)
     codes, sz = quantize_int2(k_rot[:, :, 4:-8], config=int2_config(0.96, 32, scale=torch.float16))
@@ -229,9 +229,21 @@ def test_cache_bits_per_element_matches_formula(model, ids) -> None:
     assert oscar.describe()["group_size"] == 16 and oscar.describe()["rotated"] == {"k": False, "v": False}
     with torch.no_grad(), oscar_kv(model, oscar) as kv:
         cache = kv.new_cache()
-        model(ids, cache=cache)
+        model(ids, **with_cache(cache))
     want = oscar.config.bits_per_element(D, ids.shape[1])
     assert math.isclose(cache.bits_per_element(), want, rel_tol=1e-12)
+
+
+def test_cache_argument_is_the_keyword_the_installed_models_take(model) -> None:
+    """``cache`` from transformers 5.24 (where ``past_key_values`` is deprecated), ``past_key_values`` before:
+    the name :meth:`OscarSession.cache_kwargs` passes is a parameter of the model's forward."""
+    import inspect
+
+    from rotationzoo.integrations.transformers import cache_argument
+
+    name = cache_argument()
+    assert name in inspect.signature(type(model).forward).parameters, name
+    assert name == ("cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values")
 
 
 def test_generate_with_cache(model, ids) -> None:
@@ -241,11 +253,11 @@ def test_generate_with_cache(model, ids) -> None:
         eye = torch.eye(D).expand(2, D, D).contiguous()
         exact = OscarKV(random_rotations(), random_rotations(seed=3), config=cfg(prefix_tokens=256, recent_tokens=256))
         with oscar_kv(model, exact) as kv:
-            same = model.generate(prompt, cache=kv.new_cache(), max_new_tokens=8, do_sample=False)
+            same = model.generate(prompt, **kv.cache_kwargs(), max_new_tokens=8, do_sample=False)
         int2 = OscarKV(eye, eye, config=Int2KVConfig(prefix_tokens=2, recent_tokens=2, group_size=16))
         with oscar_kv(model, int2) as kv:
             cache = kv.new_cache()
-            out = model.generate(prompt, cache=cache, max_new_tokens=8, do_sample=False)
+            out = model.generate(prompt, **with_cache(cache), max_new_tokens=8, do_sample=False)
     assert torch.equal(same, ref)
     assert out.shape == ref.shape
     # the last generated token is never written to the cache
@@ -261,7 +273,7 @@ def test_generate_batched_with_padding() -> None:
         ref = model.generate(batch, attention_mask=mask, max_new_tokens=6, do_sample=False)
         oscar = OscarKV(random_rotations(), random_rotations(seed=5), config=cfg(prefix_tokens=64, recent_tokens=64))
         with oscar_kv(model, oscar) as kv:
-            out = model.generate(batch, attention_mask=mask, cache=kv.new_cache(), max_new_tokens=6, do_sample=False)
+            out = model.generate(batch, attention_mask=mask, **kv.cache_kwargs(), max_new_tokens=6, do_sample=False)
             sim = model(batch, attention_mask=mask, use_cache=False).logits
         plain = model(batch, attention_mask=mask, use_cache=False).logits
     assert torch.equal(out, ref)
@@ -273,8 +285,8 @@ def test_cache_without_oscar_attention_is_refused(model, ids) -> None:
     with oscar_kv(model, oscar) as kv:
         cache = kv.new_cache()
     with torch.no_grad(), pytest.raises(EvaluationError, match="oscar_kv"):
-        model(ids[:, :10], cache=cache)
-        model(ids[:, 10:11], cache=cache)
+        model(ids[:, :10], **with_cache(cache))
+        model(ids[:, 10:11], **with_cache(cache))
 
 
 def test_layer_errors_are_collected(model, ids) -> None:

@@ -78,9 +78,11 @@ def _base_kv(model: Any, ids: Any, context: int) -> list[tuple[Any, Any]]:
     import torch
     from transformers import DynamicCache
 
+    from rotationzoo.integrations.transformers import cache_argument
+
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids, cache=cache)
+        model(ids, **{cache_argument(): cache})
     out = []
     for layer in cache.layers:
         reps = -(-context // layer.keys.shape[2])
@@ -128,13 +130,15 @@ def _decode_steps(model: Any, cache: Any, first: int, context: int, steps: int) 
     """Seconds of each of ``steps`` greedy decode steps after ``context`` cached tokens."""
     import torch
 
+    from rotationzoo.integrations.transformers import cache_argument
+
     tok = torch.tensor([[first]])
     times = []
     with torch.no_grad():
         for t in range(steps):
             pos = torch.tensor([context + t])
             t0 = time.perf_counter()
-            logits = model(tok, cache=cache, cache_position=pos, position_ids=pos[None]).logits
+            logits = model(tok, **{cache_argument(): cache}, cache_position=pos, position_ids=pos[None]).logits
             tok = logits[:, -1:].argmax(-1)
             times.append(time.perf_counter() - t0)
     return times

@@ -20,6 +20,9 @@ Example::
         out = model.generate(**inputs, cache=kv.new_cache(), max_new_tokens=64)   # real INT2 cache
         logits = model(input_ids, use_cache=False).logits                          # decode-time simulation
 
+``cache=`` is transformers 5.24's name; earlier versions (every one Python 3.10 installs) take
+``past_key_values=``, and ``model.generate(**inputs, **kv.cache_kwargs())`` runs on either.
+
 ``transformers`` is an optional dependency (``pip install rotationzoo[transformers]``), imported
 only when these functions run; a missing install raises
 :class:`~rotationzoo.errors.MissingDependencyError`. Nothing is downloaded: loading uses
@@ -32,6 +35,7 @@ from typing import Any
 
 from .attention import OSCAR_IMPL_PREFIX, OscarSession, oscar_attention_name, oscar_kv, simulated_int2_attention
 from .cache import cache_classes
+from .common import cache_argument
 from .calibration import (
     WARMUP_TOKENS,
     CalibrationProgress,
@@ -60,6 +64,7 @@ __all__ = [
     "OscarSession",
     "QKVCallback",
     "QKVCapture",
+    "cache_argument",
     "calibrate",
     "capture_attention_name",
     "capture_to_dump",

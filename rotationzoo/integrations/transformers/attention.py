@@ -18,7 +18,8 @@ import torch
 
 from ...errors import EvaluationError
 from .cache import cache_classes
-from .common import base_attention, base_implementation, register_attention, require_transformers, switch_attention
+from .common import (base_attention, base_implementation, cache_argument, register_attention, require_transformers,
+                     switch_attention)
 from .oscar import ACTIVE_SESSION, OSCAR_IMPL_PREFIX, OSCAR_TAG, OscarKV, fake_quantize
 from .simulate import exact_attention, kivi_boundaries, simulated_attention, simulated_int2_attention
 from .windows import visible
@@ -93,9 +94,16 @@ class OscarSession:
         return self._pads[1]
 
     def new_cache(self) -> Any:
-        """A fresh :class:`OscarInt2Cache` for this model (pass it as ``cache=`` /
-        ``past_key_values=`` to ``model(...)`` or ``model.generate(...)``)."""
+        """A fresh :class:`OscarInt2Cache` for this model: pass it as ``cache=`` to ``model(...)`` or
+        ``model.generate(...)`` (transformers 5.24 and later; ``past_key_values=`` before: :meth:`cache_kwargs`
+        picks the one the installed version reads)."""
         return cache_classes()["OscarInt2Cache"](self.oscar, config=self.model.config)
+
+    def cache_kwargs(self) -> dict[str, Any]:
+        """``{"cache": self.new_cache()}``, or ``{"past_key_values": …}`` where the installed transformers
+        predates ``cache=`` (:func:`~.common.cache_argument`): ``model.generate(**inputs, **kv.cache_kwargs())``
+        runs on either."""
+        return {cache_argument(): self.new_cache()}
 
     def layer_errors(self) -> dict[int, float]:
         """Per-layer relative attention-output error of the simulated forwards so far."""

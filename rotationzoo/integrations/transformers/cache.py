@@ -1,7 +1,7 @@
 """A ``transformers`` cache that stores keys/values OSCAR-style: rotated, INT2 outside the windows.
 
 The classes subclass transformers' cache API (``CacheLayerMixin``, transformers ≥ 4.56; tested with
-5.24), so they are defined on first use (:func:`cache_classes`); import them from
+5.25 and 5.20), so they are defined on first use (:func:`cache_classes`); import them from
 :mod:`rotationzoo.integrations.transformers`.
 """
 

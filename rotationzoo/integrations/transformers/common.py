@@ -1,4 +1,5 @@
-"""Pieces shared by the transformers modules: the dependency check and attention switching."""
+"""Pieces shared by the transformers modules: the dependency check, the name a model takes its cache by, and
+attention switching."""
 
 from __future__ import annotations
 
@@ -17,6 +18,16 @@ def require_transformers() -> Any:
     except ImportError:
         raise MissingDependencyError("transformers", "transformers", what="this") from None
     return transformers
+
+
+def cache_argument() -> str:
+    """The keyword ``model(...)`` and ``model.generate(...)`` take a cache by in the installed transformers:
+    ``"cache"`` from 5.24 on (where ``past_key_values`` is deprecated), ``"past_key_values"`` before (every
+    version Python 3.10 installs, up to 5.20.2)."""
+    require_transformers()
+    from transformers.generation import utils
+
+    return "cache" if "cache" in getattr(utils, "ALL_CACHE_NAMES", ()) else "past_key_values"
 
 
 def switch_attention(model: Any, name: str) -> None:
