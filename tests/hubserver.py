@@ -80,7 +80,7 @@ TEST_TOKEN = "hub-test-token"
 TEST_USER = "testuser"
 """User name reported by whoami endpoints."""
 
-FAULT_KINDS = ("corrupt", "truncate", "http500", "reset", "slow", "drip_headers", "drip_body")
+FAULT_KINDS = ("corrupt", "truncate", "http500", "reset", "slow", "drip_headers", "drip_body", "xet")
 
 _BODY_FAULTS = ("corrupt", "truncate", "drip_body")
 
@@ -628,6 +628,10 @@ class HubServer:
         * ``drip_body``: send the headers at once, then the body ``chunk`` bytes (default 1) every
           ``interval`` seconds (default 1.0).
 
+        * ``xet``: a Hugging Face file answer also names a Xet storage entry (``X-Xet-Hash`` and an
+          ``X-Xet-Refresh-Route`` that answers 404, as the Hub does for a Xet-backed file), so a client
+          that takes the Xet path fails where plain HTTP succeeds.
+
         A drip ends when the client closes the connection or the server stops.
         """
         if kind not in FAULT_KINDS:
@@ -959,6 +963,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             response = self._error_response(err, path)
         except Exception as exc:  # pragma: no cover - a bug in the server shows up as a 500 with details
             response = _json({"error": f"{type(exc).__name__}: {exc}"}, status=500)
+        if fault is not None and fault.kind == "xet" and "X-Repo-Commit" in response.headers and response.status < 400:
+            response.headers["X-Xet-Hash"] = "0" * 64
+            response.headers["X-Xet-Refresh-Route"] = f"{self._base_url()}/api/models/_xet/xet-read-token/none"
         sent = _BODY_FAULTS + ("drip_headers",)
         self._send(method, response, fault=fault if fault is not None and fault.kind in sent else None)
 

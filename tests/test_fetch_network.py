@@ -355,3 +355,18 @@ def test_unwritable_cache_is_one_typed_line(zoo, tmp_path) -> None:
     says = "is not a folder; set --cache-dir" if os.geteuid() == 0 else "is not writable.*ROTATIONZOO_CACHE"
     with pytest.raises(CacheError, match=says):
         rotationzoo.fetch(MODEL, cache_dir=blocked)
+
+
+def test_a_xet_backed_file_comes_over_http_where_the_cap_holds(zoo, monkeypatch) -> None:
+    """The Hub names Xet storage for a Xet-backed file; the Xet client reads in Rust, past the deadlines and the
+    byte cap, so a download switches it off: the file comes over HTTP from the first source, nothing asks the
+    Xet service, and huggingface_hub's own setting is as it was."""
+    pytest.importorskip("hf_xet", reason="hf_xet is not installed: huggingface_hub takes HTTP anyway")
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", False)
+    zoo.server.arm_fault("/resolve/", "xet", count=1000)
+    res = rotationzoo.fetch(MODEL)
+    assert res.source.startswith("huggingface:"), res.source
+    assert not any("xet-read-token" in r["target"] for r in zoo.server.requests()), zoo.server.requests()
+    assert constants.HF_HUB_DISABLE_XET is False

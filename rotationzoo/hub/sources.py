@@ -256,7 +256,7 @@ def download_huggingface(src: Source, f: FileEntry, *, hub_cache: Path, dest_dir
     counting: dict[str, Any] = {}
     if "tqdm_class" in _parameters(hf_hub_download):
         counting["tqdm_class"] = _hf_counting_bar()
-    with _hf_bars():  # a stopped download's ``.incomplete`` file is removed by the client itself
+    with _hf_bars(), transfer.over_http():  # a stopped download's ``.incomplete`` file is removed by the client itself
         return _with_blob(_bounded(lambda: hf_hub_download(
             repo_id=repo,
             filename=f.source_path(src),

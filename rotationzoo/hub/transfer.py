@@ -18,7 +18,8 @@ A transfer may also cap the bytes of each answer (``max_bytes``): an answer that
 passes the cap (plus :func:`byte_slack` for chunk framing), whatever the client would have made of
 it. A compressed body the client inflates is stopped once what it writes passes the cap: counted by
 the client's progress callback (:meth:`Transfer.wrote`, ``huggingface_hub``) or seen by
-:func:`watch_files` (ModelScope).
+:func:`watch_files` (ModelScope). ``huggingface_hub``'s Xet transfers read in Rust, past the hooks:
+:func:`over_http` switches them off for a download.
 
 The clients run in the calling thread, so when a download returns or raises, nothing of it is left
 running. A stopped transfer raises into the client an exception it does not retry on (for
@@ -232,6 +233,34 @@ def watch_files(t: Transfer, paths: Callable[[], Iterable[os.PathLike[str]]], ca
     finally:
         done.set()
         watcher.join()
+
+
+_XET_LOCK = threading.Lock()
+_XET_RUNNING = [0]  # downloads running with Xet switched off
+_XET_BEFORE: list[Any] = [False]  # huggingface_hub's setting before the first of them
+
+
+@contextlib.contextmanager
+def over_http() -> Iterator[None]:
+    """Switch ``huggingface_hub``'s Xet transfers off while the block runs (``constants.HF_HUB_DISABLE_XET``,
+    which the client reads at each download): a Xet-backed file then comes over plain HTTP, where the deadlines
+    and the byte cap of :mod:`.transfer` see every byte (the Xet client reads in Rust, past both). Rotation
+    files are small; nothing is lost but Xet's chunk reuse. Other downloads of the process running meanwhile
+    use HTTP too; the setting is restored when the last of these blocks ends."""
+    from huggingface_hub import constants
+
+    with _XET_LOCK:
+        if _XET_RUNNING[0] == 0:
+            _XET_BEFORE[0] = constants.HF_HUB_DISABLE_XET
+        _XET_RUNNING[0] += 1
+        constants.HF_HUB_DISABLE_XET = True
+    try:
+        yield
+    finally:
+        with _XET_LOCK:
+            _XET_RUNNING[0] -= 1
+            if _XET_RUNNING[0] == 0:
+                constants.HF_HUB_DISABLE_XET = _XET_BEFORE[0]
 
 
 class GuardedSocket:
