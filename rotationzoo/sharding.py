@@ -56,24 +56,36 @@ def check_tp_size(tp_size: int, *, num_kv_heads: int | None = None, moe_intermed
     """Refuse a TP size a model cannot be served at: KV heads that cannot be split (:func:`kv_heads_per_rank`),
     or block-quantized MoE weights whose per-rank gate/up shard ``moe_intermediate_size / tp`` is no whole
     number of ``weight_block_size`` blocks (SGLang refuses such a shard at start-up: MiniMax-M2.7's 1536 over
-    8 ranks is 192, blocks of 128).
+    8 ranks is 192, blocks of 128). The sizes the message suggests pass both rules.
 
     Raises:
         ConfigError: one line, with TP sizes that work.
     """
-    if num_kv_heads is not None:
-        kv_heads_per_rank(num_kv_heads, tp_size)
     tp = _tp(tp_size)
-    if moe_intermediate_size is None or weight_block_size is None or not moe_intermediate_size % (tp * weight_block_size):
+    moe = moe_intermediate_size if weight_block_size is not None else None
+    block = weight_block_size or 1
+
+    def heads_fit(t: int) -> bool:
+        return num_kv_heads is None or num_kv_heads % t == 0 or t % num_kv_heads == 0
+
+    def fits(t: int) -> bool:
+        return heads_fit(t) and (moe is None or not moe % (t * block))
+
+    if num_kv_heads is not None and heads_fit(tp):
+        kv_heads_per_rank(num_kv_heads, tp)  # the heads' own checks
+    if fits(tp):
         return
-    fits = [t for t in range(1, moe_intermediate_size // weight_block_size + 1)
-            if not moe_intermediate_size % (t * weight_block_size)
-            and (num_kv_heads is None or num_kv_heads % t == 0 or t % num_kv_heads == 0)]
-    shard = moe_intermediate_size / tp
+    near = sorted(sorted((t for t in range(1, MAX_TP + 1) if fits(t)), key=lambda t: (abs(t - tp), t))[:3])
+    hint = f"try --tp {', '.join(map(str, near))}" if near else "no TP size splits them"
+    if not heads_fit(tp):
+        h = int(num_kv_heads or 1)
+        raise ConfigError(f"{h} KV heads cannot be split over {tp} tensor-parallel ranks: the ranks must divide the "
+                          f"heads ({h} % {tp} = {h % tp}) or the heads the ranks ({tp} % {h} = {tp % h}); {hint}")
+    assert moe is not None
+    detail = f"{moe} / {tp} = {moe // tp}" if not moe % tp else f"{moe} does not divide by {tp}"
     raise ConfigError(f"the MoE weights cannot be split over {tp} tensor-parallel ranks: each rank's gate/up shard "
-                      f"(intermediate size {moe_intermediate_size} / {tp} = {shard:g}) must be a whole number of the "
-                      f"checkpoint's {weight_block_size}-wide quantization blocks; try --tp "
-                      f"{', '.join(map(str, sorted(sorted(fits, key=lambda t: (abs(t - tp), t))[:3])))}")
+                      f"(intermediate size {detail}) must be a whole number of the checkpoint's {block}-wide "
+                      f"quantization blocks; {hint}")
 
 
 def _valid_tps(h: int, near: int) -> list[int]:

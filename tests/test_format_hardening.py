@@ -147,7 +147,7 @@ def test_stride0_view_refused_fast_and_small(tmp_path: Path) -> None:
     assert bad.stat().st_size < 2048
     r = probe(bad)
     assert r["outcome"].startswith("refused: ") and "stride" in r["outcome"], r
-    assert r["seconds"] < 2.0 and r["rss_mib"] < 500, r
+    assert r["seconds"] < 2.0 and r["rss_mib"] < 100, r
 
 
 def test_deflate_bomb_refused_fast_and_small(tmp_path: Path) -> None:
@@ -169,7 +169,7 @@ def test_deflate_bomb_refused_fast_and_small(tmp_path: Path) -> None:
     assert bad.stat().st_size < 2 << 20
     r = probe(bad)
     assert r["outcome"].startswith("refused: ") and "'data/0' is encrypted or compressed (method 8)" in r["outcome"], r
-    assert r["seconds"] < 2.0 and r["rss_mib"] < 500, r
+    assert r["seconds"] < 2.0 and r["rss_mib"] < 100, r
 
 
 def _identity_archive(path: Path, method: int, layers: int = 16, d: int = 512) -> Path:
@@ -195,7 +195,7 @@ def test_deflated_rotations_within_the_limits_refused_fast_and_small(tmp_path: P
     r = probe(bad)
     assert r["outcome"].startswith("refused: ") and "is encrypted or compressed (method 8)" in r["outcome"], r
     assert "re-save it with torch.save" in r["outcome"]
-    assert r["seconds"] < 1.0 and r["rss_mib"] < 500, r
+    assert r["seconds"] < 1.0 and r["rss_mib"] < 100, r
     # the very same archive with stored members is a valid rotation file
     ok = _identity_archive(tmp_path / "ok.pt", method=0)
     rs = read_rotation(ok)

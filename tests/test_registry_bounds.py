@@ -224,6 +224,9 @@ def test_the_schema_states_the_same_bounds() -> None:
     assert arch["num_kv_heads"]["maximum"] == bounds.MAX_KV_HEADS
     assert arch["num_attention_heads"]["maximum"] == bounds.MAX_ATTENTION_HEADS
     assert arch["num_parameters"]["maximum"] == bounds.MAX_PARAMETERS
+    assert arch["moe_intermediate_size"]["maximum"] == bounds.MAX_INTERMEDIATE
+    assert arch["weight_block_size"]["maximum"] == bounds.MAX_WEIGHT_BLOCK
+    assert arch["gguf_architecture"]["pattern"] == bounds.GGUF_ARCHITECTURE.pattern
     tag = schema["$defs"]["tag"]["properties"]
     serving = tag["serving"]["properties"]
     assert serving["group_size"]["enum"] == sorted({g for d in HEAD_DIMS for g in allowed_group_sizes(d)})

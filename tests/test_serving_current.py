@@ -22,7 +22,7 @@ import rotationzoo
 from rotationzoo import hub
 from rotationzoo.engines import TARGETS, absorption, pair_kinds, target
 from rotationzoo.errors import ConfigError, RegistryError, ServingError, UnknownTagError
-from rotationzoo.files.format import RotationSet, write_rotation
+from rotationzoo.files.format import RotationSet, read_rotation, write_rotation
 from rotationzoo.hadamard import hadamard_matrix
 from rotationzoo.hashing import sha256_file
 from rotationzoo.launch import LaunchConfig
@@ -164,6 +164,23 @@ def test_a_loaded_pair_is_held_to_its_models_tp_rule_too(moe_pair):
     assert launch_spec(moe_pair, tp_size=8).ranks  # without the weights' rule: 8 ranks, each head on two
 
 
+def test_local_files_that_name_a_registry_model_follow_its_tp_rule(tmp_path):
+    """A pair with no registry entry whose files record MiniMax-M2.7 (an exported pair, local files) is held to
+    the model's TP rule too, as the registry model is."""
+    entry = get_entry("MiniMax-M2.7")
+    arch = entry.architecture
+    sets, paths = {}, {}
+    for side in "kv":
+        rs = RotationSet(rotations=torch.eye(arch.head_dim).expand(arch.num_layers, -1, -1).contiguous(),
+                         layer_ids=tuple(range(arch.num_layers)), objective=entry.objectives[side])
+        paths[side] = write_rotation(tmp_path / f"{side}.pt", rs)
+        sets[side] = read_rotation(paths[side])
+    pair = rotationzoo.RotationPair(sets, entry=None, paths=paths, metadata={"model": entry.model_id}, source="local")
+    with pytest.raises(ConfigError, match="MoE weights cannot be split over 8"):
+        launch_spec(pair, tp_size=8)
+    assert "--tensor-parallel-size" in launch_spec(pair, tp_size=4).args
+
+
 def test_a_tp_size_the_heads_cannot_split_over_fails_with_one_line(moe_cache, capsys):
     rc, out, err = run_cli(capsys, "serve-args", MOE, "--tp", "3")
     assert rc == 1 and out == "" and len(err.strip().splitlines()) == 1, err
@@ -176,6 +193,9 @@ def test_a_tp_size_the_heads_cannot_split_over_fails_with_one_line(moe_cache, ca
     rc, out, err = run_cli(capsys, "serve-args", "MiniMax-M2.7", "--tp", "8", "--offline")
     assert rc == 1 and out == "" and len(err.strip().splitlines()) == 1, err
     assert "MoE weights cannot be split over 8" in err and "1536 / 8 = 192" in err and "try --tp 1, 2, 4" in err, err
+    # a size the heads refuse: the sizes suggested pass both rules (8 splits the heads, not the weights)
+    rc, out, err = run_cli(capsys, "serve-args", "MiniMax-M2.7", "--tp", "6", "--offline")
+    assert rc == 1 and "8 KV heads cannot be split over 6" in err and "try --tp 1, 2, 4" in err, err
     rc, out, err = run_cli(capsys, "serve-args", "MiniMax-M2.7", "--tp", "2", "--offline")
     assert rc == 1 and "is not cached" in err, err  # TP 2 passes the rule: the files are what is missing
     for tp in ("0", "1025"):  # out of bounds: refused before anything is read
@@ -477,6 +497,8 @@ def _model(**tag_changes) -> dict:
      "= 320) must be a whole number of the checkpoint's 128-wide quantization blocks; try --tp 1, 2"),
     ({"architecture": {"moe_intermediate_size": 1536}}, "moe_intermediate_size and weight_block_size go together"),
     ({"architecture": {"moe_intermediate_size": 1000, "weight_block_size": 128}}, "not a multiple of weight_block_size"),
+    ({"architecture": {"gguf_architecture": "qwen3\n"}}, "gguf_architecture must be a llama.cpp architecture name"),
+    ({"architecture": {"gguf_architecture": "Qwen3"}}, "gguf_architecture must be a llama.cpp architecture name"),
     ({"launch": {"prefill_attention_backend": "flashinfer"}}, "prefill_attention_backend must be one of triton, fa3"),
     ({"launch": {"decode_attention_backend": "fa3"}}, "decode_attention_backend must be triton"),
     ({"launch": {"tp": 2}}, "unknown key(s) tp"),

@@ -197,12 +197,19 @@ def check_architecture(t: EngineTarget, model_id: str | None, source: str) -> No
                        f"{', '.join(t.architectures)}); serve it with --engine sglang")
 
 
-def _declared_gguf_architecture(model_id: str) -> str | None:
-    """The registry's ``architecture.gguf_architecture`` of ``model_id``, when it names one."""
+def _model_architecture(model_id: str | None) -> Any:
+    """The registry's ``Architecture`` of ``model_id`` (``None``: not a registry model, or an MLA latent set's)."""
+    if model_id is None:
+        return None
     try:
-        return getattr(get_model(model_id).architecture, "gguf_architecture", None)  # none for an MLA latent set
+        return get_model(model_id).architecture
     except RotationZooError:
         return None
+
+
+def _declared_gguf_architecture(model_id: str) -> str | None:
+    """The registry's ``architecture.gguf_architecture`` of ``model_id``, when it names one."""
+    return getattr(_model_architecture(model_id), "gguf_architecture", None)
 
 
 def known_model(pair: Any) -> str | None:
@@ -246,13 +253,17 @@ def pair_input(t: EngineTarget, pair: Any, *, model: str, config: Int2KVConfig |
     cfg = config if config is not None else pair.config()
     entry = pair.entry
     arch = entry.architecture if entry is not None else None
-    if arch is not None and knobs.get("tp_size") is not None:
-        arch.check_tp_size(knobs["tp_size"])  # the entry's own launch.tp_size was checked when the registry was read
+    model_id = known_model(pair)
+    if knobs.get("tp_size") is not None:  # an entry's own launch.tp_size was checked when the registry was read
+        check_options(t, tp_size=knobs["tp_size"])  # a target without --tp says so first
+        rules = arch if arch is not None else _model_architecture(model_id)
+        if rules is not None:
+            rules.check_tp_size(knobs["tp_size"])
     return prepare(t, config=cfg, launch=entry.launch if entry is not None else LaunchConfig(), paths=files,
                    model=model, head_dims=pair.head_dims, kinds=pair_kinds(pair, cfg),
                    source=pair.source or "rotations", kv_head_counts=kv_head_counts(pair),
                    model_kv_heads=arch.num_kv_heads if arch is not None else None,
-                   hybrid=bool(arch is not None and arch.attention_layer_ids), model_id=known_model(pair), **knobs)
+                   hybrid=bool(arch is not None and arch.attention_layer_ids), model_id=model_id, **knobs)
 
 
 def _flag(knob: str) -> str:

@@ -126,7 +126,7 @@ def check_gguf_architecture(name: Any, where: str = "architecture") -> None:
     Raises:
         RegistryError: one line naming the field.
     """
-    if name is not None and (not isinstance(name, str) or not GGUF_ARCHITECTURE.match(name)):
+    if name is not None and (not isinstance(name, str) or not GGUF_ARCHITECTURE.fullmatch(name)):
         raise RegistryError(f"{where}.gguf_architecture must be a llama.cpp architecture name (lowercase letters, "
                             f"digits and _, e.g. \"qwen3\"), got {shown(name)}")
 
