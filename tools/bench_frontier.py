@@ -135,6 +135,7 @@ def _summary(reports: list[Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from rotationzoo.evaluate import CopyProbe, EvalProtocol, MethodSpec, evaluate, plot_frontier, tokenize_texts
+    from rotationzoo.evaluate.protocol import check_probe
     from rotationzoo.int2kv import Int2KVConfig
     from rotationzoo.integrations.transformers import load_model
     from rotationzoo.workflows import model_path
@@ -162,8 +163,10 @@ def main(argv: list[str] | None = None) -> int:
                 reports.append(done[0])
                 continue
             want = args.windows * args.context
-            ids = tokenize_texts(tok, [path], tokens=want + 4096 * bool(args.probes), skip=skip.get(name, 0))
             probe = CopyProbe(probes=args.probes) if args.probes else None
+            # the probes' text after the windows: 4,096 tokens (what 8 probes need), more for more probes
+            need = max(4096, check_probe(probe, Int2KVConfig())) if probe else 0
+            ids = tokenize_texts(tok, [path], tokens=want + need, skip=skip.get(name, 0))
             protocol = EvalProtocol(context=args.context, baseline=args.baseline, resamples=args.resamples, probe=probe,
                                     error_windows=args.error_windows)
             _log(f"{name}: {len(ids)} tokens, {len(specs)} rows")
