@@ -13,7 +13,7 @@ with it); :func:`rotationzoo.files.rotation_set.shard_set` applies it to a set.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from .errors import ConfigError
 
@@ -38,10 +38,8 @@ def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> list[tuple[int, ...]]:
     h = num_kv_heads
     if isinstance(h, bool) or not isinstance(h, int) or h < 1:
         raise ConfigError(f"number of KV heads must be a positive integer, got {h!r}")
-    if h % tp and tp % h:
-        raise ConfigError(f"{h} KV heads cannot be split over {tp} tensor-parallel ranks: the ranks must divide the "
-                          f"heads ({h} % {tp} = {h % tp}) or the heads the ranks ({tp} % {h} = {tp % h}); "
-                          f"try --tp {', '.join(str(t) for t in _valid_tps(h, tp))}")
+    if not _heads_fit(h, tp):
+        raise _heads_error(h, tp, _sizes_near(tp, lambda t: _heads_fit(h, t)))
     local = max(1, h // tp)
     rep = (local * tp) // h if local * tp > h else 1
     out = []
@@ -66,7 +64,7 @@ def check_tp_size(tp_size: int, *, num_kv_heads: int | None = None, moe_intermed
     block = weight_block_size or 1
 
     def heads_fit(t: int) -> bool:
-        return num_kv_heads is None or num_kv_heads % t == 0 or t % num_kv_heads == 0
+        return num_kv_heads is None or _heads_fit(num_kv_heads, t)
 
     def fits(t: int) -> bool:
         return heads_fit(t) and (moe is None or not moe % (t * block))
@@ -75,12 +73,9 @@ def check_tp_size(tp_size: int, *, num_kv_heads: int | None = None, moe_intermed
         kv_heads_per_rank(num_kv_heads, tp)  # the heads' own checks
     if fits(tp):
         return
-    near = sorted(sorted((t for t in range(1, MAX_TP + 1) if fits(t)), key=lambda t: (abs(t - tp), t))[:3])
-    hint = f"try --tp {', '.join(map(str, near))}" if near else "no TP size splits them"
+    hint = _sizes_near(tp, fits)
     if not heads_fit(tp):
-        h = int(num_kv_heads or 1)
-        raise ConfigError(f"{h} KV heads cannot be split over {tp} tensor-parallel ranks: the ranks must divide the "
-                          f"heads ({h} % {tp} = {h % tp}) or the heads the ranks ({tp} % {h} = {tp % h}); {hint}")
+        raise _heads_error(int(num_kv_heads or 1), tp, hint)
     assert moe is not None
     detail = f"{moe} / {tp} = {moe // tp}" if not moe % tp else f"{moe} does not divide by {tp}"
     raise ConfigError(f"the MoE weights cannot be split over {tp} tensor-parallel ranks: each rank's gate/up shard "
@@ -88,6 +83,17 @@ def check_tp_size(tp_size: int, *, num_kv_heads: int | None = None, moe_intermed
                       f"quantization blocks; {hint}")
 
 
-def _valid_tps(h: int, near: int) -> list[int]:
-    cands = sorted({t for t in range(1, 4 * max(h, near) + 1) if h % t == 0 or t % h == 0}, key=lambda t: (abs(t - near), t))
-    return sorted(cands[:3])
+def _heads_fit(h: int, tp: int) -> bool:
+    """The authors' rule: the ranks divide the heads, or the heads the ranks."""
+    return h % tp == 0 or tp % h == 0
+
+
+def _heads_error(h: int, tp: int, hint: str) -> ConfigError:
+    return ConfigError(f"{h} KV heads cannot be split over {tp} tensor-parallel ranks: the ranks must divide the "
+                       f"heads ({h} % {tp} = {h % tp}) or the heads the ranks ({tp} % {h} = {tp % h}); {hint}")
+
+
+def _sizes_near(tp: int, fits: Callable[[int], bool]) -> str:
+    """The three TP sizes nearest ``tp`` (up to :data:`MAX_TP`) that ``fits``, as the end of an error line."""
+    near = sorted(sorted((t for t in range(1, MAX_TP + 1) if fits(t)), key=lambda t: (abs(t - tp), t))[:3])
+    return f"try --tp {', '.join(map(str, near))}" if near else "no TP size splits them"

@@ -140,18 +140,21 @@ def prepare(t: EngineTarget, *, config: Int2KVConfig, launch: LaunchConfig, path
             calibrate: bool = False, block_size: int | None = None, hybrid: bool = False,
             model_path: str | None = None, latent: LatentLaunch | None = None,
             k_clip_per_layer: str | None = None, k_clip_per_head: str | None = None,
-            model_id: str | None = None) -> LaunchInput:
+            model_id: str | None = None, architecture: Any = None) -> LaunchInput:
     """Check the request against ``t`` and the files, apply the overrides, and decide absorption and sharding.
 
     ``kv_head_counts`` are the KV-head counts of a per-KV-head file's layers (empty for one rotation
     per layer); ``model_kv_heads`` the model's, when known; ``hybrid`` whether the model mixes
     attention with linear-attention layers; ``latent`` an MLA latent set launched instead of K/V files;
-    ``model_id`` the registry model the rotations are for, when known (:func:`check_architecture`).
+    ``model_id`` the registry model the rotations are for, when known (:func:`check_architecture`);
+    ``architecture`` its entry's, when the pair has one (else the registry's for ``model_id``), whose TP rule
+    a ``tp_size`` must pass.
 
     Raises:
         ServingError: a knob the target does not take, rotations or a model it cannot serve, absorption
             where it is wrong.
-        ConfigError: a TP size outside 1 … 1024 or one the KV heads cannot be split over.
+        ConfigError: a TP size outside 1 … 1024, or one the KV heads or the registry model's block-quantized
+            MoE weights cannot be split over (:meth:`~rotationzoo.registry.model.Architecture.check_tp_size`).
     """
     check_options(t, tp_size=tp_size, absorb_v_rotation=absorb_v_rotation, disable_radix_cache=disable_radix_cache,
                   calibrate=calibrate, block_size=block_size, k_clip_per_layer=k_clip_per_layer,
@@ -165,6 +168,9 @@ def prepare(t: EngineTarget, *, config: Int2KVConfig, launch: LaunchConfig, path
                            f"which {t.name} ({t.title}) does not serve; serve it with --engine sglang")
     if latent is None:
         check_architecture(t, model_id, source)
+    model_rules = (architecture or _model_architecture(model_id)) if tp_size is not None else None
+    if model_rules is not None:  # the model's TP rule (an entry's own launch.tp_size was checked when read)
+        model_rules.check_tp_size(tp_size)
     lc = launch.replace(tp_size=tp_size, disable_radix_cache=disable_radix_cache or None)
     absorb, note = absorption(t, kinds, lc, absorb_v_rotation, calibrate, source)
     counts = kv_head_counts or ((model_kv_heads,) if model_kv_heads and latent is None else ())
@@ -253,17 +259,12 @@ def pair_input(t: EngineTarget, pair: Any, *, model: str, config: Int2KVConfig |
     cfg = config if config is not None else pair.config()
     entry = pair.entry
     arch = entry.architecture if entry is not None else None
-    model_id = known_model(pair)
-    if knobs.get("tp_size") is not None:  # an entry's own launch.tp_size was checked when the registry was read
-        check_options(t, tp_size=knobs["tp_size"])  # a target without --tp says so first
-        rules = arch if arch is not None else _model_architecture(model_id)
-        if rules is not None:
-            rules.check_tp_size(knobs["tp_size"])
     return prepare(t, config=cfg, launch=entry.launch if entry is not None else LaunchConfig(), paths=files,
                    model=model, head_dims=pair.head_dims, kinds=pair_kinds(pair, cfg),
                    source=pair.source or "rotations", kv_head_counts=kv_head_counts(pair),
                    model_kv_heads=arch.num_kv_heads if arch is not None else None,
-                   hybrid=bool(arch is not None and arch.attention_layer_ids), model_id=model_id, **knobs)
+                   hybrid=bool(arch is not None and arch.attention_layer_ids), model_id=known_model(pair),
+                   architecture=arch, **knobs)
 
 
 def _flag(knob: str) -> str:
