@@ -9,6 +9,7 @@ name per knob everywhere (``registry.json`` ``launch`` key, Python attribute, CL
 attribute / JSON key             CLI flag (``serve-args``)     meaning
 ===============================  ============================  =============================================
 ``tp_size``                      ``--tp-size`` / ``--tp``      tensor-parallel ranks (``--tensor-parallel-size``)
+``ep_size``                      ``--ep-size`` / ``--ep``      expert-parallel groups of those ranks for MoE layers
 ``attention_backend``            –                             ``--attention-backend`` (the INT2 prefill reads it)
 ``prefill_attention_backend``    –                             ``--prefill-attention-backend``
 ``decode_attention_backend``     –                             ``--decode-attention-backend`` (always ``triton``)
@@ -18,9 +19,11 @@ attribute / JSON key             CLI flag (``serve-args``)     meaning
 ``recipe``                       –                             the recipe these values come from (provenance)
 ===============================  ============================  =============================================
 
-Defaults are the current tree's: TP 1, triton for every backend (FA3's INT2 prefill asserts on
+Defaults are the current tree's: TP 1, no expert parallelism (EP 1), triton for every backend (FA3's INT2 prefill asserts on
 sliding-window layers), no absorption (it is wrong for per-head and centered files), the prefix cache
-on. Bounds: ``tp_size`` 1 … :data:`~rotationzoo.sharding.MAX_TP`; backends and strategies from
+on. Bounds: ``tp_size`` 1 … :data:`~rotationzoo.sharding.MAX_TP`; ``ep_size`` a divisor of ``tp_size`` (SGLang
+splits the TP ranks into ``ep_size`` expert groups; each MoE weight is then split over ``tp_size / ep_size``
+ranks, attention and the KV cache still over all ``tp_size``); backends and strategies from
 :mod:`rotationzoo.vocab`; ``recipe`` a printable string of at most 200 characters.
 """
 
@@ -32,7 +35,7 @@ from typing import Any, Mapping
 
 from .errors import ConfigError
 from .numbers import check_int, shown
-from .sharding import MAX_TP
+from .sharding import MAX_TP, check_ep_size
 from .vocab import ATTENTION_BACKENDS, MAMBA_SCHEDULER_STRATEGIES, AttentionBackend, MambaSchedulerStrategy
 
 #: Longest ``recipe`` text.
@@ -49,6 +52,7 @@ class LaunchConfig:
     """
 
     tp_size: int = 1
+    ep_size: int = 1
     attention_backend: AttentionBackend = "triton"
     prefill_attention_backend: AttentionBackend = "triton"
     decode_attention_backend: AttentionBackend = "triton"
@@ -59,6 +63,7 @@ class LaunchConfig:
 
     def __post_init__(self) -> None:
         check_int(self.tp_size, "tp_size", low=1, high=MAX_TP, hint=" tensor-parallel ranks")
+        check_ep_size(self.ep_size, self.tp_size)
         for name in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
             if getattr(self, name) not in ATTENTION_BACKENDS:
                 raise ConfigError(f"{name} must be one of {', '.join(ATTENTION_BACKENDS)}, got {shown(getattr(self, name))}")

@@ -32,6 +32,7 @@ from .engines import (
     ENGINES,
     EngineTarget,
     check_architecture,
+    check_expert_parallel,
     check_options,
     kv_head_counts,
     llamacpp_env,
@@ -47,6 +48,7 @@ from .engines import (
 from .files.derived import ensure_rotation_files, ensure_rotations_gguf, rotations_gguf_path
 from .errors import ConfigError, RegistryError, RotationZooError, ServingError
 from .launch import LaunchConfig
+from .sharding import check_ep_size
 from .numbers import check_int, check_real, shown
 from .launchspec import OUTPUT_FORMATS, LaunchSpec, check_printable
 from .serving_mla import latent_model, latent_spec
@@ -95,6 +97,7 @@ def launch_spec(
     offline: bool | None = None,
     timeout: float | None = None,
     tp_size: int | None = None,
+    ep_size: int | None = None,
     absorb_v_rotation: bool | None = None,
     disable_radix_cache: bool | None = None,
     calibrate: bool = False,
@@ -119,6 +122,10 @@ def launch_spec(
         tp_size: tensor-parallel ranks instead of the entry's (``launch.tp_size``); the KV heads must
             split over them by the authors' rule, and block-quantized MoE weights into whole blocks
             (:func:`rotationzoo.sharding.check_tp_size`).
+        ep_size: expert-parallel groups of the TP ranks for MoE layers instead of the entry's (``launch.ep_size``,
+            1: none; SGLang's ``--ep-size``, a divisor of the TP size; vLLM's ``--enable-expert-parallel``, equal
+            to it): each expert's weights are then split over ``tp_size / ep_size`` ranks, which is what the
+            block rule checks; the KV heads stay split over all TP ranks.
         absorb_v_rotation: ask for V-rotation absorption on (``True``) or off (``False``) instead of
             the entry's setting; on is refused for per-KV-head, centered or non-orthogonal files.
         disable_radix_cache: serve without the prefix cache (SGLang targets).
@@ -145,15 +152,17 @@ def launch_spec(
     t = target(engine)
     if t.model_file == "gguf" and model_path and Path(model_path).suffix.lower() != ".gguf":
         raise ServingError(f"--model-path for {t.name} is the model's GGUF file, got {model_path!r}")
-    knobs: dict[str, Any] = {"tp_size": tp_size, "absorb_v_rotation": absorb_v_rotation,
+    knobs: dict[str, Any] = {"tp_size": tp_size, "ep_size": ep_size, "absorb_v_rotation": absorb_v_rotation,
                              "disable_radix_cache": disable_radix_cache, "block_size": block_size}
     check_options(t, **knobs, calibrate=calibrate, k_clip_per_layer=k_clip_per_layer, k_clip_per_head=k_clip_per_head)
     if block_size is not None:
         check_int(block_size, "block_size", low=1, high=MAX_BLOCK_TOKENS, hint=" tokens")
     if tp_size is not None:
         LaunchConfig(tp_size=tp_size)  # its bounds, before anything is downloaded
+    if ep_size is not None:  # its bounds (whether it divides the launch's TP size: below, with the entry's)
+        check_ep_size(ep_size, tp_size if tp_size is not None else ep_size)
     if not calibrate:
-        _precheck(t, model, tag, tp_size)
+        _precheck(t, model, tag, tp_size, ep_size)
     if calibrate:
         return _calibration_spec(t, model, tag, model_path, knobs)
     latent = latent_model(model, tag)
@@ -230,9 +239,9 @@ def _clip_tables(per_layer: str | os.PathLike[str] | None, per_head: str | os.Pa
     return layer, head
 
 
-def _precheck(t: EngineTarget, model: Any, tag: str | None, tp_size: int | None) -> None:
+def _precheck(t: EngineTarget, model: Any, tag: str | None, tp_size: int | None, ep_size: int | None) -> None:
     """For a registry model, refuse before its files are downloaded what the launch would refuse after:
-    a hybrid model or an architecture the target does not serve, a TP size its KV heads cannot be split
+    a hybrid model or an architecture the target does not serve, TP / EP sizes its KV heads cannot be split
     over or its block-quantized MoE weights cannot (the files' own heads are checked again once read)."""
     if not isinstance(model, str) or Path(model).expanduser().exists() or looks_like_path(model):
         return
@@ -246,8 +255,10 @@ def _precheck(t: EngineTarget, model: Any, tag: str | None, tp_size: int | None)
         prepare(t, config=entry.serving, launch=entry.launch, paths=None, model=entry.model_id, head_dims=None,
                 kinds=frozenset(), source=entry.key, hybrid=True)
     check_architecture(t, entry.model_id, entry.key)
-    if tp_size is not None:
-        arch.check_tp_size(tp_size)
+    if tp_size is not None or ep_size is not None:
+        lc = entry.launch.replace(tp_size=tp_size, ep_size=ep_size)
+        check_expert_parallel(t, lc)
+        arch.check_tp_size(lc.tp_size, lc.ep_size)
 
 
 def _calibration_spec(t: Any, model: Any, tag: str | None, model_path: str | None,

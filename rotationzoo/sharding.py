@@ -9,6 +9,10 @@ companions with a head axis (``k_mean [H, d]``, ``q_rotation``, …) are sharded
 vectors and one-rotation-per-layer sets are the same on every rank. A bare stacked tensor is never
 sharded: its first axis could be layers or heads. The rule is here (no torch: the registry checks TP sizes
 with it); :func:`rotationzoo.files.rotation_set.shard_set` applies it to a set.
+
+Expert parallelism (SGLang's ``--ep-size``) splits the ``tp`` ranks into ``ep`` groups for the MoE layers
+only: each group holds ``1/ep`` of the experts, each expert's weights are split over the ``tp / ep`` ranks of
+a group, and attention (the KV heads, their rotations) stays split over all ``tp`` ranks.
 """
 
 from __future__ import annotations
@@ -25,6 +29,19 @@ def _tp(tp_size: Any) -> int:
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or not 1 <= tp_size <= MAX_TP:
         raise ConfigError(f"tensor-parallel size must be an integer in [1, {MAX_TP}], got {tp_size!r}")
     return tp_size
+
+
+def check_ep_size(ep_size: Any, tp_size: int) -> int:
+    """``ep_size`` when it is an integer dividing ``tp_size`` (SGLang splits the TP ranks into that many
+    expert-parallel groups); :class:`~rotationzoo.errors.ConfigError`, one line, otherwise."""
+    if isinstance(ep_size, bool) or not isinstance(ep_size, int) or not 1 <= ep_size <= MAX_TP:
+        raise ConfigError(f"expert-parallel size must be an integer in [1, {MAX_TP}], got {ep_size!r}")
+    if tp_size % ep_size:
+        fit = [e for e in range(2, tp_size + 1) if not tp_size % e]
+        raise ConfigError(f"expert-parallel size {ep_size} does not divide the tensor-parallel size {tp_size}: the "
+                          "expert groups are made of the TP ranks; "
+                          + (f"try --ep-size {', '.join(map(str, fit[:4]))}" if fit else "use --ep-size 1 at TP 1"))
+    return ep_size
 
 
 def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> list[tuple[int, ...]]:
@@ -50,24 +67,30 @@ def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> list[tuple[int, ...]]:
 
 
 def check_tp_size(tp_size: int, *, num_kv_heads: int | None = None, moe_intermediate_size: int | None = None,
-                  weight_block_size: int | None = None) -> None:
+                  weight_block_size: int | None = None, ep_size: int = 1) -> None:
     """Refuse a TP size a model cannot be served at: KV heads that cannot be split (:func:`kv_heads_per_rank`),
-    or block-quantized MoE weights whose per-rank gate/up shard ``moe_intermediate_size / tp`` is no whole
-    number of ``weight_block_size`` blocks (SGLang refuses such a shard at start-up: MiniMax-M2.7's 1536 over
-    8 ranks is 192, blocks of 128). The sizes the message suggests pass both rules.
+    or block-quantized MoE weights whose per-rank gate/up shard ``moe_intermediate_size / (tp / ep)`` is no
+    whole number of ``weight_block_size`` blocks (SGLang refuses such a shard at start-up: MiniMax-M2.7's 1536
+    over 8 ranks is 192, blocks of 128; with ``--ep-size 2`` each expert is split over 4 ranks, 384). The sizes
+    the message suggests pass both rules at the same ``ep_size``, and a refused MoE shard names the expert-
+    parallel sizes that would take it.
 
     Raises:
-        ConfigError: one line, with TP sizes that work.
+        ConfigError: one line, with TP (or EP) sizes that work.
     """
     tp = _tp(tp_size)
+    ep = check_ep_size(ep_size, tp)
     moe = moe_intermediate_size if weight_block_size is not None else None
     block = weight_block_size or 1
 
     def heads_fit(t: int) -> bool:
         return num_kv_heads is None or _heads_fit(num_kv_heads, t)
 
+    def moe_fits(t: int, e: int) -> bool:
+        return moe is None or not moe % (t // e * block)
+
     def fits(t: int) -> bool:
-        return heads_fit(t) and (moe is None or not moe % (t * block))
+        return not t % ep and heads_fit(t) and moe_fits(t, ep)
 
     if num_kv_heads is not None and heads_fit(tp):
         kv_heads_per_rank(num_kv_heads, tp)  # the heads' own checks
@@ -77,10 +100,16 @@ def check_tp_size(tp_size: int, *, num_kv_heads: int | None = None, moe_intermed
     if not heads_fit(tp):
         raise _heads_error(int(num_kv_heads or 1), tp, hint)
     assert moe is not None
-    detail = f"{moe} / {tp} = {moe // tp}" if not moe % tp else f"{moe} does not divide by {tp}"
-    raise ConfigError(f"the MoE weights cannot be split over {tp} tensor-parallel ranks: each rank's gate/up shard "
-                      f"(intermediate size {detail}) must be a whole number of the checkpoint's {block}-wide "
-                      f"quantization blocks; {hint}")
+    ranks = tp // ep
+    detail = f"{moe} / {ranks} = {moe // ranks}" if not moe % ranks else f"{moe} does not divide by {ranks}"
+    over = f"{tp} tensor-parallel ranks" + (f" in {ep} expert-parallel groups" if ep > 1 else "")
+    eps = [e for e in range(ep + 1, tp + 1) if not tp % e and moe_fits(tp, e)]
+    if eps:
+        listed = ", ".join(map(str, eps[:-1])) + " or " + str(eps[-1]) if len(eps) > 1 else str(eps[0])
+        hint += f", or keep --tp {tp} with --ep-size {listed}"
+    raise ConfigError(f"the MoE weights cannot be split over {over}: each rank's gate/up shard (intermediate size "
+                      f"{detail}) must be a whole number of the checkpoint's {block}-wide quantization blocks; "
+                      f"{hint}")
 
 
 def _heads_fit(h: int, tp: int) -> bool:

@@ -164,6 +164,39 @@ def test_a_loaded_pair_is_held_to_its_models_tp_rule_too(moe_pair):
     assert launch_spec(moe_pair, tp_size=8).ranks  # without the weights' rule: 8 ranks, each head on two
 
 
+def test_expert_parallelism_is_printed_and_takes_the_tp_size_the_weights_refuse(moe_pair):
+    """--ep-size N (SGLang) splits each expert over TP / N ranks: TP 8 with EP 2 passes the block rule that TP 8
+    alone fails, the KV heads stay split over the 8 ranks, and vLLM's expert parallelism spans every rank."""
+    import dataclasses
+
+    entry = moe_pair.entry
+    arch = dataclasses.replace(entry.architecture, moe_intermediate_size=1536, weight_block_size=128)
+    pair = dataclasses.replace(moe_pair, entry=dataclasses.replace(entry, architecture=arch))
+    spec = launch_spec(pair, tp_size=8, ep_size=2)
+    assert flag(spec.args, "--tensor-parallel-size") == "8" and flag(spec.args, "--ep-size") == "2"
+    assert spec.ranks == launch_spec(moe_pair, tp_size=8).ranks  # the KV heads do not follow the experts
+    assert "--ep-size" not in launch_spec(pair, tp_size=4).args  # EP 1 (the recipes'): not printed
+    with pytest.raises(ConfigError, match="over 8 tensor-parallel ranks: .* keep --tp 8 with --ep-size 2, 4 or 8"):
+        launch_spec(pair, tp_size=8, ep_size=1)
+    with pytest.raises(ConfigError, match="expert-parallel size 3 does not divide the tensor-parallel size 8"):
+        launch_spec(pair, tp_size=8, ep_size=3)
+    with pytest.raises(ServingError, match="--ep-size does not apply to sglang-legacy"):
+        launch_spec(pair, engine="sglang-legacy", tp_size=8, ep_size=2)
+
+
+def test_vllm_expert_parallelism_spans_every_rank(cache_dir, capsys):
+    seed_v1(cache_dir, "Qwen3-8B")
+    rc, out, err = run_cli(capsys, "serve-args", "Qwen3-8B", "-e", "vllm", "--tp", "4", "--ep", "4", "--json")
+    assert rc == 0, err
+    args = json.loads(out)["args"]
+    assert flag(args, "--tensor-parallel-size") == "4" and "--enable-expert-parallel" in args
+    rc, out, err = run_cli(capsys, "serve-args", "Qwen3-8B", "-e", "vllm", "--tp", "4", "--ep", "2")
+    assert rc == 1 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "--ep-size is 1 or the TP size (4), got 2" in err
+    rc, out, err = run_cli(capsys, "serve-args", "Qwen3-8B", "-e", "vllm", "--tp", "4", "--json")
+    assert rc == 0 and "--enable-expert-parallel" not in json.loads(out)["args"]
+
+
 def test_local_files_that_name_a_registry_model_follow_its_tp_rule(tmp_path):
     """A pair with no registry entry whose files record MiniMax-M2.7 (an exported pair, local files) is held to
     the model's TP rule too, as the registry model is."""
@@ -198,6 +231,15 @@ def test_a_tp_size_the_heads_cannot_split_over_fails_with_one_line(moe_cache, ca
     assert rc == 1 and "8 KV heads cannot be split over 6" in err and "try --tp 1, 2, 4" in err, err
     rc, out, err = run_cli(capsys, "serve-args", "MiniMax-M2.7", "--tp", "2", "--offline")
     assert rc == 1 and "is not cached" in err, err  # TP 2 passes the rule: the files are what is missing
+    # with expert parallelism each expert is split over TP / EP ranks: TP 8 with EP 2 passes (384-wide shards), EP 3
+    # does not divide 8, and vLLM's expert parallelism spans every rank: all refused before a download
+    rc, out, err = run_cli(capsys, "serve-args", "MiniMax-M2.7", "--tp", "8", "--ep", "2", "--offline")
+    assert rc == 1 and "is not cached" in err, err
+    for extra, said in ((("--ep", "3"), "expert-parallel size 3 does not divide the tensor-parallel size 8"),
+                        (("--ep", "2", "-e", "vllm"), "--ep-size is 1 or the TP size (8), got 2"),
+                        (("--ep", "2", "-e", "sglang-legacy"), "--ep-size does not apply to sglang-legacy")):
+        rc, out, err = run_cli(capsys, "serve-args", "MiniMax-M2.7", "--tp", "8", *extra, "--offline")
+        assert rc == 1 and out == "" and said in err and "offline" not in err, err
     for tp in ("0", "1025"):  # out of bounds: refused before anything is read
         rc, out, err = run_cli(capsys, "serve-args", "Qwen3-9B-nonexistent", "--tp", tp)
         assert rc == 1 and out == "" and "tp_size must be an integer from 1 to 1,024" in err, err
@@ -491,6 +533,11 @@ def _model(**tag_changes) -> dict:
 @pytest.mark.parametrize("changes, message", [
     ({"launch": {"tp_size": 3}}, "cannot be split over 3"),
     ({"launch": {"tp_size": 0}}, "tp_size must be an integer from 1"),
+    ({"launch": {"tp_size": 4, "ep_size": 3}}, "expert-parallel size 3 does not divide the tensor-parallel size 4"),
+    # the recipe's TP 8 with EP 2: 1536 / 4 = 384 fits; EP 1 would not (the same rule as serve-args)
+    ({"launch": {"tp_size": 8, "ep_size": 1}, "architecture": {"num_kv_heads": 8, "moe_intermediate_size": 1536,
+                                                                "weight_block_size": 128}},
+     "try --tp 1, 2, 4, or keep --tp 8 with --ep-size 2, 4 or 8"),
     # 1280 / 4 = 320: no whole number of 128-wide blocks (TP 2 and 1 fit: the message names them)
     ({"launch": {"tp_size": 4}, "architecture": {"moe_intermediate_size": 1280, "weight_block_size": 128}},
      "MoE weights cannot be split over 4 tensor-parallel ranks: each rank's gate/up shard (intermediate size 1280 / 4 "
@@ -681,3 +728,11 @@ def test_rotation_paths_are_printed_absolute(cache_dir, tmp_path, monkeypatch, c
     rc, out, _ = run_cli(capsys, "serve-args", "rel/k_rotation_test.pt,rel/v_rotation_test.pt", "-e", "sglang-legacy",
                          "-f", "env")
     assert rc == 0 and f"SGLANG_OSCAR_K_ROTATION_PATH={d / 'k_rotation_test.pt'}" in out.splitlines()
+
+
+def test_a_launch_block_with_expert_parallelism_is_read():
+    raw = _model(launch={"tp_size": 8, "ep_size": 2})
+    raw["architecture"].update(num_kv_heads=8, moe_intermediate_size=1536, weight_block_size=128)
+    entry = parse_model(raw, "models[0]", "test").tag()
+    assert (entry.launch.tp_size, entry.launch.ep_size) == (8, 2) and entry.launch.to_json()["ep_size"] == 2
+    assert not lint_registry({"models": [raw]}).errors

@@ -10,7 +10,8 @@ import layouts
 from rotationzoo.errors import ConfigError
 from rotationzoo.files.rotation_set import RotationSet
 from rotationzoo.files.rotation_set import shard_set
-from rotationzoo.sharding import kv_heads_per_rank
+from rotationzoo.launch import LaunchConfig
+from rotationzoo.sharding import check_ep_size, check_tp_size, kv_heads_per_rank
 
 
 @pytest.mark.parametrize("heads, tp, want", [
@@ -45,3 +46,35 @@ def test_a_per_head_set_is_sliced_with_its_companions() -> None:
 def test_a_shared_set_is_the_same_on_every_rank() -> None:
     rs = RotationSet(layouts.orthogonal(36, 8, 8), range(36))  # [L, d, d]: 36 layers, never 36 heads
     assert shard_set(rs, 8, 5) is rs
+
+
+def test_expert_parallelism_splits_each_expert_over_tp_over_ep_ranks() -> None:
+    """MiniMax-M2.7's FP8 MoE weights (1536, blocks of 128): TP 8 alone leaves 192-wide shards; with EP 2 each
+    expert is split over 4 ranks (384, three blocks) and the KV heads still over 8 ranks."""
+    moe = {"num_kv_heads": 8, "moe_intermediate_size": 1536, "weight_block_size": 128}
+    with pytest.raises(ConfigError, match=r"1536 / 8 = 192\) .* try --tp 1, 2, 4, or keep --tp 8 with --ep-size "
+                                          r"2, 4 or 8$"):
+        check_tp_size(8, **moe)
+    for ep in (2, 4, 8):
+        check_tp_size(8, ep_size=ep, **moe)
+    # 1536 over 16 ranks in 2 groups: 192 again; the message counts the ranks of a group and names what fits
+    with pytest.raises(ConfigError, match=r"over 16 tensor-parallel ranks in 2 expert-parallel groups: .*"
+                                          r"\(intermediate size 1536 / 8 = 192\).* --ep-size 4, 8 or 16$"):
+        check_tp_size(16, num_kv_heads=16, moe_intermediate_size=1536, weight_block_size=128, ep_size=2)
+    # the KV heads are not expert-parallel: 8 heads over 6 ranks stay refused whatever the EP size
+    with pytest.raises(ConfigError, match="8 KV heads cannot be split over 6"):
+        check_tp_size(6, ep_size=2, **moe)
+
+
+@pytest.mark.parametrize("ep, tp, message", [
+    (3, 8, "expert-parallel size 3 does not divide the tensor-parallel size 8: .* try --ep-size 2, 4, 8"),
+    (2, 1, "expert-parallel size 2 does not divide the tensor-parallel size 1: .* use --ep-size 1 at TP 1"),
+    (0, 8, r"expert-parallel size must be an integer in \[1, 1024\], got 0"),
+    (True, 8, "expert-parallel size must be an integer"),
+])
+def test_an_ep_size_that_does_not_divide_the_tp_size_is_one_line(ep, tp, message) -> None:
+    with pytest.raises(ConfigError, match=message) as ei:
+        check_ep_size(ep, tp)
+    assert "\n" not in str(ei.value)
+    with pytest.raises(ConfigError, match=message):
+        LaunchConfig(tp_size=tp, ep_size=ep)

@@ -170,7 +170,8 @@ def cmd_info(
             f"Lloyd-Max {'on' if s.lloyd_max else 'off'}")
     say(_bits_line(entry))
     lc = entry.launch
-    say(f"launch: {'per-KV-head' if entry.grouping == 'kv_head' else 'one rotation per layer'}, TP {lc.tp_size}, "
+    say(f"launch: {'per-KV-head' if entry.grouping == 'kv_head' else 'one rotation per layer'}, TP {lc.tp_size}"
+            + (f" in {lc.ep_size} expert-parallel groups" if lc.ep_size > 1 else "") + ", "
             f"backends {lc.attention_backend} / {lc.prefill_attention_backend} / {lc.decode_attention_backend}, "
             f"V-rotation absorption {'on' if lc.absorb_v_rotation else 'off'}, prefix cache "
             f"{'off' if lc.disable_radix_cache else 'on'}"

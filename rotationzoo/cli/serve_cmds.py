@@ -63,6 +63,11 @@ def cmd_serve_args(
     tp_size: Annotated[Optional[int], typer.Option("--tp-size", "--tp", metavar="N", help="Tensor-parallel ranks "
                        "(default: the entry's recipe); prints the KV heads each rank holds, or why the heads cannot "
                        "be split over N ranks.")] = None,
+    ep_size: Annotated[Optional[int], typer.Option("--ep-size", "--ep", metavar="N", help="Expert parallelism for "
+                       "MoE layers (default: the entry's recipe, 1: none): sglang splits the TP ranks into N expert "
+                       "groups (N divides the TP size), vllm spreads the experts over every TP rank "
+                       "(--enable-expert-parallel, N = the TP size). Each expert's weights are then split over "
+                       "TP / N ranks; the KV heads stay split over all TP ranks.")] = None,
     absorb_v_rotation: Annotated[Optional[bool], typer.Option(
         "--absorb-v-rotation/--no-absorb-v-rotation", help="Fold R_V into the weights at load time, or not "
         "(default: the entry's; refused for per-KV-head, centered or non-orthogonal rotations).")] = None,
@@ -99,6 +104,7 @@ def cmd_serve_args(
     folder of layer_<id>.pt files (fetched, or imported with `rotationzoo cache import FOLDER --latent MODEL`).
 
     Examples:  rotationzoo serve-args Qwen3-30B-A3B  |  rotationzoo serve-args Qwen3-30B-A3B --tp 4  |
+    rotationzoo serve-args MiniMax-M2.7 --tp 8 --ep 2  |
     rotationzoo serve-args Qwen3-8B -e sglang-legacy  |  rotationzoo serve-args Qwen3-8B --calibrate  |
     rotationzoo serve-args Qwen3-8B -e vllm --format env  |  rotationzoo serve-args Qwen3-8B -e vllm --block-size 64  |
     rotationzoo serve-args GLM-5.2 --json  |  rotationzoo serve-args Qwen3-8B --k-clip-per-layer clip.json  |
@@ -116,7 +122,7 @@ def cmd_serve_args(
         warnings.simplefilter("always")
         spec = launch_spec(model, tag, engine=engine, model_path=model_path, source=source, revision=revision,
                            cache_dir=cache_dir, offline=offline or None, timeout=timeout, tp_size=tp_size,
-                           absorb_v_rotation=absorb_v_rotation, disable_radix_cache=disable_radix_cache or None,
+                           ep_size=ep_size, absorb_v_rotation=absorb_v_rotation, disable_radix_cache=disable_radix_cache or None,
                            calibrate=calibrate, block_size=block_size, k_clip_per_layer=k_clip_per_layer,
                            k_clip_per_head=k_clip_per_head)
     for w in caught:  # an unpinned file pinned on first use: one line, as `fetch` says it

@@ -136,7 +136,7 @@ def check_options(t: EngineTarget, **given: Any) -> None:
 def prepare(t: EngineTarget, *, config: Int2KVConfig, launch: LaunchConfig, paths: Mapping[str, str] | None,
             model: str, head_dims: HeadDims | None, kinds: frozenset[str], source: str,
             kv_head_counts: tuple[int, ...] = (), model_kv_heads: int | None = None, tp_size: int | None = None,
-            absorb_v_rotation: bool | None = None, disable_radix_cache: bool | None = None,
+            ep_size: int | None = None, absorb_v_rotation: bool | None = None, disable_radix_cache: bool | None = None,
             calibrate: bool = False, block_size: int | None = None, hybrid: bool = False,
             model_path: str | None = None, latent: LatentLaunch | None = None,
             k_clip_per_layer: str | None = None, k_clip_per_head: str | None = None,
@@ -148,15 +148,16 @@ def prepare(t: EngineTarget, *, config: Int2KVConfig, launch: LaunchConfig, path
     attention with linear-attention layers; ``latent`` an MLA latent set launched instead of K/V files;
     ``model_id`` the registry model the rotations are for, when known (:func:`check_architecture`);
     ``architecture`` its entry's, when the pair has one (else the registry's for ``model_id``), whose TP rule
-    a ``tp_size`` must pass.
+    a ``tp_size`` or ``ep_size`` must pass.
 
     Raises:
         ServingError: a knob the target does not take, rotations or a model it cannot serve, absorption
             where it is wrong.
-        ConfigError: a TP size outside 1 … 1024, or one the KV heads or the registry model's block-quantized
-            MoE weights cannot be split over (:meth:`~rotationzoo.registry.model.Architecture.check_tp_size`).
+        ConfigError: a TP size outside 1 … 1024, an EP size that does not divide it, or sizes the KV heads or the
+            registry model's block-quantized MoE weights cannot be split over
+            (:meth:`~rotationzoo.registry.model.Architecture.check_tp_size`).
     """
-    check_options(t, tp_size=tp_size, absorb_v_rotation=absorb_v_rotation, disable_radix_cache=disable_radix_cache,
+    check_options(t, tp_size=tp_size, ep_size=ep_size, absorb_v_rotation=absorb_v_rotation, disable_radix_cache=disable_radix_cache,
                   calibrate=calibrate, block_size=block_size, k_clip_per_layer=k_clip_per_layer,
                   k_clip_per_head=k_clip_per_head)
     if latent is not None and (calibrate or absorb_v_rotation):
@@ -168,10 +169,12 @@ def prepare(t: EngineTarget, *, config: Int2KVConfig, launch: LaunchConfig, path
                            f"which {t.name} ({t.title}) does not serve; serve it with --engine sglang")
     if latent is None:
         check_architecture(t, model_id, source)
-    model_rules = (architecture or _model_architecture(model_id)) if tp_size is not None else None
-    if model_rules is not None:  # the model's TP rule (an entry's own launch.tp_size was checked when read)
-        model_rules.check_tp_size(tp_size)
-    lc = launch.replace(tp_size=tp_size, disable_radix_cache=disable_radix_cache or None)
+    lc = launch.replace(tp_size=tp_size, ep_size=ep_size, disable_radix_cache=disable_radix_cache or None)
+    check_expert_parallel(t, lc)
+    asked = tp_size is not None or ep_size is not None  # an entry's own launch sizes were checked when read
+    model_rules = (architecture or _model_architecture(model_id)) if asked else None
+    if model_rules is not None:  # the model's TP rule
+        model_rules.check_tp_size(lc.tp_size, lc.ep_size)
     absorb, note = absorption(t, kinds, lc, absorb_v_rotation, calibrate, source)
     counts = kv_head_counts or ((model_kv_heads,) if model_kv_heads and latent is None else ())
     ranks = rank_heads(counts, lc.tp_size) if counts else ()
@@ -181,6 +184,19 @@ def prepare(t: EngineTarget, *, config: Int2KVConfig, launch: LaunchConfig, path
                        model_kv_heads=model_kv_heads, hybrid=hybrid, block_size=block_size,
                        model_path=model_path, latent=latent, k_clip_per_layer=k_clip_per_layer,
                        k_clip_per_head=k_clip_per_head, model_id=model_id)
+
+
+def check_expert_parallel(t: EngineTarget, launch: LaunchConfig) -> None:
+    """Refuse, in one line, an expert-parallel size ``t`` cannot express: vLLM's spans every TP rank.
+
+    Raises:
+        ServingError: names the sizes it takes.
+    """
+    ep, tp = launch.ep_size, launch.tp_size
+    if t.ep_every_rank and ep not in (1, tp):
+        raise ServingError(f"{t.name}: expert parallelism in vLLM (--enable-expert-parallel) spans every "
+                           f"tensor-parallel rank, so --ep-size is 1 or the TP size ({tp}), got {ep}; --engine "
+                           "sglang takes groups of TP ranks")
 
 
 def check_architecture(t: EngineTarget, model_id: str | None, source: str) -> None:

@@ -63,6 +63,11 @@ def sglang_env(config: Int2KVConfig, k_path: str | None, v_path: str | None, *, 
     return env
 
 
+def ep_args(lc: LaunchConfig) -> list[str]:
+    """SGLang's expert-parallel size, when there is one (its ranks are the TP ranks: ``ep_size`` divides ``tp_size``)."""
+    return ["--ep-size", str(lc.ep_size)] if lc.ep_size > 1 else []
+
+
 def mamba_args(lc: LaunchConfig) -> list[str]:
     """The Mamba radix-cache strategy flag: the entry's, unless the prefix cache is off (see the module docstring)."""
     if lc.mamba_scheduler_strategy and not lc.disable_radix_cache:
@@ -84,7 +89,7 @@ def sglang_args(inp: LaunchInput) -> list[str]:
     args = [
         "python", "-m", "sglang.launch_server",
         "--model-path", inp.model,
-        "--tensor-parallel-size", str(lc.tp_size),
+        "--tensor-parallel-size", str(lc.tp_size), *ep_args(lc),
         "--kv-cache-dtype", "int2",
         "--kv-cache-quant-group-size", str(group_size(inp.config, inp.head_dims)),
         "--attention-backend", lc.attention_backend,
@@ -157,7 +162,7 @@ def mla_args(inp: LaunchInput) -> list[str]:
     lat, lc = inp.latent, inp.launch
     assert lat is not None
     args = ["python", "-m", "sglang.launch_server", "--model-path", inp.model,
-            "--tensor-parallel-size", str(lc.tp_size)]
+            "--tensor-parallel-size", str(lc.tp_size), *ep_args(lc)]
     if lat.pp_size > 1:
         args += ["--pipeline-parallel-size", str(lat.pp_size)]
     args += ["--kv-cache-dtype", "bfloat16", "--attention-backend", lat.attention_backend,

@@ -18,10 +18,10 @@ from ..vocab import ENGINES, FILE_KINDS, Engine
 from . import legacy, llamacpp, sglang, vllm
 from .common import Launch, LaunchInput, one_token_page, sglang_page_size
 
-#: Launch knobs a target may take: ``tp_size``, ``absorb_v_rotation``, ``disable_radix_cache``,
-#: ``calibrate`` (start-up calibration), ``block_size`` (the engine's KV block), ``k_clip_per_layer`` /
-#: ``k_clip_per_head`` (K clip tables).
-OPTIONS: tuple[str, ...] = ("tp_size", "absorb_v_rotation", "disable_radix_cache", "calibrate", "block_size",
+#: Launch knobs a target may take: ``tp_size``, ``ep_size`` (expert parallelism), ``absorb_v_rotation``,
+#: ``disable_radix_cache``, ``calibrate`` (start-up calibration), ``block_size`` (the engine's KV block),
+#: ``k_clip_per_layer`` / ``k_clip_per_head`` (K clip tables).
+OPTIONS: tuple[str, ...] = ("tp_size", "ep_size", "absorb_v_rotation", "disable_radix_cache", "calibrate", "block_size",
                             "k_clip_per_layer", "k_clip_per_head")
 _ALIASES = {"llamacpp": "llamacpp", "llama": "llamacpp", "sglang": "sglang", "vllm": "vllm",
             "sglanglegacy": "sglang-legacy", "vllmprototype": "vllm-prototype"}
@@ -45,6 +45,8 @@ class EngineTarget:
         hybrid_models: whether it serves models mixing attention with linear-attention layers.
         architectures: the models it serves, by llama.cpp architecture name (:func:`~.common.llama_architecture`)
             and what each is; ``None``: any model.
+        ep_every_rank: its expert parallelism spans every TP rank (vLLM's ``--enable-expert-parallel``), where
+            SGLang's ``--ep-size`` takes groups of them.
     """
 
     name: Engine
@@ -59,6 +61,7 @@ class EngineTarget:
     absorbs: Literal["always", "rule"] = "rule"
     hybrid_models: bool = True
     architectures: Mapping[str, str] | None = None
+    ep_every_rank: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "title": self.title, "reads": [k for k in FILE_KINDS if k in self.reads],
@@ -76,8 +79,8 @@ TARGETS: dict[str, EngineTarget] = {t.name: t for t in (
                  _V1_ONLY | {"lloyd_max"}, frozenset({"tp_size", "absorb_v_rotation", "disable_radix_cache"}),
                  legacy.build, sglang_page_size, sglang.sglang_plan_notes, absorbs="always"),
     EngineTarget("vllm", "the vLLM port of pull request 46774, --kv-cache-dtype oscar_int2",
-                 _V1_ONLY | {"mla"}, frozenset({"tp_size", "block_size"}), vllm.build_vllm, vllm.vllm_page_size,
-                 vllm.vllm_plan_notes, hybrid_models=False),
+                 _V1_ONLY | {"mla"}, frozenset({"tp_size", "ep_size", "block_size"}), vllm.build_vllm, vllm.vllm_page_size,
+                 vllm.vllm_plan_notes, hybrid_models=False, ep_every_rank=True),
     EngineTarget("vllm-prototype", "a vLLM OSCAR prototype tree with VLLM_OSCAR_PREFIX_TOKENS windows",
                  _V1_ONLY, frozenset({"tp_size", "absorb_v_rotation", "block_size"}), vllm.build_prototype,
                  vllm.vllm_page_size, vllm.vllm_plan_notes),

@@ -54,12 +54,16 @@ def vllm_env(config: Int2KVConfig, k_path: str | os.PathLike[str], v_path: str |
 
 
 def vllm_args(model_path: str, tp_size: int = 1, block_size: int | None = None,
-              kv_cache_dtype: str | None = "oscar_int2") -> list[str]:
+              kv_cache_dtype: str | None = "oscar_int2", ep_size: int = 1) -> list[str]:
+    """``vllm serve`` arguments; ``ep_size`` is 1 or ``tp_size`` (:func:`~.rules.check_expert_parallel`)."""
     args = ["vllm", "serve", model_path]
     if kv_cache_dtype:
         args += ["--kv-cache-dtype", kv_cache_dtype]
     if tp_size > 1:
         args += ["--tensor-parallel-size", str(tp_size)]
+    if ep_size > 1:
+        assert ep_size == tp_size, "vLLM's expert parallelism spans every TP rank"
+        args.append("--enable-expert-parallel")
     if block_size is not None:
         args += ["--block-size", str(block_size)]
     return args
@@ -121,7 +125,8 @@ def _mla(inp: LaunchInput) -> Launch:
              "were checked present"]
     if lat.pp_size > 1:
         notes.append(f"the recipe runs {lat.pp_size} pipeline stages; add --pipeline-parallel-size {lat.pp_size}")
-    return Launch(env, vllm_args(inp.model, inp.launch.tp_size, inp.block_size, kv_cache_dtype=None), notes)
+    return Launch(env, vllm_args(inp.model, inp.launch.tp_size, inp.block_size, kv_cache_dtype=None,
+                                        ep_size=inp.launch.ep_size), notes)
 
 
 def build_vllm(inp: LaunchInput) -> Launch:
@@ -138,7 +143,8 @@ def build_vllm(inp: LaunchInput) -> Launch:
               "layer of these files was checked"]
     if inp.config.lloyd_max:
         notes.append("this entry was published with Lloyd-Max INT2 levels; the port's K/V path has no setting for them")
-    return Launch(env, vllm_args(inp.model, inp.launch.tp_size, inp.block_size), notes + rank_notes(inp))
+    return Launch(env, vllm_args(inp.model, inp.launch.tp_size, inp.block_size, ep_size=inp.launch.ep_size),
+                  notes + rank_notes(inp))
 
 
 def prototype_env(config: Int2KVConfig, k_path: str, v_path: str, head_dim: int | None, absorb: bool) -> dict[str, str]:

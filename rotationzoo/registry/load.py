@@ -99,7 +99,7 @@ def parse_launch(raw: Any, arch: Architecture, grouping: str, where: str) -> Lau
     and no V-rotation absorption for per-KV-head files (it folds one ``R_V`` per layer into the weights)."""
     try:
         cfg = LaunchConfig.from_json(raw, where=where)
-        arch.check_tp_size(cfg.tp_size)
+        arch.check_tp_size(cfg.tp_size, cfg.ep_size)
     except ConfigError as exc:
         text = str(exc)
         raise RegistryError(text if text.startswith(where) else f"{where}: tp_size: {text}") from None
