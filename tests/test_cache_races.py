@@ -108,5 +108,5 @@ def test_cache_rm_never_locks_through_a_linked_locks_area(zoo, tmp_path, capsys)
         code, _, err = run_cli(capsys, "cache", "rm", *argv)
         assert code == 1 and "locks is a symlink" in err, err
     with pytest.raises(CacheError, match="locks is a symlink"):
-        remove_cached(cache_dir=zoo.cache)
+        remove_cached(cache_dir=zoo.cache, all=True)
     assert list(outside.iterdir()) == [] and len(cache_records(zoo.cache)) == 2

@@ -93,7 +93,7 @@ def test_cache_rm_all_with_a_linked_area_removes_nothing(zoo, tmp_path, capsys, 
     assert code == 1 and "is a symlink" in err and len(err.strip().splitlines()) == 1
     _intact(files)
     with pytest.raises(CacheError):
-        remove_cached(cache_dir=zoo.cache)
+        remove_cached(cache_dir=zoo.cache, all=True)
     _intact(files)
     link.unlink()
     if (zoo.cache / f".{area}.moved").exists():

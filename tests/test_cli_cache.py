@@ -159,3 +159,24 @@ def test_a_refused_import_names_the_source_file_not_the_staging_copy(cache_dir, 
     rc, _, err = run_cli(capsys, "cache", "import", str(tmp_path), "--name", "evil")
     assert rc == 1 and err.startswith(f"error: {k}: refused to load"), err  # before: imported/.evil.xxxx/k_….pt
     assert ".evil." not in err and not (cache_dir / "imported" / "evil").exists()
+
+
+def test_remove_cached_without_a_model_or_all_removes_nothing(filled, capsys) -> None:
+    """Python refuses what `cache rm` refuses: a forgotten model (``remove_cached(tag=...)``, or no argument)
+    never empties the cache; everything takes ``all=True`` (``--all``)."""
+    from rotationzoo.errors import ConfigError
+    from rotationzoo.hub import removal_plan, remove_cached
+
+    for kwargs, said in (({}, "say what to remove"), ({"tag": "hadamard"}, "say what to remove"),
+                         ({"model": SMOL, "all": True}, "not both")):
+        for fn in (remove_cached, removal_plan):
+            with pytest.raises(ConfigError, match=said):
+                fn(cache_dir=filled, **kwargs)
+    assert len(cache_records(filled)) == 3
+    for argv, said in (([], "say what to remove"), (["--tag", "hadamard"], "say what to remove"),
+                       (["--model", SMOL, "--all"], "not both")):
+        rc, out, err = run_cli(capsys, "cache", "rm", *argv, "--yes")
+        assert rc == 2 and out == "" and said in err and err.count("\n") == 1, err
+    assert len(cache_records(filled)) == 3
+    assert len(removal_plan(cache_dir=filled, all=True)[0]) == 3
+    assert len(remove_cached(cache_dir=filled, all=True)) >= 3 and cache_records(filled) == []

@@ -29,6 +29,7 @@ from ._options import (
     SourceOpt,
     TagOpt,
     TimeoutOpt,
+    usage_errors,
 )
 from ._output import (
     console,
@@ -287,19 +288,11 @@ def cmd_cache_rm(
     """
     from rich.markup import escape
 
-    from ..hub import removal_plan, remove_cached
-    from ..registry import split_model_tag
+    from ..hub import check_removal, removal_plan, remove_cached
 
-    if model is None and not all_:
-        raise CLIError("say what to remove: --model M [--tag T], or --all")
-    if model is not None and all_:
-        raise CLIError("give --model M [--tag T] or --all, not both")
-    if tag is not None and model is None:
-        raise CLIError("--tag needs --model")
-    at_tag = split_model_tag(model)[1] if model is not None else None
-    if tag is not None and at_tag is not None and at_tag != tag:
-        raise CLIError(f"--model {model!r} and --tag {tag!r} name different tags; give one")
-    records, hub_bytes = removal_plan(model, tag, cache_dir)
+    with usage_errors():  # neither a model nor --all, or both: the library's line, a usage error
+        check_removal(model, tag, all=all_)
+    records, hub_bytes = removal_plan(model, tag, cache_dir, all=all_)
     total = sum(r.size for r in records) + hub_bytes
     what = f"{len(records)} file{'' if len(records) == 1 else 's'}, {human_size(total)} ({total:,} bytes)" + (
         f", of which {human_size(hub_bytes)} in the hub clients' caches" if hub_bytes else "")
@@ -326,7 +319,7 @@ def cmd_cache_rm(
     if not yes and not typer.confirm(f"remove {what}?", default=False, err=True):
         console(stderr=True).print("nothing was removed")
         raise typer.Exit(1)
-    removed = remove_cached(model, tag, cache_dir)
+    removed = remove_cached(model, tag, cache_dir, all=all_)
     if json_out:
         emit_json({"removed": [str(p) for p in removed], "bytes": total})
     else:

@@ -10,7 +10,7 @@ the package. Modules: :mod:`~rotationzoo.hub.layout` (where things live, markers
 
 from __future__ import annotations
 
-from .cache import CacheRecord, cache_records, removal_plan, remove_cached, verify_cache
+from .cache import CacheRecord, cache_records, check_removal, removal_plan, remove_cached, verify_cache
 from .derived import derived_hit, derived_path, record_derived, writing_derived
 from .fetch import (
     SOURCE_CHOICES,
@@ -40,6 +40,7 @@ __all__ = [
     "UnpinnedEntryWarning",
     "cache_records",
     "cache_root",
+    "check_removal",
     "derived_hit",
     "derived_path",
     "describe_exc",

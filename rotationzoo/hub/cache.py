@@ -315,24 +315,46 @@ def _tree_bytes(root: Path, area: str) -> int:
 
 
 def _model_and_tag(model: str, tag: str | None) -> tuple[ModelEntry, str | None]:
-    """The model ``model`` names (``MODEL`` or ``MODEL@TAG``) and the tag asked for: ``tag``, else the one after ``@``;
-    the two disagreeing is refused (a removal never guesses which)."""
+    """The model ``model`` names (``MODEL`` or ``MODEL@TAG``) and the tag asked for: ``tag``, else the one after ``@``
+    (:func:`check_removal` refused the two disagreeing: a removal never guesses which)."""
     name, at_tag = split_model_tag(model)
-    if tag is not None and at_tag is not None and tag != at_tag:
-        raise ConfigError(f"tag {tag!r} (--tag) and {model!r} name different tags; give one")
     return get_model(name), tag or at_tag
 
 
+def check_removal(model: str | None = None, tag: str | None = None, *, all: bool = False) -> None:
+    """What :func:`remove_cached` / :func:`removal_plan` check of their arguments before reading the cache: one
+    model (and tag) or everything, never neither nor both; ``tag`` and ``MODEL@TAG`` the same tag.
+
+    Raises:
+        ConfigError: one line, naming the CLI flags and the Python arguments.
+    """
+    everything = all
+    if model is None and not everything:
+        raise ConfigError("say what to remove: a model (--model M [--tag T]; model=, tag=) or everything "
+                          "(--all; all=True)")
+    if model is not None and everything:
+        raise ConfigError("give a model (--model M [--tag T]) or everything (--all), not both")
+    if tag is not None and model is None:
+        raise ConfigError("a tag (--tag, tag=) needs its model (--model, model=)")
+    try:
+        at_tag = split_model_tag(model)[1] if model is not None else None
+    except ConfigError:  # a name with nothing on one side of its '@': refused where it is read, as elsewhere
+        at_tag = None
+    if tag is not None and at_tag is not None and tag != at_tag:
+        raise ConfigError(f"--model {model!r} and --tag {tag!r} name different tags; give one")
+
+
 def removal_plan(model: str | None = None, tag: str | None = None,
-                 cache_dir: str | os.PathLike[str] | None = None) -> tuple[list[CacheRecord], int]:
+                 cache_dir: str | os.PathLike[str] | None = None, *, all: bool = False) -> tuple[list[CacheRecord], int]:
     """What :func:`remove_cached` with the same arguments removes: the cached files (as
-    :func:`cache_records` lists them) and, with ``model=None``, the bytes of the hub clients' caches.
+    :func:`cache_records` lists them) and, with ``all=True``, the bytes of the hub clients' caches.
     ``model`` may name a tag as ``MODEL@TAG`` (the same as ``tag``).
 
     Raises:
         CacheError: an area is a symlink or a folder in it leads outside the cache root.
-        ConfigError: ``tag`` and ``MODEL@TAG`` name different tags.
+        ConfigError: neither ``model`` nor ``all=True``, or both; ``tag`` and ``MODEL@TAG`` name different tags.
     """
+    check_removal(model, tag, all=all)
     root = cache_root(cache_dir)
     records = cache_records(root)
     if model is None:
@@ -359,13 +381,19 @@ def _rmtree(root: Path, folder: Path) -> list[Path]:
 
 
 def remove_cached(model: str | None = None, tag: str | None = None,
-                  cache_dir: str | os.PathLike[str] | None = None) -> list[Path]:
-    """Delete cached files (all, one model, or one model+tag: ``tag`` or ``MODEL@TAG``), derived files included;
-    returns what was removed.
+                  cache_dir: str | os.PathLike[str] | None = None, *, all: bool = False) -> list[Path]:
+    """Delete cached files, derived files included: one model, one model+tag (``tag`` or ``MODEL@TAG``), or with
+    ``all=True`` everything (imported files and the hub clients' caches too); returns what was removed.
+    Naming neither (or both) is refused, as ``cache rm`` refuses it: a forgotten ``model`` never empties the cache.
 
     Every area and folder is checked before anything is removed: an area that is a symlink, or a folder
     that leads outside the cache root, raises :class:`~rotationzoo.errors.CacheError` with nothing removed.
+
+    Raises:
+        ConfigError: neither ``model`` nor ``all=True``, or both; ``tag`` without ``model``.
+        CacheError: as above, or a download running into what would be removed; nothing was removed.
     """
+    check_removal(model, tag, all=all)
     root = cache_root(cache_dir)
     check_cache_root(root)
     if model is None:
