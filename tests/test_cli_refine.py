@@ -207,7 +207,7 @@ def test_refine_signs_learns_only_column_signs(dump: Path, tmp_path: Path, capsy
                "--loss", "block", "--param", "signs")
     assert ran[0] == 0, ran[2]
     m = json.loads((out / "rotationzoo.json").read_text())
-    assert m["refinement"]["parametrization"] == "signs"
+    assert m["refinement"]["param"] == "signs"
     flipped = 0
     for side in ("k", "v"):
         path = next(out.glob(f"{side}_rotation_*.pt"))

@@ -430,7 +430,7 @@ def test_cli_export(pair_dir, tmp_path, capsys):
     rc, text, err = run_cli(capsys, "export", str(pair_dir), "--to", "gguf", "--out", str(out), "--json")
     assert rc == 0, err
     info = json.loads(text)
-    assert info["out"] == str(out) and info["sides"] == ["k", "v"] and info["layers"] == 4 and info["head_dim"] == 16
+    assert info["out"] == str(out) and info["to"] == "gguf" and info["sides"] == ["k", "v"] and info["layers"] == 4 and info["head_dim"] == 16
     assert info["objectives"] == {"k": "qqt_r_h_pbr", "v": "sst_r_h_pbr"}
     rc, text, err = run_cli(capsys, "export", "SmolLM2-135M-Instruct", "--to", "safetensors", "--out",
                             str(tmp_path / "s.safetensors"))

@@ -250,6 +250,9 @@ def test_an_unpublished_set_is_imported_then_served_with_its_bits(tmp_path, monk
     rc, _, err = run_cli(capsys, "cache", "import", str(short), "--latent", "Tiny-MLA")
     assert rc == 1 and "holds 2 layer files, the model has 3 latent layers" in err
     d = latent_folder(tmp_path / "k3", ids=(3, 7, 11))
+    for extra in (["--name", "x"], ["--force"], ["--allow-mixed", "--force"]):  # a pair's options: refused, not dropped
+        rc, out, err = run_cli(capsys, "cache", "import", str(d), "--latent", "Tiny-MLA", *extra)
+        assert rc == 2 and out == "" and f"{extra[0]} go" in err and "not --latent" in err, err
     rc, out, err = run_cli(capsys, "cache", "import", str(d), "--latent", "Tiny-MLA", "--json")
     assert rc == 0, err
     assert json.loads(out)["layers"] == 3

@@ -244,6 +244,12 @@ def cmd_cache_import(
     if latent is not None:
         from .latent_cmds import import_latent_cmd
 
+        given = [flag for flag, on in (("--name", name is not None), ("--force", force),
+                                       ("--allow-mixed", allow_mixed)) if on]
+        if given:  # a latent set is kept under files/ by its model, one folder per source: none of them applies
+            raise CLIError(f"{', '.join(given)} {'goes' if len(given) == 1 else 'go'} with a K/V pair import, not "
+                           "--latent (a latent set is kept by its model; --accept-new replaces an earlier import)")
+
         import_latent_cmd(str(folder), latent, cache_dir=cache_dir, accept_new=accept_new, subspace=subspace,
                           json_out=json_out)
         return

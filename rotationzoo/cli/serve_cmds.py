@@ -181,7 +181,7 @@ def cmd_export(
                   cache_dir=cache_dir, offline=offline or None, timeout=timeout)
     got = read_exported(path)
     info: dict[str, Any] = {
-        "out": str(path), "format": to, "model": got.model, "tag": got.tag, "sides": list(got.sides),
+        "out": str(path), "to": to, "model": got.model, "tag": got.tag, "sides": list(got.sides),
         "layers": len(got.layer_ids), "head_dim": got.head_dims.to_json(), "objectives": got.objectives,
         "bytes": path.stat().st_size, "base_gguf": str(base_gguf) if base_gguf else None,
     }

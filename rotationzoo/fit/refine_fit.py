@@ -184,7 +184,7 @@ def refinement_summary(res: RefineResult, init: str, init_label: str, samples: C
         "steps": {"k": cfg.steps_k, "v": cfg.steps_v},
         "seed": cfg.seed,
         "optimizer": "adam",
-        "parametrization": cfg.param,
+        "param": cfg.param,
         "config": {k: v for k, v in cfg.to_dict().items() if k != "int2kv"},  # that is the manifest's int2kv
         "samples": {k: v for k, v in samples.summary().items() if k != "layers"},
         "mean_relative_improvement": {
