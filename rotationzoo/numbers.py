@@ -38,7 +38,7 @@ def shown(value: object) -> str:
 
 
 #: Largest count a user gives of things an evaluation makes one by one (the copy probe's passage, filler and
-#: probes, error windows: ``--probe-tokens``, ``--probe-filler``, ``--probe-count``, ``--error-windows``): 2^20,
+#: probes, error windows: ``--passage-tokens``, ``--filler-tokens``, ``--probes``, ``--error-windows``): 2^20,
 #: past any text an evaluation reads.
 MAX_COUNT = 2**20
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import struct
 import time
@@ -444,9 +445,9 @@ def test_eval_refuses_a_copy_probe_longer_than_the_text_before_the_weights_load(
 
     folder, text = _tiny_folder(tmp_path)  # 600 words
     rc, _, err = run_cli(capsys, "eval", "--model", str(folder), "--text", str(text), "--methods", "fp,none",
-                         "--baseline", "none", "--probe", "copy", "--probe-count", "100")
+                         "--baseline", "none", "--probe", "copy", "--probes", "100")
     assert rc == 1 and len(err.strip().splitlines()) == 1, err
-    assert "the copy probe needs 100 × " in err and "use fewer --probe-count" in err
+    assert "the copy probe needs 100 × " in err and "use fewer --probes" in err
 
 
 @pytest.mark.parametrize("argv,named", [
@@ -687,17 +688,22 @@ def test_the_copy_probe_and_error_windows_take_the_clis_bounds() -> None:
     from rotationzoo.evaluate.protocol import CopyProbe, EvalProtocol
     from rotationzoo.numbers import MAX_COUNT
 
-    for make, match in ((lambda: CopyProbe(probes=0), r"probes \(--probe-count\)"),
-                        (lambda: CopyProbe(filler_tokens=-5), r"filler_tokens \(--probe-filler\)"),
-                        (lambda: CopyProbe(passage_tokens=1), r"passage_tokens \(--probe-tokens\)"),
+    for make, match in ((lambda: CopyProbe(probes=0), r"probes \(--probes\)"),
+                        (lambda: CopyProbe(filler_tokens=-5), r"filler_tokens \(--filler-tokens\)"),
+                        (lambda: CopyProbe(passage_tokens=1), r"passage_tokens \(--passage-tokens\)"),
                         (lambda: EvalProtocol(error_windows=-3), r"error_windows \(--error-windows\)")):
         with pytest.raises(ConfigError, match=match):
             make()
     command = typer.main.get_command(app).commands["eval"]  # type: ignore[attr-defined]
     ranges = {p.opts[0]: (p.type.min, p.type.max) for p in command.params if isinstance(p, click.Option)
-              and p.opts[0] in ("--probe-tokens", "--probe-filler", "--probe-count", "--error-windows")}
-    assert ranges == {"--probe-tokens": (2, MAX_COUNT), "--probe-filler": (1, MAX_COUNT),
-                      "--probe-count": (1, MAX_COUNT), "--error-windows": (0, MAX_COUNT)}
+              and p.opts[0] in ("--passage-tokens", "--filler-tokens", "--probes", "--error-windows")}
+    assert ranges == {"--passage-tokens": (2, MAX_COUNT), "--filler-tokens": (1, MAX_COUNT),
+                      "--probes": (1, MAX_COUNT), "--error-windows": (0, MAX_COUNT)}
+    # each flag is named as its CopyProbe field; the earlier names stay as aliases of the same option
+    names = {p.name: tuple(p.opts) for p in command.params if isinstance(p, click.Option)}
+    assert {f.name: names[f.name] for f in dataclasses.fields(CopyProbe)} == {
+        "passage_tokens": ("--passage-tokens", "--probe-tokens"), "filler_tokens": ("--filler-tokens", "--probe-filler"),
+        "probes": ("--probes", "--probe-count")}
 
 
 def test_a_gguf_model_without_transformers_names_the_transformers_extra(tmp_path, monkeypatch, capsys) -> None:

@@ -156,10 +156,10 @@ def test_check_evaluation_refuses_a_copy_probe_the_text_cannot_hold() -> None:
     protocol = EvalProtocol(baseline="none", probe=CopyProbe(passage_tokens=10, filler_tokens=20, probes=100))
     assert check_evaluation(methods, shape, conf, protocol) is None  # the sizes alone: the text is not read yet
     with pytest.raises(ConfigError, match=r"the copy probe needs 100 × 34 = 3400 tokens of text, the text has 512; "
-                                          r"use fewer --probe-count"):
+                                          r"use fewer --probes"):
         check_evaluation(methods, shape, conf, protocol, 512)
     assert check_evaluation(methods, shape, conf, protocol, 512, probe_tokens=4000) == 256  # probes from other text
-    with pytest.raises(ConfigError, match=r"passage_tokens \(--probe-tokens\) must be an integer from 2"):
+    with pytest.raises(ConfigError, match=r"passage_tokens \(--passage-tokens\) must be an integer from 2"):
         CopyProbe(passage_tokens=1)  # refused where it is made, before any check of the evaluation
 
 

@@ -80,10 +80,12 @@ def eval_command(
     baseline: Annotated[str, typer.Option("--baseline", help="Method the others are compared with.")] = "hadamard",
     probe: Annotated[Optional[str], typer.Option("--probe", click_type=choice(("copy",)),
                      help="copy: also read passages back from the INT2 history (copy probe).")] = None,
-    probe_tokens: Annotated[int, typer.Option("--probe-tokens", min=2, max=MAX_COUNT, help="Copy probe: passage length L.")] = 128,
-    probe_filler: Annotated[Optional[int], typer.Option("--probe-filler", min=1, max=MAX_COUNT, help="Copy probe: filler tokens F "
-                            "between the copies (default: recent_tokens + 64).")] = None,
-    probe_count: Annotated[int, typer.Option("--probe-count", min=1, max=MAX_COUNT, help="Copy probe: number of probes.")] = 8,
+    passage_tokens: Annotated[int, typer.Option("--passage-tokens", "--probe-tokens", min=2, max=MAX_COUNT,
+                              help="Copy probe: passage length L.")] = 128,
+    filler_tokens: Annotated[Optional[int], typer.Option("--filler-tokens", "--probe-filler", min=1, max=MAX_COUNT,
+                             help="Copy probe: filler tokens F between the copies (default: recent_tokens + 64).")] = None,
+    probes: Annotated[int, typer.Option("--probes", "--probe-count", min=1, max=MAX_COUNT,
+                      help="Copy probe: number of probes.")] = 8,
     group_size: GroupOpt = None, k_clip_ratio: KClipOpt = None, v_clip_ratio: VClipOpt = None,
     prefix_tokens: PrefixOpt = None, recent_tokens: RecentOpt = None, hp_dtype: HpDtypeOpt = None,
     scale_dtype: ScaleDtypeOpt = None, lloyd_max: LloydMaxOpt = None, clip_search: ClipSearchOpt = None,
@@ -146,7 +148,7 @@ def eval_command(
         fetch=dict(source=source, revision=revision, cache_dir=cache_dir, offline=offline or None, timeout=timeout),
         protocol=EvalProtocol(context=context, stride=stride, draws=draws, seed=seed, baseline=baseline,
                               error_windows=error_windows,
-                              probe=CopyProbe(probe_tokens, probe_filler, probe_count) if probe == "copy" else None))
+                              probe=CopyProbe(passage_tokens, filler_tokens, probes) if probe == "copy" else None))
     plan = plan_evaluation(request)  # texts, methods, settings and windows: before the model is touched
     # and the files asked for: a long run never ends in a path it cannot write, nor writes over one it reads
     # (the rotations as named, and the files a registry id was read from: the cache's, the package's)

@@ -48,11 +48,11 @@ class CopyProbe:
     filler_tokens: int | None = None
     probes: int = 8
 
-    def __post_init__(self) -> None:  # the bounds of --probe-tokens, --probe-filler and --probe-count
-        check_int(self.passage_tokens, "passage_tokens (--probe-tokens)", low=2, high=MAX_COUNT)
+    def __post_init__(self) -> None:  # the bounds of --passage-tokens, --filler-tokens and --probes
+        check_int(self.passage_tokens, "passage_tokens (--passage-tokens)", low=2, high=MAX_COUNT)
         if self.filler_tokens is not None:
-            check_int(self.filler_tokens, "filler_tokens (--probe-filler)", low=1, high=MAX_COUNT)
-        check_int(self.probes, "probes (--probe-count)", low=1, high=MAX_COUNT)
+            check_int(self.filler_tokens, "filler_tokens (--filler-tokens)", low=1, high=MAX_COUNT)
+        check_int(self.probes, "probes (--probes)", low=1, high=MAX_COUNT)
 
     def filler(self, config: Int2KVConfig) -> int:
         return self.filler_tokens if self.filler_tokens is not None else config.recent_tokens + 64
@@ -234,7 +234,7 @@ def check_probe(probe: CopyProbe, config: Int2KVConfig, tokens: int | None = Non
     need = probe.probes * stretch
     if tokens is not None and need > tokens:
         raise ConfigError(f"the copy probe needs {probe.probes} × {stretch} = {need} tokens of text, the text has "
-                          f"{tokens}; use fewer --probe-count or shorter --probe-tokens (or more --tokens of text)")
+                          f"{tokens}; use fewer --probes or shorter --passage-tokens (or more --tokens of text)")
     return need
 
 
