@@ -704,9 +704,11 @@ def test_cli_publish_dry_run_and_human_output(hubs, fitted, capsys) -> None:
     assert main([*args, "--dry-run", "--json"]) == 0
     dry = json.loads(capsys.readouterr().out)
     assert dry["dry_run"] and dry["files"][0]["sha256"] == _sha(fitted / "k_rotation_qqt_r_h_pbr.pt")
-    assert main(args) == 0
+    assert main([*args, "--commit-message", "Add the tag"]) == 0  # the flag named as publish(commit_message=)
     out = capsys.readouterr().out
     assert "published" in out and hubs.hf.head(REPO_ID) in out and '"sources"' in out
+    with hubs.hf.store.transaction() as state:
+        assert state["repos"][f"model:{REPO_ID}"]["commits"][hubs.hf.head(REPO_ID)]["title"] == "Add the tag"
     assert main([*args, "--dry-run"]) == 1  # now the tag exists: the dry run says the upload would be refused
     assert "pass --force" in capsys.readouterr().out
 
@@ -715,8 +717,9 @@ def test_cli_publish_errors(hubs, fitted, tmp_path, capsys) -> None:
     base = ["publish", str(fitted), "--repo", REPO_ID, "--tag", TAG]
     assert main([*base, "--model", MODEL, "--to", "github"]) == 1
     assert "unknown hub" in capsys.readouterr().err
-    assert main([*base, "--model", MODEL, "--parent-commit", "abc"]) == 1
-    assert "not a 40-hex commit sha" in capsys.readouterr().err
+    for flag in ("--expected-parent", "--parent-commit"):  # publish(expected_parent=); the earlier name its alias
+        assert main([*base, "--model", MODEL, flag, "abc"]) == 1
+        assert "not a 40-hex commit sha" in capsys.readouterr().err
     assert main([*base, "--model", MODEL, "--token", "a", "--token", "b"]) == 2
     assert "HUB=VALUE" in capsys.readouterr().err
     assert main(["publish", str(tmp_path / "nope"), "--repo", REPO_ID, "--tag", TAG, "--model", MODEL]) == 1

@@ -57,11 +57,12 @@ def cmd_publish(
     branch: Annotated[str, typer.Option("--branch", help="Branch to commit to (ModelScope: master when main).")] = "main",
     create_tag: Annotated[Optional[str], typer.Option("--create-tag", help="Also tag the new commit with this name.")] = None,
     registry_out: Annotated[Optional[Path], typer.Option("--registry-out", help="Merge the registry entry into this file (created if missing).")] = None,
-    parent_commit: Annotated[Optional[list[str]], typer.Option("--parent-commit", help="Refuse unless the branch head is this sha ([HUB=]SHA; repeat per hub).")] = None,
+    expected_parent: Annotated[Optional[list[str]], typer.Option("--expected-parent", "--parent-commit", help="Refuse unless the branch head is this sha ([HUB=]SHA; repeat per hub).")] = None,
     safetensors: Annotated[bool, typer.Option("--safetensors", help="Also upload safetensors copies of .pt files.")] = False,
     description: Annotated[Optional[str], typer.Option("--description", help="Description of the registry tag entry.")] = None,
     dataset: Annotated[Optional[str], typer.Option("--dataset", help="Calibration dataset recorded in the registry entry.")] = None,
-    message: Annotated[Optional[str], typer.Option("--message", help="Commit message (first line).")] = None,
+    commit_message: Annotated[Optional[str], typer.Option("--commit-message", "--message",
+                                                          help="Commit message (first line).")] = None,
     private: Annotated[bool, typer.Option("--private", help="Create a missing repository as private.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would be uploaded; write nothing.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing <model>/<tag>/ folder.")] = False,
@@ -103,8 +104,8 @@ def cmd_publish(
     res = publish(
         rotations, repo=_hub_values(repo, "--repo") or "", model=model, tag=tag, to=to, branch=branch, create_tag=create_tag,
         registry_out=registry_out, dry_run=dry_run, force=force, token=_hub_values(token, "--token"),
-        expected_parent=_hub_values(parent_commit, "--parent-commit"), safetensors=safetensors,
-        description=description, dataset=dataset, commit_message=message, private=private, report=report,
+        expected_parent=_hub_values(expected_parent, "--expected-parent"), safetensors=safetensors,
+        description=description, dataset=dataset, commit_message=commit_message, private=private, report=report,
         source=source, revision=revision, cache_dir=cache_dir, offline=offline or None, timeout=timeout,
     )
     if json_out:
