@@ -542,6 +542,16 @@ def test_cli_fit(tmp_path, capsys):
     assert report["result"]["tokens"] == 523
     m = json.loads((tmp_path / "out" / "rotationzoo.json").read_text())
     assert m["model"] == "org/tiny" and m["tag"] == "t1"
+    # --model-id (calibrate's name, fit_dump's model_id=) records the same; --model is its alias
+    code, _, stderr = run_cli(capsys, "fit", "--dump", str(root), "--out", str(tmp_path / "o1"), "--model-id", "org/tiny",
+                              "--tag", "t1")
+    assert code == 0, stderr
+    assert json.loads((tmp_path / "o1" / "rotationzoo.json").read_text())["model"] == "org/tiny"
+    from rotationzoo.recipe import FitRecipe
+    from rotationzoo.workflows import fit_dump
+
+    fit_dump(root, FitRecipe(), tmp_path / "o3", model_id="org/tiny", tag="t1")
+    assert json.loads((tmp_path / "o3" / "rotationzoo.json").read_text())["model"] == "org/tiny"
     api = fit_rotations(root)
     assert torch.equal(read_rotation(tmp_path / "out" / "k_rotation_qqt_r_h_pbr.pt").rotations, api.k.rotations)
     code, stdout, stderr = run_cli(capsys, "fit", "--dump", str(root), "--out", str(tmp_path / "o2"), "--objective", "ktk_vtv",

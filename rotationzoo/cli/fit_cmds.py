@@ -208,7 +208,8 @@ def fit_command(
         Optional[int], typer.Option("--num-layers", help="Layer count for --objective hadamard without --dump.")
     ] = None,
     head_dim: Annotated[Optional[int], typer.Option("--head-dim", help="head_dim for --objective hadamard without --dump.")] = None,
-    model: Annotated[Optional[str], typer.Option("--model", help="Model id recorded in rotationzoo.json.")] = None,
+    model_id: Annotated[Optional[str], typer.Option("--model-id", "--model", help="Model id recorded in "
+                                                    "rotationzoo.json (as calibrate's --model-id).")] = None,
     tag: TagOpt = None,
     signs: SignsOpt = "canonical",
     workers: Annotated[Optional[int], typer.Option(
@@ -250,7 +251,7 @@ def fit_command(
 
     Examples:
 
-      rotationzoo fit --dump qkv_dumps/gpqa --out rotations/ --model Qwen/Qwen3-8B
+      rotationzoo fit --dump qkv_dumps/gpqa --out rotations/ --model-id Qwen/Qwen3-8B
 
       rotationzoo fit --dump qkv/ --out rot/ --objective ktk_vtv --composition r_h
 
@@ -332,7 +333,7 @@ def fit_command(
     with progress_reporter(label, enabled=dump is not None and objective != "hadamard") as progress:
         result, written = fit_dump(dump, recipe, out, layers=layer_ids, keep_first_chunk=keep_first_chunk,
                                    tp_size=tp_size, num_layers=num_layers, head_dim=head_dim, workers=workers,
-                                   model=model, tag=tag, fmt=fmt, progress=progress, note=print_note)
+                                   model_id=model_id, tag=tag, fmt=fmt, progress=progress, note=print_note)
     _print_kept(result)
     _report(result, written, as_json)
 

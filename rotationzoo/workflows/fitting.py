@@ -52,7 +52,7 @@ def fit_dump(
     num_layers: Optional[int] = None,
     head_dim: Optional[int] = None,
     workers: Optional[int] = None,
-    model: Optional[str] = None,
+    model_id: Optional[str] = None,
     tag: Optional[str] = None,
     fmt: str = "pt",
     progress: Progress | None = None,
@@ -71,7 +71,7 @@ def fit_dump(
             text as ``--layers`` takes it, ``"0,1,2"`` or ``"3-7"``), how many TP ranks a per-rank dump must have.
         num_layers, head_dim: the data-free Hadamard baseline's shape.
         workers: layers processed concurrently (default: auto).
-        model, tag: recorded in ``rotationzoo.json``.
+        model_id, tag: recorded in ``rotationzoo.json`` (``calibrate``'s ``model_id`` too).
         fmt: ``"pt"`` (the authors' format) or ``"safetensors"``.
         progress: ``progress(done, total, what)`` of the fit; ``keep_progress`` that of the keep rule (default:
             ``progress``).
@@ -118,7 +118,7 @@ def fit_dump(
                                keep_first_chunk=keep_first_chunk, layers=ids, num_workers=workers, progress=progress,
                                signs=recipe.signs, num_layers=num_layers, head_dim=head_dim,
                                grouping=recipe.grouping, min_tokens=recipe.min_tokens, center=recipe.center)
-    return result, write_fitted(result, out, model=model, tag=tag, fmt=fmt, extra={"recipe": recipe.to_json()})
+    return result, write_fitted(result, out, model=model_id, tag=tag, fmt=fmt, extra={"recipe": recipe.to_json()})
 
 
 def check_data_free(layers: Optional[Sequence[int]], num_layers: Optional[int], head_dim: Optional[int]) -> None:
