@@ -224,18 +224,23 @@ class _Shape:
         return body * self.per_token + (prefix + recent) * self.window_per_token
 
 
-def _resolve(model: Any) -> tuple[str, str | None, Architecture, TagEntry | None]:
-    """``(model id, tag, architecture, registry entry)`` of a name, an entry or a bare architecture."""
+def _resolve(model: Any, tag_name: str | None = None) -> tuple[str, str | None, Architecture, TagEntry | None]:
+    """``(model id, tag, architecture, registry entry)`` of a name, an entry or a bare architecture; ``tag_name``
+    picks a tag of a name or a :class:`ModelEntry` (and must agree with ``MODEL@TAG``)."""
+    if tag_name is not None and not isinstance(model, (str, ModelEntry)):
+        raise ConfigError(f"tag= picks a tag of a model name or a ModelEntry; a {type(model).__name__} has its own")
     if isinstance(model, Architecture):
         return "custom", None, model, None
     if isinstance(model, TagEntry):
         return model.model_id, model.name, model.architecture, model
     if isinstance(model, ModelEntry):
-        tag = model.tag()
+        tag = model.tag(tag_name)
         return model.id, tag.name, tag.architecture, tag
     if isinstance(model, str):
-        name, tag_name = split_model_tag(model)
-        tag = get_model(name).tag(tag_name)
+        name, at_tag = split_model_tag(model)
+        if tag_name is not None and at_tag is not None and tag_name != at_tag:
+            raise ConfigError(f"tag {tag_name!r} (--tag) and {model!r} name different tags; give one")
+        tag = get_model(name).tag(tag_name or at_tag)
         return tag.model_id, tag.name, tag.architecture, tag
     raise ConfigError(f"plan needs a model name, a ModelEntry, a TagEntry or an Architecture, got {type(model).__name__}")
 
@@ -308,7 +313,8 @@ def _check_inputs(context: int, batch: int, gpu_memory_bytes: int | None, reserv
 
 
 def plan(
-    model_or_entry: Any,
+    model: Any,
+    tag: str | None = None,
     *,
     context: int,
     batch: int | None = None,
@@ -321,9 +327,10 @@ def plan(
     """KV-cache memory of BF16, FP8 and OSCAR INT2 for a model, and what fits on one GPU.
 
     Args:
-        model_or_entry: a registry name (``"Qwen3-8B"``, ``"MODEL@TAG"``), a
+        model: a registry name (``"Qwen3-8B"``, ``"MODEL@TAG"``), a
             :class:`~rotationzoo.registry.ModelEntry` (its default tag), a
             :class:`~rotationzoo.registry.TagEntry`, or a bare :class:`~rotationzoo.registry.Architecture`.
+        tag: a tag of a name or a ``ModelEntry`` (default: the model's default tag), as ``--tag``.
         context: tokens per sequence.
         batch: concurrent sequences for the totals and ``max_context`` (default 1).
         gpu_memory_bytes: memory of the GPU (or of all GPUs holding one replica); without it no
@@ -345,7 +352,7 @@ def plan(
             (:func:`rotationzoo.int2kv.check_group_size`), or a model whose registry entry lacks what
             the arithmetic needs (layers, KV heads, weights with a GPU size).
     """
-    name, tag, arch, entry = _resolve(model_or_entry)
+    name, tag, arch, entry = _resolve(model, tag)
     serving = entry.serving if entry is not None else None
     batch = 1 if batch is None else batch
     reserve = _check_inputs(context, batch, gpu_memory_bytes, reserve)

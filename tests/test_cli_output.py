@@ -31,6 +31,11 @@ def test_list_pattern_matches_ids_and_aliases_case_insensitively(capsys) -> None
     assert [m["id"] for m in json.loads(out)] == ["Qwen/Qwen3-8B"]
     rc, out, err = run_cli(capsys, "list", "qwen")  # no wildcard: an exact name, and a hint
     assert rc == 0 and out == "" and "no model matches 'qwen'" in err and "'qwen*'" in err
+    from rotationzoo.registry import list_models  # Python filters the same way
+
+    assert [m.id for m in list_models("smollm2*")] == ["HuggingFaceTB/SmolLM2-135M-Instruct"]
+    assert {m.id for m in list_models("QWEN3*")} == ids and list_models("qwen") == []
+    assert len(list_models()) == len(list_models("*")) > 10
 
 
 def test_list_plain_is_tab_separated_and_complete(capsys) -> None:

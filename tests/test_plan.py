@@ -236,3 +236,19 @@ def test_engine_help_lists_every_engine_plan_accepts(capsys) -> None:
     for engine in ENGINES:
         code, out, err = run_cli(capsys, "plan", "Qwen3-8B", "-c", "4096", "--engine", engine, "--json")
         assert code == 0 and json.loads(out)["engine"] == engine, err
+
+
+def test_plan_takes_a_tag_as_the_command_does() -> None:
+    """plan(model, tag) picks that tag's serving settings (as ``--tag`` and ``MODEL@TAG``); the two disagreeing, or a
+    tag beside an entry that has its own, is refused in one line."""
+    m = get_model("SmolLM2-135M-Instruct")
+    other = next(t for t in m.tags if t != m.default_tag)
+    want = plan(f"SmolLM2-135M-Instruct@{other}", context=8192)
+    assert want.tag == other != plan("SmolLM2-135M-Instruct", context=8192).tag
+    for got in (plan("SmolLM2-135M-Instruct", other, context=8192), plan(m, tag=other, context=8192),
+                plan(f"SmolLM2-135M-Instruct@{other}", other, context=8192)):
+        assert got.to_json() == want.to_json()
+    with pytest.raises(ConfigError, match="name different tags"):
+        plan(f"SmolLM2-135M-Instruct@{other}", m.default_tag, context=8192)
+    with pytest.raises(ConfigError, match="TagEntry has its own"):
+        plan(m.tag(), other, context=8192)

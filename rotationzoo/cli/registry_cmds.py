@@ -35,15 +35,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..files.validation import ValidationReport
 
 
-def _matches(pattern: str, m: ModelEntry) -> bool:
-    """fnmatch ``pattern`` (case-insensitive) against the model's id, its name after the org, and aliases."""
-    from fnmatch import fnmatchcase
-
-    pat = pattern.lower()
-    names = (m.id, m.id.rsplit("/", 1)[-1], *m.aliases)
-    return any(fnmatchcase(n.lower(), pat) for n in names)
-
-
 def cmd_list(
     pattern: Annotated[str | None, typer.Argument(
         help="Only models whose id or an alias matches this shell-style pattern, case-insensitive "
@@ -61,9 +52,7 @@ def cmd_list(
     """
     from ..registry import list_models
 
-    models = list_models()
-    if pattern is not None:
-        models = [m for m in models if _matches(pattern, m)]
+    models = list_models(pattern)
     if json_out:
         emit_json([m.to_json() for m in models])
         return

@@ -436,9 +436,16 @@ def load_registry(*, skip_missing_overlays: bool = False) -> Registry:
     return _load_cached(tuple(str(p) for p in paths), tuple(stamps))
 
 
-def list_models() -> list[ModelEntry]:
-    """Every model in the registry, in registry order."""
-    return list(load_registry())
+def list_models(pattern: str | None = None) -> list[ModelEntry]:
+    """Every model in the registry, in registry order; with ``pattern`` (``rotationzoo list PATTERN``) those whose
+    id, name after the org or an alias matches it as a shell-style pattern, case-insensitive (``"qwen3*"``)."""
+    from fnmatch import fnmatchcase
+
+    models = list(load_registry())
+    if pattern is None:
+        return models
+    pat = pattern.lower()
+    return [m for m in models if any(fnmatchcase(n.lower(), pat) for n in (m.id, m.id.rsplit("/", 1)[-1], *m.aliases))]
 
 
 def get_model(model: str) -> ModelEntry:
