@@ -42,6 +42,12 @@ def shown(value: object) -> str:
 #: past any text an evaluation reads.
 MAX_COUNT = 2**20
 
+#: The evaluation's bootstrap: tokens per resampled block (``--block-tokens``), resamples per interval
+#: (``--resamples``, at most :data:`MAX_RESAMPLES`: each costs a pass over the blocks of every comparison).
+DEFAULT_BLOCK_TOKENS = 256
+DEFAULT_RESAMPLES = 2000
+MAX_RESAMPLES = 100_000
+
 
 def check_int(value: object, what: str, *, low: int, high: int, hint: str = "",
               error: type[RotationZooError] = ConfigError) -> int:
@@ -84,4 +90,4 @@ def _bound(x: float) -> str:
     return f"{int(x):,}" if float(x).is_integer() else f"{x:g}"
 
 
-__all__ = ["MAX_COUNT", "SHOWN_CHARS", "check_int", "check_real", "shown"]
+__all__ = ["DEFAULT_BLOCK_TOKENS", "DEFAULT_RESAMPLES", "MAX_COUNT", "MAX_RESAMPLES", "SHOWN_CHARS", "check_int", "check_real", "shown"]

@@ -350,6 +350,34 @@ def test_cli_eval(tmp_path, capsys) -> None:
     assert json.loads(capsys.readouterr().out)["results"][1]["method"] == "none"
 
 
+def test_cli_eval_takes_the_bootstrap_and_pairwise_settings_of_the_protocol(tmp_path, capsys) -> None:
+    """--block-tokens, --resamples, --confidence and --compare-all are EvalProtocol's fields (the JSON echoes them);
+    --compare-all prints every INT2 method against every other; out-of-range values are usage errors."""
+    from rotationzoo.cli.main import main
+
+    folder, text = _save_tiny(tmp_path)
+    base = ["eval", "--model", str(folder), "--text", str(text), "--context", "64", "--methods", "fp,none,hadamard",
+            "--prefix-tokens", "4", "--recent-tokens", "8", "--group-size", "32"]
+    rc = main([*base, "--block-tokens", "16", "--resamples", "50", "--confidence", "0.9", "--compare-all", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert {k: data["protocol"][k] for k in ("block_tokens", "resamples", "confidence", "compare_all")} == {
+        "block_tokens": 16, "resamples": 50, "confidence": 0.9, "compare_all": True}
+    rows = {r["method"]: r for r in data["results"]}
+    assert set(rows["none"]["vs_methods"]) == {"hadamard"} and rows["none"]["vs_methods"]["hadamard"]["kl"]["confidence"] == 0.9
+    assert main([*base, "--resamples", "50", "--compare-all"]) == 0
+    out = capsys.readouterr().out
+    assert "every INT2 method against every other" in out and "hadamard" in out.split("every INT2 method")[1]
+    for flag, value in (("--confidence", "1"), ("--confidence", "0.4"), ("--resamples", "0"),
+                        ("--resamples", "100001"), ("--block-tokens", "0")):
+        assert main([*base, flag, value]) == 2, flag
+        assert flag in capsys.readouterr().err
+    for kwargs, said in (({"confidence": 1.0}, "confidence"), ({"resamples": 10**6}, "resamples"),
+                         ({"block_tokens": 0}, "block_tokens"), ({"compare_all": 1}, "compare_all")):
+        with pytest.raises(ConfigError, match=said):
+            EvalProtocol(**kwargs)
+
+
 def test_parse_methods_takes_a_k_v_file_pair() -> None:
     from rotationzoo.workflows import parse_methods
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, List, Optional, Sequence
 
+import click
 import typer
 
 from ._options import (
@@ -43,7 +44,7 @@ from ._options import (
     config_changes,
 )
 from ..errors import CLIError
-from ..numbers import MAX_COUNT
+from ..numbers import DEFAULT_BLOCK_TOKENS, DEFAULT_RESAMPLES, MAX_COUNT, MAX_RESAMPLES
 from ..workflows.evaluation import MAX_SKIP_TOKENS
 from ._output import console, emit_json, print_note, print_warning, printable, progress_reporter
 
@@ -77,6 +78,14 @@ def eval_command(
                                "reported as a spread (0: as served only); rotations learned by --refine are never "
                                "drawn (their signs were learned).")] = 0,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the sign draws and the bootstrap.")] = 0,
+    block_tokens: Annotated[int, typer.Option("--block-tokens", min=1, max=MAX_COUNT, help="Tokens per bootstrap "
+                            "block: the intervals resample whole blocks, so neighbouring tokens stay together.")] = DEFAULT_BLOCK_TOKENS,
+    resamples: Annotated[int, typer.Option("--resamples", min=1, max=MAX_RESAMPLES,
+                         help="Bootstrap resamples per interval.")] = DEFAULT_RESAMPLES,
+    confidence: Annotated[float, typer.Option("--confidence", click_type=click.FloatRange(0.5, 1.0, max_open=True),
+                          help="Coverage of every interval, in [0.5, 1).")] = 0.95,
+    compare_all: Annotated[bool, typer.Option("--compare-all", help="Also compare every INT2 method with every other, "
+                           "paired on the same tokens (a second table; vs_methods in --json).")] = False,
     baseline: Annotated[str, typer.Option("--baseline", help="Method the others are compared with.")] = "hadamard",
     probe: Annotated[Optional[str], typer.Option("--probe", click_type=choice(("copy",)),
                      help="copy: also read passages back from the INT2 history (copy probe).")] = None,
@@ -147,7 +156,8 @@ def eval_command(
         tokens=tokens, skip=skip, dtype=dtype, device=device,
         fetch=dict(source=source, revision=revision, cache_dir=cache_dir, offline=offline or None, timeout=timeout),
         protocol=EvalProtocol(context=context, stride=stride, draws=draws, seed=seed, baseline=baseline,
-                              error_windows=error_windows,
+                              block_tokens=block_tokens, resamples=resamples, confidence=confidence,
+                              compare_all=compare_all, error_windows=error_windows,
                               probe=CopyProbe(passage_tokens, filler_tokens, probes) if probe == "copy" else None))
     plan = plan_evaluation(request)  # texts, methods, settings and windows: before the model is touched
     # and the files asked for: a long run never ends in a path it cannot write, nor writes over one it reads
@@ -199,13 +209,16 @@ def _write_outputs(report: Any, json_out: Optional[Path], plot: Optional[Path]) 
 def _print_report(report: Any, title: str, plot: Optional[Path], json_out: Optional[Path]) -> None:
     from rich.markup import escape
 
-    from ..evaluate import results_table, summary_line
+    from ..evaluate.report import pairs_table, results_table, summary_line
 
     for w in report.warnings:
         print_warning(w)
     con = console()
     con.print(results_table(report, title=escape(printable(title))))  # a model folder's name: literally
     con.print(summary_line(report))
+    pairs = pairs_table(report, title="every INT2 method against every other (row − column)")
+    if pairs is not None:
+        con.print(pairs)
     for extra, label in ((plot, "plot"), (json_out, "json")):
         if extra is not None:
             con.print(printable(f"{label}: {extra}"), markup=False)

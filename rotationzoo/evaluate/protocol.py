@@ -30,7 +30,7 @@ import torch
 from ..errors import ConfigError
 from ..int2kv import Int2KVConfig
 from ..kvformat import KVFormat
-from ..numbers import MAX_COUNT, check_int
+from ..numbers import MAX_COUNT, MAX_RESAMPLES, check_int, check_real
 from .stats import DEFAULT_BLOCK_TOKENS, DEFAULT_RESAMPLES
 
 
@@ -79,8 +79,8 @@ class EvalProtocol:
         seed: seed of the sign draws and the bootstrap.
         baseline: method every other method is compared with.
         block_tokens: tokens per bootstrap block.
-        resamples: bootstrap resamples.
-        confidence: interval coverage.
+        resamples: bootstrap resamples (1 … :data:`~rotationzoo.numbers.MAX_RESAMPLES`).
+        confidence: interval coverage, in [0.5, 1).
         error_windows: leading windows over which attention-output errors are measured (per layer and per
             KV head: ``MethodResult.layer_errors`` / ``head_errors``).
         probe: the copy probe, or ``None``.
@@ -107,10 +107,12 @@ class EvalProtocol:
             raise ConfigError(f"stride must be at least 1 token, got {self.stride}")
         if self.draws < 0:
             raise ConfigError(f"draws must be 0 (as served) or more, got {self.draws}")
-        if not 0 < self.confidence < 1:
-            raise ConfigError(f"confidence must be in (0, 1), got {self.confidence}")
-        if self.block_tokens < 1 or self.resamples < 1:
-            raise ConfigError("block_tokens and resamples must be positive")
+        check_real(self.confidence, "confidence (--confidence)", low=0.5, high=1.0, high_open=True,
+                   hint=" (the intervals' coverage, e.g. 0.95)")
+        check_int(self.block_tokens, "block_tokens (--block-tokens)", low=1, high=MAX_COUNT)
+        check_int(self.resamples, "resamples (--resamples)", low=1, high=MAX_RESAMPLES)
+        if not isinstance(self.compare_all, bool):
+            raise ConfigError(f"compare_all (--compare-all) must be true or false, got {self.compare_all!r}")
         check_int(self.error_windows, "error_windows (--error-windows)", low=0, high=MAX_COUNT)
 
     def to_json(self) -> dict[str, Any]:

@@ -192,6 +192,22 @@ def results_table(report: EvalReport, *, title: str | None = None) -> Any:
     return table
 
 
+def pairs_table(report: EvalReport, *, title: str | None = None) -> Any:
+    """A ``rich`` table of every INT2 method against every other (``EvalProtocol.compare_all``): ΔKL and ΔNLL,
+    row − column, paired on the same tokens; ``None`` when the report has no such comparisons."""
+    from rich.table import Table
+
+    pairs = [(r.method, other, d) for r in report.results for other, d in r.vs_methods.items() if r.method < other]
+    if not pairs:
+        return None
+    table = Table(title=title)
+    for c in ("method", "against", "ΔKL", "ΔNLL", "verdict (KL)"):
+        table.add_column(c, justify="left" if c in ("method", "against", "verdict (KL)") else "right")
+    for a, b, d in pairs:
+        table.add_row(a, b, _ci(d.get("kl")), _ci(d.get("nll")), d["kl"].verdict if "kl" in d else "")
+    return table
+
+
 def summary_line(report: EvalReport) -> str:
     """One line under the table: windows, BPE formula, time."""
     draws = report.protocol.get("draws") or 0

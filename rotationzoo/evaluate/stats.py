@@ -23,10 +23,8 @@ from typing import Any, Literal
 
 import torch
 
-#: Tokens per bootstrap block (contiguous in the evaluated text).
-DEFAULT_BLOCK_TOKENS = 256
-#: Bootstrap resamples.
-DEFAULT_RESAMPLES = 2000
+from ..numbers import DEFAULT_BLOCK_TOKENS, DEFAULT_RESAMPLES
+
 Verdict = Literal["better", "worse", "no detectable difference"]
 
 
