@@ -717,6 +717,11 @@ def test_cli_publish_errors(hubs, fitted, tmp_path, capsys) -> None:
     base = ["publish", str(fitted), "--repo", REPO_ID, "--tag", TAG]
     assert main([*base, "--model", MODEL, "--to", "github"]) == 1
     assert "unknown hub" in capsys.readouterr().err
+    assert main([*base, "--model", MODEL, "--atol", "nan"]) == 2  # as verify --atol: a usage error, nothing read
+    assert "--atol must be a finite number" in capsys.readouterr().err
+    # the tolerance reaches the validation: float32 rotations are orthogonal to about 1e-7, not to 0
+    assert main([*base, "--model", MODEL, "--atol", "0", "--dry-run"]) == 1
+    assert "not orthogonal, max|RRᵀ−I| = " in capsys.readouterr().err
     for flag in ("--expected-parent", "--parent-commit"):  # publish(expected_parent=); the earlier name its alias
         assert main([*base, "--model", MODEL, flag, "abc"]) == 1
         assert "not a 40-hex commit sha" in capsys.readouterr().err

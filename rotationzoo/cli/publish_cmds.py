@@ -18,7 +18,7 @@ from typing import Annotated, Optional
 import typer
 
 from ..errors import CLIError, PublishError
-from ._options import CacheDirOpt, JsonOpt, RevisionOpt, SourceOpt
+from ._options import CacheDirOpt, JsonOpt, RevisionOpt, SourceOpt, usage_errors
 from ._output import console, emit_json, print_warning, printable, progress_enabled
 
 
@@ -63,6 +63,8 @@ def cmd_publish(
     dataset: Annotated[Optional[str], typer.Option("--dataset", help="Calibration dataset recorded in the registry entry.")] = None,
     commit_message: Annotated[Optional[str], typer.Option("--commit-message", "--message",
                                                           help="Commit message (first line).")] = None,
+    atol: Annotated[float, typer.Option("--atol", help="Tolerance on max|RRᵀ−I| of the validation before the upload "
+                                        "(as verify --atol).")] = 1e-5,
     private: Annotated[bool, typer.Option("--private", help="Create a missing repository as private.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would be uploaded; write nothing.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing <model>/<tag>/ folder.")] = False,
@@ -88,8 +90,11 @@ def cmd_publish(
     rotationzoo publish out/ --repo me/RotationZoo --model acme/Tiny-LM --tag v1 --registry-out reg.json --json  |
     rotationzoo publish k.pt,v.pt --repo me/RotationZoo --model Qwen3-8B --tag mine --branch dev
     """
+    from ..numbers import check_real
     from ..publish import publish
 
+    with usage_errors():  # before anything is read: a NaN tolerance would pass every file
+        check_real(atol, "--atol", low=0.0, high=1.0, hint=" (a tolerance on max|R Rᵀ − I|)")
     messages: list[str] = []
     show = progress_enabled() and not json_out
 
@@ -105,7 +110,7 @@ def cmd_publish(
         rotations, repo=_hub_values(repo, "--repo") or "", model=model, tag=tag, to=to, branch=branch, create_tag=create_tag,
         registry_out=registry_out, dry_run=dry_run, force=force, token=_hub_values(token, "--token"),
         expected_parent=_hub_values(expected_parent, "--expected-parent"), safetensors=safetensors,
-        description=description, dataset=dataset, commit_message=commit_message, private=private, report=report,
+        description=description, dataset=dataset, commit_message=commit_message, private=private, report=report, atol=atol,
         source=source, revision=revision, cache_dir=cache_dir, offline=offline or None, timeout=timeout,
     )
     if json_out:
