@@ -39,11 +39,13 @@ class HeadDims:
         object.__setattr__(self, "overrides", {k: v for k, v in sorted(self.overrides.items()) if v != self.default})
 
     @classmethod
-    def of(cls, value: "int | HeadDims | Mapping[int, int] | None") -> "HeadDims | None":
-        """``value`` as :class:`HeadDims`: an int, a ``{layer: d}`` mapping (the most common ``d`` is the
-        default), or ``None`` (unknown)."""
+    def of(cls, value: "int | str | HeadDims | Mapping[int, int] | None") -> "HeadDims | None":
+        """``value`` as :class:`HeadDims`: an int, a spec as ``--head-dim`` takes it (``"256,5:512"``,
+        :meth:`parse`), a ``{layer: d}`` mapping (the most common ``d`` is the default), or ``None`` (unknown)."""
         if value is None or isinstance(value, HeadDims):
             return value
+        if isinstance(value, str):
+            return cls.parse(value)
         if isinstance(value, Mapping):
             if not value:
                 raise ConfigError("per-layer head_dims must name at least one layer")

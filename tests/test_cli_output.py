@@ -405,7 +405,7 @@ def test_sigint_with_json_prints_the_json_error(tmp_path) -> None:
 
     code = ("import os, signal, sys, rotationzoo.registry as r\n"
             "from rotationzoo.cli.main import main\n"
-            "r.list_models = lambda: os.kill(os.getpid(), signal.SIGINT) or __import__('time').sleep(30)\n"
+            "r.list_models = lambda pattern=None: os.kill(os.getpid(), signal.SIGINT) or __import__('time').sleep(30)\n"
             "sys.exit(main(['list', '--json']))\n")
     env = {**os.environ, "ROTATIONZOO_DEBUG": "0"}
     got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
@@ -423,7 +423,7 @@ def test_sigterm_runs_the_commands_cleanup_and_exits_143(tmp_path) -> None:
 
     code = ("import os, signal, sys, tempfile, rotationzoo.registry as r\n"
             "from rotationzoo.cli.main import main\n"
-            "def slow():\n"
+            "def slow(pattern=None):\n"
             "    with tempfile.TemporaryDirectory(prefix='rotationzoo-kv-') as d:\n"
             "        open(os.path.join(d, 'chunk.pt'), 'w').write('x')\n"
             "        os.kill(os.getpid(), signal.SIGTERM)\n"

@@ -99,6 +99,11 @@ def test_ragged_head_dims(tmp_path, capsys) -> None:
     code, out, _ = run_cli(capsys, "verify", str(p), "--num-layers", "4", "--head-dim", "16,2:32", "--json")
     (rep,) = json.loads(out)
     assert code == 0 and rep["head_dim"] is None and rep["head_dims"] == {"default": 16, "layers": {"2": 32}}
+    # Python takes the flag's spec too: the same report from verify_path(head_dim="16,2:32")
+    from rotationzoo.files.localpair import verify_path
+
+    assert HeadDims.of("16,2:32") == HeadDims(16, {2: 32})
+    assert verify_path(p, num_layers=4, head_dim="16,2:32")[0].to_json() == rep
     with pytest.raises(RotationFileError, match="exceeds max_head_dim=16"):
         read_rotation(p, head_dim=16)  # refused before loading
     with pytest.raises(RotationFileError, match="layer 1: head_dim 16, but the model needs 32"):

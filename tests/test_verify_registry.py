@@ -12,13 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
+import layouts
 from helpers import random_orthogonal
 from hubserver import hub_env, hub_server  # noqa: F401  (fixtures)
 
 from rotationzoo import RotationSet, write_rotation
 from rotationzoo.cli.main import main
 from rotationzoo.publish import verify_registry
-from rotationzoo.registry import load_registry
+from rotationzoo.errors import ConfigError
+from rotationzoo.files.localpair import verify_path
+from rotationzoo.registry import get_model, load_registry
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKFLOWS = ROOT / ".github" / "workflows"
@@ -295,7 +298,6 @@ def test_a_tolerance_that_is_not_one_is_a_usage_error(atol, tmp_path, capsys) ->
     p = write_rotation(tmp_path / "k.pt", RotationSet(_orthogonal(1), range(L), "x"))
     assert main(["verify", str(p), "--atol", atol]) == 2
     assert "--atol must be a finite number in [0, 1]" in capsys.readouterr().err
-    from rotationzoo.errors import ConfigError
     from rotationzoo.files.validation import validate
 
     with pytest.raises(ConfigError, match="atol must be a finite number"):
@@ -307,5 +309,21 @@ def test_a_tolerance_that_is_not_one_is_a_usage_error(atol, tmp_path, capsys) ->
 def test_verify_against_an_mla_model_refuses_a_tag_it_does_not_have(tmp_path, capsys) -> None:
     """``verify FILE --model GLM-5.2@no-such-tag`` had checked against the latent set, ignoring the tag."""
     p = write_rotation(tmp_path / "k.pt", RotationSet(_orthogonal(1), range(L), "x"))
-    assert main(["verify", str(p), "--model", "GLM-5.2@no-such-tag"]) == 2
+    assert main(["verify", str(p), "--model", "GLM-5.2@no-such-tag"]) == 1  # as an unknown tag of any model
     assert "has one latent set" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="has one latent set"):
+        verify_path(p, model="GLM-5.2@no-such-tag")
+
+
+def test_verify_path_takes_the_model_as_verify_does(tmp_path, capsys) -> None:
+    """verify_path(model=) checks a file against the registry model's layers and head_dim, as verify --model."""
+    m = get_model("SmolLM2-135M-Instruct")
+    arch = m.tag().architecture
+    ok = write_rotation(tmp_path / "ok.pt", RotationSet(layouts.orthogonal(arch.num_layers, arch.head_dim, arch.head_dim, seed=1),
+                                                        range(arch.num_layers), "x"))
+    short = write_rotation(tmp_path / "short.pt", RotationSet(_orthogonal(1), range(L), "x"))
+    assert [r.ok for r in verify_path(ok, model="SmolLM2-135M-Instruct")] == [True]
+    bad = verify_path(short, model="SmolLM2-135M-Instruct")
+    assert not bad[0].ok and verify_path(short)[0].ok
+    assert main(["verify", str(short), "--model", "SmolLM2-135M-Instruct", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)[0]["problems"] == bad[0].problems

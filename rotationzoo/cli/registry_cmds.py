@@ -277,28 +277,10 @@ def cmd_verify(
     from ..headdims import HeadDims
     from ..files.pair import verify_path
 
-    layer_ids: tuple[int, ...] | None = None
-    num_kv_heads: int | None = None
     dims = HeadDims.parse(head_dim) if head_dim is not None else None  # checked by head_dims_option
-    if model is not None:
-        from ..registry import get_model, split_model_tag
-
-        name, at_tag = split_model_tag(model)  # MODEL@TAG: that tag's architecture
-        m = get_model(name)
-        if m.mla_latent is not None:  # an MLA latent set: its layers and rank
-            if at_tag is not None and at_tag != m.mla_latent.name:
-                raise CLIError(f"--model {printable(model)}: {m.id} has one latent set, {m.mla_latent.name!r}, not "
-                               f"{at_tag!r}; give --model {m.id}")
-            ids = m.mla_latent.expected_layer_ids
-            layer_ids, dims = (tuple(ids) if ids is not None else None), dims or HeadDims(m.mla_latent.rank)
-        else:
-            arch = m.tag(at_tag).architecture
-            layer_ids, num_kv_heads = arch.expected_layer_ids(), arch.num_kv_heads
-            dims = dims or arch.head_dims
     fetch = dict(source=source, revision=revision, cache_dir=cache_dir, offline=offline or None, timeout=timeout)
     reports = [r for p in paths
-               for r in verify_path(p, atol=atol, layer_ids=layer_ids, num_layers=num_layers, head_dim=dims,
-                                    num_kv_heads=num_kv_heads, fetch=fetch)]
+               for r in verify_path(p, atol=atol, num_layers=num_layers, head_dim=dims, model=model, fetch=fetch)]
     for r in reports:  # torch and other libraries colour their messages: never let ANSI codes through
         r.problems = [plain(p) for p in r.problems]
     if json_out:

@@ -116,16 +116,30 @@ def find_pair_files(directory: str | os.PathLike[str]) -> dict[str, Path]:
 
 
 def verify_path(path: str | os.PathLike[str], *, atol: float = DEFAULT_ATOL, layer_ids: Sequence[int] | None = None,
-                num_layers: int | None = None, head_dim: int | HeadDims | None = None,
-                num_kv_heads: int | None = None, fetch: Mapping[str, Any] | None = None) -> list[ValidationReport]:
+                num_layers: int | None = None, head_dim: int | str | HeadDims | None = None,
+                num_kv_heads: int | None = None, model: str | None = None,
+                fetch: Mapping[str, Any] | None = None) -> list[ValidationReport]:
     """Validation reports of what names rotations: one for a single-side file, one per side for a pair
     file (exported safetensors or GGUF), a pair folder (found as :func:`find_pair_files` finds it),
     ``"K.pt,V.pt"``, or a registry id ``MODEL[@TAG]`` (fetched with the ``fetch`` options — ``source``,
     ``revision``, ``cache_dir``, ``offline``, ``timeout`` — and checked against the model's layers,
     head_dims and KV heads unless others are given).
 
+    ``model`` (``MODEL[@TAG]``, as ``verify --model``) takes the layer ids, KV heads and head_dims not given from
+    that registry model's architecture (an MLA latent set's: its latent layers and rank).
+
     K and V of a pair must agree as ``export`` requires (:func:`~rotationzoo.files.validation.pair_disagreement`),
-    else both reports fail. Never raises for a bad file (the report says why)."""
+    else both reports fail. Never raises for a bad file (the report says why).
+
+    Raises:
+        ConfigError, UnknownModelError: ``model`` is no registry model, or names a tag it does not have.
+    """
+    head_dim = HeadDims.of(head_dim)  # an int, a spec as --head-dim takes it ("256,5:512"), or HeadDims
+    if model is not None:
+        ids, heads, dims = model_expectations(model)
+        layer_ids = layer_ids if layer_ids is not None else ids
+        num_kv_heads = num_kv_heads if num_kv_heads is not None else heads
+        head_dim = head_dim if head_dim is not None else dims
     text = os.fspath(path)
     p = Path(text).expanduser()
     expect: dict[str, Any] = dict(atol=atol, layer_ids=layer_ids, num_layers=num_layers, head_dim=head_dim,
@@ -201,6 +215,29 @@ def _registry_id(text: str) -> bool:
     except RotationZooError:
         return False
     return True
+
+
+def model_expectations(model: str) -> tuple[tuple[int, ...] | None, int | None, HeadDims | None]:
+    """``(layer ids, KV heads, head_dims)`` that files for registry model ``MODEL[@TAG]`` must have (an MLA latent
+    set's: its latent layer ids and ``HeadDims(rank)``, no KV heads).
+
+    Raises:
+        ConfigError: a latent model named with a tag other than its set's; UnknownModelError / UnknownTagError.
+    """
+    from ..errors import ConfigError
+    from ..registry import get_model, split_model_tag
+
+    name, at_tag = split_model_tag(model)  # MODEL@TAG: that tag's architecture
+    m = get_model(name)
+    if m.mla_latent is not None:
+        if at_tag is not None and at_tag != m.mla_latent.name:
+            raise ConfigError(f"{model}: {m.id} has one latent set, {m.mla_latent.name!r}, not {at_tag!r}; give "
+                              f"{m.id}")
+        ids = m.mla_latent.expected_layer_ids
+        return (tuple(ids) if ids is not None else None), None, HeadDims(m.mla_latent.rank)
+    arch = m.tag(at_tag).architecture
+    ids = arch.expected_layer_ids()
+    return (tuple(ids) if ids is not None else None), arch.num_kv_heads, arch.head_dims
 
 
 def _verify_registered(text: str, expect: dict[str, Any], fetch: dict[str, Any]) -> list[ValidationReport]:
