@@ -227,8 +227,10 @@ class _Shape:
 def _resolve(model: Any, tag_name: str | None = None) -> tuple[str, str | None, Architecture, TagEntry | None]:
     """``(model id, tag, architecture, registry entry)`` of a name, an entry or a bare architecture; ``tag_name``
     picks a tag of a name or a :class:`ModelEntry` (and must agree with ``MODEL@TAG``)."""
-    if tag_name is not None and not isinstance(model, (str, ModelEntry)):
-        raise ConfigError(f"tag= picks a tag of a model name or a ModelEntry; a {type(model).__name__} has its own")
+    if isinstance(model, TagEntry) and tag_name is not None:
+        raise ConfigError("tag= picks a tag of a model name or a ModelEntry; a TagEntry is one tag already")
+    if isinstance(model, Architecture) and tag_name is not None:
+        raise ConfigError("tag= picks a tag of a registry model; a bare Architecture has no tags")
     if isinstance(model, Architecture):
         return "custom", None, model, None
     if isinstance(model, TagEntry):

@@ -159,8 +159,10 @@ def launch_spec(
         check_int(block_size, "block_size", low=1, high=MAX_BLOCK_TOKENS, hint=" tokens")
     if tp_size is not None:
         LaunchConfig(tp_size=tp_size)  # its bounds, before anything is downloaded
-    if ep_size is not None:  # its bounds (whether it divides the launch's TP size: below, with the entry's)
-        check_ep_size(ep_size, tp_size if tp_size is not None else ep_size)
+    if ep_size is not None and tp_size is None:  # its bounds (the target's rule: below, with the entry's TP)
+        check_ep_size(ep_size, ep_size, t.expert_parallel)
+    elif ep_size is not None:  # with --tp: the target's rule, before anything is downloaded
+        check_expert_parallel(t, LaunchConfig(), "rotations", tp_size=tp_size, ep_size=ep_size)
     if not calibrate:
         _precheck(t, model, tag, tp_size, ep_size)
     if calibrate:
@@ -255,10 +257,10 @@ def _precheck(t: EngineTarget, model: Any, tag: str | None, tp_size: int | None,
         prepare(t, config=entry.serving, launch=entry.launch, paths=None, model=entry.model_id, head_dims=None,
                 kinds=frozenset(), source=entry.key, hybrid=True)
     check_architecture(t, entry.model_id, entry.key)
+    check_expert_parallel(t, entry.launch, entry.key, tp_size=tp_size, ep_size=ep_size)  # the entry's own EP too
     if tp_size is not None or ep_size is not None:
         lc = entry.launch.replace(tp_size=tp_size, ep_size=ep_size)
-        check_expert_parallel(t, lc)
-        arch.check_tp_size(lc.tp_size, lc.ep_size)
+        arch.check_tp_size(lc.tp_size, lc.ep_size, t.expert_parallel)
 
 
 def _calibration_spec(t: Any, model: Any, tag: str | None, model_path: str | None,

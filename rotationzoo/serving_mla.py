@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .engines import EngineTarget, LatentLaunch, prepare, refuse
+from .engines import EngineTarget, LatentLaunch, check_expert_parallel, prepare, refuse
 from .errors import ServingError
 from .int2kv import Int2KVConfig
 from .launch import LaunchConfig
@@ -44,8 +44,12 @@ def latent_spec(t: EngineTarget, model: ModelEntry, *, model_path: str | None, s
     """
     lat = model.mla_latent
     assert lat is not None
+    lc = LaunchConfig(tp_size=lat.tp_size, mamba_scheduler_strategy=lat.mamba_scheduler_strategy,  # type: ignore[arg-type]
+                      recipe=lat.recipe)
     if "mla" not in t.reads:  # before anything is fetched
         refuse(t, frozenset({"mla"}), f"{model.id}@{lat.name}")
+    check_expert_parallel(t, lc, f"{model.id}@{lat.name}", tp_size=knobs.get("tp_size"), ep_size=knobs.get("ep_size"))
+    lc.replace(tp_size=knobs.get("tp_size"), ep_size=knobs.get("ep_size"))  # the sizes' own rule, before a fetch
     got = load_latent(model.id, cache_dir=cache_dir, offline=offline, source_type=source, revision=revision,
                       timeout=timeout)
     assert got.files is not None
@@ -64,8 +68,6 @@ def latent_spec(t: EngineTarget, model: ModelEntry, *, model_path: str | None, s
                           decode_attention_backend=lat.decode_attention_backend, companions=got.rotations.companions,
                           layouts=got.rotations.layouts)
     config = Int2KVConfig(prefix_tokens=lat.prefix_tokens, recent_tokens=lat.recent_tokens)
-    lc = LaunchConfig(tp_size=lat.tp_size, mamba_scheduler_strategy=lat.mamba_scheduler_strategy,  # type: ignore[arg-type]
-                      recipe=lat.recipe)
     inp = prepare(t, config=config, launch=lc, paths=None, model=loads, head_dims=None, kinds=frozenset({"mla"}),
                   source=f"{model.id}@{lat.name}", model_path=model_path, latent=launch, **knobs)
     built = t.build(inp)

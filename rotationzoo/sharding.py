@@ -31,17 +31,45 @@ def _tp(tp_size: Any) -> int:
     return tp_size
 
 
-def check_ep_size(ep_size: Any, tp_size: int) -> int:
+#: How an engine splits experts: ``"groups"`` of TP ranks (SGLang's ``--ep-size``, a divisor of the TP size),
+#: ``"every_rank"`` (vLLM's ``--enable-expert-parallel``: the TP size or nothing), ``"none"`` (no expert parallelism).
+EXPERT_PARALLEL = ("groups", "every_rank", "none")
+
+
+def ep_sizes(tp_size: int, expert_parallel: str = "groups") -> list[int]:
+    """The expert-parallel sizes above 1 an engine of that kind takes at ``tp_size`` ranks, smallest first."""
+    if expert_parallel == "none" or tp_size < 2:
+        return []
+    if expert_parallel == "every_rank":
+        return [tp_size]
+    return [e for e in range(2, tp_size + 1) if not tp_size % e]
+
+
+def _listed(sizes: list[int], most: int = 4) -> str:
+    """``2, 4 or 8``; a long list keeps its first sizes and its last (``2, 3, 4, … or 1024``)."""
+    shown = [str(e) for e in sizes]
+    if len(shown) > most:
+        shown = shown[:most - 1] + ["…", shown[-1]]
+    return ", ".join(shown[:-1]) + " or " + shown[-1] if len(shown) > 1 else shown[0]
+
+
+def check_ep_size(ep_size: Any, tp_size: int, expert_parallel: str = "groups") -> int:
     """``ep_size`` when it is an integer dividing ``tp_size`` (SGLang splits the TP ranks into that many
-    expert-parallel groups); :class:`~rotationzoo.errors.ConfigError`, one line, otherwise."""
+    expert-parallel groups; ``expert_parallel="every_rank"``: 1 or ``tp_size``, as vLLM);
+    :class:`~rotationzoo.errors.ConfigError`, one line, otherwise."""
     if isinstance(ep_size, bool) or not isinstance(ep_size, int) or not 1 <= ep_size <= MAX_TP:
         raise ConfigError(f"expert-parallel size must be an integer in [1, {MAX_TP}], got {ep_size!r}")
-    if tp_size % ep_size:
-        fit = [e for e in range(2, tp_size + 1) if not tp_size % e]
-        raise ConfigError(f"expert-parallel size {ep_size} does not divide the tensor-parallel size {tp_size}: the "
-                          "expert groups are made of the TP ranks; "
-                          + (f"try --ep-size {', '.join(map(str, fit[:4]))}" if fit else "use --ep-size 1 at TP 1"))
-    return ep_size
+    if ep_size == 1 or ep_size in ep_sizes(tp_size, expert_parallel):
+        return ep_size
+    fit = ep_sizes(tp_size, expert_parallel)
+    hint = f"try --ep-size {_listed(fit)}" if fit else "use --ep-size 1" + (" at TP 1" if tp_size == 1 else "")
+    if expert_parallel == "every_rank":
+        why = f"expert parallelism here spans every tensor-parallel rank, so it is 1 or the TP size ({tp_size})"
+    elif expert_parallel == "none":
+        why = "this engine has no expert parallelism"
+    else:
+        why = f"it does not divide the tensor-parallel size {tp_size} (the expert groups are made of the TP ranks)"
+    raise ConfigError(f"expert-parallel size {ep_size}: {why}; {hint}")
 
 
 def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> list[tuple[int, ...]]:
@@ -67,19 +95,20 @@ def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> list[tuple[int, ...]]:
 
 
 def check_tp_size(tp_size: int, *, num_kv_heads: int | None = None, moe_intermediate_size: int | None = None,
-                  weight_block_size: int | None = None, ep_size: int = 1) -> None:
+                  weight_block_size: int | None = None, ep_size: int = 1, expert_parallel: str = "groups") -> None:
     """Refuse a TP size a model cannot be served at: KV heads that cannot be split (:func:`kv_heads_per_rank`),
     or block-quantized MoE weights whose per-rank gate/up shard ``moe_intermediate_size / (tp / ep)`` is no
     whole number of ``weight_block_size`` blocks (SGLang refuses such a shard at start-up: MiniMax-M2.7's 1536
     over 8 ranks is 192, blocks of 128; with ``--ep-size 2`` each expert is split over 4 ranks, 384). The sizes
     the message suggests pass both rules at the same ``ep_size``, and a refused MoE shard names the expert-
-    parallel sizes that would take it.
+    parallel sizes that would take it on an engine whose experts split as ``expert_parallel`` says
+    (:data:`EXPERT_PARALLEL`).
 
     Raises:
         ConfigError: one line, with TP (or EP) sizes that work.
     """
     tp = _tp(tp_size)
-    ep = check_ep_size(ep_size, tp)
+    ep = check_ep_size(ep_size, tp, expert_parallel)
     moe = moe_intermediate_size if weight_block_size is not None else None
     block = weight_block_size or 1
 
@@ -103,10 +132,9 @@ def check_tp_size(tp_size: int, *, num_kv_heads: int | None = None, moe_intermed
     ranks = tp // ep
     detail = f"{moe} / {ranks} = {moe // ranks}" if not moe % ranks else f"{moe} does not divide by {ranks}"
     over = f"{tp} tensor-parallel ranks" + (f" in {ep} expert-parallel groups" if ep > 1 else "")
-    eps = [e for e in range(ep + 1, tp + 1) if not tp % e and moe_fits(tp, e)]
+    eps = [e for e in ep_sizes(tp, expert_parallel) if e > ep and moe_fits(tp, e)]
     if eps:
-        listed = ", ".join(map(str, eps[:-1])) + " or " + str(eps[-1]) if len(eps) > 1 else str(eps[0])
-        hint += f", or keep --tp {tp} with --ep-size {listed}"
+        hint += f", or keep --tp {tp} with --ep-size {_listed(eps)}"
     raise ConfigError(f"the MoE weights cannot be split over {over}: each rank's gate/up shard (intermediate size "
                       f"{detail}) must be a whole number of the checkpoint's {block}-wide quantization blocks; "
                       f"{hint}")

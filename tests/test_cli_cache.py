@@ -180,3 +180,16 @@ def test_remove_cached_without_a_model_or_all_removes_nothing(filled, capsys) ->
     assert len(cache_records(filled)) == 3
     assert len(removal_plan(cache_dir=filled, all=True)[0]) == 3
     assert len(remove_cached(cache_dir=filled, all=True)) >= 3 and cache_records(filled) == []
+
+
+@pytest.mark.parametrize("kwargs", [{"model": SMOL, "tag": ""}, {"model": ""}, {"all": "no"}, {"all": 1},
+                                    {"model": SMOL, "tag": 3}])
+def test_remove_cached_refuses_empty_or_untyped_arguments(filled, kwargs) -> None:
+    """tag="" had been read as no tag (every tag of the model removed) and all="no" as true (everything)."""
+    from rotationzoo.errors import ConfigError
+    from rotationzoo.hub import removal_plan, remove_cached
+
+    for fn in (remove_cached, removal_plan):
+        with pytest.raises(ConfigError):
+            fn(cache_dir=filled, **kwargs)
+    assert len(cache_records(filled)) == 3

@@ -367,8 +367,8 @@ def test_cli_eval_takes_the_bootstrap_and_pairwise_settings_of_the_protocol(tmp_
     assert set(rows["none"]["vs_methods"]) == {"hadamard"} and rows["none"]["vs_methods"]["hadamard"]["kl"]["confidence"] == 0.9
     assert main([*base, "--resamples", "50", "--compare-all"]) == 0
     out = capsys.readouterr().out
-    assert "every INT2 method against every other" in out and "hadamard" in out.split("every INT2 method")[1]
-    for flag, value in (("--confidence", "1"), ("--confidence", "0.4"), ("--resamples", "0"),
+    assert "every row against every other but fp" in out and "hadamard" in out.split("every row against")[1]
+    for flag, value in (("--confidence", "1"), ("--confidence", "0.4"), ("--confidence", "nan"), ("--resamples", "0"),
                         ("--resamples", "100001"), ("--block-tokens", "0")):
         assert main([*base, flag, value]) == 2, flag
         assert flag in capsys.readouterr().err

@@ -250,5 +250,7 @@ def test_plan_takes_a_tag_as_the_command_does() -> None:
         assert got.to_json() == want.to_json()
     with pytest.raises(ConfigError, match="name different tags"):
         plan(f"SmolLM2-135M-Instruct@{other}", m.default_tag, context=8192)
-    with pytest.raises(ConfigError, match="TagEntry has its own"):
+    with pytest.raises(ConfigError, match="a TagEntry is one tag already"):
         plan(m.tag(), other, context=8192)
+    with pytest.raises(ConfigError, match="a bare Architecture has no tags"):
+        plan(m.tag().architecture, other, context=8192)

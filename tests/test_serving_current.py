@@ -178,7 +178,7 @@ def test_expert_parallelism_is_printed_and_takes_the_tp_size_the_weights_refuse(
     assert "--ep-size" not in launch_spec(pair, tp_size=4).args  # EP 1 (the recipes'): not printed
     with pytest.raises(ConfigError, match="over 8 tensor-parallel ranks: .* keep --tp 8 with --ep-size 2, 4 or 8"):
         launch_spec(pair, tp_size=8, ep_size=1)
-    with pytest.raises(ConfigError, match="expert-parallel size 3 does not divide the tensor-parallel size 8"):
+    with pytest.raises(ConfigError, match="expert-parallel size 3: it does not divide the tensor-parallel size 8"):
         launch_spec(pair, tp_size=8, ep_size=3)
     with pytest.raises(ServingError, match="--ep-size does not apply to sglang-legacy"):
         launch_spec(pair, engine="sglang-legacy", tp_size=8, ep_size=2)
@@ -192,7 +192,8 @@ def test_vllm_expert_parallelism_spans_every_rank(cache_dir, capsys):
     assert flag(args, "--tensor-parallel-size") == "4" and "--enable-expert-parallel" in args
     rc, out, err = run_cli(capsys, "serve-args", "Qwen3-8B", "-e", "vllm", "--tp", "4", "--ep", "2")
     assert rc == 1 and out == "" and len(err.strip().splitlines()) == 1, err
-    assert "--ep-size is 1 or the TP size (4), got 2" in err
+    assert "vllm: expert-parallel size 2: expert parallelism here spans every tensor-parallel rank, so it is 1 or " \
+           "the TP size (4); try --ep-size 4" in err
     rc, out, err = run_cli(capsys, "serve-args", "Qwen3-8B", "-e", "vllm", "--tp", "4", "--json")
     assert rc == 0 and "--enable-expert-parallel" not in json.loads(out)["args"]
 
@@ -235,8 +236,8 @@ def test_a_tp_size_the_heads_cannot_split_over_fails_with_one_line(moe_cache, ca
     # does not divide 8, and vLLM's expert parallelism spans every rank: all refused before a download
     rc, out, err = run_cli(capsys, "serve-args", "MiniMax-M2.7", "--tp", "8", "--ep", "2", "--offline")
     assert rc == 1 and "is not cached" in err, err
-    for extra, said in ((("--ep", "3"), "expert-parallel size 3 does not divide the tensor-parallel size 8"),
-                        (("--ep", "2", "-e", "vllm"), "--ep-size is 1 or the TP size (8), got 2"),
+    for extra, said in ((("--ep", "3"), "expert-parallel size 3: it does not divide the tensor-parallel size 8"),
+                        (("--ep", "2", "-e", "vllm"), "so it is 1 or the TP size (8); try --ep-size 8"),
                         (("--ep", "2", "-e", "sglang-legacy"), "--ep-size does not apply to sglang-legacy")):
         rc, out, err = run_cli(capsys, "serve-args", "MiniMax-M2.7", "--tp", "8", *extra, "--offline")
         assert rc == 1 and out == "" and said in err and "offline" not in err, err
@@ -533,7 +534,7 @@ def _model(**tag_changes) -> dict:
 @pytest.mark.parametrize("changes, message", [
     ({"launch": {"tp_size": 3}}, "cannot be split over 3"),
     ({"launch": {"tp_size": 0}}, "tp_size must be an integer from 1"),
-    ({"launch": {"tp_size": 4, "ep_size": 3}}, "expert-parallel size 3 does not divide the tensor-parallel size 4"),
+    ({"launch": {"tp_size": 4, "ep_size": 3}}, "expert-parallel size 3: it does not divide the tensor-parallel size 4"),
     # the recipe's TP 8 with EP 2: 1536 / 4 = 384 fits; EP 1 would not (the same rule as serve-args)
     ({"launch": {"tp_size": 8, "ep_size": 1}, "architecture": {"num_kv_heads": 8, "moe_intermediate_size": 1536,
                                                                 "weight_block_size": 128}},
@@ -736,3 +737,38 @@ def test_a_launch_block_with_expert_parallelism_is_read():
     entry = parse_model(raw, "models[0]", "test").tag()
     assert (entry.launch.tp_size, entry.launch.ep_size) == (8, 2) and entry.launch.to_json()["ep_size"] == 2
     assert not lint_registry({"models": [raw]}).errors
+
+
+def test_an_entrys_expert_parallelism_is_kept_or_refused_before_a_download(tmp_path, monkeypatch, capsys):
+    """An entry served with EP (TP 8, EP 2 on 1536-wide FP8 experts) is never printed as TP 8 alone on a target
+    without expert parallelism, nor with an EP size vLLM cannot launch; both are refused before anything is
+    fetched, and the sizes suggested are the target's."""
+    raw = _model(launch={"tp_size": 8, "ep_size": 2})
+    raw["architecture"].update(num_kv_heads=8, moe_intermediate_size=1536, weight_block_size=128)
+    p = tmp_path / "overlay.json"
+    p.write_text(json.dumps({"registry_version": 1, "models": [raw]}))
+    monkeypatch.setenv("ROTATIONZOO_REGISTRY", str(p))
+    for extra, said in ((["-e", "sglang-legacy"], "expert parallelism (ep_size 2), which sglang-legacy"),
+                        (["-e", "vllm-prototype"], "expert parallelism (ep_size 2), which vllm-prototype"),
+                        (["-e", "vllm"], "1 or the TP size (8); try --ep-size 8 (the entry's TP 8"),
+                        (["-e", "vllm", "--tp", "8", "--ep", "4"], "1 or the TP size (8); try --ep-size 8"),
+                        (["-e", "sglang-legacy", "--ep", "1"], "MoE weights cannot be split over 8 tensor-parallel "
+                                                               "ranks: each rank's gate/up shard (intermediate size "
+                                                               "1536 / 8 = 192) must be a whole number of the "
+                                                               "checkpoint's 128-wide quantization blocks; try --tp "
+                                                               "1, 2, 4\n")):
+        rc, out, err = run_cli(capsys, "serve-args", "ns/M", *extra, "--offline")
+        assert rc == 1 and out == "" and said in err and "offline" not in err, (extra, err)
+    rc, out, err = run_cli(capsys, "serve-args", "ns/M", "--offline")  # its own engine: the files are what is missing
+    assert rc == 1 and "is not cached" in err, err
+    rc, out, err = run_cli(capsys, "serve-args", "ns/M", "-e", "vllm", "--ep", "8", "--offline")
+    assert rc == 1 and "is not cached" in err, err
+
+
+def test_a_latent_sets_expert_parallelism_is_checked_before_its_fetch(cache_dir, capsys):
+    for extra, said in ((["--ep", "3"], "sglang: expert-parallel size 3: it does not divide the tensor-parallel size 8"),
+                        (["-e", "vllm", "--ep", "2"], "vllm: expert-parallel size 2: expert parallelism here spans")):
+        rc, out, err = run_cli(capsys, "serve-args", "GLM-5.2", *extra, "--offline")
+        assert rc == 1 and said in err and "not cached" not in err, err
+    rc, out, err = run_cli(capsys, "serve-args", "GLM-5.2", "--ep", "2", "--offline")
+    assert rc == 1 and "not cached" in err, err

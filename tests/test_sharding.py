@@ -11,7 +11,7 @@ from rotationzoo.errors import ConfigError
 from rotationzoo.files.rotation_set import RotationSet
 from rotationzoo.files.rotation_set import shard_set
 from rotationzoo.launch import LaunchConfig
-from rotationzoo.sharding import check_ep_size, check_tp_size, kv_heads_per_rank
+from rotationzoo.sharding import check_ep_size, check_tp_size, ep_sizes, kv_heads_per_rank
 
 
 @pytest.mark.parametrize("heads, tp, want", [
@@ -67,14 +67,30 @@ def test_expert_parallelism_splits_each_expert_over_tp_over_ep_ranks() -> None:
 
 
 @pytest.mark.parametrize("ep, tp, message", [
-    (3, 8, "expert-parallel size 3 does not divide the tensor-parallel size 8: .* try --ep-size 2, 4, 8"),
-    (2, 1, "expert-parallel size 2 does not divide the tensor-parallel size 1: .* use --ep-size 1 at TP 1"),
+    (3, 8, r"expert-parallel size 3: it does not divide the tensor-parallel size 8 .* try --ep-size 2, 4 or 8$"),
+    (2, 1, r"expert-parallel size 2: it does not divide the tensor-parallel size 1 .* use --ep-size 1 at TP 1$"),
     (0, 8, r"expert-parallel size must be an integer in \[1, 1024\], got 0"),
     (True, 8, "expert-parallel size must be an integer"),
 ])
 def test_an_ep_size_that_does_not_divide_the_tp_size_is_one_line(ep, tp, message) -> None:
+    """As SGLang takes it (groups of TP ranks); vLLM's spans every rank and takes 1 or the TP size only."""
     with pytest.raises(ConfigError, match=message) as ei:
         check_ep_size(ep, tp)
     assert "\n" not in str(ei.value)
     with pytest.raises(ConfigError, match=message):
         LaunchConfig(tp_size=tp, ep_size=ep)
+
+
+def test_vllms_expert_parallelism_takes_the_tp_size_only() -> None:
+    assert ep_sizes(12, "every_rank") == [12] and ep_sizes(12) == [2, 3, 4, 6, 12] and ep_sizes(12, "none") == []
+    assert check_ep_size(12, 12, "every_rank") == 12 and check_ep_size(1, 12, "every_rank") == 1
+    with pytest.raises(ConfigError, match=r"spans every tensor-parallel rank, so it is 1 or the TP size \(12\); "
+                                          r"try --ep-size 12$"):
+        check_ep_size(6, 12, "every_rank")
+    with pytest.raises(ConfigError, match=r"try --ep-size 2, 4, 8, … or 1024$"):  # a long list keeps its last size
+        check_ep_size(5, 1024)
+    moe = {"num_kv_heads": 8, "moe_intermediate_size": 1536, "weight_block_size": 128}
+    with pytest.raises(ConfigError, match=r"keep --tp 8 with --ep-size 8$"):  # only what vLLM launches
+        check_tp_size(8, expert_parallel="every_rank", **moe)
+    with pytest.raises(ConfigError, match=r"try --tp 1, 2, 4$"):  # no expert parallelism: no EP suggested
+        check_tp_size(8, expert_parallel="none", **moe)

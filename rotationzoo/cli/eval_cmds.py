@@ -42,6 +42,7 @@ from ._options import (
     VClipOpt,
     choice,
     config_changes,
+    usage_errors,
 )
 from ..errors import CLIError
 from ..numbers import DEFAULT_BLOCK_TOKENS, DEFAULT_RESAMPLES, MAX_COUNT, MAX_RESAMPLES
@@ -148,6 +149,11 @@ def eval_command(
     from ..evaluate import CopyProbe, EvalProtocol
     from ..workflows import EvalRequest, plan_evaluation, run_evaluation
 
+    with usage_errors():  # the protocol's bounds (a NaN --confidence passes click's range): a usage error, exit 2
+        protocol = EvalProtocol(context=context, stride=stride, draws=draws, seed=seed, baseline=baseline,
+                                block_tokens=block_tokens, resamples=resamples, confidence=confidence,
+                                compare_all=compare_all, error_windows=error_windows,
+                                probe=CopyProbe(passage_tokens, filler_tokens, probes) if probe == "copy" else None)
     request = EvalRequest(
         texts=list(text), model=model, rotations=rotations, tag=tag, methods=methods, formats=formats,
         changes=config_changes(group_size=group_size, k_clip_ratio=k_clip_ratio, v_clip_ratio=v_clip_ratio,
@@ -155,10 +161,7 @@ def eval_command(
                                scale_dtype=scale_dtype, lloyd_max=lloyd_max, clip_search=clip_search),
         tokens=tokens, skip=skip, dtype=dtype, device=device,
         fetch=dict(source=source, revision=revision, cache_dir=cache_dir, offline=offline or None, timeout=timeout),
-        protocol=EvalProtocol(context=context, stride=stride, draws=draws, seed=seed, baseline=baseline,
-                              block_tokens=block_tokens, resamples=resamples, confidence=confidence,
-                              compare_all=compare_all, error_windows=error_windows,
-                              probe=CopyProbe(passage_tokens, filler_tokens, probes) if probe == "copy" else None))
+        protocol=protocol)
     plan = plan_evaluation(request)  # texts, methods, settings and windows: before the model is touched
     # and the files asked for: a long run never ends in a path it cannot write, nor writes over one it reads
     # (the rotations as named, and the files a registry id was read from: the cache's, the package's)
@@ -216,7 +219,7 @@ def _print_report(report: Any, title: str, plot: Optional[Path], json_out: Optio
     con = console()
     con.print(results_table(report, title=escape(printable(title))))  # a model folder's name: literally
     con.print(summary_line(report))
-    pairs = pairs_table(report, title="every INT2 method against every other (row − column)")
+    pairs = pairs_table(report, title="every row against every other but fp (row − column, paired on the same tokens)")
     if pairs is not None:
         con.print(pairs)
     for extra, label in ((plot, "plot"), (json_out, "json")):

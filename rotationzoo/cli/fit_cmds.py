@@ -3,7 +3,7 @@
 Examples::
 
     # the authors' recipe from an SGLang Q/K/V dump (chunk 0 skipped, qqt_sst, r_h_pbr)
-    rotationzoo fit --dump qkv_dumps/gpqa --out rotations/ --model Qwen/Qwen3-8B --tag gpqa-seq20000
+    rotationzoo fit --dump qkv_dumps/gpqa --out rotations/ --model-id Qwen/Qwen3-8B --tag gpqa-seq20000
 
     # group-aware composition for 32-wide quantisation groups
     rotationzoo fit --dump qkv_dumps/gpqa --out rot-g32/ --composition r_pbr_hg --group-size 32

@@ -8,12 +8,12 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping
 
-from ..errors import RotationZooError, ServingError
+from ..errors import ConfigError, RotationZooError, ServingError
 from ..headdims import HeadDims
 from ..int2kv import Int2KVConfig
 from ..launch import LaunchConfig
 from ..registry import get_model
-from ..sharding import kv_heads_per_rank
+from ..sharding import check_ep_size, kv_heads_per_rank
 from ..vocab import FILE_KINDS
 from .common import LatentLaunch, LaunchInput, RankHeads, llama_architecture
 from .table import OPTIONS, EngineTarget, target
@@ -124,7 +124,7 @@ def check_options(t: EngineTarget, **given: Any) -> None:
     """
     for knob in OPTIONS:
         value = given.get(knob)
-        asked = bool(value) if knob in _SWITCHES else value is not None
+        asked = bool(value) if knob in _SWITCHES else value not in (None, 1) if knob == "ep_size" else value is not None
         if asked and knob not in t.options:
             takes = [_flag(o) for o in OPTIONS if o in t.options]
             raise ServingError(f"{_flag(knob)} does not apply to {t.name} ({t.title})"
@@ -169,12 +169,12 @@ def prepare(t: EngineTarget, *, config: Int2KVConfig, launch: LaunchConfig, path
                            f"which {t.name} ({t.title}) does not serve; serve it with --engine sglang")
     if latent is None:
         check_architecture(t, model_id, source)
+    check_expert_parallel(t, launch, source, tp_size=tp_size, ep_size=ep_size)
     lc = launch.replace(tp_size=tp_size, ep_size=ep_size, disable_radix_cache=disable_radix_cache or None)
-    check_expert_parallel(t, lc)
     asked = tp_size is not None or ep_size is not None  # an entry's own launch sizes were checked when read
     model_rules = (architecture or _model_architecture(model_id)) if asked else None
     if model_rules is not None:  # the model's TP rule
-        model_rules.check_tp_size(lc.tp_size, lc.ep_size)
+        model_rules.check_tp_size(lc.tp_size, lc.ep_size, t.expert_parallel)
     absorb, note = absorption(t, kinds, lc, absorb_v_rotation, calibrate, source)
     counts = kv_head_counts or ((model_kv_heads,) if model_kv_heads and latent is None else ())
     ranks = rank_heads(counts, lc.tp_size) if counts else ()
@@ -186,17 +186,31 @@ def prepare(t: EngineTarget, *, config: Int2KVConfig, launch: LaunchConfig, path
                        k_clip_per_head=k_clip_per_head, model_id=model_id)
 
 
-def check_expert_parallel(t: EngineTarget, launch: LaunchConfig) -> None:
-    """Refuse, in one line, an expert-parallel size ``t`` cannot express: vLLM's spans every TP rank.
+def check_expert_parallel(t: EngineTarget, launch: LaunchConfig, source: str, *, tp_size: int | None = None,
+                          ep_size: int | None = None) -> None:
+    """Refuse, in one line, the expert-parallel size of ``launch`` with the overrides ``tp_size`` / ``ep_size``
+    that ``t`` cannot launch: vLLM's spans every TP rank (1 or the TP size), SGLang's takes a divisor of the TP
+    size, and a target with TP but no expert parallelism cannot serve an entry whose recipe uses it (printing TP
+    alone would split the MoE weights the recipe splits over TP / EP ranks). llama.cpp has no TP: not checked.
 
     Raises:
-        ServingError: names the sizes it takes.
+        ServingError: an entry's expert parallelism on a target without it (naming ``--engine sglang``).
+        ConfigError: a size the target's kind of expert parallelism does not take, naming those it does.
     """
-    ep, tp = launch.ep_size, launch.tp_size
-    if t.ep_every_rank and ep not in (1, tp):
-        raise ServingError(f"{t.name}: expert parallelism in vLLM (--enable-expert-parallel) spans every "
-                           f"tensor-parallel rank, so --ep-size is 1 or the TP size ({tp}), got {ep}; --engine "
-                           "sglang takes groups of TP ranks")
+    if "tp_size" not in t.options:
+        return
+    tp = tp_size if tp_size is not None else launch.tp_size
+    ep = ep_size if ep_size is not None else launch.ep_size
+    if ep == 1:
+        return
+    if t.expert_parallel == "none":  # only an entry's own: a flag was refused by check_options
+        raise ServingError(f"{source}: the recipe serves with expert parallelism (ep_size {ep}), which {t.name} "
+                           f"({t.title}) does not launch; serve it with --engine sglang")
+    try:
+        check_ep_size(ep, tp, t.expert_parallel)
+    except ConfigError as exc:
+        where = "" if tp_size is not None else f" (the entry's TP {tp}: give --tp to change it)"
+        raise ConfigError(f"{t.name}: {exc}{where}") from None
 
 
 def check_architecture(t: EngineTarget, model_id: str | None, source: str) -> None:

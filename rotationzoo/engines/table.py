@@ -63,6 +63,14 @@ class EngineTarget:
     architectures: Mapping[str, str] | None = None
     ep_every_rank: bool = False
 
+    @property
+    def expert_parallel(self) -> str:
+        """How it splits experts (:data:`rotationzoo.sharding.EXPERT_PARALLEL`): ``"groups"`` of TP ranks,
+        ``"every_rank"``, or ``"none"``."""
+        if "ep_size" not in self.options:
+            return "none"
+        return "every_rank" if self.ep_every_rank else "groups"
+
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "title": self.title, "reads": [k for k in FILE_KINDS if k in self.reads],
                 "options": [o for o in OPTIONS if o in self.options], "rotations_as": self.rotations_as,

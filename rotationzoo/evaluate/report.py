@@ -193,8 +193,9 @@ def results_table(report: EvalReport, *, title: str | None = None) -> Any:
 
 
 def pairs_table(report: EvalReport, *, title: str | None = None) -> Any:
-    """A ``rich`` table of every INT2 method against every other (``EvalProtocol.compare_all``): ΔKL and ΔNLL,
-    row − column, paired on the same tokens; ``None`` when the report has no such comparisons."""
+    """A ``rich`` table of every row against every other but fp (``EvalProtocol.compare_all``; with ``--formats``,
+    rows of different formats too): ΔKL and ΔNLL, row − column, paired on the same tokens; ``None`` when the
+    report has no such comparisons."""
     from rich.table import Table
 
     pairs = [(r.method, other, d) for r in report.results for other, d in r.vs_methods.items() if r.method < other]

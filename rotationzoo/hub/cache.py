@@ -328,6 +328,11 @@ def check_removal(model: str | None = None, tag: str | None = None, *, all: bool
     Raises:
         ConfigError: one line, naming the CLI flags and the Python arguments.
     """
+    if not isinstance(all, bool):
+        raise ConfigError(f"all= is True (--all) or False, got {all!r}")
+    for what, value in (("model", model), ("tag", tag)):
+        if value is not None and (not isinstance(value, str) or not value.strip()):
+            raise ConfigError(f"{what}= names a registry {what} (--{what}), got {value!r}: an unset shell variable?")
     everything = all
     if model is None and not everything:
         raise ConfigError("say what to remove: a model (--model M [--tag T]; model=, tag=) or everything "

@@ -102,7 +102,8 @@ def parse_launch(raw: Any, arch: Architecture, grouping: str, where: str) -> Lau
         arch.check_tp_size(cfg.tp_size, cfg.ep_size)
     except ConfigError as exc:
         text = str(exc)
-        raise RegistryError(text if text.startswith(where) else f"{where}: tp_size: {text}") from None
+        knob = "ep_size" if "expert-parallel" in text else "tp_size"
+        raise RegistryError(text if text.startswith(where) else f"{where}: {knob}: {text}") from None
     if cfg.absorb_v_rotation and grouping == "kv_head":
         raise RegistryError(f"{where}: absorb_v_rotation is true for per-KV-head files (grouping kv_head); absorption "
                             "folds one R_V per layer into the weights and is wrong for them")

@@ -211,12 +211,12 @@ class Architecture:
         check_weight_blocks(self.moe_intermediate_size, self.weight_block_size)
         check_gguf_architecture(self.gguf_architecture)
 
-    def check_tp_size(self, tp_size: int, ep_size: int = 1) -> None:
+    def check_tp_size(self, tp_size: int, ep_size: int = 1, expert_parallel: str = "groups") -> None:
         """Refuse a TP size (with ``ep_size`` expert-parallel groups) this model cannot be served at (its KV heads,
-        its block-quantized MoE weights: :func:`rotationzoo.sharding.check_tp_size`);
-        :class:`~rotationzoo.errors.ConfigError`, one line."""
+        its block-quantized MoE weights: :func:`rotationzoo.sharding.check_tp_size`; ``expert_parallel``, the
+        engine's kind, picks the EP sizes a refusal suggests); :class:`~rotationzoo.errors.ConfigError`, one line."""
         check_tp_size(tp_size, num_kv_heads=self.num_kv_heads, moe_intermediate_size=self.moe_intermediate_size,
-                      weight_block_size=self.weight_block_size, ep_size=ep_size)
+                      weight_block_size=self.weight_block_size, ep_size=ep_size, expert_parallel=expert_parallel)
 
     def expected_layer_ids(self) -> tuple[int, ...] | None:
         """The layer ids a rotation file must cover (sparse for hybrids), or None if unknown."""
