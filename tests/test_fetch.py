@@ -242,6 +242,21 @@ def test_offline_warm_and_cold(zoo, monkeypatch, tmp_path) -> None:
     assert zoo.server.requests() == []
 
 
+def test_online_overrides_an_offline_variable_as_offline_false_does(zoo, monkeypatch, tmp_path, capsys) -> None:
+    """--online is offline=False: the network is used where ROTATIONZOO_OFFLINE / HF_HUB_OFFLINE say offline; without
+    either flag the variables decide, as offline=None."""
+    for var in ("ROTATIONZOO_OFFLINE", "HF_HUB_OFFLINE"):
+        monkeypatch.setenv(var, "1")
+        cache = tmp_path / var
+        assert main(["fetch", "--model", MODEL, "--cache-dir", str(cache)]) == 1
+        assert var in capsys.readouterr().err
+        assert main(["fetch", "--model", MODEL, "--cache-dir", str(cache), "--online", "--json"]) == 0
+        got = json.loads(capsys.readouterr().out)
+        assert got["k"]["path"].startswith(str(cache)) and not got["from_cache"]
+        assert rotationzoo.fetch(MODEL, cache_dir=tmp_path / f"{var}-py", offline=False).paths["k"].is_file()
+        monkeypatch.delenv(var)
+
+
 def test_changed_file_on_disk_is_not_served(zoo) -> None:
     res = rotationzoo.fetch(MODEL)
     p = res.paths["k"]

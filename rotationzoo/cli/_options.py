@@ -114,7 +114,9 @@ JsonOpt = Annotated[bool, typer.Option("--json", callback=json_requested,
                                        help="Print machine-readable JSON on stdout (errors too).")]
 CacheDirOpt = Annotated[Optional[Path], typer.Option(
     "--cache-dir", help="Cache root (default: $ROTATIONZOO_CACHE or the user cache dir).")]
-OfflineOpt = Annotated[bool, typer.Option("--offline", help="Use only the cache; never touch the network.")]
+OfflineOpt = Annotated[Optional[bool], typer.Option(
+    "--offline/--online", help="--offline: use only the cache, never the network; --online: use the network even where "
+                               "ROTATIONZOO_OFFLINE or HF_HUB_OFFLINE says offline (default: those variables).")]
 TagOpt = Annotated[Optional[str], typer.Option("--tag", "-t", help="Calibration tag (default: the model's default tag).")]
 ModelArg = Annotated[str, typer.Argument(help="Model id or alias, case-insensitive (e.g. Qwen3-8B; MODEL@TAG works too).")]
 SourceOpt = Annotated[str, typer.Option(

@@ -110,7 +110,7 @@ def eval_command(
     source: SourceOpt = "auto",
     revision: RevisionOpt = None,
     cache_dir: CacheDirOpt = None,
-    offline: OfflineOpt = False,
+    offline: OfflineOpt = None,
     timeout: TimeoutOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -160,7 +160,7 @@ def eval_command(
                                prefix_tokens=prefix_tokens, recent_tokens=recent_tokens, hp_dtype=hp_dtype,
                                scale_dtype=scale_dtype, lloyd_max=lloyd_max, clip_search=clip_search),
         tokens=tokens, skip=skip, dtype=dtype, device=device,
-        fetch=dict(source=source, revision=revision, cache_dir=cache_dir, offline=offline or None, timeout=timeout),
+        fetch=dict(source=source, revision=revision, cache_dir=cache_dir, offline=offline, timeout=timeout),
         protocol=protocol)
     plan = plan_evaluation(request)  # texts, methods, settings and windows: before the model is touched
     # and the files asked for: a long run never ends in a path it cannot write, nor writes over one it reads

@@ -48,7 +48,7 @@ def cmd_fetch(
     source: SourceOpt = "auto",
     revision: RevisionOpt = None,
     cache_dir: CacheDirOpt = None,
-    offline: OfflineOpt = False,
+    offline: OfflineOpt = None,
     force: Annotated[bool, typer.Option("--force", help="Download again even if a verified copy is cached.")] = False,
     accept_new: Annotated[bool, typer.Option(
         "--accept-new", help="For files the registry does not pin: download again and accept (re-pin) a file that "
@@ -101,7 +101,7 @@ def cmd_fetch(
         return
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        res = fetch(name, tag, source=source, revision=revision, cache_dir=cache_dir, offline=offline or None,
+        res = fetch(name, tag, source=source, revision=revision, cache_dir=cache_dir, offline=offline,
                     timeout=timeout, force=force, accept_new=accept_new, report=report)
     for w in caught:
         print_warning(str(w.message))

@@ -80,7 +80,7 @@ def print_latent_info(m: ModelEntry, json_out: bool) -> None:
         + (f", {status['pinned_locally']} pinned locally" if status["pinned_locally"] else ""))
 
 
-def fetch_latent_cmd(name: str, *, source: str, revision: str | None, cache_dir: Any, offline: bool,
+def fetch_latent_cmd(name: str, *, source: str, revision: str | None, cache_dir: Any, offline: bool | None,
                      timeout: float | None, force: bool, accept_new: bool, report: Any, json_out: bool,
                      messages: list[str]) -> None:
     """``fetch`` of a latent set: every layer file verified and cached, then the whole set checked."""
@@ -89,7 +89,7 @@ def fetch_latent_cmd(name: str, *, source: str, revision: str | None, cache_dir:
 
     m = latent_model(name)
     assert m is not None
-    got = fetch_latent(m, source=source, revision=revision, cache_dir=cache_dir, offline=offline or None,
+    got = fetch_latent(m, source=source, revision=revision, cache_dir=cache_dir, offline=offline,
                        timeout=timeout, force=force, accept_new=accept_new, report=report)
     checked = load_latent(m.id, cache_dir=cache_dir, offline=True)
     if json_out:

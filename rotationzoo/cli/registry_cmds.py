@@ -218,7 +218,7 @@ def cmd_verify(
     source: SourceOpt = "auto",
     revision: RevisionOpt = None,
     cache_dir: CacheDirOpt = None,
-    offline: OfflineOpt = False,
+    offline: OfflineOpt = None,
     timeout: TimeoutOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -245,7 +245,7 @@ def cmd_verify(
         from ..publish import verify_registry
 
         checks = verify_registry(download=download, model=model, cache_dir=cache_dir, source=source, revision=revision,
-                                 offline=offline or None, timeout=timeout, atol=atol)
+                                 offline=offline, timeout=timeout, atol=atol)
         for ch in checks:
             ch.problems = [plain(p) for p in ch.problems]
         counts = {s: sum(ch.status == s for ch in checks) for s in ("ok", "unpinned", "missing", "failed")}
@@ -278,7 +278,7 @@ def cmd_verify(
     from ..files.pair import verify_path
 
     dims = HeadDims.parse(head_dim) if head_dim is not None else None  # checked by head_dims_option
-    fetch = dict(source=source, revision=revision, cache_dir=cache_dir, offline=offline or None, timeout=timeout)
+    fetch = dict(source=source, revision=revision, cache_dir=cache_dir, offline=offline, timeout=timeout)
     reports = [r for p in paths
                for r in verify_path(p, atol=atol, num_layers=num_layers, head_dim=dims, model=model, fetch=fetch)]
     for r in reports:  # torch and other libraries colour their messages: never let ANSI codes through

@@ -86,7 +86,7 @@ def cmd_serve_args(
                                "per-head K clip table (JSON {\"<layer>,<head>\": ratio}), checked against the layers "
                                "and KV heads.")] = None,
     cache_dir: CacheDirOpt = None,
-    offline: OfflineOpt = False,
+    offline: OfflineOpt = None,
     timeout: TimeoutOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -121,7 +121,7 @@ def cmd_serve_args(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         spec = launch_spec(model, tag, engine=engine, model_path=model_path, source=source, revision=revision,
-                           cache_dir=cache_dir, offline=offline or None, timeout=timeout, tp_size=tp_size,
+                           cache_dir=cache_dir, offline=offline, timeout=timeout, tp_size=tp_size,
                            ep_size=ep_size, absorb_v_rotation=absorb_v_rotation, disable_radix_cache=disable_radix_cache or None,
                            calibrate=calibrate, block_size=block_size, k_clip_per_layer=k_clip_per_layer,
                            k_clip_per_head=k_clip_per_head)
@@ -155,7 +155,7 @@ def cmd_export(
     source: SourceOpt = "auto",
     revision: RevisionOpt = None,
     cache_dir: CacheDirOpt = None,
-    offline: OfflineOpt = False,
+    offline: OfflineOpt = None,
     timeout: TimeoutOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -178,7 +178,7 @@ def cmd_export(
     if base_gguf is not None and to != "gguf":
         raise CLIError("--base-gguf applies to --to gguf only")
     path = export(rotations, out, to=to, tag=tag, side=side, base_gguf=base_gguf, source=source, revision=revision,
-                  cache_dir=cache_dir, offline=offline or None, timeout=timeout)
+                  cache_dir=cache_dir, offline=offline, timeout=timeout)
     got = read_exported(path)
     info: dict[str, Any] = {
         "out": str(path), "to": to, "model": got.model, "tag": got.tag, "sides": list(got.sides),
