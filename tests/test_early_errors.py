@@ -607,8 +607,8 @@ def test_the_fitter_refuses_the_same_as_fit_dump() -> None:
     with pytest.raises(FitError, match="composition 'r_h' does not apply"):
         fit_rotations(None, "hadamard", "r_h", num_layers=2, head_dim=64)
     for workers in (0, -3, True):
-        with pytest.raises(FitError, match="num_workers must be an integer from 1 to 1,024"):
-            fit_rotations(None, "hadamard", num_layers=2, head_dim=64, num_workers=workers)
+        with pytest.raises(FitError, match="workers must be an integer from 1 to 1,024"):
+            fit_rotations(None, "hadamard", num_layers=2, head_dim=64, workers=workers)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -335,9 +335,9 @@ def test_sparse_layers_are_kept(tmp_path):
 
 def test_workers_give_identical_results(tmp_path):
     root = make_dump(tmp_path / "dump", hq=8, hkv=2, d=64, layers=(0, 1, 2))
-    a = fit_rotations(root, num_workers=1)
-    b = fit_rotations(root, num_workers=3)
-    assert b.stats.num_workers == 3
+    a = fit_rotations(root, workers=1)
+    b = fit_rotations(root, workers=3)
+    assert b.stats.workers == 3
     assert torch.equal(a.k.rotations, b.k.rotations) and torch.equal(a.v.rotations, b.v.rotations)
     assert a.stats.bytes_read == b.stats.bytes_read > 0
     assert a.stats.workspace_bytes > 0 and a.stats.peak_rss_bytes > 0
@@ -521,8 +521,8 @@ def test_bad_arguments(tmp_path):
     root = make_dump(tmp_path / "dump", hq=4, hkv=2, d=64, layers=(0,), sizes=(6, 30))
     with pytest.raises(FitError, match="unknown objective"):
         fit_rotations(root, "qqt_vtv")
-    with pytest.raises(FitError, match="num_workers"):
-        fit_rotations(root, num_workers=0)
+    with pytest.raises(FitError, match="workers"):
+        fit_rotations(root, workers=0)
     with pytest.raises(FitError, match="needs a dump"):
         fit_rotations(None)
 

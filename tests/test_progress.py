@@ -115,13 +115,13 @@ def test_fit_and_refinement_report_progress(dump) -> None:
     from rotationzoo.fit.dump import open_dump
 
     calls: list[tuple[int, int, str]] = []
-    fit_rotations(dump, "qqt_sst", num_workers=2, progress=lambda *a: calls.append(a))
+    fit_rotations(dump, "qqt_sst", workers=2, progress=lambda *a: calls.append(a))
     (stage,) = check_convention(calls)
     chunks = len(open_dump(dump).chunk_ids(0))
     assert stage[0][1] == 3 * 2 * chunks  # every layer's chunks, in two passes (qqt, then sst)
     assert {w for _, _, w in stage[1:]} == {"layer 0", "layer 1", "layer 2"}
     calls.clear()
-    refine_dump(dump, Refinement(loss="block", steps=5, init="oscar", sample_tokens=512), group_size=16, num_workers=2,
+    refine_dump(dump, Refinement(loss="block", steps=5, init="oscar", sample_tokens=512), group_size=16, workers=2,
                 progress=lambda *a: calls.append(a))
     samples, init, refine = check_convention(calls)
     assert samples[0][1] == 3 * chunks and samples[-1][2].startswith("samples: layer ")

@@ -153,7 +153,7 @@ def test_the_recipe_module_imports_no_torch() -> None:
 
 def test_layer_text_takes_spaces_and_counts_take_numpy_integers():
     """``--layers "3 - 7"`` reads as 3-7 (the parser shared by --layers and layers= had refused it), and a count
-    given as a numpy integer is an integer (num_workers=np.int64(2) had been refused)."""
+    given as a numpy integer is an integer (workers=np.int64(2) had been refused)."""
     import numpy as np
 
     from rotationzoo.files.limits import parse_layer_ids

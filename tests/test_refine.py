@@ -246,8 +246,8 @@ def test_same_seed_same_rotations_any_worker_count(tmp_path) -> None:
         for i in range(q.shape[0]):
             samples.on_qkv(lid, q[i], k[i], v[i])
     cfg = RefineConfig(**{**CFG, "steps_k": 15, "steps_v": 10})
-    a = refine_rotations(samples, "hadamard", cfg, num_workers=1)
-    b = refine_rotations(samples, "hadamard", cfg, num_workers=2)
+    a = refine_rotations(samples, "hadamard", cfg, workers=1)
+    b = refine_rotations(samples, "hadamard", cfg, workers=2)
     c = refine_rotations(samples, "hadamard", replace(cfg, seed=1))
     for side in ("k", "v"):
         assert torch.equal(a.stacked(side), b.stacked(side))

@@ -165,11 +165,11 @@ def reference_fit(dump: Path, out: Path) -> None:
 def rotationzoo_fit(dump: Path, out: Path, workers: int | None) -> dict:
     from rotationzoo.fit import fit_rotations, write_fitted
 
-    result = fit_rotations(dump, "qqt_sst", "r_h_pbr", num_workers=workers, signs="lapack")
+    result = fit_rotations(dump, "qqt_sst", "r_h_pbr", workers=workers, signs="lapack")
     write_fitted(result, out)
     s = result.stats
     return {"bytes_read": s.bytes_read, "chunks_read": s.chunks_read, "workspace_bytes": s.workspace_bytes,
-            "num_workers": s.num_workers, "tokens": result.token_count}
+            "workers": s.workers, "tokens": result.token_count}
 
 
 def _synthetic_dump(dump: Path, args: argparse.Namespace) -> dict:
@@ -197,7 +197,7 @@ def recipe_fit(name: str, dump: Path, out: Path, workers: int | None) -> dict:
     from rotationzoo.fit import fit_rotations, write_fitted
 
     objective, options = _recipe(name)
-    result = fit_rotations(dump, objective, num_workers=workers, **options)
+    result = fit_rotations(dump, objective, workers=workers, **options)
     write_fitted(result, out)
     s = result.stats
     return {"recipe": name, "objective": objective, "options": options, "bytes_read": s.bytes_read,
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
-    p.add_argument("--workers", type=int, default=None, help="rotationzoo num_workers (default: auto)")
+    p.add_argument("--workers", type=int, default=None, help="rotationzoo workers (default: auto)")
     p.add_argument("--repeat", type=int, default=1, help="timed runs of each implementation, interleaved (best is reported)")
     p.add_argument("--dir", type=Path, default=None, help="work folder (default: a temporary one)")
     p.add_argument("--keep", action="store_true", help="keep the dump and outputs")

@@ -139,7 +139,7 @@ def run_one(args: argparse.Namespace, samples: CalibrationSamples, init: str, g:
     c0, t0 = time.process_time(), time.perf_counter()
     cfg = RefineConfig(param=args.param, loss=args.loss, lr=args.lr, queries_per_block=args.queries_per_block)
     res = refine_fit(samples, init, steps=args.steps, group_size=g, seed=args.seed, statistics=statistics,
-                     config=cfg, layers=_ids(args.layers), num_workers=args.workers, source_info=info, model=MODEL_ID,
+                     config=cfg, layers=_ids(args.layers), workers=args.workers, source_info=info, model=MODEL_ID,
                      grouping=args.grouping, center=args.center, steps_v=args.steps_v)
     refine_s = time.perf_counter() - t0
     if getattr(args, "keep_model", None) is not None and not args.layers:

@@ -123,8 +123,8 @@ def check_grouping(grouping: str | None, objective: str = "qqt_sst") -> bool:
     return resolve_grouping(objective, grouping) == "kv_head"
 
 
-def _resolve_workers(num_workers: int | None, n_layers: int) -> int:
-    workers = check_workers(num_workers, "num_workers")
+def _resolve_workers(workers: int | None, n_layers: int) -> int:
+    workers = check_workers(workers, "workers")
     if workers is None:
         workers = min(MAX_DEFAULT_WORKERS, torch.get_num_threads())
     return max(1, min(workers, n_layers))
@@ -198,14 +198,14 @@ def _from_statistics(source: Mapping[int, LayerAccumulator], layers: Iterable[in
     return accs
 
 
-def _from_dump(dump: Dump, shape: DumpShape, targets: tuple[str, ...], *, num_workers: int | None,
+def _from_dump(dump: Dump, shape: DumpShape, targets: tuple[str, ...], *, workers: int | None,
                device: torch.device | str, progress: Progress | None, stats: FitStats,
                per_head: bool = False, chunks: Mapping[int, tuple[int, ...]] | None = None
                ) -> dict[int, LayerAccumulator]:
     """Stream every layer of a dump through the accumulators (layers on a thread pool); progress
     counts the chunk reads of all layers. ``chunks``: only these chunks per layer (default: every used one)."""
-    n_workers = _resolve_workers(num_workers, len(dump.layer_ids))
-    stats.num_workers = n_workers
+    n_workers = _resolve_workers(workers, len(dump.layer_ids))
+    stats.workers = n_workers
     workspaces: list[Any] = []
     picked = (lambda lid: chunks[lid]) if chunks is not None else (lambda lid: None)
     tally = Tally(progress, sum(layer_reads(dump, lid, targets, picked(lid)) for lid in dump.layer_ids)
@@ -277,7 +277,7 @@ def fit_rotations(
     group_size: int | None = None,
     keep_first_chunk: bool = False,
     layers: Iterable[int] | None = None,
-    num_workers: int | None = None,
+    workers: int | None = None,
     progress: Progress | None = None,
     signs: SignConvention = "canonical",
     device: torch.device | str = "cpu",
@@ -307,8 +307,8 @@ def fit_rotations(
         keep_first_chunk: use dump chunk 0 (the SGLang warm-up batch, skipped by default; the V2
             recipe always reads it).
         layers: fit only these layer ids.
-        num_workers: layers processed concurrently (threads), each with
-            ``torch.get_num_threads() // num_workers`` intra-op threads while the fit runs.
+        workers: layers processed concurrently (threads), each with
+            ``torch.get_num_threads() // workers`` intra-op threads while the fit runs.
             Default: ``min(8, torch.get_num_threads(), number of layers)``.
         progress: ``progress(done, total, what)`` (:mod:`rotationzoo.progress`): chunk reads of
             every layer (``what``: ``"layer <L>"``), from the worker threads.
@@ -345,7 +345,7 @@ def fit_rotations(
     centered = resolve_center(objective, center, (k_target, v_target))
     stats = FitStats(device=str(torch.device(device)))
     info: dict[str, Any] = dict(source_info or {})
-    check_workers(num_workers, "num_workers")  # 0 or a negative count is refused, never taken as auto
+    check_workers(workers, "workers")  # 0 or a negative count is refused, never taken as auto
     comp = resolve_composition(objective, composition)  # bad arguments first, before any file is read
     if objective == "hadamard":
         return _fit_hadamard(source, layers=layers, num_layers=num_layers, head_dim=head_dim,
@@ -375,7 +375,7 @@ def fit_rotations(
             info.setdefault(key, value)
         model = model or dump_info.get("model")
         prompts = prompts if prompts is not None else dump_info.get("prompts", opened.prompt_count())
-        accs = _from_dump(opened, shape, targets, num_workers=num_workers, device=device, progress=progress,
+        accs = _from_dump(opened, shape, targets, workers=workers, device=device, progress=progress,
                           stats=stats, per_head=per_head, chunks=chunks)
     sides, covs = build_sets(accs, {"k": k_target, "v": v_target}, objective=objective, composition=comp,
                              group_size=group_size, signs=signs, d=d, per_head=per_head, center=centered)

@@ -351,7 +351,7 @@ def refine_rotations(
     config: RefineConfig | None = None,
     *,
     layers: Any = None,
-    num_workers: int | None = None,
+    workers: int | None = None,
     progress: Progress | None = None,
     means: Mapping[str, Mapping[int, torch.Tensor]] | None = None,
 ) -> RefineResult:
@@ -366,7 +366,7 @@ def refine_rotations(
             ``{layer_id: [d, d]}`` mapping.
         config: settings (defaults of :class:`RefineConfig`).
         layers: only these layer ids (default: every layer with samples).
-        num_workers: (layer, side) jobs run concurrently, each single-threaded (intra-op threads
+        workers: (layer, side) jobs run concurrently, each single-threaded (intra-op threads
             are set to 1 while refining, so the result does not depend on this number).
             Default: ``torch.get_num_threads()``.
         progress: ``progress(done, total, what)`` (:mod:`rotationzoo.progress`): optimizer steps
@@ -380,7 +380,7 @@ def refine_rotations(
     """
     cfg = config or RefineConfig()
     t0 = time.perf_counter()
-    asked = check_workers(num_workers, "num_workers")  # 0 or a negative count is refused, never taken as auto
+    asked = check_workers(workers, "workers")  # 0 or a negative count is refused, never taken as auto
     ids = tuple(sorted(int(i) for i in layers)) if layers is not None else samples.layer_ids()
     if not ids:
         raise FitError("no calibration samples to refine on")

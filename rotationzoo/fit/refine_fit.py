@@ -204,7 +204,7 @@ def refine_fit(
     statistics: str | os.PathLike[str] | Dump | Mapping[int, Any] | None = None,
     config: RefineConfig | None = None,
     layers: Iterable[int] | None = None,
-    num_workers: int | None = None,
+    workers: int | None = None,
     progress: Progress | None = None,
     source_info: Mapping[str, Any] | None = None,
     model: str | None = None,
@@ -230,7 +230,7 @@ def refine_fit(
         config: further settings (``config.int2kv``: the INT2-KV settings the loss models; learning
             rate, ...); ``steps``, ``group_size`` and ``seed`` override its fields.
         layers: only these layers (default: all with samples).
-        num_workers: concurrent (layer, side) jobs (the result does not depend on it).
+        workers: concurrent (layer, side) jobs (the result does not depend on it).
         progress: ``progress(done, total, what)`` (:mod:`rotationzoo.progress`): the OSCAR inits'
             fit from a dump (``what``: ``"r_h_pbr init: layer <L>"``), then the optimizer steps of
             every (layer, side) (``"layer <L> K"``).
@@ -272,7 +272,7 @@ def refine_fit(
         src, label, means = _given_init(init, centered)
         init = "given"
     learned = f"signs_{label}" if cfg.param == "signs" else label  # learned signs named apart from a learned rotation
-    res = refine_rotations(samples, src, cfg, layers=ids, num_workers=num_workers, progress=progress, means=means)
+    res = refine_rotations(samples, src, cfg, layers=ids, workers=workers, progress=progress, means=means)
     first = samples.layers[ids[0]].shape
     assert first is not None
     info = dict(source_info or {})
@@ -288,7 +288,7 @@ def refine_fit(
         init=(_centered(res.rotation_set("k", label, init=True), means, "k"),
               _centered(res.rotation_set("v", label, init=True), means, "v")),
     )
-    result.stats = FitStats(wall_s=time.perf_counter() - t0, peak_rss_bytes=peak_rss_bytes(), num_workers=res.workers)
+    result.stats = FitStats(wall_s=time.perf_counter() - t0, peak_rss_bytes=peak_rss_bytes(), workers=res.workers)
     return result
 
 
@@ -309,7 +309,7 @@ def refine_dump(
     group_size: int | None = None,
     keep_first_chunk: bool = False,
     layers: Iterable[int] | None = None,
-    num_workers: int | None = None,
+    workers: int | None = None,
     progress: Progress | None = None,
     config: RefineConfig | None = None,
     grouping: Grouping = "layer",
@@ -332,7 +332,7 @@ def refine_dump(
     info = {"kind": "dump", "path": str(d.root), "prompts": dump_info.get("prompts", d.prompt_count()),
             **dump_provenance(dump_info)}
     result = refine_fit(samples, options.init, steps=options.steps, group_size=group_size, seed=options.seed,
-                        statistics=d, config=refine_config(options, config), num_workers=num_workers, progress=progress,
+                        statistics=d, config=refine_config(options, config), workers=workers, progress=progress,
                         source_info=info, model=dump_info.get("model"), grouping=grouping, min_tokens=min_tokens,
                         center=center, steps_v=options.steps_v)
     result.keep_first_chunk = d.keep_first_chunk

@@ -57,7 +57,7 @@ class FitStats:
             activation memory, independent of the dump size.
         peak_rss_bytes: the process's peak resident set size so far (includes everything the
             process did before).
-        num_workers: layers processed concurrently.
+        workers: layers processed concurrently.
         device: accumulation device.
     """
 
@@ -66,7 +66,7 @@ class FitStats:
     chunks_read: int = 0
     workspace_bytes: int = 0
     peak_rss_bytes: int = 0
-    num_workers: int = 1
+    workers: int = 1
     device: str = "cpu"
 
 

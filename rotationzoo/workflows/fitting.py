@@ -104,7 +104,7 @@ def fit_dump(
         # texts checked, model loaded, held-out tokens read: before the dump's activations are read
         judge = (load_judge(keep.texts, keep.model, keep.tokens, keep.context, bound=opened.context(),
                             fits=(opened.shape(), opened.layer_ids), note=note) if keep is not None else None)
-        result = refine_dump(opened, recipe.refine, group_size=recipe.group_size, num_workers=workers,
+        result = refine_dump(opened, recipe.refine, group_size=recipe.group_size, workers=workers,
                              progress=progress, grouping=recipe.resolved_grouping(),
                              min_tokens=recipe.min_tokens, center=recipe.center)
         if judge is not None and keep is not None:
@@ -115,7 +115,7 @@ def fit_dump(
         source = None if dump is None else open_dump(dump, keep_first_chunk=keep_first_chunk, layers=ids,
                                                      tp_size=tp_size)
         result = fit_rotations(source, recipe.objective, recipe.composition, group_size=recipe.group_size,
-                               keep_first_chunk=keep_first_chunk, layers=ids, num_workers=workers, progress=progress,
+                               keep_first_chunk=keep_first_chunk, layers=ids, workers=workers, progress=progress,
                                signs=recipe.signs, num_layers=num_layers, head_dim=head_dim,
                                grouping=recipe.grouping, min_tokens=recipe.min_tokens, center=recipe.center)
     return result, write_fitted(result, out, model=model_id, tag=tag, fmt=fmt, extra={"recipe": recipe.to_json()})
