@@ -112,6 +112,7 @@ def test_publish_both_hubs_registry_out_then_fetch_and_load(hubs, fitted, tmp_pa
     assert hf.commit == hubs.hf.head(REPO_ID) and len(hf.commit) == 40
     assert ms.commit == hubs.ms.head(REPO_ID) and ms.branch == "master"
     assert hubs.hf.resolve(REPO_ID, "tiny-v1") == hf.commit and hubs.ms.resolve(REPO_ID, "tiny-v1") == ms.commit
+    assert hf.create_tag == ms.create_tag == "tiny-v1" and res.to_json()["hubs"][0]["create_tag"] == "tiny-v1"
     # one commit per hub, holding the pair, the manifest and the model card
     for server in (hubs.hf, hubs.ms):
         assert len(server.requests("POST", contains="/commit/")) == 1

@@ -143,7 +143,7 @@ def _print_result(res) -> None:  # noqa: ANN001 - PublishResult, imported lazily
             if h.replaced:
                 line += f"; replaces {len(h.replaced)} existing files"
         else:
-            line = f"{h.hub}: {h.repo}@{h.branch} commit {h.commit}" + (f", tag {h.tag}" if h.tag else "")
+            line = f"{h.hub}: {h.repo}@{h.branch} commit {h.commit}" + (f", tag {h.create_tag}" if h.create_tag else "")
             line += f"; README {h.card}; registry revision {h.revision}"
         c.print(lit(line))
         for p in h.problems:

@@ -158,7 +158,7 @@ def publish(
                                   timeout=timeout))
         for w in plan.warnings:
             say(f"warning: {w}")
-        run = _Run(plan, [HubResult(hub=h, repo=repos[h], branch=hub_branch(h, branch), tag=create_tag) for h in hubs],
+        run = _Run(plan, [HubResult(hub=h, repo=repos[h], branch=hub_branch(h, branch), create_tag=create_tag) for h in hubs],
                    out_path, description, dataset, create_tag, dry_run, say)
         _check_registry_merge(run)
         tokens = {h: (find_token(h, token) if dry_run else require_token(h, token)) for h in hubs}

@@ -52,7 +52,8 @@ class HubResult:
         exists: whether the repository existed before.
         parent: branch head read before committing (the commit's parent).
         commit: the new commit sha (None in a dry run).
-        tag: the tag created, if any.
+        create_tag: the tag created on the new commit (``create_tag=``, ``--create-tag``; a dry run: the one it would
+            create), if any.
         revision: the revision the registry entry pins for this hub (HF: the commit sha;
             ModelScope: the created tag, else the branch).
         replaced: files under the tag folder that existed before and were overwritten or removed.
@@ -68,7 +69,7 @@ class HubResult:
     exists: bool | None = None
     parent: str | None = None
     commit: str | None = None
-    tag: str | None = None
+    create_tag: str | None = None
     revision: str | None = None
     replaced: list[str] = field(default_factory=list)
     card: str | None = None
