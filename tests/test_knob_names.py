@@ -1,6 +1,7 @@
 """One name per knob: every option of a command is the name of a parameter (or a field of a settings type) of
 the Python it calls, spelled ``--name-with-dashes``; what only the command line has is listed here with why.
-A new option under another name than its Python knob fails this test."""
+A new option under another name than its Python knob fails this test, and for serve-args, export and fetch,
+whose options all go to one function, a value that does not reach the parameter of its name fails too."""
 
 from __future__ import annotations
 
@@ -109,3 +110,57 @@ def test_every_command_with_options_is_listed() -> None:
     """A command whose options are more than its output forms is checked above (info and demo print only)."""
     have = {name for name, c in _commands().items() if {p.name for p in c.params} - EVERY_COMMAND - {"model", "tag"}}
     assert have - set(COMMANDS) <= {"demo"}, sorted(have - set(COMMANDS))  # demo: a fixed example, no library call
+
+
+#: command line → (module and function the command calls, what that function must receive). Every value differs
+#: from its default, so an option passed under another name, or not passed, fails.
+WIRED = {
+    "serve-args": (["serve-args", "Qwen3-8B", "--engine", "vllm", "--tag", "t1", "--model-path", "/m",
+                    "--source", "huggingface", "--revision", "abc", "--tp-size", "8", "--ep-size", "4",
+                    "--no-absorb-v-rotation", "--disable-radix-cache", "--calibrate", "--block-size", "64",
+                    "--k-clip-per-layer", "0.9,0.8", "--k-clip-per-head", "h.json", "--cache-dir", "/c",
+                    "--online", "--timeout", "7"],
+                   ("rotationzoo.serving", "launch_spec"),
+                   {"model": "Qwen3-8B", "engine": "vllm", "tag": "t1", "model_path": "/m", "source": "huggingface",
+                    "revision": "abc", "tp_size": 8, "ep_size": 4, "absorb_v_rotation": False,
+                    "disable_radix_cache": True, "calibrate": True, "block_size": 64, "k_clip_per_layer": "0.9,0.8",
+                    "k_clip_per_head": "h.json", "cache_dir": "/c", "offline": False, "timeout": 7.0}),
+    "export": (["export", "Qwen3-8B", "--to", "gguf", "--out", "/o.gguf", "--tag", "t1", "--side", "k",
+                "--base-gguf", "/b.gguf", "--source", "modelscope", "--revision", "abc", "--cache-dir", "/c",
+                "--offline", "--timeout", "7"],
+               ("rotationzoo.export", "export"),
+               {"rotations": "Qwen3-8B", "to": "gguf", "out": "/o.gguf", "tag": "t1", "side": "k",
+                "base_gguf": "/b.gguf", "source": "modelscope", "revision": "abc", "cache_dir": "/c", "offline": True,
+                "timeout": 7.0}),
+    "fetch": (["fetch", "--model", "Qwen3-8B", "--tag", "t1", "--source", "huggingface", "--revision", "abc",
+               "--cache-dir", "/c", "--online", "--force", "--accept-new", "--timeout", "7"],
+              ("rotationzoo.api", "fetch"),
+              {"model": "Qwen3-8B", "tag": "t1", "source": "huggingface", "revision": "abc", "cache_dir": "/c",
+               "offline": False, "force": True, "accept_new": True, "timeout": 7.0}),
+}
+
+
+@pytest.mark.parametrize("command", sorted(WIRED))
+def test_every_option_reaches_its_python_knob(command: str, monkeypatch) -> None:
+    """Each option's value arrives at the parameter of its name (a path as the path given)."""
+    import importlib
+    from pathlib import Path
+
+    from rotationzoo.cli.main import main
+    from rotationzoo.errors import RotationZooError
+
+    argv, (module, name), want = WIRED[command]
+    got: dict[str, Any] = {}
+
+    def record(*args: Any, **kwargs: Any) -> Any:
+        params = list(inspect.signature(original).parameters)
+        got.update(zip(params, args), **kwargs)
+        raise type("Stop", (RotationZooError,), {})("stopped where the library starts")
+
+    original = getattr(importlib.import_module(module), name)
+    monkeypatch.setattr(importlib.import_module(module), name, record)
+    assert main(argv) == 1
+    seen = {k: (str(v) if isinstance(v, Path) else v) for k, v in got.items() if k in want}
+    assert seen == want
+    names = {p.name for p in _commands()[command].params} - EVERY_COMMAND - set(COMMANDS[command][1])
+    assert names - {"model_arg"} <= set(want), f"{command}: options the test does not give: {names - set(want)}"
