@@ -49,7 +49,6 @@ def latent_spec(t: EngineTarget, model: ModelEntry, *, model_path: str | None, s
     if "mla" not in t.reads:  # before anything is fetched
         refuse(t, frozenset({"mla"}), f"{model.id}@{lat.name}")
     check_expert_parallel(t, lc, f"{model.id}@{lat.name}", tp_size=knobs.get("tp_size"), ep_size=knobs.get("ep_size"))
-    lc.replace(tp_size=knobs.get("tp_size"), ep_size=knobs.get("ep_size"))  # the sizes' own rule, before a fetch
     got = load_latent(model.id, cache_dir=cache_dir, offline=offline, source_type=source, revision=revision,
                       timeout=timeout)
     assert got.files is not None

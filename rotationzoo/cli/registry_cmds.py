@@ -274,13 +274,11 @@ def cmd_verify(
         raise CLIError("--download goes with --registry")
     if not paths:
         raise CLIError("give one or more rotation files to check, or --registry to check the registry entries")
-    from ..headdims import HeadDims
     from ..files.pair import verify_path
 
-    dims = HeadDims.parse(head_dim) if head_dim is not None else None  # checked by head_dims_option
     fetch = dict(source=source, revision=revision, cache_dir=cache_dir, offline=offline, timeout=timeout)
     reports = [r for p in paths
-               for r in verify_path(p, atol=atol, num_layers=num_layers, head_dim=dims, model=model, fetch=fetch)]
+               for r in verify_path(p, atol=atol, num_layers=num_layers, head_dim=head_dim, model=model, fetch=fetch)]
     for r in reports:  # torch and other libraries colour their messages: never let ANSI codes through
         r.problems = [plain(p) for p in r.problems]
     if json_out:

@@ -113,6 +113,8 @@ def rank_heads(kv_head_counts: tuple[int, ...], tp_size: int) -> tuple[RankHeads
 
 
 _SWITCHES = frozenset({"disable_radix_cache", "calibrate"})
+#: Values of a knob that ask for nothing a target must take (EP 1: no expert parallelism).
+_ASKS_NOTHING = {"ep_size": 1}
 
 
 def check_options(t: EngineTarget, **given: Any) -> None:
@@ -124,7 +126,7 @@ def check_options(t: EngineTarget, **given: Any) -> None:
     """
     for knob in OPTIONS:
         value = given.get(knob)
-        asked = bool(value) if knob in _SWITCHES else value not in (None, 1) if knob == "ep_size" else value is not None
+        asked = bool(value) if knob in _SWITCHES else value not in (None, _ASKS_NOTHING.get(knob))
         if asked and knob not in t.options:
             takes = [_flag(o) for o in OPTIONS if o in t.options]
             raise ServingError(f"{_flag(knob)} does not apply to {t.name} ({t.title})"

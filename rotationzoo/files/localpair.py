@@ -235,7 +235,11 @@ def model_expectations(model: str) -> tuple[tuple[int, ...] | None, int | None, 
                               f"{m.id}")
         ids = m.mla_latent.expected_layer_ids
         return (tuple(ids) if ids is not None else None), None, HeadDims(m.mla_latent.rank)
-    arch = m.tag(at_tag).architecture
+    return _arch_expectations(m.tag(at_tag).architecture)
+
+
+def _arch_expectations(arch: Any) -> tuple[tuple[int, ...] | None, int | None, HeadDims | None]:
+    """``(layer ids, KV heads, head_dims)`` of a registry ``Architecture``."""
     ids = arch.expected_layer_ids()
     return (tuple(ids) if ids is not None else None), arch.num_kv_heads, arch.head_dims
 
@@ -251,9 +255,8 @@ def _verify_registered(text: str, expect: dict[str, Any], fetch: dict[str, Any])
         got = fetch_entry(entry, **fetch)
     except RotationZooError as exc:
         return [ValidationReport(path=text, ok=False, problems=[str(exc)])]
-    arch = entry.architecture
-    model_expect: dict[str, Any] = dict(layer_ids=arch.expected_layer_ids(), head_dim=arch.head_dims,
-                                        num_kv_heads=arch.num_kv_heads)
+    ids, heads, dims = _arch_expectations(entry.architecture)
+    model_expect: dict[str, Any] = dict(layer_ids=ids, head_dim=dims, num_kv_heads=heads)
     merged: dict[str, Any] = {k: (v if v is not None else model_expect.get(k)) for k, v in expect.items()}
     merged.update({k: v for k, v in model_expect.items() if merged.get(k) is None})
     reports = {s: verify_file(got.files[s].path, **merged) for s in SIDES}

@@ -333,11 +333,10 @@ def check_removal(model: str | None = None, tag: str | None = None, *, all: bool
     for what, value in (("model", model), ("tag", tag)):
         if value is not None and (not isinstance(value, str) or not value.strip()):
             raise ConfigError(f"{what}= names a registry {what} (--{what}), got {value!r}: an unset shell variable?")
-    everything = all
-    if model is None and not everything:
+    if model is None and not all:
         raise ConfigError("say what to remove: a model (--model M [--tag T]; model=, tag=) or everything "
                           "(--all; all=True)")
-    if model is not None and everything:
+    if model is not None and all:
         raise ConfigError("give a model (--model M [--tag T]) or everything (--all), not both")
     if tag is not None and model is None:
         raise ConfigError("a tag (--tag, tag=) needs its model (--model, model=)")
